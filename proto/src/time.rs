@@ -1,0 +1,57 @@
+//! Time as seen by the sans-IO cores.
+//!
+//! Protocol state machines never read a clock: drivers pass `now` in. An
+//! `Instant` is a count of microseconds since an arbitrary epoch chosen by the
+//! driver (a monotonic clock in production, a virtual clock in tests), so the
+//! same code runs at wall speed or on a simulated timeline.
+
+use std::ops::{Add, AddAssign, Sub};
+pub use std::time::Duration;
+
+/// A point in time, microseconds since the driver's epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Instant(u64);
+
+impl Instant {
+    pub const ZERO: Instant = Instant(0);
+
+    pub const fn from_micros(us: u64) -> Self {
+        Instant(us)
+    }
+    pub const fn from_millis(ms: u64) -> Self {
+        Instant(ms * 1000)
+    }
+    pub const fn as_micros(self) -> u64 {
+        self.0
+    }
+    /// Time elapsed from `earlier` to `self`, zero if `earlier` is later.
+    pub fn saturating_since(self, earlier: Instant) -> Duration {
+        Duration::from_micros(self.0.saturating_sub(earlier.0))
+    }
+}
+
+impl Add<Duration> for Instant {
+    type Output = Instant;
+    fn add(self, d: Duration) -> Instant {
+        Instant(self.0.saturating_add(d.as_micros().min(u128::from(u64::MAX)) as u64))
+    }
+}
+
+impl AddAssign<Duration> for Instant {
+    fn add_assign(&mut self, d: Duration) {
+        *self = *self + d;
+    }
+}
+
+impl Sub<Instant> for Instant {
+    type Output = Duration;
+    fn sub(self, rhs: Instant) -> Duration {
+        self.saturating_since(rhs)
+    }
+}
+
+impl std::fmt::Display for Instant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{:06}s", self.0 / 1_000_000, self.0 % 1_000_000)
+    }
+}
