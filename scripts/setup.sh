@@ -39,11 +39,14 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
   installed+=("venv: $VENV")
 fi
-if ! "$VENV/bin/python" -m pip install --dry-run -q -r "$PY_REQS" 2>/dev/null | grep -q "Would install"; then
-  :
-else
+# The stamp records which requirements file the venv was built from, so a
+# second run installs nothing and a changed pin reinstalls.
+STAMP="$VENV/.capybara-requirements.sha256"
+want=$(sha256sum "$PY_REQS" | cut -d' ' -f1)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "setup: pip installing from $PY_REQS"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$PY_REQS"
+  echo "$want" > "$STAMP"
   installed+=("pip: $(tr '\n' ' ' < "$PY_REQS")")
 fi
 

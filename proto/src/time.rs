@@ -33,7 +33,10 @@ impl Instant {
 impl Add<Duration> for Instant {
     type Output = Instant;
     fn add(self, d: Duration) -> Instant {
-        Instant(self.0.saturating_add(d.as_micros().min(u128::from(u64::MAX)) as u64))
+        Instant(
+            self.0
+                .saturating_add(d.as_micros().min(u128::from(u64::MAX)) as u64),
+        )
     }
 }
 

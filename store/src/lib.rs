@@ -2,7 +2,153 @@
 //!
 //! `store` owns servers, services, policies, flow-to-server mappings, drains,
 //! the audit log, leader election for switchd HA and change notification.
-//! Two backends behave identically and are checked by one conformance suite:
-//! embedded SQLite (the default, one file) and etcd v3 (clusters). Writes from
-//! the packet path go through a bounded, batching writer that never blocks
-//! packet processing and reports its backlog and overflow.
+//! Two backends behave identically and are checked by one conformance suite
+//! (`tests/conformance.rs`): embedded SQLite (the default, one file) and
+//! etcd v3 (clusters). Writes from the packet path go through `FlowWriter`, a
+//! bounded, batching writer that never blocks packet processing and reports
+//! its backlog and overflow.
+//!
+//! Invariants:
+//! - untrusted bytes (stored values, keys, the SQLite file) never panic; they
+//!   yield a `StoreError` naming the key, file or field;
+//! - `apply_flows` is all-or-nothing per call on SQLite and per chunk of
+//!   `max_txn_ops` on etcd; within a batch the last operation on a flow wins;
+//! - a watch delivers every change made after `watch` returned, in order,
+//!   or ends with `WatchLagged` so the consumer can re-list.
+
+pub mod codec;
+pub mod error;
+pub mod etcd;
+pub mod model;
+pub mod sqlite;
+#[cfg(feature = "testing")]
+pub mod testing;
+pub mod writer;
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use capybara_proto::flow::{FlowKey, ServerId};
+use futures::Stream;
+
+pub use error::{PolicyError, Result, StoreError};
+pub use etcd::{EtcdConfig, EtcdStore};
+pub use model::*;
+pub use sqlite::{SqliteConfig, SqliteStore};
+pub use writer::{FlowWriter, FlowWriterConfig, FlowWriterMetrics, Overflow, OverflowReason};
+
+/// A stream of changes. Ends with an error item if the watch broke
+/// (`WatchLagged`, backend gone); the consumer re-lists and watches again.
+pub type WatchStream = Pin<Box<dyn Stream<Item = Result<WatchEvent>> + Send>>;
+
+/// The appliance's durable state. All methods are safe to call concurrently
+/// from many tasks and from several processes sharing the backend.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// `"sqlite"` or `"etcd"`.
+    fn backend(&self) -> &'static str;
+
+    // ----- servers
+    /// Registers or replaces a server.
+    async fn put_server(&self, server: &Server) -> Result<()>;
+    async fn get_server(&self, id: ServerId) -> Result<Option<Server>>;
+    /// All servers, ordered by id.
+    async fn list_servers(&self) -> Result<Vec<Server>>;
+    /// Sets the lifecycle state; `NotFound` if the server is not registered.
+    async fn set_server_state(&self, id: ServerId, state: ServerState) -> Result<Server>;
+    /// Sets the placement weight; `NotFound` if the server is not registered.
+    async fn set_server_weight(&self, id: ServerId, weight: u32) -> Result<Server>;
+    /// Returns whether the server existed.
+    async fn delete_server(&self, id: ServerId) -> Result<bool>;
+
+    // ----- services
+    async fn put_service(&self, service: &Service) -> Result<()>;
+    async fn get_service(&self, name: &str) -> Result<Option<Service>>;
+    /// All services, ordered by name.
+    async fn list_services(&self) -> Result<Vec<Service>>;
+    async fn delete_service(&self, name: &str) -> Result<bool>;
+
+    // ----- policies
+    /// The stored policy, or `Policy::default()` if none was stored.
+    async fn get_policy(&self) -> Result<Policy>;
+    /// Validates, then stores. `InvalidPolicy` names the bad field.
+    async fn put_policy(&self, policy: &Policy) -> Result<()>;
+
+    // ----- flow-to-server mappings
+    /// Applies a batch of puts and deletes; the last operation on a flow wins.
+    async fn apply_flows(&self, ops: &[FlowOp]) -> Result<()>;
+    async fn get_flow(&self, key: &FlowKey) -> Result<Option<ServerId>>;
+    /// Flows owned by `server`, ordered by key.
+    async fn list_flows_by_server(&self, server: ServerId) -> Result<Vec<FlowKey>>;
+    /// Every mapping (takeover by a standby switch), ordered by key.
+    async fn scan_flows(&self) -> Result<Vec<FlowMapping>>;
+    async fn count_flows(&self) -> Result<u64>;
+
+    // ----- drains
+    /// Starts or replaces the drain of `drain.server`.
+    async fn put_drain(&self, drain: &Drain) -> Result<()>;
+    async fn get_drain(&self, server: ServerId) -> Result<Option<Drain>>;
+    /// All drains, ordered by server.
+    async fn list_drains(&self) -> Result<Vec<Drain>>;
+    /// Records progress (and optionally a new state); `NotFound` if no drain.
+    async fn update_drain(&self, server: ServerId, progress: DrainProgress, state: DrainState) -> Result<Drain>;
+    async fn delete_drain(&self, server: ServerId) -> Result<bool>;
+
+    // ----- audit log
+    /// Appends an entry; returns it with its sequence number.
+    async fn append_audit(&self, record: &AuditRecord) -> Result<AuditEntry>;
+    /// Up to `limit` entries with `seq > after`, oldest first.
+    async fn list_audit(&self, after: u64, limit: usize) -> Result<Vec<AuditEntry>>;
+
+    // ----- leader election (switchd HA)
+    /// Tries once to become leader of `election` with a lease of `ttl`
+    /// (rounded up to whole seconds, at least 1 s). `Ok(None)` if another
+    /// candidate holds a live lease.
+    async fn campaign(&self, election: &str, candidate: &str, ttl: Duration) -> Result<Option<LeaderLease>>;
+    /// Renews the lease; `NotLeader` if it expired or was taken over. Call
+    /// at least every `ttl / 3`.
+    async fn keep_alive(&self, lease: &LeaderLease) -> Result<()>;
+    /// Gives up leadership at once (no-op if already lost).
+    async fn resign(&self, lease: &LeaderLease) -> Result<()>;
+    /// The current leader, if its lease is live.
+    async fn leader(&self, election: &str) -> Result<Option<LeaderInfo>>;
+
+    // ----- change notification
+    /// Changes of the given kinds made after this call returns.
+    async fn watch(&self, kinds: &[WatchKind]) -> Result<WatchStream>;
+}
+
+/// Which backend to open; deserializable from the appliance config.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "backend", rename_all = "snake_case", deny_unknown_fields)]
+pub enum StoreConfig {
+    Sqlite(SqliteConfig),
+    Etcd(EtcdConfig),
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig::Sqlite(SqliteConfig::default())
+    }
+}
+
+/// Opens the configured backend.
+pub async fn open(config: &StoreConfig) -> Result<Arc<dyn Store>> {
+    Ok(match config {
+        StoreConfig::Sqlite(c) => Arc::new(SqliteStore::open(c.clone()).await?),
+        StoreConfig::Etcd(c) => Arc::new(EtcdStore::connect(c.clone()).await?),
+    })
+}
+
+/// Rounds a lease TTL up to whole seconds (etcd's granularity), minimum 1 s.
+pub(crate) fn lease_ttl_secs(ttl: Duration) -> i64 {
+    let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+    secs.clamp(1, 3600 * 24) as i64
+}
+
+/// Turns a channel receiver into a `WatchStream`.
+pub(crate) fn receiver_stream(rx: tokio::sync::mpsc::Receiver<Result<WatchEvent>>) -> WatchStream {
+    Box::pin(futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) }))
+}

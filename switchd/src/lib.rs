@@ -7,3 +7,6 @@
 //! deltas, the migration table, the pool monitor and its load notifications,
 //! server registration and liveness, drains, flow persistence to the store,
 //! and active/standby takeover. The data plane never makes a policy decision.
+
+pub mod abi;
+pub mod maglev;

@@ -1,0 +1,39 @@
+# Capybara: the commands that matter.
+#   make demo   set up (if needed) and run the demo on embedded defaults
+#   make test   the whole test suite (what CI runs, via .ci/run)
+# Benchmarks: one `bench-NAME` target each; the last line they print is
+# `RESULT key=value ...`.
+
+SHELL := /bin/bash
+CARGO ?= cargo
+export CARGO_TERM_COLOR ?= never
+CAPYBARA := target/release/capybara
+STAMP := target/.setup-done
+
+.PHONY: setup build demo demo-stop test test-rust test-lab fmt-check lab-down
+
+# Installs what the project needs on a fresh Debian machine, then builds.
+# Idempotent: a second run installs nothing.
+setup:
+	@bash scripts/setup.sh
+	@$(MAKE) --no-print-directory build
+	@mkdir -p target && touch $(STAMP)
+
+build:
+	$(CARGO) build --release --workspace --bins
+
+$(STAMP):
+	@$(MAKE) --no-print-directory setup
+
+# The demo on embedded defaults. For now: the network-namespace lab with
+# one client, the switch and three servers; Ctrl-C (or `make demo-stop`)
+# tears it down.
+demo: $(STAMP)
+	@bash scripts/demo.sh
+
+demo-stop:
+	@$(CAPYBARA) lab down --prefix $${CAPYBARA_LAB_PREFIX:-cpb}
+
+# Everything, as CI runs it.
+test: $(STAMP)
+	@bash scripts/test.sh

@@ -1,0 +1,159 @@
+//! Value and key encoding shared by both backends.
+//!
+//! Values are versioned JSON: `{"v":1,"data":{...}}`. Decoding checks the
+//! version before the shape, so a value written by a newer Capybara yields
+//! `UnsupportedVersion` and garbage yields `MalformedValue`; both name the key.
+//!
+//! Logical keys (relative to the backend's root) are the same in both
+//! backends and are what errors report: `servers/{id}`, `services/{name}`,
+//! `policy`, `drains/{server id}`, `audit/{seq:020}`, `leader/{election}`,
+//! `flows/{client_ip}:{client_port}->{service_ip}:{service_port}`.
+
+use std::net::Ipv4Addr;
+
+use capybara_proto::flow::{FlowKey, ServerId};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::error::StoreError;
+
+pub const VALUE_VERSION: u64 = 1;
+
+#[derive(Serialize)]
+struct EnvelopeOut<'a, T> {
+    v: u64,
+    data: &'a T,
+}
+
+#[derive(Deserialize)]
+struct Head {
+    v: serde_json::Value,
+}
+
+#[derive(Deserialize)]
+struct EnvelopeIn<T> {
+    #[allow(dead_code)]
+    v: u64,
+    data: T,
+}
+
+pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // Serializing our own plain structs into a Vec cannot fail.
+    serde_json::to_vec(&EnvelopeOut { v: VALUE_VERSION, data: value }).unwrap_or_default()
+}
+
+pub fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, StoreError> {
+    let malformed = |reason: String| StoreError::MalformedValue { key: key.to_string(), reason };
+    let head: Head = serde_json::from_slice(bytes)
+        .map_err(|e| malformed(format!("not a versioned JSON object ({e})")))?;
+    let version = head
+        .v
+        .as_u64()
+        .ok_or_else(|| malformed(format!("format version `v` must be a non-negative integer, got {}", head.v)))?;
+    if version != VALUE_VERSION {
+        return Err(StoreError::UnsupportedVersion { key: key.to_string(), found: version, supported: VALUE_VERSION });
+    }
+    let env: EnvelopeIn<T> = serde_json::from_slice(bytes).map_err(|e| malformed(e.to_string()))?;
+    Ok(env.data)
+}
+
+/// Stored value of a flow mapping.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FlowValue {
+    pub server: u32,
+}
+
+pub fn server_key(id: ServerId) -> String {
+    format!("servers/{}", id.0)
+}
+pub fn service_key(name: &str) -> String {
+    format!("services/{name}")
+}
+pub const POLICY_KEY: &str = "policy";
+pub fn drain_key(id: ServerId) -> String {
+    format!("drains/{}", id.0)
+}
+pub fn audit_key(seq: u64) -> String {
+    format!("audit/{seq:020}")
+}
+pub fn leader_key(election: &str) -> String {
+    format!("leader/{election}")
+}
+pub fn flow_key(key: &FlowKey) -> String {
+    format!("flows/{key}")
+}
+
+fn malformed_key(key: &str, reason: impl Into<String>) -> StoreError {
+    StoreError::MalformedKey { key: key.to_string(), reason: reason.into() }
+}
+
+pub fn parse_server_id(full_key: &str, s: &str) -> Result<ServerId, StoreError> {
+    s.parse::<u32>()
+        .map(ServerId)
+        .map_err(|_| malformed_key(full_key, format!("server id {s:?} is not a 32-bit unsigned integer")))
+}
+
+pub fn parse_audit_seq(full_key: &str, s: &str) -> Result<u64, StoreError> {
+    s.parse::<u64>()
+        .map_err(|_| malformed_key(full_key, format!("audit sequence {s:?} is not an unsigned integer")))
+}
+
+fn parse_endpoint(full_key: &str, s: &str) -> Result<(Ipv4Addr, u16), StoreError> {
+    let (ip, port) = s
+        .rsplit_once(':')
+        .ok_or_else(|| malformed_key(full_key, format!("{s:?} is not ip:port")))?;
+    let ip = ip
+        .parse::<Ipv4Addr>()
+        .map_err(|_| malformed_key(full_key, format!("{ip:?} is not an IPv4 address")))?;
+    let port = port
+        .parse::<u16>()
+        .map_err(|_| malformed_key(full_key, format!("{port:?} is not a port number")))?;
+    Ok((ip, port))
+}
+
+/// Parses the flow part of a flow key (`a.b.c.d:p->e.f.g.h:q`).
+pub fn parse_flow(full_key: &str, s: &str) -> Result<FlowKey, StoreError> {
+    let (client, service) = s
+        .split_once("->")
+        .ok_or_else(|| malformed_key(full_key, "flow must be client_ip:port->service_ip:port"))?;
+    let (client_ip, client_port) = parse_endpoint(full_key, client)?;
+    let (service_ip, service_port) = parse_endpoint(full_key, service)?;
+    Ok(FlowKey { client_ip, client_port, service_ip, service_port })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Policy;
+
+    #[test]
+    fn round_trip_and_errors_name_the_key() {
+        let p = Policy::default();
+        let bytes = encode(&p);
+        assert_eq!(decode::<Policy>("policy", &bytes).unwrap(), p);
+        let e = decode::<Policy>("policy", b"\xff\x00garbage").unwrap_err();
+        assert!(matches!(e, StoreError::MalformedValue { ref key, .. } if key == "policy"), "{e}");
+        let e = decode::<Policy>("policy", br#"{"v":7,"data":{}}"#).unwrap_err();
+        assert!(matches!(e, StoreError::UnsupportedVersion { found: 7, .. }), "{e}");
+        let e = decode::<Policy>("policy", br#"{"v":1,"data":{"bogus":1}}"#).unwrap_err();
+        assert!(e.to_string().contains("bogus"), "{e}");
+        let e = decode::<Policy>("policy", br#"{"v":-1}"#).unwrap_err();
+        assert!(matches!(e, StoreError::MalformedValue { .. }), "{e}");
+    }
+
+    #[test]
+    fn flow_keys_round_trip() {
+        let k = FlowKey {
+            client_ip: Ipv4Addr::new(10, 0, 0, 1),
+            client_port: 40000,
+            service_ip: Ipv4Addr::new(192, 168, 1, 1),
+            service_port: 443,
+        };
+        let s = flow_key(&k);
+        assert_eq!(parse_flow(&s, s.strip_prefix("flows/").unwrap()).unwrap(), k);
+        for bad in ["", "1.2.3.4:5", "1.2.3.4:5->x:1", "1.2.3.4:70000->1.2.3.4:1", "1.2.3:5->1.2.3.4:1"] {
+            assert!(matches!(parse_flow(bad, bad), Err(StoreError::MalformedKey { .. })), "{bad}");
+        }
+    }
+}

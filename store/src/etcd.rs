@@ -1,0 +1,679 @@
+//! etcd v3 backend, for clusters and switchd HA.
+//!
+//! Key layout under `prefix` (default `/capybara/v1`); values are versioned
+//! JSON (see `codec`):
+//!
+//! ```text
+//! {prefix}/servers/{id}                 Server
+//! {prefix}/services/{name}              Service
+//! {prefix}/policy                       Policy
+//! {prefix}/drains/{server id}           Drain
+//! {prefix}/audit/{seq:020}              AuditEntry
+//! {prefix}/counters/audit               last audit seq (u64)
+//! {prefix}/leader/{election}            {candidate, lease_id}, attached to the lease;
+//!                                       term = the key's create_revision
+//! {prefix}/flows/{cip}:{cport}->{vip}:{vport}   {server}
+//! ```
+//!
+//! Flow batches are deduplicated (last operation per flow wins) and written
+//! in transactions of at most `max_txn_ops` operations (etcd's
+//! `--max-txn-ops`, default 128). Read-modify-writes (state, weight, drain
+//! progress, audit sequence) are compare-and-swap on `mod_revision`, retried
+//! a bounded number of times. The client balances over every endpoint, so
+//! losing a minority of members costs at most the requests in flight, which
+//! callers (and `FlowWriter`) retry.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use capybara_proto::flow::{FlowKey, ServerId};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, WatchOptions,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::codec::{self, decode, encode, FlowValue};
+use crate::error::{Result, StoreError};
+use crate::model::*;
+use crate::{lease_ttl_secs, Store, WatchStream};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EtcdConfig {
+    /// Client URLs of the members, e.g. `http://10.0.0.1:2379`.
+    pub endpoints: Vec<String>,
+    /// Root of every key; lets several appliances share one etcd cluster.
+    pub prefix: String,
+    pub connect_timeout_ms: u64,
+    pub request_timeout_ms: u64,
+    /// Operations per transaction; must not exceed the server's `--max-txn-ops`.
+    pub max_txn_ops: usize,
+}
+
+impl Default for EtcdConfig {
+    fn default() -> Self {
+        EtcdConfig {
+            endpoints: vec!["http://127.0.0.1:2379".into()],
+            prefix: "/capybara/v1".into(),
+            connect_timeout_ms: 2_000,
+            request_timeout_ms: 5_000,
+            max_txn_ops: 128,
+        }
+    }
+}
+
+impl EtcdConfig {
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(StoreError::Config(format!("etcd: {m}")));
+        if self.endpoints.is_empty() {
+            return bad("`endpoints` is empty".into());
+        }
+        for e in &self.endpoints {
+            if !(e.starts_with("http://") || e.starts_with("https://")) || e.len() < 10 {
+                return bad(format!("endpoint {e:?} must be a URL like http://host:2379"));
+            }
+        }
+        if !self.prefix.starts_with('/') || self.prefix.ends_with('/') || self.prefix.len() < 2 {
+            return bad(format!("`prefix` {:?} must start with '/' and not end with '/'", self.prefix));
+        }
+        if self.max_txn_ops == 0 {
+            return bad("`max_txn_ops` must be at least 1".into());
+        }
+        if self.request_timeout_ms == 0 || self.connect_timeout_ms == 0 {
+            return bad("timeouts must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LeaderValue {
+    candidate: String,
+    lease_id: i64,
+}
+
+#[derive(Clone)]
+pub struct EtcdStore {
+    client: Client,
+    config: EtcdConfig,
+    endpoints: String,
+}
+
+impl std::fmt::Debug for EtcdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdStore").field("endpoints", &self.endpoints).field("prefix", &self.config.prefix).finish()
+    }
+}
+
+/// CAS retries before giving up on a contended read-modify-write.
+const CAS_ATTEMPTS: usize = 64;
+/// Page size of range scans.
+const SCAN_PAGE: i64 = 10_000;
+
+/// First key after every key starting with `prefix`.
+fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    // Our prefixes are ASCII and end in '/' or a letter, never 0xff.
+    if let Some(last) = end.last_mut() {
+        *last += 1;
+    }
+    end
+}
+
+impl EtcdStore {
+    /// Connects and checks that a member answers; `Unreachable` otherwise.
+    pub async fn connect(config: EtcdConfig) -> Result<Self> {
+        config.validate()?;
+        let endpoints = config.endpoints.join(", ");
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_millis(config.connect_timeout_ms))
+            .with_timeout(Duration::from_millis(config.request_timeout_ms))
+            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+            .with_keep_alive_while_idle(true);
+        let unreachable = |reason: String| StoreError::Unreachable { endpoints: endpoints.clone(), reason };
+        let total = Duration::from_millis(config.connect_timeout_ms + config.request_timeout_ms);
+        let mut client = tokio::time::timeout(total, Client::connect(&config.endpoints, Some(opts)))
+            .await
+            .map_err(|_| unreachable(format!("no answer within {total:?}")))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        tokio::time::timeout(total, client.status())
+            .await
+            .map_err(|_| unreachable(format!("no member answered a status request within {total:?}")))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        Ok(EtcdStore { client, config, endpoints })
+    }
+
+    pub fn config(&self) -> &EtcdConfig {
+        &self.config
+    }
+
+    fn full(&self, logical: &str) -> String {
+        format!("{}/{}", self.config.prefix, logical)
+    }
+
+    fn logical<'a>(&self, full: &'a [u8]) -> Result<&'a str> {
+        let s = std::str::from_utf8(full).map_err(|_| StoreError::MalformedKey {
+            key: String::from_utf8_lossy(full).into_owned(),
+            reason: "key is not UTF-8".into(),
+        })?;
+        s.strip_prefix(self.config.prefix.as_str())
+            .and_then(|r| r.strip_prefix('/'))
+            .ok_or_else(|| StoreError::MalformedKey { key: s.to_string(), reason: format!("outside prefix {}", self.config.prefix) })
+    }
+
+    fn err(&self, op: &'static str) -> impl Fn(etcd_client::Error) -> StoreError + '_ {
+        move |e| match &e {
+            etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => {
+                StoreError::Unreachable { endpoints: self.endpoints.clone(), reason: format!("{op}: {e}") }
+            }
+            etcd_client::Error::GRpcStatus(s)
+                if matches!(s.code(), tonic_code::UNAVAILABLE | tonic_code::DEADLINE_EXCEEDED)
+                    || s.code() as i32 == tonic_code::UNAVAILABLE as i32 =>
+            {
+                StoreError::Unreachable { endpoints: self.endpoints.clone(), reason: format!("{op}: {e}") }
+            }
+            _ => StoreError::Etcd { op, source: e },
+        }
+    }
+
+    /// Runs an etcd request with the configured deadline.
+    async fn call<T>(&self, op: &'static str, fut: impl std::future::Future<Output = etcd_client::Result<T>>) -> Result<T> {
+        let after = Duration::from_millis(self.config.request_timeout_ms);
+        match tokio::time::timeout(after, fut).await {
+            Ok(r) => r.map_err(self.err(op)),
+            Err(_) => Err(StoreError::Timeout { op, after }),
+        }
+    }
+
+    async fn get_kv(&self, op: &'static str, logical: &str) -> Result<Option<KeyValue>> {
+        let mut kv = self.client.kv_client();
+        let mut resp = self.call(op, kv.get(self.full(logical), None)).await?;
+        Ok(resp.take_kvs().into_iter().next())
+    }
+
+    async fn get_decoded<T: serde::de::DeserializeOwned>(&self, op: &'static str, logical: &str) -> Result<Option<T>> {
+        match self.get_kv(op, logical).await? {
+            Some(kv) => Ok(Some(decode(logical, kv.value())?)),
+            None => Ok(None),
+        }
+    }
+
+    async fn put_value(&self, op: &'static str, logical: &str, value: Vec<u8>) -> Result<()> {
+        let mut kv = self.client.kv_client();
+        self.call(op, kv.put(self.full(logical), value, None)).await.map(|_| ())
+    }
+
+    async fn delete_key(&self, op: &'static str, logical: &str) -> Result<bool> {
+        let mut kv = self.client.kv_client();
+        Ok(self.call(op, kv.delete(self.full(logical), None)).await?.deleted() > 0)
+    }
+
+    /// Every key/value under `{prefix}/{sub}`, paged, at one revision.
+    async fn range(&self, op: &'static str, sub: &str) -> Result<Vec<KeyValue>> {
+        let start = self.full(sub);
+        let end = prefix_end(&start);
+        let mut key = start.into_bytes();
+        let mut revision = 0i64;
+        let mut out = Vec::new();
+        // Bounded: each page advances the start key; 100k pages = 1e9 keys.
+        for _ in 0..100_000 {
+            let mut opts = GetOptions::new().with_range(end.clone()).with_limit(SCAN_PAGE);
+            if revision > 0 {
+                opts = opts.with_revision(revision);
+            }
+            let mut kv = self.client.kv_client();
+            let mut resp = self.call(op, kv.get(key.clone(), Some(opts))).await?;
+            if revision == 0 {
+                revision = resp.header().map(|h| h.revision()).unwrap_or(0);
+            }
+            let more = resp.more();
+            let kvs = resp.take_kvs();
+            let Some(last) = kvs.last() else { break };
+            key = last.key().to_vec();
+            key.push(0);
+            out.extend(kvs);
+            if !more {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Read-modify-write of one record with compare-and-swap.
+    async fn modify<T, F>(&self, op: &'static str, logical: &str, not_found: (&'static str, String), mut f: F) -> Result<T>
+    where
+        T: Serialize + serde::de::DeserializeOwned,
+        F: FnMut(&mut T),
+    {
+        let full = self.full(logical);
+        for _ in 0..CAS_ATTEMPTS {
+            let Some(kv) = self.get_kv(op, logical).await? else {
+                return Err(StoreError::NotFound { kind: not_found.0, id: not_found.1 });
+            };
+            let mut value: T = decode(logical, kv.value())?;
+            f(&mut value);
+            let txn = Txn::new()
+                .when([Compare::mod_revision(full.clone(), CompareOp::Equal, kv.mod_revision())])
+                .and_then([TxnOp::put(full.clone(), encode(&value), None)]);
+            let mut c = self.client.kv_client();
+            if self.call(op, c.txn(txn)).await?.succeeded() {
+                return Ok(value);
+            }
+        }
+        Err(StoreError::Internal(format!("{op}: {logical} changed concurrently {CAS_ATTEMPTS} times in a row")))
+    }
+
+    fn decode_flow(&self, kv: &KeyValue) -> Result<FlowMapping> {
+        let logical = self.logical(kv.key())?;
+        let flow = logical
+            .strip_prefix("flows/")
+            .ok_or_else(|| StoreError::MalformedKey { key: logical.to_string(), reason: "not under flows/".into() })?;
+        let key = codec::parse_flow(logical, flow)?;
+        let v: FlowValue = decode(logical, kv.value())?;
+        Ok(FlowMapping { key, server: ServerId(v.server) })
+    }
+
+    fn decode_leader(&self, election: &str, kv: &KeyValue) -> Result<LeaderInfo> {
+        let logical = codec::leader_key(election);
+        let v: LeaderValue = decode(&logical, kv.value())?;
+        Ok(LeaderInfo { election: election.to_string(), candidate: v.candidate, lease_id: v.lease_id, term: kv.create_revision().max(0) as u64 })
+    }
+
+    /// Translates one watch event; `None` for keys that are not watched
+    /// records (e.g. counters).
+    fn translate(&self, event_type: EventType, kv: &KeyValue) -> Result<Option<WatchEvent>> {
+        let logical = self.logical(kv.key())?.to_string();
+        let put = event_type == EventType::Put;
+        let (kind, rest) = logical.split_once('/').unwrap_or((logical.as_str(), ""));
+        let change = match (kind, put) {
+            ("servers", true) => Change::ServerPut(decode(&logical, kv.value())?),
+            ("servers", false) => Change::ServerDeleted(codec::parse_server_id(&logical, rest)?),
+            ("services", true) => Change::ServicePut(decode(&logical, kv.value())?),
+            ("services", false) => Change::ServiceDeleted(rest.to_string()),
+            ("policy", true) => Change::PolicyPut(decode(&logical, kv.value())?),
+            ("policy", false) => Change::PolicyPut(Policy::default()),
+            ("drains", true) => Change::DrainPut(decode(&logical, kv.value())?),
+            ("drains", false) => Change::DrainDeleted(codec::parse_server_id(&logical, rest)?),
+            ("audit", true) => Change::AuditAppended(decode(&logical, kv.value())?),
+            ("leader", true) => Change::LeaderChanged { election: rest.to_string(), leader: Some(self.decode_leader(rest, kv)?) },
+            ("leader", false) => Change::LeaderChanged { election: rest.to_string(), leader: None },
+            _ => return Ok(None),
+        };
+        Ok(Some(WatchEvent { revision: kv.mod_revision().max(0) as u64, change }))
+    }
+
+    /// Writes a raw value at a logical key, bypassing encoding. For tests of
+    /// malformed keys and values only.
+    #[doc(hidden)]
+    pub async fn inject_raw(&self, logical: &str, bytes: Vec<u8>) -> Result<()> {
+        self.put_value("inject", logical, bytes).await
+    }
+}
+
+/// gRPC codes as `tonic::Code` values, without depending on tonic directly.
+mod tonic_code {
+    pub const UNAVAILABLE: super::Code = super::Code::Unavailable;
+    pub const DEADLINE_EXCEEDED: super::Code = super::Code::DeadlineExceeded;
+}
+use etcd_client::tonic::Code;
+
+#[async_trait]
+impl Store for EtcdStore {
+    fn backend(&self) -> &'static str {
+        "etcd"
+    }
+
+    async fn put_server(&self, server: &Server) -> Result<()> {
+        self.put_value("put_server", &codec::server_key(server.id), encode(server)).await
+    }
+
+    async fn get_server(&self, id: ServerId) -> Result<Option<Server>> {
+        self.get_decoded("get_server", &codec::server_key(id)).await
+    }
+
+    async fn list_servers(&self) -> Result<Vec<Server>> {
+        let mut out = Vec::new();
+        for kv in self.range("list_servers", "servers/").await? {
+            let logical = self.logical(kv.key())?;
+            let id = codec::parse_server_id(logical, logical.trim_start_matches("servers/"))?;
+            let s: Server = decode(logical, kv.value())?;
+            if s.id != id {
+                return Err(StoreError::MalformedValue { key: logical.to_string(), reason: format!("holds server {}", s.id) });
+            }
+            out.push(s);
+        }
+        out.sort_by_key(|s| s.id);
+        Ok(out)
+    }
+
+    async fn set_server_state(&self, id: ServerId, state: ServerState) -> Result<Server> {
+        self.modify("set_server_state", &codec::server_key(id), ("server", id.to_string()), |s: &mut Server| {
+            s.state = state;
+            s.updated_unix_ms = unix_ms_now();
+        })
+        .await
+    }
+
+    async fn set_server_weight(&self, id: ServerId, weight: u32) -> Result<Server> {
+        self.modify("set_server_weight", &codec::server_key(id), ("server", id.to_string()), |s: &mut Server| {
+            s.weight = weight;
+            s.updated_unix_ms = unix_ms_now();
+        })
+        .await
+    }
+
+    async fn delete_server(&self, id: ServerId) -> Result<bool> {
+        self.delete_key("delete_server", &codec::server_key(id)).await
+    }
+
+    async fn put_service(&self, service: &Service) -> Result<()> {
+        check_name("service name", &service.name)?;
+        self.put_value("put_service", &codec::service_key(&service.name), encode(service)).await
+    }
+
+    async fn get_service(&self, name: &str) -> Result<Option<Service>> {
+        check_name("service name", name)?;
+        self.get_decoded("get_service", &codec::service_key(name)).await
+    }
+
+    async fn list_services(&self) -> Result<Vec<Service>> {
+        let mut out = Vec::new();
+        for kv in self.range("list_services", "services/").await? {
+            let logical = self.logical(kv.key())?;
+            let s: Service = decode(logical, kv.value())?;
+            out.push(s);
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    async fn delete_service(&self, name: &str) -> Result<bool> {
+        check_name("service name", name)?;
+        self.delete_key("delete_service", &codec::service_key(name)).await
+    }
+
+    async fn get_policy(&self) -> Result<Policy> {
+        Ok(self.get_decoded("get_policy", codec::POLICY_KEY).await?.unwrap_or_default())
+    }
+
+    async fn put_policy(&self, policy: &Policy) -> Result<()> {
+        policy.validate()?;
+        self.put_value("put_policy", codec::POLICY_KEY, encode(policy)).await
+    }
+
+    async fn apply_flows(&self, ops: &[FlowOp]) -> Result<()> {
+        // etcd refuses a transaction that touches a key twice.
+        let ops = last_op_per_flow(ops);
+        for chunk in ops.chunks(self.config.max_txn_ops.max(1)) {
+            let txn_ops: Vec<TxnOp> = chunk
+                .iter()
+                .map(|op| match op {
+                    FlowOp::Put { key, server } => {
+                        TxnOp::put(self.full(&codec::flow_key(key)), encode(&FlowValue { server: server.0 }), None::<PutOptions>)
+                    }
+                    FlowOp::Delete { key } => TxnOp::delete(self.full(&codec::flow_key(key)), None),
+                })
+                .collect();
+            let mut kv = self.client.kv_client();
+            self.call("apply_flows", kv.txn(Txn::new().and_then(txn_ops))).await?;
+        }
+        Ok(())
+    }
+
+    async fn get_flow(&self, key: &FlowKey) -> Result<Option<ServerId>> {
+        let logical = codec::flow_key(key);
+        Ok(self.get_decoded::<FlowValue>("get_flow", &logical).await?.map(|v| ServerId(v.server)))
+    }
+
+    async fn list_flows_by_server(&self, server: ServerId) -> Result<Vec<FlowKey>> {
+        let mut out: Vec<FlowKey> = self
+            .scan_flows()
+            .await?
+            .into_iter()
+            .filter(|m| m.server == server)
+            .map(|m| m.key)
+            .collect();
+        out.sort();
+        Ok(out)
+    }
+
+    async fn scan_flows(&self) -> Result<Vec<FlowMapping>> {
+        let kvs = self.range("scan_flows", "flows/").await?;
+        let mut out = kvs.iter().map(|kv| self.decode_flow(kv)).collect::<Result<Vec<_>>>()?;
+        out.sort_by_key(|m| m.key);
+        Ok(out)
+    }
+
+    async fn count_flows(&self) -> Result<u64> {
+        let start = self.full("flows/");
+        let end = prefix_end(&start);
+        let mut kv = self.client.kv_client();
+        let resp = self
+            .call("count_flows", kv.get(start, Some(GetOptions::new().with_range(end).with_count_only())))
+            .await?;
+        Ok(resp.count().max(0) as u64)
+    }
+
+    async fn put_drain(&self, drain: &Drain) -> Result<()> {
+        self.put_value("put_drain", &codec::drain_key(drain.server), encode(drain)).await
+    }
+
+    async fn get_drain(&self, server: ServerId) -> Result<Option<Drain>> {
+        self.get_decoded("get_drain", &codec::drain_key(server)).await
+    }
+
+    async fn list_drains(&self) -> Result<Vec<Drain>> {
+        let mut out = Vec::new();
+        for kv in self.range("list_drains", "drains/").await? {
+            let logical = self.logical(kv.key())?;
+            codec::parse_server_id(logical, logical.trim_start_matches("drains/"))?;
+            out.push(decode::<Drain>(logical, kv.value())?);
+        }
+        out.sort_by_key(|d| d.server);
+        Ok(out)
+    }
+
+    async fn update_drain(&self, server: ServerId, progress: DrainProgress, state: DrainState) -> Result<Drain> {
+        self.modify("update_drain", &codec::drain_key(server), ("drain", server.to_string()), |d: &mut Drain| {
+            d.progress = progress;
+            d.state = state;
+        })
+        .await
+    }
+
+    async fn delete_drain(&self, server: ServerId) -> Result<bool> {
+        self.delete_key("delete_drain", &codec::drain_key(server)).await
+    }
+
+    async fn append_audit(&self, record: &AuditRecord) -> Result<AuditEntry> {
+        let counter_logical = "counters/audit";
+        let counter = self.full(counter_logical);
+        for _ in 0..CAS_ATTEMPTS {
+            let (last, rev) = match self.get_kv("append_audit", counter_logical).await? {
+                Some(kv) => (decode::<u64>(counter_logical, kv.value())?, kv.mod_revision()),
+                None => (0, 0),
+            };
+            let entry = AuditEntry { seq: last + 1, at_unix_ms: unix_ms_now(), record: record.clone() };
+            let txn = Txn::new()
+                .when([Compare::mod_revision(counter.clone(), CompareOp::Equal, rev)])
+                .and_then([
+                    TxnOp::put(counter.clone(), encode(&entry.seq), None),
+                    TxnOp::put(self.full(&codec::audit_key(entry.seq)), encode(&entry), None),
+                ]);
+            let mut kv = self.client.kv_client();
+            if self.call("append_audit", kv.txn(txn)).await?.succeeded() {
+                return Ok(entry);
+            }
+        }
+        Err(StoreError::Internal(format!("append_audit: audit counter contended {CAS_ATTEMPTS} times in a row")))
+    }
+
+    async fn list_audit(&self, after: u64, limit: usize) -> Result<Vec<AuditEntry>> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let start = self.full(&codec::audit_key(after.saturating_add(1)));
+        let end = prefix_end(&self.full("audit/"));
+        let mut kv = self.client.kv_client();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let mut resp = self.call("list_audit", kv.get(start, Some(GetOptions::new().with_range(end).with_limit(limit)))).await?;
+        let mut out = Vec::new();
+        for kv in resp.take_kvs() {
+            let logical = self.logical(kv.key())?;
+            codec::parse_audit_seq(logical, logical.trim_start_matches("audit/"))?;
+            out.push(decode::<AuditEntry>(logical, kv.value())?);
+        }
+        Ok(out)
+    }
+
+    async fn campaign(&self, election: &str, candidate: &str, ttl: Duration) -> Result<Option<LeaderLease>> {
+        check_name("election name", election)?;
+        if candidate.is_empty() || candidate.len() > 256 {
+            return Err(StoreError::Invalid { what: "candidate", reason: "must be 1-256 bytes".into() });
+        }
+        let ttl_s = lease_ttl_secs(ttl);
+        let mut lease = self.client.lease_client();
+        let grant = self.call("campaign: lease grant", lease.grant(ttl_s, None)).await?;
+        let lease_id = grant.id();
+        let key = self.full(&codec::leader_key(election));
+        let value = encode(&LeaderValue { candidate: candidate.to_string(), lease_id });
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease_id)))]);
+        let mut kv = self.client.kv_client();
+        let resp = match self.call("campaign", kv.txn(txn)).await {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = self.call("campaign: revoke", lease.revoke(lease_id)).await;
+                return Err(e);
+            }
+        };
+        if !resp.succeeded() {
+            let _ = self.call("campaign: revoke", lease.revoke(lease_id)).await;
+            return Ok(None);
+        }
+        let term = resp.header().map(|h| h.revision()).unwrap_or(0).max(0) as u64;
+        Ok(Some(LeaderLease {
+            info: LeaderInfo { election: election.to_string(), candidate: candidate.to_string(), term, lease_id },
+            ttl: Duration::from_secs(grant.ttl().max(1) as u64),
+        }))
+    }
+
+    async fn keep_alive(&self, lease: &LeaderLease) -> Result<()> {
+        let not_leader = |reason: String| StoreError::NotLeader { election: lease.info.election.clone(), reason };
+        let mut lc = self.client.lease_client();
+        let (mut keeper, mut stream) = self.call("keep_alive", lc.keep_alive(lease.info.lease_id)).await?;
+        self.call("keep_alive", keeper.keep_alive()).await?;
+        let resp = self.call("keep_alive", stream.message()).await?;
+        match resp {
+            Some(r) if r.ttl() > 0 => {}
+            _ => return Err(not_leader(format!("lease {} expired", lease.info.lease_id))),
+        }
+        match self.get_kv("keep_alive", &codec::leader_key(&lease.info.election)).await? {
+            Some(kv) if kv.lease() == lease.info.lease_id => Ok(()),
+            _ => Err(not_leader(format!("leader key no longer held by lease {}", lease.info.lease_id))),
+        }
+    }
+
+    async fn resign(&self, lease: &LeaderLease) -> Result<()> {
+        let mut lc = self.client.lease_client();
+        match self.call("resign", lc.revoke(lease.info.lease_id)).await {
+            Ok(_) => Ok(()),
+            // Already expired: nothing to give up.
+            Err(StoreError::Etcd { source: etcd_client::Error::GRpcStatus(s), .. }) if s.message().contains("lease not found") => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn leader(&self, election: &str) -> Result<Option<LeaderInfo>> {
+        check_name("election name", election)?;
+        match self.get_kv("leader", &codec::leader_key(election)).await? {
+            Some(kv) => Ok(Some(self.decode_leader(election, &kv)?)),
+            None => Ok(None),
+        }
+    }
+
+    async fn watch(&self, kinds: &[WatchKind]) -> Result<WatchStream> {
+        let (out_tx, out_rx) = tokio::sync::mpsc::channel::<Result<WatchEvent>>(1024);
+        if kinds.is_empty() {
+            return Ok(crate::receiver_stream(out_rx));
+        }
+        // Watch from the revision after "now" so nothing after this call is missed.
+        let mut kv = self.client.kv_client();
+        let now_rev = self
+            .call("watch", kv.get(self.full(codec::POLICY_KEY), Some(GetOptions::new().with_count_only())))
+            .await?
+            .header()
+            .map(|h| h.revision())
+            .unwrap_or(0);
+        let mut ranges: Vec<(String, WatchOptions)> = Vec::new();
+        for k in kinds {
+            let opts = WatchOptions::new().with_start_revision(now_rev + 1);
+            let r = match k {
+                WatchKind::Servers => (self.full("servers/"), opts.with_prefix()),
+                WatchKind::Services => (self.full("services/"), opts.with_prefix()),
+                WatchKind::Policy => (self.full(codec::POLICY_KEY), opts),
+                WatchKind::Drains => (self.full("drains/"), opts.with_prefix()),
+                WatchKind::Audit => (self.full("audit/"), opts.with_prefix()),
+                WatchKind::Leader => (self.full("leader/"), opts.with_prefix()),
+            };
+            if !ranges.iter().any(|(key, _)| *key == r.0) {
+                ranges.push(r);
+            }
+        }
+        let mut wc = self.client.watch_client();
+        let (first_key, first_opts) = ranges.remove(0);
+        let (mut watcher, mut stream) = self.call("watch", wc.watch(first_key, Some(first_opts))).await?;
+        for (key, opts) in ranges {
+            self.call("watch", watcher.watch(key, Some(opts))).await?;
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            let _watcher = watcher;
+            loop {
+                let msg = tokio::select! {
+                    m = stream.message() => m,
+                    _ = out_tx.closed() => return,
+                };
+                let resp = match msg {
+                    Ok(Some(r)) => r,
+                    Ok(None) => {
+                        let _ = out_tx
+                            .send(Err(StoreError::Unreachable { endpoints: this.endpoints.clone(), reason: "watch stream closed".into() }))
+                            .await;
+                        return;
+                    }
+                    Err(e) => {
+                        let _ = out_tx.send(Err((this.err("watch"))(e))).await;
+                        return;
+                    }
+                };
+                if resp.canceled() {
+                    let reason = if resp.compact_revision() > 0 {
+                        return {
+                            let _ = out_tx.send(Err(StoreError::WatchLagged { missed: 0 })).await;
+                        };
+                    } else {
+                        resp.cancel_reason().to_string()
+                    };
+                    let _ = out_tx.send(Err(StoreError::Etcd { op: "watch", source: etcd_client::Error::WatchError(reason) })).await;
+                    return;
+                }
+                for ev in resp.events() {
+                    let Some(kv) = ev.kv() else { continue };
+                    match this.translate(ev.event_type(), kv) {
+                        Ok(Some(event)) => {
+                            if out_tx.send(Ok(event)).await.is_err() {
+                                return;
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(e) => tracing::warn!(error = %e, "skipping undecodable watch event"),
+                    }
+                }
+            }
+        });
+        Ok(crate::receiver_stream(out_rx))
+    }
+}

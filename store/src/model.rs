@@ -1,0 +1,428 @@
+//! The records the store holds. Persisted times are wall-clock milliseconds
+//! since the Unix epoch (`*_unix_ms`): they must mean the same thing in every
+//! process sharing the store, which the driver-relative `proto::time::Instant`
+//! does not.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use capybara_proto::flow::{FlowKey, ServerId};
+use serde::{Deserialize, Serialize};
+
+use crate::error::PolicyError;
+
+/// Wall-clock now in Unix milliseconds.
+pub fn unix_ms_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// serde for `ServerId` (a plain number), which lives in `proto` without serde.
+pub mod server_id_serde {
+    use super::*;
+    use serde::{Deserializer, Serializer};
+    pub fn serialize<S: Serializer>(id: &ServerId, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u32(id.0)
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<ServerId, D::Error> {
+        u32::deserialize(d).map(ServerId)
+    }
+}
+
+/// serde for `Vec<ServerId>`.
+pub mod server_ids_serde {
+    use super::*;
+    use serde::{Deserializer, Serializer};
+    pub fn serialize<S: Serializer>(ids: &[ServerId], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(ids.iter().map(|i| i.0))
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<ServerId>, D::Error> {
+        Vec::<u32>::deserialize(d).map(|v| v.into_iter().map(ServerId).collect())
+    }
+}
+
+/// Lifecycle of a server in the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ServerState {
+    /// Takes new connections and migrated-in connections.
+    Active,
+    /// No new connections; existing ones are being migrated off.
+    Draining,
+    /// Drained: holds no connections, may be taken down.
+    Drained,
+    /// Missed heartbeats for longer than `dead_after`; its flows are removed.
+    Dead,
+}
+
+impl ServerState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ServerState::Active => "active",
+            ServerState::Draining => "draining",
+            ServerState::Drained => "drained",
+            ServerState::Dead => "dead",
+        }
+    }
+}
+
+/// A registered server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Server {
+    #[serde(with = "server_id_serde")]
+    pub id: ServerId,
+    pub name: String,
+    /// Kernel-owned address for the control channel, store and API.
+    pub mgmt_addr: SocketAddr,
+    /// Address owned by the server's user-space stack.
+    pub data_addr: Ipv4Addr,
+    pub state: ServerState,
+    /// Relative weight for placement (Maglev / LWRR); 0 takes no new flows.
+    pub weight: u32,
+    pub registered_unix_ms: u64,
+    pub updated_unix_ms: u64,
+}
+
+impl Server {
+    pub fn new(id: ServerId, name: impl Into<String>, mgmt_addr: SocketAddr, data_addr: Ipv4Addr) -> Self {
+        let now = unix_ms_now();
+        Server {
+            id,
+            name: name.into(),
+            mgmt_addr,
+            data_addr,
+            state: ServerState::Active,
+            weight: 100,
+            registered_unix_ms: now,
+            updated_unix_ms: now,
+        }
+    }
+}
+
+/// A service: a VIP:port and the pool of servers behind it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Service {
+    /// Unique name; `[A-Za-z0-9_.-]{1,128}`.
+    pub name: String,
+    pub vip: Ipv4Addr,
+    pub port: u16,
+    #[serde(with = "server_ids_serde")]
+    pub pool: Vec<ServerId>,
+}
+
+/// Checks a name used inside keys (service names, election names).
+pub(crate) fn check_name(what: &'static str, name: &str) -> Result<(), crate::StoreError> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+    if ok {
+        Ok(())
+    } else {
+        Err(crate::StoreError::Invalid {
+            what,
+            reason: format!("{name:?} must be 1-128 characters of [A-Za-z0-9_.-]"),
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TargetSelection {
+    RoundRobin,
+    LeastLoaded,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    Maglev,
+    Lwrr,
+}
+
+/// What the target does with client packets that arrive between PREPARE-ACK
+/// and the import of the connection state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BufferMode {
+    Buffer,
+    Drop,
+}
+
+/// Every migration and placement tunable. Runtime-tunable through the API;
+/// components watch `WatchKind::Policy` to pick up changes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Policy {
+    /// Proactive migration: shed load when own load exceeds the pool average
+    /// by more than `proactive_threshold_pct` percent.
+    pub proactive_enabled: bool,
+    pub proactive_threshold_pct: f64,
+    /// Reactive migration: shed connections whose receive-queue backlog
+    /// exceeds `reactive_backlog_threshold` packets.
+    pub reactive_enabled: bool,
+    pub reactive_backlog_threshold: u32,
+    pub target_selection: TargetSelection,
+    pub placement: Placement,
+    /// A connection is not migrated again within this time.
+    pub connection_cooldown_ms: u64,
+    /// Global rate cap of outgoing migrations per server.
+    pub max_migrations_per_sec_per_server: u32,
+    /// Load must fall this many percentage points below the threshold before
+    /// a server stops shedding (anti-thrash).
+    pub hysteresis_pct: f64,
+    /// Interval of the switch's load notifications, microseconds.
+    pub load_notification_interval_us: u64,
+    pub heartbeat_interval_ms: u64,
+    /// A server that sent no heartbeat for this long is declared dead.
+    pub dead_after_ms: u64,
+    /// A migration not finished within this time is aborted.
+    pub migration_deadline_ms: u64,
+    pub buffer_mode: BufferMode,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            proactive_enabled: true,
+            proactive_threshold_pct: 10.0,
+            reactive_enabled: true,
+            reactive_backlog_threshold: 20,
+            target_selection: TargetSelection::RoundRobin,
+            placement: Placement::Maglev,
+            connection_cooldown_ms: 1_000,
+            max_migrations_per_sec_per_server: 1_000,
+            hysteresis_pct: 2.0,
+            load_notification_interval_us: 1_000,
+            heartbeat_interval_ms: 100,
+            dead_after_ms: 1_000,
+            migration_deadline_ms: 100,
+            buffer_mode: BufferMode::Buffer,
+        }
+    }
+}
+
+impl Policy {
+    /// Checks every field; the error names the first bad one.
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        fn bad(field: &'static str, reason: impl Into<String>) -> Result<(), PolicyError> {
+            Err(PolicyError { field, reason: reason.into() })
+        }
+        let p = self;
+        if !p.proactive_threshold_pct.is_finite() || p.proactive_threshold_pct <= 0.0 || p.proactive_threshold_pct > 1000.0 {
+            return bad("proactive_threshold_pct", format!("must be in (0, 1000], got {}", p.proactive_threshold_pct));
+        }
+        if p.reactive_backlog_threshold == 0 {
+            return bad("reactive_backlog_threshold", "must be at least 1 packet");
+        }
+        if p.max_migrations_per_sec_per_server == 0 {
+            return bad("max_migrations_per_sec_per_server", "must be at least 1 (disable the policies instead)");
+        }
+        if !p.hysteresis_pct.is_finite() || p.hysteresis_pct < 0.0 || p.hysteresis_pct >= p.proactive_threshold_pct {
+            return bad(
+                "hysteresis_pct",
+                format!("must be in [0, proactive_threshold_pct={}), got {}", p.proactive_threshold_pct, p.hysteresis_pct),
+            );
+        }
+        if p.connection_cooldown_ms > 3_600_000 {
+            return bad("connection_cooldown_ms", format!("must be at most 1 hour, got {} ms", p.connection_cooldown_ms));
+        }
+        if !(10..=10_000_000).contains(&p.load_notification_interval_us) {
+            return bad(
+                "load_notification_interval_us",
+                format!("must be in [10 us, 10 s], got {} us", p.load_notification_interval_us),
+            );
+        }
+        if !(1..=60_000).contains(&p.heartbeat_interval_ms) {
+            return bad("heartbeat_interval_ms", format!("must be in [1, 60000] ms, got {}", p.heartbeat_interval_ms));
+        }
+        if p.dead_after_ms < 2 * p.heartbeat_interval_ms {
+            return bad(
+                "dead_after_ms",
+                format!(
+                    "must be at least twice heartbeat_interval_ms={} (one lost heartbeat must not kill a server), got {}",
+                    p.heartbeat_interval_ms, p.dead_after_ms
+                ),
+            );
+        }
+        if !(1..=600_000).contains(&p.migration_deadline_ms) {
+            return bad("migration_deadline_ms", format!("must be in [1, 600000] ms, got {}", p.migration_deadline_ms));
+        }
+        Ok(())
+    }
+}
+
+/// One write to the flow-to-server mappings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlowOp {
+    /// The flow is (now) owned by `server`.
+    Put { key: FlowKey, server: ServerId },
+    /// The flow ended.
+    Delete { key: FlowKey },
+}
+
+impl FlowOp {
+    pub fn key(&self) -> &FlowKey {
+        match self {
+            FlowOp::Put { key, .. } | FlowOp::Delete { key } => key,
+        }
+    }
+}
+
+/// A stored flow-to-server mapping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlowMapping {
+    pub key: FlowKey,
+    pub server: ServerId,
+}
+
+/// Reduces a batch to the last operation per flow, keeping the order of
+/// those last operations. Applying the result equals applying the batch.
+pub(crate) fn last_op_per_flow(ops: &[FlowOp]) -> Vec<FlowOp> {
+    let mut seen = std::collections::HashSet::with_capacity(ops.len());
+    let mut out: Vec<FlowOp> = ops.iter().rev().filter(|op| seen.insert(*op.key())).copied().collect();
+    out.reverse();
+    out
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DrainState {
+    Running,
+    Completed,
+    Cancelled,
+    /// The deadline passed with connections left on the server.
+    TimedOut,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DrainProgress {
+    /// Connections on the server when the drain started.
+    pub flows_total: u64,
+    pub flows_migrated: u64,
+    /// Connections that closed by themselves during the drain.
+    pub flows_closed: u64,
+    pub flows_remaining: u64,
+}
+
+/// A drain of one server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Drain {
+    /// The server being drained.
+    #[serde(with = "server_id_serde")]
+    pub server: ServerId,
+    /// Servers to migrate to; empty means any active server of the pool.
+    #[serde(with = "server_ids_serde")]
+    pub targets: Vec<ServerId>,
+    pub started_unix_ms: u64,
+    pub deadline_unix_ms: u64,
+    pub state: DrainState,
+    pub progress: DrainProgress,
+}
+
+/// An operator action, as submitted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditRecord {
+    /// Who: API token name, `system`, ...
+    pub actor: String,
+    /// What: `server.drain`, `policy.update`, ...
+    pub action: String,
+    /// On what: `s3`, `service/web`, ...
+    pub target: String,
+    /// Free-form details (request body, old and new values).
+    pub detail: serde_json::Value,
+}
+
+/// A stored audit entry; `seq` increases strictly in append order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditEntry {
+    pub seq: u64,
+    pub at_unix_ms: u64,
+    pub record: AuditRecord,
+}
+
+/// Who leads an election.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaderInfo {
+    pub election: String,
+    pub candidate: String,
+    /// Fencing token: strictly increases each time the leadership changes
+    /// hands (or is re-won), so stale leaders can be told apart.
+    pub term: u64,
+    pub lease_id: i64,
+}
+
+/// Proof of leadership returned by a won campaign; pass it to `keep_alive`
+/// and `resign`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaderLease {
+    pub info: LeaderInfo,
+    pub ttl: Duration,
+}
+
+/// Which changes a watcher wants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WatchKind {
+    Servers,
+    Services,
+    Policy,
+    Drains,
+    Audit,
+    Leader,
+}
+
+impl WatchKind {
+    pub const ALL: [WatchKind; 6] = [
+        WatchKind::Servers,
+        WatchKind::Services,
+        WatchKind::Policy,
+        WatchKind::Drains,
+        WatchKind::Audit,
+        WatchKind::Leader,
+    ];
+}
+
+/// A typed change. Flow mappings are not watched: they change at packet
+/// rate and a standby reads them with `scan_flows` when it takes over.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Change {
+    ServerPut(Server),
+    ServerDeleted(ServerId),
+    ServicePut(Service),
+    ServiceDeleted(String),
+    PolicyPut(Policy),
+    DrainPut(Drain),
+    DrainDeleted(ServerId),
+    AuditAppended(AuditEntry),
+    /// `leader` is `None` when the leader resigned or its lease expired.
+    LeaderChanged { election: String, leader: Option<LeaderInfo> },
+}
+
+impl Change {
+    pub fn kind(&self) -> WatchKind {
+        match self {
+            Change::ServerPut(_) | Change::ServerDeleted(_) => WatchKind::Servers,
+            Change::ServicePut(_) | Change::ServiceDeleted(_) => WatchKind::Services,
+            Change::PolicyPut(_) => WatchKind::Policy,
+            Change::DrainPut(_) | Change::DrainDeleted(_) => WatchKind::Drains,
+            Change::AuditAppended(_) => WatchKind::Audit,
+            Change::LeaderChanged { .. } => WatchKind::Leader,
+        }
+    }
+}
+
+/// A change with the store revision at which it happened (monotonic per
+/// backend; not comparable across backends).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WatchEvent {
+    pub revision: u64,
+    pub change: Change,
+}

@@ -1,0 +1,328 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * capybara_maps.h: every map of the switch data plane and every struct that
+ * crosses the kernel/user boundary, in one place.
+ *
+ * The Rust mirror is switchd/src/abi.rs (`#[repr(C)]`); the test
+ * switchd/tests/abi_layout.rs compiles this header with the system C
+ * compiler and compares every sizeof/offsetof and constant with the Rust
+ * side, so the two cannot drift silently. Change both together.
+ *
+ * Invariants:
+ *  - The data plane makes no policy decision. Maglev tables, placement
+ *    rings (LWRR) and migration-target rings are computed by the control
+ *    plane and pushed as deltas; the program only looks up, rewrites,
+ *    forwards and counts.
+ *  - Addresses and ports inside keys are in network byte order (as read off
+ *    the wire) so that the fast path never byte-swaps to build a key.
+ *  - Server indexes are small integers < CAPY_MAX_SERVERS. Index 0 is valid.
+ */
+#ifndef CAPYBARA_MAPS_H
+#define CAPYBARA_MAPS_H
+
+#ifndef CAPY_USERSPACE
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+#else
+#include <linux/types.h>
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Sizes                                                                    */
+/* ------------------------------------------------------------------------ */
+
+#define CAPY_MAX_SERVERS 256
+#define CAPY_MAX_SERVICES 16
+/* Maglev lookup table size per service: a prime well above 100x the largest
+ * pool so that each server's share is within ~1% of its weight. */
+#define CAPY_MAGLEV_SIZE 65537
+/* Flow table capacity (LRU: the least recently used flow is evicted first). */
+#define CAPY_MAX_FLOWS 2097152
+/* Migration table capacity: migrated connections only. */
+#define CAPY_MAX_MIGRATIONS 524288
+/* Entries of a placement / target ring (see struct capy_ring). */
+#define CAPY_RING_SIZE 256
+#define CAPY_MAX_IFACES 64
+/* Seed of the flow hash shared with user space (src/maglev.rs). */
+#define CAPY_HASH_SEED 0x9E3779B9u
+
+/* ------------------------------------------------------------------------ */
+/* Enumerations                                                             */
+/* ------------------------------------------------------------------------ */
+
+/* capy_server.state */
+#define CAPY_SERVER_EMPTY 0    /* slot unused                                   */
+#define CAPY_SERVER_LIVE 1     /* takes new flows, owns flows                   */
+#define CAPY_SERVER_DRAINING 2 /* no new flows; existing flows still forwarded */
+#define CAPY_SERVER_DEAD 3     /* missed heartbeats: its packets are dropped    */
+
+/* capy_iface.role */
+#define CAPY_IFACE_CLIENT 1 /* faces clients: TCPMig arriving here is forged */
+#define CAPY_IFACE_SERVER 2 /* faces servers                                  */
+
+/* capy_service.placement */
+#define CAPY_PLACE_MAGLEV 0 /* new flows hashed into the service's Maglev table */
+#define CAPY_PLACE_RING 1   /* new flows take the next slot of the LWRR ring    */
+
+/* capy_flow.flags */
+#define CAPY_FLOW_MIGRATED 0x1 /* a migration-table entry exists or existed    */
+#define CAPY_FLOW_CLOSING 0x2  /* FIN seen from the client; closed event sent  */
+
+/* capy_flow_event.kind */
+#define CAPY_EV_NEW 1      /* flow placed on `server`                          */
+#define CAPY_EV_MIGRATED 2 /* PREPARE-ACK: owner `prev_server` -> `server`     */
+#define CAPY_EV_RETURNED 3 /* migrated back to its original server: entry gone */
+#define CAPY_EV_CLOSED 4   /* client FIN or RST                                */
+
+/* Which ring of a service (index = service * CAPY_RING_KINDS + kind). */
+#define CAPY_RING_PLACEMENT 0 /* LWRR placement of new flows               */
+#define CAPY_RING_TARGET 1    /* migration targets for PREPARE (RR or LL)   */
+#define CAPY_RING_KINDS 2
+
+/* capy_ring.mode */
+#define CAPY_RING_ROTATE 0 /* next entry at each use (round robin, LWRR)         */
+#define CAPY_RING_FIRST 1  /* first entry, or the second if the first must be
+			    * skipped (least-loaded target, origin excluded)  */
+
+/* Reasons, one counter each in `stats`. Every verdict of the program
+ * increments exactly one of them, so sum(stats) == packets seen. */
+enum capy_stat {
+	CAPY_STAT_PASS_NOT_IPV4 = 0,      /* ARP, IPv6...: kernel handles it         */
+	CAPY_STAT_PASS_NOT_SERVICE,       /* IPv4 not to a VIP nor TCPMig: kernel     */
+	CAPY_STAT_PASS_UNKNOWN_IFACE,     /* ingress interface not configured        */
+	CAPY_STAT_FWD_NEW_FLOW,           /* SYN placed on a server                   */
+	CAPY_STAT_FWD_ESTABLISHED,        /* flow-table hit                           */
+	CAPY_STAT_FWD_MIGRATED,           /* migration-table hit                      */
+	CAPY_STAT_FWD_RECOVERED,          /* non-SYN without entry, placed by Maglev  */
+	CAPY_STAT_FWD_PREPARE,            /* PREPARE steered to a target              */
+	CAPY_STAT_FWD_PREPARE_ACK,        /* PREPARE-ACK: entry installed, to origin  */
+	CAPY_STAT_FWD_TCPMIG,             /* other TCPMig kinds between servers       */
+	CAPY_STAT_DROP_SHORT_ETH,         /* frame shorter than an Ethernet header    */
+	CAPY_STAT_DROP_BAD_IPV4,          /* truncated, bad version/IHL/total length  */
+	CAPY_STAT_DROP_IP_FRAGMENT,       /* fragment to a VIP: no L4 header to hash  */
+	CAPY_STAT_DROP_SHORT_L4,          /* truncated TCP/UDP header                 */
+	CAPY_STAT_DROP_NO_SERVER,         /* service has no usable server             */
+	CAPY_STAT_DROP_NO_FLOW,           /* non-SYN, no entry, ring placement        */
+	CAPY_STAT_DROP_SERVER_DOWN,       /* flow owner is dead or unknown            */
+	CAPY_STAT_DROP_TCPMIG_FROM_CLIENT,/* TCPMig on a client-side interface        */
+	CAPY_STAT_DROP_TCPMIG_MALFORMED,  /* bad magic/version/length/kind            */
+	CAPY_STAT_DROP_TCPMIG_UNKNOWN,    /* origin/target not a registered server    */
+	CAPY_STAT_DROP_TCPMIG_NO_TARGET,  /* PREPARE with no candidate target         */
+	CAPY_STAT_DROP_MIGRATION_FULL,    /* migration table full on PREPARE-ACK      */
+	CAPY_STAT_EVENT_LOST,             /* flow event not delivered: ring buffer full (not a verdict) */
+	CAPY_STAT_MAX,
+};
+
+/* ------------------------------------------------------------------------ */
+/* Structs (mirrored in src/abi.rs)                                         */
+/* ------------------------------------------------------------------------ */
+
+/* A TCP connection as the client sees it (proto::FlowKey), network order. */
+struct capy_flow_key {
+	__be32 client_ip;
+	__be32 service_ip;
+	__be16 client_port;
+	__be16 service_port;
+};
+
+/* Flow-table value: where the connection was placed at SYN time. */
+struct capy_flow {
+	__u32 server;  /* original server index (placement)         */
+	__u16 service; /* service index, for per-service accounting */
+	__u16 flags;   /* CAPY_FLOW_*                                */
+};
+
+/* Migration-table value: the connection's current owner. */
+struct capy_migration {
+	__u32 server; /* current target server index   */
+	__u32 epoch;  /* low 32 bits of migration_id: which migration installed it */
+};
+
+/* A server of the pool, as the data plane needs it to forward. */
+struct capy_server {
+	__be32 data_ip;   /* data address owned by the server's user-space stack */
+	__u32 ifindex;    /* switch interface leading to the server             */
+	__u8 mac[6];      /* server's MAC (next hop)                            */
+	__u8 src_mac[6];  /* switch's MAC on that interface                     */
+	__u8 state;       /* CAPY_SERVER_*                                      */
+	__u8 flags;       /* reserved, 0                                        */
+	__u16 weight;     /* informative; placement uses the pushed tables      */
+};
+
+/* Service key: VIP and port, network order. */
+struct capy_service_key {
+	__be32 vip;
+	__be16 port;
+	__u8 proto; /* IPPROTO_TCP */
+	__u8 pad;
+};
+
+struct capy_service {
+	__u32 index;     /* < CAPY_MAX_SERVICES: row of maglev / rings       */
+	__u32 placement; /* CAPY_PLACE_*                                     */
+};
+
+/* A ring of server indexes the program rotates through with an atomic
+ * cursor: the LWRR placement sequence (weights already expanded by the
+ * control plane) or the migration-target sequence (round robin over live
+ * servers, or a single least-loaded server). */
+struct capy_ring {
+	__u32 len;  /* 0 = empty: nothing to choose from */
+	__u32 mode; /* CAPY_RING_ROTATE or CAPY_RING_FIRST */
+	__u32 servers[CAPY_RING_SIZE];
+};
+
+/* Role and MAC of a switch interface. */
+struct capy_iface {
+	__u32 role; /* CAPY_IFACE_* */
+	__u8 mac[6];
+	__u16 pad;
+};
+
+/* Global configuration (single slot). */
+struct capy_config {
+	__be32 switch_server_ip; /* switch's address on the server side: PREPAREs go here */
+	__u32 flags;             /* reserved, 0                                           */
+};
+
+/* Pool-monitor counters of one server (per CPU, summed by user space). */
+struct capy_server_stats {
+	__u64 packets; /* client->server packets forwarded to this server */
+	__u64 bytes;
+};
+
+/* Flow event for the store (through the ring buffer). */
+struct capy_flow_event {
+	struct capy_flow_key key;
+	__u32 kind;        /* CAPY_EV_* */
+	__u32 server;      /* new owner (or owner when closed)   */
+	__u32 prev_server; /* previous owner, for MIGRATED/RETURNED; else same */
+	__u64 ts_ns;       /* bpf_ktime_get_ns()                  */
+};
+
+#ifndef CAPY_USERSPACE
+/* ------------------------------------------------------------------------ */
+/* Maps                                                                     */
+/* ------------------------------------------------------------------------ */
+
+/* Flow table: every connection seen, FlowKey -> original server. LRU so a
+ * flood of SYNs evicts the oldest idle flows instead of failing inserts. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, CAPY_MAX_FLOWS);
+	__type(key, struct capy_flow_key);
+	__type(value, struct capy_flow);
+} flows SEC(".maps");
+
+/* Migration table (seed §7.1): migrated connections only, FlowKey ->
+ * current target. Written by the program on PREPARE-ACK; deleted when the
+ * connection returns to its original server, closes, or its owner dies.
+ * Plain hash (not LRU): an entry must never be silently forgotten, or the
+ * connection would go back to a server that no longer holds it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, CAPY_MAX_MIGRATIONS);
+	__type(key, struct capy_flow_key);
+	__type(value, struct capy_migration);
+} migrations SEC(".maps");
+
+/* Servers by index: forwarding data and liveness state. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, CAPY_MAX_SERVERS);
+	__type(key, __u32);
+	__type(value, struct capy_server);
+} servers SEC(".maps");
+
+/* Server data address -> server index, to resolve TCPMig origin/target. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, CAPY_MAX_SERVERS);
+	__type(key, __be32);
+	__type(value, __u32);
+} server_by_addr SEC(".maps");
+
+/* Services: VIP:port -> service index and placement mode. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, CAPY_MAX_SERVICES);
+	__type(key, struct capy_service_key);
+	__type(value, struct capy_service);
+} services SEC(".maps");
+
+/* Maglev lookup tables of all services, row-major: slot
+ * service * CAPY_MAGLEV_SIZE + hash % CAPY_MAGLEV_SIZE -> server index. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, CAPY_MAX_SERVICES * CAPY_MAGLEV_SIZE);
+	__type(key, __u32);
+	__type(value, __u32);
+} maglev SEC(".maps");
+
+/* Rings (LWRR placement, migration targets): service * CAPY_RING_KINDS + kind. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, CAPY_MAX_SERVICES * CAPY_RING_KINDS);
+	__type(key, __u32);
+	__type(value, struct capy_ring);
+} rings SEC(".maps");
+
+/* Ring cursors, same index as `rings`; advanced atomically (shared across
+ * CPUs so round robin is exact, not per-CPU). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, CAPY_MAX_SERVICES * CAPY_RING_KINDS);
+	__type(key, __u32);
+	__type(value, __u64);
+} ring_cursors SEC(".maps");
+
+/* Switch interfaces by ifindex: client or server side, and own MAC. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, CAPY_MAX_IFACES);
+	__type(key, __u32);
+	__type(value, struct capy_iface);
+} ifaces SEC(".maps");
+
+/* Egress ports for XDP_REDIRECT, ifindex -> ifindex. */
+struct {
+	__uint(type, BPF_MAP_TYPE_DEVMAP_HASH);
+	__uint(max_entries, CAPY_MAX_IFACES);
+	__type(key, __u32);
+	__type(value, __u32);
+} tx_ports SEC(".maps");
+
+/* Global configuration, slot 0. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct capy_config);
+} config SEC(".maps");
+
+/* Pool monitor: per-server packet counters, per CPU, monotonic (user space
+ * diffs successive reads, so nothing races with a reset). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, CAPY_MAX_SERVERS);
+	__type(key, __u32);
+	__type(value, struct capy_server_stats);
+} server_stats SEC(".maps");
+
+/* Verdict and drop-reason counters, enum capy_stat, per CPU. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, CAPY_STAT_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} stats SEC(".maps");
+
+/* Flow events (struct capy_flow_event) for persistence; user space drains
+ * it in batches. Full ring = event lost and counted, never a stall. */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1 << 22);
+} flow_events SEC(".maps");
+#endif /* !CAPY_USERSPACE */
+
+#endif /* CAPYBARA_MAPS_H */

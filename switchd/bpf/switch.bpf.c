@@ -1,0 +1,490 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * switch.bpf.c: the Capybara switch data plane (XDP).
+ *
+ * Attached to every switch interface. Client side: packets to a VIP:port
+ * are placed (new flow), or sent to their current owner (migration table
+ * first, then flow table), with the destination rewritten to the server's
+ * data address. Server side: TCPMig PREPARE is steered to a target taken
+ * from the control plane's target ring; PREPARE-ACK installs the
+ * migration-table entry as it passes, then goes on to the origin.
+ * Everything else (server responses from the VIP, ARP, control channel)
+ * goes to the kernel (XDP_PASS), which routes it.
+ *
+ * Untrusted input: every header is bounds-checked before it is read, and
+ * every verdict increments exactly one reason counter in `stats`. The
+ * program never writes TCPMig bytes (they are MAC'd by the servers).
+ */
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/in.h>
+#include <linux/ip.h>
+#include <linux/tcp.h>
+#include <linux/udp.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+#include "capybara_proto.h"
+#include "capybara_maps.h"
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+#define IP_FRAG_MASK 0x3fff /* MF flag + fragment offset */
+
+static __always_inline int verdict(__u32 reason, int action)
+{
+	__u64 *c = bpf_map_lookup_elem(&stats, &reason);
+
+	if (c)
+		*c += 1;
+	return action;
+}
+
+static __always_inline void count_only(__u32 reason)
+{
+	verdict(reason, 0);
+}
+
+/* murmur3 finaliser; identical to src/maglev.rs::mix32. */
+static __always_inline __u32 mix32(__u32 h)
+{
+	h ^= h >> 16;
+	h *= 0x85ebca6bu;
+	h ^= h >> 13;
+	h *= 0xc2b2ae35u;
+	h ^= h >> 16;
+	return h;
+}
+
+/* Flow hash for Maglev; identical to src/maglev.rs::flow_hash. Host-order
+ * values so that user space computes it from a FlowKey without caring how
+ * the key is laid out in memory. */
+static __always_inline __u32 flow_hash(const struct capy_flow_key *k)
+{
+	__u32 h = CAPY_HASH_SEED;
+
+	h = mix32(h ^ bpf_ntohl(k->client_ip));
+	h = mix32(h ^ (((__u32)bpf_ntohs(k->client_port) << 16) | bpf_ntohs(k->service_port)));
+	h = mix32(h ^ bpf_ntohl(k->service_ip));
+	return h;
+}
+
+/* RFC 1624 incremental update of a one's-complement checksum for a 32-bit
+ * field change. Works on raw (network-order) values: the one's-complement
+ * sum is byte-order independent as long as all operands agree. */
+static __always_inline __u16 csum_replace4(__u16 check, __u32 from, __u32 to)
+{
+	__u32 sum = (__u16)~check;
+
+	sum += (~from >> 16) & 0xffff;
+	sum += ~from & 0xffff;
+	sum += to >> 16;
+	sum += to & 0xffff;
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	return (__u16)~sum;
+}
+
+static __always_inline void emit_event(const struct capy_flow_key *key, __u32 kind,
+				       __u32 server, __u32 prev)
+{
+	struct capy_flow_event *e;
+
+	e = bpf_ringbuf_reserve(&flow_events, sizeof(*e), 0);
+	if (!e) {
+		/* Persistence must never stall the packet path. */
+		count_only(CAPY_STAT_EVENT_LOST);
+		return;
+	}
+	e->key = *key;
+	e->kind = kind;
+	e->server = server;
+	e->prev_server = prev;
+	e->ts_ns = bpf_ktime_get_ns();
+	/* User space drains on a timer, so skip the per-event wakeup. */
+	bpf_ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+}
+
+/* Server at position `attempt` (0 or 1) of a ring pushed by the control
+ * plane: the next one in rotation, or the first/second entry for a
+ * preference-ordered ring. -1 if empty. */
+static __always_inline int ring_pick(__u32 ring, __u32 attempt, __u32 *out)
+{
+	struct capy_ring *r = bpf_map_lookup_elem(&rings, &ring);
+	__u64 *cur = bpf_map_lookup_elem(&ring_cursors, &ring);
+	__u32 len, i;
+
+	if (!r || !cur)
+		return -1;
+	len = r->len;
+	if (len == 0 || len > CAPY_RING_SIZE)
+		return -1;
+	if (r->mode == CAPY_RING_FIRST)
+		i = attempt < len ? attempt : len - 1;
+	else
+		i = (__u32)__sync_fetch_and_add(cur, 1) % len;
+	/* No-op (i < len <= CAPY_RING_SIZE, a power of two) that the
+	 * verifier can see as a bound. */
+	asm volatile("" : "+r"(i)); /* keep clang from folding the mask away */
+	i &= CAPY_RING_SIZE - 1;
+	*out = r->servers[i];
+	return 0;
+}
+
+/* Rewrite Ethernet to reach `srv` and hand the frame to its port. Falls back
+ * to the kernel (which routes the data address the same way) if the port is
+ * missing from tx_ports. */
+static __always_inline int forward_l2(struct ethhdr *eth, const struct capy_server *srv)
+{
+	__builtin_memcpy(eth->h_dest, srv->mac, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, srv->src_mac, ETH_ALEN);
+	return bpf_redirect_map(&tx_ports, srv->ifindex, XDP_PASS);
+}
+
+static __always_inline int usable_owner(const struct capy_server *srv)
+{
+	return srv && (srv->state == CAPY_SERVER_LIVE || srv->state == CAPY_SERVER_DRAINING);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Client -> VIP (TCP)                                                      */
+/* ------------------------------------------------------------------------ */
+
+static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *ip,
+				      struct tcphdr *tcp, const struct capy_service *svc)
+{
+	struct capy_flow_key key = {
+		.client_ip = ip->saddr,
+		.service_ip = ip->daddr,
+		.client_port = tcp->source,
+		.service_port = tcp->dest,
+	};
+	int syn_only = tcp->syn && !tcp->ack;
+	__u32 server, reason;
+	struct capy_migration *mig;
+	struct capy_flow *flow;
+	struct capy_server *srv;
+
+	mig = bpf_map_lookup_elem(&migrations, &key);
+	if (mig) {
+		server = mig->server;
+		reason = CAPY_STAT_FWD_MIGRATED;
+		if (tcp->rst) {
+			/* Client reset: the connection is gone wherever it lives. */
+			emit_event(&key, CAPY_EV_CLOSED, server, server);
+			bpf_map_delete_elem(&migrations, &key);
+			bpf_map_delete_elem(&flows, &key);
+		} else if (tcp->fin) {
+			flow = bpf_map_lookup_elem(&flows, &key);
+			if (flow && !(flow->flags & CAPY_FLOW_CLOSING)) {
+				flow->flags |= CAPY_FLOW_CLOSING;
+				emit_event(&key, CAPY_EV_CLOSED, server, server);
+			}
+			/* The migration entry stays until the last ACK is through;
+			 * the control plane reaps it after the CLOSED event. */
+		}
+		goto forward;
+	}
+
+	flow = bpf_map_lookup_elem(&flows, &key);
+	if (flow && !(syn_only && (flow->flags & CAPY_FLOW_CLOSING))) {
+		server = flow->server;
+		reason = CAPY_STAT_FWD_ESTABLISHED;
+		if (tcp->rst) {
+			emit_event(&key, CAPY_EV_CLOSED, server, server);
+			bpf_map_delete_elem(&flows, &key);
+		} else if (tcp->fin && !(flow->flags & CAPY_FLOW_CLOSING)) {
+			flow->flags |= CAPY_FLOW_CLOSING;
+			emit_event(&key, CAPY_EV_CLOSED, server, server);
+		}
+		goto forward;
+	}
+
+	/* No entry (or a SYN reusing a closed 4-tuple): place the flow. */
+	if (svc->placement == CAPY_PLACE_MAGLEV) {
+		__u32 slot = svc->index * CAPY_MAGLEV_SIZE + flow_hash(&key) % CAPY_MAGLEV_SIZE;
+		__u32 *s = bpf_map_lookup_elem(&maglev, &slot);
+
+		if (!s)
+			return verdict(CAPY_STAT_DROP_NO_SERVER, XDP_DROP);
+		server = *s;
+		/* A non-SYN without entry (switch restart, LRU eviction) lands
+		 * where Maglev put it originally as long as the pool is stable. */
+		reason = syn_only ? CAPY_STAT_FWD_NEW_FLOW : CAPY_STAT_FWD_RECOVERED;
+	} else {
+		/* Ring placement is not reproducible without state. */
+		if (!syn_only)
+			return verdict(CAPY_STAT_DROP_NO_FLOW, XDP_DROP);
+		if (ring_pick(svc->index * CAPY_RING_KINDS + CAPY_RING_PLACEMENT, 0, &server) < 0)
+			return verdict(CAPY_STAT_DROP_NO_SERVER, XDP_DROP);
+		reason = CAPY_STAT_FWD_NEW_FLOW;
+	}
+	srv = bpf_map_lookup_elem(&servers, &server);
+	if (!srv || srv->state != CAPY_SERVER_LIVE)
+		return verdict(CAPY_STAT_DROP_NO_SERVER, XDP_DROP);
+	{
+		struct capy_flow nf = { .server = server, .service = (__u16)svc->index, .flags = 0 };
+
+		bpf_map_update_elem(&flows, &key, &nf, BPF_ANY);
+		emit_event(&key, CAPY_EV_NEW, server, server);
+	}
+	goto rewrite;
+
+forward:
+	srv = bpf_map_lookup_elem(&servers, &server);
+	if (!usable_owner(srv))
+		return verdict(CAPY_STAT_DROP_SERVER_DOWN, XDP_DROP);
+rewrite:
+	{
+		__be32 new_dst = srv->data_ip;
+		struct capy_server_stats *st = bpf_map_lookup_elem(&server_stats, &server);
+
+		ip->check = csum_replace4(ip->check, ip->daddr, new_dst);
+		tcp->check = csum_replace4(tcp->check, ip->daddr, new_dst);
+		ip->daddr = new_dst;
+		if (st) {
+			st->packets += 1;
+			st->bytes += bpf_ntohs(ip->tot_len);
+		}
+		count_only(reason);
+		return forward_l2(eth, srv);
+	}
+}
+
+/* ------------------------------------------------------------------------ */
+/* TCPMig (server side)                                                     */
+/* ------------------------------------------------------------------------ */
+
+static __always_inline int lookup_server_idx(__be32 addr, __u32 *idx)
+{
+	__u32 *p = bpf_map_lookup_elem(&server_by_addr, &addr);
+
+	if (!p)
+		return -1;
+	*idx = *p;
+	return 0;
+}
+
+/* Point the datagram at `srv`'s data address and forward it. */
+static __always_inline int send_to_server(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
+					  const struct capy_server *srv)
+{
+	__be32 new_dst = srv->data_ip;
+
+	if (ip->daddr != new_dst) {
+		ip->check = csum_replace4(ip->check, ip->daddr, new_dst);
+		/* UDP checksum 0 means "none" and must stay 0; a computed 0 is
+		 * sent as 0xffff (RFC 768). */
+		if (udp->check) {
+			__u16 c = csum_replace4(udp->check, ip->daddr, new_dst);
+
+			udp->check = c ? c : 0xffff;
+		}
+		ip->daddr = new_dst;
+	}
+	return forward_l2(eth, srv);
+}
+
+static __always_inline int handle_prepare(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
+					  struct tcpmig_hdr *m)
+{
+	struct capy_service_key sk = { .vip = m->service_ip, .port = m->service_port, .proto = IPPROTO_TCP };
+	struct capy_service *svc;
+	struct capy_server *srv;
+	__u32 target, origin = (__u32)-1;
+
+	lookup_server_idx(m->origin, &origin);
+	if (m->target) {
+		/* The origin named its target: honoured, unless it is not a
+		 * server that can hold a connection. */
+		if (lookup_server_idx(m->target, &target) < 0)
+			return verdict(CAPY_STAT_DROP_TCPMIG_UNKNOWN, XDP_DROP);
+		srv = bpf_map_lookup_elem(&servers, &target);
+		if (!usable_owner(srv))
+			return verdict(CAPY_STAT_DROP_TCPMIG_NO_TARGET, XDP_DROP);
+	} else {
+		int tries;
+
+		svc = bpf_map_lookup_elem(&services, &sk);
+		if (!svc)
+			return verdict(CAPY_STAT_DROP_TCPMIG_NO_TARGET, XDP_DROP);
+		/* The ring holds live, non-draining servers only (control plane);
+		 * skip the origin, which may be in it. Two tries suffice: the
+		 * control plane never puts the origin twice in a row. */
+		for (tries = 0; tries < 2; tries++) {
+			if (ring_pick(svc->index * CAPY_RING_KINDS + CAPY_RING_TARGET, tries, &target) < 0)
+				return verdict(CAPY_STAT_DROP_TCPMIG_NO_TARGET, XDP_DROP);
+			if (target != origin)
+				break;
+		}
+		if (target == origin)
+			return verdict(CAPY_STAT_DROP_TCPMIG_NO_TARGET, XDP_DROP);
+		srv = bpf_map_lookup_elem(&servers, &target);
+		if (!srv || srv->state != CAPY_SERVER_LIVE)
+			return verdict(CAPY_STAT_DROP_TCPMIG_NO_TARGET, XDP_DROP);
+	}
+	count_only(CAPY_STAT_FWD_PREPARE);
+	return send_to_server(eth, ip, udp, srv);
+}
+
+static __always_inline int handle_prepare_ack(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
+					      struct tcpmig_hdr *m)
+{
+	struct capy_flow_key key = {
+		.client_ip = m->client_ip,
+		.service_ip = m->service_ip,
+		.client_port = m->client_port,
+		.service_port = m->service_port,
+	};
+	__be32 target_addr = m->target ? m->target : ip->saddr;
+	__u32 target, origin, prev;
+	struct capy_migration *old;
+	struct capy_flow *flow;
+	struct capy_server *osrv;
+
+	if (lookup_server_idx(target_addr, &target) < 0 || lookup_server_idx(m->origin, &origin) < 0)
+		return verdict(CAPY_STAT_DROP_TCPMIG_UNKNOWN, XDP_DROP);
+	osrv = bpf_map_lookup_elem(&servers, &origin);
+	if (!osrv)
+		return verdict(CAPY_STAT_DROP_TCPMIG_UNKNOWN, XDP_DROP);
+
+	flow = bpf_map_lookup_elem(&flows, &key);
+	old = bpf_map_lookup_elem(&migrations, &key);
+	prev = old ? old->server : (flow ? flow->server : origin);
+	if (flow && flow->server == target) {
+		/* Back home: the flow table alone routes it again. */
+		if (old) {
+			bpf_map_delete_elem(&migrations, &key);
+			emit_event(&key, CAPY_EV_RETURNED, target, prev);
+		}
+	} else if (!old || old->server != target) {
+		/* Retransmitted PREPARE-ACKs find the entry already there and
+		 * change nothing (no duplicate event). */
+		struct capy_migration nm = { .server = target, .epoch = (__u32)bpf_be64_to_cpu(m->migration_id) };
+
+		if (bpf_map_update_elem(&migrations, &key, &nm, BPF_ANY) < 0)
+			return verdict(CAPY_STAT_DROP_MIGRATION_FULL, XDP_DROP);
+		if (flow)
+			flow->flags |= CAPY_FLOW_MIGRATED;
+		emit_event(&key, CAPY_EV_MIGRATED, target, prev);
+	}
+	count_only(CAPY_STAT_FWD_PREPARE_ACK);
+	return send_to_server(eth, ip, udp, osrv);
+}
+
+static __always_inline int handle_tcpmig(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *ip,
+					 struct udphdr *udp, __u32 udp_len)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	struct tcpmig_hdr *m = (void *)(udp + 1);
+	struct capy_server *srv;
+	__u32 idx;
+
+	if ((void *)(m + 1) > data_end || udp_len < sizeof(*udp) + TCPMIG_MIN_LEN)
+		return verdict(CAPY_STAT_DROP_TCPMIG_MALFORMED, XDP_DROP);
+	if (m->magic != bpf_htons(TCPMIG_MAGIC) || m->version != TCPMIG_VERSION)
+		return verdict(CAPY_STAT_DROP_TCPMIG_MALFORMED, XDP_DROP);
+	if (udp_len < sizeof(*udp) + TCPMIG_MIN_LEN + bpf_ntohs(m->payload_len))
+		return verdict(CAPY_STAT_DROP_TCPMIG_MALFORMED, XDP_DROP);
+
+	switch (m->kind) {
+	case TCPMIG_KIND_PREPARE:
+		return handle_prepare(eth, ip, udp, m);
+	case TCPMIG_KIND_PREPARE_ACK:
+		return handle_prepare_ack(eth, ip, udp, m);
+	case TCPMIG_KIND_CONN_STATE:
+	case TCPMIG_KIND_CONN_STATE_ACK:
+	case TCPMIG_KIND_REJECT:
+	case TCPMIG_KIND_ABORT:
+		/* Origin <-> target directly; forward without the kernel. */
+		if (lookup_server_idx(ip->daddr, &idx) < 0)
+			return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);
+		srv = bpf_map_lookup_elem(&servers, &idx);
+		if (!srv || srv->state == CAPY_SERVER_EMPTY)
+			return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);
+		count_only(CAPY_STAT_FWD_TCPMIG);
+		return forward_l2(eth, srv);
+	default:
+		return verdict(CAPY_STAT_DROP_TCPMIG_MALFORMED, XDP_DROP);
+	}
+}
+
+/* ------------------------------------------------------------------------ */
+/* Entry point                                                              */
+/* ------------------------------------------------------------------------ */
+
+SEC("xdp")
+int capy_switch(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	struct capy_iface *ifc;
+	struct iphdr *ip;
+	__u32 ifindex, ihl_len, tot_len;
+	void *l4;
+
+	if ((void *)(eth + 1) > data_end)
+		return verdict(CAPY_STAT_DROP_SHORT_ETH, XDP_DROP);
+	if (eth->h_proto != bpf_htons(ETH_P_IP))
+		return verdict(CAPY_STAT_PASS_NOT_IPV4, XDP_PASS);
+
+	ip = (void *)(eth + 1);
+	if ((void *)(ip + 1) > data_end || ip->version != 4 || ip->ihl < 5)
+		return verdict(CAPY_STAT_DROP_BAD_IPV4, XDP_DROP);
+	ihl_len = ip->ihl * 4;
+	tot_len = bpf_ntohs(ip->tot_len);
+	/* tot_len may be shorter than the frame (Ethernet padding), never longer. */
+	if (tot_len < ihl_len || (void *)ip + tot_len > data_end)
+		return verdict(CAPY_STAT_DROP_BAD_IPV4, XDP_DROP);
+	l4 = (void *)ip + ihl_len;
+
+	ifindex = ctx->ingress_ifindex;
+	ifc = bpf_map_lookup_elem(&ifaces, &ifindex);
+	if (!ifc)
+		return verdict(CAPY_STAT_PASS_UNKNOWN_IFACE, XDP_PASS);
+
+	if (ip->protocol == IPPROTO_TCP) {
+		struct tcphdr *tcp = l4;
+		struct capy_service_key sk = { .proto = IPPROTO_TCP };
+		struct capy_service *svc;
+
+		/* Server responses (from the VIP) need no rewrite: kernel routes. */
+		if (ifc->role != CAPY_IFACE_CLIENT)
+			return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);
+		if (ip->frag_off & bpf_htons(IP_FRAG_MASK)) {
+			/* Without ports a fragment cannot be matched to a flow; the
+			 * kernel owns the VIP and would answer it with a reset. */
+			return verdict(CAPY_STAT_DROP_IP_FRAGMENT, XDP_DROP);
+		}
+		if ((void *)(tcp + 1) > data_end || tcp->doff < 5 || tcp->doff * 4 > tot_len - ihl_len)
+			return verdict(CAPY_STAT_DROP_SHORT_L4, XDP_DROP);
+		sk.vip = ip->daddr;
+		sk.port = tcp->dest;
+		svc = bpf_map_lookup_elem(&services, &sk);
+		if (!svc)
+			return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);
+		return handle_tcp(ctx, eth, ip, tcp, svc);
+	}
+
+	if (ip->protocol == IPPROTO_UDP) {
+		struct udphdr *udp = l4;
+		__u32 udp_len;
+
+		if (ip->frag_off & bpf_htons(IP_FRAG_MASK))
+			return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);
+		if ((void *)(udp + 1) > data_end)
+			return verdict(CAPY_STAT_DROP_SHORT_L4, XDP_DROP);
+		if (udp->dest != bpf_htons(CAPYBARA_PORT_TCPMIG))
+			return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);
+		/* Forged migrations would hijack connections. */
+		if (ifc->role == CAPY_IFACE_CLIENT)
+			return verdict(CAPY_STAT_DROP_TCPMIG_FROM_CLIENT, XDP_DROP);
+		udp_len = bpf_ntohs(udp->len);
+		if (udp_len < sizeof(*udp) || udp_len > tot_len - ihl_len)
+			return verdict(CAPY_STAT_DROP_TCPMIG_MALFORMED, XDP_DROP);
+		return handle_tcpmig(ctx, eth, ip, udp, udp_len);
+	}
+
+	return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);
+}

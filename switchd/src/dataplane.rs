@@ -1,0 +1,217 @@
+//! The seam between the control plane and a packet-forwarding backend.
+//!
+//! A `DataPlane` only stores what it is told and reports counters and flow
+//! events: every decision (Maglev slots, LWRR and target rings, liveness
+//! states) is made by the control plane and pushed as deltas. Backends: the
+//! eBPF/XDP one (`crate::bpf`) and [`MemDataPlane`] for unit tests.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::abi::*;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataPlaneError {
+    #[error("map {map}: {op} failed: {detail}")]
+    Map { map: &'static str, op: &'static str, detail: String },
+    #[error("{what} {value} out of range (max {max})")]
+    OutOfRange { what: &'static str, value: u32, max: u32 },
+    #[error("loading the XDP program: {0}")]
+    Load(String),
+}
+
+pub type Result<T> = std::result::Result<T, DataPlaneError>;
+
+pub(crate) fn check_range(what: &'static str, value: u32, max: u32) -> Result<()> {
+    if value >= max {
+        return Err(DataPlaneError::OutOfRange { what, value, max });
+    }
+    Ok(())
+}
+
+/// A flow event from the data plane (decoded `struct capy_flow_event`).
+pub type FlowEvent = CFlowEvent;
+
+pub trait DataPlane {
+    fn set_config(&mut self, cfg: CConfig) -> Result<()>;
+    fn set_iface(&mut self, ifindex: u32, iface: CIface) -> Result<()>;
+    /// Writes server slot `index` and its data-address entry.
+    fn set_server(&mut self, index: u32, server: CServer) -> Result<()>;
+    /// Empties server slot `index` and forgets `data_ip` (network order).
+    fn clear_server(&mut self, index: u32, data_ip: u32) -> Result<()>;
+    fn set_service(&mut self, key: CServiceKey, svc: CService) -> Result<()>;
+    fn remove_service(&mut self, key: CServiceKey) -> Result<()>;
+    /// Writes `(slot, server)` pairs of service `service`'s Maglev table.
+    fn write_maglev(&mut self, service: u32, delta: &[(u32, u32)]) -> Result<()>;
+    /// Replaces ring `kind` (RING_PLACEMENT / RING_TARGET) of a service.
+    fn write_ring(&mut self, service: u32, kind: u32, ring: &CRing) -> Result<()>;
+    /// Monotonic packets forwarded to each server index (summed over CPUs).
+    fn server_packets(&mut self) -> Result<Vec<u64>>;
+    /// Reason counters, indexed like [`STAT_NAMES`].
+    fn stats(&mut self) -> Result<Vec<u64>>;
+    fn insert_flow(&mut self, key: CFlowKey, flow: CFlow) -> Result<()>;
+    fn insert_migration(&mut self, key: CFlowKey, m: CMigration) -> Result<()>;
+    fn delete_migration(&mut self, key: CFlowKey) -> Result<()>;
+    fn lookup_flow(&mut self, key: CFlowKey) -> Result<Option<CFlow>>;
+    fn lookup_migration(&mut self, key: CFlowKey) -> Result<Option<CMigration>>;
+    /// Removes every flow currently owned by `server` (migration entries to
+    /// it, and flow entries placed on it that did not migrate away).
+    /// Returns the removed keys. Flows owned by other servers are untouched.
+    fn remove_flows_of(&mut self, server: u32) -> Result<Vec<CFlowKey>>;
+    /// Moves pending flow events into `out`; never blocks.
+    fn drain_events(&mut self, out: &mut Vec<FlowEvent>) -> Result<usize>;
+}
+
+/// In-memory data plane: the maps as hash maps, plus hooks for tests to
+/// play the packet path's part (counting, events).
+#[derive(Debug, Default)]
+pub struct MemDataPlane {
+    pub config: CConfig,
+    pub ifaces: HashMap<u32, CIface>,
+    pub servers: HashMap<u32, CServer>,
+    pub server_by_addr: HashMap<u32, u32>,
+    pub services: HashMap<CServiceKey, CService>,
+    pub maglev: HashMap<u32, Vec<u32>>,
+    pub rings: HashMap<(u32, u32), CRing>,
+    pub flows: HashMap<CFlowKey, CFlow>,
+    pub migrations: HashMap<CFlowKey, CMigration>,
+    pub packets: Vec<u64>,
+    pub stat_counters: Vec<u64>,
+    pub events: VecDeque<FlowEvent>,
+    /// Maglev slots written so far (tests assert deltas stay small).
+    pub maglev_writes: u64,
+}
+
+impl MemDataPlane {
+    pub fn new() -> Self {
+        MemDataPlane {
+            packets: vec![0; MAX_SERVERS as usize],
+            stat_counters: vec![0; STAT_MAX as usize],
+            ..Default::default()
+        }
+    }
+    /// Plays the packet path: `n` packets forwarded to `server`.
+    pub fn count_packets(&mut self, server: u32, n: u64) {
+        if let Some(c) = self.packets.get_mut(server as usize) {
+            *c += n;
+        }
+    }
+    /// Plays the packet path: a flow placed on `server`, with its event.
+    pub fn place_flow(&mut self, key: CFlowKey, server: u32, service: u16) {
+        self.flows.insert(key, CFlow { server, service, flags: 0 });
+        self.events.push_back(CFlowEvent { key, kind: EV_NEW, server, prev_server: server, ts_ns: 0 });
+    }
+    /// Plays a PREPARE-ACK passing through.
+    pub fn migrate_flow(&mut self, key: CFlowKey, target: u32) {
+        let prev = self.current_owner(key).unwrap_or(target);
+        self.migrations.insert(key, CMigration { server: target, epoch: 0 });
+        self.events.push_back(CFlowEvent { key, kind: EV_MIGRATED, server: target, prev_server: prev, ts_ns: 0 });
+    }
+    pub fn current_owner(&self, key: CFlowKey) -> Option<u32> {
+        self.migrations
+            .get(&key)
+            .map(|m| m.server)
+            .or_else(|| self.flows.get(&key).map(|f| f.server))
+    }
+    /// The server a new flow of `service` would be placed on by Maglev.
+    pub fn maglev_lookup(&self, service: u32, hash: u32) -> Option<u32> {
+        let t = self.maglev.get(&service)?;
+        let v = *t.get((hash % MAGLEV_SIZE) as usize)?;
+        (v != NO_SERVER).then_some(v)
+    }
+}
+
+impl DataPlane for MemDataPlane {
+    fn set_config(&mut self, cfg: CConfig) -> Result<()> {
+        self.config = cfg;
+        Ok(())
+    }
+    fn set_iface(&mut self, ifindex: u32, iface: CIface) -> Result<()> {
+        self.ifaces.insert(ifindex, iface);
+        Ok(())
+    }
+    fn set_server(&mut self, index: u32, server: CServer) -> Result<()> {
+        check_range("server index", index, MAX_SERVERS)?;
+        self.servers.insert(index, server);
+        self.server_by_addr.insert(server.data_ip, index);
+        Ok(())
+    }
+    fn clear_server(&mut self, index: u32, data_ip: u32) -> Result<()> {
+        check_range("server index", index, MAX_SERVERS)?;
+        self.servers.remove(&index);
+        self.server_by_addr.remove(&data_ip);
+        Ok(())
+    }
+    fn set_service(&mut self, key: CServiceKey, svc: CService) -> Result<()> {
+        check_range("service index", svc.index, MAX_SERVICES)?;
+        self.services.insert(key, svc);
+        Ok(())
+    }
+    fn remove_service(&mut self, key: CServiceKey) -> Result<()> {
+        self.services.remove(&key);
+        Ok(())
+    }
+    fn write_maglev(&mut self, service: u32, delta: &[(u32, u32)]) -> Result<()> {
+        check_range("service index", service, MAX_SERVICES)?;
+        let t = self.maglev.entry(service).or_insert_with(|| vec![NO_SERVER; MAGLEV_SIZE as usize]);
+        for (slot, v) in delta {
+            check_range("maglev slot", *slot, MAGLEV_SIZE)?;
+            t[*slot as usize] = *v;
+        }
+        self.maglev_writes += delta.len() as u64;
+        Ok(())
+    }
+    fn write_ring(&mut self, service: u32, kind: u32, ring: &CRing) -> Result<()> {
+        check_range("service index", service, MAX_SERVICES)?;
+        check_range("ring kind", kind, RING_KINDS)?;
+        self.rings.insert((service, kind), *ring);
+        Ok(())
+    }
+    fn server_packets(&mut self) -> Result<Vec<u64>> {
+        Ok(self.packets.clone())
+    }
+    fn stats(&mut self) -> Result<Vec<u64>> {
+        Ok(self.stat_counters.clone())
+    }
+    fn insert_flow(&mut self, key: CFlowKey, flow: CFlow) -> Result<()> {
+        self.flows.insert(key, flow);
+        Ok(())
+    }
+    fn insert_migration(&mut self, key: CFlowKey, m: CMigration) -> Result<()> {
+        self.migrations.insert(key, m);
+        Ok(())
+    }
+    fn delete_migration(&mut self, key: CFlowKey) -> Result<()> {
+        self.migrations.remove(&key);
+        Ok(())
+    }
+    fn lookup_flow(&mut self, key: CFlowKey) -> Result<Option<CFlow>> {
+        Ok(self.flows.get(&key).copied())
+    }
+    fn lookup_migration(&mut self, key: CFlowKey) -> Result<Option<CMigration>> {
+        Ok(self.migrations.get(&key).copied())
+    }
+    fn remove_flows_of(&mut self, server: u32) -> Result<Vec<CFlowKey>> {
+        let mut removed: Vec<CFlowKey> =
+            self.migrations.iter().filter(|(_, m)| m.server == server).map(|(k, _)| *k).collect();
+        for k in &removed {
+            self.migrations.remove(k);
+            self.flows.remove(k);
+        }
+        let stay: Vec<CFlowKey> = self
+            .flows
+            .iter()
+            .filter(|(k, f)| f.server == server && !self.migrations.contains_key(k))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in &stay {
+            self.flows.remove(k);
+        }
+        removed.extend(stay);
+        Ok(removed)
+    }
+    fn drain_events(&mut self, out: &mut Vec<FlowEvent>) -> Result<usize> {
+        let n = self.events.len();
+        out.extend(self.events.drain(..));
+        Ok(n)
+    }
+}
