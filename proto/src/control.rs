@@ -106,6 +106,17 @@ pub mod field {
         pub const LEN: usize = 16;
     }
 
+    /// SET_OWNER body (server -> switch).
+    pub mod set_owner {
+        use super::Field;
+        pub const CLIENT_IP: Field = 0..4;
+        pub const CLIENT_PORT: Field = 4..6;
+        pub const SERVICE_PORT: Field = 6..8;
+        pub const SERVICE_IP: Field = 8..12;
+        pub const OWNER: Field = 12..16;
+        pub const LEN: usize = 16;
+    }
+
     /// ERROR body (either direction).
     pub mod error {
         use super::Field;
@@ -131,6 +142,7 @@ pub enum ControlKind {
     Drain,
     Migrate,
     Error,
+    SetOwner,
 }
 
 impl ControlKind {
@@ -142,6 +154,7 @@ impl ControlKind {
             ControlKind::Drain => 4,
             ControlKind::Migrate => 5,
             ControlKind::Error => 6,
+            ControlKind::SetOwner => 7,
         }
     }
     pub const fn from_u8(v: u8) -> Option<Self> {
@@ -152,6 +165,7 @@ impl ControlKind {
             4 => ControlKind::Drain,
             5 => ControlKind::Migrate,
             6 => ControlKind::Error,
+            7 => ControlKind::SetOwner,
             _ => return None,
         })
     }
@@ -166,6 +180,7 @@ impl std::fmt::Display for ControlKind {
             ControlKind::Drain => "DRAIN",
             ControlKind::Migrate => "MIGRATE",
             ControlKind::Error => "ERROR",
+            ControlKind::SetOwner => "SET_OWNER",
         })
     }
 }
@@ -415,6 +430,17 @@ pub struct Migrate {
     pub target: Option<Ipv4Addr>,
 }
 
+/// SET_OWNER: route a flow to `owner` (server -> switch). Used by an
+/// origin that aborts a migration after PREPARE_ACK redirected the flow: it
+/// still holds the connection and takes the flow back. The switch control
+/// plane accepts it only from the flow's current origin or target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SetOwner {
+    pub flow: FlowKey,
+    /// Data address of the server that owns the connection.
+    pub owner: Ipv4Addr,
+}
+
 /// Error codes of ERROR messages. Unknown codes are kept, never an error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorCode {
@@ -480,6 +506,7 @@ pub enum ControlBody<'a> {
     Drain(Drain),
     Migrate(Migrate),
     Error(ErrorMsg<'a>),
+    SetOwner(SetOwner),
 }
 
 impl ControlBody<'_> {
@@ -491,6 +518,7 @@ impl ControlBody<'_> {
             ControlBody::Drain(_) => ControlKind::Drain,
             ControlBody::Migrate(_) => ControlKind::Migrate,
             ControlBody::Error(_) => ControlKind::Error,
+            ControlBody::SetOwner(_) => ControlKind::SetOwner,
         }
     }
 
@@ -504,6 +532,7 @@ impl ControlBody<'_> {
             ControlBody::Drain(_) => field::drain::LEN,
             ControlBody::Migrate(_) => field::migrate::LEN,
             ControlBody::Error(e) => field::error::TEXT + e.text.len(),
+            ControlBody::SetOwner(_) => field::set_owner::LEN,
         }
     }
 }
@@ -603,6 +632,19 @@ impl<'a> ControlRepr<'a> {
                         service_port: rd16(body, f::SERVICE_PORT),
                     },
                     target: (!target.is_unspecified()).then_some(target),
+                })
+            }
+            ControlKind::SetOwner => {
+                use field::set_owner as f;
+                exact(f::LEN)?;
+                ControlBody::SetOwner(SetOwner {
+                    flow: FlowKey {
+                        client_ip: Ipv4Addr::from(rd32(body, f::CLIENT_IP)),
+                        client_port: rd16(body, f::CLIENT_PORT),
+                        service_ip: Ipv4Addr::from(rd32(body, f::SERVICE_IP)),
+                        service_port: rd16(body, f::SERVICE_PORT),
+                    },
+                    owner: Ipv4Addr::from(rd32(body, f::OWNER)),
                 })
             }
             ControlKind::Error => {
@@ -724,6 +766,14 @@ impl<'a> ControlRepr<'a> {
                 let target = m.target.unwrap_or(Ipv4Addr::UNSPECIFIED);
                 body[f::TARGET].copy_from_slice(&target.octets());
             }
+            ControlBody::SetOwner(o) => {
+                use field::set_owner as f;
+                body[f::CLIENT_IP].copy_from_slice(&o.flow.client_ip.octets());
+                body[f::CLIENT_PORT].copy_from_slice(&o.flow.client_port.to_be_bytes());
+                body[f::SERVICE_PORT].copy_from_slice(&o.flow.service_port.to_be_bytes());
+                body[f::SERVICE_IP].copy_from_slice(&o.flow.service_ip.octets());
+                body[f::OWNER].copy_from_slice(&o.owner.octets());
+            }
             ControlBody::Error(e) => {
                 use field::error as f;
                 body[f::CODE].copy_from_slice(&e.code.to_u16().to_be_bytes());
@@ -813,6 +863,7 @@ mod tests {
                 ref_seq: 41,
                 text: "no such flow: 198.18.0.10:5555",
             }),
+            ControlBody::SetOwner(SetOwner { flow, owner: Ipv4Addr::new(198, 18, 2, 10) }),
         ];
         for body in bodies {
             round_trip(ControlRepr {

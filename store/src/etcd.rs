@@ -168,8 +168,7 @@ impl EtcdStore {
                 StoreError::Unreachable { endpoints: self.endpoints.clone(), reason: format!("{op}: {e}") }
             }
             etcd_client::Error::GRpcStatus(s)
-                if matches!(s.code(), tonic_code::UNAVAILABLE | tonic_code::DEADLINE_EXCEEDED)
-                    || s.code() as i32 == tonic_code::UNAVAILABLE as i32 =>
+                if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled) =>
             {
                 StoreError::Unreachable { endpoints: self.endpoints.clone(), reason: format!("{op}: {e}") }
             }
@@ -178,7 +177,7 @@ impl EtcdStore {
     }
 
     /// Runs an etcd request with the configured deadline.
-    async fn call<T>(&self, op: &'static str, fut: impl std::future::Future<Output = etcd_client::Result<T>>) -> Result<T> {
+    async fn call<T>(&self, op: &'static str, fut: impl std::future::Future<Output = std::result::Result<T, etcd_client::Error>>) -> Result<T> {
         let after = Duration::from_millis(self.config.request_timeout_ms);
         match tokio::time::timeout(after, fut).await {
             Ok(r) => r.map_err(self.err(op)),
@@ -311,12 +310,6 @@ impl EtcdStore {
     }
 }
 
-/// gRPC codes as `tonic::Code` values, without depending on tonic directly.
-mod tonic_code {
-    pub const UNAVAILABLE: super::Code = super::Code::Unavailable;
-    pub const DEADLINE_EXCEEDED: super::Code = super::Code::DeadlineExceeded;
-}
-use etcd_client::tonic::Code;
 
 #[async_trait]
 impl Store for EtcdStore {

@@ -10,3 +10,9 @@
 
 pub mod abi;
 pub mod maglev;
+pub mod bpf;
+pub mod dataplane;
+
+pub use dataplane::{DataPlane, DataPlaneError, MemDataPlane};
+pub mod netns;
+pub mod packet;

@@ -1,0 +1,233 @@
+//! The hostagent's configuration file (TOML), validated before anything
+//! starts. `hostagent --check CONFIG` validates and exits; every error names
+//! the field and the bad value.
+
+use serde::Deserialize;
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+/// Which frame I/O backend runs the stack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// AF_PACKET with mmap'ed rings: works on any Linux interface.
+    #[default]
+    AfPacket,
+    /// DPDK (cargo feature `dpdk`), e.g. `net_af_packet` in the lab.
+    Dpdk,
+}
+
+/// Busy-poll a dedicated core, or sleep until frames arrive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Poll {
+    Busy,
+    #[default]
+    Sleep,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InterfaceConfig {
+    /// The kernel interface the stack takes frames from (e.g. `eth0`).
+    pub name: String,
+    #[serde(default)]
+    pub backend: Backend,
+    #[serde(default)]
+    pub poll: Poll,
+    /// EAL arguments for the DPDK backend.
+    #[serde(default)]
+    pub dpdk_args: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StackConfig {
+    /// The stack's own data address (not assigned to the kernel).
+    pub address: Ipv4Addr,
+    /// Next hop for everything (the switch).
+    pub gateway: Ipv4Addr,
+    #[serde(default = "default_mss")]
+    pub mss: u16,
+    #[serde(default = "default_buffer")]
+    pub send_buffer: usize,
+    #[serde(default = "default_buffer")]
+    pub recv_buffer: usize,
+}
+
+fn default_mss() -> u16 {
+    1460
+}
+fn default_buffer() -> usize {
+    256 * 1024
+}
+
+/// What serves the connections of a service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum App {
+    /// Writes back every byte it reads.
+    Echo,
+    /// A small HTTP/1.1 server (hyper on the async socket API).
+    Http,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceConfig {
+    /// The service address (VIP:port) the stack listens on.
+    pub listen: SocketAddrV4,
+    pub app: App,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// A name for logs, counters and the `x-server` response header.
+    #[serde(default = "default_name")]
+    pub name: String,
+    pub interface: InterfaceConfig,
+    pub stack: StackConfig,
+    #[serde(default, rename = "service")]
+    pub services: Vec<ServiceConfig>,
+}
+
+fn default_name() -> String {
+    "hostagent".into()
+}
+
+/// A configuration error, naming the field and the value.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("{path}: {field} = {value}: {why}")]
+    Invalid { path: String, field: String, value: String, why: String },
+}
+
+impl Config {
+    /// Reads and validates a configuration file.
+    pub fn load(path: &str) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        let cfg = Config::parse(path, &text)?;
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    /// Parses TOML text; `origin` names it in errors.
+    pub fn parse(origin: &str, text: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| {
+            let at = e
+                .span()
+                .map(|s| {
+                    let n = text[..s.start].matches('\n').count() + 1;
+                    format!(" (line {n}: {})", text.lines().nth(n - 1).unwrap_or("").trim())
+                })
+                .unwrap_or_default();
+            ConfigError::Parse {
+                path: origin.into(),
+                message: format!("{}{at}", e.message().replace('\n', " ")),
+            }
+        })
+    }
+
+    /// Checks values that parse but cannot work.
+    pub fn validate(&self, origin: &str) -> Result<(), ConfigError> {
+        let bad = |field: &str, value: String, why: &str| ConfigError::Invalid {
+            path: origin.into(),
+            field: field.into(),
+            value,
+            why: why.into(),
+        };
+        if self.interface.name.is_empty() || self.interface.name.len() > 15 {
+            return Err(bad(
+                "interface.name",
+                format!("{:?}", self.interface.name),
+                "must be 1 to 15 characters",
+            ));
+        }
+        if self.interface.backend == Backend::Dpdk && self.interface.dpdk_args.is_empty() {
+            return Err(bad("interface.dpdk_args", "[]".into(), "the dpdk backend needs EAL arguments"));
+        }
+        let s = &self.stack;
+        if s.address.is_unspecified() || s.address.is_broadcast() || s.address.is_multicast() {
+            return Err(bad("stack.address", s.address.to_string(), "must be a unicast address"));
+        }
+        if s.gateway.is_unspecified() || s.gateway == s.address {
+            return Err(bad("stack.gateway", s.gateway.to_string(), "must be another unicast address"));
+        }
+        if !(536..=9000).contains(&s.mss) {
+            return Err(bad("stack.mss", s.mss.to_string(), "must be 536 to 9000"));
+        }
+        for (field, v) in [("stack.send_buffer", s.send_buffer), ("stack.recv_buffer", s.recv_buffer)] {
+            if !(4096..=64 << 20).contains(&v) {
+                return Err(bad(field, v.to_string(), "must be 4 KiB to 64 MiB"));
+            }
+        }
+        for (i, a) in self.services.iter().enumerate() {
+            if a.listen.port() == 0 {
+                return Err(bad(&format!("service[{i}].listen"), a.listen.to_string(), "port 0"));
+            }
+            // Incoming segments reach a listener by port (the switch rewrote
+            // the VIP to our data address), so ports must be unique.
+            if self.services[..i].iter().any(|b| b.listen.port() == a.listen.port()) {
+                return Err(bad(
+                    &format!("service[{i}].listen"),
+                    a.listen.to_string(),
+                    "another service already uses this port",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+name = "s1"
+[interface]
+name = "eth0"
+[stack]
+address = "198.18.2.11"
+gateway = "198.18.1.1"
+[[service]]
+listen = "198.18.100.1:80"
+app = "http"
+[[service]]
+listen = "198.18.100.1:7"
+app = "echo"
+"#;
+
+    fn check(text: &str) -> Result<Config, String> {
+        let c = Config::parse("t.toml", text).map_err(|e| e.to_string())?;
+        c.validate("t.toml").map_err(|e| e.to_string())?;
+        Ok(c)
+    }
+
+    #[test]
+    fn good_config_parses_with_defaults() {
+        let c = check(GOOD).unwrap();
+        assert_eq!(c.stack.mss, 1460);
+        assert_eq!(c.interface.backend, Backend::AfPacket);
+        assert_eq!(c.services.len(), 2);
+    }
+
+    #[test]
+    fn errors_name_the_field_and_value() {
+        let e = check(&GOOD.replace("198.18.2.11", "198.18.2.300")).unwrap_err();
+        assert!(e.contains("198.18.2.300"), "{e}");
+        let e = check(&GOOD.replace("app = \"echo\"", "app = \"ftp\"")).unwrap_err();
+        assert!(e.contains("ftp"), "{e}");
+        let e = check(&GOOD.replace("198.18.100.1:7\"", "198.18.100.2:80\"")).unwrap_err();
+        assert!(e.contains("service[1].listen") && e.contains("198.18.100.2:80"), "{e}");
+        let e = check(&GOOD.replace("[stack]", "[stack]\nmss = 20")).unwrap_err();
+        assert!(e.contains("stack.mss = 20"), "{e}");
+        let e = check(&GOOD.replace("name = \"eth0\"", "name = \"eth0\"\nspeed = 1")).unwrap_err();
+        assert!(e.contains("speed"), "{e}");
+    }
+}

@@ -1,0 +1,615 @@
+//! An endpoint owning listeners and many connections behind a socket-like,
+//! handle-based, sans-IO API.
+//!
+//! Addressing: the switch rewrites the VIP to this server's data address, so
+//! an incoming segment is matched to a connection by (remote ip, remote port,
+//! local port) and to a listener by local port, whatever its IPv4
+//! destination; its checksum is verified against the destination it arrived
+//! with. Outgoing segments carry the connection's bound local address (the
+//! VIP) as source, and their checksum is computed with it.
+//!
+//! Per-packet work is two hash lookups and fixed-size copies; the event,
+//! ready and RST queues are pre-sized (they grow only if a burst exceeds
+//! their initial capacity).
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use capybara_proto::time::Instant;
+use capybara_proto::FlowKey;
+
+use crate::config::TcpConfig;
+use crate::conn::{Connection, State};
+use crate::counters::Counters;
+use crate::error::{CloseReason, TcpError};
+use crate::isn::IsnGenerator;
+use crate::seq::SeqNum;
+use crate::wire::{TcpPacket, TcpRepr};
+
+/// Handle of a connection; never reused within an endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(pub u64);
+
+/// Socket events for an async driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// A passive connection completed its handshake; `accept()` returns it.
+    Accepted(ConnId),
+    /// An active connection completed its handshake.
+    Connected(ConnId),
+    /// Data, end of stream, or an error is available to `recv`.
+    Readable(ConnId),
+    /// Send-buffer space freed after a short write.
+    Writable(ConnId),
+    /// The connection reached CLOSED; the handle stays valid until `close`.
+    Closed { id: ConnId, reason: CloseReason },
+}
+
+/// A segment written by `poll_transmit`: `buf[..len]` is a complete TCP
+/// segment (checksum filled) to wrap in an IPv4 header from `src` to `dst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transmit {
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub len: usize,
+}
+
+/// A snapshot of one connection's transport metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnInfo {
+    pub state: State,
+    pub local: SocketAddrV4,
+    pub remote: SocketAddrV4,
+    pub srtt_us: u64,
+    pub rttvar_us: u64,
+    pub rto_us: u64,
+    pub cwnd: u32,
+    pub ssthresh: u32,
+    pub snd_wnd: u32,
+    pub rcv_wnd: u32,
+    pub unacked: u32,
+    pub send_queue: usize,
+    pub recv_queue: usize,
+    pub retransmits: u64,
+    pub segments_in: u64,
+    pub segments_out: u64,
+}
+
+/// Lookup key: what identifies a connection whatever its IPv4 destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Key {
+    remote_ip: Ipv4Addr,
+    remote_port: u16,
+    local_port: u16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Passive, handshake in progress: the application does not know it.
+    HalfOpen,
+    /// Passive, in the accept queue.
+    Queued,
+    /// Accepted, connected actively, or imported: owned by the application.
+    Owned,
+}
+
+#[derive(Debug)]
+struct Entry {
+    conn: Connection,
+    listener: Option<u16>,
+    stage: Stage,
+    /// The application called `close`; the entry goes when CLOSED.
+    app_closed: bool,
+    in_ready: bool,
+}
+
+#[derive(Debug)]
+struct Listener {
+    addr: SocketAddrV4,
+    half_open: usize,
+    queued: usize,
+}
+
+/// A RST for a segment that matched no connection (RFC 9293 §3.10.7.1).
+#[derive(Debug, Clone, Copy)]
+struct RstReply {
+    local: SocketAddrV4,
+    remote: SocketAddrV4,
+    seq: SeqNum,
+    ack: Option<SeqNum>,
+}
+
+const RST_QUEUE: usize = 64;
+
+/// The TCP endpoint.
+#[derive(Debug)]
+pub struct Endpoint {
+    cfg: TcpConfig,
+    isn: IsnGenerator,
+    conns: HashMap<ConnId, Entry>,
+    flows: HashMap<Key, ConnId>,
+    listeners: HashMap<u16, Listener>,
+    accept_queue: VecDeque<ConnId>,
+    events: VecDeque<Event>,
+    ready: VecDeque<ConnId>,
+    rsts: VecDeque<RstReply>,
+    scratch: Vec<ConnId>,
+    next_id: u64,
+    next_port: u16,
+    now: Instant,
+    counters: Counters,
+}
+
+impl Endpoint {
+    pub fn new(cfg: TcpConfig) -> Self {
+        Endpoint {
+            isn: IsnGenerator::new(cfg.isn_key),
+            cfg,
+            conns: HashMap::with_capacity(1024),
+            flows: HashMap::with_capacity(1024),
+            listeners: HashMap::new(),
+            accept_queue: VecDeque::with_capacity(256),
+            events: VecDeque::with_capacity(1024),
+            ready: VecDeque::with_capacity(1024),
+            rsts: VecDeque::with_capacity(RST_QUEUE),
+            scratch: Vec::with_capacity(1024),
+            next_id: 1,
+            next_port: 49152,
+            now: Instant::ZERO,
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn config(&self) -> &TcpConfig {
+        &self.cfg
+    }
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    // ------------------------------------------------------------ socket API
+
+    /// Accepts connections to `local` (the service VIP and port). Segments
+    /// for the port are taken whatever their IPv4 destination.
+    pub fn listen(&mut self, local: SocketAddrV4) -> Result<(), TcpError> {
+        if self.listeners.contains_key(&local.port()) {
+            return Err(TcpError::AddrInUse);
+        }
+        self.listeners.insert(local.port(), Listener { addr: local, half_open: 0, queued: 0 });
+        Ok(())
+    }
+
+    /// Stops listening; established connections are unaffected.
+    pub fn unlisten(&mut self, port: u16) {
+        self.listeners.remove(&port);
+    }
+
+    /// Next established passive connection.
+    pub fn accept(&mut self) -> Option<ConnId> {
+        while let Some(id) = self.accept_queue.pop_front() {
+            if let Some(e) = self.conns.get_mut(&id) {
+                if e.stage == Stage::Queued {
+                    e.stage = Stage::Owned;
+                    if let Some(l) = e.listener.and_then(|p| self.listeners.get_mut(&p)) {
+                        l.queued = l.queued.saturating_sub(1);
+                    }
+                    return Some(id);
+                }
+            }
+        }
+        None
+    }
+
+    /// Active open from `local` (port 0 picks an ephemeral port) to `remote`.
+    pub fn connect(&mut self, now: Instant, local: SocketAddrV4, remote: SocketAddrV4) -> Result<ConnId, TcpError> {
+        self.now = now;
+        let mut local = local;
+        if local.port() == 0 {
+            let mut found = None;
+            for _ in 0..16384 {
+                let p = self.next_port;
+                self.next_port = if p == u16::MAX { 49152 } else { p + 1 };
+                let k = Key { remote_ip: *remote.ip(), remote_port: remote.port(), local_port: p };
+                if !self.flows.contains_key(&k) && !self.listeners.contains_key(&p) {
+                    found = Some(p);
+                    break;
+                }
+            }
+            local.set_port(found.ok_or(TcpError::NoPorts)?);
+        }
+        let key = Key { remote_ip: *remote.ip(), remote_port: remote.port(), local_port: local.port() };
+        if self.flows.contains_key(&key) {
+            return Err(TcpError::AddrInUse);
+        }
+        let iss = self.isn.isn(now, local, remote);
+        let ts_offset = self.isn.secret_u32(1, local, remote);
+        let conn = Connection::connect(&self.cfg, local, remote, iss, ts_offset);
+        self.counters.connections_active += 1;
+        Ok(self.insert(conn, None, Stage::Owned))
+    }
+
+    /// Reads in-order bytes. `Ok(0)` = end of stream (peer sent FIN);
+    /// `WouldBlock` = nothing yet; `Reset`/`TimedOut`/... = the connection failed.
+    pub fn recv(&mut self, id: ConnId, buf: &mut [u8]) -> Result<usize, TcpError> {
+        let e = self.owned_mut(id)?;
+        let r = e.conn.recv(buf);
+        self.sync(id);
+        r
+    }
+
+    /// Queues bytes; returns how many fit (partial writes when the send
+    /// buffer is full, `WouldBlock` when none fit).
+    pub fn send(&mut self, id: ConnId, data: &[u8]) -> Result<usize, TcpError> {
+        let e = self.owned_mut(id)?;
+        let r = e.conn.send(data);
+        self.sync(id);
+        r
+    }
+
+    /// Sends FIN after the queued data; reading stays possible.
+    pub fn shutdown(&mut self, id: ConnId) -> Result<(), TcpError> {
+        let now = self.now;
+        let e = self.owned_mut(id)?;
+        e.conn.shutdown(now);
+        self.sync(id);
+        Ok(())
+    }
+
+    /// Releases the handle: graceful close (FIN), or RST when unread data
+    /// would be lost. The connection finishes its closing states alone.
+    pub fn close(&mut self, id: ConnId) -> Result<(), TcpError> {
+        let now = self.now;
+        let e = self.owned_mut(id)?;
+        e.app_closed = true;
+        e.conn.close(now);
+        self.sync(id);
+        Ok(())
+    }
+
+    /// Resets the connection (RST) and releases the handle.
+    pub fn abort(&mut self, id: ConnId) -> Result<(), TcpError> {
+        let e = self.owned_mut(id)?;
+        e.app_closed = true;
+        e.conn.abort();
+        self.sync(id);
+        Ok(())
+    }
+
+    pub fn state(&self, id: ConnId) -> Option<State> {
+        self.owned(id).map(|c| c.state)
+    }
+    pub fn is_readable(&self, id: ConnId) -> bool {
+        self.owned(id).is_some_and(Connection::is_readable)
+    }
+    pub fn is_writable(&self, id: ConnId) -> bool {
+        self.owned(id).is_some_and(Connection::is_writable)
+    }
+    pub fn is_closed(&self, id: ConnId) -> bool {
+        self.owned(id).is_none_or(|c| c.state == State::Closed)
+    }
+    pub fn local_addr(&self, id: ConnId) -> Option<SocketAddrV4> {
+        self.owned(id).map(|c| c.local)
+    }
+    pub fn remote_addr(&self, id: ConnId) -> Option<SocketAddrV4> {
+        self.owned(id).map(|c| c.remote)
+    }
+    /// The flow as the switch and the store name it.
+    pub fn flow_key(&self, id: ConnId) -> Option<FlowKey> {
+        self.owned(id).map(|c| FlowKey {
+            client_ip: *c.remote.ip(),
+            client_port: c.remote.port(),
+            service_ip: *c.local.ip(),
+            service_port: c.local.port(),
+        })
+    }
+
+    /// Read access to the whole connection state (tests, snapshots).
+    pub fn connection(&self, id: ConnId) -> Option<&Connection> {
+        self.conns.get(&id).map(|e| &e.conn)
+    }
+
+    pub fn info(&self, id: ConnId) -> Option<ConnInfo> {
+        let c = self.connection(id)?;
+        Some(ConnInfo {
+            state: c.state,
+            local: c.local,
+            remote: c.remote,
+            srtt_us: c.rtt.srtt_us,
+            rttvar_us: c.rtt.rttvar_us,
+            rto_us: c.rtt.rto(&c.params).as_micros() as u64,
+            cwnd: c.cc.cwnd,
+            ssthresh: c.cc.ssthresh,
+            snd_wnd: c.snd.wnd,
+            rcv_wnd: c.rcv_wnd(),
+            unacked: c.unacked(),
+            send_queue: c.send_queue_len(),
+            recv_queue: c.recv_queue_len(),
+            retransmits: c.stats.retransmits,
+            segments_in: c.stats.segments_in,
+            segments_out: c.stats.segments_out,
+        })
+    }
+
+    /// Connections per state (every state listed, zero included).
+    pub fn connections_by_state(&self) -> [(State, usize); 10] {
+        let mut out = State::ALL.map(|s| (s, 0));
+        for e in self.conns.values() {
+            if let Some(slot) = out.iter_mut().find(|(s, _)| *s == e.conn.state) {
+                slot.1 += 1;
+            }
+        }
+        out
+    }
+
+    pub fn connection_count(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// Removes a connection without sending anything (migration export):
+    /// returns its complete state.
+    pub fn detach(&mut self, id: ConnId) -> Option<Connection> {
+        let e = self.conns.get(&id)?;
+        let port = e.listener;
+        let stage = e.stage;
+        if let Some(l) = port.and_then(|p| self.listeners.get_mut(&p)) {
+            match stage {
+                Stage::HalfOpen => l.half_open = l.half_open.saturating_sub(1),
+                Stage::Queued => l.queued = l.queued.saturating_sub(1),
+                Stage::Owned => {}
+            }
+        }
+        let e = self.conns.remove(&id)?;
+        self.flows.remove(&key_of(&e.conn));
+        Some(e.conn)
+    }
+
+    /// Adds a connection built elsewhere (migration import). It is delivered
+    /// through `accept` like a new passive connection.
+    pub fn attach(&mut self, conn: Connection) -> Result<ConnId, TcpError> {
+        if self.flows.contains_key(&key_of(&conn)) {
+            return Err(TcpError::AddrInUse);
+        }
+        let port = conn.local.port();
+        let id = self.insert(conn, Some(port), Stage::Queued);
+        self.accept_queue.push_back(id);
+        self.events.push_back(Event::Accepted(id));
+        if let Some(l) = self.listeners.get_mut(&port) {
+            l.queued += 1;
+        }
+        Ok(id)
+    }
+
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    // ------------------------------------------------------------ packet I/O
+
+    /// Takes one TCP segment (header + payload) that arrived in an IPv4
+    /// packet from `src` to `dst`. Malformed input is counted and dropped.
+    pub fn handle_segment(&mut self, now: Instant, src: Ipv4Addr, dst: Ipv4Addr, bytes: &[u8]) {
+        self.now = now;
+        self.counters.segments_in += 1;
+        let Ok(packet) = TcpPacket::new_checked(bytes) else {
+            self.counters.drops.malformed += 1;
+            return;
+        };
+        if self.cfg.verify_checksum && !packet.verify_checksum(src, dst) {
+            self.counters.drops.bad_checksum += 1;
+            return;
+        }
+        let Ok(repr) = TcpRepr::parse(&packet) else {
+            self.counters.drops.malformed += 1;
+            return;
+        };
+        if repr.src_port == 0 || repr.dst_port == 0 {
+            self.counters.drops.malformed += 1;
+            return;
+        }
+        let key = Key { remote_ip: src, remote_port: repr.src_port, local_port: repr.dst_port };
+        if let Some(&id) = self.flows.get(&key) {
+            let Some(e) = self.conns.get_mut(&id) else {
+                self.flows.remove(&key);
+                return;
+            };
+            let reuse = e.conn.state == State::TimeWait
+                && repr.syn
+                && repr.ack.is_none()
+                && !repr.rst
+                && repr.seq > e.conn.rcv.nxt;
+            if !reuse {
+                e.conn.process(now, &repr, &mut self.counters);
+                self.sync(id);
+                return;
+            }
+            // A new SYN above the old sequence space ends TIME-WAIT early
+            // (RFC 9293 §3.10.7.4 note, as Linux does for port reuse).
+            self.remove(id);
+        }
+
+        if repr.rst {
+            // Never answer a RST (RFC 9293 §3.10.7.1).
+            self.counters.drops.unexpected += 1;
+            return;
+        }
+        let remote = SocketAddrV4::new(src, repr.src_port);
+        let Some(l) = self.listeners.get_mut(&repr.dst_port) else {
+            self.counters.drops.no_listener += 1;
+            self.queue_rst(&repr, SocketAddrV4::new(dst, repr.dst_port), remote);
+            return;
+        };
+        let local = if l.addr.ip().is_unspecified() { SocketAddrV4::new(dst, repr.dst_port) } else { l.addr };
+        if !(repr.syn && repr.ack.is_none()) {
+            // LISTEN: an ACK gets <SEQ=SEG.ACK><CTL=RST>; anything else is dropped.
+            self.counters.drops.unexpected += 1;
+            if repr.ack.is_some() {
+                self.queue_rst(&repr, local, remote);
+            }
+            return;
+        }
+        if l.half_open >= self.cfg.syn_backlog || l.queued >= self.cfg.accept_backlog {
+            self.counters.drops.backlog_full += 1;
+            return;
+        }
+        l.half_open += 1;
+        let iss = self.isn.isn(now, local, remote);
+        let ts_offset = self.isn.secret_u32(1, local, remote);
+        let conn = Connection::accept_syn(&self.cfg, now, local, remote, &repr, iss, ts_offset);
+        self.counters.connections_passive += 1;
+        let id = self.insert(conn, Some(repr.dst_port), Stage::HalfOpen);
+        self.sync(id);
+    }
+
+    /// Writes the next segment to send into `buf` (size it for 60 + MSS
+    /// bytes). Call until it returns `None`.
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        self.now = now;
+        while let Some(r) = self.rsts.pop_front() {
+            let mut t = TcpRepr::new(r.local.port(), r.remote.port(), r.seq);
+            t.rst = true;
+            t.ack = r.ack;
+            if let Ok(len) = t.emit(buf, *r.local.ip(), *r.remote.ip()) {
+                self.counters.resets_sent += 1;
+                self.counters.segments_out += 1;
+                return Some(Transmit { src: *r.local.ip(), dst: *r.remote.ip(), len });
+            }
+        }
+        while let Some(id) = self.ready.pop_front() {
+            let Some(e) = self.conns.get_mut(&id) else { continue };
+            match e.conn.poll_segment(now, buf, &mut self.counters) {
+                Some(len) => {
+                    self.counters.segments_out += 1;
+                    let t = Transmit { src: *e.conn.local.ip(), dst: *e.conn.remote.ip(), len };
+                    self.ready.push_back(id);
+                    self.sync_events(id);
+                    return Some(t);
+                }
+                None => {
+                    e.in_ready = false;
+                    self.sync_events(id);
+                }
+            }
+        }
+        None
+    }
+
+    /// Earliest timer deadline of any connection.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.conns.values().filter_map(|e| e.conn.next_deadline()).min()
+    }
+
+    /// Fires the timers due at `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.now = now;
+        let mut due = std::mem::take(&mut self.scratch);
+        due.clear();
+        due.extend(
+            self.conns.iter().filter(|(_, e)| e.conn.next_deadline().is_some_and(|t| t <= now)).map(|(id, _)| *id),
+        );
+        for &id in &due {
+            if let Some(e) = self.conns.get_mut(&id) {
+                e.conn.on_timeout(now, &mut self.counters);
+                self.sync(id);
+            }
+        }
+        self.scratch = due;
+    }
+
+    // ------------------------------------------------------------ internals
+
+    fn owned(&self, id: ConnId) -> Option<&Connection> {
+        self.conns.get(&id).filter(|e| e.stage == Stage::Owned && !e.app_closed).map(|e| &e.conn)
+    }
+
+    fn owned_mut(&mut self, id: ConnId) -> Result<&mut Entry, TcpError> {
+        self.conns.get_mut(&id).filter(|e| e.stage == Stage::Owned && !e.app_closed).ok_or(TcpError::InvalidHandle)
+    }
+
+    fn insert(&mut self, conn: Connection, listener: Option<u16>, stage: Stage) -> ConnId {
+        let id = ConnId(self.next_id);
+        self.next_id += 1;
+        self.flows.insert(key_of(&conn), id);
+        self.conns.insert(id, Entry { conn, listener, stage, app_closed: false, in_ready: false });
+        id
+    }
+
+    fn remove(&mut self, id: ConnId) {
+        self.detach(id);
+    }
+
+    fn queue_rst(&mut self, seg: &TcpRepr, local: SocketAddrV4, remote: SocketAddrV4) {
+        if !self.cfg.rst_unknown {
+            return;
+        }
+        if self.rsts.len() >= RST_QUEUE {
+            self.counters.drops.rst_queue_full += 1;
+            return;
+        }
+        // RFC 9293 §3.10.7.1: ACK set -> <SEQ=SEG.ACK><CTL=RST>,
+        // else <SEQ=0><ACK=SEG.SEQ+SEG.LEN><CTL=RST,ACK>.
+        let (seq, ack) = match seg.ack {
+            Some(a) => (a, None),
+            None => (SeqNum(0), Some(seg.seq.add(seg.segment_len() as u32))),
+        };
+        self.rsts.push_back(RstReply { local, remote, seq, ack });
+    }
+
+    /// After any activity on a connection: publish its events and schedule
+    /// it for transmission.
+    fn sync(&mut self, id: ConnId) {
+        if let Some(e) = self.conns.get_mut(&id) {
+            if !e.in_ready {
+                e.in_ready = true;
+                self.ready.push_back(id);
+            }
+        }
+        self.sync_events(id);
+    }
+
+    fn sync_events(&mut self, id: ConnId) {
+        let Some(e) = self.conns.get_mut(&id) else { return };
+        let ev = std::mem::take(&mut e.conn.events);
+        if ev.established {
+            match e.stage {
+                Stage::HalfOpen => {
+                    e.stage = Stage::Queued;
+                    if let Some(l) = e.listener.and_then(|p| self.listeners.get_mut(&p)) {
+                        l.half_open = l.half_open.saturating_sub(1);
+                        l.queued += 1;
+                    }
+                    self.accept_queue.push_back(id);
+                    self.events.push_back(Event::Accepted(id));
+                }
+                Stage::Owned if !e.app_closed => self.events.push_back(Event::Connected(id)),
+                _ => {}
+            }
+        }
+        let visible = e.stage != Stage::HalfOpen && !e.app_closed;
+        if visible {
+            if ev.readable && !ev.closed {
+                self.events.push_back(Event::Readable(id));
+            }
+            if ev.writable && !ev.closed && !ev.established {
+                self.events.push_back(Event::Writable(id));
+            }
+            if ev.closed {
+                let reason = e.conn.close_reason.unwrap_or(CloseReason::Normal);
+                self.events.push_back(Event::Closed { id, reason });
+            }
+        }
+        if e.app_closed {
+            e.conn.orphan_tick(self.now);
+        }
+        let done = e.conn.state == State::Closed
+            && !e.conn.pending.rst
+            && e.conn.pending.rst_reply.is_none()
+            && (e.app_closed || e.stage == Stage::HalfOpen);
+        if done {
+            self.remove(id);
+        }
+    }
+}
+
+fn key_of(c: &Connection) -> Key {
+    Key { remote_ip: *c.remote.ip(), remote_port: c.remote.port(), local_port: c.local.port() }
+}

@@ -1,0 +1,400 @@
+//! eBPF/XDP backend of [`DataPlane`]: loads `bpf/switch.bpf.c` (compiled by
+//! build.rs and embedded), owns its maps, attaches it to interfaces, and
+//! runs it on crafted packets through BPF_PROG_TEST_RUN for tests and the
+//! benchmark.
+//!
+//! Everything this backend creates lives only as long as the value: maps
+//! are not pinned, and XDP attachments are bpf_links that the kernel
+//! detaches when they are dropped (also when the process dies).
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, Object, ObjectBuilder, RingBuffer, RingBufferBuilder};
+
+use crate::abi::*;
+use crate::dataplane::{check_range, DataPlane, DataPlaneError, FlowEvent, Result};
+
+/// The compiled XDP object.
+pub static SWITCH_BPF_OBJ: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/switch.bpf.o"));
+
+const PROG_NAME: &str = "capy_switch";
+
+/// Map capacities chosen at load time (defaults: the header's).
+#[derive(Debug, Clone, Copy)]
+pub struct BpfOptions {
+    pub max_flows: u32,
+    pub max_migrations: u32,
+    /// Ring buffer bytes (power of two, >= page size).
+    pub event_ring_bytes: u32,
+}
+
+impl Default for BpfOptions {
+    fn default() -> Self {
+        BpfOptions { max_flows: MAX_FLOWS, max_migrations: MAX_MIGRATIONS, event_ring_bytes: 1 << 22 }
+    }
+}
+
+impl BpfOptions {
+    /// Small maps for tests: quick to create, little memory.
+    pub fn small() -> Self {
+        BpfOptions { max_flows: 4096, max_migrations: 4096, event_ring_bytes: 1 << 16 }
+    }
+}
+
+/// Result of one BPF_PROG_TEST_RUN.
+#[derive(Debug, Clone)]
+pub struct TestRun {
+    /// XDP action (XDP_DROP=1, XDP_PASS=2, XDP_TX=3, XDP_REDIRECT=4).
+    pub verdict: u32,
+    /// The packet as the program left it.
+    pub packet: Vec<u8>,
+    /// Average time per repetition, as measured by the kernel.
+    pub duration: Duration,
+}
+
+pub const XDP_ABORTED: u32 = 0;
+pub const XDP_DROP: u32 = 1;
+pub const XDP_PASS: u32 = 2;
+pub const XDP_TX: u32 = 3;
+pub const XDP_REDIRECT: u32 = 4;
+
+struct Maps {
+    flows: MapHandle,
+    migrations: MapHandle,
+    servers: MapHandle,
+    server_by_addr: MapHandle,
+    services: MapHandle,
+    maglev: MapHandle,
+    rings: MapHandle,
+    ifaces: MapHandle,
+    tx_ports: MapHandle,
+    config: MapHandle,
+    server_stats: MapHandle,
+    stats: MapHandle,
+}
+
+pub struct BpfDataPlane {
+    // Field order matters: the ring buffer borrows `_event_map` and must be
+    // dropped first.
+    ringbuf: RingBuffer<'static>,
+    pending: Arc<Mutex<Vec<FlowEvent>>>,
+    _event_map: Box<MapHandle>,
+    maps: Maps,
+    links: Vec<(u32, Link)>,
+    live_servers: BTreeSet<u32>,
+    obj: Object,
+}
+
+fn map_err(map: &'static str, op: &'static str) -> impl FnOnce(libbpf_rs::Error) -> DataPlaneError {
+    move |e| DataPlaneError::Map { map, op, detail: e.to_string() }
+}
+
+impl BpfDataPlane {
+    /// Loads the program and creates its maps (needs CAP_BPF / root).
+    pub fn load(opts: BpfOptions) -> Result<Self> {
+        let load_err = |e: libbpf_rs::Error| DataPlaneError::Load(e.to_string());
+        let mut open = ObjectBuilder::default().open_memory(SWITCH_BPF_OBJ).map_err(load_err)?;
+        for mut m in open.maps_mut() {
+            let n = m.name().to_string_lossy().to_string();
+            let size = match n.as_str() {
+                "flows" => Some(opts.max_flows),
+                "migrations" => Some(opts.max_migrations),
+                "flow_events" => Some(opts.event_ring_bytes),
+                _ => None,
+            };
+            if let Some(s) = size {
+                m.set_max_entries(s).map_err(load_err)?;
+            }
+        }
+        let obj = open.load().map_err(load_err)?;
+        let handle = |name: &'static str| -> Result<MapHandle> {
+            let m = obj
+                .maps()
+                .find(|m| m.name() == name)
+                .ok_or_else(|| DataPlaneError::Load(format!("map {name} missing from object")))?;
+            MapHandle::try_from(&m).map_err(map_err(name, "open"))
+        };
+        let maps = Maps {
+            flows: handle("flows")?,
+            migrations: handle("migrations")?,
+            servers: handle("servers")?,
+            server_by_addr: handle("server_by_addr")?,
+            services: handle("services")?,
+            maglev: handle("maglev")?,
+            rings: handle("rings")?,
+            ifaces: handle("ifaces")?,
+            tx_ports: handle("tx_ports")?,
+            config: handle("config")?,
+            server_stats: handle("server_stats")?,
+            stats: handle("stats")?,
+        };
+        let event_map = Box::new(handle("flow_events")?);
+        // SAFETY: the Box is kept in the struct and outlives the ring
+        // buffer (declared, hence dropped, before it); its heap address is
+        // stable.
+        let event_ref: &'static MapHandle = unsafe { &*(event_map.as_ref() as *const MapHandle) };
+        let pending = Arc::new(Mutex::new(Vec::new()));
+        let sink = pending.clone();
+        let mut builder = RingBufferBuilder::new();
+        builder
+            .add(event_ref, move |bytes: &[u8]| {
+                if let (Some(ev), Ok(mut v)) = (CFlowEvent::from_bytes(bytes), sink.lock()) {
+                    v.push(ev);
+                }
+                0
+            })
+            .map_err(map_err("flow_events", "ringbuf"))?;
+        let ringbuf = builder.build().map_err(map_err("flow_events", "ringbuf"))?;
+        Ok(BpfDataPlane {
+            ringbuf,
+            pending,
+            _event_map: event_map,
+            maps,
+            links: Vec::new(),
+            live_servers: BTreeSet::new(),
+            obj,
+        })
+    }
+
+    fn with_prog<T>(&self, f: impl FnOnce(&libbpf_rs::ProgramMut<'_>) -> T) -> Result<T> {
+        let p = self
+            .obj
+            .progs_mut()
+            .find(|p| p.name() == PROG_NAME)
+            .ok_or_else(|| DataPlaneError::Load(format!("program {PROG_NAME} missing")))?;
+        Ok(f(&p))
+    }
+
+    /// Attaches the program to `ifindex` (native XDP where the driver has
+    /// it, generic otherwise). Detached when `self` is dropped or by
+    /// [`Self::detach_all`].
+    pub fn attach(&mut self, ifindex: u32) -> Result<()> {
+        let link = self
+            .with_prog(|p| p.attach_xdp(ifindex as i32))?
+            .map_err(|e| DataPlaneError::Load(format!("attach XDP to ifindex {ifindex}: {e}")))?;
+        self.links.push((ifindex, link));
+        Ok(())
+    }
+
+    pub fn detach_all(&mut self) {
+        self.links.clear();
+    }
+
+    /// Adds an egress port for XDP_REDIRECT (must exist in the caller's
+    /// network namespace).
+    pub fn add_tx_port(&mut self, ifindex: u32) -> Result<()> {
+        self.maps
+            .tx_ports
+            .update(&ifindex.to_ne_bytes(), &ifindex.to_ne_bytes(), MapFlags::ANY)
+            .map_err(map_err("tx_ports", "update"))
+    }
+
+    /// Runs the program once (or `repeat` times) on `packet` as if it had
+    /// arrived on `ingress_ifindex` (which must exist in the caller's
+    /// network namespace, or be 0 for "unknown interface").
+    pub fn test_run(&self, packet: &[u8], ingress_ifindex: u32, repeat: u32) -> Result<TestRun> {
+        // struct xdp_md: data, data_end, data_meta, ingress_ifindex,
+        // rx_queue_index, egress_ifindex.
+        let mut ctx = [0u8; 24];
+        ctx[4..8].copy_from_slice(&(packet.len() as u32).to_ne_bytes());
+        ctx[12..16].copy_from_slice(&ingress_ifindex.to_ne_bytes());
+        let mut out = vec![0u8; packet.len() + 256];
+        let r = self.with_prog(|p| {
+            let mut input = libbpf_rs::ProgramInput::default();
+            input.data_in = Some(packet);
+            input.data_out = Some(&mut out);
+            input.context_in = Some(&mut ctx);
+            input.repeat = repeat;
+            p.test_run(input).map(|o| (o.return_value, o.data.map(|d| d.len()).unwrap_or(0), o.duration))
+        })?;
+        let (verdict, len, duration) = r.map_err(|e| DataPlaneError::Load(format!("BPF_PROG_TEST_RUN: {e}")))?;
+        out.truncate(len);
+        Ok(TestRun { verdict, packet: out, duration })
+    }
+
+    /// Bulk-loads flow entries (benchmark and store restore).
+    pub fn insert_flows_batch(&mut self, keys: &[CFlowKey], vals: &[CFlow]) -> Result<()> {
+        batch_update(&self.maps.flows, "flows", keys, vals)
+    }
+    pub fn insert_migrations_batch(&mut self, keys: &[CFlowKey], vals: &[CMigration]) -> Result<()> {
+        batch_update(&self.maps.migrations, "migrations", keys, vals)
+    }
+}
+
+fn batch_update<K: Pod, V: Pod>(map: &MapHandle, name: &'static str, keys: &[K], vals: &[V]) -> Result<()> {
+    for (kc, vc) in keys.chunks(8192).zip(vals.chunks(8192)) {
+        let kb: Vec<u8> = kc.iter().flat_map(|k| k.as_bytes().to_vec()).collect();
+        let vb: Vec<u8> = vc.iter().flat_map(|v| v.as_bytes().to_vec()).collect();
+        map.update_batch(&kb, &vb, kc.len() as u32, MapFlags::ANY, MapFlags::ANY)
+            .map_err(map_err(name, "update_batch"))?;
+    }
+    Ok(())
+}
+
+fn keys_of<K: Pod>(map: &MapHandle) -> Vec<K> {
+    map.keys().filter_map(|k| K::from_bytes(&k)).collect()
+}
+
+fn percpu_sum(values: &[Vec<u8>], offset: usize) -> u64 {
+    values
+        .iter()
+        .filter_map(|v| v.get(offset..offset + 8))
+        .map(|b| u64::from_ne_bytes(b.try_into().unwrap_or([0; 8])))
+        .sum()
+}
+
+impl DataPlane for BpfDataPlane {
+    fn set_config(&mut self, cfg: CConfig) -> Result<()> {
+        self.maps.config.update(&0u32.to_ne_bytes(), cfg.as_bytes(), MapFlags::ANY).map_err(map_err("config", "update"))
+    }
+    fn set_iface(&mut self, ifindex: u32, iface: CIface) -> Result<()> {
+        self.maps
+            .ifaces
+            .update(&ifindex.to_ne_bytes(), iface.as_bytes(), MapFlags::ANY)
+            .map_err(map_err("ifaces", "update"))
+    }
+    fn set_server(&mut self, index: u32, server: CServer) -> Result<()> {
+        check_range("server index", index, MAX_SERVERS)?;
+        self.maps
+            .servers
+            .update(&index.to_ne_bytes(), server.as_bytes(), MapFlags::ANY)
+            .map_err(map_err("servers", "update"))?;
+        self.maps
+            .server_by_addr
+            .update(&server.data_ip.to_ne_bytes(), &index.to_ne_bytes(), MapFlags::ANY)
+            .map_err(map_err("server_by_addr", "update"))?;
+        self.live_servers.insert(index);
+        Ok(())
+    }
+    fn clear_server(&mut self, index: u32, data_ip: u32) -> Result<()> {
+        check_range("server index", index, MAX_SERVERS)?;
+        self.maps
+            .servers
+            .update(&index.to_ne_bytes(), CServer::default().as_bytes(), MapFlags::ANY)
+            .map_err(map_err("servers", "update"))?;
+        let _ = self.maps.server_by_addr.delete(&data_ip.to_ne_bytes());
+        self.live_servers.remove(&index);
+        Ok(())
+    }
+    fn set_service(&mut self, key: CServiceKey, svc: CService) -> Result<()> {
+        check_range("service index", svc.index, MAX_SERVICES)?;
+        self.maps.services.update(key.as_bytes(), svc.as_bytes(), MapFlags::ANY).map_err(map_err("services", "update"))
+    }
+    fn remove_service(&mut self, key: CServiceKey) -> Result<()> {
+        let _ = self.maps.services.delete(key.as_bytes());
+        Ok(())
+    }
+    fn write_maglev(&mut self, service: u32, delta: &[(u32, u32)]) -> Result<()> {
+        check_range("service index", service, MAX_SERVICES)?;
+        for chunk in delta.chunks(8192) {
+            let mut kb = Vec::with_capacity(chunk.len() * 4);
+            let mut vb = Vec::with_capacity(chunk.len() * 4);
+            for (slot, v) in chunk {
+                check_range("maglev slot", *slot, MAGLEV_SIZE)?;
+                kb.extend_from_slice(&(service * MAGLEV_SIZE + slot).to_ne_bytes());
+                vb.extend_from_slice(&v.to_ne_bytes());
+            }
+            self.maps
+                .maglev
+                .update_batch(&kb, &vb, chunk.len() as u32, MapFlags::ANY, MapFlags::ANY)
+                .map_err(map_err("maglev", "update_batch"))?;
+        }
+        Ok(())
+    }
+    fn write_ring(&mut self, service: u32, kind: u32, ring: &CRing) -> Result<()> {
+        check_range("service index", service, MAX_SERVICES)?;
+        check_range("ring kind", kind, RING_KINDS)?;
+        let idx = service * RING_KINDS + kind;
+        self.maps.rings.update(&idx.to_ne_bytes(), ring.as_bytes(), MapFlags::ANY).map_err(map_err("rings", "update"))
+    }
+    fn server_packets(&mut self) -> Result<Vec<u64>> {
+        let mut out = vec![0u64; MAX_SERVERS as usize];
+        for idx in self.live_servers.iter().copied() {
+            if let Some(v) = self
+                .maps
+                .server_stats
+                .lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY)
+                .map_err(map_err("server_stats", "lookup"))?
+            {
+                out[idx as usize] = percpu_sum(&v, 0);
+            }
+        }
+        Ok(out)
+    }
+    fn stats(&mut self) -> Result<Vec<u64>> {
+        let mut out = vec![0u64; STAT_MAX as usize];
+        for (i, slot) in out.iter_mut().enumerate() {
+            if let Some(v) =
+                self.maps.stats.lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY).map_err(map_err("stats", "lookup"))?
+            {
+                *slot = percpu_sum(&v, 0);
+            }
+        }
+        Ok(out)
+    }
+    fn insert_flow(&mut self, key: CFlowKey, flow: CFlow) -> Result<()> {
+        self.maps.flows.update(key.as_bytes(), flow.as_bytes(), MapFlags::ANY).map_err(map_err("flows", "update"))
+    }
+    fn insert_migration(&mut self, key: CFlowKey, m: CMigration) -> Result<()> {
+        self.maps.migrations.update(key.as_bytes(), m.as_bytes(), MapFlags::ANY).map_err(map_err("migrations", "update"))
+    }
+    fn delete_migration(&mut self, key: CFlowKey) -> Result<()> {
+        let _ = self.maps.migrations.delete(key.as_bytes());
+        Ok(())
+    }
+    fn lookup_flow(&mut self, key: CFlowKey) -> Result<Option<CFlow>> {
+        Ok(self
+            .maps
+            .flows
+            .lookup(key.as_bytes(), MapFlags::ANY)
+            .map_err(map_err("flows", "lookup"))?
+            .and_then(|v| CFlow::from_bytes(&v)))
+    }
+    fn lookup_migration(&mut self, key: CFlowKey) -> Result<Option<CMigration>> {
+        Ok(self
+            .maps
+            .migrations
+            .lookup(key.as_bytes(), MapFlags::ANY)
+            .map_err(map_err("migrations", "lookup"))?
+            .and_then(|v| CMigration::from_bytes(&v)))
+    }
+    fn remove_flows_of(&mut self, server: u32) -> Result<Vec<CFlowKey>> {
+        // O(entries) syscalls; runs only when a server dies.
+        let mut removed = Vec::new();
+        let mut migrated_away = std::collections::HashSet::new();
+        for k in keys_of::<CFlowKey>(&self.maps.migrations) {
+            match self.lookup_migration(k)? {
+                Some(m) if m.server == server => {
+                    let _ = self.maps.migrations.delete(k.as_bytes());
+                    let _ = self.maps.flows.delete(k.as_bytes());
+                    removed.push(k);
+                }
+                Some(_) => {
+                    migrated_away.insert(k);
+                }
+                None => {}
+            }
+        }
+        for k in keys_of::<CFlowKey>(&self.maps.flows) {
+            if migrated_away.contains(&k) {
+                continue;
+            }
+            if let Some(f) = self.lookup_flow(k)? {
+                if f.server == server {
+                    let _ = self.maps.flows.delete(k.as_bytes());
+                    removed.push(k);
+                }
+            }
+        }
+        Ok(removed)
+    }
+    fn drain_events(&mut self, out: &mut Vec<FlowEvent>) -> Result<usize> {
+        self.ringbuf.consume().map_err(map_err("flow_events", "consume"))?;
+        let mut p = self.pending.lock().map_err(|_| DataPlaneError::Load("event buffer poisoned".into()))?;
+        let n = p.len();
+        out.append(&mut p);
+        Ok(n)
+    }
+}
