@@ -863,7 +863,10 @@ mod tests {
                 ref_seq: 41,
                 text: "no such flow: 198.18.0.10:5555",
             }),
-            ControlBody::SetOwner(SetOwner { flow, owner: Ipv4Addr::new(198, 18, 2, 10) }),
+            ControlBody::SetOwner(SetOwner {
+                flow,
+                owner: Ipv4Addr::new(198, 18, 2, 10),
+            }),
         ];
         for body in bodies {
             round_trip(ControlRepr {

@@ -66,7 +66,7 @@ impl MigrationKey {
     pub fn from_hex(text: &str) -> Result<Self, KeyError> {
         let text = text.trim();
         let digits = text.len();
-        if digits % 2 != 0 {
+        if digits & 1 == 1 {
             return Err(KeyError::OddHexLength { digits });
         }
         if digits / 2 < Self::MIN_LEN {

@@ -52,7 +52,10 @@ impl Rng {
 }
 
 fn iterations() -> usize {
-    std::env::var("CAPYBARA_FUZZ_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(50_000)
+    std::env::var("CAPYBARA_FUZZ_ITERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(50_000)
 }
 
 fn rng(salt: u64) -> Rng {
@@ -105,7 +108,12 @@ fn mutate(rng: &mut Rng, buf: &mut Vec<u8>) {
 }
 
 fn random_flow(rng: &mut Rng) -> FlowKey {
-    FlowKey { client_ip: rng.ip(), client_port: rng.u16(), service_ip: rng.ip(), service_port: rng.u16() }
+    FlowKey {
+        client_ip: rng.ip(),
+        client_port: rng.u16(),
+        service_ip: rng.ip(),
+        service_port: rng.u16(),
+    }
 }
 
 fn random_tcpmig<'a>(rng: &mut Rng, payload: &'a [u8]) -> TcpMigRepr<'a> {
@@ -129,8 +137,21 @@ fn check_tcpmig(bytes: &[u8]) {
     let _ = TcpMigRepr::parse_verified(bytes, &k);
     if let Ok(p) = TcpMigPacket::new_checked(bytes) {
         // Every accessor must be safe after new_checked.
-        let _ = (p.kind(), p.migration_id(), p.flow(), p.origin(), p.target(), p.seq());
-        let _ = (p.frag_index(), p.frag_count(), p.reason(), p.payload(), p.mac());
+        let _ = (
+            p.kind(),
+            p.migration_id(),
+            p.flow(),
+            p.origin(),
+            p.target(),
+            p.seq(),
+        );
+        let _ = (
+            p.frag_index(),
+            p.frag_count(),
+            p.reason(),
+            p.payload(),
+            p.mac(),
+        );
         let _ = p.verify_mac(&k);
     }
     if let Ok(repr) = TcpMigRepr::parse_bytes(bytes) {
@@ -252,7 +273,14 @@ fn control_valid_round_trips_and_mutations() {
             0 => ControlBody::Register(control::Register {
                 mgmt_addr: rng.ip(),
                 data_addr: rng.ip(),
-                data_mac: [rng.byte(), rng.byte(), rng.byte(), rng.byte(), rng.byte(), rng.byte()],
+                data_mac: [
+                    rng.byte(),
+                    rng.byte(),
+                    rng.byte(),
+                    rng.byte(),
+                    rng.byte(),
+                    rng.byte(),
+                ],
                 weight: rng.u16(),
                 services: ServiceList::Slice(&services),
             }),
@@ -269,12 +297,20 @@ fn control_valid_round_trips_and_mutations() {
                 rx_backlog_bytes: rng.next(),
                 flags: rng.next() as u32,
             }),
-            3 => ControlBody::Drain(control::Drain { deadline_ms: rng.next() as u32, flags: rng.next() as u32 }),
+            3 => ControlBody::Drain(control::Drain {
+                deadline_ms: rng.next() as u32,
+                flags: rng.next() as u32,
+            }),
             4 => ControlBody::Migrate(control::Migrate {
                 flow: random_flow(&mut rng),
-                target: rng.chance(2).then(|| Ipv4Addr::from(1 + rng.below(u32::MAX as usize - 1) as u32)),
+                target: rng
+                    .chance(2)
+                    .then(|| Ipv4Addr::from(1 + rng.below(u32::MAX as usize - 1) as u32)),
             }),
-            5 => ControlBody::SetOwner(control::SetOwner { flow: random_flow(&mut rng), owner: rng.ip() }),
+            5 => ControlBody::SetOwner(control::SetOwner {
+                flow: random_flow(&mut rng),
+                owner: rng.ip(),
+            }),
             _ => ControlBody::Error(control::ErrorMsg {
                 code: control::ErrorCode::from_u16(rng.u16()),
                 ref_kind: rng.byte(),
@@ -282,7 +318,11 @@ fn control_valid_round_trips_and_mutations() {
                 text: &text,
             }),
         };
-        let repr = ControlRepr { server_id: ServerId(rng.next() as u32), seq: rng.next(), body };
+        let repr = ControlRepr {
+            server_id: ServerId(rng.next() as u32),
+            seq: rng.next(),
+            body,
+        };
         let n = repr.emit_with_mac(&mut out, &k).unwrap();
         assert_eq!(ControlRepr::parse_verified(&out[..n], &k).unwrap(), repr);
         let mut m = out[..n].to_vec();
@@ -310,7 +350,11 @@ fn reassembly_survives_adversarial_streams() {
                 // Junk: random index/count/length.
                 let jl = rng.below(1600);
                 rng.bytes(&mut junk, jl);
-                let c = if rng.chance(2) { count as u16 } else { rng.u16() };
+                let c = if rng.chance(2) {
+                    count as u16
+                } else {
+                    rng.u16()
+                };
                 r.accept(rng.u16() % c.max(1).saturating_add(1), c, &junk)
             } else {
                 let f = frags[rng.below(count)];
@@ -340,7 +384,9 @@ fn reassembly_reorders_and_dedups_exactly() {
         r.reset();
         let len = rng.below(8193);
         rng.bytes(&mut snapshot, len);
-        let frags: Vec<_> = frag::split_chunks(&snapshot, 1 + rng.below(2000)).unwrap().collect();
+        let frags: Vec<_> = frag::split_chunks(&snapshot, 1 + rng.below(2000))
+            .unwrap()
+            .collect();
         let mut order: Vec<usize> = (0..frags.len()).collect();
         // Shuffle, then sprinkle duplicates.
         for i in (1..order.len()).rev() {

@@ -19,9 +19,14 @@ fn ip() -> impl Strategy<Value = Ipv4Addr> {
 }
 
 fn flow() -> impl Strategy<Value = FlowKey> {
-    (ip(), any::<u16>(), ip(), any::<u16>()).prop_map(|(client_ip, client_port, service_ip, service_port)| {
-        FlowKey { client_ip, client_port, service_ip, service_port }
-    })
+    (ip(), any::<u16>(), ip(), any::<u16>()).prop_map(
+        |(client_ip, client_port, service_ip, service_port)| FlowKey {
+            client_ip,
+            client_port,
+            service_ip,
+            service_port,
+        },
+    )
 }
 
 proptest! {

@@ -4,15 +4,23 @@
 //! JSON (see `codec`):
 //!
 //! ```text
-//! {prefix}/servers/{id}                 Server
-//! {prefix}/services/{name}              Service
-//! {prefix}/policy                       Policy
-//! {prefix}/drains/{server id}           Drain
-//! {prefix}/audit/{seq:020}              AuditEntry
-//! {prefix}/counters/audit               last audit seq (u64)
-//! {prefix}/leader/{election}            {candidate, lease_id}, attached to the lease;
-//!                                       term = the key's create_revision
+//! {prefix}/records/servers/{id}           Server
+//! {prefix}/records/services/{name}        Service
+//! {prefix}/records/policy                 Policy
+//! {prefix}/records/drains/{server id}     Drain
+//! {prefix}/records/audit/{seq:020}        AuditEntry
+//! {prefix}/records/leader/{election}      {candidate, lease_id}, attached to the lease;
+//!                                         term = the key's create_revision
+//! {prefix}/counters/audit                 last audit seq (u64)
 //! {prefix}/flows/{cip}:{cport}->{vip}:{vport}   {server}
+//! ```
+//!
+//! Errors name keys without the prefix and `records/` (`servers/3`), the
+//! same logical keys as the SQLite backend. Watches cover `records/` with
+//! one etcd watcher (etcd orders events per watcher only), so flow writes
+//! never reach watchers.
+//!
+//! ```text
 //! ```
 //!
 //! Flow batches are deduplicated (last operation per flow wins) and written
@@ -148,8 +156,14 @@ impl EtcdStore {
         &self.config
     }
 
+    /// etcd key of a logical key. Watched records share `records/` so one
+    /// watcher (one ordered event stream) covers them without seeing flows.
     fn full(&self, logical: &str) -> String {
-        format!("{}/{}", self.config.prefix, logical)
+        if logical.starts_with("flows/") || logical.starts_with("counters/") {
+            format!("{}/{}", self.config.prefix, logical)
+        } else {
+            format!("{}/records/{}", self.config.prefix, logical)
+        }
     }
 
     fn logical<'a>(&self, full: &'a [u8]) -> Result<&'a str> {
@@ -159,6 +173,7 @@ impl EtcdStore {
         })?;
         s.strip_prefix(self.config.prefix.as_str())
             .and_then(|r| r.strip_prefix('/'))
+            .map(|r| r.strip_prefix("records/").unwrap_or(r))
             .ok_or_else(|| StoreError::MalformedKey { key: s.to_string(), reason: format!("outside prefix {}", self.config.prefix) })
     }
 
@@ -555,10 +570,19 @@ impl Store for EtcdStore {
 
     async fn keep_alive(&self, lease: &LeaderLease) -> Result<()> {
         let not_leader = |reason: String| StoreError::NotLeader { election: lease.info.election.clone(), reason };
+        let lost = |e: StoreError| match e {
+            StoreError::Etcd { source: etcd_client::Error::LeaseKeepAliveError(m), .. } => {
+                not_leader(format!("lease {}: {m}", lease.info.lease_id))
+            }
+            StoreError::Etcd { source: etcd_client::Error::GRpcStatus(s), .. } if s.message().contains("lease not found") => {
+                not_leader(format!("lease {}: {}", lease.info.lease_id, s.message()))
+            }
+            other => other,
+        };
         let mut lc = self.client.lease_client();
-        let (mut keeper, mut stream) = self.call("keep_alive", lc.keep_alive(lease.info.lease_id)).await?;
-        self.call("keep_alive", keeper.keep_alive()).await?;
-        let resp = self.call("keep_alive", stream.message()).await?;
+        let (mut keeper, mut stream) = self.call("keep_alive", lc.keep_alive(lease.info.lease_id)).await.map_err(lost)?;
+        self.call("keep_alive", keeper.keep_alive()).await.map_err(lost)?;
+        let resp = self.call("keep_alive", stream.message()).await.map_err(lost)?;
         match resp {
             Some(r) if r.ttl() > 0 => {}
             _ => return Err(not_leader(format!("lease {} expired", lease.info.lease_id))),
@@ -600,27 +624,13 @@ impl Store for EtcdStore {
             .header()
             .map(|h| h.revision())
             .unwrap_or(0);
-        let mut ranges: Vec<(String, WatchOptions)> = Vec::new();
-        for k in kinds {
-            let opts = WatchOptions::new().with_start_revision(now_rev + 1);
-            let r = match k {
-                WatchKind::Servers => (self.full("servers/"), opts.with_prefix()),
-                WatchKind::Services => (self.full("services/"), opts.with_prefix()),
-                WatchKind::Policy => (self.full(codec::POLICY_KEY), opts),
-                WatchKind::Drains => (self.full("drains/"), opts.with_prefix()),
-                WatchKind::Audit => (self.full("audit/"), opts.with_prefix()),
-                WatchKind::Leader => (self.full("leader/"), opts.with_prefix()),
-            };
-            if !ranges.iter().any(|(key, _)| *key == r.0) {
-                ranges.push(r);
-            }
-        }
+        // One watcher over all records: etcd orders events within a watcher
+        // only, so per-kind watchers could interleave out of revision order.
+        let records = format!("{}/records/", self.config.prefix);
+        let opts = WatchOptions::new().with_start_revision(now_rev + 1).with_prefix();
         let mut wc = self.client.watch_client();
-        let (first_key, first_opts) = ranges.remove(0);
-        let (mut watcher, mut stream) = self.call("watch", wc.watch(first_key, Some(first_opts))).await?;
-        for (key, opts) in ranges {
-            self.call("watch", watcher.watch(key, Some(opts))).await?;
-        }
+        let (watcher, mut stream) = self.call("watch", wc.watch(records, Some(opts))).await?;
+        let kinds: Vec<WatchKind> = kinds.to_vec();
         let this = self.clone();
         tokio::spawn(async move {
             let _watcher = watcher;
@@ -657,6 +667,9 @@ impl Store for EtcdStore {
                     let Some(kv) = ev.kv() else { continue };
                     match this.translate(ev.event_type(), kv) {
                         Ok(Some(event)) => {
+                            if !kinds.contains(&event.change.kind()) {
+                                continue;
+                            }
                             if out_tx.send(Ok(event)).await.is_err() {
                                 return;
                             }

@@ -448,15 +448,23 @@ impl SqliteStore {
         .await
     }
 
-    fn subscribe(&self) -> broadcast::Receiver<HubMsg> {
-        let mut hub = self.inner.hub.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(tx) = hub.as_ref() {
+    async fn subscribe(&self) -> broadcast::Receiver<HubMsg> {
+        if let Some(tx) = self.inner.hub.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
             return tx.subscribe();
         }
+        // Take the starting state before `watch` returns, so a leader change
+        // right after the call is reported as a change, not as the baseline.
         let (tx, rx) = broadcast::channel(4096);
+        let mut last_seq = None;
+        let mut leaders = HashMap::new();
+        poll_once(&self.inner, &tx, &mut last_seq, &mut leaders, true).await;
+        let mut hub = self.inner.hub.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(existing) = hub.as_ref() {
+            return existing.subscribe();
+        }
         *hub = Some(tx.clone());
         drop(hub);
-        tokio::spawn(poller(Arc::downgrade(&self.inner), tx));
+        tokio::spawn(poller(Arc::downgrade(&self.inner), tx, last_seq, leaders));
         rx
     }
 
@@ -486,10 +494,12 @@ impl SqliteStore {
 
 /// Reads the change log and lease rows, broadcasts typed events. Exits when
 /// the store is dropped or nobody watches any more.
-async fn poller(store: Weak<Inner>, tx: broadcast::Sender<HubMsg>) {
-    let mut last_seq: Option<i64> = None;
-    let mut leaders: HashMap<String, Option<LeaderInfo>> = HashMap::new();
-    let mut first = true;
+async fn poller(
+    store: Weak<Inner>,
+    tx: broadcast::Sender<HubMsg>,
+    mut last_seq: Option<i64>,
+    mut leaders: HashMap<String, Option<LeaderInfo>>,
+) {
     loop {
         let Some(inner) = store.upgrade() else { return };
         {
@@ -500,18 +510,11 @@ async fn poller(store: Weak<Inner>, tx: broadcast::Sender<HubMsg>) {
             }
         }
         let interval = Duration::from_millis(inner.config.watch_poll_interval_ms.max(1));
-        if !first {
-            let inner2 = inner.clone();
-            drop(inner);
-            tokio::select! {
-                _ = inner2.written.notified() => {}
-                _ = tokio::time::sleep(interval) => {}
-            }
-            continue_poll(&inner2, &tx, &mut last_seq, &mut leaders, false).await;
-        } else {
-            continue_poll(&inner, &tx, &mut last_seq, &mut leaders, true).await;
-            first = false;
+        tokio::select! {
+            _ = inner.written.notified() => {}
+            _ = tokio::time::sleep(interval) => {}
         }
+        poll_once(&inner, &tx, &mut last_seq, &mut leaders, false).await;
     }
 }
 
@@ -522,7 +525,7 @@ struct PollResult {
     leaders: Vec<(String, String, i64, i64, i64)>,
 }
 
-async fn continue_poll(
+async fn poll_once(
     inner: &Arc<Inner>,
     tx: &broadcast::Sender<HubMsg>,
     last_seq: &mut Option<i64>,
@@ -921,7 +924,7 @@ impl Store for SqliteStore {
     }
 
     async fn watch(&self, kinds: &[WatchKind]) -> Result<WatchStream> {
-        let mut rx = self.subscribe();
+        let mut rx = self.subscribe().await;
         // Everything after this position is delivered; earlier rows are
         // filtered out even if the poller broadcasts them late.
         let start: i64 = self

@@ -11,6 +11,7 @@
 pub mod abi;
 pub mod maglev;
 pub mod bpf;
+pub mod control;
 pub mod dataplane;
 
 pub use dataplane::{DataPlane, DataPlaneError, MemDataPlane};

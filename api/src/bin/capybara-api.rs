@@ -1,1 +1,86 @@
-fn main() {}
+//! Development and test server: `capybara-api --store sqlite:PATH`.
+//!
+//! Prints `listening on http://ADDR` once bound (tests read it to learn the
+//! port when `--listen 127.0.0.1:0`), and a freshly created admin token once.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use capybara_api::{ApiConfig, ApiDb, StoreControlPlane};
+use capybara_store::{SqliteConfig, SqliteStore, Store};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(name = "capybara-api", about = "Capybara operators' REST API (development server)")]
+struct Args {
+    /// Store to open: `sqlite:PATH`.
+    #[arg(long, default_value = "sqlite:capybara.db")]
+    store: String,
+    /// Address to listen on (port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: std::net::SocketAddr,
+    /// The API's token database (default: the store path + `.api`).
+    #[arg(long)]
+    api_db: Option<PathBuf>,
+    /// Admin token file: read (or created with a new token) at start.
+    #[arg(long)]
+    admin_token_file: Option<PathBuf>,
+    /// Dashboard assets served at `/`.
+    #[arg(long)]
+    static_dir: Option<PathBuf>,
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+}
+
+#[actix_web::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let Some(path) = args.store.strip_prefix("sqlite:") else {
+        bail!("--store must be sqlite:PATH, got {:?}", args.store);
+    };
+    let path = PathBuf::from(path);
+    let store: Arc<dyn Store> = Arc::new(
+        SqliteStore::open(SqliteConfig { path: path.clone(), ..SqliteConfig::default() })
+            .await
+            .with_context(|| format!("opening store {}", path.display()))?,
+    );
+    let api_db_path = args.api_db.unwrap_or_else(|| {
+        let mut p = path.clone().into_os_string();
+        p.push(".api");
+        PathBuf::from(p)
+    });
+    let db = Arc::new(ApiDb::open(&api_db_path)?);
+    if let Some(secret) = db.bootstrap_admin(args.admin_token_file.as_deref())? {
+        match &args.admin_token_file {
+            Some(f) => eprintln!("admin token written to {}", f.display()),
+            None => println!("admin token (shown once): {secret}"),
+        }
+    }
+    let cp = StoreControlPlane::new(store.clone(), db.clone()).await.map_err(|p| anyhow::anyhow!("{p}"))?;
+    let running = capybara_api::start(ApiConfig {
+        listen: args.listen,
+        store,
+        control_plane: Arc::new(cp),
+        db,
+        static_dir: args.static_dir,
+        workers: args.workers,
+    })
+    .await
+    .with_context(|| format!("binding {}", args.listen))?;
+    println!("listening on http://{}", running.addr);
+    use std::io::Write;
+    std::io::stdout().flush().ok();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    eprintln!("shutting down");
+    running.stop().await;
+    Ok(())
+}

@@ -7,7 +7,7 @@
 //! and `--clear` or `lab down` remove them. Deleting the namespace removes the
 //! program with the interface.
 
-use super::LabError;
+use super::{bpf_err, ifindex, in_namespace, LabError};
 use libbpf_rs::{MapCore, MapFlags, ObjectBuilder, TcHookBuilder, TC_EGRESS, TC_INGRESS};
 use std::os::fd::AsFd;
 
@@ -68,50 +68,6 @@ fn threshold(fraction: f64) -> u32 {
 
 fn pin_path(pin_dir: &str, ns: &str, iface: &str) -> String {
     format!("{pin_dir}/fault-{ns}-{iface}-stats")
-}
-
-/// Runs `f` on a thread that has entered network namespace `ns`, so that
-/// netlink and ifindex lookups see that namespace.
-fn in_namespace<T: Send>(
-    ns: &str,
-    f: impl FnOnce() -> Result<T, LabError> + Send,
-) -> Result<T, LabError> {
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            let path = format!("/run/netns/{ns}");
-            let file = std::fs::File::open(&path)
-                .map_err(|e| LabError::Invalid(format!("no lab namespace {ns}: {e}")))?;
-            use std::os::fd::AsRawFd;
-            // SAFETY: setns on a valid namespace fd affects only this thread,
-            // which ends when the closure returns.
-            if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(LabError::Invalid(format!(
-                    "cannot enter namespace {ns}: {}",
-                    std::io::Error::last_os_error()
-                )));
-            }
-            f()
-        })
-        .join()
-        .map_err(|_| LabError::Invalid("fault injector thread panicked".into()))?
-    })
-}
-
-fn ifindex(iface: &str, ns: &str) -> Result<i32, LabError> {
-    let c = std::ffi::CString::new(iface)
-        .map_err(|_| LabError::Invalid(format!("invalid interface name {iface:?}")))?;
-    // SAFETY: c is a valid NUL-terminated string.
-    let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    if idx == 0 {
-        return Err(LabError::Invalid(format!(
-            "no interface {iface} in namespace {ns}"
-        )));
-    }
-    Ok(idx as i32)
-}
-
-fn bpf_err(what: &str) -> impl Fn(libbpf_rs::Error) -> LabError + '_ {
-    move |e| LabError::Invalid(format!("{what}: {e}"))
 }
 
 /// Attaches (or replaces) the fault injector on `iface` in namespace `ns`.

@@ -13,6 +13,7 @@
 
 pub mod fault;
 pub mod plan;
+mod xdp;
 
 use plan::{LabPlan, Node, NODE_IFACE};
 use std::process::Command;
@@ -138,6 +139,7 @@ fn build(plan: &LabPlan) -> Result<(), LabError> {
             ]);
             run(&["ip", "-n", n, "link", "set", dev, "up"])?;
         }
+        xdp::attach_pass(&ns, NODE_IFACE)?;
         let (sw_addr, node_addr) = match node {
             Node::Client(i) => (plan::SWITCH_CLIENT_SIDE, plan::client_addr(i)),
             Node::Server(j) => (plan::SWITCH_SERVER_SIDE, plan::server_mgmt_addr(j)),
@@ -294,3 +296,48 @@ pub fn status(prefix: &str) -> Result<String, LabError> {
     }
     Ok(s)
 }
+
+/// Runs `f` on a thread that has entered network namespace `ns`, so that
+/// netlink and ifindex lookups see that namespace.
+pub(crate) fn in_namespace<T: Send>(
+    ns: &str,
+    f: impl FnOnce() -> Result<T, LabError> + Send,
+) -> Result<T, LabError> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let path = format!("/run/netns/{ns}");
+            let file = std::fs::File::open(&path)
+                .map_err(|e| LabError::Invalid(format!("no lab namespace {ns}: {e}")))?;
+            use std::os::fd::AsRawFd;
+            // SAFETY: setns on a valid namespace fd affects only this thread,
+            // which ends when the closure returns.
+            if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(LabError::Invalid(format!(
+                    "cannot enter namespace {ns}: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+            f()
+        })
+        .join()
+        .map_err(|_| LabError::Invalid("namespace worker thread panicked".into()))?
+    })
+}
+
+pub(crate) fn ifindex(iface: &str, ns: &str) -> Result<i32, LabError> {
+    let c = std::ffi::CString::new(iface)
+        .map_err(|_| LabError::Invalid(format!("invalid interface name {iface:?}")))?;
+    // SAFETY: c is a valid NUL-terminated string.
+    let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if idx == 0 {
+        return Err(LabError::Invalid(format!(
+            "no interface {iface} in namespace {ns}"
+        )));
+    }
+    Ok(idx as i32)
+}
+
+pub(crate) fn bpf_err(what: &str) -> impl Fn(libbpf_rs::Error) -> LabError + '_ {
+    move |e| LabError::Invalid(format!("{what}: {e}"))
+}
+

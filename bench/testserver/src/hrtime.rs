@@ -57,7 +57,9 @@ impl Timer {
         }
         // SAFETY: raw is a fresh fd we own.
         let owned = unsafe { OwnedFd::from_raw_fd(raw) };
-        match AsyncFd::with_interest(TimerFd(owned), tokio::io::Interest::READABLE) {
+        // SAFETY: the fd is owned by the TimerFd we hand over and is neither
+        // replaced nor closed while the AsyncFd holds it.
+        match unsafe { AsyncFd::register_with_interest(TimerFd(owned), tokio::io::Interest::READABLE) } {
             Ok(fd) => Timer { fd: Some(fd) },
             Err(_) => Timer { fd: None },
         }

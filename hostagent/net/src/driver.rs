@@ -29,7 +29,11 @@ pub struct DriverConfig {
 
 impl Default for DriverConfig {
     fn default() -> Self {
-        DriverConfig { batch: 32, mode: PollMode::Sleep, max_sleep: Duration::from_millis(10) }
+        DriverConfig {
+            batch: 32,
+            mode: PollMode::Sleep,
+            max_sleep: Duration::from_millis(10),
+        }
     }
 }
 
@@ -41,7 +45,9 @@ pub struct Clock {
 
 impl Clock {
     pub fn new() -> Self {
-        Clock { epoch: std::time::Instant::now() }
+        Clock {
+            epoch: std::time::Instant::now(),
+        }
     }
     pub fn now(&self) -> Instant {
         Instant::from_micros(self.epoch.elapsed().as_micros().min(u128::from(u64::MAX)) as u64)
@@ -55,7 +61,13 @@ impl Default for Clock {
 }
 
 /// One receive batch, due timers, one transmit batch.
-pub fn poll<D, T>(now: Instant, iface: &mut Interface, device: &mut D, transport: &mut T, batch: usize) -> Result<PollResult, DeviceError>
+pub fn poll<D, T>(
+    now: Instant,
+    iface: &mut Interface,
+    device: &mut D,
+    transport: &mut T,
+    batch: usize,
+) -> Result<PollResult, DeviceError>
 where
     D: Device + ?Sized,
     T: Transport + ?Sized,
@@ -65,7 +77,10 @@ where
         iface.handle_timeout(now, transport);
     }
     let transmitted = device.transmit(batch, &mut |buf| iface.transmit(now, buf, transport))?;
-    Ok(PollResult { received, transmitted })
+    Ok(PollResult {
+        received,
+        transmitted,
+    })
 }
 
 /// Polls until `stop()` returns true, sleeping between batches in `Sleep`
@@ -85,7 +100,10 @@ where
     while !stop(iface, transport) {
         let now = clock.now();
         let r = poll(now, iface, device, transport, config.batch)?;
-        if config.mode == PollMode::Sleep && r.received < config.batch && r.transmitted < config.batch {
+        if config.mode == PollMode::Sleep
+            && r.received < config.batch
+            && r.transmitted < config.batch
+        {
             let wake = iface.poll_timeout(transport);
             let sleep = match wake {
                 Some(t) => t.saturating_since(clock.now()).min(config.max_sleep),

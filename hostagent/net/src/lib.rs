@@ -16,4 +16,6 @@ pub mod iface;
 pub mod wire;
 
 pub use device::{Device, DeviceError, PollMode};
-pub use iface::{Counters, DropReason, Interface, InterfaceConfig, Ipv4Out, NoTransport, Transport, HEADER_ROOM};
+pub use iface::{
+    Counters, DropReason, Interface, InterfaceConfig, Ipv4Out, NoTransport, Transport, HEADER_ROOM,
+};

@@ -28,8 +28,12 @@ const MY_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 2, 11);
 fn seeds() -> Vec<Vec<u8>> {
     let peer = EthernetAddress([0x02, 0, 0, 0, 0, 1]);
     let mut arp = vec![0u8; 42];
-    EthernetRepr { src_addr: peer, dst_addr: EthernetAddress::BROADCAST, ethertype: EtherType::Arp }
-        .emit(&mut EthernetFrame::new_unchecked(&mut arp[..]));
+    EthernetRepr {
+        src_addr: peer,
+        dst_addr: EthernetAddress::BROADCAST,
+        ethertype: EtherType::Arp,
+    }
+    .emit(&mut EthernetFrame::new_unchecked(&mut arp[..]));
     ArpRepr {
         operation: ArpOperation::Request,
         source_hardware_addr: peer,
@@ -40,18 +44,37 @@ fn seeds() -> Vec<Vec<u8>> {
     .emit(&mut ArpPacket::new_unchecked(&mut arp[14..]));
     let ip = |proto: Protocol, payload: &[u8]| {
         let mut b = vec![0u8; 34 + payload.len()];
-        EthernetRepr { src_addr: peer, dst_addr: MY_MAC, ethertype: EtherType::Ipv4 }
-            .emit(&mut EthernetFrame::new_unchecked(&mut b[..]));
-        Ipv4Repr { src_addr: Ipv4Addr::new(198, 18, 0, 5), dst_addr: MY_IP, protocol: proto, payload_len: payload.len(), ttl: 64 }
-            .emit(&mut Ipv4Packet::new_unchecked(&mut b[14..]), 7)
-            .unwrap();
+        EthernetRepr {
+            src_addr: peer,
+            dst_addr: MY_MAC,
+            ethertype: EtherType::Ipv4,
+        }
+        .emit(&mut EthernetFrame::new_unchecked(&mut b[..]));
+        Ipv4Repr {
+            src_addr: Ipv4Addr::new(198, 18, 0, 5),
+            dst_addr: MY_IP,
+            protocol: proto,
+            payload_len: payload.len(),
+            ttl: 64,
+        }
+        .emit(&mut Ipv4Packet::new_unchecked(&mut b[14..]), 7)
+        .unwrap();
         b[34..].copy_from_slice(payload);
         b
     };
-    let echo = Icmpv4Repr::EchoRequest { ident: 1, seq_no: 2, data: &[0xab; 40] };
+    let echo = Icmpv4Repr::EchoRequest {
+        ident: 1,
+        seq_no: 2,
+        data: &[0xab; 40],
+    };
     let mut icmp = vec![0u8; echo.buffer_len()];
     echo.emit(&mut Icmpv4Packet::new_unchecked(&mut icmp[..]));
-    vec![arp, ip(Protocol::Icmp, &icmp), ip(Protocol::Tcp, &[0u8; 20]), ip(Protocol::Udp, &[1u8; 8])]
+    vec![
+        arp,
+        ip(Protocol::Icmp, &icmp),
+        ip(Protocol::Tcp, &[0u8; 20]),
+        ip(Protocol::Udp, &[1u8; 8]),
+    ]
 }
 
 fn mutate(rng: &mut Rng, mut b: Vec<u8>) -> Vec<u8> {
@@ -100,7 +123,12 @@ fn parse_everything(b: &[u8]) {
 #[test]
 fn random_and_mutated_frames_never_panic_and_are_all_accounted() {
     let seeds = seeds();
-    let mut iface = Interface::new(InterfaceConfig::new(MY_MAC, MY_IP, Ipv4Addr::new(198, 18, 1, 1))).unwrap();
+    let mut iface = Interface::new(InterfaceConfig::new(
+        MY_MAC,
+        MY_IP,
+        Ipv4Addr::new(198, 18, 1, 1),
+    ))
+    .unwrap();
     let mut rng = Rng(0x5eed_cafe_f00d_0001);
     let mut tx = [0u8; 1514];
     let start = std::time::Instant::now();
@@ -139,6 +167,9 @@ fn random_and_mutated_frames_never_panic_and_are_all_accounted() {
         + c.ipv4_delivered;
     assert_eq!(accounted, n, "{c:?}");
     // The mutator must actually reach the upper layers.
-    assert!(c.icmp_echo_replies_tx > 0 && c.arp_replies_tx > 0 && c.ipv4_delivered > 0, "{c:?}");
+    assert!(
+        c.icmp_echo_replies_tx > 0 && c.arp_replies_tx > 0 && c.ipv4_delivered > 0,
+        "{c:?}"
+    );
     eprintln!("{n} frames in {:?}: {c:?}", start.elapsed());
 }

@@ -119,11 +119,9 @@ impl RingBuffer {
     pub fn consume(&mut self, n: usize) -> usize {
         let n = n.min(self.len);
         self.head = self.index(n);
+        // The head is never reset when the ring empties: out-of-order bytes
+        // may already sit past the end, at offsets relative to it.
         self.len -= n;
-        if self.len == 0 {
-            // Keeps later writes contiguous more often.
-            self.head = 0;
-        }
         n
     }
 

@@ -250,6 +250,10 @@ pub struct AckState {
     pub last_sent: SeqNum,
     /// Most recent out-of-order block, reported first in SACK (RFC 2018 §4).
     pub last_ooo: Option<(SeqNum, SeqNum)>,
+    /// Immediate ACKs still owed: one per out-of-order segment, even when a
+    /// batch of them arrived before the next poll (the sender counts
+    /// duplicate ACKs to detect loss).
+    pub dup_pending: u32,
 }
 
 /// Timers, each the deadline it fires at.
@@ -445,6 +449,7 @@ impl Connection {
         let mut c = Self::base(cfg, local, remote, iss, ts_offset, State::SynReceived);
         c.rcv.irs = syn.seq;
         c.rcv.nxt = syn.seq.add(1);
+        c.rcv.adv_right = c.rcv.nxt;
         c.ack.last_sent = c.rcv.nxt;
         c.negotiate(&syn.options);
         c.snd.wnd = u32::from(syn.window); // never scaled in a SYN (RFC 7323 §2.2)
@@ -736,6 +741,7 @@ impl Connection {
         }
         self.rcv.irs = seg.seq;
         self.rcv.nxt = seg.seq.add(1);
+        self.rcv.adv_right = self.rcv.nxt;
         self.negotiate(&seg.options);
         self.snd.wnd = u32::from(seg.window);
         self.snd.max_wnd = self.snd.wnd;
@@ -974,6 +980,7 @@ impl Connection {
             }
             // RFC 5681 §4.2: out-of-order data triggers an immediate (dup) ACK.
             self.ack.now = true;
+            self.ack.dup_pending = (self.ack.dup_pending + 1).min(16);
         }
         complete
     }
@@ -1191,7 +1198,12 @@ impl Connection {
         } else {
             u32::from(window_field) << self.rcv.wscale
         };
-        self.rcv.adv_right = self.rcv.adv_right.max(self.rcv.nxt.add(wnd));
+        // The right edge only moves right; a stale edge (behind RCV.NXT, or
+        // never set) is simply replaced.
+        let edge = self.rcv.nxt.add(wnd);
+        if edge > self.rcv.adv_right || self.rcv.adv_right < self.rcv.nxt {
+            self.rcv.adv_right = edge;
+        }
     }
 
     /// Decides the next data/FIN segment: (start, payload length, FIN, kind).
@@ -1379,11 +1391,12 @@ impl Connection {
             return Some(n);
         }
 
-        if self.ack.now || self.window_update_due() {
+        if self.ack.now || self.ack.dup_pending > 0 || self.window_update_due() {
             let r = self.template(now, self.snd.nxt);
             let wf = r.window;
             let n = self.emit(&r, &[], buf)?;
             self.on_ack_sent(wf);
+            self.ack.dup_pending = self.ack.dup_pending.saturating_sub(1);
             return Some(n);
         }
         None

@@ -225,7 +225,9 @@ impl Endpoint {
         let ts_offset = self.isn.secret_u32(1, local, remote);
         let conn = Connection::connect(&self.cfg, local, remote, iss, ts_offset);
         self.counters.connections_active += 1;
-        Ok(self.insert(conn, None, Stage::Owned))
+        let id = self.insert(conn, None, Stage::Owned);
+        self.sync(id);
+        Ok(id)
     }
 
     /// Reads in-order bytes. `Ok(0)` = end of stream (peer sent FIN);
@@ -341,6 +343,11 @@ impl Endpoint {
         out
     }
 
+    /// Every connection (including half-open and orphaned ones).
+    pub fn connections(&self) -> impl Iterator<Item = (ConnId, &Connection)> {
+        self.conns.iter().map(|(id, e)| (*id, &e.conn))
+    }
+
     pub fn connection_count(&self) -> usize {
         self.conns.len()
     }
@@ -376,6 +383,7 @@ impl Endpoint {
         if let Some(l) = self.listeners.get_mut(&port) {
             l.queued += 1;
         }
+        self.sync(id);
         Ok(id)
     }
 
@@ -435,7 +443,8 @@ impl Endpoint {
         let remote = SocketAddrV4::new(src, repr.src_port);
         let Some(l) = self.listeners.get_mut(&repr.dst_port) else {
             self.counters.drops.no_listener += 1;
-            self.queue_rst(&repr, SocketAddrV4::new(dst, repr.dst_port), remote);
+            let local = SocketAddrV4::new(self.rst_source(dst), repr.dst_port);
+            self.queue_rst(&repr, local, remote);
             return;
         };
         let local = if l.addr.ip().is_unspecified() { SocketAddrV4::new(dst, repr.dst_port) } else { l.addr };
@@ -535,6 +544,26 @@ impl Endpoint {
 
     fn remove(&mut self, id: ConnId) {
         self.detach(id);
+    }
+
+    /// Source address of a RST for a port nobody listens on. The packet's
+    /// destination is our data address (the switch rewrote the VIP), which
+    /// the client would not recognise; when every listener is bound to the
+    /// same VIP, that VIP is the address the client used.
+    fn rst_source(&self, dst: Ipv4Addr) -> Ipv4Addr {
+        let mut vip = None;
+        for l in self.listeners.values() {
+            let ip = *l.addr.ip();
+            if ip.is_unspecified() {
+                continue;
+            }
+            match vip {
+                None => vip = Some(ip),
+                Some(v) if v != ip => return dst,
+                Some(_) => {}
+            }
+        }
+        vip.unwrap_or(dst)
     }
 
     fn queue_rst(&mut self, seg: &TcpRepr, local: SocketAddrV4, remote: SocketAddrV4) {

@@ -10,7 +10,14 @@ fuzz_target!(|data: &[u8]| {
     let key = MigrationKey::from_bytes(b"capybara-fuzz-key-0123456789").unwrap();
     let _ = TcpMigRepr::parse_verified(data, &key);
     if let Ok(p) = TcpMigPacket::new_checked(data) {
-        let _ = (p.kind(), p.flow(), p.payload(), p.mac(), p.reason(), p.seq());
+        let _ = (
+            p.kind(),
+            p.flow(),
+            p.payload(),
+            p.mac(),
+            p.reason(),
+            p.seq(),
+        );
     }
     if let Ok(repr) = TcpMigRepr::parse_bytes(data) {
         let mut out = vec![0u8; repr.buffer_len()];

@@ -90,7 +90,13 @@ pub struct AfPacketConfig {
 
 impl AfPacketConfig {
     pub fn new(interface: impl Into<String>) -> Self {
-        AfPacketConfig { interface: interface.into(), frame_size: 2048, rx_frames: 512, tx_frames: 512, qdisc_bypass: true }
+        AfPacketConfig {
+            interface: interface.into(),
+            frame_size: 2048,
+            rx_frames: 512,
+            tx_frames: 512,
+            qdisc_bypass: true,
+        }
     }
 }
 
@@ -147,17 +153,31 @@ unsafe impl Send for AfPacket {}
 
 impl std::fmt::Debug for AfPacket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AfPacket").field("interface", &self.interface).field("fd", &self.fd).field("mac", &self.mac).finish()
+        f.debug_struct("AfPacket")
+            .field("interface", &self.interface)
+            .field("fd", &self.fd)
+            .field("mac", &self.mac)
+            .finish()
     }
 }
 
 fn io_err(op: &'static str, interface: &str) -> DeviceError {
-    DeviceError::Io { op, interface: interface.to_string(), source: io::Error::last_os_error() }
+    DeviceError::Io {
+        op,
+        interface: interface.to_string(),
+        source: io::Error::last_os_error(),
+    }
 }
 
 fn setsockopt<T>(fd: RawFd, opt: libc::c_int, val: &T) -> io::Result<()> {
     let r = unsafe {
-        libc::setsockopt(fd, libc::SOL_PACKET, opt, val as *const T as *const libc::c_void, std::mem::size_of::<T>() as libc::socklen_t)
+        libc::setsockopt(
+            fd,
+            libc::SOL_PACKET,
+            opt,
+            val as *const T as *const libc::c_void,
+            std::mem::size_of::<T>() as libc::socklen_t,
+        )
     };
     if r == 0 {
         Ok(())
@@ -173,18 +193,29 @@ impl AfPacket {
         let name = &config.interface;
         let fs = config.frame_size as usize;
         if !fs.is_power_of_two() || !(2048..=65536).contains(&fs) {
-            return Err(DeviceError::Config(format!("frame_size {fs} must be a power of two in 2048..=65536")));
+            return Err(DeviceError::Config(format!(
+                "frame_size {fs} must be a power of two in 2048..=65536"
+            )));
         }
         if config.rx_frames == 0 || config.tx_frames == 0 {
-            return Err(DeviceError::Config("rx_frames and tx_frames must be positive".into()));
+            return Err(DeviceError::Config(
+                "rx_frames and tx_frames must be positive".into(),
+            ));
         }
-        let cname = CString::new(name.as_str()).map_err(|_| DeviceError::NoSuchInterface(name.clone()))?;
+        let cname =
+            CString::new(name.as_str()).map_err(|_| DeviceError::NoSuchInterface(name.clone()))?;
         let ifindex = unsafe { libc::if_nametoindex(cname.as_ptr()) };
         if ifindex == 0 {
             return Err(DeviceError::NoSuchInterface(name.clone()));
         }
         // Protocol 0: no frames are queued until `bind`, so the rings start clean.
-        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) };
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_PACKET,
+                libc::SOCK_RAW | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+                0,
+            )
+        };
         if fd < 0 {
             return Err(io_err("socket(AF_PACKET)", name));
         }
@@ -198,7 +229,11 @@ impl AfPacket {
             }
         }
         let mut guard = Fd(fd);
-        let opt_err = |op: &'static str, e: io::Error| DeviceError::Io { op, interface: name.clone(), source: e };
+        let opt_err = |op: &'static str, e: io::Error| DeviceError::Io {
+            op,
+            interface: name.clone(),
+            source: e,
+        };
 
         setsockopt(fd, PACKET_VERSION, &TPACKET_V2).map_err(|e| opt_err("PACKET_VERSION", e))?;
         // One slot per page-sized block is the simplest valid geometry for
@@ -219,7 +254,8 @@ impl AfPacket {
         setsockopt(fd, PACKET_RX_RING, &rx_req).map_err(|e| opt_err("PACKET_RX_RING", e))?;
         setsockopt(fd, PACKET_TX_RING, &tx_req).map_err(|e| opt_err("PACKET_TX_RING", e))?;
         if config.qdisc_bypass {
-            setsockopt(fd, PACKET_QDISC_BYPASS, &1i32).map_err(|e| opt_err("PACKET_QDISC_BYPASS", e))?;
+            setsockopt(fd, PACKET_QDISC_BYPASS, &1i32)
+                .map_err(|e| opt_err("PACKET_QDISC_BYPASS", e))?;
         }
         // Older kernels lack it; the per-frame pkttype check covers them.
         let ignore_outgoing = setsockopt(fd, PACKET_IGNORE_OUTGOING, &1i32).is_ok();
@@ -245,8 +281,18 @@ impl AfPacket {
             fd,
             map,
             map_len,
-            rx: Ring { base, frame_size: fs, frames: rx_req.tp_frame_nr as usize, next: 0 },
-            tx: Ring { base: unsafe { base.add(rx_len) }, frame_size: fs, frames: tx_req.tp_frame_nr as usize, next: 0 },
+            rx: Ring {
+                base,
+                frame_size: fs,
+                frames: rx_req.tp_frame_nr as usize,
+                next: 0,
+            },
+            tx: Ring {
+                base: unsafe { base.add(rx_len) },
+                frame_size: fs,
+                frames: tx_req.tp_frame_nr as usize,
+                next: 0,
+            },
             interface: name.clone(),
             mac: EthernetAddress::ZERO,
             ignore_outgoing,
@@ -265,7 +311,11 @@ impl AfPacket {
             sll_addr: [0; 8],
         };
         let r = unsafe {
-            libc::bind(fd, &sll as *const _ as *const libc::sockaddr, std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t)
+            libc::bind(
+                fd,
+                &sll as *const _ as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+            )
         };
         if r != 0 {
             return Err(io_err("bind", name));
@@ -284,10 +334,19 @@ impl AfPacket {
 
     /// Counters; the kernel's part (`packets`, `drops`) resets on each read.
     pub fn stats(&mut self) -> AfPacketStats {
-        let mut st = TpacketStats { tp_packets: 0, tp_drops: 0 };
+        let mut st = TpacketStats {
+            tp_packets: 0,
+            tp_drops: 0,
+        };
         let mut len = std::mem::size_of::<TpacketStats>() as libc::socklen_t;
         let r = unsafe {
-            libc::getsockopt(self.fd, libc::SOL_PACKET, PACKET_STATISTICS, &mut st as *mut _ as *mut libc::c_void, &mut len)
+            libc::getsockopt(
+                self.fd,
+                libc::SOL_PACKET,
+                PACKET_STATISTICS,
+                &mut st as *mut _ as *mut libc::c_void,
+                &mut len,
+            )
         };
         if r == 0 {
             self.stats.packets += u64::from(st.tp_packets);
@@ -297,14 +356,30 @@ impl AfPacket {
     }
 
     fn flush_tx(&mut self) -> Result<(), DeviceError> {
-        let r = unsafe { libc::sendto(self.fd, std::ptr::null(), 0, libc::MSG_DONTWAIT, std::ptr::null(), 0) };
+        let r = unsafe {
+            libc::sendto(
+                self.fd,
+                std::ptr::null(),
+                0,
+                libc::MSG_DONTWAIT,
+                std::ptr::null(),
+                0,
+            )
+        };
         if r < 0 {
             let e = io::Error::last_os_error();
             // Queued slots stay SEND_REQUEST and go out with the next kick.
-            if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR)) {
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR)
+            ) {
                 return Ok(());
             }
-            return Err(DeviceError::Io { op: "sendto(tx ring)", interface: self.interface.clone(), source: e });
+            return Err(DeviceError::Io {
+                op: "sendto(tx ring)",
+                interface: self.interface.clone(),
+                source: e,
+            });
         }
         Ok(())
     }
@@ -321,7 +396,11 @@ fn hardware_address(fd: RawFd, name: &str) -> Result<EthernetAddress, DeviceErro
         _pad: [u8; 8],
     }
     let mut req: IfReq = unsafe { std::mem::zeroed() };
-    for (d, s) in req.name.iter_mut().zip(name.bytes().take(libc::IFNAMSIZ - 1)) {
+    for (d, s) in req
+        .name
+        .iter_mut()
+        .zip(name.bytes().take(libc::IFNAMSIZ - 1))
+    {
         *d = s as libc::c_char;
     }
     if unsafe { libc::ioctl(fd, libc::SIOCGIFHWADDR, &mut req) } != 0 {
@@ -373,7 +452,11 @@ impl Device for AfPacket {
         Ok(n)
     }
 
-    fn transmit(&mut self, max: usize, f: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize, DeviceError> {
+    fn transmit(
+        &mut self,
+        max: usize,
+        f: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+    ) -> Result<usize, DeviceError> {
         let cap = self.tx.frame_size - TPACKET2_HDR_ALIGNED;
         let mut n = 0;
         while n < max {
@@ -393,7 +476,8 @@ impl Device for AfPacket {
             }
             let slot = self.tx.slot(i);
             // SAFETY: AVAILABLE slots belong to user space until SEND_REQUEST.
-            let buf = unsafe { std::slice::from_raw_parts_mut(slot.add(TPACKET2_HDR_ALIGNED), cap) };
+            let buf =
+                unsafe { std::slice::from_raw_parts_mut(slot.add(TPACKET2_HDR_ALIGNED), cap) };
             let Some(len) = f(buf) else { break };
             let len = len.min(cap);
             unsafe { (*(slot as *mut Tpacket2Hdr)).tp_len = len as u32 };
@@ -411,14 +495,27 @@ impl Device for AfPacket {
         if self.rx.status(self.rx.next).load(Ordering::Acquire) & TP_STATUS_USER != 0 {
             return Ok(());
         }
-        let mut pfd = libc::pollfd { fd: self.fd, events: libc::POLLIN, revents: 0 };
-        let ts = timeout.map(|t| libc::timespec { tv_sec: t.as_secs() as libc::time_t, tv_nsec: t.subsec_nanos() as libc::c_long });
-        let tsp = ts.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
+        let mut pfd = libc::pollfd {
+            fd: self.fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ts = timeout.map(|t| libc::timespec {
+            tv_sec: t.as_secs() as libc::time_t,
+            tv_nsec: t.subsec_nanos() as libc::c_long,
+        });
+        let tsp = ts
+            .as_ref()
+            .map_or(std::ptr::null(), |t| t as *const libc::timespec);
         let r = unsafe { libc::ppoll(&mut pfd, 1, tsp, std::ptr::null()) };
         if r < 0 {
             let e = io::Error::last_os_error();
             if e.raw_os_error() != Some(libc::EINTR) {
-                return Err(DeviceError::Io { op: "ppoll", interface: self.interface.clone(), source: e });
+                return Err(DeviceError::Io {
+                    op: "ppoll",
+                    interface: self.interface.clone(),
+                    source: e,
+                });
             }
         }
         Ok(())

@@ -30,7 +30,14 @@ pub struct LinkConfig {
 
 impl Default for LinkConfig {
     fn default() -> Self {
-        LinkConfig { loss: 0.0, duplicate: 0.0, reorder: 0.0, seed: 1, capacity: 1024, max_frame_len: 1514 }
+        LinkConfig {
+            loss: 0.0,
+            duplicate: 0.0,
+            reorder: 0.0,
+            seed: 1,
+            capacity: 1024,
+            max_frame_len: 1514,
+        }
     }
 }
 
@@ -101,7 +108,12 @@ pub fn pair(config: LinkConfig) -> (MemoryDevice, MemoryDevice) {
         }),
         arrived: Condvar::new(),
     });
-    let end = |side| MemoryDevice { link: link.clone(), side, mac: None, batch: Vec::new() };
+    let end = |side| MemoryDevice {
+        link: link.clone(),
+        side,
+        mac: None,
+        batch: Vec::new(),
+    };
     (end(0), end(1))
 }
 
@@ -148,7 +160,11 @@ impl Shared {
             self.free.push(frame);
             return;
         }
-        let copies = if self.rng.chance(self.config.duplicate) { 2 } else { 1 };
+        let copies = if self.rng.chance(self.config.duplicate) {
+            2
+        } else {
+            1
+        };
         let mut frame = Some(frame);
         for c in 0..copies {
             if self.queues[to].len() >= self.config.capacity {
@@ -197,7 +213,11 @@ impl Device for MemoryDevice {
         Ok(n)
     }
 
-    fn transmit(&mut self, max: usize, f: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize, DeviceError> {
+    fn transmit(
+        &mut self,
+        max: usize,
+        f: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+    ) -> Result<usize, DeviceError> {
         let frame_len = self.max_frame_len();
         let mut sent = 0;
         let mut buf = self.lock().free.pop().unwrap_or_default();
@@ -228,8 +248,18 @@ impl Device for MemoryDevice {
         let side = self.side;
         let cond = |s: &mut Shared| s.queues[side].is_empty();
         match timeout {
-            Some(t) => drop(self.link.arrived.wait_timeout_while(s, t, cond).unwrap_or_else(|e| e.into_inner())),
-            None => drop(self.link.arrived.wait_while(s, cond).unwrap_or_else(|e| e.into_inner())),
+            Some(t) => drop(
+                self.link
+                    .arrived
+                    .wait_timeout_while(s, t, cond)
+                    .unwrap_or_else(|e| e.into_inner()),
+            ),
+            None => drop(
+                self.link
+                    .arrived
+                    .wait_while(s, cond)
+                    .unwrap_or_else(|e| e.into_inner()),
+            ),
         }
         Ok(())
     }
@@ -259,7 +289,8 @@ mod tests {
 
     fn recv(d: &mut MemoryDevice) -> Vec<Vec<u8>> {
         let mut out = vec![];
-        d.receive(usize::MAX, &mut |f| out.push(f.to_vec())).unwrap();
+        d.receive(usize::MAX, &mut |f| out.push(f.to_vec()))
+            .unwrap();
         out
     }
 
@@ -267,7 +298,10 @@ mod tests {
     fn clean_link_delivers_in_order() {
         let (mut a, mut b) = pair(LinkConfig::default());
         send(&mut a, &[b"one", b"two", b"three"]);
-        assert_eq!(recv(&mut b), vec![b"one".to_vec(), b"two".to_vec(), b"three".to_vec()]);
+        assert_eq!(
+            recv(&mut b),
+            vec![b"one".to_vec(), b"two".to_vec(), b"three".to_vec()]
+        );
         assert!(recv(&mut a).is_empty());
         send(&mut b, &[b"back"]);
         assert_eq!(recv(&mut a), vec![b"back".to_vec()]);
@@ -276,7 +310,13 @@ mod tests {
     #[test]
     fn faults_are_deterministic_per_seed() {
         let run = |seed| {
-            let (mut a, mut b) = pair(LinkConfig { loss: 0.2, duplicate: 0.1, reorder: 0.1, seed, ..Default::default() });
+            let (mut a, mut b) = pair(LinkConfig {
+                loss: 0.2,
+                duplicate: 0.1,
+                reorder: 0.1,
+                seed,
+                ..Default::default()
+            });
             let frames: Vec<Vec<u8>> = (0..200u8).map(|i| vec![i]).collect();
             let refs: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
             send(&mut a, &refs);
@@ -287,13 +327,19 @@ mod tests {
         let (z, _) = run(8);
         assert_eq!(x, y);
         assert_ne!(x, z);
-        assert!(sx.lost > 10 && sx.duplicated > 5 && sx.reordered > 5, "{sx:?}");
+        assert!(
+            sx.lost > 10 && sx.duplicated > 5 && sx.reordered > 5,
+            "{sx:?}"
+        );
         assert_eq!(sx.sent, 200);
     }
 
     #[test]
     fn bounded_queue_tail_drops() {
-        let (mut a, mut b) = pair(LinkConfig { capacity: 3, ..Default::default() });
+        let (mut a, mut b) = pair(LinkConfig {
+            capacity: 3,
+            ..Default::default()
+        });
         send(&mut a, &[b"1", b"2", b"3", b"4", b"5"]);
         assert_eq!(recv(&mut b).len(), 3);
         assert_eq!(a.stats().overflowed, 2);

@@ -26,7 +26,11 @@ use std::os::fd::RawFd;
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
     #[error("{op} on {interface}: {source}")]
-    Io { op: &'static str, interface: String, source: std::io::Error },
+    Io {
+        op: &'static str,
+        interface: String,
+        source: std::io::Error,
+    },
     #[error("interface {0:?} not found")]
     NoSuchInterface(String),
     #[error("invalid device configuration: {0}")]
@@ -56,7 +60,11 @@ pub trait Device {
     /// which writes a frame at the start and returns its length, or `None`
     /// when it has nothing more. Filled frames are then sent in one batch.
     /// Returns the number of frames queued. Never blocks.
-    fn transmit(&mut self, max: usize, f: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize, DeviceError>;
+    fn transmit(
+        &mut self,
+        max: usize,
+        f: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+    ) -> Result<usize, DeviceError>;
 
     /// Blocks until a frame may be ready to receive or `timeout` elapses
     /// (`None`: no timeout). Spurious wake-ups are allowed.
@@ -80,7 +88,11 @@ impl<D: Device + ?Sized> Device for Box<D> {
     fn receive(&mut self, max: usize, f: &mut dyn FnMut(&[u8])) -> Result<usize, DeviceError> {
         (**self).receive(max, f)
     }
-    fn transmit(&mut self, max: usize, f: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> Result<usize, DeviceError> {
+    fn transmit(
+        &mut self,
+        max: usize,
+        f: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+    ) -> Result<usize, DeviceError> {
         (**self).transmit(max, f)
     }
     fn wait(&mut self, timeout: Option<Duration>) -> Result<(), DeviceError> {

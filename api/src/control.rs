@@ -1,0 +1,474 @@
+//! The API's seam to live operations: the `ControlPlane` trait, and
+//! `StoreControlPlane`, the implementation that works from the store alone.
+//!
+//! What `StoreControlPlane` knows, honestly:
+//! - connections are the flow-to-server mappings switchd persisted in the
+//!   store (they lag the data plane by up to one flow-writer batch);
+//! - load is unknown (`load_pps: null`), no migration ever happens, so the
+//!   migration list is empty and `migrate` answers 503;
+//! - drains are real state machines: the server becomes `draining` in the
+//!   store at once (switchd watches it and stops placing flows), progress is
+//!   recomputed from the stored mappings, a drain completes when none is
+//!   left, and at the deadline `force` mode deletes the remaining mappings
+//!   (a switchd implementation resets those connections) while `migrate`
+//!   mode stops with `timed_out`, leaving them untouched.
+//! The switchd-backed implementation replaces all of this with live data.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::Ipv4Addr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use capybara_proto::flow::{FlowKey, ServerId};
+use capybara_store::{unix_ms_now, Drain, DrainProgress, DrainState, FlowOp, ServerState, Store};
+use serde::Serialize;
+use tokio::sync::broadcast;
+
+use crate::apidb::{ApiDb, DrainMode};
+use crate::problem::Problem;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataSource {
+    Switchd,
+    Store,
+}
+
+/// `CLIENT_IP:PORT-VIP:PORT`.
+pub fn connection_id(k: &FlowKey) -> String {
+    format!("{}:{}-{}:{}", k.client_ip, k.client_port, k.service_ip, k.service_port)
+}
+
+pub fn parse_connection_id(s: &str) -> Option<FlowKey> {
+    let (c, v) = s.split_once('-')?;
+    let (cip, cport) = c.rsplit_once(':')?;
+    let (vip, vport) = v.rsplit_once(':')?;
+    Some(FlowKey {
+        client_ip: cip.parse::<Ipv4Addr>().ok()?,
+        client_port: cport.parse().ok()?,
+        service_ip: vip.parse::<Ipv4Addr>().ok()?,
+        service_port: vport.parse().ok()?,
+    })
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ConnectionView {
+    pub id: String,
+    pub client_ip: String,
+    pub client_port: u16,
+    pub vip: String,
+    pub port: u16,
+    pub service: Option<String>,
+    pub server: u32,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ConnectionFilter {
+    pub server: Option<ServerId>,
+    /// (vip, port) of the service to match.
+    pub service: Option<(Ipv4Addr, u16)>,
+    pub limit: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ConnectionPage {
+    pub items: Vec<ConnectionView>,
+    pub total: u64,
+    pub truncated: bool,
+    pub data_source: DataSource,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct ServerStats {
+    pub data_source: DataSource,
+    pub connections: u64,
+    pub load_pps: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct MigrationPhases {
+    pub prepare_us: Option<u64>,
+    pub export_us: Option<u64>,
+    pub transfer_us: Option<u64>,
+    pub import_us: Option<u64>,
+    pub total_us: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct MigrationView {
+    pub id: u64,
+    pub connection: String,
+    pub origin: u32,
+    pub target: Option<u32>,
+    /// in_progress | succeeded | rejected | aborted | timed_out
+    pub outcome: &'static str,
+    /// manual | drain | proactive | reactive
+    pub trigger: &'static str,
+    pub reason: Option<String>,
+    pub started_unix_ms: u64,
+    pub finished_unix_ms: Option<u64>,
+    pub phases: MigrationPhases,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DrainView {
+    pub server: u32,
+    pub state: DrainState,
+    pub mode: DrainMode,
+    pub targets: Vec<u32>,
+    pub started_unix_ms: u64,
+    pub deadline_unix_ms: u64,
+    pub progress: DrainProgress,
+    pub remaining: Vec<String>,
+    pub remaining_truncated: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct DrainSpec {
+    pub deadline: Duration,
+    pub mode: DrainMode,
+    pub targets: Vec<ServerId>,
+}
+
+/// Counters for `/metrics`: migrations by outcome and per-phase latency
+/// histograms (seconds; cumulative bucket counts, sum, count).
+#[derive(Debug, Clone, Default)]
+pub struct MigrationMetrics {
+    pub by_outcome: BTreeMap<&'static str, u64>,
+    pub phase_histograms: BTreeMap<&'static str, Histogram>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Histogram {
+    /// (upper bound in seconds, cumulative count)
+    pub buckets: Vec<(f64, u64)>,
+    pub sum: f64,
+    pub count: u64,
+}
+
+pub const MIGRATION_OUTCOMES: [&str; 4] = ["succeeded", "rejected", "aborted", "timed_out"];
+pub const MIGRATION_PHASES: [&str; 5] = ["prepare", "export", "transfer", "import", "total"];
+pub const PHASE_BUCKETS_SECONDS: [f64; 10] = [1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 1e-1];
+
+/// What the control plane pushes to event subscribers.
+#[derive(Debug, Clone)]
+pub enum ControlEvent {
+    Migration(MigrationView),
+}
+
+/// Live operations the API needs from the switch control plane.
+#[async_trait]
+pub trait ControlPlane: Send + Sync + 'static {
+    /// `store` or `switchd`.
+    fn name(&self) -> &'static str;
+    fn data_source(&self) -> DataSource;
+    async fn connections(&self, filter: &ConnectionFilter) -> Result<ConnectionPage, Problem>;
+    /// Per-server connection counts and load; servers without connections
+    /// may be absent.
+    async fn server_stats(&self) -> Result<HashMap<ServerId, ServerStats>, Problem>;
+    /// Starts migrating `conn` to `target` (or a switch-picked target).
+    async fn migrate(&self, conn: FlowKey, target: Option<ServerId>) -> Result<MigrationView, Problem>;
+    /// Migrations with `id > after`, oldest first, at most `limit`.
+    async fn recent_migrations(&self, after: u64, limit: usize) -> Result<Vec<MigrationView>, Problem>;
+    /// Starts a drain: the server is `draining` when this returns.
+    async fn start_drain(&self, server: ServerId, spec: DrainSpec) -> Result<DrainView, Problem>;
+    /// Cancels a running drain (if any) and makes the server active again.
+    async fn stop_drain(&self, server: ServerId) -> Result<(), Problem>;
+    /// The current or last drain of the server.
+    async fn drain_status(&self, server: ServerId) -> Result<Option<DrainView>, Problem>;
+    fn subscribe(&self) -> broadcast::Receiver<ControlEvent>;
+    fn migration_metrics(&self) -> MigrationMetrics;
+}
+
+/// How often a drain supervisor re-reads the server's flows.
+const DRAIN_POLL: Duration = Duration::from_millis(200);
+const REMAINING_LISTED: usize = 1000;
+
+pub struct StoreControlPlane {
+    store: Arc<dyn Store>,
+    db: Arc<ApiDb>,
+    events: broadcast::Sender<ControlEvent>,
+    supervisors: Mutex<HashMap<ServerId, tokio::task::AbortHandle>>,
+}
+
+impl StoreControlPlane {
+    /// Also resumes the supervision of drains left running by a previous
+    /// process (their deadlines are wall-clock, so a restart loses nothing).
+    pub async fn new(store: Arc<dyn Store>, db: Arc<ApiDb>) -> Result<Arc<Self>, Problem> {
+        let (events, _) = broadcast::channel(256);
+        let cp = Arc::new(StoreControlPlane { store, db, events, supervisors: Mutex::new(HashMap::new()) });
+        for d in cp.store.list_drains().await? {
+            if d.state == DrainState::Running {
+                cp.spawn_supervisor(d.server, d.started_unix_ms);
+            }
+        }
+        Ok(cp)
+    }
+
+    fn spawn_supervisor(self: &Arc<Self>, server: ServerId, started: u64) {
+        let me = Arc::clone(self);
+        let handle = tokio::spawn(async move {
+            loop {
+                match me.supervise_once(server, started).await {
+                    Ok(true) => tokio::time::sleep(DRAIN_POLL).await,
+                    Ok(false) => break,
+                    Err(e) => {
+                        tracing::warn!(server = %server, error = %e, "drain supervision step failed; retrying");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+            }
+        });
+        if let Some(old) = self.supervisors.lock().unwrap_or_else(|p| p.into_inner()).insert(server, handle.abort_handle()) {
+            old.abort();
+        }
+    }
+
+    /// One step of a drain; `Ok(false)` when the drain is over (or was
+    /// cancelled or replaced).
+    async fn supervise_once(&self, server: ServerId, started: u64) -> Result<bool, Problem> {
+        let Some(d) = self.store.get_drain(server).await? else { return Ok(false) };
+        if d.state != DrainState::Running || d.started_unix_ms != started {
+            return Ok(false);
+        }
+        let flows = self.store.list_flows_by_server(server).await?;
+        let remaining = flows.len() as u64;
+        let mut progress = d.progress;
+        progress.flows_remaining = remaining;
+        progress.flows_closed = progress.flows_total.saturating_sub(remaining + progress.flows_migrated);
+        let now = unix_ms_now();
+        if remaining == 0 {
+            self.finish(server, progress, DrainState::Completed).await?;
+            return Ok(false);
+        }
+        if now >= d.deadline_unix_ms {
+            if self.db.drain_mode(server) == DrainMode::Force {
+                // No data plane to reset them: forget the mappings, which
+                // is what the switch does after it breaks the connections.
+                let ops: Vec<FlowOp> = flows.iter().map(|k| FlowOp::Delete { key: *k }).collect();
+                self.store.apply_flows(&ops).await?;
+                progress.flows_closed += remaining;
+                progress.flows_remaining = 0;
+                self.finish(server, progress, DrainState::Completed).await?;
+            } else {
+                self.store.update_drain(server, progress, DrainState::TimedOut).await?;
+            }
+            return Ok(false);
+        }
+        if progress != d.progress {
+            self.store.update_drain(server, progress, DrainState::Running).await?;
+        }
+        Ok(true)
+    }
+
+    async fn finish(&self, server: ServerId, progress: DrainProgress, state: DrainState) -> Result<(), Problem> {
+        self.store.update_drain(server, progress, state).await?;
+        if state == DrainState::Completed {
+            self.store.set_server_state(server, ServerState::Drained).await?;
+        }
+        Ok(())
+    }
+
+    async fn view(&self, d: Drain) -> Result<DrainView, Problem> {
+        let (remaining, truncated) = if d.state == DrainState::TimedOut {
+            let flows = self.store.list_flows_by_server(d.server).await?;
+            let truncated = flows.len() > REMAINING_LISTED;
+            (flows.iter().take(REMAINING_LISTED).map(connection_id).collect(), truncated)
+        } else {
+            (Vec::new(), false)
+        };
+        Ok(DrainView {
+            server: d.server.0,
+            state: d.state,
+            mode: self.db.drain_mode(d.server),
+            targets: d.targets.iter().map(|t| t.0).collect(),
+            started_unix_ms: d.started_unix_ms,
+            deadline_unix_ms: d.deadline_unix_ms,
+            progress: d.progress,
+            remaining,
+            remaining_truncated: truncated,
+        })
+    }
+}
+
+#[async_trait]
+impl ControlPlane for Arc<StoreControlPlane> {
+    fn name(&self) -> &'static str {
+        "store"
+    }
+    fn data_source(&self) -> DataSource {
+        DataSource::Store
+    }
+
+    async fn connections(&self, filter: &ConnectionFilter) -> Result<ConnectionPage, Problem> {
+        let services: HashMap<(Ipv4Addr, u16), String> =
+            self.store.list_services().await?.into_iter().map(|s| ((s.vip, s.port), s.name)).collect();
+        let flows: Vec<(FlowKey, ServerId)> = match filter.server {
+            Some(s) => self.store.list_flows_by_server(s).await?.into_iter().map(|k| (k, s)).collect(),
+            None => self.store.scan_flows().await?.into_iter().map(|m| (m.key, m.server)).collect(),
+        };
+        let matching: Vec<_> = flows
+            .into_iter()
+            .filter(|(k, _)| filter.service.is_none_or(|svc| (k.service_ip, k.service_port) == svc))
+            .collect();
+        let total = matching.len() as u64;
+        let items: Vec<_> = matching
+            .into_iter()
+            .take(filter.limit)
+            .map(|(k, s)| ConnectionView {
+                id: connection_id(&k),
+                client_ip: k.client_ip.to_string(),
+                client_port: k.client_port,
+                vip: k.service_ip.to_string(),
+                port: k.service_port,
+                service: services.get(&(k.service_ip, k.service_port)).cloned(),
+                server: s.0,
+            })
+            .collect();
+        Ok(ConnectionPage { truncated: (items.len() as u64) < total, items, total, data_source: DataSource::Store })
+    }
+
+    async fn server_stats(&self) -> Result<HashMap<ServerId, ServerStats>, Problem> {
+        let mut out: HashMap<ServerId, ServerStats> = HashMap::new();
+        for s in self.store.list_servers().await? {
+            out.insert(s.id, ServerStats { data_source: DataSource::Store, connections: 0, load_pps: None });
+        }
+        for m in self.store.scan_flows().await? {
+            out.entry(m.server)
+                .or_insert(ServerStats { data_source: DataSource::Store, connections: 0, load_pps: None })
+                .connections += 1;
+        }
+        Ok(out)
+    }
+
+    async fn migrate(&self, conn: FlowKey, target: Option<ServerId>) -> Result<MigrationView, Problem> {
+        let Some(owner) = self.store.get_flow(&conn).await? else {
+            return Err(Problem::not_found(format!("connection {} not found", connection_id(&conn))));
+        };
+        if let Some(t) = target {
+            let Some(ts) = self.store.get_server(t).await? else {
+                return Err(Problem::invalid("target", format!("server {} is not registered", t.0)));
+            };
+            if t == owner {
+                return Err(Problem::conflict(format!("connection is already on server {}", t.0)));
+            }
+            if ts.state != ServerState::Active {
+                return Err(Problem::conflict(format!("target server {} is {}, not active", t.0, ts.state.as_str())));
+            }
+        }
+        Err(Problem::unavailable(
+            "no data plane is connected to this API (store-backed control plane): live connections cannot be migrated",
+        ))
+    }
+
+    async fn recent_migrations(&self, _after: u64, _limit: usize) -> Result<Vec<MigrationView>, Problem> {
+        Ok(Vec::new())
+    }
+
+    async fn start_drain(&self, server: ServerId, spec: DrainSpec) -> Result<DrainView, Problem> {
+        let Some(s) = self.store.get_server(server).await? else {
+            return Err(Problem::not_found(format!("server {} not found", server.0)));
+        };
+        if s.state == ServerState::Dead {
+            return Err(Problem::conflict(format!("server {} is dead; it has no connections to drain", server.0)));
+        }
+        if let Some(d) = self.store.get_drain(server).await? {
+            if d.state == DrainState::Running {
+                return Err(Problem::conflict(format!(
+                    "server {} is already draining (deadline {} ms since epoch); undrain it first",
+                    server.0, d.deadline_unix_ms
+                )));
+            }
+        }
+        for (i, t) in spec.targets.iter().enumerate() {
+            if *t == server {
+                return Err(Problem::invalid(format!("targets[{i}]"), "a server cannot be its own drain target"));
+            }
+            if self.store.get_server(*t).await?.is_none() {
+                return Err(Problem::invalid(format!("targets[{i}]"), format!("server {} is not registered", t.0)));
+            }
+        }
+        // No new connections from now on: switchd watches this state.
+        self.store.set_server_state(server, ServerState::Draining).await?;
+        let total = self.store.list_flows_by_server(server).await?.len() as u64;
+        let now = unix_ms_now();
+        let drain = Drain {
+            server,
+            targets: spec.targets.clone(),
+            started_unix_ms: now,
+            deadline_unix_ms: now + spec.deadline.as_millis() as u64,
+            state: DrainState::Running,
+            progress: DrainProgress { flows_total: total, flows_migrated: 0, flows_closed: 0, flows_remaining: total },
+        };
+        self.db.set_drain_mode(server, spec.mode).map_err(|e| Problem::internal(e.to_string()))?;
+        self.store.put_drain(&drain).await?;
+        self.spawn_supervisor(server, now);
+        self.view(drain).await
+    }
+
+    async fn stop_drain(&self, server: ServerId) -> Result<(), Problem> {
+        let Some(s) = self.store.get_server(server).await? else {
+            return Err(Problem::not_found(format!("server {} not found", server.0)));
+        };
+        if s.state == ServerState::Dead {
+            return Err(Problem::conflict(format!("server {} is dead; re-register it instead", server.0)));
+        }
+        if let Some(h) = self.supervisors.lock().unwrap_or_else(|p| p.into_inner()).remove(&server) {
+            h.abort();
+        }
+        if let Some(d) = self.store.get_drain(server).await? {
+            if d.state == DrainState::Running {
+                self.store.update_drain(server, d.progress, DrainState::Cancelled).await?;
+            }
+        }
+        if s.state != ServerState::Active {
+            self.store.set_server_state(server, ServerState::Active).await?;
+        }
+        Ok(())
+    }
+
+    async fn drain_status(&self, server: ServerId) -> Result<Option<DrainView>, Problem> {
+        match self.store.get_drain(server).await? {
+            Some(d) => Ok(Some(self.view(d).await?)),
+            None => Ok(None),
+        }
+    }
+
+    fn subscribe(&self) -> broadcast::Receiver<ControlEvent> {
+        self.events.subscribe()
+    }
+
+    fn migration_metrics(&self) -> MigrationMetrics {
+        let mut m = MigrationMetrics::default();
+        for o in MIGRATION_OUTCOMES {
+            m.by_outcome.insert(o, 0);
+        }
+        for p in MIGRATION_PHASES {
+            m.phase_histograms.insert(
+                p,
+                Histogram { buckets: PHASE_BUCKETS_SECONDS.iter().map(|b| (*b, 0)).collect(), sum: 0.0, count: 0 },
+            );
+        }
+        m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_ids_round_trip() {
+        let k = FlowKey {
+            client_ip: Ipv4Addr::new(192, 0, 2, 10),
+            client_port: 51000,
+            service_ip: Ipv4Addr::new(10, 0, 0, 100),
+            service_port: 80,
+        };
+        assert_eq!(connection_id(&k), "192.0.2.10:51000-10.0.0.100:80");
+        assert_eq!(parse_connection_id(&connection_id(&k)), Some(k));
+        assert_eq!(parse_connection_id("999.0.0.1:1-10.0.0.1:80"), None);
+        assert_eq!(parse_connection_id("1.2.3.4:70000-10.0.0.1:80"), None);
+    }
+}

@@ -1,0 +1,266 @@
+//! RFC 9457 problem responses and the parsing of untrusted request input.
+//!
+//! Invariant: every error the API returns is a `Problem` serialized as
+//! `application/problem+json`; bad input never becomes a 5xx. A 5xx only
+//! comes from a store or control-plane failure, never from request content.
+
+use std::fmt;
+
+use actix_web::http::header::{self, HeaderValue};
+use actix_web::http::StatusCode;
+use actix_web::{HttpRequest, HttpResponse, ResponseError};
+use capybara_store::StoreError;
+use futures::StreamExt;
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+
+/// Largest accepted request body.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+#[derive(Debug, Clone)]
+pub struct Problem {
+    pub status: StatusCode,
+    /// Short machine-readable kind, used in the `type` URI.
+    pub kind: &'static str,
+    pub title: &'static str,
+    pub detail: String,
+    /// The request field (422) or parameter (400) at fault.
+    pub field: Option<String>,
+    pub www_authenticate: bool,
+    pub allow: Option<&'static str>,
+}
+
+impl Problem {
+    fn new(status: StatusCode, kind: &'static str, title: &'static str, detail: impl Into<String>) -> Self {
+        Problem { status, kind, title, detail: detail.into(), field: None, www_authenticate: false, allow: None }
+    }
+    pub fn with_field(mut self, field: impl Into<String>) -> Self {
+        self.field = Some(field.into());
+        self
+    }
+    pub fn bad_request(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "bad-request", "Bad request", detail)
+    }
+    pub fn bad_param(param: &str, detail: impl Into<String>) -> Self {
+        Self::bad_request(detail).with_field(param)
+    }
+    pub fn unauthorized(detail: impl Into<String>) -> Self {
+        let mut p = Self::new(StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized", detail);
+        p.www_authenticate = true;
+        p
+    }
+    pub fn forbidden(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "forbidden", "Forbidden", detail)
+    }
+    pub fn not_found(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not-found", "Not found", detail)
+    }
+    pub fn method_not_allowed(allow: &'static str) -> Self {
+        let mut p = Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method-not-allowed",
+            "Method not allowed",
+            format!("allowed methods: {allow}"),
+        );
+        p.allow = Some(allow);
+        p
+    }
+    pub fn conflict(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, "conflict", "Conflict", detail)
+    }
+    pub fn too_large() -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload-too-large",
+            "Payload too large",
+            format!("request body exceeds {MAX_BODY_BYTES} bytes"),
+        )
+    }
+    pub fn unsupported_media(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported-media-type", "Unsupported media type", detail)
+    }
+    pub fn invalid(field: impl Into<String>, detail: impl Into<String>) -> Self {
+        let field = field.into();
+        let detail = format!("`{field}`: {}", detail.into());
+        Self::new(StatusCode::UNPROCESSABLE_ENTITY, "validation", "Validation failed", detail).with_field(field)
+    }
+    pub fn internal(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "Internal error", detail)
+    }
+    pub fn unavailable(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "Service unavailable", detail)
+    }
+
+    pub fn body(&self) -> Value {
+        let mut v = json!({
+            "type": format!("urn:capybara:problem:{}", self.kind),
+            "title": self.title,
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        if let Some(f) = &self.field {
+            v["field"] = json!(f);
+        }
+        v
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}: {}", self.status.as_u16(), self.title, self.detail)
+    }
+}
+
+impl ResponseError for Problem {
+    fn status_code(&self) -> StatusCode {
+        self.status
+    }
+    fn error_response(&self) -> HttpResponse {
+        let mut b = HttpResponse::build(self.status);
+        b.insert_header((header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json")));
+        if self.www_authenticate {
+            b.insert_header((header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"capybara\"")));
+        }
+        if let Some(allow) = self.allow {
+            b.insert_header((header::ALLOW, HeaderValue::from_static(allow)));
+        }
+        b.body(self.body().to_string())
+    }
+}
+
+impl From<StoreError> for Problem {
+    fn from(e: StoreError) -> Self {
+        match &e {
+            StoreError::NotFound { .. } => Problem::not_found(e.to_string()),
+            StoreError::InvalidPolicy(p) => Problem::invalid(p.field, p.reason.clone()),
+            StoreError::Invalid { what, reason } => Problem::invalid(*what, reason.clone()),
+            _ if e.is_transient() => Problem::unavailable(format!("store unavailable: {e}")),
+            _ => {
+                tracing::error!(error = %e, "store error");
+                Problem::internal(format!("store error: {e}"))
+            }
+        }
+    }
+}
+
+pub type ApiResult<T> = Result<T, Problem>;
+
+/// Reads a JSON body of at most `MAX_BODY_BYTES`. `Ok(None)` when the body
+/// is empty and `required` is false.
+pub async fn read_json(req: &HttpRequest, mut payload: actix_web::web::Payload, required: bool) -> ApiResult<Option<Value>> {
+    if let Some(len) = req.headers().get(header::CONTENT_LENGTH) {
+        if let Some(n) = len.to_str().ok().and_then(|s| s.parse::<u64>().ok()) {
+            if n > MAX_BODY_BYTES as u64 {
+                return Err(Problem::too_large());
+            }
+        }
+    }
+    let mut buf = bytes::BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk = chunk.map_err(|e| Problem::bad_request(format!("reading body: {e}")))?;
+        if buf.len() + chunk.len() > MAX_BODY_BYTES {
+            return Err(Problem::too_large());
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    if buf.is_empty() {
+        return if required { Err(Problem::bad_request("a JSON request body is required")) } else { Ok(None) };
+    }
+    let ct = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let mime = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    if mime != "application/json" && !(mime.starts_with("application/") && mime.ends_with("+json")) {
+        return Err(Problem::unsupported_media(format!("Content-Type must be application/json, got {ct:?}")));
+    }
+    let v: Value = serde_json::from_slice(&buf).map_err(|e| Problem::bad_request(format!("body is not valid JSON: {e}")))?;
+    Ok(Some(v))
+}
+
+/// Parses an untrusted JSON object into `T`; the 422 names the bad field.
+/// None of our request schemas is nullable, so a `null` member is refused
+/// (serde would otherwise read it as "absent").
+pub fn parse_body<T: DeserializeOwned>(v: Value) -> ApiResult<T> {
+    let Value::Object(map) = &v else {
+        return Err(Problem::invalid("body", "must be a JSON object"));
+    };
+    if let Some((k, _)) = map.iter().find(|(_, v)| v.is_null()) {
+        return Err(Problem::invalid(k.clone(), "must not be null"));
+    }
+    serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
+        let msg = e.inner().to_string();
+        let path = e.path().to_string();
+        let field = field_from_message(&msg).map(|f| if path == "." { f.clone() } else { format!("{path}.{f}") });
+        let field = field.unwrap_or_else(|| if path == "." { "body".to_string() } else { path.clone() });
+        Problem::invalid(field, msg)
+    })
+}
+
+/// serde names the field itself in "missing field `x`" and "unknown field
+/// `x`" messages, where the path still points at the enclosing object.
+fn field_from_message(msg: &str) -> Option<String> {
+    for prefix in ["missing field `", "unknown field `"] {
+        if let Some(rest) = msg.strip_prefix(prefix) {
+            return rest.split('`').next().map(str::to_string);
+        }
+    }
+    None
+}
+
+/// `[A-Za-z0-9_.-]{1,64}`: names of servers, services and tokens.
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
+/// Query parameters, last occurrence wins.
+pub struct Query(Vec<(String, String)>);
+
+impl Query {
+    pub fn parse(req: &HttpRequest) -> ApiResult<Self> {
+        actix_web::web::Query::<Vec<(String, String)>>::from_query(req.query_string())
+            .map(|q| Query(q.into_inner()))
+            .map_err(|e| Problem::bad_request(format!("malformed query string: {e}")))
+    }
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.0.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+    }
+    pub fn u64_in(&self, key: &str, min: u64, max: u64) -> ApiResult<Option<u64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(s) => match s.parse::<u64>() {
+                Ok(n) if (min..=max).contains(&n) => Ok(Some(n)),
+                _ => Err(Problem::bad_param(key, format!("query parameter `{key}` must be an integer in [{min}, {max}], got {s:?}"))),
+            },
+        }
+    }
+}
+
+/// A server id from the path: an integer in [1, 2^32-1].
+pub fn parse_server_id(raw: &str) -> ApiResult<capybara_proto::flow::ServerId> {
+    match raw.parse::<u64>() {
+        Ok(n) if (1..=u32::MAX as u64).contains(&n) => Ok(capybara_proto::flow::ServerId(n as u32)),
+        _ => Err(Problem::bad_param("server_id", format!("server id must be an integer in [1, 4294967295], got {raw:?}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(serde::Deserialize, Debug)]
+    #[serde(deny_unknown_fields)]
+    #[allow(dead_code)]
+    struct T {
+        a: u32,
+        b: Option<Vec<u64>>,
+    }
+
+    #[test]
+    fn parse_errors_name_the_field() {
+        let f = |v: Value| parse_body::<T>(v).unwrap_err().field.unwrap();
+        assert_eq!(f(json!({})), "a");
+        assert_eq!(f(json!({"a": 1, "zz": 2})), "zz");
+        assert_eq!(f(json!({"a": "x"})), "a");
+        assert_eq!(f(json!({"a": 1, "b": [1, -2]})), "b[1]");
+        assert_eq!(f(json!({"a": null})), "a");
+        assert_eq!(f(json!([1])), "body");
+    }
+}

@@ -1,0 +1,99 @@
+//! The built-in services the hostagent can serve on the user-space stack:
+//! an echo service and an HTTP/1.1 service (hyper, unchanged, on the async
+//! socket API). Tests and benchmarks use them.
+
+use crate::socket::{TcpListener, TcpStream};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{Request, Response};
+use sha2::{Digest, Sha256};
+use std::convert::Infallible;
+use std::rc::Rc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Echoes every connection; at the end of each it logs the byte count and
+/// the SHA-256 of what it received, so tests can compare both ends.
+pub async fn echo(listener: TcpListener) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("hostagent: echo accept: {e}");
+                continue;
+            }
+        };
+        tokio::task::spawn_local(async move {
+            match echo_one(stream).await {
+                Ok((n, hash)) => println!("echo peer={peer} bytes={n} sha256={hash}"),
+                Err(e) => println!("echo peer={peer} error={e}"),
+            }
+        });
+    }
+}
+
+async fn echo_one(mut stream: TcpStream) -> std::io::Result<(u64, String)> {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut hash = Sha256::new();
+    let mut total = 0u64;
+    loop {
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        hash.update(&buf[..n]);
+        total += n as u64;
+        stream.write_all(&buf[..n]).await?;
+    }
+    stream.shutdown().await?;
+    let hex = hash.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    Ok((total, hex))
+}
+
+/// Serves HTTP/1.1 with keep-alive: `GET /` answers a short greeting,
+/// `GET /bytes/N` answers N bytes (at most 64 MiB). Every response carries
+/// `x-server: NAME`.
+pub async fn http(listener: TcpListener, name: Rc<str>) {
+    loop {
+        let (stream, _peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("hostagent: http accept: {e}");
+                continue;
+            }
+        };
+        let name = name.clone();
+        tokio::task::spawn_local(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let name = name.clone();
+                async move { Ok::<_, Infallible>(respond(&name, req)) }
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            let _ = hyper::server::conn::http1::Builder::new()
+                .keep_alive(true)
+                .pipeline_flush(true)
+                .serve_connection(io, service)
+                .await;
+        });
+    }
+}
+
+fn respond(name: &str, req: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+    let path = req.uri().path();
+    let (status, body) = if path == "/" {
+        (200, Bytes::from(format!("hello from {name}\n")))
+    } else if let Some(n) = path.strip_prefix("/bytes/").and_then(|n| n.parse::<usize>().ok()) {
+        if n <= 64 << 20 {
+            (200, Bytes::from(vec![b'x'; n]))
+        } else {
+            (400, Bytes::from_static(b"at most 67108864 bytes\n"))
+        }
+    } else {
+        (404, Bytes::from_static(b"not found\n"))
+    };
+    Response::builder()
+        .status(status)
+        .header("x-server", name)
+        .header("content-type", "text/plain")
+        .body(Full::new(body))
+        .expect("static response parts are valid")
+}

@@ -1,0 +1,151 @@
+//! `hostagent --config FILE [--check]`: runs the user-space stack on one
+//! interface and serves the configured services on it.
+//!
+//! Exit status: 0 after a clean stop (SIGINT/SIGTERM), 1 when the device
+//! fails, 2 for a bad command line or configuration (one line naming the bad
+//! field and value).
+
+use capybara_hostagent::config::{App, Backend, Config, Poll};
+use capybara_hostagent::{apps, metrics, Stack, TcpListener};
+use capybara_net::device::{Device, PollMode};
+use capybara_net::iface::{Interface, InterfaceConfig};
+use capybara_tcp::{Endpoint, TcpConfig};
+use std::process::ExitCode;
+use std::rc::Rc;
+
+fn usage_error(msg: impl std::fmt::Display) -> ExitCode {
+    eprintln!("hostagent: {msg}");
+    ExitCode::from(2)
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut config_path = None;
+    let mut check = false;
+    let mut metrics_addr: Option<String> = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--config" => config_path = it.next().cloned(),
+            "--check" => check = true,
+            "--metrics" => metrics_addr = it.next().cloned(),
+            "-h" | "--help" => {
+                println!("usage: hostagent --config FILE [--check] [--metrics ADDR:PORT]");
+                return ExitCode::SUCCESS;
+            }
+            other => return usage_error(format!("unknown argument {other:?} (try --help)")),
+        }
+    }
+    let Some(path) = config_path else {
+        return usage_error("missing --config FILE");
+    };
+    let cfg = match Config::load(&path) {
+        Ok(c) => c,
+        Err(e) => return usage_error(e),
+    };
+    let metrics_addr = match metrics_addr.map(|a| a.parse::<std::net::SocketAddr>().map_err(|_| a)) {
+        Some(Ok(a)) => Some(a),
+        Some(Err(a)) => return usage_error(format!("invalid --metrics address {a:?}")),
+        None => None,
+    };
+    if check {
+        println!(
+            "{path}: configuration valid ({} on {}, {} service(s))",
+            cfg.stack.address,
+            cfg.interface.name,
+            cfg.services.len()
+        );
+        return ExitCode::SUCCESS;
+    }
+    match run(cfg, metrics_addr) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("hostagent: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn open_device(cfg: &Config) -> Result<Box<dyn Device>, String> {
+    match cfg.interface.backend {
+        Backend::AfPacket => {
+            let c = capybara_net::device::af_packet::AfPacketConfig::new(&cfg.interface.name);
+            capybara_net::device::af_packet::AfPacket::open(&c)
+                .map(|d| Box::new(d) as Box<dyn Device>)
+                .map_err(|e| e.to_string())
+        }
+        #[cfg(feature = "dpdk")]
+        Backend::Dpdk => {
+            let mut c = capybara_net::device::dpdk::DpdkConfig::lab(&cfg.interface.name);
+            c.eal_args = cfg.interface.dpdk_args.clone();
+            capybara_net::device::dpdk::Dpdk::open(&c)
+                .map(|d| Box::new(d) as Box<dyn Device>)
+                .map_err(|e| e.to_string())
+        }
+        #[cfg(not(feature = "dpdk"))]
+        Backend::Dpdk => Err("this hostagent was built without the `dpdk` feature".into()),
+    }
+}
+
+fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), String> {
+    let device = open_device(&cfg)?;
+    let mac = device
+        .mac()
+        .ok_or_else(|| format!("interface {} has no MAC address", cfg.interface.name))?;
+    let mut icfg = InterfaceConfig::new(mac, cfg.stack.address, cfg.stack.gateway);
+    for s in &cfg.services {
+        if *s.listen.ip() != cfg.stack.address && !icfg.extra_addresses.contains(s.listen.ip()) {
+            icfg.extra_addresses.push(*s.listen.ip());
+        }
+    }
+    let iface = Interface::new(icfg).map_err(|e| format!("interface configuration: {e}"))?;
+    let tcp = Endpoint::new(TcpConfig {
+        mss: cfg.stack.mss,
+        rx_buffer: cfg.stack.recv_buffer,
+        tx_buffer: cfg.stack.send_buffer,
+        isn_key: rand::random(),
+        ..TcpConfig::default()
+    });
+    let mode = match cfg.interface.poll {
+        Poll::Busy => PollMode::BusyPoll,
+        Poll::Sleep => PollMode::Sleep,
+    };
+    let stack = Stack::new(iface, tcp, device, mode);
+    let name: Rc<str> = Rc::from(cfg.name.as_str());
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&rt, async move {
+        for s in &cfg.services {
+            let l = TcpListener::bind(&stack, s.listen).map_err(|e| format!("listen {}: {e}", s.listen))?;
+            match s.app {
+                App::Echo => tokio::task::spawn_local(apps::echo(l)),
+                App::Http => tokio::task::spawn_local(apps::http(l, name.clone())),
+            };
+        }
+        if let Some(addr) = metrics_addr {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("metrics listener {addr}: {e}"))?;
+            tokio::task::spawn_local(metrics::serve(l, stack.clone(), name.clone()));
+        }
+        eprintln!(
+            "hostagent {}: {} on {} ({:?}), {} service(s)",
+            name,
+            cfg.stack.address,
+            cfg.interface.name,
+            cfg.interface.backend,
+            cfg.services.len()
+        );
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(|e| format!("cannot install the SIGTERM handler: {e}"))?;
+        tokio::select! {
+            r = stack.clone().drive() => r.map_err(|e| format!("device: {e}")),
+            _ = tokio::signal::ctrl_c() => Ok(()),
+            _ = term.recv() => Ok(()),
+        }
+    })
+}

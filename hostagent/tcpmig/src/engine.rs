@@ -1,0 +1,1598 @@
+//! The migration engine: one table of migration records (origin and target
+//! role), a bounded transmit queue and a bounded event queue.
+//!
+//! Record life cycle (details and diagrams in `docs/MIGRATION.md`):
+//!
+//! ```text
+//! origin: Preparing -> Exporting -> Sending -> Done(migrated out)
+//!            |  \          |           \-> InDoubt -> Done(migrated out | resumed | lost)
+//!            |   \---------+-> AbortNotify -> Done      (deadline before any state was sent)
+//!            \-> Done(resumed: REJECT or target's ABORT)
+//! target: Buffering -> Importing -> Committed
+//!            \-> Aborted (deadline, origin's request)   Importing -> Aborted (import failed)
+//!         (PREPARE refused) Rejected
+//! ```
+//!
+//! Invariants:
+//! - a target record leaves `Committed` only by expiring; no ABORT is ever
+//!   sent for a committed migration (this is what makes the switch entry
+//!   converge to the owner);
+//! - an origin record sends CONN_STATE only in `Sending`, and resumes the
+//!   connection on its own only from `Preparing`/`Exporting`;
+//! - `by_flow_in` holds exactly the target records in `Buffering` or
+//!   `Importing`; `by_flow_out` the origin records not yet `Done`;
+//! - queues never grow past their pre-sized capacity.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::Ipv4Addr;
+
+use capybara_proto::frag::{max_fragment_payload, split_chunks, Progress, Reassembly};
+use capybara_proto::tcpmig::{Kind, Reason, TcpMigError, TcpMigRepr};
+use capybara_proto::time::{Duration, Instant};
+use capybara_proto::{FlowKey, MigrationKey};
+
+use crate::config::{BufferMode, ConfigError, EngineConfig};
+use crate::counters::Counters;
+use crate::error::{MigError, RxError};
+use crate::segbuf::SegmentBuffer;
+use crate::telemetry::Telemetry;
+use crate::MigrationId;
+
+/// Something the stack (or the operator) must act on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// Origin: the target is ready and the switch redirects the flow. Freeze
+    /// the connection (stop reading, sending and timers), serialise it with
+    /// its application state and call [`Engine::provide_snapshot`]. Keep the
+    /// frozen connection until `MigratedOut`, `Resumed` or `Lost`.
+    ExportNow { id: MigrationId, flow: FlowKey },
+    /// Origin: the target imported the connection. Destroy the local copy
+    /// silently (no FIN, no RST); socket calls report "migrated".
+    MigratedOut {
+        id: MigrationId,
+        flow: FlowKey,
+        target: Ipv4Addr,
+        telemetry: Telemetry,
+    },
+    /// Origin: the migration did not happen; unfreeze and keep serving.
+    Resumed {
+        id: MigrationId,
+        flow: FlowKey,
+        reason: Reason,
+    },
+    /// Origin: the state was sent but the target never told the outcome
+    /// within `in_doubt_limit` (target host failure). Neither copy can be
+    /// trusted: close the connection (RST), as for any host failure.
+    Lost {
+        id: MigrationId,
+        flow: FlowKey,
+        reason: Reason,
+    },
+    /// Target: the whole snapshot is here; read it with
+    /// [`Engine::snapshot`], import it, then call [`Engine::import_done`]
+    /// (or [`Engine::import_failed`]). The imported connection must not
+    /// send anything before `import_done` returns.
+    ImportNow {
+        id: MigrationId,
+        flow: FlowKey,
+        origin: Ipv4Addr,
+        snapshot_len: usize,
+    },
+    /// Target: the connection is ours (emitted by `import_done`).
+    MigratedIn {
+        id: MigrationId,
+        flow: FlowKey,
+        origin: Ipv4Addr,
+        telemetry: Telemetry,
+    },
+    /// Target: a migration in was given up before import; its buffered
+    /// segments were discarded (the client retransmits them to the origin).
+    AbortedIn {
+        id: MigrationId,
+        flow: FlowKey,
+        reason: Reason,
+    },
+}
+
+/// A datagram written by [`Engine::poll_transmit`]: send `buf[..len]` as
+/// the payload of a UDP datagram from the local data address, port 7690, to
+/// `dst`, port 7690.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transmit {
+    pub dst: Ipv4Addr,
+    pub len: usize,
+}
+
+/// What happened to a client segment handed to [`Engine::buffer_segment`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BufferVerdict {
+    /// Kept; it will be replayed after import.
+    Buffered,
+    /// Dropped as TCP drops a segment beyond the window: the client
+    /// retransmits it, the connection is unaffected.
+    Dropped(DropCause),
+    /// The flow is not being migrated in: the stack handles the segment as
+    /// usual (no connection: the stack's normal rules).
+    NotMigrating,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropCause {
+    /// The per-flow bound (bytes or segments) is reached.
+    BufferFull,
+    /// `BufferMode::Drop` (ablation).
+    DropMode,
+}
+
+/// What `import_done` replayed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReplaySummary {
+    pub segments: usize,
+    pub bytes: usize,
+}
+
+/// Target-side accept hook: called for every new PREPARE that passed the
+/// built-in checks (capacity, draining, duplicates); `Err(reason)` rejects.
+pub type AcceptHook = Box<dyn FnMut(&FlowKey, Ipv4Addr) -> Result<(), Reason> + Send>;
+
+/// Public view of a record's phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Origin(OriginPhase),
+    Target(TargetPhase),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OriginPhase {
+    Preparing,
+    Exporting,
+    Sending,
+    InDoubt,
+    /// Resumed locally; still telling the target to let go.
+    AbortNotify,
+    Done,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TargetPhase {
+    Buffering,
+    Importing,
+    Committed,
+    Rejected(Reason),
+    Aborted(Reason),
+}
+
+impl OriginPhase {
+    fn name(self) -> &'static str {
+        match self {
+            OriginPhase::Preparing => "preparing",
+            OriginPhase::Exporting => "exporting",
+            OriginPhase::Sending => "sending state",
+            OriginPhase::InDoubt => "in doubt",
+            OriginPhase::AbortNotify => "aborted (notifying target)",
+            OriginPhase::Done => "finished",
+        }
+    }
+}
+
+impl TargetPhase {
+    fn name(self) -> &'static str {
+        match self {
+            TargetPhase::Buffering => "buffering",
+            TargetPhase::Importing => "importing",
+            TargetPhase::Committed => "committed",
+            TargetPhase::Rejected(_) => "rejected",
+            TargetPhase::Aborted(_) => "aborted",
+        }
+    }
+}
+
+struct OutMig {
+    flow: FlowKey,
+    /// Unspecified until a PREPARE_ACK names it (unless explicit).
+    target: Ipv4Addr,
+    explicit: bool,
+    phase: OriginPhase,
+    /// Phase deadline: migration deadline, in-doubt limit, or expiry of
+    /// the record once finished.
+    deadline: Instant,
+    retx_at: Option<Instant>,
+    rto: Duration,
+    abort_reason: Reason,
+    /// The retained copy of the snapshot (until CONN_STATE_ACK).
+    snapshot: Vec<u8>,
+    chunk: usize,
+    frag_count: u16,
+    /// Next fragment of the current burst.
+    cursor: u16,
+    seq: u32,
+    queued: u8,
+    tel: Telemetry,
+}
+
+struct InBuffers {
+    segments: SegmentBuffer,
+    reassembly: Reassembly,
+}
+
+struct InMig {
+    flow: FlowKey,
+    origin: Ipv4Addr,
+    phase: TargetPhase,
+    deadline: Option<Instant>,
+    bufs: Option<Box<InBuffers>>,
+    retx_at: Option<Instant>,
+    rto: Duration,
+    repeats_left: u8,
+    /// Rate limit of answers to duplicate CONN_STATE fragments.
+    last_answer: Option<Instant>,
+    seq: u32,
+    queued: u8,
+    tel: Telemetry,
+}
+
+enum Record {
+    Out(OutMig),
+    In(InMig),
+}
+
+/// One message waiting for `poll_transmit`. Control messages are complete
+/// here (they may answer a migration we hold no record of); CONN_STATE
+/// items refer to the origin record, which holds the snapshot and cursor.
+#[derive(Debug, Clone, Copy)]
+struct TxItem {
+    dst: Ipv4Addr,
+    kind: Kind,
+    id: u64,
+    flow: FlowKey,
+    origin: Ipv4Addr,
+    target: Ipv4Addr,
+    reason: Reason,
+    /// Belongs to a record (dedup bit, seq, telemetry).
+    recorded: bool,
+}
+
+fn kind_bit(k: Kind) -> u8 {
+    1 << (k.to_u8() - 1)
+}
+
+/// The migration engine of one host.
+pub struct Engine {
+    cfg: EngineConfig,
+    key: MigrationKey,
+    chunk: usize,
+    next_seq: u32,
+    draining: bool,
+    hook: Option<AcceptHook>,
+    records: HashMap<u64, Record>,
+    by_flow_out: HashMap<FlowKey, u64>,
+    by_flow_in: HashMap<FlowKey, u64>,
+    tx: VecDeque<TxItem>,
+    events: VecDeque<Event>,
+    pool: Vec<Box<InBuffers>>,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("local_addr", &self.cfg.local_addr)
+            .field("records", &self.records.len())
+            .field("tx_queued", &self.tx.len())
+            .field("events", &self.events.len())
+            .finish()
+    }
+}
+
+/// The parts of the engine a record handler may touch besides the record.
+struct Ctx<'a> {
+    cfg: &'a EngineConfig,
+    tx: &'a mut VecDeque<TxItem>,
+    events: &'a mut VecDeque<Event>,
+    counters: &'a mut Counters,
+    pool: &'a mut Vec<Box<InBuffers>>,
+    by_flow_in: &'a mut HashMap<FlowKey, u64>,
+    by_flow_out: &'a mut HashMap<FlowKey, u64>,
+}
+
+impl Ctx<'_> {
+    /// Queues a message unless the queue is full (the peer's or our own
+    /// retransmission recovers) or, for record messages, already queued.
+    fn queue(&mut self, item: TxItem, queued: Option<&mut u8>) {
+        if let Some(q) = queued {
+            if *q & kind_bit(item.kind) != 0 {
+                return;
+            }
+            if self.tx.len() >= self.cfg.max_tx_queue {
+                self.counters.tx_queue_full += 1;
+                return;
+            }
+            *q |= kind_bit(item.kind);
+        } else if self.tx.len() >= self.cfg.max_tx_queue {
+            self.counters.tx_queue_full += 1;
+            return;
+        }
+        self.tx.push_back(item);
+    }
+
+    fn event(&mut self, e: Event) {
+        // Pre-sized to the record limit times the few events a record can
+        // produce between two polls; a driver that never polls events
+        // would grow it, which is its bug, not a packet-path allocation.
+        self.events.push_back(e);
+    }
+
+    fn release(&mut self, bufs: Option<Box<InBuffers>>) {
+        if let Some(mut b) = bufs {
+            if self.pool.len() < self.cfg.max_concurrent_in {
+                b.segments.clear();
+                b.reassembly.reset();
+                self.pool.push(b);
+            }
+        }
+    }
+
+    fn backoff(&self, rto: Duration) -> Duration {
+        (rto * 2).min(self.cfg.rto_max)
+    }
+}
+
+fn out_item(id: u64, r: &OutMig, kind: Kind, dst: Ipv4Addr, local: Ipv4Addr) -> TxItem {
+    TxItem {
+        dst,
+        kind,
+        id,
+        flow: r.flow,
+        origin: local,
+        target: r.target,
+        reason: if kind == Kind::Abort {
+            r.abort_reason
+        } else {
+            Reason::None
+        },
+        recorded: true,
+    }
+}
+
+fn in_item(id: u64, r: &InMig, kind: Kind, reason: Reason, local: Ipv4Addr) -> TxItem {
+    TxItem {
+        dst: r.origin,
+        kind,
+        id,
+        flow: r.flow,
+        origin: r.origin,
+        target: local,
+        reason,
+        recorded: true,
+    }
+}
+
+/// Where an origin's ABORT request goes: to the target if known, otherwise
+/// to the switch, which steers it along its pending entry for the flow.
+fn abort_request_dst(r: &OutMig, cfg: &EngineConfig) -> Ipv4Addr {
+    if r.target.is_unspecified() {
+        cfg.switch_addr
+    } else {
+        r.target
+    }
+}
+
+impl Engine {
+    /// Creates an engine; allocates its queues and tables now.
+    pub fn new(cfg: EngineConfig, key: MigrationKey) -> Result<Engine, ConfigError> {
+        cfg.validate()?;
+        let chunk = max_fragment_payload(cfg.path_mtu);
+        let table = (cfg.max_concurrent_in + cfg.max_concurrent_out).min(cfg.max_records);
+        Ok(Engine {
+            chunk,
+            next_seq: cfg.first_migration_seq,
+            draining: false,
+            hook: None,
+            records: HashMap::with_capacity(table),
+            by_flow_out: HashMap::with_capacity(cfg.max_concurrent_out),
+            by_flow_in: HashMap::with_capacity(cfg.max_concurrent_in),
+            tx: VecDeque::with_capacity(cfg.max_tx_queue),
+            events: VecDeque::with_capacity(table * 2),
+            pool: Vec::with_capacity(cfg.max_concurrent_in),
+            counters: Counters::default(),
+            key,
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// Target policy: while draining, every PREPARE is rejected (DRAINING).
+    pub fn set_draining(&mut self, draining: bool) {
+        self.draining = draining;
+    }
+
+    /// Target policy hook, consulted after the built-in checks.
+    pub fn set_accept_hook(&mut self, hook: Option<AcceptHook>) {
+        self.hook = hook;
+    }
+
+    /// Phase of a migration this host remembers.
+    pub fn phase(&self, id: MigrationId) -> Option<Phase> {
+        Some(match self.records.get(&id.0)? {
+            Record::Out(r) => Phase::Origin(r.phase),
+            Record::In(r) => Phase::Target(r.phase),
+        })
+    }
+
+    /// Telemetry of a migration this host remembers.
+    pub fn telemetry(&self, id: MigrationId) -> Option<&Telemetry> {
+        Some(match self.records.get(&id.0)? {
+            Record::Out(r) => &r.tel,
+            Record::In(r) => &r.tel,
+        })
+    }
+
+    /// Migrations out not yet finished and migrations in not yet imported.
+    pub fn in_progress(&self) -> (usize, usize) {
+        (self.by_flow_out.len(), self.by_flow_in.len())
+    }
+
+    /// Records held (live and remembered).
+    pub fn records(&self) -> usize {
+        self.records.len()
+    }
+
+    // ------------------------------------------------------------------
+    // Origin API
+    // ------------------------------------------------------------------
+
+    /// Starts moving `flow` (served by this host) to `explicit_target`, or
+    /// to a target the switch chooses. The connection keeps running until
+    /// `Event::ExportNow`.
+    pub fn migrate_out(
+        &mut self,
+        now: Instant,
+        flow: FlowKey,
+        explicit_target: Option<Ipv4Addr>,
+    ) -> Result<MigrationId, MigError> {
+        let local = self.cfg.local_addr;
+        if let Some(t) = explicit_target {
+            if t == local {
+                return Err(MigError::TargetIsSelf(t));
+            }
+        }
+        if self.by_flow_out.contains_key(&flow) || self.by_flow_in.contains_key(&flow) {
+            return Err(MigError::FlowBusy(flow));
+        }
+        if self.by_flow_out.len() >= self.cfg.max_concurrent_out {
+            return Err(MigError::TooManyMigrations {
+                limit: self.cfg.max_concurrent_out,
+            });
+        }
+        if self.records.len() >= self.cfg.max_records {
+            return Err(MigError::RecordTableFull {
+                limit: self.cfg.max_records,
+            });
+        }
+        let id = loop {
+            let id = (u64::from(u32::from(local)) << 32) | u64::from(self.next_seq);
+            self.next_seq = self.next_seq.wrapping_add(1);
+            if !self.records.contains_key(&id) {
+                break id;
+            }
+        };
+        let target = explicit_target.unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let mut r = OutMig {
+            flow,
+            target,
+            explicit: explicit_target.is_some(),
+            phase: OriginPhase::Preparing,
+            deadline: now + self.cfg.migration_deadline,
+            retx_at: Some(now + self.cfg.rto_initial),
+            rto: self.cfg.rto_initial,
+            abort_reason: Reason::Timeout,
+            snapshot: Vec::new(),
+            chunk: self.chunk,
+            frag_count: 0,
+            cursor: 0,
+            seq: 0,
+            queued: 0,
+            tel: Telemetry {
+                started: Some(now),
+                ..Telemetry::default()
+            },
+        };
+        let item = out_item(id, &r, Kind::Prepare, self.cfg.switch_addr, local);
+        let mut cx = self.ctx_parts().1;
+        cx.queue(item, Some(&mut r.queued));
+        self.by_flow_out.insert(flow, id);
+        self.records.insert(id, Record::Out(r));
+        Ok(MigrationId(id))
+    }
+
+    /// Origin: the exported connection (TCP state + application state) for
+    /// `id`, after `Event::ExportNow`. The engine keeps it until the target
+    /// acknowledges the import. On error the migration is abandoned and a
+    /// `Resumed` event follows.
+    pub fn provide_snapshot(
+        &mut self,
+        now: Instant,
+        id: MigrationId,
+        snapshot: Vec<u8>,
+    ) -> Result<(), MigError> {
+        let (records, mut cx) = self.ctx_parts();
+        let r = match records.get_mut(&id.0) {
+            Some(Record::Out(r)) => r,
+            Some(Record::In(r)) => {
+                return Err(MigError::WrongState {
+                    id,
+                    state: r.phase.name(),
+                    expected: "exporting (origin)",
+                })
+            }
+            None => return Err(MigError::UnknownMigration(id)),
+        };
+        if r.phase != OriginPhase::Exporting {
+            return Err(MigError::WrongState {
+                id,
+                state: r.phase.name(),
+                expected: OriginPhase::Exporting.name(),
+            });
+        }
+        let max = cx.cfg.max_snapshot_bytes;
+        let count = if snapshot.len() > max {
+            Err(MigError::SnapshotTooLarge {
+                len: snapshot.len(),
+                max,
+            })
+        } else {
+            split_chunks(&snapshot, r.chunk)
+                .map(|f| capybara_proto::frag::Fragments::count(&f))
+                .map_err(MigError::from)
+        };
+        match count {
+            Ok(count) => {
+                r.tel.export_done = Some(now);
+                r.tel.snapshot_bytes = snapshot.len() as u64;
+                r.tel.fragments = count;
+                r.snapshot = snapshot;
+                r.frag_count = count;
+                r.cursor = 0;
+                r.phase = OriginPhase::Sending;
+                r.rto = cx.cfg.rto_initial;
+                r.retx_at = Some(now + r.rto);
+                let item = out_item(id.0, r, Kind::ConnState, r.target, cx.cfg.local_addr);
+                cx.queue(item, Some(&mut r.queued));
+                Ok(())
+            }
+            Err(e) => {
+                // Nothing was sent: the target cannot commit, we may resume.
+                origin_resume_unilaterally(id.0, r, &mut cx, now, Reason::Cancelled);
+                Err(e)
+            }
+        }
+    }
+
+    /// Origin: gives up a migration out (connection closed, operator). Before
+    /// any state was sent the connection resumes at once (`Resumed`);
+    /// afterwards the outcome is asked from the target like at the deadline.
+    pub fn abort_out(&mut self, now: Instant, id: MigrationId) -> Result<(), MigError> {
+        let (records, mut cx) = self.ctx_parts();
+        let r = match records.get_mut(&id.0) {
+            Some(Record::Out(r)) => r,
+            Some(Record::In(r)) => {
+                return Err(MigError::WrongState {
+                    id,
+                    state: r.phase.name(),
+                    expected: "an origin phase",
+                })
+            }
+            None => return Err(MigError::UnknownMigration(id)),
+        };
+        match r.phase {
+            OriginPhase::Preparing | OriginPhase::Exporting => {
+                origin_resume_unilaterally(id.0, r, &mut cx, now, Reason::Cancelled);
+                Ok(())
+            }
+            OriginPhase::Sending => {
+                origin_enter_doubt(id.0, r, &mut cx, now, Reason::Cancelled);
+                Ok(())
+            }
+            p => Err(MigError::WrongState {
+                id,
+                state: p.name(),
+                expected: "preparing, exporting or sending state",
+            }),
+        }
+    }
+
+    // ------------------------------------------------------------------
+    // Target API
+    // ------------------------------------------------------------------
+
+    /// Target: a client TCP segment (IP payload) of `flow` arrived. Call it
+    /// for segments of flows the stack has no connection for; segments of
+    /// flows being migrated in are kept (or dropped as TCP would).
+    pub fn buffer_segment(&mut self, _now: Instant, flow: FlowKey, segment: &[u8]) -> BufferVerdict {
+        let Some(&id) = self.by_flow_in.get(&flow) else {
+            return BufferVerdict::NotMigrating;
+        };
+        let Some(Record::In(r)) = self.records.get_mut(&id) else {
+            return BufferVerdict::NotMigrating;
+        };
+        let Some(bufs) = r.bufs.as_mut() else {
+            return BufferVerdict::NotMigrating;
+        };
+        let verdict = if self.cfg.buffer_mode == BufferMode::Drop {
+            BufferVerdict::Dropped(DropCause::DropMode)
+        } else if bufs.segments.push(segment) {
+            BufferVerdict::Buffered
+        } else {
+            BufferVerdict::Dropped(DropCause::BufferFull)
+        };
+        if verdict == BufferVerdict::Buffered {
+            self.counters.segments_buffered += 1;
+            r.tel.segments_buffered += 1;
+            r.tel.bytes_buffered += segment.len() as u64;
+        } else {
+            self.counters.segments_dropped += 1;
+            r.tel.segments_dropped += 1;
+        }
+        verdict
+    }
+
+    /// Target: the complete snapshot of a migration in `Importing`.
+    pub fn snapshot(&self, id: MigrationId) -> Option<&[u8]> {
+        match self.records.get(&id.0)? {
+            Record::In(r) if r.phase == TargetPhase::Importing => {
+                r.bufs.as_ref()?.reassembly.snapshot()
+            }
+            _ => None,
+        }
+    }
+
+    /// Target: the stack imported the connection. This is the commit point:
+    /// from here the target owns the connection and never aborts. `replay`
+    /// receives the buffered client segments in arrival order (feed them to
+    /// the imported connection); then CONN_STATE_ACK is queued and
+    /// `MigratedIn` emitted.
+    pub fn import_done(
+        &mut self,
+        now: Instant,
+        id: MigrationId,
+        mut replay: impl FnMut(&[u8]),
+    ) -> Result<ReplaySummary, MigError> {
+        let (records, mut cx) = self.ctx_parts();
+        let r = target_record(records, id, TargetPhase::Importing)?;
+        let mut summary = ReplaySummary::default();
+        if let Some(bufs) = r.bufs.as_ref() {
+            summary.segments = bufs.segments.len();
+            summary.bytes = bufs.segments.bytes();
+            for seg in bufs.segments.iter() {
+                replay(seg);
+            }
+        }
+        r.phase = TargetPhase::Committed;
+        r.tel.import_done = Some(now);
+        r.tel.replayed = Some(now);
+        r.deadline = Some(now + cx.cfg.linger);
+        let bufs = r.bufs.take();
+        cx.release(bufs);
+        cx.by_flow_in.remove(&r.flow);
+        cx.counters.migrated_in += 1;
+        let item = in_item(id.0, r, Kind::ConnStateAck, Reason::None, cx.cfg.local_addr);
+        cx.queue(item, Some(&mut r.queued));
+        cx.event(Event::MigratedIn {
+            id,
+            flow: r.flow,
+            origin: r.origin,
+            telemetry: r.tel,
+        });
+        Ok(summary)
+    }
+
+    /// Target: the snapshot could not be imported. Nothing was served, so
+    /// the origin (which still holds its copy) keeps the connection: an
+    /// ABORT naming the origin as owner is sent.
+    pub fn import_failed(&mut self, now: Instant, id: MigrationId) -> Result<(), MigError> {
+        let (records, mut cx) = self.ctx_parts();
+        let r = target_record(records, id, TargetPhase::Importing)?;
+        target_abort(id.0, r, &mut cx, now, Reason::ImportFailed, true);
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------
+    // I/O
+    // ------------------------------------------------------------------
+
+    /// A TCPMig datagram (UDP payload) from `src` arrived. Invalid,
+    /// unauthenticated or unexpected messages are counted and dropped; the
+    /// error says why (for debug logs).
+    pub fn handle_message(&mut self, now: Instant, src: Ipv4Addr, datagram: &[u8]) -> Result<(), RxError> {
+        let m = match TcpMigRepr::parse_verified(datagram, &self.key) {
+            Ok(m) => m,
+            Err(e) => {
+                return Err(match e {
+                    TcpMigError::UnsupportedVersion { .. } => {
+                        self.counters.bad_version += 1;
+                        RxError::BadVersion(e)
+                    }
+                    TcpMigError::BadMac => {
+                        self.counters.bad_mac += 1;
+                        RxError::BadMac
+                    }
+                    e => {
+                        self.counters.malformed += 1;
+                        RxError::Malformed(e)
+                    }
+                })
+            }
+        };
+        self.counters.rx.bump(m.kind);
+        let local = self.cfg.local_addr;
+        let res = match m.kind {
+            Kind::Prepare => self.on_prepare(now, src, &m, datagram.len()),
+            Kind::ConnState => self.on_conn_state(now, src, &m, datagram.len()),
+            Kind::PrepareAck => self.on_prepare_ack(now, src, &m),
+            Kind::Reject => self.on_reject(now, src, &m),
+            Kind::ConnStateAck => self.on_state_ack(now, src, &m),
+            // Direction tells request from decision, as at the switch: an
+            // ABORT addressed to the origin is the target's decision.
+            Kind::Abort if m.origin == local => self.on_abort_decision(now, src, &m),
+            Kind::Abort => self.on_abort_request(now, src, &m),
+        };
+        if let Err(RxError::Unexpected { .. }) = res {
+            self.counters.unexpected += 1;
+        }
+        res
+    }
+
+    /// Writes the next datagram into `buf` (which must hold `path_mtu - 28`
+    /// bytes). `None` when nothing is queued.
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        let local = self.cfg.local_addr;
+        loop {
+            let item = *self.tx.front()?;
+            let rec = self.records.get_mut(&item.id);
+            if item.kind == Kind::ConnState {
+                let Some(Record::Out(r)) = rec else {
+                    self.tx.pop_front();
+                    continue;
+                };
+                if r.phase != OriginPhase::Sending || r.cursor >= r.frag_count {
+                    self.tx.pop_front();
+                    r.queued &= !kind_bit(Kind::ConnState);
+                    continue;
+                }
+                let frag = split_chunks(&r.snapshot, r.chunk)
+                    .ok()
+                    .and_then(|f| f.get(r.cursor));
+                let Some(frag) = frag else {
+                    self.tx.pop_front();
+                    r.queued &= !kind_bit(Kind::ConnState);
+                    continue;
+                };
+                let repr = TcpMigRepr {
+                    kind: Kind::ConnState,
+                    migration_id: item.id,
+                    flow: r.flow,
+                    origin: local,
+                    target: r.target,
+                    // Per-fragment sequence number: a retransmitted fragment
+                    // carries the same one, so receivers deduplicate by it.
+                    seq: u32::from(frag.index),
+                    frag_index: frag.index,
+                    frag_count: frag.count,
+                    reason: Reason::None,
+                    payload: frag.payload,
+                };
+                let Ok(n) = repr.emit_with_mac(buf, &self.key) else {
+                    // Driver bug (buffer shorter than the MTU): skip rather
+                    // than spin; the retransmission timer will not help
+                    // either, so the migration will time out and resume.
+                    self.tx.pop_front();
+                    r.queued &= !kind_bit(Kind::ConnState);
+                    self.counters.tx_queue_full += 1;
+                    continue;
+                };
+                r.cursor += 1;
+                if r.cursor >= r.frag_count {
+                    self.tx.pop_front();
+                    r.queued &= !kind_bit(Kind::ConnState);
+                    if r.tel.state_sent.is_none() {
+                        r.tel.state_sent = Some(now);
+                    }
+                }
+                r.tel.wire_bytes_sent += n as u64;
+                self.counters.tx.bump(Kind::ConnState);
+                return Some(Transmit { dst: item.dst, len: n });
+            }
+            self.tx.pop_front();
+            let mut seq = 0;
+            if item.recorded {
+                // Stale items (the record moved on since) are not sent: a
+                // PREPARE after resuming would make a target buffer for
+                // nothing, an old PREPARE_ACK could confuse the origin.
+                let wanted = match rec {
+                    Some(Record::Out(r)) => {
+                        r.queued &= !kind_bit(item.kind);
+                        let ok = match item.kind {
+                            Kind::Prepare => r.phase == OriginPhase::Preparing,
+                            Kind::Abort => matches!(r.phase, OriginPhase::InDoubt | OriginPhase::AbortNotify),
+                            _ => false,
+                        };
+                        if ok {
+                            seq = r.seq;
+                            r.seq = r.seq.wrapping_add(1);
+                            if item.kind == Kind::Prepare && r.tel.prepare_sent.is_none() {
+                                r.tel.prepare_sent = Some(now);
+                            }
+                        }
+                        ok
+                    }
+                    Some(Record::In(r)) => {
+                        r.queued &= !kind_bit(item.kind);
+                        let ok = match item.kind {
+                            Kind::PrepareAck => matches!(r.phase, TargetPhase::Buffering | TargetPhase::Importing),
+                            Kind::ConnStateAck => r.phase == TargetPhase::Committed,
+                            Kind::Reject => matches!(r.phase, TargetPhase::Rejected(_)),
+                            Kind::Abort => matches!(r.phase, TargetPhase::Aborted(_) | TargetPhase::Rejected(_)),
+                            _ => false,
+                        };
+                        if ok {
+                            seq = r.seq;
+                            r.seq = r.seq.wrapping_add(1);
+                        }
+                        ok
+                    }
+                    None => false,
+                };
+                if !wanted {
+                    continue;
+                }
+            }
+            let repr = TcpMigRepr {
+                kind: item.kind,
+                migration_id: item.id,
+                flow: item.flow,
+                origin: item.origin,
+                target: item.target,
+                seq,
+                frag_index: 0,
+                frag_count: 1,
+                reason: item.reason,
+                payload: &[],
+            };
+            let Ok(n) = repr.emit_with_mac(buf, &self.key) else {
+                self.counters.tx_queue_full += 1;
+                continue;
+            };
+            match self.records.get_mut(&item.id) {
+                Some(Record::Out(r)) if item.recorded => r.tel.wire_bytes_sent += n as u64,
+                Some(Record::In(r)) if item.recorded => r.tel.wire_bytes_sent += n as u64,
+                _ => {}
+            }
+            self.counters.tx.bump(item.kind);
+            match item.kind {
+                Kind::Reject => self.counters.rejects_sent += 1,
+                Kind::Abort => self.counters.aborts_sent += 1,
+                _ => {}
+            }
+            return Some(Transmit { dst: item.dst, len: n });
+        }
+    }
+
+    /// Next event for the stack.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// Earliest time `handle_timeout` has work. Scans the records (bounded
+    /// by `max_records`).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let mut t: Option<Instant> = None;
+        let mut upd = |x: Option<Instant>| {
+            if let Some(x) = x {
+                t = Some(t.map_or(x, |t| t.min(x)));
+            }
+        };
+        for rec in self.records.values() {
+            match rec {
+                Record::Out(r) => {
+                    upd(r.retx_at);
+                    upd(Some(r.deadline));
+                }
+                Record::In(r) => {
+                    upd(r.retx_at);
+                    upd(r.deadline);
+                }
+            }
+        }
+        t
+    }
+
+    /// Runs every timer due at `now`: retransmissions, deadlines, expiry.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let (records, mut cx) = self.ctx_parts();
+        records.retain(|&id, rec| match rec {
+            Record::Out(r) => origin_timer(id, r, &mut cx, now),
+            Record::In(r) => target_timer(id, r, &mut cx, now),
+        });
+    }
+
+    // ------------------------------------------------------------------
+    // Receive handlers
+    // ------------------------------------------------------------------
+
+    fn ctx_parts(&mut self) -> (&mut HashMap<u64, Record>, Ctx<'_>) {
+        (
+            &mut self.records,
+            Ctx {
+                cfg: &self.cfg,
+                tx: &mut self.tx,
+                events: &mut self.events,
+                counters: &mut self.counters,
+                pool: &mut self.pool,
+                by_flow_in: &mut self.by_flow_in,
+                by_flow_out: &mut self.by_flow_out,
+            },
+        )
+    }
+
+    fn on_prepare(&mut self, now: Instant, src: Ipv4Addr, m: &TcpMigRepr<'_>, wire: usize) -> Result<(), RxError> {
+        let id = m.migration_id;
+        let unexpected = |why| RxError::Unexpected {
+            kind: m.kind,
+            id: MigrationId(id),
+            src,
+            why,
+        };
+        if src != m.origin {
+            return Err(unexpected("PREPARE not sent by the origin it names"));
+        }
+        let local = self.cfg.local_addr;
+        let admission = self.admit(m);
+        let (records, mut cx) = self.ctx_parts();
+        match records.get_mut(&id) {
+            Some(Record::In(r)) => {
+                if r.origin != m.origin || r.flow != m.flow {
+                    return Err(unexpected("PREPARE reuses a migration id for another flow"));
+                }
+                cx.counters.duplicates += 1;
+                r.tel.wire_bytes_received += wire as u64;
+                // Answer a duplicate with the decision already taken: the
+                // first answer was lost (or is late).
+                let answer = match r.phase {
+                    TargetPhase::Buffering | TargetPhase::Importing => Some((Kind::PrepareAck, Reason::None)),
+                    TargetPhase::Rejected(reason) => Some((Kind::Reject, reason)),
+                    TargetPhase::Aborted(reason) => Some((Kind::Abort, reason)),
+                    // Ancient duplicate: the origin already has the outcome.
+                    TargetPhase::Committed => None,
+                };
+                if let Some((kind, reason)) = answer {
+                    let item = in_item(id, r, kind, reason, local);
+                    cx.queue(item, Some(&mut r.queued));
+                }
+                return Ok(());
+            }
+            Some(Record::Out(_)) => return Err(unexpected("PREPARE for a migration this host originates")),
+            None => {}
+        }
+        let mut r = InMig {
+            flow: m.flow,
+            origin: m.origin,
+            phase: TargetPhase::Buffering,
+            deadline: Some(now + cx.cfg.target_deadline),
+            bufs: None,
+            retx_at: None,
+            rto: cx.cfg.rto_initial,
+            repeats_left: 0,
+            last_answer: None,
+            seq: 0,
+            queued: 0,
+            tel: Telemetry {
+                started: Some(now),
+                prepare_received: Some(now),
+                wire_bytes_received: wire as u64,
+                ..Telemetry::default()
+            },
+        };
+        match admission {
+            Err(reason) => {
+                cx.counters.rejects_sent += 0; // counted when written
+                r.phase = TargetPhase::Rejected(reason);
+                r.deadline = Some(now + cx.cfg.linger);
+                if records.len() < cx.cfg.max_records {
+                    let item = in_item(id, &r, Kind::Reject, reason, local);
+                    cx.queue(item, Some(&mut r.queued));
+                    records.insert(id, Record::In(r));
+                } else {
+                    // No room to remember the refusal: answer statelessly.
+                    let mut item = in_item(id, &r, Kind::Reject, reason, local);
+                    item.recorded = false;
+                    cx.queue(item, None);
+                }
+            }
+            Ok(()) => {
+                let bufs = cx.pool.pop().unwrap_or_else(|| {
+                    Box::new(InBuffers {
+                        segments: SegmentBuffer::new(cx.cfg.max_buffer_bytes, cx.cfg.buffer_segments()),
+                        reassembly: Reassembly::new(cx.cfg.max_snapshot_bytes),
+                    })
+                });
+                r.bufs = Some(bufs);
+                let item = in_item(id, &r, Kind::PrepareAck, Reason::None, local);
+                cx.queue(item, Some(&mut r.queued));
+                cx.by_flow_in.insert(m.flow, id);
+                records.insert(id, Record::In(r));
+            }
+        }
+        Ok(())
+    }
+
+    /// Target admission policy for a new PREPARE.
+    fn admit(&mut self, m: &TcpMigRepr<'_>) -> Result<(), Reason> {
+        let local = self.cfg.local_addr;
+        if m.origin == local {
+            return Err(Reason::Policy);
+        }
+        if !m.target.is_unspecified() && m.target != local {
+            // Steered to us although it names another target.
+            return Err(Reason::Policy);
+        }
+        if self.by_flow_in.contains_key(&m.flow) || self.by_flow_out.contains_key(&m.flow) {
+            return Err(Reason::DuplicateFlow);
+        }
+        if self.draining {
+            return Err(Reason::Draining);
+        }
+        if self.by_flow_in.len() >= self.cfg.max_concurrent_in || self.records.len() >= self.cfg.max_records {
+            return Err(Reason::NoCapacity);
+        }
+        if let Some(hook) = self.hook.as_mut() {
+            hook(&m.flow, m.origin)?;
+        }
+        Ok(())
+    }
+
+    fn on_conn_state(&mut self, now: Instant, src: Ipv4Addr, m: &TcpMigRepr<'_>, wire: usize) -> Result<(), RxError> {
+        let id = m.migration_id;
+        let local = self.cfg.local_addr;
+        let unexpected = |why| RxError::Unexpected {
+            kind: m.kind,
+            id: MigrationId(id),
+            src,
+            why,
+        };
+        let (records, mut cx) = self.ctx_parts();
+        match records.get_mut(&id) {
+            Some(Record::In(r)) => {
+                if src != r.origin || m.origin != r.origin || m.flow != r.flow {
+                    return Err(unexpected("CONN_STATE from a host that is not the origin"));
+                }
+                r.tel.wire_bytes_received += wire as u64;
+                match r.phase {
+                    TargetPhase::Buffering => {
+                        let Some(bufs) = r.bufs.as_mut() else {
+                            return Err(unexpected("no reassembly buffer"));
+                        };
+                        match bufs.reassembly.accept(m.frag_index, m.frag_count, m.payload) {
+                            Ok(Progress::Stored { .. }) => {}
+                            Ok(Progress::Duplicate) => cx.counters.duplicates += 1,
+                            Ok(Progress::Complete) => {
+                                r.phase = TargetPhase::Importing;
+                                // The stack imports synchronously; no
+                                // deadline may cut a commit in progress.
+                                r.deadline = None;
+                                r.tel.state_received = Some(now);
+                                r.tel.fragments = m.frag_count;
+                                let len = bufs.reassembly.snapshot().map_or(0, <[u8]>::len);
+                                r.tel.snapshot_bytes = len as u64;
+                                cx.event(Event::ImportNow {
+                                    id: MigrationId(id),
+                                    flow: r.flow,
+                                    origin: r.origin,
+                                    snapshot_len: len,
+                                });
+                            }
+                            Err(err) => {
+                                cx.counters.malformed += 1;
+                                return Err(RxError::BadFragment {
+                                    kind: m.kind,
+                                    id: MigrationId(id),
+                                    err,
+                                });
+                            }
+                        }
+                    }
+                    TargetPhase::Importing => cx.counters.duplicates += 1,
+                    TargetPhase::Committed | TargetPhase::Aborted(_) | TargetPhase::Rejected(_) => {
+                        // A retransmitted fragment means our answer was lost:
+                        // repeat it, at most once per initial RTO per burst.
+                        cx.counters.duplicates += 1;
+                        if r.last_answer.map_or(true, |t| now >= t + cx.cfg.rto_initial / 2) {
+                            r.last_answer = Some(now);
+                            let (kind, reason) = match r.phase {
+                                TargetPhase::Committed => (Kind::ConnStateAck, Reason::None),
+                                TargetPhase::Aborted(x) | TargetPhase::Rejected(x) => (Kind::Abort, x),
+                                _ => unreachable!("matched above"),
+                            };
+                            let item = in_item(id, r, kind, reason, local);
+                            cx.queue(item, Some(&mut r.queued));
+                        }
+                    }
+                }
+                Ok(())
+            }
+            Some(Record::Out(_)) => Err(unexpected("CONN_STATE for a migration this host originates")),
+            None => {
+                if src != m.origin || m.origin == local {
+                    return Err(unexpected("CONN_STATE for an unknown migration from a host that is not its origin"));
+                }
+                // We never accepted (or long forgot) it: we are not the
+                // owner, so the origin keeps the connection. One answer per
+                // burst (fragment 0) is enough.
+                if m.frag_index == 0 {
+                    cx.queue(
+                        TxItem {
+                            dst: m.origin,
+                            kind: Kind::Abort,
+                            id,
+                            flow: m.flow,
+                            origin: m.origin,
+                            target: local,
+                            reason: Reason::UnknownMigration,
+                            recorded: false,
+                        },
+                        None,
+                    );
+                }
+                Err(unexpected("CONN_STATE for an unknown migration"))
+            }
+        }
+    }
+
+    fn on_prepare_ack(&mut self, now: Instant, src: Ipv4Addr, m: &TcpMigRepr<'_>) -> Result<(), RxError> {
+        let id = m.migration_id;
+        let local = self.cfg.local_addr;
+        let unexpected = |why| RxError::Unexpected {
+            kind: m.kind,
+            id: MigrationId(id),
+            src,
+            why,
+        };
+        if m.origin != local || src != m.target || m.target.is_unspecified() || m.target == local {
+            return Err(unexpected("PREPARE_ACK whose origin/target do not match its path"));
+        }
+        // A PREPARE_ACK we cannot use: ask that target to let go right away
+        // instead of buffering until its deadline.
+        let let_go = TxItem {
+            dst: m.target,
+            kind: Kind::Abort,
+            id,
+            flow: m.flow,
+            origin: local,
+            target: m.target,
+            reason: Reason::Cancelled,
+            recorded: false,
+        };
+        let (records, mut cx) = self.ctx_parts();
+        match records.get_mut(&id) {
+            Some(Record::Out(r)) => {
+                if r.flow != m.flow {
+                    return Err(unexpected("PREPARE_ACK reuses a migration id for another flow"));
+                }
+                match r.phase {
+                    OriginPhase::Preparing => {
+                        if r.explicit && r.target != m.target {
+                            cx.queue(let_go, None);
+                            return Err(unexpected("PREPARE_ACK from a host other than the requested target"));
+                        }
+                        r.target = m.target;
+                        r.phase = OriginPhase::Exporting;
+                        r.retx_at = None;
+                        r.tel.prepare_ack_received = Some(now);
+                        cx.event(Event::ExportNow {
+                            id: MigrationId(id),
+                            flow: r.flow,
+                        });
+                        Ok(())
+                    }
+                    OriginPhase::AbortNotify if r.target.is_unspecified() => {
+                        // Learned who holds the buffer: tell it directly.
+                        r.target = m.target;
+                        let item = out_item(id, r, Kind::Abort, m.target, local);
+                        cx.queue(item, Some(&mut r.queued));
+                        Ok(())
+                    }
+                    _ if r.target != m.target => {
+                        cx.queue(let_go, None);
+                        Err(unexpected("PREPARE_ACK from a second target"))
+                    }
+                    _ => {
+                        cx.counters.duplicates += 1;
+                        Ok(())
+                    }
+                }
+            }
+            Some(Record::In(_)) => Err(unexpected("PREPARE_ACK for a migration this host is the target of")),
+            None => {
+                cx.queue(let_go, None);
+                Err(unexpected("PREPARE_ACK for a migration this host does not remember"))
+            }
+        }
+    }
+
+    fn on_reject(&mut self, now: Instant, src: Ipv4Addr, m: &TcpMigRepr<'_>) -> Result<(), RxError> {
+        let id = m.migration_id;
+        let unexpected = |why| RxError::Unexpected {
+            kind: m.kind,
+            id: MigrationId(id),
+            src,
+            why,
+        };
+        if m.origin != self.cfg.local_addr || src != m.target {
+            return Err(unexpected("REJECT whose origin/target do not match its path"));
+        }
+        let (records, mut cx) = self.ctx_parts();
+        match records.get_mut(&id) {
+            Some(Record::Out(r)) if r.flow == m.flow => {
+                cx.counters.rejects_received += 1;
+                match r.phase {
+                    OriginPhase::Preparing if !r.explicit || r.target == m.target => {
+                        r.target = m.target;
+                        origin_finish(id, r, &mut cx, now, Outcome::Resumed(m.reason));
+                        Ok(())
+                    }
+                    OriginPhase::Done | OriginPhase::AbortNotify => {
+                        cx.counters.duplicates += 1;
+                        Ok(())
+                    }
+                    _ => Err(unexpected("REJECT after the migration was accepted")),
+                }
+            }
+            _ => Err(unexpected("REJECT for a migration this host does not originate")),
+        }
+    }
+
+    fn on_state_ack(&mut self, now: Instant, src: Ipv4Addr, m: &TcpMigRepr<'_>) -> Result<(), RxError> {
+        let id = m.migration_id;
+        let unexpected = |why| RxError::Unexpected {
+            kind: m.kind,
+            id: MigrationId(id),
+            src,
+            why,
+        };
+        let (records, mut cx) = self.ctx_parts();
+        match records.get_mut(&id) {
+            Some(Record::Out(r)) if r.flow == m.flow && src == r.target && m.target == r.target => match r.phase {
+                OriginPhase::Sending | OriginPhase::InDoubt => {
+                    r.tel.state_ack_received = Some(now);
+                    origin_finish(id, r, &mut cx, now, Outcome::MigratedOut);
+                    Ok(())
+                }
+                OriginPhase::Done => {
+                    cx.counters.duplicates += 1;
+                    Ok(())
+                }
+                _ => Err(unexpected("CONN_STATE_ACK before any state was sent")),
+            },
+            _ => Err(unexpected("CONN_STATE_ACK that matches no migration out to its sender")),
+        }
+    }
+
+    fn on_abort_decision(&mut self, now: Instant, src: Ipv4Addr, m: &TcpMigRepr<'_>) -> Result<(), RxError> {
+        let id = m.migration_id;
+        let unexpected = |why| RxError::Unexpected {
+            kind: m.kind,
+            id: MigrationId(id),
+            src,
+            why,
+        };
+        if src != m.target {
+            return Err(unexpected("ABORT decision not sent by the target it names"));
+        }
+        let (records, mut cx) = self.ctx_parts();
+        let Some(Record::Out(r)) = records.get_mut(&id) else {
+            return Err(unexpected("ABORT for a migration this host does not originate"));
+        };
+        if r.flow != m.flow || (!r.target.is_unspecified() && r.target != m.target) {
+            return Err(unexpected("ABORT from a host that is not this migration's target"));
+        }
+        cx.counters.aborts_received += 1;
+        match r.phase {
+            OriginPhase::Preparing | OriginPhase::Exporting => {
+                r.target = m.target;
+                origin_finish(id, r, &mut cx, now, Outcome::Resumed(m.reason));
+            }
+            OriginPhase::Sending | OriginPhase::InDoubt => {
+                // The target forgot the migration (restart, or the record
+                // expired): it may have committed and served before, so our
+                // copy could be stale. Treat like a target failure.
+                let outcome = if m.reason == Reason::UnknownMigration {
+                    Outcome::Lost(m.reason)
+                } else {
+                    Outcome::Resumed(m.reason)
+                };
+                origin_finish(id, r, &mut cx, now, outcome);
+            }
+            OriginPhase::AbortNotify => {
+                // The target confirmed it let go; we resumed already.
+                origin_finish(id, r, &mut cx, now, Outcome::Confirmed);
+            }
+            OriginPhase::Done => cx.counters.duplicates += 1,
+        }
+        Ok(())
+    }
+
+    fn on_abort_request(&mut self, now: Instant, src: Ipv4Addr, m: &TcpMigRepr<'_>) -> Result<(), RxError> {
+        let id = m.migration_id;
+        let local = self.cfg.local_addr;
+        let unexpected = |why| RxError::Unexpected {
+            kind: m.kind,
+            id: MigrationId(id),
+            src,
+            why,
+        };
+        if src != m.origin || (!m.target.is_unspecified() && m.target != local) {
+            return Err(unexpected("ABORT request whose origin/target do not match its path"));
+        }
+        let (records, mut cx) = self.ctx_parts();
+        match records.get_mut(&id) {
+            Some(Record::In(r)) => {
+                if r.origin != m.origin || r.flow != m.flow {
+                    return Err(unexpected("ABORT request from a host that is not the origin"));
+                }
+                cx.counters.aborts_received += 1;
+                match r.phase {
+                    TargetPhase::Buffering => {
+                        let reason = if m.reason == Reason::None { Reason::Cancelled } else { m.reason };
+                        target_abort(id, r, &mut cx, now, reason, false);
+                    }
+                    // Commit in progress in the local stack: the answer
+                    // (ACK or ABORT) follows import; the origin asks again.
+                    TargetPhase::Importing => {}
+                    TargetPhase::Committed => {
+                        cx.counters.duplicates += 1;
+                        let item = in_item(id, r, Kind::ConnStateAck, Reason::None, local);
+                        cx.queue(item, Some(&mut r.queued));
+                    }
+                    TargetPhase::Aborted(reason) | TargetPhase::Rejected(reason) => {
+                        cx.counters.duplicates += 1;
+                        let item = in_item(id, r, Kind::Abort, reason, local);
+                        cx.queue(item, Some(&mut r.queued));
+                    }
+                }
+                Ok(())
+            }
+            Some(Record::Out(_)) => Err(unexpected("ABORT request for a migration this host originates")),
+            None => {
+                cx.counters.aborts_received += 1;
+                // Never accepted (or long forgotten): not the owner.
+                cx.queue(
+                    TxItem {
+                        dst: m.origin,
+                        kind: Kind::Abort,
+                        id,
+                        flow: m.flow,
+                        origin: m.origin,
+                        target: local,
+                        reason: Reason::UnknownMigration,
+                        recorded: false,
+                    },
+                    None,
+                );
+                Ok(())
+            }
+        }
+    }
+}
+
+fn target_record(
+    records: &mut HashMap<u64, Record>,
+    id: MigrationId,
+    want: TargetPhase,
+) -> Result<&mut InMig, MigError> {
+    // Checked through a shared borrow first: returning the mutable one
+    // from one match arm and erroring in another does not borrow-check.
+    let state = match records.get(&id.0) {
+        Some(Record::In(r)) if r.phase == want => None,
+        Some(Record::In(r)) => Some(r.phase.name()),
+        Some(Record::Out(r)) => Some(r.phase.name()),
+        None => return Err(MigError::UnknownMigration(id)),
+    };
+    match (state, records.get_mut(&id.0)) {
+        (None, Some(Record::In(r))) => Ok(r),
+        (state, _) => Err(MigError::WrongState {
+            id,
+            state: state.unwrap_or("unknown"),
+            expected: want.name(),
+        }),
+    }
+}
+
+enum Outcome {
+    MigratedOut,
+    Resumed(Reason),
+    Lost(Reason),
+    /// AbortNotify confirmed; the `Resumed` event was emitted before.
+    Confirmed,
+}
+
+/// Origin: the migration is over; keep a tombstone for duplicates.
+fn origin_finish(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant, outcome: Outcome) {
+    let mid = MigrationId(id);
+    match outcome {
+        Outcome::MigratedOut => {
+            cx.counters.migrated_out += 1;
+            cx.event(Event::MigratedOut {
+                id: mid,
+                flow: r.flow,
+                target: r.target,
+                telemetry: r.tel,
+            });
+        }
+        Outcome::Resumed(reason) => {
+            cx.counters.resumed += 1;
+            cx.event(Event::Resumed {
+                id: mid,
+                flow: r.flow,
+                reason,
+            });
+        }
+        Outcome::Lost(reason) => {
+            cx.counters.lost += 1;
+            cx.event(Event::Lost {
+                id: mid,
+                flow: r.flow,
+                reason,
+            });
+        }
+        Outcome::Confirmed => {}
+    }
+    r.phase = OriginPhase::Done;
+    r.retx_at = None;
+    r.deadline = now + cx.cfg.linger;
+    r.snapshot = Vec::new();
+    if cx.by_flow_out.get(&r.flow) == Some(&id) {
+        cx.by_flow_out.remove(&r.flow);
+    }
+}
+
+/// Origin, before any CONN_STATE was sent: the target cannot commit, so
+/// the origin keeps (resumes) the connection now and tells the target to
+/// let go until it confirms (or the record expires).
+fn origin_resume_unilaterally(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant, reason: Reason) {
+    cx.counters.resumed += 1;
+    cx.event(Event::Resumed {
+        id: MigrationId(id),
+        flow: r.flow,
+        reason,
+    });
+    r.phase = OriginPhase::AbortNotify;
+    r.abort_reason = reason;
+    r.deadline = now + cx.cfg.linger;
+    r.rto = cx.cfg.rto_initial;
+    r.retx_at = Some(now + r.rto);
+    let item = out_item(id, r, Kind::Abort, abort_request_dst(r, cx.cfg), cx.cfg.local_addr);
+    cx.queue(item, Some(&mut r.queued));
+}
+
+/// Origin, after CONN_STATE went out: the target may commit at any moment,
+/// so only the target can tell the outcome. Ask until it answers.
+fn origin_enter_doubt(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant, reason: Reason) {
+    r.phase = OriginPhase::InDoubt;
+    r.abort_reason = reason;
+    r.deadline = now + cx.cfg.in_doubt_limit;
+    r.rto = cx.cfg.rto_initial;
+    r.retx_at = Some(now + r.rto);
+    let item = out_item(id, r, Kind::Abort, r.target, cx.cfg.local_addr);
+    cx.queue(item, Some(&mut r.queued));
+}
+
+/// Origin timers; returns false when the record expires.
+fn origin_timer(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant) -> bool {
+    let local = cx.cfg.local_addr;
+    if now >= r.deadline {
+        match r.phase {
+            OriginPhase::Preparing | OriginPhase::Exporting => {
+                origin_resume_unilaterally(id, r, cx, now, Reason::Timeout);
+            }
+            OriginPhase::Sending => origin_enter_doubt(id, r, cx, now, Reason::Timeout),
+            OriginPhase::InDoubt => origin_finish(id, r, cx, now, Outcome::Lost(Reason::Timeout)),
+            OriginPhase::AbortNotify => {
+                // Unconfirmed: the target is unreachable; its own deadline
+                // or the switch's liveness check cleans up.
+                origin_finish(id, r, cx, now, Outcome::Confirmed);
+            }
+            OriginPhase::Done => return false,
+        }
+        return true;
+    }
+    if r.retx_at.is_some_and(|t| now >= t) {
+        let (kind, dst) = match r.phase {
+            OriginPhase::Preparing => (Kind::Prepare, cx.cfg.switch_addr),
+            OriginPhase::Sending => (Kind::ConnState, r.target),
+            OriginPhase::InDoubt | OriginPhase::AbortNotify => (Kind::Abort, abort_request_dst(r, cx.cfg)),
+            OriginPhase::Exporting | OriginPhase::Done => {
+                r.retx_at = None;
+                return true;
+            }
+        };
+        if kind == Kind::ConnState {
+            // No per-fragment acks in v1: resend the whole snapshot.
+            if r.queued & kind_bit(Kind::ConnState) == 0 {
+                r.cursor = 0;
+            }
+            cx.counters.retransmissions += u64::from(r.frag_count);
+            r.tel.retransmissions += u32::from(r.frag_count);
+        } else {
+            cx.counters.retransmissions += 1;
+            r.tel.retransmissions += 1;
+        }
+        let item = out_item(id, r, kind, dst, local);
+        cx.queue(item, Some(&mut r.queued));
+        r.rto = cx.backoff(r.rto);
+        r.retx_at = Some(now + r.rto);
+    }
+    true
+}
+
+/// Target: give the migration up (never after commit). `unsolicited`
+/// decisions are repeated a few times; solicited ones answer each request.
+fn target_abort(id: u64, r: &mut InMig, cx: &mut Ctx<'_>, now: Instant, reason: Reason, unsolicited: bool) {
+    debug_assert!(matches!(r.phase, TargetPhase::Buffering | TargetPhase::Importing));
+    r.phase = TargetPhase::Aborted(reason);
+    r.deadline = Some(now + cx.cfg.linger);
+    let bufs = r.bufs.take();
+    cx.release(bufs);
+    if cx.by_flow_in.get(&r.flow) == Some(&id) {
+        cx.by_flow_in.remove(&r.flow);
+    }
+    cx.event(Event::AbortedIn {
+        id: MigrationId(id),
+        flow: r.flow,
+        reason,
+    });
+    if unsolicited && cx.cfg.abort_repeats > 0 {
+        r.repeats_left = cx.cfg.abort_repeats;
+        r.rto = cx.cfg.rto_initial;
+        r.retx_at = Some(now + r.rto);
+    }
+    let item = in_item(id, r, Kind::Abort, reason, cx.cfg.local_addr);
+    cx.queue(item, Some(&mut r.queued));
+}
+
+/// Target timers; returns false when the record expires.
+fn target_timer(id: u64, r: &mut InMig, cx: &mut Ctx<'_>, now: Instant) -> bool {
+    if r.deadline.is_some_and(|d| now >= d) {
+        match r.phase {
+            TargetPhase::Buffering => {
+                target_abort(id, r, cx, now, Reason::Timeout, true);
+                return true;
+            }
+            TargetPhase::Importing => {
+                r.deadline = None;
+                return true;
+            }
+            TargetPhase::Committed | TargetPhase::Rejected(_) | TargetPhase::Aborted(_) => return false,
+        }
+    }
+    if r.retx_at.is_some_and(|t| now >= t) {
+        match r.phase {
+            TargetPhase::Aborted(reason) if r.repeats_left > 0 => {
+                r.repeats_left -= 1;
+                cx.counters.retransmissions += 1;
+                r.tel.retransmissions += 1;
+                let item = in_item(id, r, Kind::Abort, reason, cx.cfg.local_addr);
+                cx.queue(item, Some(&mut r.queued));
+                r.rto = cx.backoff(r.rto);
+                r.retx_at = if r.repeats_left > 0 { Some(now + r.rto) } else { None };
+            }
+            _ => r.retx_at = None,
+        }
+    }
+    true
+}

@@ -1,0 +1,503 @@
+//! The switch control plane, sans-IO: it is driven with `now` and talks to
+//! the packet path only through a [`DataPlane`]. It registers servers,
+//! tracks their heartbeats, computes placement (weighted Maglev, or LWRR
+//! rings) and migration-target rings, pushes them as deltas, runs the pool
+//! monitor, and hands flow events to a [`FlowEventSink`] in batches.
+//!
+//! Invariants:
+//! - Only LIVE servers appear in Maglev tables, LWRR rings and target rings;
+//!   DRAINING servers keep their flows; DEAD servers lose them.
+//! - The shadow copy of every Maglev table is what the data plane holds, so
+//!   a change pushes only the slots that differ.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+
+use capybara_proto::{Instant, ServerId};
+
+use crate::abi::*;
+use crate::dataplane::{DataPlane, FlowEvent, Result};
+use crate::maglev::{self, Backend};
+
+/// How PREPAREs without an explicit target are steered (seed §5.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TargetPolicy {
+    RoundRobin,
+    LeastLoaded,
+}
+
+/// How new flows are placed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    Maglev,
+    /// Load-aware weighted round robin (the baseline).
+    Lwrr,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Liveness {
+    Live,
+    Draining,
+    Dead,
+}
+
+#[derive(Debug, Clone)]
+pub struct Server {
+    pub id: ServerId,
+    pub index: u32,
+    pub data_ip: Ipv4Addr,
+    pub mac: [u8; 6],
+    pub ifindex: u32,
+    pub src_mac: [u8; 6],
+    pub weight: u32,
+    pub liveness: Liveness,
+    pub last_heartbeat: Instant,
+    /// Packets in the last pool-monitor interval.
+    pub load: u64,
+    last_counter: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Service {
+    pub vip: Ipv4Addr,
+    pub port: u16,
+    pub index: u32,
+    pub placement: Placement,
+    maglev_shadow: Vec<u32>,
+}
+
+/// One LOAD-NOTIFICATION to send (the driver encodes it with
+/// `capybara_proto::load::LoadRepr`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadReport {
+    pub server: ServerId,
+    pub data_ip: Ipv4Addr,
+    pub own_load: u64,
+    pub pool_load: u64,
+    pub live_servers: u32,
+    pub least_loaded: Ipv4Addr,
+}
+
+/// Where flow events go (the store, later). Called off the packet path.
+pub trait FlowEventSink {
+    fn write_batch(&mut self, events: &[FlowEvent]);
+}
+
+/// A sink that keeps everything (tests, and until the store is wired).
+#[derive(Debug, Default)]
+pub struct VecSink(pub Vec<FlowEvent>);
+impl FlowEventSink for VecSink {
+    fn write_batch(&mut self, events: &[FlowEvent]) {
+        self.0.extend_from_slice(events);
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ControlConfig {
+    pub dead_after: std::time::Duration,
+    pub target_policy: TargetPolicy,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error(transparent)]
+    DataPlane(#[from] crate::dataplane::DataPlaneError),
+    #[error("no free server slot (max {MAX_SERVERS})")]
+    ServersFull,
+    #[error("no free service slot (max {MAX_SERVICES})")]
+    ServicesFull,
+    #[error("unknown server {0}")]
+    UnknownServer(ServerId),
+}
+
+pub struct ControlPlane<D: DataPlane> {
+    pub dp: D,
+    cfg: ControlConfig,
+    servers: BTreeMap<ServerId, Server>,
+    services: Vec<Service>,
+    events: Vec<FlowEvent>,
+}
+
+impl<D: DataPlane> ControlPlane<D> {
+    pub fn new(dp: D, cfg: ControlConfig) -> Self {
+        ControlPlane { dp, cfg, servers: BTreeMap::new(), services: Vec::new(), events: Vec::new() }
+    }
+
+    pub fn servers(&self) -> impl Iterator<Item = &Server> {
+        self.servers.values()
+    }
+    pub fn server(&self, id: ServerId) -> Option<&Server> {
+        self.servers.get(&id)
+    }
+
+    pub fn add_service(&mut self, vip: Ipv4Addr, port: u16, placement: Placement) -> std::result::Result<u32, ControlError> {
+        let index = self.services.len() as u32;
+        if index >= MAX_SERVICES {
+            return Err(ControlError::ServicesFull);
+        }
+        let place = match placement {
+            Placement::Maglev => PLACE_MAGLEV,
+            Placement::Lwrr => PLACE_RING,
+        };
+        self.dp.set_service(CServiceKey::tcp(vip, port), CService { index, placement: place })?;
+        self.services.push(Service { vip, port, index, placement, maglev_shadow: Vec::new() });
+        self.push_tables()?;
+        Ok(index)
+    }
+
+    /// Registers (or re-registers) a server; it becomes LIVE.
+    #[allow(clippy::too_many_arguments)]
+    pub fn register(
+        &mut self,
+        now: Instant,
+        id: ServerId,
+        data_ip: Ipv4Addr,
+        mac: [u8; 6],
+        ifindex: u32,
+        src_mac: [u8; 6],
+        weight: u32,
+    ) -> std::result::Result<u32, ControlError> {
+        let index = match self.servers.get(&id) {
+            Some(s) => s.index,
+            None => (0..MAX_SERVERS)
+                .find(|i| !self.servers.values().any(|s| s.index == *i))
+                .ok_or(ControlError::ServersFull)?,
+        };
+        if let Some(old) = self.servers.get(&id) {
+            if old.data_ip != data_ip {
+                self.dp.clear_server(old.index, u32::from_ne_bytes(old.data_ip.octets()))?;
+            }
+        }
+        let s = Server {
+            id,
+            index,
+            data_ip,
+            mac,
+            ifindex,
+            src_mac,
+            weight: weight.max(1),
+            liveness: Liveness::Live,
+            last_heartbeat: now,
+            load: 0,
+            last_counter: self.servers.get(&id).map(|s| s.last_counter).unwrap_or(0),
+        };
+        self.servers.insert(id, s);
+        self.push_server(id)?;
+        self.push_tables()?;
+        Ok(index)
+    }
+
+    pub fn heartbeat(&mut self, now: Instant, id: ServerId) -> std::result::Result<(), ControlError> {
+        let s = self.servers.get_mut(&id).ok_or(ControlError::UnknownServer(id))?;
+        s.last_heartbeat = now;
+        Ok(())
+    }
+
+    /// Starts (or ends) a drain: no new flows nor migrations to the server;
+    /// its existing flows keep flowing.
+    pub fn set_draining(&mut self, id: ServerId, draining: bool) -> std::result::Result<(), ControlError> {
+        let s = self.servers.get_mut(&id).ok_or(ControlError::UnknownServer(id))?;
+        if s.liveness == Liveness::Dead {
+            return Ok(());
+        }
+        s.liveness = if draining { Liveness::Draining } else { Liveness::Live };
+        self.push_server(id)?;
+        self.push_tables()?;
+        Ok(())
+    }
+
+    fn push_server(&mut self, id: ServerId) -> Result<()> {
+        let s = &self.servers[&id];
+        let mut c = CServer {
+            ifindex: s.ifindex,
+            mac: s.mac,
+            src_mac: s.src_mac,
+            state: match s.liveness {
+                Liveness::Live => SERVER_LIVE,
+                Liveness::Draining => SERVER_DRAINING,
+                Liveness::Dead => SERVER_DEAD,
+            },
+            weight: s.weight.min(u16::MAX as u32) as u16,
+            ..Default::default()
+        };
+        c.set_data_addr(s.data_ip);
+        self.dp.set_server(s.index, c)
+    }
+
+    fn live(&self) -> Vec<&Server> {
+        self.servers.values().filter(|s| s.liveness == Liveness::Live).collect()
+    }
+
+    /// Recomputes Maglev tables (pushing only changed slots), LWRR rings and
+    /// target rings from the current pool.
+    fn push_tables(&mut self) -> Result<()> {
+        let live: Vec<Server> = self.live().into_iter().cloned().collect();
+        let backends: Vec<Backend> = live.iter().map(|s| Backend { id: s.id.0, index: s.index, weight: s.weight }).collect();
+        let table = maglev::build_table(&backends, MAGLEV_SIZE);
+        let lwrr = CRing::from_slice(RING_ROTATE, &lwrr_ring(&live));
+        let target = target_ring(&live, self.cfg.target_policy);
+        for i in 0..self.services.len() {
+            let svc_index = self.services[i].index;
+            let delta = maglev::diff(&self.services[i].maglev_shadow, &table);
+            if !delta.is_empty() {
+                self.dp.write_maglev(svc_index, &delta)?;
+                self.services[i].maglev_shadow = table.clone();
+            }
+            self.dp.write_ring(svc_index, RING_PLACEMENT, &lwrr)?;
+            self.dp.write_ring(svc_index, RING_TARGET, &target)?;
+        }
+        Ok(())
+    }
+
+    /// One pool-monitor interval plus liveness checks. Returns the load
+    /// notifications to send. Servers that missed heartbeats for
+    /// `dead_after` become DEAD: out of placement, flows removed (and
+    /// reported as closed to the sink).
+    pub fn tick(&mut self, now: Instant) -> std::result::Result<Vec<LoadReport>, ControlError> {
+        let newly_dead: Vec<ServerId> = self
+            .servers
+            .values()
+            .filter(|s| s.liveness != Liveness::Dead && now.saturating_since(s.last_heartbeat) > self.cfg.dead_after)
+            .map(|s| s.id)
+            .collect();
+        for id in &newly_dead {
+            if let Some(s) = self.servers.get_mut(id) {
+                s.liveness = Liveness::Dead;
+            }
+            self.push_server(*id)?;
+        }
+        if !newly_dead.is_empty() {
+            self.push_tables()?;
+            for id in newly_dead {
+                let idx = self.servers[&id].index;
+                for key in self.dp.remove_flows_of(idx)? {
+                    self.events.push(CFlowEvent { key, kind: EV_CLOSED, server: idx, prev_server: idx, ts_ns: 0 });
+                }
+            }
+        }
+        // Pool monitor: counters are monotonic; the load is the delta.
+        let counters = self.dp.server_packets()?;
+        for s in self.servers.values_mut() {
+            let c = counters.get(s.index as usize).copied().unwrap_or(0);
+            s.load = c.saturating_sub(s.last_counter);
+            s.last_counter = c;
+        }
+        let counted: Vec<&Server> = self.servers.values().filter(|s| s.liveness != Liveness::Dead).collect();
+        let pool_load: u64 = counted.iter().map(|s| s.load).sum();
+        let least = self
+            .live()
+            .into_iter()
+            .min_by_key(|s| (s.load, s.index))
+            .map(|s| s.data_ip)
+            .unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let live_servers = counted.len() as u32;
+        let reports = counted
+            .iter()
+            .map(|s| LoadReport { server: s.id, data_ip: s.data_ip, own_load: s.load, pool_load, live_servers, least_loaded: least })
+            .collect();
+        if self.cfg.target_policy == TargetPolicy::LeastLoaded {
+            // Least-loaded order changes with every interval.
+            self.push_tables()?;
+        }
+        Ok(reports)
+    }
+
+    /// Moves flow events from the data plane (and liveness) to the sink in
+    /// one batch. Returns how many.
+    pub fn flush_events(&mut self, sink: &mut dyn FlowEventSink) -> std::result::Result<usize, ControlError> {
+        self.dp.drain_events(&mut self.events)?;
+        let n = self.events.len();
+        if n > 0 {
+            sink.write_batch(&self.events);
+            self.events.clear();
+        }
+        Ok(n)
+    }
+}
+
+/// LWRR placement ring: weights scaled down by measured load per weight
+/// unit (busier servers get fewer new flows), interleaved by smooth
+/// weighted round robin so consecutive SYNs spread out.
+pub fn lwrr_ring(live: &[Server]) -> Vec<u32> {
+    if live.is_empty() {
+        return Vec::new();
+    }
+    let per_w: Vec<f64> = live.iter().map(|s| s.load as f64 / s.weight as f64).collect();
+    let mean = per_w.iter().sum::<f64>() / per_w.len() as f64;
+    let eff: Vec<i64> = live
+        .iter()
+        .zip(&per_w)
+        .map(|(s, l)| ((s.weight as f64 * 16.0 * (mean + 1.0) / (l + 1.0)).round() as i64).clamp(1, 1 << 20))
+        .collect();
+    let total: i64 = eff.iter().sum();
+    let mut current = vec![0i64; live.len()];
+    let mut ring = Vec::with_capacity(RING_SIZE);
+    for _ in 0..RING_SIZE {
+        for (c, e) in current.iter_mut().zip(&eff) {
+            *c += e;
+        }
+        let best = (0..live.len()).max_by_key(|i| (current[*i], std::cmp::Reverse(*i))).unwrap_or(0);
+        current[best] -= total;
+        ring.push(live[best].index);
+    }
+    ring
+}
+
+/// Target ring: every live server in index order (round robin), or the two
+/// least-loaded first-fit (the second covers the case where the first is
+/// the origin).
+pub fn target_ring(live: &[Server], policy: TargetPolicy) -> CRing {
+    match policy {
+        TargetPolicy::RoundRobin => {
+            let mut idx: Vec<u32> = live.iter().map(|s| s.index).collect();
+            idx.sort_unstable();
+            CRing::from_slice(RING_ROTATE, &idx)
+        }
+        TargetPolicy::LeastLoaded => {
+            let mut v: Vec<&Server> = live.iter().collect();
+            v.sort_by_key(|s| (s.load, s.index));
+            let idx: Vec<u32> = v.iter().take(2).map(|s| s.index).collect();
+            CRing::from_slice(RING_FIRST, &idx)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataplane::MemDataPlane;
+    use capybara_proto::FlowKey;
+    use std::time::Duration;
+
+    const VIP: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 1);
+
+    fn cp(policy: TargetPolicy) -> ControlPlane<MemDataPlane> {
+        let mut c = ControlPlane::new(MemDataPlane::new(), ControlConfig { dead_after: Duration::from_millis(300), target_policy: policy });
+        c.add_service(VIP, 80, Placement::Maglev).unwrap();
+        for j in 1..=3u32 {
+            c.register(Instant::ZERO, ServerId(j), Ipv4Addr::new(198, 18, 2, 10 + j as u8), [2, 0, 0, 0, 1, j as u8], 5, [2; 6], 1)
+                .unwrap();
+        }
+        c
+    }
+
+    fn key(port: u16) -> CFlowKey {
+        CFlowKey::from(FlowKey { client_ip: Ipv4Addr::new(198, 18, 0, 11), client_port: port, service_ip: VIP, service_port: 80 })
+    }
+
+    #[test]
+    fn registration_pushes_servers_and_full_maglev_table() {
+        let c = cp(TargetPolicy::RoundRobin);
+        assert_eq!(c.dp.servers.len(), 3);
+        let t = &c.dp.maglev[&0];
+        assert!(t.iter().all(|v| *v < 3));
+        assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 1, 2]);
+        assert_eq!(c.dp.server_by_addr[&u32::from_ne_bytes([198, 18, 2, 12])], 1);
+    }
+
+    #[test]
+    fn drain_removes_server_from_placement_and_targets_only() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        c.dp.place_flow(key(1), 1, 0);
+        let writes_before = c.dp.maglev_writes;
+        c.set_draining(ServerId(2), true).unwrap();
+        assert!(c.dp.maglev[&0].iter().all(|v| *v != 1));
+        // A delta, not a rewrite of the whole table.
+        let delta = c.dp.maglev_writes - writes_before;
+        assert!(delta > 0 && delta < (MAGLEV_SIZE as u64) / 2, "{delta}");
+        assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 2]);
+        assert_eq!(c.dp.servers[&1].state, SERVER_DRAINING);
+        assert_eq!(c.dp.current_owner(key(1)), Some(1), "existing flow untouched");
+        c.set_draining(ServerId(2), false).unwrap();
+        assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 1, 2]);
+    }
+
+    #[test]
+    fn pool_monitor_reports_interval_loads_and_least_loaded() {
+        let mut c = cp(TargetPolicy::LeastLoaded);
+        c.dp.count_packets(0, 100);
+        c.dp.count_packets(1, 10);
+        c.dp.count_packets(2, 50);
+        let r = c.tick(Instant::from_millis(1)).unwrap();
+        assert_eq!(r.len(), 3);
+        assert!(r.iter().all(|x| x.pool_load == 160 && x.live_servers == 3));
+        assert_eq!(r[0].own_load, 100);
+        assert_eq!(r[0].least_loaded, Ipv4Addr::new(198, 18, 2, 12));
+        let ring = c.dp.rings[&(0, RING_TARGET)];
+        assert_eq!((ring.mode, ring.as_slice()), (RING_FIRST, &[1u32, 2][..]));
+        // Next interval counts only new packets.
+        c.dp.count_packets(0, 5);
+        let r = c.tick(Instant::from_millis(2)).unwrap();
+        assert_eq!((r[0].own_load, r[0].pool_load), (5, 5));
+    }
+
+    #[test]
+    fn dead_server_loses_its_flows_and_only_those() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        c.dp.place_flow(key(1), 0, 0); // on s1, stays
+        c.dp.place_flow(key(2), 1, 0); // on s2, dies with it
+        c.dp.place_flow(key(3), 1, 0); // placed on s2, migrated to s3: stays
+        c.dp.migrate_flow(key(3), 2);
+        c.dp.place_flow(key(4), 0, 0); // placed on s1, migrated to s2: dies
+        c.dp.migrate_flow(key(4), 1);
+        let mut sink = VecSink::default();
+        c.flush_events(&mut sink).unwrap();
+        assert_eq!(sink.0.len(), 6);
+        for t in 1..=5u64 {
+            c.heartbeat(Instant::from_millis(t * 100), ServerId(1)).unwrap();
+            c.heartbeat(Instant::from_millis(t * 100), ServerId(3)).unwrap();
+            c.tick(Instant::from_millis(t * 100)).unwrap();
+        }
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Dead);
+        assert_eq!(c.server(ServerId(1)).unwrap().liveness, Liveness::Live);
+        assert_eq!(c.dp.current_owner(key(1)), Some(0));
+        assert_eq!(c.dp.current_owner(key(2)), None);
+        assert_eq!(c.dp.current_owner(key(3)), Some(2));
+        assert_eq!(c.dp.current_owner(key(4)), None);
+        assert!(c.dp.maglev[&0].iter().all(|v| *v != 1));
+        assert_eq!(c.dp.servers[&1].state, SERVER_DEAD);
+        let mut sink = VecSink::default();
+        c.flush_events(&mut sink).unwrap();
+        let mut closed: Vec<u16> = sink.0.iter().filter(|e| e.kind == EV_CLOSED).map(|e| FlowKey::from(e.key).client_port).collect();
+        closed.sort();
+        assert_eq!(closed, vec![2, 4]);
+        // A dead server is not reported to by the pool monitor.
+        let r = c.tick(Instant::from_millis(600)).unwrap();
+        assert!(r.iter().all(|x| x.server != ServerId(2)) && r.iter().all(|x| x.live_servers == 2));
+    }
+
+    #[test]
+    fn lwrr_favours_idle_servers_and_respects_weights() {
+        let mk = |index, weight, load| Server {
+            id: ServerId(index),
+            index,
+            data_ip: Ipv4Addr::UNSPECIFIED,
+            mac: [0; 6],
+            ifindex: 0,
+            src_mac: [0; 6],
+            weight,
+            liveness: Liveness::Live,
+            last_heartbeat: Instant::ZERO,
+            load,
+            last_counter: 0,
+        };
+        let count = |r: &[u32], i: u32| r.iter().filter(|v| **v == i).count();
+        let r = lwrr_ring(&[mk(0, 1, 0), mk(1, 3, 0)]);
+        assert_eq!(r.len(), RING_SIZE);
+        assert_eq!((count(&r, 0), count(&r, 1)), (64, 192));
+        let r = lwrr_ring(&[mk(0, 1, 1000), mk(1, 1, 0)]);
+        assert!(count(&r, 1) > 4 * count(&r, 0), "{} {}", count(&r, 0), count(&r, 1));
+        assert!(lwrr_ring(&[]).is_empty());
+    }
+
+    #[test]
+    fn round_robin_target_ring_is_live_only() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        for t in 1..=4u64 {
+            c.heartbeat(Instant::from_millis(t * 100), ServerId(2)).unwrap();
+            c.tick(Instant::from_millis(t * 100)).unwrap();
+        }
+        assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[1]);
+        assert!(c.heartbeat(Instant::ZERO, ServerId(9)).is_err());
+    }
+}

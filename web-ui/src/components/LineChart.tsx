@@ -1,0 +1,79 @@
+import { useEffect, useRef } from 'react';
+import {
+  Chart,
+  Legend,
+  LinearScale,
+  LineController,
+  LineElement,
+  PointElement,
+  Tooltip,
+} from 'chart.js';
+
+Chart.register(LineController, LineElement, PointElement, LinearScale, Legend, Tooltip);
+
+export interface Series {
+  label: string;
+  color: string;
+  points: { x: number; y: number | null }[];
+}
+
+function clock(ms: number): string {
+  const d = new Date(ms);
+  return d.toTimeString().slice(0, 8);
+}
+
+/**
+ * A Chart.js line chart over wall-clock time. The chart is created once and
+ * updated in place (no animation) when `series` changes.
+ */
+export function LineChart({ series, yLabel, testId }: { series: Series[]; yLabel: string; testId: string }) {
+  const canvas = useRef<HTMLCanvasElement>(null);
+  const chart = useRef<Chart<'line', { x: number; y: number | null }[]> | null>(null);
+
+  useEffect(() => {
+    chart.current = new Chart(canvas.current!, {
+      type: 'line',
+      data: { datasets: [] },
+      options: {
+        animation: false,
+        responsive: true,
+        maintainAspectRatio: false,
+        parsing: false,
+        spanGaps: false,
+        interaction: { mode: 'nearest', axis: 'x', intersect: false },
+        elements: { point: { radius: 0 }, line: { borderWidth: 2, tension: 0.2 } },
+        scales: {
+          x: { type: 'linear', ticks: { callback: (v) => clock(Number(v)), maxTicksLimit: 6 } },
+          y: { type: 'linear', beginAtZero: true, title: { display: true, text: yLabel } },
+        },
+        plugins: {
+          legend: { position: 'bottom' },
+          tooltip: { callbacks: { title: (items) => (items.length ? clock(items[0].parsed.x) : '') } },
+        },
+      },
+    });
+    return () => {
+      chart.current?.destroy();
+      chart.current = null;
+    };
+  }, [yLabel]);
+
+  useEffect(() => {
+    const c = chart.current;
+    if (!c) return;
+    c.data.datasets = series.map((s) => ({
+      label: s.label,
+      data: s.points,
+      borderColor: s.color,
+      backgroundColor: s.color,
+    }));
+    c.update('none');
+  }, [series]);
+
+  const points = series.reduce((n, s) => n + s.points.filter((p) => p.y !== null).length, 0);
+  return (
+    <div className="chart" data-testid={testId} data-series={series.length} data-points={points}>
+      <canvas ref={canvas} />
+    </div>
+  );
+}

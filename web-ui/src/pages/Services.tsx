@@ -1,0 +1,199 @@
+import { useMemo, useState } from 'react';
+import type { FormEvent } from 'react';
+import type { Server, Service } from '../generated';
+import type { PageProps } from '../App';
+import { problemText, toProblem } from '../api';
+
+const NAME = /^[A-Za-z0-9_.-]{1,64}$/;
+const IPV4 = /^(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(\.(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3}$/;
+
+interface Draft {
+  name: string;
+  vip: string;
+  port: string;
+  pool: number[];
+}
+
+function checkDraft(d: Draft, isNew: boolean): Record<string, string> {
+  const e: Record<string, string> = {};
+  if (isNew && !NAME.test(d.name)) e.name = 'letters, digits, _ . - (1 to 64)';
+  if (!IPV4.test(d.vip.trim())) e.vip = 'an IPv4 address';
+  const port = Number(d.port);
+  if (!/^\d+$/.test(d.port.trim()) || port < 1 || port > 65535) e.port = '1 to 65535';
+  return e;
+}
+
+/** Services: VIP:port and the pool of servers behind each. */
+export function ServicesPage({ state, clients, dispatch }: PageProps) {
+  const services = useMemo(() => Object.values(state.services).sort((a, b) => a.name.localeCompare(b.name)), [state.services]);
+  const servers = useMemo(() => Object.values(state.servers).sort((a, b) => a.id - b.id), [state.servers]);
+  const [editing, setEditing] = useState<string | null>(null); // service name, or '' for a new one
+  const [error, setError] = useState<string | null>(null);
+
+  const remove = async (name: string) => {
+    if (!window.confirm(`Delete service ${name}?`)) return;
+    setError(null);
+    try {
+      await clients.services.deleteService({ serviceName: name });
+      dispatch({ type: 'service', name, service: null });
+    } catch (e) {
+      setError(problemText(await toProblem(e)));
+    }
+  };
+
+  return (
+    <div className="panel services">
+      <h2>Services</h2>
+      <p className="muted small">Each service is a VIP:port owned by the switch and a pool of servers. Creating, changing and deleting services needs an admin token.</p>
+      {error && <div className="banner error" data-testid="services-error">{error}</div>}
+      <table className="feed" data-testid="services-table">
+        <thead>
+          <tr>
+            <th>Name</th>
+            <th>VIP:port</th>
+            <th>Pool</th>
+            <th />
+          </tr>
+        </thead>
+        <tbody>
+          {services.length === 0 && (
+            <tr>
+              <td colSpan={4} className="muted">
+                No service yet.
+              </td>
+            </tr>
+          )}
+          {services.map((svc) =>
+            editing === svc.name ? (
+              <tr key={svc.name}>
+                <td colSpan={4}>
+                  <ServiceForm service={svc} servers={servers} clients={clients} onDone={(s) => { if (s) dispatch({ type: 'service', name: s.name, service: s }); setEditing(null); }} />
+                </td>
+              </tr>
+            ) : (
+              <tr key={svc.name} data-testid={`service-row-${svc.name}`}>
+                <td><strong>{svc.name}</strong></td>
+                <td className="mono">{svc.vip}:{svc.port}</td>
+                <td>
+                  <Pool pool={svc.pool} servers={state.servers} />
+                </td>
+                <td className="actions">
+                  <button className="small" onClick={() => setEditing(svc.name)} data-testid={`service-edit-${svc.name}`}>Edit</button>
+                  <button className="small danger" onClick={() => remove(svc.name)} data-testid={`service-delete-${svc.name}`}>Delete</button>
+                </td>
+              </tr>
+            ),
+          )}
+        </tbody>
+      </table>
+      {editing === '' ? (
+        <ServiceForm servers={servers} clients={clients} onDone={(s) => { if (s) dispatch({ type: 'service', name: s.name, service: s }); setEditing(null); }} />
+      ) : (
+        <div className="actions">
+          <button onClick={() => setEditing('')} data-testid="service-new">New service…</button>
+        </div>
+      )}
+    </div>
+  );
+}
+
+function Pool({ pool: poolSet, servers }: { pool: Set<number>; servers: Record<number, Server> }) {
+  const pool = Array.from(poolSet).sort((a, b) => a - b);
+  if (pool.length === 0) return <span className="muted">empty</span>;
+  return (
+    <span className="pool">
+      {pool.map((id) => {
+        const s = servers[id];
+        return (
+          <span key={id} className={`chip badge-${s?.state ?? 'dead'}`} title={s ? `${s.state}, weight ${s.weight}` : 'unknown server'}>
+            {s?.name ?? `#${id}`}
+          </span>
+        );
+      })}
+    </span>
+  );
+}
+
+function ServiceForm({
+  service,
+  servers,
+  clients,
+  onDone,
+}: {
+  service?: Service;
+  servers: Server[];
+  clients: PageProps['clients'];
+  onDone: (s: Service | null) => void;
+}) {
+  const isNew = !service;
+  const [d, setD] = useState<Draft>({
+    name: service?.name ?? '',
+    vip: service?.vip ?? '',
+    port: service ? String(service.port) : '',
+    pool: service ? Array.from(service.pool).sort((a, b) => a - b) : [],
+  });
+  const [serverErrors, setServerErrors] = useState<Record<string, string>>({});
+  const [error, setError] = useState<string | null>(null);
+  const [submitted, setSubmitted] = useState(false);
+  const errors = { ...(submitted ? checkDraft(d, isNew) : {}), ...serverErrors };
+
+  const submit = async (e: FormEvent) => {
+    e.preventDefault();
+    setSubmitted(true);
+    if (Object.keys(checkDraft(d, isNew)).length) return;
+    setError(null);
+    setServerErrors({});
+    try {
+      // The generated models hold `uniqueItems` arrays as Sets.
+      const body = { vip: d.vip.trim(), port: Number(d.port), pool: new Set(d.pool) };
+      const saved = isNew
+        ? await clients.services.createService({ service: { name: d.name, ...body } })
+        : await clients.services.updateService({ serviceName: service!.name, serviceUpdate: body });
+      onDone(saved);
+    } catch (err) {
+      const p = await toProblem(err);
+      if (p.field) setServerErrors({ [p.field.split(/[.[]/)[0]]: p.detail || p.title });
+      setError(problemText(p));
+    }
+  };
+
+  const toggle = (id: number) => setD({ ...d, pool: d.pool.includes(id) ? d.pool.filter((x) => x !== id) : [...d.pool, id].sort((a, b) => a - b) });
+
+  return (
+    <form className="service-form" onSubmit={submit} noValidate data-testid="service-form">
+      {isNew && (
+        <label>
+          Name
+          <input value={d.name} onChange={(e) => setD({ ...d, name: e.target.value })} data-testid="service-field-name" />
+          {errors.name && <span className="field-error">{errors.name}</span>}
+        </label>
+      )}
+      <label>
+        VIP
+        <input value={d.vip} onChange={(e) => setD({ ...d, vip: e.target.value })} placeholder="10.0.0.100" data-testid="service-field-vip" />
+        {errors.vip && <span className="field-error">{errors.vip}</span>}
+      </label>
+      <label>
+        Port
+        <input value={d.port} onChange={(e) => setD({ ...d, port: e.target.value })} placeholder="80" data-testid="service-field-port" />
+        {errors.port && <span className="field-error">{errors.port}</span>}
+      </label>
+      <fieldset>
+        <legend>Pool</legend>
+        {servers.length === 0 && <span className="muted">No server registered.</span>}
+        {servers.map((s) => (
+          <label key={s.id} className="inline">
+            <input type="checkbox" checked={d.pool.includes(s.id)} onChange={() => toggle(s.id)} data-testid={`service-pool-${s.id}`} />
+            {s.name}
+          </label>
+        ))}
+        {errors.pool && <span className="field-error">{errors.pool}</span>}
+      </fieldset>
+      {error && <div className="field-error" data-testid="service-form-error">{error}</div>}
+      <div className="actions">
+        <button type="submit" data-testid="service-save">{isNew ? 'Create' : 'Save'}</button>
+        <button type="button" className="link" onClick={() => onDone(null)}>Cancel</button>
+      </div>
+    </form>
+  );
+}
