@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# The whole test suite: formatting, every crate's unit, property, fuzz and
-# lab tests. Lab tests need root (network namespaces, eBPF); they use unique
-# name prefixes and clean up after themselves.
+# The whole test suite: formatting, every crate's unit, property and fuzz
+# tests, and the system tests in the lab (real namespaces, real Linux
+# clients, real etcd). Lab tests need root; they use unique name prefixes
+# and clean up after themselves. Everything runs on the release profile, so
+# the binaries `make setup` built are the ones under test and nothing is
+# compiled twice.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p test-output
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo test (workspace)"
-cargo test --workspace --no-fail-fast 2>&1 | tee test-output/cargo-test.log
+echo "== build (release)"
+cargo build --release --workspace --bins
+echo "== cargo test (workspace, release)"
+cargo test --release --workspace --no-fail-fast 2>&1 | tee test-output/cargo-test.log

@@ -32,7 +32,10 @@ fi
 
 rm -rf dist.tmp
 mkdir -p dist.tmp
-NODE_PATH="$debian" esbuild src/main.tsx --bundle --minify --sourcemap \
+# SOURCEMAP=1 adds app.js.map for debugging.
+sourcemap=()
+[[ "${SOURCEMAP:-0}" == 1 ]] && sourcemap=(--sourcemap)
+NODE_PATH="$debian" esbuild src/main.tsx --bundle --minify "${sourcemap[@]}" \
     --target=es2019 --format=iife --jsx=automatic \
     --define:process.env.NODE_ENV='"production"' \
     --outfile=dist.tmp/app.js --log-level=warning

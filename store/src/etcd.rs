@@ -20,9 +20,6 @@
 //! one etcd watcher (etcd orders events per watcher only), so flow writes
 //! never reach watchers.
 //!
-//! ```text
-//! ```
-//!
 //! Flow batches are deduplicated (last operation per flow wins) and written
 //! in transactions of at most `max_txn_ops` operations (etcd's
 //! `--max-txn-ops`, default 128). Read-modify-writes (state, weight, drain
@@ -116,6 +113,16 @@ impl std::fmt::Debug for EtcdStore {
 
 /// CAS retries before giving up on a contended read-modify-write.
 const CAS_ATTEMPTS: usize = 64;
+/// Tries of a request that provably did not execute.
+const RETRY_ATTEMPTS: usize = 6;
+
+/// Whether an `Unreachable` reason says the request never ran on a member.
+fn not_executed(reason: &str) -> bool {
+    ["tcp connect error", "connection refused", "transport error", "no leader", "leader changed", "not capable"]
+        .iter()
+        .any(|m| reason.contains(m))
+}
+
 /// Page size of range scans.
 const SCAN_PAGE: i64 = 10_000;
 
@@ -200,9 +207,30 @@ impl EtcdStore {
         }
     }
 
+    /// Runs a request, retrying it on another member when it provably did
+    /// not execute (connection refused, no leader, leader changed): the
+    /// balanced channel may still route to a dead member for a while.
+    /// Bounded: `RETRY_ATTEMPTS` tries, a few tens of ms apart.
+    async fn retry<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
+    {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.call(op, f(self.client.clone())).await {
+                Err(StoreError::Unreachable { reason, .. }) if attempt < RETRY_ATTEMPTS && not_executed(&reason) => {
+                    tokio::time::sleep(Duration::from_millis(10 * attempt as u64)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
     async fn get_kv(&self, op: &'static str, logical: &str) -> Result<Option<KeyValue>> {
-        let mut kv = self.client.kv_client();
-        let mut resp = self.call(op, kv.get(self.full(logical), None)).await?;
+        let key = self.full(logical);
+        let mut resp = self.retry(op, |mut c| { let k = key.clone(); async move { c.get(k, None).await } }).await?;
         Ok(resp.take_kvs().into_iter().next())
     }
 
@@ -214,13 +242,13 @@ impl EtcdStore {
     }
 
     async fn put_value(&self, op: &'static str, logical: &str, value: Vec<u8>) -> Result<()> {
-        let mut kv = self.client.kv_client();
-        self.call(op, kv.put(self.full(logical), value, None)).await.map(|_| ())
+        let key = self.full(logical);
+        self.retry(op, |mut c| { let (k, v) = (key.clone(), value.clone()); async move { c.put(k, v, None).await } }).await.map(|_| ())
     }
 
     async fn delete_key(&self, op: &'static str, logical: &str) -> Result<bool> {
-        let mut kv = self.client.kv_client();
-        Ok(self.call(op, kv.delete(self.full(logical), None)).await?.deleted() > 0)
+        let key = self.full(logical);
+        Ok(self.retry(op, |mut c| { let k = key.clone(); async move { c.delete(k, None).await } }).await?.deleted() > 0)
     }
 
     /// Every key/value under `{prefix}/{sub}`, paged, at one revision.
@@ -236,8 +264,7 @@ impl EtcdStore {
             if revision > 0 {
                 opts = opts.with_revision(revision);
             }
-            let mut kv = self.client.kv_client();
-            let mut resp = self.call(op, kv.get(key.clone(), Some(opts))).await?;
+            let mut resp = self.retry(op, |mut c| { let (k, o) = (key.clone(), opts.clone()); async move { c.get(k, Some(o)).await } }).await?;
             if revision == 0 {
                 revision = resp.header().map(|h| h.revision()).unwrap_or(0);
             }
@@ -270,8 +297,7 @@ impl EtcdStore {
             let txn = Txn::new()
                 .when([Compare::mod_revision(full.clone(), CompareOp::Equal, kv.mod_revision())])
                 .and_then([TxnOp::put(full.clone(), encode(&value), None)]);
-            let mut c = self.client.kv_client();
-            if self.call(op, c.txn(txn)).await?.succeeded() {
+            if self.retry(op, |mut c| { let t = txn.clone(); async move { c.txn(t).await } }).await?.succeeded() {
                 return Ok(value);
             }
         }
@@ -423,8 +449,8 @@ impl Store for EtcdStore {
                     FlowOp::Delete { key } => TxnOp::delete(self.full(&codec::flow_key(key)), None),
                 })
                 .collect();
-            let mut kv = self.client.kv_client();
-            self.call("apply_flows", kv.txn(Txn::new().and_then(txn_ops))).await?;
+            let txn = Txn::new().and_then(txn_ops);
+            self.retry("apply_flows", |mut c| { let t = txn.clone(); async move { c.txn(t).await } }).await?;
         }
         Ok(())
     }
@@ -456,10 +482,8 @@ impl Store for EtcdStore {
     async fn count_flows(&self) -> Result<u64> {
         let start = self.full("flows/");
         let end = prefix_end(&start);
-        let mut kv = self.client.kv_client();
-        let resp = self
-            .call("count_flows", kv.get(start, Some(GetOptions::new().with_range(end).with_count_only())))
-            .await?;
+        let opts = GetOptions::new().with_range(end).with_count_only();
+        let resp = self.retry("count_flows", |mut c| { let (k, o) = (start.clone(), opts.clone()); async move { c.get(k, Some(o)).await } }).await?;
         Ok(resp.count().max(0) as u64)
     }
 
@@ -509,8 +533,7 @@ impl Store for EtcdStore {
                     TxnOp::put(counter.clone(), encode(&entry.seq), None),
                     TxnOp::put(self.full(&codec::audit_key(entry.seq)), encode(&entry), None),
                 ]);
-            let mut kv = self.client.kv_client();
-            if self.call("append_audit", kv.txn(txn)).await?.succeeded() {
+            if self.retry("append_audit", |mut c| { let t = txn.clone(); async move { c.txn(t).await } }).await?.succeeded() {
                 return Ok(entry);
             }
         }
@@ -523,9 +546,9 @@ impl Store for EtcdStore {
         }
         let start = self.full(&codec::audit_key(after.saturating_add(1)));
         let end = prefix_end(&self.full("audit/"));
-        let mut kv = self.client.kv_client();
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let mut resp = self.call("list_audit", kv.get(start, Some(GetOptions::new().with_range(end).with_limit(limit)))).await?;
+        let opts = GetOptions::new().with_range(end).with_limit(limit);
+        let mut resp = self.retry("list_audit", |mut c| { let (k, o) = (start.clone(), opts.clone()); async move { c.get(k, Some(o)).await } }).await?;
         let mut out = Vec::new();
         for kv in resp.take_kvs() {
             let logical = self.logical(kv.key())?;
@@ -541,24 +564,23 @@ impl Store for EtcdStore {
             return Err(StoreError::Invalid { what: "candidate", reason: "must be 1-256 bytes".into() });
         }
         let ttl_s = lease_ttl_secs(ttl);
-        let mut lease = self.client.lease_client();
-        let grant = self.call("campaign: lease grant", lease.grant(ttl_s, None)).await?;
+        let grant = self.retry("campaign: lease grant", |mut c| async move { c.lease_grant(ttl_s, None).await }).await?;
         let lease_id = grant.id();
         let key = self.full(&codec::leader_key(election));
         let value = encode(&LeaderValue { candidate: candidate.to_string(), lease_id });
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease_id)))]);
-        let mut kv = self.client.kv_client();
-        let resp = match self.call("campaign", kv.txn(txn)).await {
+        let revoke = || self.retry("campaign: revoke", move |mut c| async move { c.lease_revoke(lease_id).await });
+        let resp = match self.retry("campaign", |mut c| { let t = txn.clone(); async move { c.txn(t).await } }).await {
             Ok(r) => r,
             Err(e) => {
-                let _ = self.call("campaign: revoke", lease.revoke(lease_id)).await;
+                let _ = revoke().await;
                 return Err(e);
             }
         };
         if !resp.succeeded() {
-            let _ = self.call("campaign: revoke", lease.revoke(lease_id)).await;
+            let _ = revoke().await;
             return Ok(None);
         }
         let term = resp.header().map(|h| h.revision()).unwrap_or(0).max(0) as u64;
@@ -579,8 +601,9 @@ impl Store for EtcdStore {
             }
             other => other,
         };
-        let mut lc = self.client.lease_client();
-        let (mut keeper, mut stream) = self.call("keep_alive", lc.keep_alive(lease.info.lease_id)).await.map_err(lost)?;
+        let id = lease.info.lease_id;
+        let (mut keeper, mut stream) =
+            self.retry("keep_alive", |mut c| async move { c.lease_keep_alive(id).await }).await.map_err(lost)?;
         self.call("keep_alive", keeper.keep_alive()).await.map_err(lost)?;
         let resp = self.call("keep_alive", stream.message()).await.map_err(lost)?;
         match resp {
@@ -594,8 +617,8 @@ impl Store for EtcdStore {
     }
 
     async fn resign(&self, lease: &LeaderLease) -> Result<()> {
-        let mut lc = self.client.lease_client();
-        match self.call("resign", lc.revoke(lease.info.lease_id)).await {
+        let id = lease.info.lease_id;
+        match self.retry("resign", |mut c| async move { c.lease_revoke(id).await }).await {
             Ok(_) => Ok(()),
             // Already expired: nothing to give up.
             Err(StoreError::Etcd { source: etcd_client::Error::GRpcStatus(s), .. }) if s.message().contains("lease not found") => Ok(()),
@@ -617,9 +640,9 @@ impl Store for EtcdStore {
             return Ok(crate::receiver_stream(out_rx));
         }
         // Watch from the revision after "now" so nothing after this call is missed.
-        let mut kv = self.client.kv_client();
+        let policy_key = self.full(codec::POLICY_KEY);
         let now_rev = self
-            .call("watch", kv.get(self.full(codec::POLICY_KEY), Some(GetOptions::new().with_count_only())))
+            .retry("watch", |mut c| { let k = policy_key.clone(); async move { c.get(k, Some(GetOptions::new().with_count_only())).await } })
             .await?
             .header()
             .map(|h| h.revision())
@@ -628,8 +651,7 @@ impl Store for EtcdStore {
         // only, so per-kind watchers could interleave out of revision order.
         let records = format!("{}/records/", self.config.prefix);
         let opts = WatchOptions::new().with_start_revision(now_rev + 1).with_prefix();
-        let mut wc = self.client.watch_client();
-        let (watcher, mut stream) = self.call("watch", wc.watch(records, Some(opts))).await?;
+        let (watcher, mut stream) = self.retry("watch", |mut c| { let (k, o) = (records.clone(), opts.clone()); async move { c.watch(k, Some(o)).await } }).await?;
         let kinds: Vec<WatchKind> = kinds.to_vec();
         let this = self.clone();
         tokio::spawn(async move {

@@ -182,6 +182,11 @@ impl BpfDataPlane {
         self.links.clear();
     }
 
+    /// Interfaces the program is attached to.
+    pub fn attached(&self) -> Vec<u32> {
+        self.links.iter().map(|(i, _)| *i).collect()
+    }
+
     /// Adds an egress port for XDP_REDIRECT (must exist in the caller's
     /// network namespace).
     pub fn add_tx_port(&mut self, ifindex: u32) -> Result<()> {
@@ -343,6 +348,21 @@ impl DataPlane for BpfDataPlane {
     fn delete_migration(&mut self, key: CFlowKey) -> Result<()> {
         let _ = self.maps.migrations.delete(key.as_bytes());
         Ok(())
+    }
+    fn delete_flow(&mut self, key: CFlowKey) -> Result<()> {
+        let _ = self.maps.flows.delete(key.as_bytes());
+        Ok(())
+    }
+    fn insert_flows(&mut self, flows: &[(CFlowKey, CFlow)]) -> Result<()> {
+        let keys: Vec<CFlowKey> = flows.iter().map(|(k, _)| *k).collect();
+        let vals: Vec<CFlow> = flows.iter().map(|(_, v)| *v).collect();
+        if keys.is_empty() {
+            return Ok(());
+        }
+        batch_update(&self.maps.flows, "flows", &keys, &vals)
+    }
+    fn table_sizes(&mut self) -> Result<(usize, usize)> {
+        Ok((self.maps.flows.keys().count(), self.maps.migrations.keys().count()))
     }
     fn lookup_flow(&mut self, key: CFlowKey) -> Result<Option<CFlow>> {
         Ok(self

@@ -10,10 +10,10 @@
 //! - The shadow copy of every Maglev table is what the data plane holds, so
 //!   a change pushes only the slots that differ.
 
-use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::collections::{BTreeMap, VecDeque};
+use std::net::{Ipv4Addr, SocketAddrV4};
 
-use capybara_proto::{Instant, ServerId};
+use capybara_proto::{FlowKey, Instant, ServerId};
 
 use crate::abi::*;
 use crate::dataplane::{DataPlane, FlowEvent, Result};
@@ -63,7 +63,22 @@ pub struct Service {
     pub port: u16,
     pub index: u32,
     pub placement: Placement,
+    /// Members and their weights. Only LIVE members are placed on.
+    pub pool: BTreeMap<ServerId, u32>,
+    /// Members named by the configuration (their weight is the configured one).
+    configured: BTreeMap<ServerId, u32>,
+    /// Every registered server joins (configured with an empty pool).
+    pub open: bool,
     maglev_shadow: Vec<u32>,
+}
+
+/// How a service's pool is formed (see `config::ServiceConfig`).
+#[derive(Debug, Clone, Default)]
+pub struct PoolSpec {
+    /// Configured members and weights.
+    pub members: Vec<(ServerId, u32)>,
+    /// Every registered server joins (with its REGISTER weight).
+    pub open: bool,
 }
 
 /// One LOAD-NOTIFICATION to send (the driver encodes it with
@@ -78,17 +93,27 @@ pub struct LoadReport {
     pub least_loaded: Ipv4Addr,
 }
 
-/// Where flow events go (the store, later). Called off the packet path.
-pub trait FlowEventSink {
-    fn write_batch(&mut self, events: &[FlowEvent]);
+/// A flow event with server indexes resolved to server ids, as the store
+/// wants it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlowUpdate {
+    pub event: FlowEvent,
+    pub key: FlowKey,
+    /// Owner after the event (`None`: index not (or no longer) registered).
+    pub owner: Option<ServerId>,
 }
 
-/// A sink that keeps everything (tests, and until the store is wired).
+/// Where flow events go (the store). Called off the packet path, in batches.
+pub trait FlowEventSink {
+    fn write_batch(&mut self, events: &[FlowUpdate]);
+}
+
+/// A sink that keeps everything (tests).
 #[derive(Debug, Default)]
 pub struct VecSink(pub Vec<FlowEvent>);
 impl FlowEventSink for VecSink {
-    fn write_batch(&mut self, events: &[FlowEvent]) {
-        self.0.extend_from_slice(events);
+    fn write_batch(&mut self, events: &[FlowUpdate]) {
+        self.0.extend(events.iter().map(|u| u.event));
     }
 }
 
@@ -96,6 +121,15 @@ impl FlowEventSink for VecSink {
 pub struct ControlConfig {
     pub dead_after: std::time::Duration,
     pub target_policy: TargetPolicy,
+    /// How long the entries of a closed flow stay (last ACKs, TIME-WAIT
+    /// retransmissions) before the control plane reaps them.
+    pub closed_linger: std::time::Duration,
+}
+
+impl ControlConfig {
+    pub fn new(dead_after: std::time::Duration, target_policy: TargetPolicy) -> Self {
+        ControlConfig { dead_after, target_policy, closed_linger: std::time::Duration::from_secs(5) }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -108,6 +142,10 @@ pub enum ControlError {
     ServicesFull,
     #[error("unknown server {0}")]
     UnknownServer(ServerId),
+    #[error("data address {addr} is already used by server {owner}")]
+    AddressInUse { addr: Ipv4Addr, owner: ServerId },
+    #[error("SET_OWNER from {sender} for {key}: {reason}")]
+    SetOwnerRefused { sender: ServerId, key: FlowKey, reason: &'static str },
 }
 
 pub struct ControlPlane<D: DataPlane> {
@@ -116,11 +154,41 @@ pub struct ControlPlane<D: DataPlane> {
     servers: BTreeMap<ServerId, Server>,
     services: Vec<Service>,
     events: Vec<FlowEvent>,
+    /// Flows reported closed, oldest first: reaped after `closed_linger`.
+    closing: VecDeque<(Instant, CFlowKey)>,
+    /// Entries removed by the closed-flow reaper so far.
+    pub reaped_total: u64,
 }
 
 impl<D: DataPlane> ControlPlane<D> {
     pub fn new(dp: D, cfg: ControlConfig) -> Self {
-        ControlPlane { dp, cfg, servers: BTreeMap::new(), services: Vec::new(), events: Vec::new() }
+        ControlPlane {
+            dp,
+            cfg,
+            servers: BTreeMap::new(),
+            services: Vec::new(),
+            events: Vec::new(),
+            closing: VecDeque::new(),
+            reaped_total: 0,
+        }
+    }
+
+    pub fn services(&self) -> &[Service] {
+        &self.services
+    }
+
+    /// Flows waiting for the closed-flow reaper.
+    pub fn closing_len(&self) -> usize {
+        self.closing.len()
+    }
+
+    fn server_by_index(&self, index: u32) -> Option<&Server> {
+        self.servers.values().find(|s| s.index == index)
+    }
+
+    /// The server that owns data address `addr`.
+    pub fn server_by_addr(&self, addr: Ipv4Addr) -> Option<&Server> {
+        self.servers.values().find(|s| s.data_ip == addr)
     }
 
     pub fn servers(&self) -> impl Iterator<Item = &Server> {
@@ -130,7 +198,18 @@ impl<D: DataPlane> ControlPlane<D> {
         self.servers.get(&id)
     }
 
+    /// A service whose pool is every registered server.
     pub fn add_service(&mut self, vip: Ipv4Addr, port: u16, placement: Placement) -> std::result::Result<u32, ControlError> {
+        self.add_service_with_pool(vip, port, placement, PoolSpec { members: Vec::new(), open: true })
+    }
+
+    pub fn add_service_with_pool(
+        &mut self,
+        vip: Ipv4Addr,
+        port: u16,
+        placement: Placement,
+        spec: PoolSpec,
+    ) -> std::result::Result<u32, ControlError> {
         let index = self.services.len() as u32;
         if index >= MAX_SERVICES {
             return Err(ControlError::ServicesFull);
@@ -140,12 +219,25 @@ impl<D: DataPlane> ControlPlane<D> {
             Placement::Lwrr => PLACE_RING,
         };
         self.dp.set_service(CServiceKey::tcp(vip, port), CService { index, placement: place })?;
-        self.services.push(Service { vip, port, index, placement, maglev_shadow: Vec::new() });
+        let configured: BTreeMap<ServerId, u32> = spec.members.iter().copied().collect();
+        let mut pool = BTreeMap::new();
+        for (id, w) in &configured {
+            if self.servers.contains_key(id) {
+                pool.insert(*id, *w);
+            }
+        }
+        if spec.open {
+            for s in self.servers.values() {
+                pool.entry(s.id).or_insert(s.weight);
+            }
+        }
+        self.services.push(Service { vip, port, index, placement, pool, configured, open: spec.open, maglev_shadow: Vec::new() });
         self.push_tables()?;
         Ok(index)
     }
 
-    /// Registers (or re-registers) a server; it becomes LIVE.
+    /// Registers (or re-registers) a server; it becomes LIVE and joins the
+    /// services whose pools are open or name it.
     #[allow(clippy::too_many_arguments)]
     pub fn register(
         &mut self,
@@ -157,6 +249,29 @@ impl<D: DataPlane> ControlPlane<D> {
         src_mac: [u8; 6],
         weight: u32,
     ) -> std::result::Result<u32, ControlError> {
+        self.register_for(now, id, data_ip, mac, ifindex, src_mac, weight, &[])
+    }
+
+    /// [`Self::register`], also joining the services `wanted` lists.
+    #[allow(clippy::too_many_arguments)]
+    pub fn register_for(
+        &mut self,
+        now: Instant,
+        id: ServerId,
+        data_ip: Ipv4Addr,
+        mac: [u8; 6],
+        ifindex: u32,
+        src_mac: [u8; 6],
+        weight: u32,
+        wanted: &[SocketAddrV4],
+    ) -> std::result::Result<u32, ControlError> {
+        if let Some(other) = self.servers.values().find(|s| s.data_ip == data_ip && s.id != id && s.liveness != Liveness::Dead) {
+            return Err(ControlError::AddressInUse { addr: data_ip, owner: other.id });
+        }
+        if let Some(stale) = self.servers.values().find(|s| s.data_ip == data_ip && s.id != id).map(|s| s.id) {
+            // A dead server's address taken over by a new id: forget the old one.
+            self.forget(stale)?;
+        }
         let index = match self.servers.get(&id) {
             Some(s) => s.index,
             None => (0..MAX_SERVERS)
@@ -181,10 +296,82 @@ impl<D: DataPlane> ControlPlane<D> {
             load: 0,
             last_counter: self.servers.get(&id).map(|s| s.last_counter).unwrap_or(0),
         };
+        let weight = s.weight;
         self.servers.insert(id, s);
+        for svc in &mut self.services {
+            let listed = wanted.iter().any(|w| *w.ip() == svc.vip && w.port() == svc.port);
+            if let Some(w) = svc.configured.get(&id) {
+                svc.pool.insert(id, *w);
+            } else if svc.open || listed {
+                svc.pool.insert(id, weight);
+            }
+        }
         self.push_server(id)?;
         self.push_tables()?;
         Ok(index)
+    }
+
+    /// Removes a server entirely (slot freed). Its flows must already be gone.
+    fn forget(&mut self, id: ServerId) -> Result<()> {
+        if let Some(s) = self.servers.remove(&id) {
+            self.dp.clear_server(s.index, u32::from_ne_bytes(s.data_ip.octets()))?;
+            for svc in &mut self.services {
+                svc.pool.remove(&id);
+            }
+        }
+        Ok(())
+    }
+
+    /// SET_OWNER: `sender` says the flow is owned by `owner` (an origin
+    /// taking a flow back after an aborted migration). Accepted only from the
+    /// flow's current owner or from the named owner itself.
+    pub fn set_owner(&mut self, sender: ServerId, key: FlowKey, owner: ServerId) -> std::result::Result<(), ControlError> {
+        let refuse = |reason| ControlError::SetOwnerRefused { sender, key, reason };
+        let sidx = self.servers.get(&sender).filter(|s| s.liveness != Liveness::Dead).ok_or(refuse("sender not registered"))?.index;
+        let oidx = self.servers.get(&owner).filter(|s| s.liveness != Liveness::Dead).ok_or(refuse("owner not registered"))?.index;
+        let ck = CFlowKey::from(key);
+        let flow = self.dp.lookup_flow(ck)?.ok_or(refuse("unknown flow"))?;
+        let current = self.dp.lookup_migration(ck)?.map(|m| m.server).unwrap_or(flow.server);
+        if sidx != current && sidx != oidx {
+            return Err(refuse("sender neither owns the flow nor is the named owner"));
+        }
+        if oidx == flow.server {
+            self.dp.delete_migration(ck)?;
+        } else {
+            self.dp.insert_migration(ck, CMigration { server: oidx, epoch: 0 })?;
+        }
+        if current != oidx {
+            let kind = if oidx == flow.server { EV_RETURNED } else { EV_MIGRATED };
+            self.events.push(CFlowEvent { key: ck, kind, server: oidx, prev_server: current, ts_ns: 0 });
+        }
+        Ok(())
+    }
+
+    /// Loads flow mappings (a standby taking over): each flow is routed to
+    /// its stored owner. Unknown owners or services are skipped and counted.
+    pub fn load_flows(&mut self, flows: &[(FlowKey, ServerId)]) -> std::result::Result<(usize, usize), ControlError> {
+        let mut batch = Vec::with_capacity(flows.len());
+        let mut skipped = 0;
+        for (key, owner) in flows {
+            let svc = self.services.iter().find(|s| s.vip == key.service_ip && s.port == key.service_port);
+            match (self.servers.get(owner), svc) {
+                (Some(s), Some(svc)) => batch.push((
+                    CFlowKey::from(*key),
+                    CFlow { server: s.index, service: svc.index as u16, flags: 0 },
+                )),
+                _ => skipped += 1,
+            }
+        }
+        self.dp.insert_flows(&batch)?;
+        Ok((batch.len(), skipped))
+    }
+
+    /// Removes flow entries (a standby's warm copy, after the store dropped them).
+    pub fn unload_flows(&mut self, keys: &[FlowKey]) -> std::result::Result<(), ControlError> {
+        for k in keys {
+            self.dp.delete_flow(CFlowKey::from(*k))?;
+        }
+        Ok(())
     }
 
     pub fn heartbeat(&mut self, now: Instant, id: ServerId) -> std::result::Result<(), ControlError> {
@@ -229,14 +416,21 @@ impl<D: DataPlane> ControlPlane<D> {
     }
 
     /// Recomputes Maglev tables (pushing only changed slots), LWRR rings and
-    /// target rings from the current pool.
+    /// target rings from each service's live pool members.
     fn push_tables(&mut self) -> Result<()> {
-        let live: Vec<Server> = self.live().into_iter().cloned().collect();
-        let backends: Vec<Backend> = live.iter().map(|s| Backend { id: s.id.0, index: s.index, weight: s.weight }).collect();
-        let table = maglev::build_table(&backends, MAGLEV_SIZE);
-        let lwrr = CRing::from_slice(RING_ROTATE, &lwrr_ring(&live));
-        let target = target_ring(&live, self.cfg.target_policy);
         for i in 0..self.services.len() {
+            let live: Vec<Server> = self.services[i]
+                .pool
+                .iter()
+                .filter_map(|(id, w)| {
+                    let s = self.servers.get(id)?;
+                    (s.liveness == Liveness::Live).then(|| Server { weight: (*w).max(1), ..s.clone() })
+                })
+                .collect();
+            let backends: Vec<Backend> = live.iter().map(|s| Backend { id: s.id.0, index: s.index, weight: s.weight }).collect();
+            let table = maglev::build_table(&backends, MAGLEV_SIZE);
+            let lwrr = CRing::from_slice(RING_ROTATE, &lwrr_ring(&live));
+            let target = target_ring(&live, self.cfg.target_policy);
             let svc_index = self.services[i].index;
             let delta = maglev::diff(&self.services[i].maglev_shadow, &table);
             if !delta.is_empty() {
@@ -254,6 +448,7 @@ impl<D: DataPlane> ControlPlane<D> {
     /// `dead_after` become DEAD: out of placement, flows removed (and
     /// reported as closed to the sink).
     pub fn tick(&mut self, now: Instant) -> std::result::Result<Vec<LoadReport>, ControlError> {
+        self.reap_closed(now)?;
         let newly_dead: Vec<ServerId> = self
             .servers
             .values()
@@ -302,13 +497,51 @@ impl<D: DataPlane> ControlPlane<D> {
         Ok(reports)
     }
 
+    /// Removes the entries of flows closed more than `closed_linger` ago,
+    /// unless the 4-tuple was reused since (no CLOSING flag any more).
+    fn reap_closed(&mut self, now: Instant) -> std::result::Result<(), ControlError> {
+        // Bounded: at most the queue's length, and stops at the first young entry.
+        while let Some((t, key)) = self.closing.front().copied() {
+            if now.saturating_since(t) < self.cfg.closed_linger {
+                break;
+            }
+            self.closing.pop_front();
+            match self.dp.lookup_flow(key)? {
+                Some(f) if f.flags & FLOW_CLOSING == 0 => continue,
+                Some(_) => {
+                    self.dp.delete_migration(key)?;
+                    self.dp.delete_flow(key)?;
+                    self.reaped_total += 1;
+                }
+                None => {
+                    if self.dp.lookup_migration(key)?.is_some() {
+                        self.dp.delete_migration(key)?;
+                        self.reaped_total += 1;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Moves flow events from the data plane (and liveness) to the sink in
-    /// one batch. Returns how many.
-    pub fn flush_events(&mut self, sink: &mut dyn FlowEventSink) -> std::result::Result<usize, ControlError> {
+    /// one batch. Returns how many. Closed flows start their linger.
+    pub fn flush_events(&mut self, now: Instant, sink: &mut dyn FlowEventSink) -> std::result::Result<usize, ControlError> {
+        let from_liveness = self.events.len();
         self.dp.drain_events(&mut self.events)?;
         let n = self.events.len();
         if n > 0 {
-            sink.write_batch(&self.events);
+            for e in &self.events[from_liveness..] {
+                if e.kind == EV_CLOSED {
+                    self.closing.push_back((now, e.key));
+                }
+            }
+            let updates: Vec<FlowUpdate> = self
+                .events
+                .iter()
+                .map(|e| FlowUpdate { event: *e, key: FlowKey::from(e.key), owner: self.server_by_index(e.server).map(|s| s.id) })
+                .collect();
+            sink.write_batch(&updates);
             self.events.clear();
         }
         Ok(n)
@@ -372,7 +605,7 @@ mod tests {
     const VIP: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 1);
 
     fn cp(policy: TargetPolicy) -> ControlPlane<MemDataPlane> {
-        let mut c = ControlPlane::new(MemDataPlane::new(), ControlConfig { dead_after: Duration::from_millis(300), target_policy: policy });
+        let mut c = ControlPlane::new(MemDataPlane::new(), ControlConfig::new(Duration::from_millis(300), policy));
         c.add_service(VIP, 80, Placement::Maglev).unwrap();
         for j in 1..=3u32 {
             c.register(Instant::ZERO, ServerId(j), Ipv4Addr::new(198, 18, 2, 10 + j as u8), [2, 0, 0, 0, 1, j as u8], 5, [2; 6], 1)
@@ -441,7 +674,7 @@ mod tests {
         c.dp.place_flow(key(4), 0, 0); // placed on s1, migrated to s2: dies
         c.dp.migrate_flow(key(4), 1);
         let mut sink = VecSink::default();
-        c.flush_events(&mut sink).unwrap();
+        c.flush_events(Instant::ZERO, &mut sink).unwrap();
         assert_eq!(sink.0.len(), 6);
         for t in 1..=5u64 {
             c.heartbeat(Instant::from_millis(t * 100), ServerId(1)).unwrap();
@@ -457,7 +690,7 @@ mod tests {
         assert!(c.dp.maglev[&0].iter().all(|v| *v != 1));
         assert_eq!(c.dp.servers[&1].state, SERVER_DEAD);
         let mut sink = VecSink::default();
-        c.flush_events(&mut sink).unwrap();
+        c.flush_events(Instant::ZERO, &mut sink).unwrap();
         let mut closed: Vec<u16> = sink.0.iter().filter(|e| e.kind == EV_CLOSED).map(|e| FlowKey::from(e.key).client_port).collect();
         closed.sort();
         assert_eq!(closed, vec![2, 4]);

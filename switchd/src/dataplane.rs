@@ -51,6 +51,17 @@ pub trait DataPlane {
     fn insert_flow(&mut self, key: CFlowKey, flow: CFlow) -> Result<()>;
     fn insert_migration(&mut self, key: CFlowKey, m: CMigration) -> Result<()>;
     fn delete_migration(&mut self, key: CFlowKey) -> Result<()>;
+    fn delete_flow(&mut self, key: CFlowKey) -> Result<()>;
+    /// Bulk insert (takeover): backends override with a batched syscall.
+    fn insert_flows(&mut self, flows: &[(CFlowKey, CFlow)]) -> Result<()> {
+        for (k, f) in flows {
+            self.insert_flow(*k, *f)?;
+        }
+        Ok(())
+    }
+    /// Entries in the flow and migration tables (walks the maps: status
+    /// only, not per packet).
+    fn table_sizes(&mut self) -> Result<(usize, usize)>;
     fn lookup_flow(&mut self, key: CFlowKey) -> Result<Option<CFlow>>;
     fn lookup_migration(&mut self, key: CFlowKey) -> Result<Option<CMigration>>;
     /// Removes every flow currently owned by `server` (migration entries to
@@ -183,6 +194,13 @@ impl DataPlane for MemDataPlane {
     fn delete_migration(&mut self, key: CFlowKey) -> Result<()> {
         self.migrations.remove(&key);
         Ok(())
+    }
+    fn delete_flow(&mut self, key: CFlowKey) -> Result<()> {
+        self.flows.remove(&key);
+        Ok(())
+    }
+    fn table_sizes(&mut self) -> Result<(usize, usize)> {
+        Ok((self.flows.len(), self.migrations.len()))
     }
     fn lookup_flow(&mut self, key: CFlowKey) -> Result<Option<CFlow>> {
         Ok(self.flows.get(&key).copied())

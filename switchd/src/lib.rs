@@ -9,6 +9,10 @@
 //! and active/standby takeover. The data plane never makes a policy decision.
 
 pub mod abi;
+pub mod config;
+pub mod daemon;
+pub mod persist;
+pub mod sys;
 pub mod maglev;
 pub mod bpf;
 pub mod control;

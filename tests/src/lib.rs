@@ -149,3 +149,27 @@ pub fn run_with_timeout(mut cmd: Command, limit: Duration) -> Output {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// Writes a hostagent configuration for lab server `j` serving an HTTP
+/// service on port 80 and an echo service on port 7 of `listen_ip` (the
+/// server's data address when clients connect directly, a VIP behind the
+/// switch). `backend_lines` go into `[interface]` (e.g. the DPDK backend).
+pub fn hostagent_config(dir: &std::path::Path, j: u32, listen_ip: &str, backend_lines: &str) -> PathBuf {
+    let data = format!("198.18.2.{}", 10 + j);
+    let text = format!(
+        "name = \"s{j}\"\n[interface]\nname = \"eth0\"\n{backend_lines}\n[stack]\naddress = \"{data}\"\ngateway = \"198.18.1.1\"\n\
+         [[service]]\nlisten = \"{listen_ip}:80\"\napp = \"http\"\n[[service]]\nlisten = \"{listen_ip}:7\"\napp = \"echo\"\n"
+    );
+    let path = dir.join(format!("hostagent-s{j}.toml"));
+    std::fs::write(&path, text).expect("write hostagent config");
+    path
+}
+
+/// A scratch directory under `test-output/` named after the test, emptied
+/// first; logs written there survive a failed run for inspection.
+pub fn output_dir(test: &str) -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join("test-output").join(test);
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).expect("create test output dir");
+    root
+}

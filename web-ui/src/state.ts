@@ -87,8 +87,12 @@ export function reducer(state: State, a: Action): State {
     case 'server': {
       const servers = { ...state.servers };
       const history = { ...state.history };
-      if (a.server) servers[a.id] = a.server;
-      else {
+      if (a.server) {
+        // A response and an event can cross: never go back to an older copy.
+        const cur = servers[a.id];
+        if (cur && cur.updated_unix_ms > a.server.updated_unix_ms) return state;
+        servers[a.id] = a.server;
+      } else {
         delete servers[a.id];
         delete history[a.id];
       }

@@ -65,6 +65,9 @@ pub struct Config {
     pub server_header: String,
     pub seed: u64,
     pub precise_timers: bool,
+    /// Before the run, send one unrecorded request on every long connection
+    /// to learn its server (always done with a step subset by server id).
+    pub probe: bool,
     pub json: Option<String>,
 }
 
@@ -93,6 +96,7 @@ impl Config {
             server_header: "x-server".into(),
             seed: 1,
             precise_timers: true,
+            probe: false,
             json: None,
         }
     }
@@ -199,6 +203,10 @@ pub struct Args {
     /// Use tokio's 1 ms timer instead of microsecond timerfd timers.
     #[arg(long)]
     pub coarse_timers: bool,
+    /// Before the run, send one unrecorded request per long connection to
+    /// learn which server it landed on (reported as first_server).
+    #[arg(long)]
+    pub probe: bool,
     /// Write the full report (histograms, timelines) as JSON to this file.
     #[arg(long)]
     pub json: Option<String>,
@@ -365,6 +373,7 @@ impl Args {
         c.server_header = sh;
         c.seed = self.seed;
         c.precise_timers = !self.coarse_timers;
+        c.probe = self.probe;
         c.json = self.json.clone();
         Ok(c)
     }

@@ -231,8 +231,10 @@ async fn drive(sh: &Shared, c: &LongConn, s: &TcpStream, reader: &mut ResponseRe
     }
 }
 
-async fn long_conn_task(sh: Rc<Shared>, c: Rc<LongConn>, mut initial: Option<TcpStream>) {
+async fn long_conn_task(sh: Rc<Shared>, c: Rc<LongConn>) {
     let mut reader = ResponseReader::new(64 * 1024);
+    // The initial stream (if the first connect worked) is already installed.
+    let mut initial = c.stream.borrow().clone();
     loop {
         let s = match initial.take() {
             Some(s) => s,
@@ -241,7 +243,7 @@ async fn long_conn_task(sh: Rc<Shared>, c: Rc<LongConn>, mut initial: Option<Tcp
                     return;
                 }
                 match connect(&sh.cfg).await {
-                    Ok(s) => s,
+                    Ok(s) => Rc::new(s),
                     Err(e) => {
                         c.errors.set(c.errors.get() + 1);
                         sh.rec.borrow_mut().on_error(ErrorKind::Connect, now_ns(), || format!("long connection {}: {e}", c.idx));
@@ -251,7 +253,6 @@ async fn long_conn_task(sh: Rc<Shared>, c: Rc<LongConn>, mut initial: Option<Tcp
                 }
             }
         };
-        let s = Rc::new(s);
         *c.stream.borrow_mut() = Some(s.clone());
         reader.reset();
         let res = drive(&sh, &c, &s, &mut reader).await;
@@ -281,6 +282,37 @@ async fn long_conn_task(sh: Rc<Shared>, c: Rc<LongConn>, mut initial: Option<Tcp
             }
         }
     }
+}
+
+/// Send one request on a fresh connection and return the server id of the
+/// response (not recorded: it only learns where the connection landed).
+async fn probe(cfg: &Config, s: &mut TcpStream) -> io::Result<Option<Vec<u8>>> {
+    s.write_all(&request_bytes(cfg, "probe", false)).await?;
+    let mut reader = ResponseReader::new(0);
+    let header = cfg.server_header.as_bytes();
+    let mut name: Option<Vec<u8>> = None;
+    let work = async {
+        loop {
+            let ev = reader.poll(header, &mut |v| {
+                name = Some(v.to_vec());
+                0
+            });
+            match ev {
+                Ok(Event::Response { .. }) => return Ok(()),
+                Ok(Event::NeedMore) => {}
+                Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidData, format!("probe response: {e}"))),
+            }
+            let n = s.read(reader.spare()).await?;
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "probe: connection closed"));
+            }
+            reader.filled(n);
+        }
+    };
+    tokio::time::timeout(cfg.timeout, work)
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "probe: no response"))??;
+    Ok(name)
 }
 
 async fn short_flow(sh: Rc<Shared>, sched: u64) {
@@ -438,21 +470,35 @@ async fn scheduler(sh: Rc<Shared>, conns: Vec<Rc<LongConn>>, t0: u64) -> Option<
 pub async fn run(cfg: Config) -> Result<Report, String> {
     set_fine_timer_slack();
     let weights = long_weights(&cfg);
-    // Open the long-lived connections first (concurrently).
-    let handles: Vec<JoinHandle<io::Result<TcpStream>>> = (0..cfg.conns)
+    // Open the long-lived connections first (concurrently); with probing,
+    // one unrecorded request on each tells which server it landed on.
+    let probing = cfg.probe || matches!(cfg.step.as_ref().map(|s| &s.subset), Some(StepSubset::Server(_)));
+    let handles: Vec<JoinHandle<io::Result<(TcpStream, Option<Vec<u8>>)>>> = (0..cfg.conns)
         .map(|_| {
             let cfg = cfg.clone();
-            tokio::task::spawn_local(async move { connect(&cfg).await })
+            tokio::task::spawn_local(async move {
+                let mut s = connect(&cfg).await?;
+                let server = if probing { probe(&cfg, &mut s).await? } else { None };
+                Ok((s, server))
+            })
         })
         .collect();
     let mut initial = Vec::with_capacity(cfg.conns);
+    let mut probed = Vec::with_capacity(cfg.conns);
     let mut first_connect_error = None;
     for h in handles {
         let r = h.await.unwrap_or_else(|e| Err(io::Error::other(e.to_string())));
-        if let Err(e) = &r {
-            first_connect_error.get_or_insert_with(|| e.to_string());
+        match r {
+            Ok((s, server)) => {
+                initial.push(Some(s));
+                probed.push(server);
+            }
+            Err(e) => {
+                first_connect_error.get_or_insert_with(|| e.to_string());
+                initial.push(None);
+                probed.push(None);
+            }
         }
-        initial.push(r.ok());
     }
     if cfg.conns > 0 && initial.iter().all(Option::is_none) {
         return Err(format!(
@@ -470,6 +516,7 @@ pub async fn run(cfg: Config) -> Result<Report, String> {
             rec.on_error(ErrorKind::Connect, t0, || format!("long connection {i}: {}", first_connect_error.clone().unwrap_or_default()));
         }
     }
+    let probed: Vec<Option<u16>> = probed.iter().map(|p| p.as_ref().map(|id| rec.intern(id))).collect();
     let sh = Rc::new(Shared {
         server_header: cfg.server_header.as_bytes().to_vec(),
         short_request: request_bytes(&cfg, "short", false),
@@ -481,29 +528,29 @@ pub async fn run(cfg: Config) -> Result<Report, String> {
     });
     let conns: Vec<Rc<LongConn>> = (0..cfg.conns)
         .map(|i| {
+            let stream = initial[i].take().map(Rc::new);
+            let failed = stream.is_none();
             Rc::new(LongConn {
                 idx: i,
                 weight: weights[i],
-                stream: RefCell::new(None),
+                stream: RefCell::new(stream),
                 outq: RefCell::new(VecDeque::with_capacity(cfg.max_outstanding.min(4096))),
                 wbuf: RefCell::new(Vec::with_capacity(4096)),
                 wake: Notify::new(),
                 request: request_bytes(&cfg, &i.to_string(), false).into_boxed_slice(),
                 sent: Cell::new(0),
                 completed: Cell::new(0),
-                errors: Cell::new(if initial[i].is_none() { 1 } else { 0 }),
+                errors: Cell::new(failed as u64),
                 reconnects: Cell::new(0),
-                first_server: Cell::new(None),
+                first_server: Cell::new(probed[i]),
                 last_server: Cell::new(None),
             })
         })
         .collect();
     let mut tasks = Vec::with_capacity(conns.len());
-    for (c, s) in conns.iter().zip(initial) {
-        tasks.push(tokio::task::spawn_local(long_conn_task(sh.clone(), c.clone(), s)));
+    for c in &conns {
+        tasks.push(tokio::task::spawn_local(long_conn_task(sh.clone(), c.clone())));
     }
-    // Let the tasks install their streams before the first arrival.
-    tokio::task::yield_now().await;
 
     let subset = scheduler(sh.clone(), conns.clone(), t0).await;
 

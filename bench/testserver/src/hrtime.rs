@@ -6,7 +6,6 @@
 //! reactor, so a task sleeps with microsecond precision without burning CPU.
 //! All timestamps are nanoseconds of CLOCK_MONOTONIC ([`now_ns`]).
 
-use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use tokio::io::unix::AsyncFd;
@@ -104,38 +103,20 @@ impl Timer {
             tokio::time::sleep(d).await;
             return;
         }
+        // timerfd_settime resets the expiration count, so the fd is never
+        // read: every arming produces a fresh readiness edge at expiry, and
+        // readiness left over from an earlier (abandoned) sleep is cleared
+        // and waited past. One syscall per sleep plus the reactor's wait.
         loop {
-            if now_ns() >= deadline_ns {
-                // Drain a possible expiration so the fd is not left readable.
-                let _ = read_expirations(afd.get_ref().as_raw_fd());
-                return;
-            }
             let mut guard = match afd.readable().await {
                 Ok(g) => g,
                 Err(_) => return,
             };
-            match read_expirations(guard.get_inner().as_raw_fd()) {
-                Ok(_) => {
-                    guard.clear_ready();
-                    if now_ns() >= deadline_ns {
-                        return;
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => guard.clear_ready(),
-                Err(_) => return,
+            guard.clear_ready();
+            if now_ns() >= deadline_ns {
+                return;
             }
         }
-    }
-}
-
-fn read_expirations(fd: RawFd) -> io::Result<u64> {
-    let mut buf = [0u8; 8];
-    // SAFETY: reading 8 bytes into an 8-byte buffer.
-    let n = unsafe { libc::read(fd, buf.as_mut_ptr() as *mut libc::c_void, 8) };
-    if n == 8 {
-        Ok(u64::from_ne_bytes(buf))
-    } else {
-        Err(io::Error::last_os_error())
     }
 }
 

@@ -115,6 +115,29 @@ impl RingBuffer {
         out[first..].copy_from_slice(&self.storage[..rest]);
     }
 
+    /// Bytes at logical offsets `off..off + n` as at most two slices (the
+    /// ring may wrap), regardless of readability: the snapshot exporter reads
+    /// the send queue, the receive queue and out-of-order bytes through it.
+    /// Clipped to the capacity.
+    pub fn slices(&self, off: usize, n: usize) -> (&[u8], &[u8]) {
+        let cap = self.capacity();
+        if off >= cap {
+            return (&[], &[]);
+        }
+        let n = n.min(cap - off);
+        let start = self.index(off);
+        let first = n.min(cap - start);
+        (&self.storage[start..start + first], &self.storage[..n - first])
+    }
+
+    /// Empties the ring for reuse by another connection. Stale bytes stay in
+    /// storage but are never readable (nothing leaks between connections:
+    /// only `len` bytes and committed out-of-order intervals are ever read).
+    pub fn clear(&mut self) {
+        self.head = 0;
+        self.len = 0;
+    }
+
     /// Drops `n` readable bytes from the front.
     pub fn consume(&mut self, n: usize) -> usize {
         let n = n.min(self.len);

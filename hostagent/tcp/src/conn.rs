@@ -491,7 +491,7 @@ impl Connection {
     }
 
     /// Our timestamp clock: milliseconds plus the per-connection offset.
-    fn ts_now(&self, now: Instant) -> u32 {
+    pub(crate) fn ts_now(&self, now: Instant) -> u32 {
         ((now.as_micros() / 1000) as u32).wrapping_add(self.ts.offset)
     }
 
@@ -965,7 +965,8 @@ impl Connection {
                 // RFC 1122 §4.2.3.2: ACK at least every second full segment,
                 // otherwise within the delayed-ACK time.
                 self.ack.unacked_bytes = self.ack.unacked_bytes.saturating_add(n);
-                if self.ack.unacked_bytes >= 2 * u32::from(self.rcv.mss).min(self.smss().max(536)) {
+                let full = u32::from(self.rcv.mss) - if self.opts.timestamps { 12 } else { 0 };
+                if self.ack.unacked_bytes >= 2 * full {
                     self.ack.now = true;
                 } else if self.timers.delayed_ack.is_none() {
                     self.timers.delayed_ack = Some(now + self.params.delayed_ack);

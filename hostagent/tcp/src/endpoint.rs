@@ -11,19 +11,40 @@
 //! Per-packet work is two hash lookups and fixed-size copies; the event,
 //! ready and RST queues are pre-sized (they grow only if a burst exceeds
 //! their initial capacity).
+//!
+//! Timers: every connection's earliest deadline is registered in a binary
+//! min-heap keyed by (deadline, id), with lazy deletion: an entry is live
+//! only while it equals the connection's `scheduled` deadline. Whenever a
+//! connection's deadline changes the new one is pushed, and stale entries are
+//! dropped when they reach the top, so after every `&mut self` call the top
+//! is live and `poll_timeout` is an O(1) peek. `handle_timeout` pops only
+//! due entries: idle connections cost nothing per call, a deadline change
+//! costs O(log n). The heap is compacted when stale entries outnumber live
+//! ones.
+//!
+//! Migration: `export` serializes a connection (`snapshot.rs`, layout in
+//! `docs/SNAPSHOT.md`) and removes it silently; `import` validates a
+//! snapshot completely before touching the endpoint, then recreates the
+//! connection and delivers it through `accept` (and `Event::Accepted`).
+//! Queue buffers of exported or closed connections are kept in a small pool
+//! so an import normally allocates nothing.
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::ops::Range;
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use capybara_proto::time::Instant;
 use capybara_proto::FlowKey;
 
+use crate::buffer::RingBuffer;
 use crate::config::TcpConfig;
 use crate::conn::{Connection, State};
 use crate::counters::Counters;
 use crate::error::{CloseReason, TcpError};
 use crate::isn::IsnGenerator;
 use crate::seq::SeqNum;
+use crate::snapshot::{var_len, Snapshot, SnapshotError};
 use crate::wire::{TcpPacket, TcpRepr};
 
 /// Handle of a connection; never reused within an endpoint.
@@ -75,6 +96,37 @@ pub struct ConnInfo {
     pub segments_out: u64,
 }
 
+/// Per-connection load, for the server monitor and migration policies:
+/// cumulative counters (take differences between two reads for rates) and
+/// current queue lengths. Reading it touches nothing but the connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnLoad {
+    pub id: ConnId,
+    pub state: State,
+    /// Segments received on this connection (packets in).
+    pub segments_in: u64,
+    /// Segments sent on this connection (packets out).
+    pub segments_out: u64,
+    pub bytes_received: u64,
+    pub bytes_acked: u64,
+    /// In-order bytes the application has not read yet.
+    pub recv_queue: usize,
+    /// Bytes queued to send, unacknowledged included.
+    pub send_queue: usize,
+    /// The application owns the handle (accepted, connected or imported and
+    /// accepted, not closed): a candidate for migration.
+    pub owned: bool,
+}
+
+/// Result of a successful [`Endpoint::import`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Imported {
+    /// The new connection; `accept()` returns it (and `Event::Accepted` is queued).
+    pub id: ConnId,
+    /// Where the application state lies in the imported bytes.
+    pub app_state: Range<usize>,
+}
+
 /// Lookup key: what identifies a connection whatever its IPv4 destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Key {
@@ -101,6 +153,8 @@ struct Entry {
     /// The application called `close`; the entry goes when CLOSED.
     app_closed: bool,
     in_ready: bool,
+    /// Deadline registered in the timer heap (the live heap entry).
+    scheduled: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -120,6 +174,8 @@ struct RstReply {
 }
 
 const RST_QUEUE: usize = 64;
+/// Default number of spare queue-buffer pairs kept for imports.
+const SPARE_BUFFERS: usize = 16;
 
 /// The TCP endpoint.
 #[derive(Debug)]
@@ -134,6 +190,11 @@ pub struct Endpoint {
     ready: VecDeque<ConnId>,
     rsts: VecDeque<RstReply>,
     scratch: Vec<ConnId>,
+    /// Min-heap of (deadline, connection), lazily deleted (see module doc).
+    timers: BinaryHeap<Reverse<(Instant, ConnId)>>,
+    /// Recycled (send, receive) queue buffers of this endpoint's capacities.
+    spare: Vec<(RingBuffer, RingBuffer)>,
+    spare_limit: usize,
     next_id: u64,
     next_port: u16,
     now: Instant,
@@ -153,6 +214,9 @@ impl Endpoint {
             ready: VecDeque::with_capacity(1024),
             rsts: VecDeque::with_capacity(RST_QUEUE),
             scratch: Vec::with_capacity(1024),
+            timers: BinaryHeap::with_capacity(1024),
+            spare: Vec::with_capacity(SPARE_BUFFERS),
+            spare_limit: SPARE_BUFFERS,
             next_id: 1,
             next_port: 49152,
             now: Instant::ZERO,
@@ -311,25 +375,24 @@ impl Endpoint {
     }
 
     pub fn info(&self, id: ConnId) -> Option<ConnInfo> {
-        let c = self.connection(id)?;
-        Some(ConnInfo {
-            state: c.state,
-            local: c.local,
-            remote: c.remote,
-            srtt_us: c.rtt.srtt_us,
-            rttvar_us: c.rtt.rttvar_us,
-            rto_us: c.rtt.rto(&c.params).as_micros() as u64,
-            cwnd: c.cc.cwnd,
-            ssthresh: c.cc.ssthresh,
-            snd_wnd: c.snd.wnd,
-            rcv_wnd: c.rcv_wnd(),
-            unacked: c.unacked(),
-            send_queue: c.send_queue_len(),
-            recv_queue: c.recv_queue_len(),
-            retransmits: c.stats.retransmits,
-            segments_in: c.stats.segments_in,
-            segments_out: c.stats.segments_out,
-        })
+        self.connection(id).map(info_of)
+    }
+
+    /// `ConnInfo` of every connection (half-open and orphaned included), in
+    /// no particular order. O(connections), no allocation.
+    pub fn infos(&self) -> impl Iterator<Item = (ConnId, ConnInfo)> + '_ {
+        self.conns.iter().map(|(id, e)| (*id, info_of(&e.conn)))
+    }
+
+    /// Packets in/out and queue lengths of every connection: the cheap read
+    /// the server monitor does each interval. O(connections), no allocation.
+    pub fn loads(&self) -> impl Iterator<Item = ConnLoad> + '_ {
+        self.conns.iter().map(|(id, e)| load_of(*id, e))
+    }
+
+    /// Load of one connection.
+    pub fn load(&self, id: ConnId) -> Option<ConnLoad> {
+        self.conns.get(&id).map(|e| load_of(id, e))
     }
 
     /// Connections per state (every state listed, zero included).
@@ -367,7 +430,103 @@ impl Endpoint {
         }
         let e = self.conns.remove(&id)?;
         self.flows.remove(&key_of(&e.conn));
+        self.clean_timers();
         Some(e.conn)
+    }
+
+    /// Bytes `export` would write for this connection with `app_len` bytes
+    /// of application state.
+    pub fn snapshot_len(&self, now: Instant, id: ConnId, app_len: usize) -> Option<usize> {
+        let c = &self.conns.get(&id)?.conn;
+        // The application bytes only count by length.
+        let n = Snapshot::capture(c, now, &[]).buffer_len();
+        Some(n - 1 + var_len(app_len as u64) + app_len)
+    }
+
+    /// Migration export: writes the connection's snapshot with `app_state`
+    /// (the connection manager's bytes) into `out`, then removes the
+    /// connection silently (nothing is sent, the handle becomes invalid, its
+    /// buffers go to the import pool). Returns the snapshot length. On error
+    /// (`InvalidHandle`, `BufferTooSmall`) the connection is untouched.
+    /// Allocates nothing.
+    pub fn export(&mut self, now: Instant, id: ConnId, app_state: &[u8], out: &mut [u8]) -> Result<usize, SnapshotError> {
+        let e = self.conns.get(&id).ok_or(SnapshotError::InvalidHandle)?;
+        let n = Snapshot::capture(&e.conn, now, app_state).emit(out)?;
+        self.finish_export(id);
+        Ok(n)
+    }
+
+    /// `export` appending to a `Vec` (which grows if its capacity is short).
+    pub fn export_to_vec(
+        &mut self,
+        now: Instant,
+        id: ConnId,
+        app_state: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<usize, SnapshotError> {
+        let e = self.conns.get(&id).ok_or(SnapshotError::InvalidHandle)?;
+        let snap = Snapshot::capture(&e.conn, now, app_state);
+        let start = out.len();
+        out.resize(start + snap.buffer_len(), 0);
+        let n = snap.emit(&mut out[start..])?;
+        self.finish_export(id);
+        Ok(n)
+    }
+
+    fn finish_export(&mut self, id: ConnId) {
+        if let Some(conn) = self.detach(id) {
+            self.recycle(conn);
+        }
+    }
+
+    /// Migration import: validates `bytes` completely (any error leaves the
+    /// endpoint untouched), recreates the connection at `now` with timers
+    /// and the timestamp clock re-based on this host, and delivers it
+    /// through `accept()` and `Event::Accepted`, like a new passive
+    /// connection. Queue capacities are this endpoint's `TcpConfig` ones;
+    /// a snapshot holding more bytes is refused (`QueueTooLarge`). Returns
+    /// the id and where the application state lies in `bytes`. Allocates
+    /// nothing while the buffer pool has a spare pair (see
+    /// `set_spare_buffers`).
+    pub fn import(&mut self, now: Instant, bytes: &[u8]) -> Result<Imported, SnapshotError> {
+        let snap = Snapshot::parse_bytes(bytes)?;
+        snap.check_capacity(self.cfg.tx_buffer, self.cfg.rx_buffer)?;
+        let key = Key { remote_ip: *snap.remote.ip(), remote_port: snap.remote.port(), local_port: snap.local.port() };
+        if self.flows.contains_key(&key) {
+            return Err(SnapshotError::FlowExists);
+        }
+        self.now = self.now.max(now);
+        let (tx, rx) = match self.spare.pop() {
+            Some(pair) => pair,
+            None => (RingBuffer::new(self.cfg.tx_buffer), RingBuffer::new(self.cfg.rx_buffer)),
+        };
+        let conn = snap.restore(now, &self.cfg, tx, rx);
+        let app_start = snap.app.as_ptr() as usize - bytes.as_ptr() as usize;
+        let app_state = app_start..app_start + snap.app.len();
+        let id = self.attach(conn).map_err(|_| SnapshotError::FlowExists)?;
+        Ok(Imported { id, app_state })
+    }
+
+    /// Keeps up to `limit` spare queue-buffer pairs for imports and
+    /// allocates them now (pre-warm before a drain or a benchmark). Each
+    /// pair is `tx_buffer + rx_buffer` bytes.
+    pub fn set_spare_buffers(&mut self, limit: usize) {
+        self.spare_limit = limit;
+        self.spare.truncate(limit);
+        self.spare.reserve(limit.saturating_sub(self.spare.len()));
+        while self.spare.len() < limit {
+            self.spare.push((RingBuffer::new(self.cfg.tx_buffer), RingBuffer::new(self.cfg.rx_buffer)));
+        }
+    }
+
+    /// Returns a removed connection's buffers to the import pool.
+    fn recycle(&mut self, conn: Connection) {
+        if self.spare.len() < self.spare_limit
+            && conn.tx.capacity() == self.cfg.tx_buffer
+            && conn.rx.capacity() == self.cfg.rx_buffer
+        {
+            self.spare.push((conn.tx, conn.rx));
+        }
     }
 
     /// Adds a connection built elsewhere (migration import). It is delivered
@@ -502,25 +661,37 @@ impl Endpoint {
         None
     }
 
-    /// Earliest timer deadline of any connection.
+    /// Earliest timer deadline of any connection: O(1), the heap top is
+    /// always live (see the module doc).
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.conns.values().filter_map(|e| e.conn.next_deadline()).min()
+        self.timers.peek().map(|Reverse((t, _))| *t)
     }
 
-    /// Fires the timers due at `now`.
+    /// Fires the timers due at `now`. Cost: O(due connections * log n).
     pub fn handle_timeout(&mut self, now: Instant) {
         self.now = now;
         let mut due = std::mem::take(&mut self.scratch);
         due.clear();
-        due.extend(
-            self.conns.iter().filter(|(_, e)| e.conn.next_deadline().is_some_and(|t| t <= now)).map(|(id, _)| *id),
-        );
+        while let Some(&Reverse((t, id))) = self.timers.peek() {
+            if t > now {
+                break;
+            }
+            self.timers.pop();
+            if let Some(e) = self.conns.get_mut(&id) {
+                if e.scheduled == Some(t) {
+                    // Consumed: `sync` registers whatever deadline follows.
+                    e.scheduled = None;
+                    due.push(id);
+                }
+            }
+        }
         for &id in &due {
             if let Some(e) = self.conns.get_mut(&id) {
                 e.conn.on_timeout(now, &mut self.counters);
                 self.sync(id);
             }
         }
+        self.clean_timers();
         self.scratch = due;
     }
 
@@ -538,12 +709,42 @@ impl Endpoint {
         let id = ConnId(self.next_id);
         self.next_id += 1;
         self.flows.insert(key_of(&conn), id);
-        self.conns.insert(id, Entry { conn, listener, stage, app_closed: false, in_ready: false });
+        self.conns.insert(id, Entry { conn, listener, stage, app_closed: false, in_ready: false, scheduled: None });
         id
     }
 
     fn remove(&mut self, id: ConnId) {
-        self.detach(id);
+        if let Some(conn) = self.detach(id) {
+            self.recycle(conn);
+        }
+    }
+
+    /// Registers the connection's current earliest deadline in the heap.
+    fn reschedule(&mut self, id: ConnId) {
+        let Some(e) = self.conns.get_mut(&id) else { return };
+        let d = e.conn.next_deadline();
+        if d != e.scheduled {
+            e.scheduled = d;
+            if let Some(t) = d {
+                self.timers.push(Reverse((t, id)));
+            }
+            self.clean_timers();
+        }
+    }
+
+    /// Restores the heap invariant: the top entry is live. Compacts the
+    /// heap when stale entries dominate.
+    fn clean_timers(&mut self) {
+        if self.timers.len() > 2 * self.conns.len() + 64 {
+            let conns = &self.conns;
+            self.timers.retain(|Reverse((t, id))| conns.get(id).is_some_and(|e| e.scheduled == Some(*t)));
+        }
+        while let Some(&Reverse((t, id))) = self.timers.peek() {
+            if self.conns.get(&id).is_some_and(|e| e.scheduled == Some(t)) {
+                break;
+            }
+            self.timers.pop();
+        }
     }
 
     /// Source address of a RST for a port nobody listens on. The packet's
@@ -635,10 +836,48 @@ impl Endpoint {
             && (e.app_closed || e.stage == Stage::HalfOpen);
         if done {
             self.remove(id);
+        } else {
+            self.reschedule(id);
         }
     }
 }
 
 fn key_of(c: &Connection) -> Key {
     Key { remote_ip: *c.remote.ip(), remote_port: c.remote.port(), local_port: c.local.port() }
+}
+
+fn info_of(c: &Connection) -> ConnInfo {
+    ConnInfo {
+        state: c.state,
+        local: c.local,
+        remote: c.remote,
+        srtt_us: c.rtt.srtt_us,
+        rttvar_us: c.rtt.rttvar_us,
+        rto_us: c.rtt.rto(&c.params).as_micros() as u64,
+        cwnd: c.cc.cwnd,
+        ssthresh: c.cc.ssthresh,
+        snd_wnd: c.snd.wnd,
+        rcv_wnd: c.rcv_wnd(),
+        unacked: c.unacked(),
+        send_queue: c.send_queue_len(),
+        recv_queue: c.recv_queue_len(),
+        retransmits: c.stats.retransmits,
+        segments_in: c.stats.segments_in,
+        segments_out: c.stats.segments_out,
+    }
+}
+
+fn load_of(id: ConnId, e: &Entry) -> ConnLoad {
+    let c = &e.conn;
+    ConnLoad {
+        id,
+        state: c.state,
+        segments_in: c.stats.segments_in,
+        segments_out: c.stats.segments_out,
+        bytes_received: c.stats.bytes_received,
+        bytes_acked: c.stats.bytes_acked,
+        recv_queue: c.rx.len(),
+        send_queue: c.tx.len(),
+        owned: e.stage == Stage::Owned && !e.app_closed,
+    }
 }

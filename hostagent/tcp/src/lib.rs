@@ -19,13 +19,15 @@ pub mod endpoint;
 pub mod error;
 pub mod isn;
 pub mod seq;
+pub mod snapshot;
 pub mod wire;
 
 pub use capybara_proto::time::{Duration, Instant};
 pub use config::{KeepAlive, TcpConfig};
 pub use conn::{Connection, State};
 pub use counters::{Counters, DropCounters};
-pub use endpoint::{ConnId, ConnInfo, Endpoint, Event, Transmit};
+pub use endpoint::{ConnId, ConnInfo, ConnLoad, Endpoint, Event, Imported, Transmit};
 pub use error::{CloseReason, TcpError};
 pub use seq::SeqNum;
+pub use snapshot::{Snapshot, SnapshotError, SnapshotView};
 pub use wire::{TcpOptions, TcpPacket, TcpRepr, WireError};

@@ -58,7 +58,7 @@ fn seed_segments() -> Vec<Vec<u8>> {
 #[test]
 fn random_bytes_never_panic() {
     let mut rng = Rng(0xfeed);
-    let mut buf = vec![0u8; 128];
+    let mut buf = [0u8; 128];
     for _ in 0..200_000 {
         let len = rng.below(100) as usize;
         rng.fill(&mut buf[..len]);

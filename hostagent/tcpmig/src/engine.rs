@@ -199,6 +199,8 @@ struct OutMig {
     retx_at: Option<Instant>,
     rto: Duration,
     abort_reason: Reason,
+    /// In `Done`: whether the connection stayed here (resumed or lost).
+    kept: bool,
     /// The retained copy of the snapshot (until CONN_STATE_ACK).
     snapshot: Vec<u8>,
     chunk: usize,
@@ -220,7 +222,7 @@ struct InMig {
     origin: Ipv4Addr,
     phase: TargetPhase,
     deadline: Option<Instant>,
-    bufs: Option<Box<InBuffers>>,
+    bufs: Option<InBuffers>,
     retx_at: Option<Instant>,
     rto: Duration,
     repeats_left: u8,
@@ -269,7 +271,7 @@ pub struct Engine {
     by_flow_in: HashMap<FlowKey, u64>,
     tx: VecDeque<TxItem>,
     events: VecDeque<Event>,
-    pool: Vec<Box<InBuffers>>,
+    pool: Vec<InBuffers>,
     counters: Counters,
 }
 
@@ -290,7 +292,7 @@ struct Ctx<'a> {
     tx: &'a mut VecDeque<TxItem>,
     events: &'a mut VecDeque<Event>,
     counters: &'a mut Counters,
-    pool: &'a mut Vec<Box<InBuffers>>,
+    pool: &'a mut Vec<InBuffers>,
     by_flow_in: &'a mut HashMap<FlowKey, u64>,
     by_flow_out: &'a mut HashMap<FlowKey, u64>,
 }
@@ -322,7 +324,7 @@ impl Ctx<'_> {
         self.events.push_back(e);
     }
 
-    fn release(&mut self, bufs: Option<Box<InBuffers>>) {
+    fn release(&mut self, bufs: Option<InBuffers>) {
         if let Some(mut b) = bufs {
             if self.pool.len() < self.cfg.max_concurrent_in {
                 b.segments.clear();
@@ -493,6 +495,7 @@ impl Engine {
             retx_at: Some(now + self.cfg.rto_initial),
             rto: self.cfg.rto_initial,
             abort_reason: Reason::Timeout,
+            kept: false,
             snapshot: Vec::new(),
             chunk: self.chunk,
             frag_count: 0,
@@ -732,6 +735,19 @@ impl Engine {
         };
         self.counters.rx.bump(m.kind);
         let local = self.cfg.local_addr;
+        // Only PREPARE and the origin's ABORT may leave the target open;
+        // every message names a real origin and comes from a real host, so
+        // no answer is ever addressed to 0.0.0.0.
+        let target_optional = matches!(m.kind, Kind::Prepare | Kind::Abort);
+        if src.is_unspecified() || m.origin.is_unspecified() || (!target_optional && m.target.is_unspecified()) {
+            self.counters.unexpected += 1;
+            return Err(RxError::Unexpected {
+                kind: m.kind,
+                id: MigrationId(m.migration_id),
+                src,
+                why: "unspecified source, origin or target address",
+            });
+        }
         let res = match m.kind {
             Kind::Prepare => self.on_prepare(now, src, &m, datagram.len()),
             Kind::ConnState => self.on_conn_state(now, src, &m, datagram.len()),
@@ -1001,7 +1017,6 @@ impl Engine {
         };
         match admission {
             Err(reason) => {
-                cx.counters.rejects_sent += 0; // counted when written
                 r.phase = TargetPhase::Rejected(reason);
                 r.deadline = Some(now + cx.cfg.linger);
                 if records.len() < cx.cfg.max_records {
@@ -1017,10 +1032,10 @@ impl Engine {
             }
             Ok(()) => {
                 let bufs = cx.pool.pop().unwrap_or_else(|| {
-                    Box::new(InBuffers {
+InBuffers {
                         segments: SegmentBuffer::new(cx.cfg.max_buffer_bytes, cx.cfg.buffer_segments()),
                         reassembly: Reassembly::new(cx.cfg.max_snapshot_bytes),
-                    })
+                    }
                 });
                 r.bufs = Some(bufs);
                 let item = in_item(id, &r, Kind::PrepareAck, Reason::None, local);
@@ -1112,7 +1127,10 @@ impl Engine {
                         // A retransmitted fragment means our answer was lost:
                         // repeat it, at most once per initial RTO per burst.
                         cx.counters.duplicates += 1;
-                        if r.last_answer.map_or(true, |t| now >= t + cx.cfg.rto_initial / 2) {
+                        // `is_none_or` needs Rust 1.82; the workspace allows 1.80.
+                        #[allow(clippy::unnecessary_map_or)]
+                        let due = r.last_answer.map_or(true, |t| now >= t + cx.cfg.rto_initial / 2);
+                        if due {
                             r.last_answer = Some(now);
                             let (kind, reason) = match r.phase {
                                 TargetPhase::Committed => (Kind::ConnStateAck, Reason::None),
@@ -1210,6 +1228,14 @@ impl Engine {
                     _ if r.target != m.target => {
                         cx.queue(let_go, None);
                         Err(unexpected("PREPARE_ACK from a second target"))
+                    }
+                    OriginPhase::Done if r.kept => {
+                        // A late PREPARE_ACK of a migration given up: it may
+                        // have just redirected the flow at the switch. The
+                        // target's answer to this ABORT resets the entry.
+                        cx.counters.duplicates += 1;
+                        cx.queue(let_go, None);
+                        Ok(())
                     }
                     _ => {
                         cx.counters.duplicates += 1;
@@ -1413,6 +1439,7 @@ fn target_record(
     }
 }
 
+#[derive(Clone, Copy)]
 enum Outcome {
     MigratedOut,
     Resumed(Reason),
@@ -1452,6 +1479,7 @@ fn origin_finish(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant, outcom
         }
         Outcome::Confirmed => {}
     }
+    r.kept = !matches!(outcome, Outcome::MigratedOut);
     r.phase = OriginPhase::Done;
     r.retx_at = None;
     r.deadline = now + cx.cfg.linger;

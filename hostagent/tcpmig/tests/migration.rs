@@ -177,7 +177,9 @@ fn reject_keeps_origin_serving() {
         assert_eq!(resumed(&w), Some(Reason::Draining));
         assert_origin_kept(&w);
         assert!(w.switch.entries.is_empty());
-        assert_eq!(w.hosts[0].engine.counters().rejects_received, if lost { 1 } else { 1 });
+        // A lost REJECT is recovered by the PREPARE retransmission; the origin
+        // counts only the one that reached it.
+        assert_eq!(w.hosts[0].engine.counters().rejects_received, 1);
         assert!(w.hosts[1].engine.counters().rejects_sent >= 1);
     }
 }

@@ -1,9 +1,84 @@
-//! The switchd daemon. Not implemented yet: the library (data plane,
-//! control plane) is ready; the daemon loop (TOML config with `--check`,
-//! XDP attach on the lab's interfaces, control channel on UDP 7692,
-//! LOAD-NOTIFICATIONs on 7691, clean detach on SIGTERM/SIGINT) is next.
+//! The switchd daemon (see `capybara_switchd::daemon`).
+//!
+//! ```text
+//! switchd --config FILE            run (as root, in the switch's namespace)
+//! switchd --config FILE --check    validate the config and the key file, then exit
+//! switchd --config FILE --dump [PATH]   print /status (or PATH) of the running instance
+//! ```
+
+use std::path::PathBuf;
+
+use capybara_switchd::config::Config;
+
+fn usage() -> ! {
+    eprintln!("usage: switchd --config FILE [--check | --dump [PATH]]");
+    std::process::exit(2);
+}
 
 fn main() {
-    eprintln!("switchd: daemon not implemented yet (see switchd/src/control.rs and src/bpf.rs)");
-    std::process::exit(2);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut config: Option<PathBuf> = None;
+    let mut check = false;
+    let mut dump: Option<String> = None;
+    let mut i = 0;
+    while i < args.len() {
+        match args[i].as_str() {
+            "--config" | "-c" => {
+                i += 1;
+                config = Some(args.get(i).map(PathBuf::from).unwrap_or_else(|| usage()));
+            }
+            "--check" => check = true,
+            "--dump" => {
+                let path = args.get(i + 1).filter(|a| a.starts_with('/')).cloned();
+                if path.is_some() {
+                    i += 1;
+                }
+                dump = Some(path.unwrap_or_else(|| "/status".into()));
+            }
+            "-h" | "--help" => usage(),
+            other => {
+                eprintln!("switchd: unknown argument {other:?}");
+                usage()
+            }
+        }
+        i += 1;
+    }
+    let Some(path) = config else { usage() };
+    let cfg = match Config::load(&path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("switchd: {e}");
+            std::process::exit(1);
+        }
+    };
+    if check {
+        if let Err(e) = cfg.load_key() {
+            eprintln!("switchd: {e}");
+            std::process::exit(1);
+        }
+        println!(
+            "switchd: config {} OK: {} services, {} interfaces, placement {:?}, store {:?}, HA {}",
+            path.display(),
+            cfg.services.len(),
+            cfg.interfaces.len(),
+            cfg.placement,
+            cfg.store,
+            if cfg.ha.enabled { "on" } else { "off" }
+        );
+        return;
+    }
+    if let Some(p) = dump {
+        match capybara_switchd::daemon::fetch(cfg.metrics_listen, &p) {
+            Ok(body) => print!("{body}"),
+            Err(e) => {
+                eprintln!("switchd: {e:#}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
+    if let Err(e) = capybara_switchd::daemon::run(cfg) {
+        eprintln!("switchd: {e:#}");
+        std::process::exit(1);
+    }
 }

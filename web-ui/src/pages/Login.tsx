@@ -13,7 +13,7 @@ export function Login({ message, onLogin }: { message: string | null; onLogin: (
     e.preventDefault();
     const t = token.trim();
     if (!TOKEN_PATTERN.test(t)) {
-      setError('A token is `capy_` followed by 64 lowercase hex digits.');
+      setError('A token is "capy_" followed by 64 lowercase hex digits.');
       return;
     }
     setBusy(true);

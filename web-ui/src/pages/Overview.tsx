@@ -124,9 +124,10 @@ function ServerCard({
         serverId: s.id,
         drainRequest: { deadline_seconds: deadlineNum, mode },
       });
-      // The 202 says the state is `draining` at once; the `server` event confirms it.
-      onServer({ ...s, state: s.state === 'active' ? 'draining' : s.state, drain: d });
       onDrain(d);
+      // The server is `draining` now (or already `drained` if it had no
+      // connection); re-read it rather than guess. Events keep it current.
+      onServer(await clients.servers.getServer({ serverId: s.id }));
       setDrainOpen(false);
     });
   const undrain = () => act(async () => onServer(await clients.servers.undrainServer({ serverId: s.id })));

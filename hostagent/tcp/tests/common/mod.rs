@@ -104,6 +104,11 @@ pub struct Pair {
     pub dropped: u64,
     /// When set, a copy of every segment put on the link (fuzzing corpus).
     pub capture: Option<Vec<(Dir, Vec<u8>)>>,
+    /// The server host's clock runs this many µs ahead of the client's (each
+    /// host has its own epoch; a migration target usually differs).
+    pub server_clock: u64,
+    /// Servers the connection was migrated away from (kept for inspection).
+    pub retired: Vec<Endpoint>,
 }
 
 impl Pair {
@@ -122,7 +127,40 @@ impl Pair {
             delivered: 0,
             dropped: 0,
             capture: None,
+            server_clock: 0,
+            retired: Vec::new(),
         }
+    }
+
+    /// `now` on the server host's clock.
+    pub fn srv_now(&self) -> Instant {
+        self.now + Duration::from_micros(self.server_clock)
+    }
+
+    /// A server-clock instant on the pair's (client) timeline.
+    pub fn from_srv(&self, t: Instant) -> Instant {
+        Instant::from_micros(t.as_micros().saturating_sub(self.server_clock))
+    }
+
+    /// Migrates server connection `s` to a fresh server endpoint whose clock
+    /// runs `target_clock` µs ahead of the client's, the way TCPMig does it:
+    /// the switch already redirects (packets in flight to the origin are
+    /// delivered to the target), the origin exports, the target imports.
+    /// Returns the connection's id on the target (taken from `accept`), the
+    /// snapshot and the application state the target received.
+    pub fn migrate(&mut self, s: ConnId, app: &[u8], target_clock: u64) -> (ConnId, Vec<u8>, Vec<u8>) {
+        let mut snap = Vec::new();
+        self.server.export_to_vec(self.srv_now(), s, app, &mut snap).expect("export");
+        assert!(self.server.connection(s).is_none(), "export removes the connection");
+        let mut target = Endpoint::new(self.server.config().clone());
+        target.listen(vip()).unwrap();
+        self.server_clock = target_clock;
+        let imported = target.import(self.srv_now(), &snap).expect("import");
+        assert_eq!(target.accept(), Some(imported.id), "imported connections arrive through accept");
+        let app_state = snap[imported.app_state.clone()].to_vec();
+        let origin = std::mem::replace(&mut self.server, target);
+        self.retired.push(origin);
+        (imported.id, snap, app_state)
     }
 
     pub fn default_pair() -> Pair {
@@ -185,7 +223,8 @@ impl Pair {
             seg[16..18].copy_from_slice(&c.to_be_bytes());
             self.enqueue(Dir::ToServer, t.src, SERVER_DATA_IP, &seg);
         }
-        while let Some(t) = self.server.poll_transmit(self.now, &mut buf) {
+        let srv_now = self.srv_now();
+        while let Some(t) = self.server.poll_transmit(srv_now, &mut buf) {
             guard += 1;
             if guard > 200_000 {
                 let r = TcpRepr::parse_bytes(&buf[..t.len]).unwrap();
@@ -206,7 +245,7 @@ impl Pair {
             self.to_server.front().map(|p| p.at),
             self.to_client.front().map(|p| p.at),
             self.client.poll_timeout(),
-            self.server.poll_timeout(),
+            self.server.poll_timeout().map(|t| self.from_srv(t)),
         ]
         .into_iter()
         .flatten()
@@ -215,7 +254,8 @@ impl Pair {
         self.now = self.now.max(next);
         while self.to_server.front().is_some_and(|p| p.at <= self.now) {
             let p = self.to_server.pop_front().unwrap();
-            self.server.handle_segment(self.now, p.src, p.dst, &p.bytes);
+            let srv_now = self.srv_now();
+            self.server.handle_segment(srv_now, p.src, p.dst, &p.bytes);
             self.delivered += 1;
         }
         while self.to_client.front().is_some_and(|p| p.at <= self.now) {
@@ -226,8 +266,9 @@ impl Pair {
         if self.client.poll_timeout().is_some_and(|t| t <= self.now) {
             self.client.handle_timeout(self.now);
         }
-        if self.server.poll_timeout().is_some_and(|t| t <= self.now) {
-            self.server.handle_timeout(self.now);
+        let srv_now = self.srv_now();
+        if self.server.poll_timeout().is_some_and(|t| t <= srv_now) {
+            self.server.handle_timeout(srv_now);
         }
         self.drive_transmit();
         true

@@ -101,7 +101,7 @@ impl FaultPlan for OnKind {
 pub struct AllOfKind(pub Kind, pub Option<Ipv4Addr>, pub Fate);
 impl FaultPlan for AllOfKind {
     fn fate(&mut self, _: usize, kind: Kind, from: Ipv4Addr) -> Fate {
-        if kind == self.0 && self.1.map_or(true, |f| f == from) {
+        if kind == self.0 && (self.1.is_none() || self.1 == Some(from)) {
             self.2
         } else {
             Fate::Deliver
@@ -198,9 +198,15 @@ impl SwitchModel {
             }
             Kind::Abort if dst == m.origin => {
                 // The target's decision: the origin owns the flow.
-                if let Some(e) = self.entries.get_mut(&m.flow) {
-                    if e.id == id && e.owner == m.target && e.pending {
+                // With no entry it still records the final outcome, so that
+                // a late PREPARE_ACK of this migration cannot install one.
+                match self.entries.get_mut(&m.flow) {
+                    Some(e) if e.id == id && e.owner == m.target && e.pending => {
                         *e = Entry { owner: m.origin, id, pending: false };
+                    }
+                    Some(_) => {}
+                    None => {
+                        self.entries.insert(m.flow, Entry { owner: m.origin, id, pending: false });
                     }
                 }
                 Some(dst)

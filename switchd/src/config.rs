@@ -1,0 +1,464 @@
+//! switchd's TOML configuration: serde with defaults, then [`Config::validate`],
+//! which names the offending field and value. `switchd --check` runs exactly
+//! this and exits.
+//!
+//! ```toml
+//! control_listen = "198.18.1.1:7692"   # server-side address; PREPAREs go here too
+//! key_file = "/etc/capybara/deployment.key"  # hex, >= 16 bytes
+//! placement = "maglev"                 # or "lwrr"
+//! target_selection = "round_robin"     # or "least_loaded"
+//! load_interval_us = 1000
+//! heartbeat_interval_ms = 100
+//! dead_after_ms = 500
+//! closed_linger_ms = 5000
+//! metrics_listen = "127.0.0.1:9102"
+//! store = "sqlite:/var/lib/capybara/store.db"   # or "etcd:http://a:2379,http://b:2379"
+//!
+//! [[interfaces]]
+//! name = "cl1"
+//! role = "client"
+//!
+//! [[services]]
+//! name = "web"
+//! vip = "198.18.100.1:80"
+//! pool = [{ server = 1, weight = 1 }]   # empty: every registered server
+//!
+//! [ha]
+//! enabled = true
+//! election = "switchd"
+//! lease_ttl_ms = 1000
+//! flow_sync_interval_ms = 500
+//! ```
+
+use std::collections::BTreeSet;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::control::{Placement, TargetPolicy};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {err}")]
+    Read { path: String, err: std::io::Error },
+    #[error("config {path}: {err}")]
+    Parse { path: String, err: String },
+    #[error("config field `{field}` = {value}: {reason}")]
+    Invalid { field: String, value: String, reason: String },
+}
+
+fn invalid(field: impl Into<String>, value: impl std::fmt::Display, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field: field.into(), value: value.to_string(), reason: reason.into() }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Client,
+    Server,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InterfaceConfig {
+    pub name: String,
+    pub role: Role,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolMember {
+    pub server: u32,
+    #[serde(default = "one")]
+    pub weight: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceConfig {
+    pub name: String,
+    /// `VIP:port`.
+    pub vip: String,
+    /// Servers and weights. Empty: every registered server, with the weight
+    /// of its REGISTER. A server not listed also joins if its REGISTER names
+    /// this VIP:port.
+    #[serde(default)]
+    pub pool: Vec<PoolMember>,
+    /// Overrides the global placement for this service.
+    pub placement: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HaConfig {
+    pub enabled: bool,
+    pub election: String,
+    /// Name of this instance in the election (default: hostname-pid).
+    pub candidate: Option<String>,
+    pub lease_ttl_ms: u64,
+    pub flow_sync_interval_ms: u64,
+}
+
+impl Default for HaConfig {
+    fn default() -> Self {
+        HaConfig { enabled: false, election: "switchd".into(), candidate: None, lease_ttl_ms: 1000, flow_sync_interval_ms: 500 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    pub control_listen: String,
+    pub key_file: PathBuf,
+    #[serde(default = "d_placement")]
+    pub placement: String,
+    #[serde(default = "d_target")]
+    pub target_selection: String,
+    #[serde(default = "d_load_interval")]
+    pub load_interval_us: u64,
+    #[serde(default = "d_heartbeat")]
+    pub heartbeat_interval_ms: u64,
+    #[serde(default = "d_dead_after")]
+    pub dead_after_ms: u64,
+    #[serde(default = "d_linger")]
+    pub closed_linger_ms: u64,
+    #[serde(default = "d_metrics")]
+    pub metrics_listen: String,
+    #[serde(default)]
+    pub store: Option<String>,
+    #[serde(default = "d_max_flows")]
+    pub max_flows: u32,
+    #[serde(default)]
+    pub interfaces: Vec<InterfaceConfig>,
+    #[serde(default)]
+    pub services: Vec<ServiceConfig>,
+    #[serde(default)]
+    pub ha: HaConfig,
+}
+
+fn d_placement() -> String {
+    "maglev".into()
+}
+fn d_target() -> String {
+    "round_robin".into()
+}
+fn d_load_interval() -> u64 {
+    1000
+}
+fn d_heartbeat() -> u64 {
+    100
+}
+fn d_dead_after() -> u64 {
+    500
+}
+fn d_linger() -> u64 {
+    5000
+}
+fn d_metrics() -> String {
+    "127.0.0.1:9102".into()
+}
+fn d_max_flows() -> u32 {
+    crate::abi::MAX_FLOWS
+}
+
+/// Where flow mappings, servers and the leader lease live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreSpec {
+    Sqlite(PathBuf),
+    Etcd(Vec<String>),
+}
+
+impl StoreSpec {
+    pub fn parse(s: &str) -> Result<Self, ConfigError> {
+        if let Some(p) = s.strip_prefix("sqlite:") {
+            if p.is_empty() {
+                return Err(invalid("store", format!("{s:?}"), "sqlite: needs a file path"));
+            }
+            return Ok(StoreSpec::Sqlite(PathBuf::from(p)));
+        }
+        if let Some(list) = s.strip_prefix("etcd:") {
+            let eps: Vec<String> = list.split(',').map(|e| e.trim().to_string()).filter(|e| !e.is_empty()).collect();
+            if eps.is_empty() {
+                return Err(invalid("store", format!("{s:?}"), "etcd: needs at least one http:// endpoint"));
+            }
+            for e in &eps {
+                if !(e.starts_with("http://") || e.starts_with("https://")) {
+                    return Err(invalid("store", format!("{e:?}"), "etcd endpoints start with http:// or https://"));
+                }
+            }
+            return Ok(StoreSpec::Etcd(eps));
+        }
+        Err(invalid("store", format!("{s:?}"), "expected `sqlite:PATH` or `etcd:http://a,http://b`"))
+    }
+
+    pub fn to_store_config(&self) -> capybara_store::StoreConfig {
+        match self {
+            StoreSpec::Sqlite(p) => capybara_store::StoreConfig::Sqlite(capybara_store::SqliteConfig {
+                watch_poll_interval_ms: 50,
+                ..capybara_store::SqliteConfig::at(p.clone())
+            }),
+            StoreSpec::Etcd(eps) => capybara_store::StoreConfig::Etcd(capybara_store::EtcdConfig {
+                endpoints: eps.clone(),
+                ..Default::default()
+            }),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Service {
+    pub name: String,
+    pub vip: SocketAddrV4,
+    pub pool: Vec<PoolMember>,
+    pub placement: Placement,
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub control_listen: SocketAddrV4,
+    pub key_file: PathBuf,
+    pub placement: Placement,
+    pub target_policy: TargetPolicy,
+    pub load_interval: Duration,
+    pub heartbeat_interval: Duration,
+    pub dead_after: Duration,
+    pub closed_linger: Duration,
+    pub metrics_listen: SocketAddr,
+    pub store: Option<StoreSpec>,
+    pub max_flows: u32,
+    pub interfaces: Vec<InterfaceConfig>,
+    pub services: Vec<Service>,
+    pub ha: HaConfig,
+}
+
+fn parse_placement(field: &str, s: &str) -> Result<Placement, ConfigError> {
+    match s {
+        "maglev" => Ok(Placement::Maglev),
+        "lwrr" => Ok(Placement::Lwrr),
+        _ => Err(invalid(field, format!("{s:?}"), "expected \"maglev\" or \"lwrr\"")),
+    }
+}
+
+impl Config {
+    pub fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read { path: path.display().to_string(), err })?;
+        Self::from_toml(&text).map_err(|e| match e {
+            ConfigError::Parse { err, .. } => ConfigError::Parse { path: path.display().to_string(), err },
+            e => e,
+        })
+    }
+
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse { path: String::new(), err: e.to_string() })?;
+        Self::validate(raw)
+    }
+
+    /// Checks every field; the first problem is returned, naming the field.
+    pub fn validate(raw: RawConfig) -> Result<Self, ConfigError> {
+        let control_listen: SocketAddrV4 = raw
+            .control_listen
+            .parse()
+            .map_err(|_| invalid("control_listen", format!("{:?}", raw.control_listen), "expected IPv4:port"))?;
+        if control_listen.ip().is_unspecified() {
+            // The address is also where servers send PREPAREs: it must be real.
+            return Err(invalid("control_listen", control_listen, "must be the switch's server-side address, not 0.0.0.0"));
+        }
+        if raw.key_file.as_os_str().is_empty() {
+            return Err(invalid("key_file", "\"\"", "must name the deployment key file"));
+        }
+        let placement = parse_placement("placement", &raw.placement)?;
+        let target_policy = match raw.target_selection.as_str() {
+            "round_robin" => TargetPolicy::RoundRobin,
+            "least_loaded" => TargetPolicy::LeastLoaded,
+            s => return Err(invalid("target_selection", format!("{s:?}"), "expected \"round_robin\" or \"least_loaded\"")),
+        };
+        if !(100..=1_000_000).contains(&raw.load_interval_us) {
+            return Err(invalid("load_interval_us", raw.load_interval_us, "must be 100..=1000000"));
+        }
+        if !(10..=60_000).contains(&raw.heartbeat_interval_ms) {
+            return Err(invalid("heartbeat_interval_ms", raw.heartbeat_interval_ms, "must be 10..=60000"));
+        }
+        if raw.dead_after_ms < 2 * raw.heartbeat_interval_ms || raw.dead_after_ms > 600_000 {
+            return Err(invalid(
+                "dead_after_ms",
+                raw.dead_after_ms,
+                format!("must be at least 2 x heartbeat_interval_ms ({}) and at most 600000", 2 * raw.heartbeat_interval_ms),
+            ));
+        }
+        if raw.closed_linger_ms > 3_600_000 {
+            return Err(invalid("closed_linger_ms", raw.closed_linger_ms, "must be at most 3600000"));
+        }
+        let metrics_listen: SocketAddr = raw
+            .metrics_listen
+            .parse()
+            .map_err(|_| invalid("metrics_listen", format!("{:?}", raw.metrics_listen), "expected IP:port"))?;
+        let store = raw.store.as_deref().map(StoreSpec::parse).transpose()?;
+        if !(1024..=crate::abi::MAX_FLOWS * 8).contains(&raw.max_flows) {
+            return Err(invalid("max_flows", raw.max_flows, format!("must be 1024..={}", crate::abi::MAX_FLOWS * 8)));
+        }
+        if raw.interfaces.is_empty() {
+            return Err(invalid("interfaces", "[]", "at least one client and one server interface"));
+        }
+        let mut names = BTreeSet::new();
+        for (i, ifc) in raw.interfaces.iter().enumerate() {
+            if ifc.name.is_empty() || ifc.name.len() > 15 || ifc.name.contains(['/', ' ']) {
+                return Err(invalid(format!("interfaces[{i}].name"), format!("{:?}", ifc.name), "not a Linux interface name"));
+            }
+            if !names.insert(ifc.name.clone()) {
+                return Err(invalid(format!("interfaces[{i}].name"), format!("{:?}", ifc.name), "listed twice"));
+            }
+        }
+        for role in [Role::Client, Role::Server] {
+            if !raw.interfaces.iter().any(|i| i.role == role) {
+                return Err(invalid("interfaces", format!("{} entries", raw.interfaces.len()), format!("no interface with role {role:?}")));
+            }
+        }
+        if raw.interfaces.len() > crate::abi::MAX_IFACES as usize {
+            return Err(invalid("interfaces", raw.interfaces.len(), format!("at most {}", crate::abi::MAX_IFACES)));
+        }
+        if raw.services.is_empty() {
+            return Err(invalid("services", "[]", "at least one service"));
+        }
+        if raw.services.len() > crate::abi::MAX_SERVICES as usize {
+            return Err(invalid("services", raw.services.len(), format!("at most {}", crate::abi::MAX_SERVICES)));
+        }
+        let mut services = Vec::new();
+        let mut seen = BTreeSet::new();
+        for (i, s) in raw.services.iter().enumerate() {
+            let f = |n: &str| format!("services[{i}].{n}");
+            if s.name.is_empty() || s.name.len() > 128 || !s.name.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b)) {
+                return Err(invalid(f("name"), format!("{:?}", s.name), "1-128 characters of [A-Za-z0-9_.-]"));
+            }
+            let vip: SocketAddrV4 = s.vip.parse().map_err(|_| invalid(f("vip"), format!("{:?}", s.vip), "expected VIP:port (IPv4)"))?;
+            if vip.port() == 0 || vip.ip().is_unspecified() || vip.ip().is_broadcast() || vip.ip().is_multicast() {
+                return Err(invalid(f("vip"), format!("{:?}", s.vip), "needs a unicast address and a non-zero port"));
+            }
+            if !seen.insert(vip) {
+                return Err(invalid(f("vip"), format!("{:?}", s.vip), "another service has the same VIP:port"));
+            }
+            let mut ids = BTreeSet::new();
+            for (k, m) in s.pool.iter().enumerate() {
+                if m.server == 0 {
+                    return Err(invalid(format!("services[{i}].pool[{k}].server"), 0, "server ids start at 1"));
+                }
+                if !ids.insert(m.server) {
+                    return Err(invalid(format!("services[{i}].pool[{k}].server"), m.server, "listed twice"));
+                }
+                if m.weight == 0 || m.weight > 65535 {
+                    return Err(invalid(format!("services[{i}].pool[{k}].weight"), m.weight, "must be 1..=65535"));
+                }
+            }
+            let placement = match &s.placement {
+                Some(p) => parse_placement(&f("placement"), p)?,
+                None => placement,
+            };
+            services.push(Service { name: s.name.clone(), vip, pool: s.pool.clone(), placement });
+        }
+        if raw.ha.enabled {
+            if store.is_none() {
+                return Err(invalid("ha.enabled", true, "HA needs a `store` (the lease and flow table live there)"));
+            }
+            let e = &raw.ha.election;
+            if e.is_empty() || e.len() > 128 || !e.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b)) {
+                return Err(invalid("ha.election", format!("{e:?}"), "1-128 characters of [A-Za-z0-9_.-]"));
+            }
+            if !(1000..=60_000).contains(&raw.ha.lease_ttl_ms) {
+                return Err(invalid("ha.lease_ttl_ms", raw.ha.lease_ttl_ms, "must be 1000..=60000 (the store counts whole seconds)"));
+            }
+            if !(50..=60_000).contains(&raw.ha.flow_sync_interval_ms) {
+                return Err(invalid("ha.flow_sync_interval_ms", raw.ha.flow_sync_interval_ms, "must be 50..=60000"));
+            }
+        }
+        Ok(Config {
+            control_listen,
+            key_file: raw.key_file,
+            placement,
+            target_policy,
+            load_interval: Duration::from_micros(raw.load_interval_us),
+            heartbeat_interval: Duration::from_millis(raw.heartbeat_interval_ms),
+            dead_after: Duration::from_millis(raw.dead_after_ms),
+            closed_linger: Duration::from_millis(raw.closed_linger_ms),
+            metrics_listen,
+            store,
+            max_flows: raw.max_flows,
+            interfaces: raw.interfaces,
+            services,
+            ha: raw.ha,
+        })
+    }
+
+    /// The deployment key, from `key_file` (hex).
+    pub fn load_key(&self) -> Result<capybara_proto::MigrationKey, ConfigError> {
+        let text = std::fs::read_to_string(&self.key_file)
+            .map_err(|e| invalid("key_file", self.key_file.display(), format!("cannot read: {e}")))?;
+        capybara_proto::MigrationKey::from_hex(&text).map_err(|e| invalid("key_file", self.key_file.display(), e.to_string()))
+    }
+
+    /// The switch's address on the server side.
+    pub fn switch_addr(&self) -> Ipv4Addr {
+        *self.control_listen.ip()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OK: &str = r#"
+control_listen = "198.18.1.1:7692"
+key_file = "/tmp/k"
+store = "sqlite:/tmp/s.db"
+[[interfaces]]
+name = "cl1"
+role = "client"
+[[interfaces]]
+name = "sv1"
+role = "server"
+[[services]]
+name = "web"
+vip = "198.18.100.1:80"
+pool = [{ server = 1, weight = 2 }, { server = 2 }]
+"#;
+
+    fn err(text: &str) -> String {
+        Config::from_toml(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn valid_config_has_defaults() {
+        let c = Config::from_toml(OK).unwrap();
+        assert_eq!(c.load_interval, Duration::from_millis(1));
+        assert_eq!(c.placement, Placement::Maglev);
+        assert_eq!(c.services[0].pool[1].weight, 1);
+        assert_eq!(c.store, Some(StoreSpec::Sqlite("/tmp/s.db".into())));
+    }
+
+    #[test]
+    fn errors_name_field_and_value() {
+        let e = err(&OK.replace("\"maglev\"", "x").replace("key_file", "placement = \"ring\"\nkey_file"));
+        assert!(e.contains("`placement`") && e.contains("\"ring\""), "{e}");
+        let e = err(&OK.replace("198.18.100.1:80", "198.18.100.1"));
+        assert!(e.contains("services[0].vip") && e.contains("198.18.100.1"), "{e}");
+        let e = err(&OK.replace("weight = 2", "weight = 0"));
+        assert!(e.contains("services[0].pool[0].weight") && e.contains('0'), "{e}");
+        let e = err(&OK.replace("sqlite:/tmp/s.db", "mysql://x"));
+        assert!(e.contains("`store`") && e.contains("mysql"), "{e}");
+        let e = err(&OK.replace("role = \"server\"", "role = \"client\""));
+        assert!(e.contains("no interface with role Server"), "{e}");
+        let e = err(&format!("{OK}\nbogus = 1\n"));
+        assert!(e.contains("bogus"), "{e}");
+        let e = err(&OK.replace("key_file", "dead_after_ms = 50\nkey_file"));
+        assert!(e.contains("dead_after_ms") && e.contains("50"), "{e}");
+        assert_eq!(
+            StoreSpec::parse("etcd:http://a:1, http://b:2").unwrap(),
+            StoreSpec::Etcd(vec!["http://a:1".into(), "http://b:2".into()])
+        );
+    }
+}

@@ -1,0 +1,202 @@
+"""Fixtures for the dashboard's browser tests: the real API server
+(`capybara-api`, store-backed control plane, SQLite store in a temp dir)
+serving the built dashboard (web-ui/dist), and headless Debian chromium
+driven by playwright.
+
+Environment:
+  CAPYBARA_API_BIN         the capybara-api binary (default: target/{debug,release}/capybara-api)
+  CAPYBARA_TEST_OUTPUT     screenshots go to $CAPYBARA_TEST_OUTPUT/ui (default: <repo>/test-output)
+  CAPYBARA_CHROMIUM        chromium executable (default: /usr/bin/chromium)
+"""
+import ipaddress
+import os
+import re
+import sqlite3
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from playwright.sync_api import sync_playwright
+
+WEB_UI = Path(__file__).resolve().parent.parent
+REPO = WEB_UI.parent
+DIST = WEB_UI / "dist"
+SCREENSHOTS = Path(os.environ.get("CAPYBARA_TEST_OUTPUT", REPO / "test-output")) / "ui"
+START_TIMEOUT_S = 30
+
+
+def api_binary() -> Path:
+    env = os.environ.get("CAPYBARA_API_BIN")
+    if env:
+        return Path(env)
+    candidates = [REPO / "target" / p / "capybara-api" for p in ("debug", "release")]
+    existing = [c for c in candidates if c.exists()]
+    if not existing:
+        pytest.fail("capybara-api not built: run `cargo build -p capybara-api` or set CAPYBARA_API_BIN")
+    return max(existing, key=lambda c: c.stat().st_mtime)
+
+
+class Api:
+    """A running capybara-api and an admin session on it."""
+
+    def __init__(self, url: str, token: str, store_path: Path):
+        self.url = url
+        self.token = token
+        self.store_path = store_path
+        self.http = requests.Session()
+        self.http.headers["Authorization"] = f"Bearer {token}"
+
+    def req(self, method: str, path: str, expect: int, **kw):
+        r = self.http.request(method, self.url + path, timeout=10, **kw)
+        assert r.status_code == expect, f"{method} {path}: {r.status_code} {r.text}"
+        return r.json() if r.content else None
+
+    def get(self, path: str):
+        return self.req("GET", path, 200)
+
+    def wait_for(self, what: str, check, timeout_s: float = 10.0):
+        """Polls `check()` (bounded) until it returns a truthy value."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            v = check()
+            if v:
+                return v
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(0.1)
+
+    # The switch is not wired to the API yet, so nothing writes flow
+    # mappings. These helpers stand in for switchd's flow writer: they write
+    # the `flows` table of the SQLite store exactly as the store's flow
+    # writer does (store/src/sqlite.rs, flow_params), which is what the
+    # store-backed control plane reads for connection counts and drain
+    # progress. Replace them with real traffic through the lab when it is
+    # wired to the API.
+    def _flows_db(self):
+        db = sqlite3.connect(self.store_path, timeout=5)
+        db.execute("PRAGMA busy_timeout = 5000")
+        return db
+
+    def put_flows(self, server: int, clients: list[tuple[str, int]], vip: str, port: int):
+        with self._flows_db() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO flows (client_ip, client_port, service_ip, service_port, server) VALUES (?, ?, ?, ?, ?)",
+                [(int(ipaddress.IPv4Address(ip)), cport, int(ipaddress.IPv4Address(vip)), port, server) for ip, cport in clients],
+            )
+
+    def move_flows(self, from_server: int, to_server: int, count: int):
+        with self._flows_db() as db:
+            rows = db.execute(
+                "SELECT client_ip, client_port, service_ip, service_port FROM flows WHERE server = ? ORDER BY client_port LIMIT ?",
+                (from_server, count),
+            ).fetchall()
+            db.executemany(
+                "UPDATE flows SET server = ? WHERE client_ip = ? AND client_port = ? AND service_ip = ? AND service_port = ?",
+                [(to_server, *r) for r in rows],
+            )
+            return len(rows)
+
+
+@pytest.fixture(scope="session")
+def api(tmp_path_factory):
+    if not (DIST / "index.html").exists():
+        pytest.fail(f"{DIST} is not built: run web-ui/build.sh")
+    tmp = tmp_path_factory.mktemp("capybara-api")
+    store = tmp / "store.db"
+    token_file = tmp / "admin.token"
+    log_path = tmp / "api.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [
+            str(api_binary()),
+            "--store", f"sqlite:{store}",
+            "--listen", "127.0.0.1:0",
+            "--admin-token-file", str(token_file),
+            "--static-dir", str(DIST),
+        ],
+        stdout=subprocess.PIPE, stderr=log, text=True,
+    )
+    # The server prints `listening on http://ADDR` once bound. Read stdout on
+    # a thread so the wait is bounded even if the server prints nothing.
+    found = {}
+    ready = threading.Event()
+
+    def read_stdout():
+        for line in proc.stdout:
+            m = re.search(r"listening on (http://\S+)", line)
+            if m and "url" not in found:
+                found["url"] = m.group(1)
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read_stdout, daemon=True).start()
+    try:
+        if not ready.wait(START_TIMEOUT_S) or "url" not in found:
+            proc.kill()
+            proc.wait(5)
+            pytest.fail(f"capybara-api did not start; log:\n{log_path.read_text()}")
+        url = found["url"]
+        token = token_file.read_text().strip()
+        a = Api(url, token, store)
+        a.wait_for("readyz", lambda: requests.get(url + "/readyz", timeout=2).status_code == 200)
+        seed(a)
+        yield a
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+SERVERS = [
+    {"id": 1, "name": "web-1", "mgmt_addr": "10.0.1.11:7000", "data_addr": "10.0.2.11"},
+    {"id": 2, "name": "web-2", "mgmt_addr": "10.0.1.12:7000", "data_addr": "10.0.2.12"},
+    {"id": 3, "name": "web-3", "mgmt_addr": "10.0.1.13:7000", "data_addr": "10.0.2.13"},
+]
+VIP, PORT = "10.0.0.100", 80
+
+
+def seed(a: Api):
+    """Three servers and one service over them, registered through the REST API."""
+    for s in SERVERS:
+        a.req("POST", "/v1/servers", 201, json=s)
+    a.req("POST", "/v1/services", 201, json={"name": "web", "vip": VIP, "port": PORT, "pool": [1, 2, 3]})
+
+
+@pytest.fixture(scope="session")
+def browser():
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        b = p.chromium.launch(
+            executable_path=os.environ.get("CAPYBARA_CHROMIUM", "/usr/bin/chromium"),
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+        )
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    ctx.set_default_timeout(10_000)
+    pg = ctx.new_page()
+    errors = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    yield pg
+    ctx.close()
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
+@pytest.fixture
+def shot():
+    """shot(page, name): saves test-output/ui/NAME.png."""
+    def take(pg, name: str):
+        pg.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+    return take

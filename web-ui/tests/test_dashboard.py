@@ -1,0 +1,191 @@
+"""The dashboard in a real headless browser against the real API server.
+
+The API runs with its store-backed control plane (the switch is not wired to
+the API yet): load is unknown (`load_pps: null`), there are no migrations,
+and connection counts and drain progress come from the flow mappings in the
+store. Where a test needs connections it writes those mappings the way
+switchd's flow writer does (see `Api.put_flows` in conftest.py); when the lab
+is wired in, replace that with real client traffic and add assertions on the
+load chart and the migration feed.
+"""
+import re
+
+from playwright.sync_api import Page, expect
+
+from conftest import VIP, PORT, Api
+
+UNKNOWN_TOKEN = "capy_" + "0" * 64
+
+
+def login(page: Page, api: Api, token: str | None = None):
+    page.goto(api.url + "/")
+    page.get_by_test_id("login-token").fill(token or api.token)
+    page.get_by_test_id("login-submit").click()
+    expect(page.get_by_test_id("stream-status")).to_have_attribute("data-status", "live")
+
+
+def test_login_then_three_servers_with_live_counts(page: Page, api: Api, shot):
+    page.goto(api.url + "/")
+    expect(page.get_by_test_id("login-form")).to_be_visible()
+    shot(page, "01-login")
+
+    # A well-formed but unknown token is rejected by the API (401).
+    page.get_by_test_id("login-token").fill(UNKNOWN_TOKEN)
+    page.get_by_test_id("login-submit").click()
+    expect(page.get_by_test_id("login-error")).to_contain_text("rejected")
+    shot(page, "02-login-rejected")
+
+    login(page, api)
+    for sid, name in ((1, "web-1"), (2, "web-2"), (3, "web-3")):
+        card = page.get_by_test_id(f"server-card-{sid}")
+        expect(card).to_be_visible()
+        expect(page.get_by_test_id(f"server-name-{sid}")).to_have_text(name)
+        expect(page.get_by_test_id(f"server-state-{sid}")).to_have_text("active")
+        expect(page.get_by_test_id(f"server-connections-{sid}")).to_have_text("0")
+
+    # Connections appear on the cards without a reload, from the `load`
+    # events of the stream (every second).
+    api.put_flows(1, [("192.0.2.1", 40000 + i) for i in range(2)], VIP, PORT)
+    api.put_flows(2, [("192.0.2.2", 41000 + i) for i in range(4)], VIP, PORT)
+    api.put_flows(3, [("192.0.2.3", 42000)], VIP, PORT)
+    expect(page.get_by_test_id("server-connections-1")).to_have_text("2")
+    expect(page.get_by_test_id("server-connections-2")).to_have_text("4")
+    expect(page.get_by_test_id("server-connections-3")).to_have_text("1")
+    # The API agrees.
+    by_id = {s["id"]: s for s in api.get("/v1/servers")["items"]}
+    assert [by_id[i]["stats"]["connections"] for i in (1, 2, 3)] == [2, 4, 1]
+
+    # Charts: the connections chart has a series per server with samples;
+    # load is unknown from the store-backed control plane, and the page says so.
+    chart = page.get_by_test_id("chart-connections")
+    expect(chart).to_have_attribute("data-series", "3")
+    api.wait_for("connection samples", lambda: int(chart.get_attribute("data-points")) >= 6)
+    expect(page.get_by_test_id("chart-load")).to_be_visible()
+    expect(page.get_by_test_id("load-unknown")).to_be_visible()
+    expect(page.get_by_test_id("data-source")).to_have_text("data: store")
+    # No migrations without a data plane.
+    expect(page.get_by_test_id("migration-feed")).to_have_attribute("data-rows", "0")
+    shot(page, "03-overview")
+
+    # The token survives a reload (sessionStorage).
+    page.reload()
+    expect(page.get_by_test_id("server-card-1")).to_be_visible()
+
+
+def test_drain_shows_progress_then_undrain(page: Page, api: Api, shot):
+    if api.get("/v1/servers/2")["stats"]["connections"] != 4:
+        api.put_flows(2, [("192.0.2.2", 41000 + i) for i in range(4)], VIP, PORT)
+    login(page, api)
+    expect(page.get_by_test_id("server-connections-2")).to_have_text("4")
+
+    page.get_by_test_id("drain-button-2").click()
+    page.get_by_test_id("drain-deadline-2").fill("120")
+    page.get_by_test_id("drain-mode-2").select_option("migrate")
+    shot(page, "04-drain-form")
+    page.get_by_test_id("drain-confirm-2").click()
+
+    expect(page.get_by_test_id("server-state-2")).to_have_text("draining")
+    progress = page.get_by_test_id("drain-progress-2")
+    expect(progress).to_have_attribute("data-drain-state", "running")
+    expect(page.get_by_test_id("drain-counts-2")).to_have_text(re.compile(r"4 remaining of 4"))
+    drain = api.get("/v1/servers/2/drain")
+    assert drain["state"] == "running" and drain["mode"] == "migrate"
+    assert drain["progress"]["flows_total"] == 4
+    shot(page, "05-draining")
+
+    # Half the connections leave the server: progress moves live (drain events).
+    assert api.move_flows(2, 1, 2) == 2
+    expect(page.get_by_test_id("drain-counts-2")).to_have_text(re.compile(r"2 remaining of 4"))
+    expect(progress).to_have_attribute("data-percent", "50")
+    shot(page, "06-drain-half")
+
+    # The rest leave: the drain completes and the server is drained.
+    assert api.move_flows(2, 3, 2) == 2
+    expect(page.get_by_test_id("server-state-2")).to_have_text("drained")
+    expect(progress).to_have_attribute("data-drain-state", "completed")
+    expect(progress).to_have_attribute("data-percent", "100")
+    expect(page.get_by_test_id("server-connections-2")).to_have_text("0")
+    assert api.get("/v1/servers/2")["state"] == "drained"
+    assert api.get("/v1/servers/2/drain")["state"] == "completed"
+    shot(page, "07-drained")
+
+    page.get_by_test_id("undrain-button-2").click()
+    expect(page.get_by_test_id("server-state-2")).to_have_text("active")
+    expect(page.get_by_test_id("drain-button-2")).to_be_visible()
+    assert api.get("/v1/servers/2")["state"] == "active"
+    shot(page, "08-undrained")
+
+
+def test_policy_threshold_validated_and_saved(page: Page, api: Api, shot):
+    before = api.get("/v1/policy")
+    login(page, api)
+    page.get_by_test_id("nav-policy").click()
+    field = page.get_by_test_id("policy-field-proactive_threshold_pct")
+    expect(field).to_have_value(re.compile(r"^\d"))
+    # Every tunable of the spec has a field.
+    for name in before:
+        expect(page.get_by_test_id(f"policy-field-{name}")).to_be_visible()
+
+    # Client-side validation mirrors the spec (exclusive minimum 0) and blocks the save.
+    field.fill("0")
+    expect(page.get_by_test_id("policy-error-proactive_threshold_pct")).to_contain_text("above 0")
+    page.get_by_test_id("policy-save").click()
+    expect(page.get_by_test_id("policy-status")).to_have_attribute("data-kind", "error")
+    shot(page, "09-policy-invalid")
+    assert api.get("/v1/policy") == before
+
+    # Cross-field rule: hysteresis must stay below the threshold.
+    field.fill(str(before["hysteresis_pct"]))
+    expect(page.get_by_test_id("policy-error-hysteresis_pct")).to_contain_text("below")
+
+    new = before["proactive_threshold_pct"] + 7.5
+    field.fill(str(new))
+    expect(page.get_by_test_id("policy-error-proactive_threshold_pct")).to_have_count(0)
+    page.get_by_test_id("policy-save").click()
+    expect(page.get_by_test_id("policy-status")).to_have_attribute("data-kind", "ok")
+    shot(page, "10-policy-saved")
+    after = api.get("/v1/policy")
+    assert after["proactive_threshold_pct"] == new
+    assert {k: v for k, v in after.items() if k != "proactive_threshold_pct"} == {
+        k: v for k, v in before.items() if k != "proactive_threshold_pct"
+    }
+
+
+def test_services_page_lists_vip_and_pool(page: Page, api: Api, shot):
+    login(page, api)
+    page.get_by_test_id("nav-services").click()
+    row = page.get_by_test_id("service-row-web")
+    expect(row).to_contain_text(f"{VIP}:{PORT}")
+    for name in ("web-1", "web-2", "web-3"):
+        expect(row).to_contain_text(name)
+    shot(page, "11-services")
+
+
+def test_live_updates_without_reload(page: Page, api: Api, shot):
+    """Changes made by someone else (here: the REST API) reach the open page through the event stream."""
+    login(page, api)
+    api.req("POST", "/v1/servers", 201, json={"id": 4, "name": "web-4", "mgmt_addr": "10.0.1.14:7000", "data_addr": "10.0.2.14"})
+    expect(page.get_by_test_id("server-card-4")).to_be_visible()
+    api.req("POST", "/v1/servers/4/drain", 202, json={"deadline_seconds": 30})
+    expect(page.get_by_test_id("server-state-4")).to_have_text("drained")
+    api.req("DELETE", "/v1/servers/4", 204)
+    expect(page.get_by_test_id("server-card-4")).to_have_count(0)
+
+    page.get_by_test_id("nav-policy").click()
+    current = api.get("/v1/policy")["migration_deadline_ms"]
+    api.req("PATCH", "/v1/policy", 200, json={"migration_deadline_ms": current + 1})
+    expect(page.get_by_test_id("policy-field-migration_deadline_ms")).to_have_value(str(current + 1))
+    shot(page, "12-live-policy")
+
+
+def test_revoked_token_returns_to_login(page: Page, api: Api, shot):
+    created = api.req("POST", "/v1/tokens", 201, json={"name": "ui-operator", "role": "operator"})
+    login(page, api, created["secret"])
+    api.req("DELETE", f"/v1/tokens/{created['id']}", 204)
+    # The next request gets 401 and the dashboard goes back to the login page.
+    page.get_by_test_id("server-weight-3").fill("50")
+    page.get_by_test_id("weight-save-3").click()
+    expect(page.get_by_test_id("login-form")).to_be_visible()
+    expect(page.get_by_test_id("login-message")).to_contain_text("Signed out")
+    shot(page, "13-signed-out")
+    assert page.evaluate("sessionStorage.getItem('capybara.token')") is None
