@@ -37,3 +37,14 @@ demo-stop:
 # Everything, as CI runs it.
 test: $(STAMP)
 	@bash scripts/test.sh
+
+# ---- benchmarks (last line of each: RESULT key=value ...) ----
+.PHONY: bench-stack bench-switch
+
+# HTTP/1.1 keep-alive req/s and latency: user-space stack vs Linux kernel TCP.
+bench-stack: $(STAMP)
+	@bash bench/scripts/bench-stack.sh
+
+# Data-plane packets/s, plain vs migrated flows, 1M flows / 200K migrated entries.
+bench-switch: $(STAMP)
+	@$(CARGO) run --release -q -p capybara-switchd --bin bench-switch

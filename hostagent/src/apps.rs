@@ -61,20 +61,26 @@ pub async fn http(listener: TcpListener, name: Rc<str>) {
                 continue;
             }
         };
-        let name = name.clone();
-        tokio::task::spawn_local(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let name = name.clone();
-                async move { Ok::<_, Infallible>(respond(&name, req)) }
-            });
-            let io = hyper_util::rt::TokioIo::new(stream);
-            let _ = hyper::server::conn::http1::Builder::new()
-                .keep_alive(true)
-                .pipeline_flush(true)
-                .serve_connection(io, service)
-                .await;
-        });
+        tokio::task::spawn_local(serve_http_connection(stream, name.clone()));
     }
+}
+
+/// Serves one HTTP/1.1 connection on any byte stream: the user-space
+/// stack's `TcpStream`, or a kernel socket for side-by-side benchmarks.
+pub async fn serve_http_connection<S>(stream: S, name: Rc<str>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + 'static,
+{
+    let service = hyper::service::service_fn(move |req| {
+        let name = name.clone();
+        async move { Ok::<_, Infallible>(respond(&name, req)) }
+    });
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let _ = hyper::server::conn::http1::Builder::new()
+        .keep_alive(true)
+        .pipeline_flush(true)
+        .serve_connection(io, service)
+        .await;
 }
 
 fn respond(name: &str, req: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {

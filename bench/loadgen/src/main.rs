@@ -30,7 +30,18 @@ fn main() -> ExitCode {
             top * 100.0
         );
         if let Some(s) = &cfg.step {
-            println!("  step: +{:.0} rps every {:?} from {:?} (max {} steps) on {:?}", s.step_rps, s.interval, s.start, s.max_steps, s.subset);
+            let steps = capybara_loadgen::schedule::RateFn::Step {
+                start_ns: s.start.as_nanos() as u64,
+                interval_ns: s.interval.as_nanos() as u64,
+                step: s.step_rps,
+                max_steps: s.max_steps,
+            };
+            let (at_end, _) = steps.at(cfg.duration.as_nanos() as u64 - 1);
+            let max = if s.max_steps == u64::MAX { "unbounded".to_string() } else { s.max_steps.to_string() };
+            println!(
+                "  step: +{:.0} rps every {:?} from {:?} (max steps {max}) on {:?}; step load at the end {:.0} rps, total offered at the end {:.0} rps",
+                s.step_rps, s.interval, s.start, s.subset, at_end, cfg.rate + at_end
+            );
         }
         println!("config ok");
         return ExitCode::SUCCESS;

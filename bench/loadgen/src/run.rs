@@ -378,6 +378,8 @@ async fn short_flow(sh: Rc<Shared>, sched: u64) {
 async fn scheduler(sh: Rc<Shared>, conns: Vec<Rc<LongConn>>, t0: u64) -> Option<Vec<usize>> {
     let cfg = &sh.cfg;
     let dur_ns = cfg.duration.as_nanos() as u64;
+    // The send loop never runs longer than the schedule plus --timeout.
+    let hard_stop_ns = dur_ns + cfg.timeout.as_nanos() as u64;
     let root = Rng::new(cfg.seed);
     let long_rate = cfg.long_rate();
     let mut base = (long_rate > 0.0 && !conns.is_empty()).then(|| Poisson::new(RateFn::Const(long_rate), root.fork(1)));
@@ -416,6 +418,13 @@ async fn scheduler(sh: Rc<Shared>, conns: Vec<Rc<LongConn>>, t0: u64) -> Option<
             burst = 0;
         } else {
             // Behind schedule: send, but let the readers run now and then.
+            if now_ns() > t0 + hard_stop_ns {
+                eprintln!(
+                    "capybara-loadgen: warning: the sender fell more than --timeout behind schedule; stopping the send loop at {:.3}s of schedule",
+                    t as f64 / 1e9
+                );
+                break;
+            }
             burst += 1;
             if burst >= 32 {
                 burst = 0;

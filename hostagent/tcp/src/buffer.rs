@@ -193,11 +193,17 @@ impl fmt::Debug for RingBuffer {
 pub const MAX_OOO_RANGES: usize = 16;
 
 /// Out-of-order intervals `[start, end)` as offsets from RCV.NXT, sorted,
-/// disjoint and not adjacent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// disjoint and not adjacent. Equality compares the live intervals only.
+#[derive(Debug, Clone, Copy, Eq)]
 pub struct Assembler {
     ranges: [(u32, u32); MAX_OOO_RANGES],
     len: usize,
+}
+
+impl PartialEq for Assembler {
+    fn eq(&self, other: &Self) -> bool {
+        self.ranges() == other.ranges()
+    }
 }
 
 impl Default for Assembler {
@@ -282,11 +288,18 @@ impl Assembler {
 /// Maximum SACKed ranges remembered by a sender.
 pub const MAX_SCOREBOARD: usize = 8;
 
-/// SACKed sequence ranges above SND.UNA, sorted and merged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// SACKed sequence ranges above SND.UNA, sorted and merged. Equality
+/// compares the live blocks only.
+#[derive(Debug, Clone, Copy, Eq)]
 pub struct Scoreboard {
     blocks: [(SeqNum, SeqNum); MAX_SCOREBOARD],
     len: usize,
+}
+
+impl PartialEq for Scoreboard {
+    fn eq(&self, other: &Self) -> bool {
+        self.blocks() == other.blocks()
+    }
 }
 
 impl Default for Scoreboard {

@@ -101,8 +101,11 @@ pub mod flag {
     pub const TIMER_DELAYED_ACK: u32 = 1 << 21;
     pub const TIMER_KEEPALIVE: u32 = 1 << 22;
     pub const TIMER_CLOSE: u32 = 1 << 23;
+    /// The counters group (backoff, duplicate ACKs, owed dup ACKs, retry
+    /// counts) is present; absent means all zero, as on an idle connection.
+    pub const HAS_COUNTERS: u32 = 1 << 24;
     /// Bits a version-1 reader rejects when set.
-    pub const RESERVED: u32 = !((1 << 24) - 1);
+    pub const RESERVED: u32 = !((1 << 25) - 1);
 }
 
 /// Why a snapshot could not be parsed, emitted, exported or imported.
@@ -496,6 +499,11 @@ impl<'a> Snapshot<'a> {
         }
     }
 
+    fn has_counters(&self) -> bool {
+        let r = &self.retries;
+        (self.rtt.backoff | self.cc.dup_acks | self.ack.dup_pending | r.rto | r.persist | r.keepalive) != 0
+    }
+
     fn flags(&self) -> u32 {
         let mut f = 0;
         let mut set = |bit: u32, on: bool| {
@@ -527,6 +535,7 @@ impl<'a> Snapshot<'a> {
         set(flag::TIMER_DELAYED_ACK, self.timers.delayed_ack.is_some());
         set(flag::TIMER_KEEPALIVE, self.timers.keepalive.is_some());
         set(flag::TIMER_CLOSE, self.timers.close.is_some());
+        set(flag::HAS_COUNTERS, self.has_counters());
         f
     }
 
@@ -555,7 +564,6 @@ impl<'a> Snapshot<'a> {
         out.var(self.rtt.srtt_us);
         out.var(self.rtt.rttvar_us);
         out.var(self.rtt.rto_us);
-        out.var(u64::from(self.rtt.backoff));
         if let Some((end, age)) = self.rtt_timed {
             out.var(zz(end.diff(una)));
             out.var(age.as_micros() as u64);
@@ -565,7 +573,6 @@ impl<'a> Snapshot<'a> {
         if cc.ssthresh != u32::MAX {
             out.var(u64::from(cc.ssthresh));
         }
-        out.var(u64::from(cc.dup_acks));
         out.var(zz(cc.recover.diff(una)));
         out.var(u64::from(cc.ca_acked));
         out.var(zz(cc.rexmit_next.diff(una)));
@@ -583,7 +590,6 @@ impl<'a> Snapshot<'a> {
             out.var(zz(l.diff(rcv.nxt)));
             out.var(u64::from(r.0.wrapping_sub(l.0)));
         }
-        out.var(u64::from(self.ack.dup_pending));
         let t = &self.timers;
         for d in [t.retransmit, t.persist, t.delayed_ack, t.keepalive, t.close].into_iter().flatten() {
             out.var(d.as_micros() as u64);
@@ -591,9 +597,14 @@ impl<'a> Snapshot<'a> {
         if let Some(seq) = self.pending.rst_reply {
             out.var(u64::from(seq.0));
         }
-        out.var(u64::from(self.retries.rto));
-        out.var(u64::from(self.retries.persist));
-        out.var(u64::from(self.retries.keepalive));
+        if self.has_counters() {
+            out.var(u64::from(self.rtt.backoff));
+            out.var(u64::from(cc.dup_acks));
+            out.var(u64::from(self.ack.dup_pending));
+            out.var(u64::from(self.retries.rto));
+            out.var(u64::from(self.retries.persist));
+            out.var(u64::from(self.retries.keepalive));
+        }
         if let Some(ka) = self.keepalive {
             out.var(ka.idle.as_micros() as u64);
             out.var(ka.interval.as_micros() as u64);
@@ -743,8 +754,7 @@ impl<'a> Snapshot<'a> {
         let srtt_us = r.var_max("rtt.srtt_us", MAX_MICROS)?;
         let rttvar_us = r.var_max("rtt.rttvar_us", MAX_MICROS)?;
         let rto_us = r.var_max("rtt.rto_us", MAX_MICROS)?;
-        let backoff = r.count("rtt.backoff")?;
-        let rtt = RttEstimator { srtt_us, rttvar_us, rto_us, backoff, has_sample: has(flag::RTT_HAS_SAMPLE), timed: None };
+        let rtt = RttEstimator { srtt_us, rttvar_us, rto_us, backoff: 0, has_sample: has(flag::RTT_HAS_SAMPLE), timed: None };
         let rtt_timed = if has(flag::HAS_RTT_TIMED) {
             let end = una.add(r.i32z("rtt.timed.end")? as u32);
             Some((end, r.micros("rtt.timed.age")?))
@@ -757,10 +767,10 @@ impl<'a> Snapshot<'a> {
             return Err(invalid("cc.cwnd", "zero in a synchronized state"));
         }
         let ssthresh = if has(flag::SSTHRESH_INF) { u32::MAX } else { r.u32v("cc.ssthresh")? };
-        let cc = Congestion {
+        let mut cc = Congestion {
             cwnd,
             ssthresh,
-            dup_acks: r.count("cc.dup_acks")?,
+            dup_acks: 0,
             recover: una.add(r.i32z("cc.recover")? as u32),
             in_recovery: has(flag::IN_RECOVERY),
             ca_acked: r.u32v("cc.ca_acked")?,
@@ -795,8 +805,7 @@ impl<'a> Snapshot<'a> {
         } else {
             None
         };
-        let dup_pending = r.var_max("ack.dup_pending", 16)? as u32;
-        let ack = AckState { now: has(flag::ACK_NOW), unacked_bytes, last_sent, last_ooo, dup_pending };
+        let mut ack = AckState { now: has(flag::ACK_NOW), unacked_bytes, last_sent, last_ooo, dup_pending: 0 };
 
         let mut timer = |bit: u32, name: &'static str| -> Result<Option<Duration>> {
             if has(bit) {
@@ -814,11 +823,20 @@ impl<'a> Snapshot<'a> {
         };
         let rst_reply = if has(flag::HAS_RST_REPLY) { Some(SeqNum(r.u32v("pending.rst_reply")?)) } else { None };
         let pending = Pending { rst: has(flag::PENDING_RST), rst_reply, probe: has(flag::PENDING_PROBE) };
-        let retries = Retries {
-            rto: r.count("retries.rto")?,
-            persist: r.count("retries.persist")?,
-            keepalive: r.count("retries.keepalive")?,
-        };
+        let mut rtt = rtt;
+        let mut retries = Retries::default();
+        if has(flag::HAS_COUNTERS) {
+            rtt.backoff = r.count("rtt.backoff")?;
+            cc.dup_acks = r.count("cc.dup_acks")?;
+            ack.dup_pending = r.var_max("ack.dup_pending", 16)? as u32;
+            retries.rto = r.count("retries.rto")?;
+            retries.persist = r.count("retries.persist")?;
+            retries.keepalive = r.count("retries.keepalive")?;
+            let rt = &retries;
+            if (rtt.backoff | cc.dup_acks | ack.dup_pending | rt.rto | rt.persist | rt.keepalive) == 0 {
+                return Err(invalid("counters", "group present but all zero (non-canonical)"));
+            }
+        }
         let keepalive = if has(flag::HAS_KEEPALIVE) {
             Some(KeepAlive {
                 idle: r.micros("keepalive.idle")?,
