@@ -194,15 +194,11 @@ pub fn parse_body<T: DeserializeOwned>(v: Value) -> ApiResult<T> {
     })
 }
 
-/// serde names the field itself in "missing field `x`" and "unknown field
-/// `x`" messages, where the path still points at the enclosing object.
+/// serde names the field itself in "missing field `x`" messages, where the
+/// path still points at the enclosing object.
 fn field_from_message(msg: &str) -> Option<String> {
-    for prefix in ["missing field `", "unknown field `"] {
-        if let Some(rest) = msg.strip_prefix(prefix) {
-            return rest.split('`').next().map(str::to_string);
-        }
-    }
-    None
+    // (For unknown fields the path already ends with the field.)
+    msg.strip_prefix("missing field `").and_then(|rest| rest.split('`').next()).map(str::to_string)
 }
 
 /// `[A-Za-z0-9_.-]{1,64}`: names of servers, services and tokens.

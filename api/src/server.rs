@@ -756,6 +756,10 @@ async fn revoke_token(req: HttpRequest, path: web::Path<String>, data: web::Data
     if !(id.len() == 18 && id.starts_with("t_") && id[2..].bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))) {
         return Err(Problem::bad_param("token_id", "token ids are `t_` followed by 16 hex digits"));
     }
+    if id == who.token.id {
+        // Nobody locks themselves out by accident (or by fuzzing).
+        return Err(Problem::conflict("a token cannot revoke itself; use another admin token"));
+    }
     let info = state.db.revoke(&id).map_err(db_problem)?;
     audit(state, &who, "token.revoke", format!("tokens/{id}"), json!({ "name": info.name })).await;
     Ok(HttpResponse::NoContent().finish())

@@ -9,7 +9,7 @@ use hyper::{Request, Response};
 use sha2::{Digest, Sha256};
 use std::convert::Infallible;
 use std::rc::Rc;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 
 /// Echoes every connection; at the end of each it logs the byte count and
 /// the SHA-256 of what it received, so tests can compare both ends.
@@ -25,24 +25,34 @@ pub async fn echo(listener: TcpListener) {
         tokio::task::spawn_local(async move {
             match echo_one(stream).await {
                 Ok((n, hash)) => println!("echo peer={peer} bytes={n} sha256={hash}"),
-                Err(e) => println!("echo peer={peer} error={e}"),
+                Err(e) => match crate::socket::moved_to(&e) {
+                    Some(t) => println!("echo peer={peer} migrated to {t}"),
+                    None => println!("echo peer={peer} error={e}"),
+                },
             }
         });
     }
 }
 
+/// Echo that never holds a byte outside the stack: it reads only as much as
+/// the send buffer can take right now and writes it back in the same step,
+/// so a migration at any instant finds every byte in the TCP queues and the
+/// target's echo continues exactly where this one stopped.
 async fn echo_one(mut stream: TcpStream) -> std::io::Result<(u64, String)> {
     let mut buf = vec![0u8; 64 * 1024];
     let mut hash = Sha256::new();
     let mut total = 0u64;
     loop {
-        let n = stream.read(&mut buf).await?;
+        let cap = std::future::poll_fn(|cx| stream.poll_send_capacity(cx)).await?;
+        let want = cap.min(buf.len());
+        let n = std::future::poll_fn(|cx| stream.poll_read_some(cx, &mut buf[..want])).await?;
         if n == 0 {
             break;
         }
         hash.update(&buf[..n]);
         total += n as u64;
-        stream.write_all(&buf[..n]).await?;
+        let written = stream.try_write(&buf[..n])?;
+        debug_assert_eq!(written, n, "send capacity only grows between the two calls");
     }
     stream.shutdown().await?;
     let hex = hash.finalize().iter().map(|b| format!("{b:02x}")).collect();

@@ -15,6 +15,7 @@
 pub mod apps;
 pub mod config;
 pub mod metrics;
+pub mod migration;
 pub mod socket;
 pub mod stack;
 

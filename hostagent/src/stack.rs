@@ -15,6 +15,9 @@ use capybara_net::device::{Device, PollMode};
 use capybara_net::driver::{self, Clock};
 use capybara_net::iface::{Interface, Ipv4Out, Transport};
 use capybara_proto::time::Instant;
+use crate::migration::{HandleState, Migrator};
+use capybara_proto::checksum;
+use capybara_proto::FlowKey;
 use capybara_tcp::{ConnId, Endpoint, Event};
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
@@ -23,31 +26,121 @@ use std::rc::Rc;
 use std::task::Waker;
 
 const IPPROTO_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
+const UDP_HEADER: usize = 8;
 
-/// Everything above IP.
+/// Everything above IP: the TCP endpoint and, when migration is configured,
+/// the TCPMig engine on UDP port 7690.
 pub struct Transports {
     pub tcp: Endpoint,
+    pub mig: Option<Migrator>,
+    /// Service VIP by port: segments arrive addressed to our data address
+    /// (the switch rewrote the VIP), but flows are named by the VIP.
+    pub vips: HashMap<u16, Ipv4Addr>,
+    /// Our data address (source of TCPMig datagrams).
+    pub local: Ipv4Addr,
+    /// UDP datagrams dropped: malformed, bad checksum, or no handler.
+    pub udp_drops: u64,
+}
+
+impl Transports {
+    pub fn new(tcp: Endpoint, local: Ipv4Addr) -> Transports {
+        Transports { tcp, mig: None, vips: HashMap::new(), local, udp_drops: 0 }
+    }
+
+    /// The flow a TCP segment from `src` belongs to (None if too short).
+    fn flow_of(&self, src: Ipv4Addr, dst: Ipv4Addr, segment: &[u8]) -> Option<FlowKey> {
+        let h = segment.get(..4)?;
+        let service_port = u16::from_be_bytes([h[2], h[3]]);
+        Some(FlowKey {
+            client_ip: src,
+            client_port: u16::from_be_bytes([h[0], h[1]]),
+            service_ip: self.vips.get(&service_port).copied().unwrap_or(dst),
+            service_port,
+        })
+    }
+
+    fn handle_udp(&mut self, now: Instant, src: Ipv4Addr, dst: Ipv4Addr, dgram: &[u8]) {
+        let Some(h) = dgram.get(..UDP_HEADER) else {
+            self.udp_drops += 1;
+            return;
+        };
+        let len = usize::from(u16::from_be_bytes([h[4], h[5]]));
+        let sum = u16::from_be_bytes([h[6], h[7]]);
+        if len < UDP_HEADER || len > dgram.len() || (sum != 0 && checksum::transport(src, dst, IPPROTO_UDP, &dgram[..len]) != 0) {
+            self.udp_drops += 1;
+            return;
+        }
+        let port = u16::from_be_bytes([h[2], h[3]]);
+        match (&mut self.mig, port) {
+            (Some(m), capybara_proto::ports::TCPMIG) => {
+                // Invalid or unauthenticated messages are counted by the engine.
+                let _ = m.engine.handle_message(now, src, &dgram[UDP_HEADER..len]);
+            }
+            _ => self.udp_drops += 1,
+        }
+    }
 }
 
 impl Transport for Transports {
     fn handle_ipv4(&mut self, now: Instant, src: Ipv4Addr, dst: Ipv4Addr, protocol: u8, payload: &[u8]) {
-        if protocol == IPPROTO_TCP {
-            self.tcp.handle_segment(now, src, dst, payload);
+        match protocol {
+            IPPROTO_TCP => {
+                if self.mig.is_some() {
+                    if let Some(flow) = self.flow_of(src, dst, payload) {
+                        let m = self.mig.as_mut().expect("checked above");
+                        if !m.filter_segment(now, flow, payload) {
+                            return;
+                        }
+                    }
+                }
+                self.tcp.handle_segment(now, src, dst, payload);
+            }
+            IPPROTO_UDP => self.handle_udp(now, src, dst, payload),
+            _ => {}
         }
     }
 
     fn poll_ipv4(&mut self, now: Instant, buf: &mut [u8]) -> Option<Ipv4Out> {
+        // Migration messages first: they are few, small, and every
+        // microsecond they wait is a microsecond of buffered client traffic.
+        if let Some(m) = &mut self.mig {
+            if buf.len() > UDP_HEADER {
+                if let Some(t) = m.engine.poll_transmit(now, &mut buf[UDP_HEADER..]) {
+                    let len = UDP_HEADER + t.len;
+                    let port = capybara_proto::ports::TCPMIG.to_be_bytes();
+                    buf[0..2].copy_from_slice(&port);
+                    buf[2..4].copy_from_slice(&port);
+                    buf[4..6].copy_from_slice(&(len as u16).to_be_bytes());
+                    buf[6..8].copy_from_slice(&[0, 0]);
+                    let mut sum = checksum::transport(self.local, t.dst, IPPROTO_UDP, &buf[..len]);
+                    if sum == 0 {
+                        sum = 0xffff;
+                    }
+                    buf[6..8].copy_from_slice(&sum.to_be_bytes());
+                    return Some(Ipv4Out { src: self.local, dst: t.dst, protocol: IPPROTO_UDP, len });
+                }
+            }
+        }
         self.tcp
             .poll_transmit(now, buf)
             .map(|t| Ipv4Out { src: t.src, dst: t.dst, protocol: IPPROTO_TCP, len: t.len })
     }
 
     fn poll_timeout(&self) -> Option<Instant> {
-        self.tcp.poll_timeout()
+        let tcp = self.tcp.poll_timeout();
+        let mig = self.mig.as_ref().and_then(|m| m.engine.poll_timeout());
+        match (tcp, mig) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     fn handle_timeout(&mut self, now: Instant) {
         self.tcp.handle_timeout(now);
+        if let Some(m) = &mut self.mig {
+            m.engine.handle_timeout(now);
+        }
     }
 }
 
@@ -73,6 +166,7 @@ pub struct Inner {
     pub(crate) needs_poll: bool,
     pub(crate) driver_waker: Option<Waker>,
     pub(crate) device_error: Option<String>,
+    woken: Vec<ConnId>,
 }
 
 impl Inner {
@@ -97,22 +191,64 @@ impl Inner {
             }
         };
         let mut events = false;
-        while let Some(ev) = self.transports.tcp.poll_event() {
+        loop {
+            let mut any = false;
+            while let Some(ev) = self.transports.tcp.poll_event() {
+                any = true;
+                self.dispatch(ev);
+            }
+            if let Some(m) = &mut self.transports.mig {
+                let mut woken = std::mem::take(&mut self.woken);
+                m.process_events(now, &mut self.transports.tcp, &mut woken);
+                for id in woken.drain(..) {
+                    any = true;
+                    self.wake_all(id);
+                }
+                self.woken = woken;
+            }
+            if !any {
+                break;
+            }
             events = true;
-            self.dispatch(ev);
         }
         r.received > 0 || r.transmitted > 0 || events
     }
 
-    fn dispatch(&mut self, ev: Event) {
-        let wake = |w: &mut Option<Waker>| {
-            if let Some(w) = w.take() {
-                w.wake()
+    fn wake_all(&mut self, app_id: ConnId) {
+        if let Some(w) = self.wakers.get_mut(&app_id) {
+            if let Some(w) = w.read.take() {
+                w.wake();
             }
-        };
+            if let Some(w) = w.write.take() {
+                w.wake();
+            }
+        }
+    }
+
+    /// The application handle an endpoint id belongs to (they differ only
+    /// for connections resumed after an aborted migration).
+    fn app_id(&self, id: ConnId) -> ConnId {
+        self.transports.mig.as_ref().map_or(id, |m| m.app_handle(id))
+    }
+
+    /// The endpoint id behind an application handle, or why there is none.
+    pub(crate) fn resolve(&self, app_id: ConnId) -> HandleState {
+        self.transports.mig.as_ref().map_or(HandleState::Live(app_id), |m| m.handle(app_id))
+    }
+
+    fn dispatch(&mut self, ev: Event) {
         match ev {
             Event::Accepted(_) => {
                 while let Some(id) = self.transports.tcp.accept() {
+                    if let Some(m) = &mut self.transports.mig {
+                        if let Some(app) = m.take_resumed(id) {
+                            self.wake_all(app);
+                            continue;
+                        }
+                        if let Some(flow) = self.transports.tcp.flow_key(id) {
+                            m.track(flow, id);
+                        }
+                    }
                     let port = self.transports.tcp.local_addr(id).map_or(0, |a| a.port());
                     self.accepted.entry(port).or_default().push_back(id);
                     if let Some(w) = self.accept_wakers.remove(&port) {
@@ -121,20 +257,20 @@ impl Inner {
                 }
             }
             Event::Readable(id) => {
-                if let Some(w) = self.wakers.get_mut(&id) {
-                    wake(&mut w.read);
+                let app = self.app_id(id);
+                if let Some(w) = self.wakers.get_mut(&app).and_then(|w| w.read.take()) {
+                    w.wake();
                 }
             }
             Event::Writable(id) | Event::Connected(id) => {
-                if let Some(w) = self.wakers.get_mut(&id) {
-                    wake(&mut w.write);
+                let app = self.app_id(id);
+                if let Some(w) = self.wakers.get_mut(&app).and_then(|w| w.write.take()) {
+                    w.wake();
                 }
             }
             Event::Closed { id, .. } => {
-                if let Some(w) = self.wakers.get_mut(&id) {
-                    wake(&mut w.read);
-                    wake(&mut w.write);
-                }
+                let app = self.app_id(id);
+                self.wake_all(app);
             }
         }
     }
@@ -148,11 +284,11 @@ pub struct Stack {
 }
 
 impl Stack {
-    pub fn new(iface: Interface, tcp: Endpoint, device: Box<dyn Device>, mode: PollMode) -> Stack {
+    pub fn new(iface: Interface, transports: Transports, device: Box<dyn Device>, mode: PollMode) -> Stack {
         Stack {
             inner: Rc::new(RefCell::new(Inner {
                 iface,
-                transports: Transports { tcp },
+                transports,
                 device,
                 clock: Clock::new(),
                 batch: 32,
@@ -163,6 +299,7 @@ impl Stack {
                 needs_poll: true,
                 driver_waker: None,
                 device_error: None,
+                woken: Vec::with_capacity(64),
             })),
         }
     }
@@ -181,7 +318,7 @@ impl Stack {
         let mode = self.inner.borrow().mode;
         let afd = match (mode, fd) {
             (PollMode::Sleep, Some(fd)) => Some(
-                tokio::io::unix::AsyncFd::with_interest(fd, tokio::io::Interest::READABLE)
+                tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
                     .map_err(|e| format!("cannot register the device with the reactor: {e}"))?,
             ),
             _ => None,

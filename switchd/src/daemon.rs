@@ -52,8 +52,8 @@ extern "C" fn on_signal(_: libc::c_int) {
 fn install_signal_handlers() {
     // SAFETY: the handler only stores to an atomic (async-signal-safe).
     unsafe {
-        libc::signal(libc::SIGTERM, on_signal as libc::sighandler_t);
-        libc::signal(libc::SIGINT, on_signal as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
     }
 }
 
@@ -236,6 +236,13 @@ impl Switch {
         }
         let t0 = StdInstant::now();
         self.sync_from_store()?;
+        // Restored servers were loaded while standing by: their liveness
+        // clock starts now, and their next heartbeats keep them live.
+        let now = self.now();
+        let ids: Vec<ServerId> = self.cp.servers().filter(|s| s.liveness != Liveness::Dead).map(|s| s.id).collect();
+        for id in ids {
+            let _ = self.cp.heartbeat(now, id);
+        }
         self.attach_all()?;
         self.role = "active";
         let ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -366,6 +373,7 @@ impl Switch {
             .with_context(|| format!("binding the control channel on {} (config field `control_listen`)", self.cfg.control_listen))?;
         let load_sock = UdpSocket::bind(SocketAddrV4::new(self.cfg.switch_addr(), 0)).context("binding the load-notification socket")?;
         load_sock.set_nonblocking(true)?;
+        sock.set_nonblocking(true)?;
         self.warm.clear();
         let interval = self.cfg.load_interval;
         let mut next_tick = self.now() + interval;
@@ -431,30 +439,25 @@ impl Switch {
             while let Ok(cmd) = self.cmd_rx.try_recv() {
                 self.command(&sock, cmd);
             }
-            let wait = next_tick.saturating_since(self.now()).max(Duration::from_micros(50));
-            sock.set_read_timeout(Some(wait))?;
-            match sock.recv_from(&mut buf) {
-                Ok((n, from)) => {
-                    let now = self.now();
-                    if let Some(reply) = self.handle_control(now, from, &buf[..n]) {
-                        let _ = sock.send_to(&reply, from);
-                    }
-                    // Drain what else is queued without waiting.
-                    sock.set_nonblocking(true)?;
-                    for _ in 0..256 {
-                        match sock.recv_from(&mut buf) {
-                            Ok((n, from)) => {
-                                if let Some(reply) = self.handle_control(now, from, &buf[..n]) {
-                                    let _ = sock.send_to(&reply, from);
-                                }
-                            }
-                            Err(_) => break,
+            // ppoll, not SO_RCVTIMEO: the latter rounds up to jiffies (4 ms
+            // at HZ=250), far coarser than the 1 ms pool-monitor interval.
+            let wait = next_tick.saturating_since(self.now());
+            wait_readable(&sock, wait);
+            // Everything queued, without waiting (bounded per round).
+            for _ in 0..256 {
+                match sock.recv_from(&mut buf) {
+                    Ok((n, from)) => {
+                        let now = self.now();
+                        if let Some(reply) = self.handle_control(now, from, &buf[..n]) {
+                            let _ = sock.send_to(&reply, from);
                         }
                     }
-                    sock.set_nonblocking(false)?;
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => {
+                        eprintln!("switchd: control channel: {e}");
+                        break;
+                    }
                 }
-                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
-                Err(e) => eprintln!("switchd: control channel: {e}"),
             }
         }
         Ok(())
@@ -771,6 +774,15 @@ impl Switch {
             let _ = rt.block_on(async { tokio::time::timeout(Duration::from_secs(1), store.resign(&lease)).await });
         }
     }
+}
+
+/// Waits until `sock` is readable or `timeout` passed (nanosecond timer).
+fn wait_readable(sock: &UdpSocket, timeout: Duration) {
+    use std::os::fd::AsRawFd;
+    let mut pfd = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    // SAFETY: one valid pollfd, valid timespec, no signal mask.
+    unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
 }
 
 fn new_peer(mgmt: SocketAddr) -> Peer {

@@ -11,6 +11,7 @@
 pub mod abi;
 pub mod config;
 pub mod daemon;
+pub mod labkit;
 pub mod persist;
 pub mod sys;
 pub mod maglev;

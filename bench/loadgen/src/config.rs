@@ -12,7 +12,9 @@ use serde::Serialize;
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum Dist {
     Uniform,
-    Zipf { alpha: f64 },
+    Zipf {
+        alpha: f64,
+    },
     /// Uniform base load plus a rising step on a subset of connections.
     Step,
 }
@@ -239,7 +241,10 @@ impl Args {
         let mut c = Config::new(target);
         c.duration = dur("duration", &self.duration)?;
         if c.duration.is_zero() || c.duration > Duration::from_secs(24 * 3600) {
-            return Err(format!("invalid --duration {:?}: must be > 0 and at most 24h", self.duration));
+            return Err(format!(
+                "invalid --duration {:?}: must be > 0 and at most 24h",
+                self.duration
+            ));
         }
         let capacity = self.capacity.map(|v| positive("capacity", v)).transpose()?;
         c.rate = match (self.rate, self.util) {
@@ -247,11 +252,15 @@ impl Args {
             (None, Some(u)) => {
                 let u = positive("util", u)?;
                 if u > 100.0 {
-                    return Err(format!("invalid --util {u}: a fraction of capacity (e.g. 0.6)"));
+                    return Err(format!(
+                        "invalid --util {u}: a fraction of capacity (e.g. 0.6)"
+                    ));
                 }
                 u * capacity.unwrap_or(0.0)
             }
-            (None, None) => return Err("missing load: give --rate RPS or --util U --capacity RPS".into()),
+            (None, None) => {
+                return Err("missing load: give --rate RPS or --util U --capacity RPS".into())
+            }
             (Some(_), Some(_)) => return Err("give either --rate or --util, not both".into()),
         };
         if c.rate > 10_000_000.0 {
@@ -271,7 +280,11 @@ impl Args {
                 Dist::Zipf { alpha: a }
             }
             "step" => Dist::Step,
-            other => return Err(format!("invalid --dist {other:?}: expected uniform, zipf or step")),
+            other => {
+                return Err(format!(
+                    "invalid --dist {other:?}: expected uniform, zipf or step"
+                ))
+            }
         };
         c.shuffle_ranks = !self.ranks_in_order;
         let step_flags = self.step_conns.is_some()
@@ -281,7 +294,10 @@ impl Args {
             || self.step_start.is_some();
         if c.dist == Dist::Step {
             let subset = match (&self.step_conns, &self.step_server) {
-                (Some(l), None) => StepSubset::Conns(crate::schedule::parse_conn_list(l, c.conns).map_err(|e| format!("--step-conns: {e}"))?),
+                (Some(l), None) => StepSubset::Conns(
+                    crate::schedule::parse_conn_list(l, c.conns)
+                        .map_err(|e| format!("--step-conns: {e}"))?,
+                ),
                 (None, Some(s)) if !s.is_empty() => StepSubset::Server(s.clone()),
                 (None, Some(_)) => return Err("invalid --step-server \"\": empty server id".into()),
                 _ => return Err("--dist step needs --step-conns LIST or --step-server ID".into()),
@@ -289,11 +305,19 @@ impl Args {
             let step_rps = match (self.step_rps, self.step_util) {
                 (Some(r), None) => positive("step-rps", r)?,
                 (None, Some(u)) => positive("step-util", u)? * capacity.unwrap_or(0.0),
-                _ => return Err("--dist step needs --step-rps RPS or --step-util U (with --capacity)".into()),
+                _ => {
+                    return Err(
+                        "--dist step needs --step-rps RPS or --step-util U (with --capacity)"
+                            .into(),
+                    )
+                }
             };
             let interval = dur("step-interval", &self.step_interval)?;
             if interval < Duration::from_micros(100) {
-                return Err(format!("invalid --step-interval {:?}: at least 100us", self.step_interval));
+                return Err(format!(
+                    "invalid --step-interval {:?}: at least 100us",
+                    self.step_interval
+                ));
             }
             let start = match &self.step_start {
                 Some(s) => dur("step-start", s)?,
@@ -302,12 +326,24 @@ impl Args {
             if self.step_max == 0 {
                 return Err("invalid --step-max 0: at least 1".into());
             }
-            c.step = Some(StepConfig { subset, start, interval, step_rps, max_steps: self.step_max });
+            c.step = Some(StepConfig {
+                subset,
+                start,
+                interval,
+                step_rps,
+                max_steps: self.step_max,
+            });
         } else if step_flags {
-            return Err(format!("step flags (--step-*) need --dist step, not --dist {}", self.dist));
+            return Err(format!(
+                "step flags (--step-*) need --dist step, not --dist {}",
+                self.dist
+            ));
         }
         if self.short_requests == 0 || self.short_requests > 10_000 {
-            return Err(format!("invalid --short-requests {}: must be 1..=10000", self.short_requests));
+            return Err(format!(
+                "invalid --short-requests {}: must be 1..=10000",
+                self.short_requests
+            ));
         }
         c.short_requests = self.short_requests;
         c.short_rate = match (self.short_share, self.short_conns) {
@@ -319,7 +355,9 @@ impl Args {
             }
             (None, Some(n)) => n as f64 * c.short_requests as f64 / c.duration.as_secs_f64(),
             (None, None) => 0.0,
-            (Some(_), Some(_)) => return Err("give either --short-share or --short-conns, not both".into()),
+            (Some(_), Some(_)) => {
+                return Err("give either --short-share or --short-conns, not both".into())
+            }
         };
         if c.short_rate > c.rate * (1.0 + 1e-9) {
             return Err(format!(
@@ -336,7 +374,10 @@ impl Args {
             return Err("invalid --max-short-inflight 0 with short flows".into());
         }
         if self.max_outstanding == 0 || self.max_outstanding > 1 << 20 {
-            return Err(format!("invalid --max-outstanding {}: must be 1..=1048576", self.max_outstanding));
+            return Err(format!(
+                "invalid --max-outstanding {}: must be 1..=1048576",
+                self.max_outstanding
+            ));
         }
         c.max_outstanding = self.max_outstanding;
         c.timeout = dur("timeout", &self.timeout)?;
@@ -346,13 +387,22 @@ impl Args {
         }
         c.interval = dur("interval", &self.interval)?;
         if c.interval < Duration::from_micros(100) {
-            return Err(format!("invalid --interval {:?}: at least 100us", self.interval));
+            return Err(format!(
+                "invalid --interval {:?}: at least 100us",
+                self.interval
+            ));
         }
         if c.duration.as_nanos() / c.interval.as_nanos() > 10_000_000 {
-            return Err(format!("invalid --interval {:?}: more than 10M timeline rows for --duration {:?}", self.interval, self.duration));
+            return Err(format!(
+                "invalid --interval {:?}: more than 10M timeline rows for --duration {:?}",
+                self.interval, self.duration
+            ));
         }
         if !self.path.starts_with('/') || self.path.bytes().any(|b| b <= b' ' || b >= 0x7f) {
-            return Err(format!("invalid --path {:?}: must start with / and contain no spaces or control bytes", self.path));
+            return Err(format!(
+                "invalid --path {:?}: must start with / and contain no spaces or control bytes",
+                self.path
+            ));
         }
         c.path = self.path.clone();
         if let Some(h) = &self.host {
@@ -362,7 +412,10 @@ impl Args {
             c.host = h.clone();
         }
         if !(100..=599).contains(&self.expect_status) {
-            return Err(format!("invalid --expect-status {}: must be 100..=599", self.expect_status));
+            return Err(format!(
+                "invalid --expect-status {}: must be 100..=599",
+                self.expect_status
+            ));
         }
         c.expect_status = self.expect_status;
         c.expect_body = self.expect_body;

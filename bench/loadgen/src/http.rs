@@ -79,7 +79,10 @@ fn find_head_end(buf: &[u8]) -> Option<usize> {
 /// Parse one response head at the start of `buf`; `server_header` is the
 /// lower-case name of the server-id header (e.g. `x-server`). `Ok(None)`:
 /// the head is not complete yet.
-pub fn parse_response_head(buf: &[u8], server_header: &[u8]) -> Result<Option<ResponseHead>, ParseError> {
+pub fn parse_response_head(
+    buf: &[u8],
+    server_header: &[u8],
+) -> Result<Option<ResponseHead>, ParseError> {
     let Some(head_len) = find_head_end(buf) else {
         if buf.len() >= MAX_HEAD {
             return Err(ParseError::HeadTooLarge);
@@ -95,7 +98,10 @@ pub fn parse_response_head(buf: &[u8], server_header: &[u8]) -> Result<Option<Re
         return Err(ParseError::HeadTooLarge);
     }
     let head = &buf[..head_len - 2]; // keep the CRLF ending the last header line
-    let line_end = head.iter().position(|&b| b == b'\n').ok_or(ParseError::BadStatusLine)?;
+    let line_end = head
+        .iter()
+        .position(|&b| b == b'\n')
+        .ok_or(ParseError::BadStatusLine)?;
     if line_end == 0 || head[line_end - 1] != b'\r' {
         return Err(ParseError::BadStatusLine);
     }
@@ -112,7 +118,10 @@ pub fn parse_response_head(buf: &[u8], server_header: &[u8]) -> Result<Option<Re
         return Err(ParseError::BadStatusLine);
     }
     let code = &line[9..12];
-    if !code.iter().all(u8::is_ascii_digit) || code[0] == b'0' || (line.len() > 12 && line[12] != b' ') {
+    if !code.iter().all(u8::is_ascii_digit)
+        || code[0] == b'0'
+        || (line.len() > 12 && line[12] != b' ')
+    {
         return Err(ParseError::BadStatusCode);
     }
     let status = code.iter().fold(0u16, |a, &d| a * 10 + (d - b'0') as u16);
@@ -123,7 +132,10 @@ pub fn parse_response_head(buf: &[u8], server_header: &[u8]) -> Result<Option<Re
     let mut close = http10;
     let mut pos = line_end + 1;
     while pos < head.len() {
-        let rel = head[pos..].iter().position(|&b| b == b'\n').ok_or(ParseError::BadHeader)?;
+        let rel = head[pos..]
+            .iter()
+            .position(|&b| b == b'\n')
+            .ok_or(ParseError::BadHeader)?;
         let end = pos + rel;
         if rel == 0 || head[end - 1] != b'\r' {
             return Err(ParseError::BadHeader);
@@ -133,7 +145,10 @@ pub fn parse_response_head(buf: &[u8], server_header: &[u8]) -> Result<Option<Re
         if l.is_empty() {
             break;
         }
-        let colon = l.iter().position(|&b| b == b':').ok_or(ParseError::BadHeader)?;
+        let colon = l
+            .iter()
+            .position(|&b| b == b':')
+            .ok_or(ParseError::BadHeader)?;
         let name = &l[..colon];
         if name.is_empty() || name.iter().any(|&b| b <= b' ' || b >= 0x7f) {
             return Err(ParseError::BadHeader);
@@ -166,7 +181,13 @@ pub fn parse_response_head(buf: &[u8], server_header: &[u8]) -> Result<Option<Re
         None if bodyless => 0,
         None => return Err(ParseError::MissingContentLength),
     };
-    Ok(Some(ResponseHead { head_len, status, content_length, server, close }))
+    Ok(Some(ResponseHead {
+        head_len,
+        status,
+        content_length,
+        server,
+        close,
+    }))
 }
 
 fn trim_range(l: &[u8], mut s: usize) -> (usize, usize) {
@@ -191,7 +212,12 @@ fn parse_len(v: &[u8]) -> Option<usize> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
     /// A complete response (head and whole body).
-    Response { status: u16, body_len: usize, server: Option<u16>, close: bool },
+    Response {
+        status: u16,
+        body_len: usize,
+        server: Option<u16>,
+        close: bool,
+    },
     /// More bytes are needed.
     NeedMore,
 }
@@ -260,7 +286,12 @@ impl ResponseReader {
                     return Ok(Event::NeedMore);
                 }
                 self.pending = None;
-                return Ok(Event::Response { status, body_len: len, server, close });
+                return Ok(Event::Response {
+                    status,
+                    body_len: len,
+                    server,
+                    close,
+                });
             }
             let avail = &self.buf[self.start..self.end];
             if avail.is_empty() {
@@ -315,7 +346,11 @@ mod tests {
     fn incomplete_heads_need_more() {
         let full = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n";
         for cut in 0..full.len() {
-            assert_eq!(parse_response_head(&full[..cut], SH), Ok(None), "cut at {cut}");
+            assert_eq!(
+                parse_response_head(&full[..cut], SH),
+                Ok(None),
+                "cut at {cut}"
+            );
         }
     }
 
@@ -324,17 +359,47 @@ mod tests {
         use ParseError::*;
         let cases: &[(&[u8], ParseError)] = &[
             (b"HTTP/1.1 200 OK\r\n\r\n", MissingContentLength),
-            (b"HTTP/1.1 200 OK\r\ncontent-length: abc\r\n\r\n", BadContentLength),
-            (b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n", BadContentLength),
-            (b"HTTP/1.1 200 OK\r\ncontent-length: \r\n\r\n", BadContentLength),
-            (b"HTTP/1.1 200 OK\r\ncontent-length: 99999999999999999999\r\n\r\n", BadContentLength),
-            (b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n", ConflictingContentLength),
-            (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n", ChunkedUnsupported),
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: abc\r\n\r\n",
+                BadContentLength,
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+                BadContentLength,
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: \r\n\r\n",
+                BadContentLength,
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 99999999999999999999\r\n\r\n",
+                BadContentLength,
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+                ConflictingContentLength,
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+                ChunkedUnsupported,
+            ),
             (b"HTTP/2.0 200 OK\r\ncontent-length: 0\r\n\r\n", BadVersion),
-            (b"HTTP/1.1 2x0 OK\r\ncontent-length: 0\r\n\r\n", BadStatusCode),
-            (b"HTTP/1.1 2000 OK\r\ncontent-length: 0\r\n\r\n", BadStatusCode),
-            (b"HTTP/1.1 020 OK\r\ncontent-length: 0\r\n\r\n", BadStatusCode),
-            (b"HTTP/1.1  200 OK\r\ncontent-length: 0\r\n\r\n", BadStatusCode),
+            (
+                b"HTTP/1.1 2x0 OK\r\ncontent-length: 0\r\n\r\n",
+                BadStatusCode,
+            ),
+            (
+                b"HTTP/1.1 2000 OK\r\ncontent-length: 0\r\n\r\n",
+                BadStatusCode,
+            ),
+            (
+                b"HTTP/1.1 020 OK\r\ncontent-length: 0\r\n\r\n",
+                BadStatusCode,
+            ),
+            (
+                b"HTTP/1.1  200 OK\r\ncontent-length: 0\r\n\r\n",
+                BadStatusCode,
+            ),
             (b"HTTP/1.1 200 OK\r\nno-colon-here\r\n\r\n", BadHeader),
             (b"HTTP/1.1 200 OK\r\n: empty name\r\n\r\n", BadHeader),
             (b"HTTP/1.1 200 OK\r\nbad name: x\r\n\r\n", BadHeader),
@@ -345,7 +410,12 @@ mod tests {
             (b"HTTP/1.1\r\n\r\n", BadStatusLine),
         ];
         for (buf, want) in cases {
-            assert_eq!(parse_response_head(buf, SH), Err(*want), "{:?}", String::from_utf8_lossy(buf));
+            assert_eq!(
+                parse_response_head(buf, SH),
+                Err(*want),
+                "{:?}",
+                String::from_utf8_lossy(buf)
+            );
         }
         let mut big = b"HTTP/1.1 200 OK\r\nx: ".to_vec();
         big.resize(MAX_HEAD + 10, b'a');
@@ -375,8 +445,17 @@ mod tests {
             let spare = rd.spare();
             spare[..chunk.len()].copy_from_slice(chunk);
             rd.filled(chunk.len());
-            while let Event::Response { status, body_len, server, close } = rd.poll(b"x-server", &mut intern).unwrap() {
-                assert_eq!((status, body_len, server, close), (200, 300, Some(0), false));
+            while let Event::Response {
+                status,
+                body_len,
+                server,
+                close,
+            } = rd.poll(b"x-server", &mut intern).unwrap()
+            {
+                assert_eq!(
+                    (status, body_len, server, close),
+                    (200, 300, Some(0), false)
+                );
                 got += 1;
             }
         }
@@ -386,6 +465,9 @@ mod tests {
         let spare = rd.spare();
         spare[..5].copy_from_slice(b"HTTP?");
         rd.filled(5);
-        assert_eq!(rd.poll(b"x-server", &mut intern), Err(ParseError::BadStatusLine));
+        assert_eq!(
+            rd.poll(b"x-server", &mut intern),
+            Err(ParseError::BadStatusLine)
+        );
     }
 }

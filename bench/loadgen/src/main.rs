@@ -37,7 +37,11 @@ fn main() -> ExitCode {
                 max_steps: s.max_steps,
             };
             let (at_end, _) = steps.at(cfg.duration.as_nanos() as u64 - 1);
-            let max = if s.max_steps == u64::MAX { "unbounded".to_string() } else { s.max_steps.to_string() };
+            let max = if s.max_steps == u64::MAX {
+                "unbounded".to_string()
+            } else {
+                s.max_steps.to_string()
+            };
             println!(
                 "  step: +{:.0} rps every {:?} from {:?} (max steps {max}) on {:?}; step load at the end {:.0} rps, total offered at the end {:.0} rps",
                 s.step_rps, s.interval, s.start, s.subset, at_end, cfg.rate + at_end
@@ -48,7 +52,12 @@ fn main() -> ExitCode {
     }
     if let Some(path) = &cfg.json {
         // Fail before the run, not after it.
-        if let Err(e) = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(path) {
+        if let Err(e) = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+        {
             eprintln!("capybara-loadgen: cannot write --json {path:?}: {e}");
             return ExitCode::from(2);
         }

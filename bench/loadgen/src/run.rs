@@ -113,14 +113,19 @@ fn dispatch_long(sh: &Shared, c: &LongConn, sched: u64) {
     let stream = c.stream.borrow();
     let Some(s) = stream.as_ref() else {
         c.errors.set(c.errors.get() + 1);
-        rec.on_error(ErrorKind::ConnDown, sched, || format!("long connection {} is down", c.idx));
+        rec.on_error(ErrorKind::ConnDown, sched, || {
+            format!("long connection {} is down", c.idx)
+        });
         return;
     };
     let mut q = c.outq.borrow_mut();
     if q.len() >= sh.cfg.max_outstanding {
         c.errors.set(c.errors.get() + 1);
         rec.on_error(ErrorKind::Overflow, sched, || {
-            format!("long connection {} has {} requests outstanding", c.idx, sh.cfg.max_outstanding)
+            format!(
+                "long connection {} has {} requests outstanding",
+                c.idx, sh.cfg.max_outstanding
+            )
         });
         return;
     }
@@ -141,16 +146,34 @@ fn dispatch_long(sh: &Shared, c: &LongConn, sched: u64) {
 }
 
 /// Handle every complete response in the reader.
-fn process_long(sh: &Shared, c: &LongConn, reader: &mut ResponseReader, now: u64) -> Result<(), (ErrorKind, String)> {
+fn process_long(
+    sh: &Shared,
+    c: &LongConn,
+    reader: &mut ResponseReader,
+    now: u64,
+) -> Result<(), (ErrorKind, String)> {
     let mut rec = sh.rec.borrow_mut();
     loop {
         let ev = reader.poll(&sh.server_header, &mut |v| rec.intern(v));
         match ev {
-            Err(e) => return Err((ErrorKind::BadResponse, format!("long connection {}: {e}", c.idx))),
+            Err(e) => {
+                return Err((
+                    ErrorKind::BadResponse,
+                    format!("long connection {}: {e}", c.idx),
+                ))
+            }
             Ok(Event::NeedMore) => return Ok(()),
-            Ok(Event::Response { status, body_len, server, close }) => {
+            Ok(Event::Response {
+                status,
+                body_len,
+                server,
+                close,
+            }) => {
                 let Some(sched) = c.outq.borrow_mut().pop_front() else {
-                    return Err((ErrorKind::BadResponse, format!("long connection {}: response without a request", c.idx)));
+                    return Err((
+                        ErrorKind::BadResponse,
+                        format!("long connection {}: response without a request", c.idx),
+                    ));
                 };
                 if c.first_server.get().is_none() {
                     c.first_server.set(server);
@@ -165,32 +188,55 @@ fn process_long(sh: &Shared, c: &LongConn, reader: &mut ResponseReader, now: u64
                     rec.on_response(Flow::Long, sched, now, server);
                 }
                 if close {
-                    return Err((ErrorKind::Closed, format!("long connection {}: server sent connection: close", c.idx)));
+                    return Err((
+                        ErrorKind::Closed,
+                        format!("long connection {}: server sent connection: close", c.idx),
+                    ));
                 }
             }
         }
     }
 }
 
-fn validate(sh: &Shared, status: u16, body_len: usize, sched: u64, now: u64) -> Option<(ErrorKind, String)> {
+fn validate(
+    sh: &Shared,
+    status: u16,
+    body_len: usize,
+    sched: u64,
+    now: u64,
+) -> Option<(ErrorKind, String)> {
     if status != sh.cfg.expect_status {
-        return Some((ErrorKind::BadStatus, format!("status {status}, expected {}", sh.cfg.expect_status)));
+        return Some((
+            ErrorKind::BadStatus,
+            format!("status {status}, expected {}", sh.cfg.expect_status),
+        ));
     }
     if let Some(want) = sh.cfg.expect_body {
         if body_len != want {
-            return Some((ErrorKind::BadResponse, format!("body of {body_len} bytes, expected {want}")));
+            return Some((
+                ErrorKind::BadResponse,
+                format!("body of {body_len} bytes, expected {want}"),
+            ));
         }
     }
     let lat = now.saturating_sub(sched);
     if lat > sh.cfg.timeout.as_nanos() as u64 {
-        return Some((ErrorKind::Timeout, format!("response after {:.1} ms", lat as f64 / 1e6)));
+        return Some((
+            ErrorKind::Timeout,
+            format!("response after {:.1} ms", lat as f64 / 1e6),
+        ));
     }
     None
 }
 
 /// Serve one established long connection until it fails (Err) or the run
 /// is stopping and nothing is outstanding (Ok).
-async fn drive(sh: &Shared, c: &LongConn, s: &TcpStream, reader: &mut ResponseReader) -> Result<(), (ErrorKind, String)> {
+async fn drive(
+    sh: &Shared,
+    c: &LongConn,
+    s: &TcpStream,
+    reader: &mut ResponseReader,
+) -> Result<(), (ErrorKind, String)> {
     loop {
         if sh.stopping.get() && c.outq.borrow().is_empty() {
             return Ok(());
@@ -246,7 +292,11 @@ async fn long_conn_task(sh: Rc<Shared>, c: Rc<LongConn>) {
                     Ok(s) => Rc::new(s),
                     Err(e) => {
                         c.errors.set(c.errors.get() + 1);
-                        sh.rec.borrow_mut().on_error(ErrorKind::Connect, now_ns(), || format!("long connection {}: {e}", c.idx));
+                        sh.rec
+                            .borrow_mut()
+                            .on_error(ErrorKind::Connect, now_ns(), || {
+                                format!("long connection {}: {e}", c.idx)
+                            });
                         tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     }
@@ -268,11 +318,12 @@ async fn long_conn_task(sh: Rc<Shared>, c: Rc<LongConn>) {
                 // (clients see resets), unless the run is over.
                 let n = if sh.stopping.get() { lost } else { lost.max(1) };
                 let now = now_ns();
-                let mut rec = sh.rec.borrow_mut();
-                for _ in 0..n {
-                    rec.on_error(kind, now, || why.clone());
+                {
+                    let mut rec = sh.rec.borrow_mut();
+                    for _ in 0..n {
+                        rec.on_error(kind, now, || why.clone());
+                    }
                 }
-                drop(rec);
                 c.errors.set(c.errors.get() + n);
                 c.reconnects.set(c.reconnects.get() + 1);
                 if sh.stopping.get() {
@@ -300,11 +351,19 @@ async fn probe(cfg: &Config, s: &mut TcpStream) -> io::Result<Option<Vec<u8>>> {
             match ev {
                 Ok(Event::Response { .. }) => return Ok(()),
                 Ok(Event::NeedMore) => {}
-                Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidData, format!("probe response: {e}"))),
+                Err(e) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("probe response: {e}"),
+                    ))
+                }
             }
             let n = s.read(reader.spare()).await?;
             if n == 0 {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "probe: connection closed"));
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "probe: connection closed",
+                ));
             }
             reader.filled(n);
         }
@@ -320,16 +379,26 @@ async fn short_flow(sh: Rc<Shared>, sched: u64) {
     let k = cfg.short_requests;
     let mut done = 0u32;
     let res: Result<(), (ErrorKind, String)> = async {
-        let mut s = connect(cfg).await.map_err(|e| (ErrorKind::Connect, format!("short connection: {e}")))?;
+        let mut s = connect(cfg)
+            .await
+            .map_err(|e| (ErrorKind::Connect, format!("short connection: {e}")))?;
         sh.rec.borrow_mut().short_conns_opened += 1;
         let mut reader = ResponseReader::new(0);
         for i in 0..k {
             let issue = if i == 0 { sched } else { now_ns() };
             sh.rec.borrow_mut().on_sent(issue);
-            let req = if i + 1 == k { &sh.short_request_last } else { &sh.short_request };
-            s.write_all(req).await.map_err(|e| (io_kind(&e), format!("short connection: {e}")))?;
+            let req = if i + 1 == k {
+                &sh.short_request_last
+            } else {
+                &sh.short_request
+            };
+            s.write_all(req)
+                .await
+                .map_err(|e| (io_kind(&e), format!("short connection: {e}")))?;
             let deadline = tokio::time::Instant::now()
-                + cfg.timeout.saturating_sub(Duration::from_nanos(now_ns().saturating_sub(issue)));
+                + cfg
+                    .timeout
+                    .saturating_sub(Duration::from_nanos(now_ns().saturating_sub(issue)));
             loop {
                 let ev = {
                     let mut rec = sh.rec.borrow_mut();
@@ -337,25 +406,44 @@ async fn short_flow(sh: Rc<Shared>, sched: u64) {
                         .poll(&sh.server_header, &mut |v| rec.intern(v))
                         .map_err(|e| (ErrorKind::BadResponse, format!("short connection: {e}")))?
                 };
-                if let Event::Response { status, body_len, server, close } = ev {
+                if let Event::Response {
+                    status,
+                    body_len,
+                    server,
+                    close,
+                } = ev
+                {
                     let now = now_ns();
                     done += 1;
                     let mut rec = sh.rec.borrow_mut();
                     match validate(&sh, status, body_len, issue, now) {
-                        Some((kind, why)) => rec.on_error(kind, now, || format!("short connection: {why}")),
+                        Some((kind, why)) => {
+                            rec.on_error(kind, now, || format!("short connection: {why}"))
+                        }
                         None => rec.on_response(Flow::Short, issue, now, server),
                     }
                     if close && i + 1 < k {
-                        return Err((ErrorKind::Closed, "short connection: server sent connection: close early".into()));
+                        return Err((
+                            ErrorKind::Closed,
+                            "short connection: server sent connection: close early".into(),
+                        ));
                     }
                     break;
                 }
                 let n = tokio::time::timeout_at(deadline, s.read(reader.spare()))
                     .await
-                    .map_err(|_| (ErrorKind::Timeout, "short connection: no response".to_string()))?
+                    .map_err(|_| {
+                        (
+                            ErrorKind::Timeout,
+                            "short connection: no response".to_string(),
+                        )
+                    })?
                     .map_err(|e| (io_kind(&e), format!("short connection: {e}")))?;
                 if n == 0 {
-                    return Err((ErrorKind::Closed, "short connection: closed by the server".into()));
+                    return Err((
+                        ErrorKind::Closed,
+                        "short connection: closed by the server".into(),
+                    ));
                 }
                 reader.filled(n);
             }
@@ -367,7 +455,11 @@ async fn short_flow(sh: Rc<Shared>, sched: u64) {
         let now = now_ns();
         let mut rec = sh.rec.borrow_mut();
         // Every request of the flow that got no valid answer is an error.
-        let lost = if kind == ErrorKind::Connect { 1 } else { (k - done).max(1) };
+        let lost = if kind == ErrorKind::Connect {
+            1
+        } else {
+            (k - done).max(1)
+        };
         for _ in 0..lost {
             rec.on_error(kind, now, || why.clone());
         }
@@ -382,8 +474,10 @@ async fn scheduler(sh: Rc<Shared>, conns: Vec<Rc<LongConn>>, t0: u64) -> Option<
     let hard_stop_ns = dur_ns + cfg.timeout.as_nanos() as u64;
     let root = Rng::new(cfg.seed);
     let long_rate = cfg.long_rate();
-    let mut base = (long_rate > 0.0 && !conns.is_empty()).then(|| Poisson::new(RateFn::Const(long_rate), root.fork(1)));
-    let alias = (!conns.is_empty()).then(|| AliasTable::new(&conns.iter().map(|c| c.weight).collect::<Vec<_>>()));
+    let mut base = (long_rate > 0.0 && !conns.is_empty())
+        .then(|| Poisson::new(RateFn::Const(long_rate), root.fork(1)));
+    let alias = (!conns.is_empty())
+        .then(|| AliasTable::new(&conns.iter().map(|c| c.weight).collect::<Vec<_>>()));
     let mut step = cfg.step.as_ref().map(|s| {
         Poisson::new(
             RateFn::Step {
@@ -399,8 +493,12 @@ async fn scheduler(sh: Rc<Shared>, conns: Vec<Rc<LongConn>>, t0: u64) -> Option<
         Some(StepSubset::Conns(l)) => Some(l.clone()),
         _ => None,
     };
-    let mut short = (cfg.short_rate > 0.0)
-        .then(|| Poisson::new(RateFn::Const(cfg.short_rate / cfg.short_requests as f64), root.fork(3)));
+    let mut short = (cfg.short_rate > 0.0).then(|| {
+        Poisson::new(
+            RateFn::Const(cfg.short_rate / cfg.short_requests as f64),
+            root.fork(3),
+        )
+    });
     let mut pick = root.fork(4);
     let mut timer = Timer::new(cfg.precise_timers);
     let mut burst = 0u32;
@@ -440,7 +538,11 @@ async fn scheduler(sh: Rc<Shared>, conns: Vec<Rc<LongConn>>, t0: u64) -> Option<
             if subset.is_none() {
                 if let Some(StepSubset::Server(id)) = cfg.step.as_ref().map(|s| &s.subset) {
                     let idx = sh.rec.borrow_mut().intern(id.as_bytes());
-                    let l: Vec<usize> = conns.iter().filter(|c| c.first_server.get() == Some(idx)).map(|c| c.idx).collect();
+                    let l: Vec<usize> = conns
+                        .iter()
+                        .filter(|c| c.first_server.get() == Some(idx))
+                        .map(|c| c.idx)
+                        .collect();
                     if l.is_empty() {
                         eprintln!("capybara-loadgen: warning: no long connection has been served by {id:?}; the step load is not sent");
                     }
@@ -481,13 +583,22 @@ pub async fn run(cfg: Config) -> Result<Report, String> {
     let weights = long_weights(&cfg);
     // Open the long-lived connections first (concurrently); with probing,
     // one unrecorded request on each tells which server it landed on.
-    let probing = cfg.probe || matches!(cfg.step.as_ref().map(|s| &s.subset), Some(StepSubset::Server(_)));
-    let handles: Vec<JoinHandle<io::Result<(TcpStream, Option<Vec<u8>>)>>> = (0..cfg.conns)
+    let probing = cfg.probe
+        || matches!(
+            cfg.step.as_ref().map(|s| &s.subset),
+            Some(StepSubset::Server(_))
+        );
+    type Opened = io::Result<(TcpStream, Option<Vec<u8>>)>;
+    let handles: Vec<JoinHandle<Opened>> = (0..cfg.conns)
         .map(|_| {
             let cfg = cfg.clone();
             tokio::task::spawn_local(async move {
                 let mut s = connect(&cfg).await?;
-                let server = if probing { probe(&cfg, &mut s).await? } else { None };
+                let server = if probing {
+                    probe(&cfg, &mut s).await?
+                } else {
+                    None
+                };
                 Ok((s, server))
             })
         })
@@ -496,7 +607,9 @@ pub async fn run(cfg: Config) -> Result<Report, String> {
     let mut probed = Vec::with_capacity(cfg.conns);
     let mut first_connect_error = None;
     for h in handles {
-        let r = h.await.unwrap_or_else(|e| Err(io::Error::other(e.to_string())));
+        let r = h
+            .await
+            .unwrap_or_else(|e| Err(io::Error::other(e.to_string())));
         match r {
             Ok((s, server)) => {
                 initial.push(Some(s));
@@ -522,10 +635,18 @@ pub async fn run(cfg: Config) -> Result<Report, String> {
     let mut rec = Recorder::new(t0, interval_ns, rows);
     for (i, s) in initial.iter().enumerate() {
         if s.is_none() {
-            rec.on_error(ErrorKind::Connect, t0, || format!("long connection {i}: {}", first_connect_error.clone().unwrap_or_default()));
+            rec.on_error(ErrorKind::Connect, t0, || {
+                format!(
+                    "long connection {i}: {}",
+                    first_connect_error.clone().unwrap_or_default()
+                )
+            });
         }
     }
-    let probed: Vec<Option<u16>> = probed.iter().map(|p| p.as_ref().map(|id| rec.intern(id))).collect();
+    let probed: Vec<Option<u16>> = probed
+        .iter()
+        .map(|p| p.as_ref().map(|id| rec.intern(id)))
+        .collect();
     let sh = Rc::new(Shared {
         server_header: cfg.server_header.as_bytes().to_vec(),
         short_request: request_bytes(&cfg, "short", false),
@@ -558,7 +679,10 @@ pub async fn run(cfg: Config) -> Result<Report, String> {
         .collect();
     let mut tasks = Vec::with_capacity(conns.len());
     for c in &conns {
-        tasks.push(tokio::task::spawn_local(long_conn_task(sh.clone(), c.clone())));
+        tasks.push(tokio::task::spawn_local(long_conn_task(
+            sh.clone(),
+            c.clone(),
+        )));
     }
 
     let subset = scheduler(sh.clone(), conns.clone(), t0).await;
@@ -584,12 +708,19 @@ pub async fn run(cfg: Config) -> Result<Report, String> {
         for c in &conns {
             let n = c.outq.borrow().len();
             for _ in 0..n {
-                rec.on_error(ErrorKind::Timeout, end, || format!("long connection {}: no response by the end of the drain", c.idx));
+                rec.on_error(ErrorKind::Timeout, end, || {
+                    format!(
+                        "long connection {}: no response by the end of the drain",
+                        c.idx
+                    )
+                });
             }
             c.errors.set(c.errors.get() + n as u64);
         }
         for _ in 0..sh.short_inflight.get() {
-            rec.on_error(ErrorKind::Timeout, end, || "short connection: no response by the end of the drain".into());
+            rec.on_error(ErrorKind::Timeout, end, || {
+                "short connection: no response by the end of the drain".into()
+            });
         }
     }
     for t in tasks {
@@ -617,8 +748,17 @@ pub async fn run(cfg: Config) -> Result<Report, String> {
     latency.insert("all", summarize(&rec.all));
     latency.insert("long", summarize(&rec.long));
     latency.insert("short", summarize(&rec.short));
-    let errors_by_kind = ERROR_KINDS.iter().zip(rec.errors.iter()).map(|(k, v)| (k.name(), *v)).collect();
-    let per_server = rec.servers.iter().cloned().zip(rec.per_server_total.iter().copied()).collect();
+    let errors_by_kind = ERROR_KINDS
+        .iter()
+        .zip(rec.errors.iter())
+        .map(|(k, v)| (k.name(), *v))
+        .collect();
+    let per_server = rec
+        .servers
+        .iter()
+        .cloned()
+        .zip(rec.per_server_total.iter().copied())
+        .collect();
     Ok(Report {
         duration_s: dur_s,
         offered_rps: cfg.rate,

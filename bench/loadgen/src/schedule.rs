@@ -34,7 +34,8 @@ impl AliasTable {
         let mut scaled: Vec<f64> = weights.iter().map(|w| w * n as f64 / sum).collect();
         let mut prob = vec![1.0; n];
         let mut alias: Vec<u32> = (0..n as u32).collect();
-        let (mut small, mut large): (Vec<usize>, Vec<usize>) = (0..n).partition(|&i| scaled[i] < 1.0);
+        let (mut small, mut large): (Vec<usize>, Vec<usize>) =
+            (0..n).partition(|&i| scaled[i] < 1.0);
         while let (Some(s), Some(&l)) = (small.pop(), large.last()) {
             prob[s] = scaled[s];
             alias[s] = l as u32;
@@ -73,7 +74,12 @@ pub enum RateFn {
     Const(f64),
     /// 0 before `start_ns`; then `step * k` during the k-th interval
     /// (k = 1, 2, ...), capped at `step * max_steps`.
-    Step { start_ns: u64, interval_ns: u64, step: f64, max_steps: u64 },
+    Step {
+        start_ns: u64,
+        interval_ns: u64,
+        step: f64,
+        max_steps: u64,
+    },
 }
 
 impl RateFn {
@@ -81,7 +87,12 @@ impl RateFn {
     pub fn at(&self, t_ns: u64) -> (f64, u64) {
         match *self {
             RateFn::Const(r) => (r, u64::MAX),
-            RateFn::Step { start_ns, interval_ns, step, max_steps } => {
+            RateFn::Step {
+                start_ns,
+                interval_ns,
+                step,
+                max_steps,
+            } => {
                 if t_ns < start_ns {
                     return (0.0, start_ns);
                 }
@@ -120,7 +131,11 @@ pub struct Poisson {
 
 impl Poisson {
     pub fn new(rate: RateFn, rng: Rng) -> Poisson {
-        let mut p = Poisson { rate, rng, next_ns: 0 };
+        let mut p = Poisson {
+            rate,
+            rng,
+            next_ns: 0,
+        };
         p.next_ns = p.after(0);
         p
     }
@@ -173,13 +188,22 @@ pub fn parse_conn_list(s: &str, n: usize) -> Result<Vec<usize>, String> {
             Some((a, b)) => (a.trim(), b.trim()),
             None => (part, part),
         };
-        let a: usize = a.parse().map_err(|_| format!("invalid connection index {a:?} in {s:?}"))?;
-        let b: usize = b.parse().map_err(|_| format!("invalid connection index {b:?} in {s:?}"))?;
+        let a: usize = a
+            .parse()
+            .map_err(|_| format!("invalid connection index {a:?} in {s:?}"))?;
+        let b: usize = b
+            .parse()
+            .map_err(|_| format!("invalid connection index {b:?} in {s:?}"))?;
         if a > b {
-            return Err(format!("invalid connection range {part:?} in {s:?}: start after end"));
+            return Err(format!(
+                "invalid connection range {part:?} in {s:?}: start after end"
+            ));
         }
         if b >= n {
-            return Err(format!("connection index {b} in {s:?} out of range: only {n} long connections (0..{})", n.saturating_sub(1)));
+            return Err(format!(
+                "connection index {b} in {s:?} out of range: only {n} long connections (0..{})",
+                n.saturating_sub(1)
+            ));
         }
         out.extend(a..=b);
     }
@@ -210,7 +234,10 @@ mod tests {
         let mean = gaps.iter().sum::<f64>() / n as f64;
         let var = gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / n as f64;
         let expected = 1e9 / rate;
-        assert!((mean / expected - 1.0).abs() < 0.01, "mean gap {mean} vs {expected}");
+        assert!(
+            (mean / expected - 1.0).abs() < 0.01,
+            "mean gap {mean} vs {expected}"
+        );
         // Exponential: coefficient of variation 1.
         let cv = var.sqrt() / mean;
         assert!((cv - 1.0).abs() < 0.02, "cv {cv}");
@@ -221,7 +248,9 @@ mod tests {
             .enumerate()
             .map(|(i, g)| {
                 let f = 1.0 - (-g / expected).exp();
-                (f - i as f64 / n as f64).abs().max((f - (i + 1) as f64 / n as f64).abs())
+                (f - i as f64 / n as f64)
+                    .abs()
+                    .max((f - (i + 1) as f64 / n as f64).abs())
             })
             .fold(0.0, f64::max);
         // 1.63/sqrt(n): the 1% critical value.
@@ -230,7 +259,12 @@ mod tests {
 
     #[test]
     fn step_rate_rises_every_interval() {
-        let r = RateFn::Step { start_ns: 20_000_000, interval_ns: 20_000_000, step: 1000.0, max_steps: 3 };
+        let r = RateFn::Step {
+            start_ns: 20_000_000,
+            interval_ns: 20_000_000,
+            step: 1000.0,
+            max_steps: 3,
+        };
         assert_eq!(r.at(0), (0.0, 20_000_000));
         assert_eq!(r.at(20_000_000), (1000.0, 40_000_000));
         assert_eq!(r.at(59_999_999), (2000.0, 60_000_000));
@@ -249,7 +283,10 @@ mod tests {
         assert_eq!(counts[0], 0);
         for (k, want) in [(1, 20.0), (2, 40.0), (3, 60.0), (4, 60.0)] {
             let got = counts[k] as f64;
-            assert!((got - want).abs() < 5.0 * want.sqrt(), "interval {k}: {got} vs {want}");
+            assert!(
+                (got - want).abs() < 5.0 * want.sqrt(),
+                "interval {k}: {got} vs {want}"
+            );
         }
         assert!((r.expected_events(100_000_000) - 180.0).abs() < 1e-9);
     }
@@ -260,20 +297,27 @@ mod tests {
         let t = AliasTable::new(&w);
         let mut rng = Rng::new(11);
         let n = 1_000_000;
-        let mut c = vec![0u32; 50];
+        let mut c = [0u32; 50];
         for _ in 0..n {
             c[t.sample(&mut rng)] += 1;
         }
         for (i, &wi) in w.iter().enumerate() {
             let exp = wi * n as f64;
             let sd = (exp * (1.0 - wi)).sqrt();
-            assert!((c[i] as f64 - exp).abs() < 5.0 * sd + 1.0, "rank {i}: {} vs {exp}", c[i]);
+            assert!(
+                (c[i] as f64 - exp).abs() < 5.0 * sd + 1.0,
+                "rank {i}: {} vs {exp}",
+                c[i]
+            );
         }
     }
 
     #[test]
     fn conn_lists() {
-        assert_eq!(parse_conn_list("0-3,7, 2", 10).unwrap(), vec![0, 1, 2, 3, 7]);
+        assert_eq!(
+            parse_conn_list("0-3,7, 2", 10).unwrap(),
+            vec![0, 1, 2, 3, 7]
+        );
         assert!(parse_conn_list("5-2", 10).is_err());
         assert!(parse_conn_list("0-10", 10).is_err());
         assert!(parse_conn_list("x", 10).is_err());

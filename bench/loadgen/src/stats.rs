@@ -253,7 +253,11 @@ impl Recorder {
             r.errors = self.errors_per_interval.get(i).copied().unwrap_or(0);
             r.per_server.resize(n, 0);
         }
-        Timeline { interval_ms: self.interval_ns as f64 / 1e6, servers: self.servers.clone(), rows }
+        Timeline {
+            interval_ms: self.interval_ns as f64 / 1e6,
+            servers: self.servers.clone(),
+            rows,
+        }
     }
 }
 

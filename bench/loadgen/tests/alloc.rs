@@ -34,9 +34,15 @@ fn no_allocation_per_request_in_steady_state() {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     l.set_nonblocking(true).unwrap();
     let addr = l.local_addr().unwrap();
-    let core = Core::new(ServerConfig { service: ServiceTime::Fixed(20_000), ..Default::default() });
+    let core = Core::new(ServerConfig {
+        service: ServiceTime::Fixed(20_000),
+        ..Default::default()
+    });
     std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         rt.block_on(async move {
             let _ = run_listener(tokio::net::TcpListener::from_std(l).unwrap(), core).await;
         });
@@ -62,5 +68,8 @@ fn no_allocation_per_request_in_steady_state() {
     eprintln!("0.5 s: {req1} requests {a1} allocations; 1.0 s: {req2} requests {a2} allocations");
     // Per-interval timeline rows allocate a little (5 more rows); requests must not.
     assert!(extra_requests > 1000.0);
-    assert!(extra_allocs < 0.05 * extra_requests, "{extra_allocs} allocations for {extra_requests} more requests");
+    assert!(
+        extra_allocs < 0.05 * extra_requests,
+        "{extra_allocs} allocations for {extra_requests} more requests"
+    );
 }

@@ -32,7 +32,15 @@ fn rejects_bad_flags_naming_the_value() {
     assert!(err(&[t, "--rate=1", "--short-share=1.5"]).contains("1.5"));
     assert!(err(&[t, "--rate=10", "--duration=1s", "--short-conns=900"]).contains("short"));
     assert!(err(&[t, "--rate=1", "--dist=step"]).contains("--step-conns"));
-    assert!(err(&[t, "--rate=1", "--dist=step", "--conns=10", "--step-conns=5-20", "--step-rps=1"]).contains("20"));
+    assert!(err(&[
+        t,
+        "--rate=1",
+        "--dist=step",
+        "--conns=10",
+        "--step-conns=5-20",
+        "--step-rps=1"
+    ])
+    .contains("20"));
     assert!(err(&[t, "--rate=1", "--step-rps=1"]).contains("--dist step"));
     assert!(err(&[t, "--rate=1", "--path=nope"]).contains("nope"));
     assert!(err(&[t, "--rate=1", "--interval=1us"]).contains("1us"));
@@ -43,15 +51,28 @@ fn rejects_bad_flags_naming_the_value() {
 fn accepts_the_paper_workloads() {
     // §8.1.1: 4 servers at 60%, 100 long + 900 short connections, Zipf 1.2.
     let c = ok(&[
-        "--target=198.18.100.1:80", "--util=0.6", "--capacity=40000", "--conns=100", "--dist=zipf",
-        "--zipf-alpha=1.2", "--short-conns=900", "--duration=10s",
+        "--target=198.18.100.1:80",
+        "--util=0.6",
+        "--capacity=40000",
+        "--conns=100",
+        "--dist=zipf",
+        "--zipf-alpha=1.2",
+        "--short-conns=900",
+        "--duration=10s",
     ]);
     assert!((c.rate - 24000.0).abs() < 1e-9);
     assert!((c.short_rate - 90.0).abs() < 1e-9);
     // §8.1.2: step function, 2 servers, 20% each, +40% on server 0 every 20 ms.
     let c = ok(&[
-        "--target=198.18.100.1:80", "--util=0.2", "--capacity=20000", "--conns=100", "--dist=step",
-        "--step-server=s0", "--step-util=0.2", "--step-interval=20ms", "--duration=200ms",
+        "--target=198.18.100.1:80",
+        "--util=0.2",
+        "--capacity=20000",
+        "--conns=100",
+        "--dist=step",
+        "--step-server=s0",
+        "--step-util=0.2",
+        "--step-interval=20ms",
+        "--duration=200ms",
         "--interval=10ms",
     ]);
     let s = c.step.unwrap();

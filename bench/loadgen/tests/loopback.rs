@@ -21,11 +21,19 @@ fn start_server(id: &str, service: ServiceTime, body: usize) -> (SocketAddr, Arc
     let std_listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     std_listener.set_nonblocking(true).unwrap();
     let addr = std_listener.local_addr().unwrap();
-    let core = Core::new(ServerConfig { id: id.into(), service, body_bytes: body, ..Default::default() });
+    let core = Core::new(ServerConfig {
+        id: id.into(),
+        service,
+        body_bytes: body,
+        ..Default::default()
+    });
     let c = core.clone();
     std::thread::spawn(move || {
         capybara_testserver::hrtime::set_fine_timer_slack();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         rt.block_on(async move {
             let l = tokio::net::TcpListener::from_std(std_listener).unwrap();
             let _ = run_listener(l, c).await;
@@ -41,7 +49,10 @@ fn start_raw_server(reply: &'static [u8], close: bool) -> SocketAddr {
     std_listener.set_nonblocking(true).unwrap();
     let addr = std_listener.local_addr().unwrap();
     std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         rt.block_on(async move {
             use tokio::io::{AsyncReadExt, AsyncWriteExt};
             let l = tokio::net::TcpListener::from_std(std_listener).unwrap();
@@ -97,23 +108,39 @@ fn half_capacity_has_no_errors_and_every_response_is_validated() {
     c.short_requests = 2;
     c.expect_body = Some(128);
     let r = run(c);
-    assert_eq!(r.errors, 0, "errors: {:?} first: {:?}", r.errors_by_kind, r.first_error);
+    assert_eq!(
+        r.errors, 0,
+        "errors: {:?} first: {:?}",
+        r.errors_by_kind, r.first_error
+    );
     assert_eq!(r.requests, r.sent, "every request answered");
     assert_eq!(r.validated, r.requests);
     assert!(poisson_ok(r.sent as f64, 1500.0, 5.0), "sent {}", r.sent);
     assert!(r.short_requests > 0 && r.long_requests > 0);
     assert_eq!(r.short_requests, 2 * r.short_conns_opened);
-    assert_eq!(r.per_server.get("t1").copied(), Some(r.requests), "x-server counted");
+    assert_eq!(
+        r.per_server.get("t1").copied(),
+        Some(r.requests),
+        "x-server counted"
+    );
     let rows = &r.timeline.rows;
     assert!(rows.len() >= 15);
     assert_eq!(rows.iter().map(|x| x.completed).sum::<u64>(), r.requests);
     assert_eq!(rows.iter().map(|x| x.sent).sum::<u64>(), r.sent);
     let st = core.stats();
     assert_eq!(st.served, r.requests);
-    assert!(st.busy_fraction > 0.2 && st.busy_fraction <= 1.0, "busy {}", st.busy_fraction);
+    assert!(
+        st.busy_fraction > 0.2 && st.busy_fraction <= 1.0,
+        "busy {}",
+        st.busy_fraction
+    );
     // Latency can never be below the service time: it is measured from the
     // scheduled send time and the server really waits.
-    assert!(r.latency["all"].min_us >= 499.0, "min {}", r.latency["all"].min_us);
+    assert!(
+        r.latency["all"].min_us >= 499.0,
+        "min {}",
+        r.latency["all"].min_us
+    );
 }
 
 #[test]
@@ -131,15 +158,25 @@ fn latency_grows_when_over_capacity() {
     assert_eq!(over.errors, 0, "{:?}", over.first_error);
     let (p_under, p_over) = (under.latency["all"].p99_us, over.latency["all"].p99_us);
     // At 120% the queue grows by ~400 requests/s x 0.5 ms: ~200 ms by the end.
-    assert!(p_over > 3.0 * p_under, "p99 over {p_over} us vs under {p_under} us");
+    assert!(
+        p_over > 3.0 * p_under,
+        "p99 over {p_over} us vs under {p_under} us"
+    );
     assert!(p_over > 50_000.0, "p99 over capacity {p_over} us");
     // Open loop: the sender kept its schedule although the server fell behind.
-    assert!(poisson_ok(over.sent as f64, 2400.0, 5.0), "sent {}", over.sent);
+    assert!(
+        poisson_ok(over.sent as f64, 2400.0, 5.0),
+        "sent {}",
+        over.sent
+    );
     // The server never exceeds its capacity.
     let st = core2.stats();
     assert!(st.busy_fraction <= 1.0);
     let first_half: u64 = over.timeline.rows.iter().take(5).map(|r| r.completed).sum();
-    assert!((first_half as f64) < 0.5 * CAPACITY * 1.05 + 10.0, "served {first_half} in 0.5 s");
+    assert!(
+        (first_half as f64) < 0.5 * CAPACITY * 1.05 + 10.0,
+        "served {first_half} in 0.5 s"
+    );
 }
 
 #[test]
@@ -184,12 +221,22 @@ fn arrivals_are_poisson_at_the_rate() {
     assert!(poisson_ok(r.sent as f64, 2000.0, 5.0), "sent {}", r.sent);
     // Counts per 10 ms interval: Poisson(20) has variance = mean. A fixed
     // schedule would have variance ~0, a bursty one far above.
-    let counts: Vec<f64> = r.timeline.rows.iter().take(100).map(|x| x.sent as f64).collect();
+    let counts: Vec<f64> = r
+        .timeline
+        .rows
+        .iter()
+        .take(100)
+        .map(|x| x.sent as f64)
+        .collect();
     assert_eq!(counts.len(), 100);
     let mean = counts.iter().sum::<f64>() / 100.0;
     let var = counts.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / 99.0;
     assert!((17.0..23.0).contains(&mean), "mean per interval {mean}");
-    assert!((0.6..1.6).contains(&(var / mean)), "dispersion {}", var / mean);
+    assert!(
+        (0.6..1.6).contains(&(var / mean)),
+        "dispersion {}",
+        var / mean
+    );
 }
 
 #[test]
@@ -217,7 +264,10 @@ fn step_load_rises_on_the_chosen_connections() {
     let sent: Vec<u64> = r.timeline.rows.iter().take(5).map(|x| x.sent).collect();
     for (k, s) in sent.iter().enumerate() {
         let exp = 100.0 + 100.0 * k as f64;
-        assert!(poisson_ok(*s as f64, exp, 5.0), "interval {k}: {s} vs {exp}");
+        assert!(
+            poisson_ok(*s as f64, exp, 5.0),
+            "interval {k}: {s} vs {exp}"
+        );
     }
 }
 
@@ -237,14 +287,21 @@ fn step_subset_by_server_id() {
     });
     let r = run(c);
     assert_eq!(r.step_subset, Some(vec![0, 1, 2, 3]));
-    assert!(poisson_ok(r.sent as f64, 120.0 + 160.0, 5.0), "sent {}", r.sent);
+    assert!(
+        poisson_ok(r.sent as f64, 120.0 + 160.0, 5.0),
+        "sent {}",
+        r.sent
+    );
 }
 
 #[test]
 fn errors_are_counted_by_kind() {
     let _g = serial();
     // Nothing listens: a clear error, no panic.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
     let e = run_blocking(cfg(closed, 100.0, 0.2)).unwrap_err();
     assert!(e.contains(&closed.to_string()), "{e}");
 
@@ -252,13 +309,21 @@ fn errors_are_counted_by_kind() {
     let a = start_raw_server(b"HTTP/1.1 503 Busy\r\ncontent-length: 0\r\n\r\n", false);
     let r = run(cfg(a, 200.0, 0.3));
     assert_eq!(r.requests, 0);
-    assert!(r.errors_by_kind["bad_status"] > 20, "{:?}", r.errors_by_kind);
+    assert!(
+        r.errors_by_kind["bad_status"] > 20,
+        "{:?}",
+        r.errors_by_kind
+    );
 
     // Garbage instead of HTTP: bad_response, and the connections reconnect.
     let a = start_raw_server(b"SSH-2.0-OpenSSH_9.2\r\n", false);
     let r = run(cfg(a, 200.0, 0.3));
     assert_eq!(r.requests, 0);
-    assert!(r.errors_by_kind["bad_response"] > 0, "{:?}", r.errors_by_kind);
+    assert!(
+        r.errors_by_kind["bad_response"] > 0,
+        "{:?}",
+        r.errors_by_kind
+    );
     assert!(r.connections.iter().any(|c| c.reconnects > 0));
 
     // A body shorter than announced, then close.
@@ -273,7 +338,11 @@ fn errors_are_counted_by_kind() {
     c.expect_body = Some(256);
     let r = run(c);
     assert_eq!(r.requests, 0);
-    assert!(r.errors_by_kind["bad_response"] > 20, "{:?}", r.errors_by_kind);
+    assert!(
+        r.errors_by_kind["bad_response"] > 20,
+        "{:?}",
+        r.errors_by_kind
+    );
 }
 
 #[test]

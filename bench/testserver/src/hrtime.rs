@@ -13,7 +13,10 @@ use tokio::io::unix::AsyncFd;
 /// Nanoseconds of CLOCK_MONOTONIC.
 #[inline]
 pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: valid pointer to a timespec; CLOCK_MONOTONIC always exists.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -49,7 +52,10 @@ impl Timer {
         }
         // SAFETY: plain syscall; the result is checked.
         let raw = unsafe {
-            libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_NONBLOCK | libc::TFD_CLOEXEC)
+            libc::timerfd_create(
+                libc::CLOCK_MONOTONIC,
+                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
+            )
         };
         if raw < 0 {
             return Timer { fd: None };
@@ -58,7 +64,9 @@ impl Timer {
         let owned = unsafe { OwnedFd::from_raw_fd(raw) };
         // SAFETY: the fd is owned by the TimerFd we hand over and is neither
         // replaced nor closed while the AsyncFd holds it.
-        match unsafe { AsyncFd::register_with_interest(TimerFd(owned), tokio::io::Interest::READABLE) } {
+        match unsafe {
+            AsyncFd::register_with_interest(TimerFd(owned), tokio::io::Interest::READABLE)
+        } {
             Ok(fd) => Timer { fd: Some(fd) },
             Err(_) => Timer { fd: None },
         }
@@ -83,7 +91,10 @@ impl Timer {
             return;
         };
         let spec = libc::itimerspec {
-            it_interval: libc::timespec { tv_sec: 0, tv_nsec: 0 },
+            it_interval: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
             it_value: libc::timespec {
                 tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
                 tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
@@ -126,20 +137,30 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     let t = s.trim();
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid duration {s:?}: expected a number with a unit (ns, us, ms, s, m)"))?;
+    let v: f64 = num.parse().map_err(|_| {
+        format!("invalid duration {s:?}: expected a number with a unit (ns, us, ms, s, m)")
+    })?;
     let scale = match unit {
         "ns" => 1e-9,
         "us" | "µs" => 1e-6,
         "ms" => 1e-3,
         "s" => 1.0,
         "m" | "min" => 60.0,
-        "" => return Err(format!("invalid duration {s:?}: missing unit (ns, us, ms, s, m)")),
-        _ => return Err(format!("invalid duration {s:?}: unknown unit {unit:?} (ns, us, ms, s, m)")),
+        "" => {
+            return Err(format!(
+                "invalid duration {s:?}: missing unit (ns, us, ms, s, m)"
+            ))
+        }
+        _ => {
+            return Err(format!(
+                "invalid duration {s:?}: unknown unit {unit:?} (ns, us, ms, s, m)"
+            ))
+        }
     };
     if !v.is_finite() || v < 0.0 {
-        return Err(format!("invalid duration {s:?}: must be a non-negative number"));
+        return Err(format!(
+            "invalid duration {s:?}: must be a non-negative number"
+        ));
     }
     let secs = v * scale;
     if secs > 1e9 {
@@ -165,7 +186,10 @@ mod tests {
 
     #[test]
     fn precise_timer_sleeps_sub_millisecond() {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         rt.block_on(async {
             let mut t = Timer::new(true);
             assert!(t.is_precise());

@@ -136,7 +136,12 @@ impl Core {
         response.extend_from_slice(&body);
         let now = now_ns();
         Arc::new(Core {
-            state: Mutex::new(CoreState { free_at_ns: now, busy_ns: 0, admitted: 0, rng: Rng::new(cfg.seed) }),
+            state: Mutex::new(CoreState {
+                free_at_ns: now,
+                busy_ns: 0,
+                admitted: 0,
+                rng: Rng::new(cfg.seed),
+            }),
             cfg,
             completed: AtomicU64::new(0),
             connections: AtomicU64::new(0),
@@ -214,11 +219,19 @@ pub fn parse_request_head(buf: &[u8]) -> Result<Option<RequestHead>, &'static st
         return Ok(None);
     };
     let head = &buf[..end];
-    let mut lines = head.split(|&b| b == b'\n').map(|l| l.strip_suffix(b"\r").unwrap_or(l));
+    let mut lines = head
+        .split(|&b| b == b'\n')
+        .map(|l| l.strip_suffix(b"\r").unwrap_or(l));
     let line = lines.next().ok_or("empty request")?;
     let mut parts = line.split(|&b| b == b' ');
-    let method = parts.next().filter(|m| !m.is_empty()).ok_or("missing method")?;
-    let path = parts.next().filter(|p| !p.is_empty()).ok_or("missing path")?;
+    let method = parts
+        .next()
+        .filter(|m| !m.is_empty())
+        .ok_or("missing method")?;
+    let path = parts
+        .next()
+        .filter(|p| !p.is_empty())
+        .ok_or("missing path")?;
     let version = parts.next().ok_or("missing version")?;
     if parts.next().is_some() {
         return Err("malformed request line");
@@ -237,7 +250,10 @@ pub fn parse_request_head(buf: &[u8]) -> Result<Option<RequestHead>, &'static st
         if l.is_empty() {
             continue;
         }
-        let colon = l.iter().position(|&b| b == b':').ok_or("header without colon")?;
+        let colon = l
+            .iter()
+            .position(|&b| b == b':')
+            .ok_or("header without colon")?;
         let name = &l[..colon];
         let value = trim(&l[colon + 1..]);
         if name.eq_ignore_ascii_case(b"content-length") {
@@ -420,7 +436,12 @@ fn push_response(core: &Core, kind: Pending, out: &mut Vec<u8>) {
     core.completed.fetch_add(1, Ordering::Relaxed);
 }
 
-async fn drain_all(pending: &mut VecDeque<(u64, Pending)>, timer: &mut Timer, core: &Core, out: &mut Vec<u8>) {
+async fn drain_all(
+    pending: &mut VecDeque<(u64, Pending)>,
+    timer: &mut Timer,
+    core: &Core,
+    out: &mut Vec<u8>,
+) {
     while let Some((due, kind)) = pending.pop_front() {
         timer.sleep_until(due).await;
         push_response(core, kind, out);
@@ -450,7 +471,14 @@ pub async fn run_listener(listener: tokio::net::TcpListener, core: Arc<Core>) ->
 fn is_transient_accept_error(e: &io::Error) -> bool {
     matches!(
         e.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM | libc::ECONNABORTED | libc::EINTR)
+        Some(
+            libc::EMFILE
+                | libc::ENFILE
+                | libc::ENOBUFS
+                | libc::ENOMEM
+                | libc::ECONNABORTED
+                | libc::EINTR
+        )
     )
 }
 
@@ -460,16 +488,38 @@ mod tests {
 
     #[test]
     fn parses_requests() {
-        let r = parse_request_head(b"GET / HTTP/1.1\r\nHost: a\r\n\r\nGET").unwrap().unwrap();
-        assert_eq!(r, RequestHead { head_len: 27, is_stats: false, body_len: 0, close: false });
-        let r = parse_request_head(b"GET /stats?x=1 HTTP/1.1\r\n\r\n").unwrap().unwrap();
-        assert!(r.is_stats);
-        let r = parse_request_head(b"POST /x HTTP/1.1\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello")
+        let r = parse_request_head(b"GET / HTTP/1.1\r\nHost: a\r\n\r\nGET")
             .unwrap()
             .unwrap();
+        assert_eq!(
+            r,
+            RequestHead {
+                head_len: 27,
+                is_stats: false,
+                body_len: 0,
+                close: false
+            }
+        );
+        let r = parse_request_head(b"GET /stats?x=1 HTTP/1.1\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(r.is_stats);
+        let r = parse_request_head(
+            b"POST /x HTTP/1.1\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello",
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!((r.body_len, r.close), (5, true));
-        assert!(parse_request_head(b"GET / HTTP/1.0\r\n\r\n").unwrap().unwrap().close);
-        assert_eq!(parse_request_head(b"GET / HTTP/1.1\r\nHost: a\r\n").unwrap(), None);
+        assert!(
+            parse_request_head(b"GET / HTTP/1.0\r\n\r\n")
+                .unwrap()
+                .unwrap()
+                .close
+        );
+        assert_eq!(
+            parse_request_head(b"GET / HTTP/1.1\r\nHost: a\r\n").unwrap(),
+            None
+        );
     }
 
     #[test]
@@ -484,14 +534,21 @@ mod tests {
             b"GET / HTTP/1.1\r\nContent-Length: 12a\r\n\r\n",
             b"GET / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
         ] {
-            assert!(parse_request_head(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
+            assert!(
+                parse_request_head(bad).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
         }
         assert!(parse_request_head(&vec![b'a'; MAX_REQUEST_HEAD]).is_err());
     }
 
     #[test]
     fn core_is_fifo_with_fixed_service_time() {
-        let core = Core::new(ServerConfig { service: ServiceTime::Fixed(1000), ..Default::default() });
+        let core = Core::new(ServerConfig {
+            service: ServiceTime::Fixed(1000),
+            ..Default::default()
+        });
         let t = now_ns() + 1_000_000;
         assert_eq!(core.admit(t), t + 1000);
         assert_eq!(core.admit(t), t + 2000); // queued behind the first
@@ -501,7 +558,10 @@ mod tests {
 
     #[test]
     fn exponential_service_has_the_mean() {
-        let core = Core::new(ServerConfig { service: ServiceTime::Exponential(10_000), ..Default::default() });
+        let core = Core::new(ServerConfig {
+            service: ServiceTime::Exponential(10_000),
+            ..Default::default()
+        });
         let n = 20_000u64;
         let mut t = now_ns() + 1_000_000_000;
         let mut sum = 0u64;

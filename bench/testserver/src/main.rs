@@ -42,26 +42,44 @@ struct Args {
 }
 
 fn config(a: &Args) -> Result<(SocketAddr, ServerConfig), String> {
-    let addr: SocketAddr =
-        a.listen.parse().map_err(|_| format!("invalid --listen {:?}: expected IP:PORT", a.listen))?;
+    let addr: SocketAddr = a
+        .listen
+        .parse()
+        .map_err(|_| format!("invalid --listen {:?}: expected IP:PORT", a.listen))?;
     if a.id.is_empty() || a.id.len() > 64 || !a.id.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(format!("invalid --id {:?}: 1-64 printable ASCII characters without spaces", a.id));
+        return Err(format!(
+            "invalid --id {:?}: 1-64 printable ASCII characters without spaces",
+            a.id
+        ));
     }
     let st = parse_duration(&a.service_time).map_err(|e| format!("--service-time: {e}"))?;
     let ns = st.as_nanos();
     if ns == 0 || ns > 10_000_000_000 {
-        return Err(format!("invalid --service-time {:?}: must be between 1ns and 10s", a.service_time));
+        return Err(format!(
+            "invalid --service-time {:?}: must be between 1ns and 10s",
+            a.service_time
+        ));
     }
     let service = match a.service_dist.as_str() {
         "fixed" => ServiceTime::Fixed(ns as u64),
         "exp" | "exponential" => ServiceTime::Exponential(ns as u64),
-        other => return Err(format!("invalid --service-dist {other:?}: expected fixed or exp")),
+        other => {
+            return Err(format!(
+                "invalid --service-dist {other:?}: expected fixed or exp"
+            ))
+        }
     };
     if a.body_bytes > 64 << 20 {
-        return Err(format!("invalid --body-bytes {}: at most 64 MiB", a.body_bytes));
+        return Err(format!(
+            "invalid --body-bytes {}: at most 64 MiB",
+            a.body_bytes
+        ));
     }
     if a.max_pipeline == 0 || a.max_pipeline > 1 << 20 {
-        return Err(format!("invalid --max-pipeline {}: must be 1..=1048576", a.max_pipeline));
+        return Err(format!(
+            "invalid --max-pipeline {}: must be 1..=1048576",
+            a.max_pipeline
+        ));
     }
     Ok((
         addr,
@@ -99,7 +117,10 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     set_fine_timer_slack();
-    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("capybara-testserver: cannot start runtime: {e}");

@@ -10,13 +10,17 @@ pub struct Rng {
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
-        Rng { state: seed ^ 0x9E37_79B9_7F4A_7C15 }
+        Rng {
+            state: seed ^ 0x9E37_79B9_7F4A_7C15,
+        }
     }
 
     /// A new generator derived from this one's seed and a stream number, so
     /// independent streams do not overlap in practice.
     pub fn fork(&self, stream: u64) -> Rng {
-        let mut r = Rng { state: self.state ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03) };
+        let mut r = Rng {
+            state: self.state ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03),
+        };
         r.next_u64();
         r
     }

@@ -4,11 +4,16 @@
 use std::time::Duration;
 
 use capybara_testserver::hrtime::now_ns;
-use capybara_testserver::{run_listener, serve_connection, Core, CoreStats, ServerConfig, ServiceTime};
+use capybara_testserver::{
+    run_listener, serve_connection, Core, CoreStats, ServerConfig, ServiceTime,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 /// Read until `n` complete responses (Content-Length framed) are in `buf`.
@@ -82,7 +87,10 @@ fn malformed_request_gets_400_and_close() {
         let (mut client, server) = tokio::io::duplex(4096);
         let c = core.clone();
         let task = tokio::spawn(async move { serve_connection(server, c).await.unwrap() });
-        client.write_all(b"GET / HTTP/1.1\r\n\r\nBLAH\r\n\r\n").await.unwrap();
+        client
+            .write_all(b"GET / HTTP/1.1\r\n\r\nBLAH\r\n\r\n")
+            .await
+            .unwrap();
         let mut all = Vec::new();
         client.read_to_end(&mut all).await.unwrap();
         let text = String::from_utf8_lossy(&all);
@@ -121,13 +129,18 @@ fn connections_share_one_virtual_core() {
         let last = *done.iter().max().unwrap();
         assert!(last >= 20_000_000, "last done after {last} ns");
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(b"GET /stats HTTP/1.1\r\nConnection: close\r\n\r\n").await.unwrap();
+        s.write_all(b"GET /stats HTTP/1.1\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
         let r = read_responses(&mut s, 1).await;
         let st: CoreStats = serde_json::from_slice(&r[0].1).unwrap();
         assert_eq!(st.served, 4);
         assert!(st.busy_fraction > 0.0);
         // Connection: close is honoured.
         let mut rest = Vec::new();
-        tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut rest)).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut rest))
+            .await
+            .unwrap()
+            .unwrap();
     });
 }

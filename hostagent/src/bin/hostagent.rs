@@ -6,6 +6,7 @@
 //! field and value).
 
 use capybara_hostagent::config::{App, Backend, Config, Poll};
+use capybara_hostagent::stack::Transports;
 use capybara_hostagent::{apps, metrics, Stack, TcpListener};
 use capybara_net::device::{Device, PollMode};
 use capybara_net::iface::{Interface, InterfaceConfig};
@@ -110,7 +111,11 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
         Poll::Busy => PollMode::BusyPoll,
         Poll::Sleep => PollMode::Sleep,
     };
-    let stack = Stack::new(iface, tcp, device, mode);
+    let mut transports = Transports::new(tcp, cfg.stack.address);
+    for s in &cfg.services {
+        transports.vips.insert(s.listen.port(), *s.listen.ip());
+    }
+    let stack = Stack::new(iface, transports, device, mode);
     let name: Rc<str> = Rc::from(cfg.name.as_str());
 
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -31,6 +31,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::ops::Range;
 use std::net::{Ipv4Addr, SocketAddrV4};
 
@@ -127,6 +128,28 @@ pub struct Imported {
     pub app_state: Range<usize>,
 }
 
+/// Hasher for `ConnId`s: they are sequential numbers this endpoint hands
+/// out (never chosen by a peer), so a multiplicative hash is safe and much
+/// cheaper than SipHash. Flow keys, which peers choose, keep SipHash.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+type IdMap<V> = HashMap<ConnId, V, BuildHasherDefault<IdHasher>>;
+
 /// Lookup key: what identifies a connection whatever its IPv4 destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Key {
@@ -182,7 +205,7 @@ const SPARE_BUFFERS: usize = 16;
 pub struct Endpoint {
     cfg: TcpConfig,
     isn: IsnGenerator,
-    conns: HashMap<ConnId, Entry>,
+    conns: IdMap<Entry>,
     flows: HashMap<Key, ConnId>,
     listeners: HashMap<u16, Listener>,
     accept_queue: VecDeque<ConnId>,
@@ -206,7 +229,7 @@ impl Endpoint {
         Endpoint {
             isn: IsnGenerator::new(cfg.isn_key),
             cfg,
-            conns: HashMap::with_capacity(1024),
+            conns: IdMap::with_capacity_and_hasher(1024, Default::default()),
             flows: HashMap::with_capacity(1024),
             listeners: HashMap::new(),
             accept_queue: VecDeque::with_capacity(256),

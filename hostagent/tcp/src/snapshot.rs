@@ -292,8 +292,20 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    #[inline]
+    #[inline(always)]
     fn var(&mut self, f: &'static str) -> Result<u64> {
+        // Fast path: most fields fit in one byte.
+        if let Some(&b) = self.buf.get(self.pos) {
+            if b < 0x80 {
+                self.pos += 1;
+                return Ok(u64::from(b));
+            }
+        }
+        self.var_slow(f)
+    }
+
+    #[inline(never)]
+    fn var_slow(&mut self, f: &'static str) -> Result<u64> {
         let mut v: u64 = 0;
         let mut shift = 0u32;
         loop {
@@ -312,7 +324,7 @@ impl<'a> Reader<'a> {
             shift += 7;
         }
     }
-    #[inline]
+    #[inline(always)]
     fn var_max(&mut self, f: &'static str, max: u64) -> Result<u64> {
         let v = self.var(f)?;
         if v > max {
@@ -320,7 +332,7 @@ impl<'a> Reader<'a> {
         }
         Ok(v)
     }
-    #[inline]
+    #[inline(always)]
     fn u32v(&mut self, f: &'static str) -> Result<u32> {
         Ok(self.var_max(f, u64::from(u32::MAX))? as u32)
     }

@@ -1,0 +1,482 @@
+//! Support for the lab test (`tests/lab.rs`) and the failover benchmark
+//! (`bench-failover`): not used by the daemon.
+//!
+//! It builds a lab with `capybara lab up`, runs switchd in the switch
+//! namespace, and plays the servers with a **kernel stand-in** until the
+//! user-space stack replaces it:
+//! - the server's data address is assigned to its kernel (test only: the
+//!   real data address belongs to the user-space stack), so it answers ARP
+//!   and receives LOAD-NOTIFICATIONs;
+//! - the VIP is on the server's `lo`, and an nftables rule at prerouting
+//!   rewrites the destination of TCP to the data address back to the VIP,
+//!   statelessly (notrack), so the kernel's listener answers *from the VIP*
+//!   as the real stack does (a conntrack DNAT would un-NAT the replies);
+//! - a registration helper speaks the control channel (REGISTER, then
+//!   HEARTBEAT every 100 ms until told to stop) from the management address.
+//!
+//! Every resource is released by `Drop` (switchd processes killed, lab
+//! torn down), also when a test panics.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use capybara_proto::control::{ControlBody, ControlRepr, Heartbeat, Register, ServiceList};
+use capybara_proto::{MigrationKey, ServerId};
+
+pub const VIP: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 1);
+pub const SWITCH_SV: Ipv4Addr = Ipv4Addr::new(198, 18, 1, 1);
+pub const KEY_HEX: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+
+pub fn client_addr(i: u32) -> Ipv4Addr {
+    Ipv4Addr::new(198, 18, 0, (10 + i) as u8)
+}
+pub fn mgmt_addr(j: u32) -> Ipv4Addr {
+    Ipv4Addr::new(198, 18, 1, (10 + j) as u8)
+}
+pub fn data_addr(j: u32) -> Ipv4Addr {
+    Ipv4Addr::new(198, 18, 2, (10 + j) as u8)
+}
+
+fn sh(args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new(args[0]).args(&args[1..]).output()?;
+    anyhow::ensure!(out.status.success(), "{}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Runs `f` on a thread inside network namespace `ns` (sockets created
+/// there stay in that namespace wherever they are used later).
+pub fn in_ns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> anyhow::Result<T> {
+    let path = format!("/run/netns/{ns}");
+    let h = std::thread::spawn(move || -> anyhow::Result<T> {
+        let fd = std::fs::File::open(&path)?;
+        // SAFETY: plain syscall on a valid fd; affects this thread only.
+        anyhow::ensure!(unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } == 0, "setns {path}: {}", std::io::Error::last_os_error());
+        Ok(f())
+    });
+    h.join().map_err(|_| anyhow::anyhow!("thread in {ns} panicked"))?
+}
+
+pub fn capybara_bin() -> PathBuf {
+    std::env::var_os("CAPYBARA_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/work/main/target/debug/capybara"))
+}
+
+pub fn is_root() -> bool {
+    // SAFETY: no arguments, no memory.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// A lab with `servers` servers and one client; torn down on drop.
+pub struct Lab {
+    pub prefix: String,
+    pub dir: PathBuf,
+    switchds: Vec<Child>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Lab {
+    pub fn up(tag: &str, servers: u32) -> anyhow::Result<Lab> {
+        let prefix = format!("{tag}{}", std::process::id() % 1_000_000);
+        let dir = std::env::temp_dir().join(format!("capy-switchd-{prefix}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        let lab = Lab { prefix, dir, switchds: Vec::new(), stop: Arc::new(AtomicBool::new(false)) };
+        let bin = capybara_bin();
+        sh(&[bin.to_str().unwrap_or("capybara"), "lab", "up", "--prefix", &lab.prefix, "--servers", &servers.to_string()])?;
+        std::fs::write(lab.dir.join("key"), KEY_HEX)?;
+        for j in 1..=servers {
+            lab.stand_in_server(j)?;
+        }
+        Ok(lab)
+    }
+
+    pub fn ns(&self, node: &str) -> String {
+        format!("{}-{node}", self.prefix)
+    }
+
+    fn stand_in_server(&self, j: u32) -> anyhow::Result<()> {
+        let ns = self.ns(&format!("s{j}"));
+        let data = data_addr(j).to_string();
+        sh(&["ip", "-n", &ns, "addr", "replace", &format!("{data}/32"), "dev", "eth0"])?;
+        sh(&["ip", "-n", &ns, "addr", "replace", &format!("{VIP}/32"), "dev", "lo"])?;
+        let rules = format!(
+            "table ip capylab {{\n chain pre {{\n  type filter hook prerouting priority -300;\n  \
+             ip daddr {data} tcp dport 80 ip daddr set {VIP} notrack\n }}\n \
+             chain out {{\n  type filter hook output priority -300;\n  ip saddr {VIP} tcp sport 80 notrack\n }}\n}}\n"
+        );
+        let f = self.dir.join(format!("s{j}.nft"));
+        std::fs::write(&f, rules)?;
+        sh(&["ip", "netns", "exec", &ns, "nft", "-f", f.to_str().unwrap_or_default()])?;
+        // The kernel listener: writes "s<j>\n" on accept, then echoes lines.
+        let stop = self.stop.clone();
+        let listener = in_ns(&ns, || TcpListener::bind("0.0.0.0:80"))??;
+        listener.set_nonblocking(true)?;
+        std::thread::spawn(move || {
+            // Bounded by the stop flag, polled every 2 ms.
+            while !stop.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut c, _)) => {
+                        let _ = c.set_nonblocking(false);
+                        let _ = c.set_read_timeout(Some(Duration::from_secs(600)));
+                        if c.write_all(format!("s{j}\n").as_bytes()).is_err() {
+                            continue;
+                        }
+                        std::thread::spawn(move || {
+                            let mut r = BufReader::new(match c.try_clone() {
+                                Ok(x) => x,
+                                Err(_) => return,
+                            });
+                            let mut line = String::new();
+                            // Ends at EOF, error or timeout.
+                            while r.read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
+                                if c.write_all(format!("s{j} {line}").as_bytes()).is_err() {
+                                    break;
+                                }
+                                line.clear();
+                            }
+                        });
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// Writes a switchd config for this lab and returns its path.
+    pub fn switchd_config(&self, name: &str, servers: u32, weights: &[u32], metrics_port: u16, extra: &str) -> anyhow::Result<PathBuf> {
+        let mut t = format!(
+            "control_listen = \"{SWITCH_SV}:7692\"\nkey_file = \"{}\"\nmetrics_listen = \"127.0.0.1:{metrics_port}\"\n\
+             store = \"sqlite:{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 500\nclosed_linger_ms = 1000\nmax_flows = 65536\n{extra}\n\
+             [[interfaces]]\nname = \"cl1\"\nrole = \"client\"\n",
+            self.dir.join("key").display(),
+            self.dir.join("store.db").display()
+        );
+        for j in 1..=servers {
+            t += &format!("[[interfaces]]\nname = \"sv{j}\"\nrole = \"server\"\n");
+        }
+        t += &format!("[[services]]\nname = \"web\"\nvip = \"{VIP}:80\"\npool = [");
+        for (j, w) in weights.iter().enumerate() {
+            t += &format!("{}{{ server = {}, weight = {w} }}", if j > 0 { ", " } else { "" }, j + 1);
+        }
+        t += "]\n";
+        let p = self.dir.join(format!("{name}.toml"));
+        std::fs::write(&p, t)?;
+        Ok(p)
+    }
+
+    /// Starts switchd in the switch namespace; returns its index for [`Self::kill`].
+    pub fn start_switchd(&mut self, bin: &std::path::Path, config: &std::path::Path, log: &str) -> anyhow::Result<usize> {
+        let logf = std::fs::File::create(self.dir.join(log))?;
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.ns("sw")])
+            .arg(bin)
+            .arg("--config")
+            .arg(config)
+            .stdout(Stdio::from(logf.try_clone()?))
+            .stderr(Stdio::from(logf))
+            .spawn()?;
+        self.switchds.push(child);
+        Ok(self.switchds.len() - 1)
+    }
+
+    pub fn kill(&mut self, i: usize, signal: i32) {
+        if let Some(c) = self.switchds.get_mut(i) {
+            // `ip netns exec` execs the binary: the child pid is switchd's.
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(c.id() as i32, signal) };
+        }
+    }
+
+    pub fn wait(&mut self, i: usize, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            if let Ok(Some(s)) = self.switchds[i].try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    pub fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.join(name)).unwrap_or_default()
+    }
+
+    /// GET `path` from a switchd status endpoint in the switch namespace.
+    pub fn fetch(&self, port: u16, path: &str) -> anyhow::Result<String> {
+        let path = path.to_string();
+        in_ns(&self.ns("sw"), move || crate::daemon::fetch(SocketAddr::from(([127, 0, 0, 1], port)), &path))?
+    }
+
+    pub fn status(&self, port: u16) -> anyhow::Result<serde_json::Value> {
+        Ok(serde_json::from_str(&self.fetch(port, "/status")?)?)
+    }
+
+    /// Polls `/status` until `pred` holds; returns the status and elapsed time.
+    pub fn wait_status(
+        &self,
+        port: u16,
+        timeout: Duration,
+        what: &str,
+        pred: impl Fn(&serde_json::Value) -> bool,
+    ) -> anyhow::Result<(serde_json::Value, Duration)> {
+        let start = Instant::now();
+        let mut last = serde_json::Value::Null;
+        while start.elapsed() < timeout {
+            if let Ok(s) = self.status(port) {
+                if pred(&s) {
+                    return Ok((s, start.elapsed()));
+                }
+                last = s;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        anyhow::bail!("{what}: not reached within {timeout:?}; last status {last}")
+    }
+
+    /// Registers server `j` and heartbeats every 100 ms until the returned
+    /// handle is stopped or dropped.
+    pub fn register_server(&self, j: u32, weight: u16) -> anyhow::Result<ServerAgent> {
+        let ns = self.ns(&format!("s{j}"));
+        let out = sh(&["ip", "-n", &ns, "-o", "link", "show", "eth0"])?;
+        let mac = out
+            .split_whitespace()
+            .skip_while(|t| *t != "link/ether")
+            .nth(1)
+            .and_then(crate::sys::parse_mac)
+            .ok_or_else(|| anyhow::anyhow!("no MAC for eth0 in {ns}"))?;
+        let sock = in_ns(&ns, move || UdpSocket::bind(SocketAddrV4::new(mgmt_addr(j), 0)))??;
+        sock.set_read_timeout(Some(Duration::from_millis(200)))?;
+        let key = MigrationKey::from_hex(KEY_HEX)?;
+        let switch = SocketAddrV4::new(SWITCH_SV, capybara_proto::ports::CONTROL);
+        let mut seq = 1u64;
+        let services = [SocketAddrV4::new(VIP, 80)];
+        let reg = ControlRepr {
+            server_id: ServerId(j),
+            seq,
+            body: ControlBody::Register(Register {
+                mgmt_addr: mgmt_addr(j),
+                data_addr: data_addr(j),
+                data_mac: mac,
+                weight,
+                services: ServiceList::Slice(&services),
+            }),
+        };
+        let mut buf = vec![0u8; reg.buffer_len()];
+        reg.emit_with_mac(&mut buf, &key)?;
+        let mut acked = false;
+        let mut rbuf = [0u8; 1500];
+        // Bounded: 50 tries of 200 ms.
+        for _ in 0..50 {
+            sock.send_to(&buf, switch)?;
+            if let Ok((n, _)) = sock.recv_from(&mut rbuf) {
+                match ControlRepr::parse_verified(&rbuf[..n], &key) {
+                    Ok(ControlRepr { body: ControlBody::RegisterAck(_), .. }) => {
+                        acked = true;
+                        break;
+                    }
+                    Ok(other) => anyhow::bail!("server {j}: REGISTER answered with {:?}", other.body),
+                    Err(_) => {}
+                }
+            }
+        }
+        anyhow::ensure!(acked, "server {j}: no REGISTER_ACK from {switch}");
+        let stop = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(AtomicU64::new(0));
+        let (stop2, sent2) = (stop.clone(), sent.clone());
+        let _ = sock.set_nonblocking(true);
+        std::thread::spawn(move || {
+            // Bounded by the stop flag.
+            while !stop2.load(Ordering::Relaxed) {
+                seq += 1;
+                let hb = ControlRepr {
+                    server_id: ServerId(j),
+                    seq,
+                    body: ControlBody::Heartbeat(Heartbeat { connections: 0, migrations_in_flight: 0, load_pps: 0, rx_backlog_bytes: 0, flags: 0 }),
+                };
+                let mut b = vec![0u8; hb.buffer_len()];
+                if hb.emit_with_mac(&mut b, &key).is_ok() && sock.send_to(&b, switch).is_ok() {
+                    sent2.fetch_add(1, Ordering::Relaxed);
+                }
+                // Replies (DRAIN, ERROR) are not acted on by the stand-in.
+                let mut r = [0u8; 1500];
+                while sock.recv_from(&mut r).is_ok() {}
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        Ok(ServerAgent { stop, heartbeats: sent })
+    }
+
+    /// A UDP socket on server `j`'s data address, LOAD port (stand-in).
+    pub fn load_listener(&self, j: u32) -> anyhow::Result<UdpSocket> {
+        let s = in_ns(&self.ns(&format!("s{j}")), move || UdpSocket::bind(SocketAddrV4::new(data_addr(j), capybara_proto::ports::LOAD)))??;
+        s.set_read_timeout(Some(Duration::from_millis(500)))?;
+        Ok(s)
+    }
+
+    /// Opens `n` connections from client 1 to the VIP; each tells which
+    /// server answered. Returns (local port, server, stream) per connection.
+    pub fn connect_many(&self, n: usize, keep: bool) -> anyhow::Result<Vec<(u16, u32, Option<TcpStream>)>> {
+        in_ns(&self.ns("c1"), move || -> anyhow::Result<Vec<(u16, u32, Option<TcpStream>)>> {
+            let mut out = Vec::with_capacity(n);
+            for i in 0..n {
+                let c = TcpStream::connect_timeout(&SocketAddr::from((VIP, 80)), Duration::from_secs(3))
+                    .map_err(|e| anyhow::anyhow!("connection {i}: {e}"))?;
+                c.set_read_timeout(Some(Duration::from_secs(3)))?;
+                let port = c.local_addr()?.port();
+                let mut line = String::new();
+                BufReader::new(&c).read_line(&mut line).map_err(|e| anyhow::anyhow!("connection {i} (port {port}): {e}"))?;
+                let server: u32 = line.trim().trim_start_matches('s').parse().map_err(|_| anyhow::anyhow!("connection {i}: greeting {line:?}"))?;
+                out.push((port, server, keep.then_some(c)));
+            }
+            Ok(out)
+        })?
+    }
+}
+
+/// Sends one line on an established connection and checks the echo.
+pub fn ping(c: &mut TcpStream, server: u32, tag: &str) -> anyhow::Result<()> {
+    c.write_all(format!("{tag}\n").as_bytes())?;
+    let mut line = String::new();
+    let mut r = BufReader::new(c.try_clone()?);
+    r.read_line(&mut line)?;
+    anyhow::ensure!(line == format!("s{server} {tag}\n"), "echo {line:?}, expected from s{server}");
+    Ok(())
+}
+
+pub struct ServerAgent {
+    stop: Arc<AtomicBool>,
+    pub heartbeats: Arc<AtomicU64>,
+}
+
+impl ServerAgent {
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Drop for ServerAgent {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for c in &mut self.switchds {
+            // SAFETY: signalling our own child; SIGTERM first for a clean detach.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        }
+        for c in &mut self.switchds {
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_secs(3) {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let bin = capybara_bin();
+        let _ = Command::new(bin).args(["lab", "down", "--prefix", &self.prefix]).output();
+        if std::env::var_os("CAPY_KEEP_LAB_DIR").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Outcome of one failover run.
+#[derive(Debug, Clone)]
+pub struct FailoverResult {
+    /// SIGKILL of the active -> the standby reports itself active.
+    pub takeover_ms: f64,
+    /// The new active's own sync-and-attach time after winning the lease.
+    pub attach_ms: f64,
+    /// Established connections that failed an echo after the takeover.
+    pub connections_lost: usize,
+    /// Longest wait for an echo on a connection pinging every 20 ms across
+    /// the failover: the client-visible stall.
+    pub max_stall_ms: f64,
+    pub flows_restored: u64,
+}
+
+/// Active + standby switchd in one switch namespace, `n` established
+/// connections, SIGKILL of the active (see docs/SWITCHD.md, HA).
+pub fn failover_run(switchd: &std::path::Path, n: usize) -> anyhow::Result<FailoverResult> {
+    let mut lab = Lab::up("swh", 3)?;
+    let ha = "[ha]\nenabled = true\nlease_ttl_ms = 1000\nflow_sync_interval_ms = 200\n";
+    let a = lab.switchd_config("a", 3, &[1, 1, 1], 9102, ha)?;
+    let b = lab.switchd_config("b", 3, &[1, 1, 1], 9103, ha)?;
+    let ia = lab.start_switchd(switchd, &a, "a.log")?;
+    lab.wait_status(9102, Duration::from_secs(10), "first switchd active", |s| s["role"] == "active")
+        .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("a.log")))?;
+    lab.start_switchd(switchd, &b, "b.log")?;
+    lab.wait_status(9103, Duration::from_secs(10), "second switchd standby", |s| s["role"] == "standby")
+        .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("b.log")))?;
+    let _agents: Vec<ServerAgent> = (1..=3).map(|j| lab.register_server(j, 1)).collect::<anyhow::Result<_>>()?;
+    let mut held = lab.connect_many(n, true)?;
+    for (_, s, c) in held.iter_mut() {
+        ping(c.as_mut().expect("kept"), *s, "before")?;
+    }
+    let mut pinger = lab.connect_many(1, true)?;
+    let (_, psrv, pc) = pinger.pop().expect("one");
+    let mut pc = pc.expect("kept");
+    pc.set_read_timeout(Some(Duration::from_secs(10)))?;
+    lab.wait_status(9103, Duration::from_secs(5), "standby warm", |s| s["warm_flows"].as_u64().unwrap_or(0) >= (n + 1) as u64)
+        .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("b.log")))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let stall = std::thread::spawn(move || -> anyhow::Result<f64> {
+        let mut worst: f64 = 0.0;
+        let mut i = 0u64;
+        // Bounded by the stop flag (and the 10 s read timeout per echo).
+        while !stop2.load(Ordering::Relaxed) {
+            let t = Instant::now();
+            ping(&mut pc, psrv, &format!("p{i}"))?;
+            worst = worst.max(t.elapsed().as_secs_f64() * 1e3);
+            i += 1;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(worst)
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    lab.kill(ia, libc::SIGKILL);
+    let killed = Instant::now();
+    let (st, _) = lab
+        .wait_status(9103, Duration::from_secs(15), "standby takes over", |s| s["role"] == "active")
+        .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("b.log")))?;
+    let takeover_ms = killed.elapsed().as_secs_f64() * 1e3;
+    std::thread::sleep(Duration::from_millis(300));
+    let mut lost = 0;
+    for (_, s, c) in held.iter_mut() {
+        if let Err(e) = ping(c.as_mut().expect("kept"), *s, "after") {
+            eprintln!("connection to s{s} lost: {e}");
+            lost += 1;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let max_stall_ms = match stall.join() {
+        Ok(Ok(w)) => w,
+        Ok(Err(e)) => {
+            eprintln!("pinging connection lost: {e}");
+            lost += 1;
+            f64::NAN
+        }
+        Err(_) => f64::NAN,
+    };
+    Ok(FailoverResult {
+        takeover_ms,
+        attach_ms: st["takeover_ms"].as_f64().unwrap_or(f64::NAN),
+        connections_lost: lost,
+        max_stall_ms,
+        flows_restored: st["restored_flows"].as_u64().unwrap_or(0),
+    })
+}

@@ -1,0 +1,168 @@
+//! End-to-end tests in the network-namespace lab (root; skipped otherwise):
+//! switchd in `P-sw`, kernel stand-ins for the servers (see
+//! `capybara_switchd::labkit`), a real Linux TCP client.
+//!
+//! - placement: 3,000 connections land on the server that the Maglev table
+//!   predicts for their 4-tuple, and the shares are within 5 percentage
+//!   points of the weights (1:2:3);
+//! - liveness: a server whose heartbeats stop is dead within 1 s, its flow
+//!   entries are gone, connections to the others keep working;
+//! - persistence: flows are in the store; closed flows are reaped after the
+//!   linger;
+//! - HA: SIGKILL of the active switchd while the client holds established
+//!   connections; the standby takes over and every connection still works.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use capybara_proto::FlowKey;
+use capybara_switchd::labkit::{self, Lab, VIP};
+use capybara_switchd::maglev::{self, Backend};
+
+/// The lab tests share the 2-core machine: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn skip() -> bool {
+    if !labkit::is_root() {
+        eprintln!("skipped: needs root (network namespaces, XDP)");
+        return true;
+    }
+    if !labkit::capybara_bin().exists() {
+        eprintln!("skipped: {} missing (build the appliance or set CAPYBARA_BIN)", labkit::capybara_bin().display());
+        return true;
+    }
+    false
+}
+
+fn switchd_bin() -> std::path::PathBuf {
+    env!("CARGO_BIN_EXE_switchd").into()
+}
+
+#[test]
+fn placement_liveness_and_persistence() {
+    if skip() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut lab = Lab::up("swl", 3).expect("lab up");
+    let weights = [1u32, 2, 3];
+    let cfg = lab.switchd_config("a", 3, &weights, 9102, "").unwrap();
+    let out = std::process::Command::new(switchd_bin()).arg("--config").arg(&cfg).arg("--check").output().unwrap();
+    assert!(out.status.success(), "--check: {}", String::from_utf8_lossy(&out.stderr));
+    lab.start_switchd(&switchd_bin(), &cfg, "a.log").unwrap();
+    lab.wait_status(9102, Duration::from_secs(10), "switchd active", |s| s["role"] == "active")
+        .unwrap_or_else(|e| panic!("{e}\n{}", lab.log("a.log")));
+    let agents: Vec<_> = (1..=3).map(|j| lab.register_server(j, 1).unwrap_or_else(|e| panic!("{e}\n{}", lab.log("a.log")))).collect();
+    let (status, _) = lab
+        .wait_status(9102, Duration::from_secs(5), "3 live servers", |s| {
+            s["servers"].as_array().map(|a| a.iter().filter(|x| x["state"] == "live").count() == 3).unwrap_or(false)
+        })
+        .unwrap();
+
+    // Load notifications reach the data address every interval.
+    let ln = lab.load_listener(1).unwrap();
+    let mut got = 0;
+    let mut b = [0u8; 128];
+    let t = Instant::now();
+    while got < 50 && t.elapsed() < Duration::from_secs(2) {
+        if let Ok((n, _)) = ln.recv_from(&mut b) {
+            let r = capybara_proto::load::LoadRepr::parse_bytes(&b[..n]).expect("valid LOAD-NOTIFICATION");
+            assert_eq!(r.server_id.0, 1);
+            assert_eq!(r.live_servers, 3);
+            got += 1;
+        }
+    }
+    assert!(got >= 50, "only {got} load notifications in 2 s (1 ms interval)");
+    let load_rate = got as f64 / t.elapsed().as_secs_f64();
+
+    // Placement: 3,000 connections, each where Maglev says.
+    let index_of: BTreeMap<u32, u32> = status["servers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["index"].as_u64().unwrap() as u32, s["id"].as_u64().unwrap() as u32))
+        .collect();
+    let backends: Vec<Backend> = index_of.iter().map(|(idx, id)| Backend { id: *id, index: *idx, weight: weights[*id as usize - 1] }).collect();
+    let table = maglev::build_table(&backends, capybara_switchd::abi::MAGLEV_SIZE);
+    let t = Instant::now();
+    let conns = lab.connect_many(3000, false).unwrap_or_else(|e| panic!("{e}\n{}", lab.log("a.log")));
+    let elapsed = t.elapsed();
+    let mut counts = [0usize; 4];
+    let mut mispredicted = 0;
+    for (port, server, _) in &conns {
+        counts[*server as usize] += 1;
+        let k = FlowKey { client_ip: labkit::client_addr(1), client_port: *port, service_ip: VIP, service_port: 80 };
+        let predicted = index_of[&table[(maglev::flow_hash(&k) % capybara_switchd::abi::MAGLEV_SIZE) as usize]];
+        if predicted != *server {
+            mispredicted += 1;
+        }
+    }
+    let total_w: u32 = weights.iter().sum();
+    eprintln!("placement of 3000 connections in {elapsed:?}: s1={} s2={} s3={} (weights 1:2:3), load notifications {load_rate:.0}/s", counts[1], counts[2], counts[3]);
+    assert_eq!(mispredicted, 0, "connections not on their Maglev server");
+    for j in 1..=3 {
+        let share = counts[j] as f64 / 3000.0;
+        let expected = weights[j - 1] as f64 / total_w as f64;
+        assert!((share - expected).abs() < 0.05, "s{j}: share {share:.3}, weight share {expected:.3}");
+    }
+
+    // Persistence: the store saw the flows (and their deletion at close);
+    // the closed flows' entries are reaped after the 1 s linger.
+    let (s, _) = lab
+        .wait_status(9102, Duration::from_secs(5), "store caught up", |s| s["store"]["sink_puts"].as_u64().unwrap_or(0) >= 3000 && s["store"]["backlog"] == 0)
+        .unwrap();
+    assert!(s["store"]["sink_deletes"].as_u64().unwrap() >= 2900, "{}", s["store"]);
+    lab.wait_status(9102, Duration::from_secs(6), "closed flows reaped", |s| s["flows"] == 0 && s["reaped_total"].as_u64().unwrap_or(0) >= 2900)
+        .unwrap();
+
+    // Liveness: hold connections, stop s2's heartbeats.
+    let mut held = lab.connect_many(60, true).unwrap();
+    for (_, server, c) in held.iter_mut() {
+        labkit::ping(c.as_mut().unwrap(), *server, "before").unwrap();
+    }
+    let on_s2 = held.iter().filter(|h| h.1 == 2).count();
+    assert!(on_s2 > 0 && on_s2 < 60);
+    lab.wait_status(9102, Duration::from_secs(3), "held flows counted", |s| s["flows"] == 60).unwrap();
+    agents[1].stop();
+    let stopped = Instant::now();
+    let (_, _) = lab
+        .wait_status(9102, Duration::from_secs(3), "s2 dead", |s| {
+            s["servers"].as_array().map(|a| a.iter().any(|x| x["id"] == 2 && x["state"] == "dead")).unwrap_or(false)
+        })
+        .unwrap();
+    let detect = stopped.elapsed();
+    eprintln!("dead server detected {detect:?} after its last heartbeat (dead_after 500 ms)");
+    assert!(detect < Duration::from_secs(1), "detection took {detect:?}");
+    lab.wait_status(9102, Duration::from_secs(3), "s2's entries removed", |s| s["flows"].as_u64() == Some((60 - on_s2) as u64))
+        .unwrap();
+    for (_, server, c) in held.iter_mut().filter(|h| h.1 != 2) {
+        labkit::ping(c.as_mut().unwrap(), *server, "after").unwrap();
+    }
+    // New connections avoid the dead server.
+    let fresh = lab.connect_many(200, false).unwrap();
+    assert!(fresh.iter().all(|c| c.1 != 2), "a new connection went to the dead server");
+    let m = lab.fetch(9102, "/metrics").unwrap();
+    assert!(m.contains("capybara_store_flow_writer_batch_size_bucket") && m.contains("capybara_switchd_dataplane_packets_total"), "{m}");
+
+    // Clean shutdown: SIGTERM detaches every program.
+    lab.kill(0, libc::SIGTERM);
+    let st = lab.wait(0, Duration::from_secs(5)).expect("switchd exits on SIGTERM");
+    assert!(st.success(), "exit status {st:?}\n{}", lab.log("a.log"));
+    let links = std::process::Command::new("ip").args(["-n", &lab.ns("sw"), "-o", "link", "show"]).output().unwrap();
+    let links = String::from_utf8_lossy(&links.stdout);
+    assert!(!links.contains("xdp"), "XDP program left attached:\n{links}");
+    drop(agents);
+}
+
+#[test]
+fn standby_takes_over_after_sigkill() {
+    if skip() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let r = capybara_switchd::labkit::failover_run(&switchd_bin(), 60).expect("failover run");
+    eprintln!("RESULT takeover_ms={:.0} connections_lost={}", r.takeover_ms, r.connections_lost);
+    assert_eq!(r.connections_lost, 0, "connections lost in takeover");
+    assert!(r.takeover_ms < 5000.0, "takeover took {} ms", r.takeover_ms);
+}
