@@ -318,7 +318,10 @@ impl Stack {
         let mode = self.inner.borrow().mode;
         let afd = match (mode, fd) {
             (PollMode::Sleep, Some(fd)) => Some(
-                tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+                // SAFETY: the descriptor belongs to `self.inner.device`, which
+                // lives as long as this driver (the stack is never dropped
+                // while `drive` runs), so it stays open while registered.
+                unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
                     .map_err(|e| format!("cannot register the device with the reactor: {e}"))?,
             ),
             _ => None,

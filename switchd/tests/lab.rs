@@ -162,7 +162,11 @@ fn standby_takes_over_after_sigkill() {
     }
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let r = capybara_switchd::labkit::failover_run(&switchd_bin(), 60).expect("failover run");
-    eprintln!("RESULT takeover_ms={:.0} connections_lost={}", r.takeover_ms, r.connections_lost);
+    eprintln!(
+        "RESULT takeover_ms={:.0} connections_lost={} max_stall_ms={:.0} attach_ms={:.1} flows_restored={}",
+        r.takeover_ms, r.connections_lost, r.max_stall_ms, r.attach_ms, r.flows_restored
+    );
+    assert!(r.flows_restored >= 61, "standby restored {} flows", r.flows_restored);
     assert_eq!(r.connections_lost, 0, "connections lost in takeover");
     assert!(r.takeover_ms < 5000.0, "takeover took {} ms", r.takeover_ms);
 }
