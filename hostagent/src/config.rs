@@ -79,6 +79,49 @@ pub struct ServiceConfig {
     pub app: App,
 }
 
+/// Live migration (TCPMig). Without this section the stack serves but
+/// never migrates.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigrationConfig {
+    /// The deployment secret shared by servers and switch, hex (>= 16 bytes).
+    #[serde(default)]
+    pub key: Option<String>,
+    /// A file holding the hex secret (instead of `key`).
+    #[serde(default)]
+    pub key_file: Option<String>,
+    /// Where PREPAREs go (the switch's server-side address).
+    pub switch: Ipv4Addr,
+    /// Drop client packets that arrive mid-migration instead of buffering
+    /// them (the Prism behaviour; an ablation for benchmarks only).
+    #[serde(default)]
+    pub drop_mode: bool,
+    /// Benchmarks and tests: every `churn_every_ms`, migrate each connection
+    /// served here to `churn_to` (0 = off).
+    #[serde(default)]
+    pub churn_every_ms: u64,
+    #[serde(default)]
+    pub churn_to: Option<Ipv4Addr>,
+}
+
+/// Registration and heartbeats with switchd over the control channel.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ControlConfig {
+    /// switchd's control address (UDP, port 7692).
+    pub switch: std::net::SocketAddrV4,
+    /// This server's id in the pool.
+    pub server_id: u32,
+    /// The server's management (kernel) address, source of control messages.
+    pub management: Ipv4Addr,
+    #[serde(default = "default_weight")]
+    pub weight: u16,
+}
+
+fn default_weight() -> u16 {
+    1
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -89,6 +132,31 @@ pub struct Config {
     pub stack: StackConfig,
     #[serde(default, rename = "service")]
     pub services: Vec<ServiceConfig>,
+    #[serde(default)]
+    pub migration: Option<MigrationConfig>,
+    #[serde(default)]
+    pub control: Option<ControlConfig>,
+}
+
+impl MigrationConfig {
+    /// The deployment secret, from `key` or `key_file`.
+    pub fn load_key(&self, origin: &str) -> Result<capybara_proto::MigrationKey, ConfigError> {
+        let bad = |value: String, why: String| ConfigError::Invalid {
+            path: origin.into(),
+            field: "migration.key".into(),
+            value,
+            why,
+        };
+        let hex = match (&self.key, &self.key_file) {
+            (Some(k), None) => k.clone(),
+            (None, Some(f)) => std::fs::read_to_string(f)
+                .map_err(|e| bad(f.clone(), format!("cannot read the key file: {e}")))?
+                .trim()
+                .to_string(),
+            _ => return Err(bad("(none)".into(), "give exactly one of key or key_file".into())),
+        };
+        capybara_proto::MigrationKey::from_hex(&hex).map_err(|e| bad("<secret>".into(), e.to_string()))
+    }
 }
 
 fn default_name() -> String {
@@ -164,6 +232,17 @@ impl Config {
         for (field, v) in [("stack.send_buffer", s.send_buffer), ("stack.recv_buffer", s.recv_buffer)] {
             if !(4096..=64 << 20).contains(&v) {
                 return Err(bad(field, v.to_string(), "must be 4 KiB to 64 MiB"));
+            }
+        }
+        if let Some(m) = &self.migration {
+            m.load_key(origin)?;
+            if m.churn_every_ms > 0 && m.churn_to.is_none() {
+                return Err(bad("migration.churn_to", "(none)".into(), "churn_every_ms needs churn_to"));
+            }
+        }
+        if let Some(c) = &self.control {
+            if c.weight == 0 {
+                return Err(bad("control.weight", "0".into(), "must be at least 1"));
             }
         }
         for (i, a) in self.services.iter().enumerate() {

@@ -14,6 +14,7 @@
 
 pub mod apps;
 pub mod config;
+pub mod control;
 pub mod metrics;
 pub mod migration;
 pub mod socket;

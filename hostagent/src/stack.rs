@@ -171,7 +171,7 @@ pub struct Inner {
 
 impl Inner {
     /// Asks the driver to run soon (after a socket call changed state).
-    pub(crate) fn kick(&mut self) {
+    pub fn kick(&mut self) {
         self.needs_poll = true;
         if let Some(w) = self.driver_waker.take() {
             w.wake();

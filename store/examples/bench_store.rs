@@ -33,9 +33,17 @@ fn batch(b: u32) -> Vec<FlowOp> {
         .map(|i| {
             let n = base + i;
             match i % 5 {
-                3 if n > 10_000 => FlowOp::Put { key: flow(n - 10_000), server: ServerId(n % 13) },
-                4 if n > 20_000 => FlowOp::Delete { key: flow(n - 20_000) },
-                _ => FlowOp::Put { key: flow(n), server: ServerId(n % 7) },
+                3 if n > 10_000 => FlowOp::Put {
+                    key: flow(n - 10_000),
+                    server: ServerId(n % 13),
+                },
+                4 if n > 20_000 => FlowOp::Delete {
+                    key: flow(n - 20_000),
+                },
+                _ => FlowOp::Put {
+                    key: flow(n),
+                    server: ServerId(n % 7),
+                },
             }
         })
         .collect()
@@ -51,7 +59,10 @@ struct Outcome {
 /// a disjoint set of batches, as `FlowWriter` lanes sharded by flow would).
 async fn run(store: Arc<dyn Store>, batches: u32, lanes: u32) -> Outcome {
     // Warm-up (connection, statement cache, etcd first txn).
-    store.apply_flows(&batch(batches + 100)).await.expect("warm-up");
+    store
+        .apply_flows(&batch(batches + 100))
+        .await
+        .expect("warm-up");
     let start = Instant::now();
     let mut tasks = Vec::new();
     for lane in 0..lanes {
@@ -75,7 +86,8 @@ async fn run(store: Arc<dyn Store>, batches: u32, lanes: u32) -> Outcome {
     }
     let elapsed = start.elapsed();
     lat.sort();
-    let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)].as_secs_f64() * 1e3;
+    let pct =
+        |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)].as_secs_f64() * 1e3;
     Outcome {
         writes_per_s: f64::from(batches) * BATCH as f64 / elapsed.as_secs_f64(),
         p50_ms: pct(0.50),
@@ -88,9 +100,15 @@ async fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let (sqlite_batches, etcd_batches) = if quick { (50, 30) } else { (500, 300) };
 
-    let dir = tempfile::Builder::new().prefix("capybara-bench-").tempdir().expect("temp dir");
-    let sqlite: Arc<dyn Store> =
-        Arc::new(SqliteStore::open(SqliteConfig::at(dir.path().join("bench.db"))).await.expect("open sqlite"));
+    let dir = tempfile::Builder::new()
+        .prefix("capybara-bench-")
+        .tempdir()
+        .expect("temp dir");
+    let sqlite: Arc<dyn Store> = Arc::new(
+        SqliteStore::open(SqliteConfig::at(dir.path().join("bench.db")))
+            .await
+            .expect("open sqlite"),
+    );
     let s = run(sqlite.clone(), sqlite_batches, 1).await;
     println!(
         "sqlite: {} batches of {BATCH}: {:.0} flow writes/s, batch p50 {:.2} ms, p99 {:.2} ms",
@@ -103,17 +121,29 @@ async fn main() {
     let t = Instant::now();
     let mut refused = 0u64;
     for i in 0..n {
-        if writer.try_push(FlowOp::Put { key: flow(5_000_000 + i), server: ServerId(1) }).is_err() {
+        if writer
+            .try_push(FlowOp::Put {
+                key: flow(5_000_000 + i),
+                server: ServerId(1),
+            })
+            .is_err()
+        {
             refused += 1;
         }
     }
     writer.flush(Duration::from_secs(60)).await.expect("flush");
     let sw = f64::from(n) / t.elapsed().as_secs_f64();
-    println!("sqlite via FlowWriter: {sw:.0} flow writes/s ({refused} refused), metrics {:?}", writer.metrics());
+    println!(
+        "sqlite via FlowWriter: {sw:.0} flow writes/s ({refused} refused), metrics {:?}",
+        writer.metrics()
+    );
     writer.close(Duration::from_secs(5)).await.expect("close");
 
     let cluster = EtcdCluster::start(1).expect("start etcd");
-    let config = EtcdConfig { max_txn_ops: BATCH, ..cluster.store_config() };
+    let config = EtcdConfig {
+        max_txn_ops: BATCH,
+        ..cluster.store_config()
+    };
     let etcd: Arc<dyn Store> = Arc::new(EtcdStore::connect(config).await.expect("connect etcd"));
     // One lane is what FlowWriter does (one flusher, batches in order).
     let e = run(etcd.clone(), etcd_batches, 1).await;

@@ -39,19 +39,32 @@ struct EnvelopeIn<T> {
 
 pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     // Serializing our own plain structs into a Vec cannot fail.
-    serde_json::to_vec(&EnvelopeOut { v: VALUE_VERSION, data: value }).unwrap_or_default()
+    serde_json::to_vec(&EnvelopeOut {
+        v: VALUE_VERSION,
+        data: value,
+    })
+    .unwrap_or_default()
 }
 
 pub fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, StoreError> {
-    let malformed = |reason: String| StoreError::MalformedValue { key: key.to_string(), reason };
+    let malformed = |reason: String| StoreError::MalformedValue {
+        key: key.to_string(),
+        reason,
+    };
     let head: Head = serde_json::from_slice(bytes)
         .map_err(|e| malformed(format!("not a versioned JSON object ({e})")))?;
-    let version = head
-        .v
-        .as_u64()
-        .ok_or_else(|| malformed(format!("format version `v` must be a non-negative integer, got {}", head.v)))?;
+    let version = head.v.as_u64().ok_or_else(|| {
+        malformed(format!(
+            "format version `v` must be a non-negative integer, got {}",
+            head.v
+        ))
+    })?;
     if version != VALUE_VERSION {
-        return Err(StoreError::UnsupportedVersion { key: key.to_string(), found: version, supported: VALUE_VERSION });
+        return Err(StoreError::UnsupportedVersion {
+            key: key.to_string(),
+            found: version,
+            supported: VALUE_VERSION,
+        });
     }
     let env: EnvelopeIn<T> = serde_json::from_slice(bytes).map_err(|e| malformed(e.to_string()))?;
     Ok(env.data)
@@ -85,18 +98,28 @@ pub fn flow_key(key: &FlowKey) -> String {
 }
 
 fn malformed_key(key: &str, reason: impl Into<String>) -> StoreError {
-    StoreError::MalformedKey { key: key.to_string(), reason: reason.into() }
+    StoreError::MalformedKey {
+        key: key.to_string(),
+        reason: reason.into(),
+    }
 }
 
 pub fn parse_server_id(full_key: &str, s: &str) -> Result<ServerId, StoreError> {
-    s.parse::<u32>()
-        .map(ServerId)
-        .map_err(|_| malformed_key(full_key, format!("server id {s:?} is not a 32-bit unsigned integer")))
+    s.parse::<u32>().map(ServerId).map_err(|_| {
+        malformed_key(
+            full_key,
+            format!("server id {s:?} is not a 32-bit unsigned integer"),
+        )
+    })
 }
 
 pub fn parse_audit_seq(full_key: &str, s: &str) -> Result<u64, StoreError> {
-    s.parse::<u64>()
-        .map_err(|_| malformed_key(full_key, format!("audit sequence {s:?} is not an unsigned integer")))
+    s.parse::<u64>().map_err(|_| {
+        malformed_key(
+            full_key,
+            format!("audit sequence {s:?} is not an unsigned integer"),
+        )
+    })
 }
 
 fn parse_endpoint(full_key: &str, s: &str) -> Result<(Ipv4Addr, u16), StoreError> {
@@ -119,7 +142,12 @@ pub fn parse_flow(full_key: &str, s: &str) -> Result<FlowKey, StoreError> {
         .ok_or_else(|| malformed_key(full_key, "flow must be client_ip:port->service_ip:port"))?;
     let (client_ip, client_port) = parse_endpoint(full_key, client)?;
     let (service_ip, service_port) = parse_endpoint(full_key, service)?;
-    Ok(FlowKey { client_ip, client_port, service_ip, service_port })
+    Ok(FlowKey {
+        client_ip,
+        client_port,
+        service_ip,
+        service_port,
+    })
 }
 
 #[cfg(test)]
@@ -133,9 +161,15 @@ mod tests {
         let bytes = encode(&p);
         assert_eq!(decode::<Policy>("policy", &bytes).unwrap(), p);
         let e = decode::<Policy>("policy", b"\xff\x00garbage").unwrap_err();
-        assert!(matches!(e, StoreError::MalformedValue { ref key, .. } if key == "policy"), "{e}");
+        assert!(
+            matches!(e, StoreError::MalformedValue { ref key, .. } if key == "policy"),
+            "{e}"
+        );
         let e = decode::<Policy>("policy", br#"{"v":7,"data":{}}"#).unwrap_err();
-        assert!(matches!(e, StoreError::UnsupportedVersion { found: 7, .. }), "{e}");
+        assert!(
+            matches!(e, StoreError::UnsupportedVersion { found: 7, .. }),
+            "{e}"
+        );
         let e = decode::<Policy>("policy", br#"{"v":1,"data":{"bogus":1}}"#).unwrap_err();
         assert!(e.to_string().contains("bogus"), "{e}");
         let e = decode::<Policy>("policy", br#"{"v":-1}"#).unwrap_err();
@@ -151,9 +185,21 @@ mod tests {
             service_port: 443,
         };
         let s = flow_key(&k);
-        assert_eq!(parse_flow(&s, s.strip_prefix("flows/").unwrap()).unwrap(), k);
-        for bad in ["", "1.2.3.4:5", "1.2.3.4:5->x:1", "1.2.3.4:70000->1.2.3.4:1", "1.2.3:5->1.2.3.4:1"] {
-            assert!(matches!(parse_flow(bad, bad), Err(StoreError::MalformedKey { .. })), "{bad}");
+        assert_eq!(
+            parse_flow(&s, s.strip_prefix("flows/").unwrap()).unwrap(),
+            k
+        );
+        for bad in [
+            "",
+            "1.2.3.4:5",
+            "1.2.3.4:5->x:1",
+            "1.2.3.4:70000->1.2.3.4:1",
+            "1.2.3:5->1.2.3.4:1",
+        ] {
+            assert!(
+                matches!(parse_flow(bad, bad), Err(StoreError::MalformedKey { .. })),
+                "{bad}"
+            );
         }
     }
 }

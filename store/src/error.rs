@@ -24,7 +24,11 @@ pub enum StoreError {
 
     /// The SQLite file was written by a newer Capybara.
     #[error("SQLite store {path}: schema version {found} is newer than the {supported} this build understands")]
-    SchemaTooNew { path: String, found: i64, supported: i64 },
+    SchemaTooNew {
+        path: String,
+        found: i64,
+        supported: i64,
+    },
 
     #[error("SQLite error during {op}: {source}")]
     Sqlite {
@@ -40,8 +44,9 @@ pub enum StoreError {
     #[error("etcd error during {op}: {source}")]
     Etcd {
         op: &'static str,
+        // Boxed: a gRPC status is large and errors travel through every Result.
         #[source]
-        source: etcd_client::Error,
+        source: Box<etcd_client::Error>,
     },
 
     /// A key in the store does not follow the documented layout.
@@ -53,8 +58,14 @@ pub enum StoreError {
     MalformedValue { key: String, reason: String },
 
     /// A stored value carries a format version this build cannot read.
-    #[error("value at key {key:?} has format version {found}; this build reads version {supported}")]
-    UnsupportedVersion { key: String, found: u64, supported: u64 },
+    #[error(
+        "value at key {key:?} has format version {found}; this build reads version {supported}"
+    )]
+    UnsupportedVersion {
+        key: String,
+        found: u64,
+        supported: u64,
+    },
 
     #[error("invalid policy: {0}")]
     InvalidPolicy(#[from] PolicyError),
@@ -94,7 +105,9 @@ impl StoreError {
     /// timeouts, busy database). Decode and validation errors are permanent.
     pub fn is_transient(&self) -> bool {
         match self {
-            StoreError::Unreachable { .. } | StoreError::Etcd { .. } | StoreError::Timeout { .. } => true,
+            StoreError::Unreachable { .. }
+            | StoreError::Etcd { .. }
+            | StoreError::Timeout { .. } => true,
             StoreError::Sqlite { source, .. } => matches!(
                 source.sqlite_error_code(),
                 Some(rusqlite::ErrorCode::DatabaseBusy) | Some(rusqlite::ErrorCode::DatabaseLocked)

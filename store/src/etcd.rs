@@ -33,7 +33,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use capybara_proto::flow::{FlowKey, ServerId};
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, Txn,
+    TxnOp, WatchOptions,
 };
 use serde::{Deserialize, Serialize};
 
@@ -75,11 +76,16 @@ impl EtcdConfig {
         }
         for e in &self.endpoints {
             if !(e.starts_with("http://") || e.starts_with("https://")) || e.len() < 10 {
-                return bad(format!("endpoint {e:?} must be a URL like http://host:2379"));
+                return bad(format!(
+                    "endpoint {e:?} must be a URL like http://host:2379"
+                ));
             }
         }
         if !self.prefix.starts_with('/') || self.prefix.ends_with('/') || self.prefix.len() < 2 {
-            return bad(format!("`prefix` {:?} must start with '/' and not end with '/'", self.prefix));
+            return bad(format!(
+                "`prefix` {:?} must start with '/' and not end with '/'",
+                self.prefix
+            ));
         }
         if self.max_txn_ops == 0 {
             return bad("`max_txn_ops` must be at least 1".into());
@@ -107,7 +113,10 @@ pub struct EtcdStore {
 
 impl std::fmt::Debug for EtcdStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EtcdStore").field("endpoints", &self.endpoints).field("prefix", &self.config.prefix).finish()
+        f.debug_struct("EtcdStore")
+            .field("endpoints", &self.endpoints)
+            .field("prefix", &self.config.prefix)
+            .finish()
     }
 }
 
@@ -118,9 +127,16 @@ const RETRY_ATTEMPTS: usize = 6;
 
 /// Whether an `Unreachable` reason says the request never ran on a member.
 fn not_executed(reason: &str) -> bool {
-    ["tcp connect error", "connection refused", "transport error", "no leader", "leader changed", "not capable"]
-        .iter()
-        .any(|m| reason.contains(m))
+    [
+        "tcp connect error",
+        "connection refused",
+        "transport error",
+        "no leader",
+        "leader changed",
+        "not capable",
+    ]
+    .iter()
+    .any(|m| reason.contains(m))
 }
 
 /// Page size of range scans.
@@ -146,17 +162,29 @@ impl EtcdStore {
             .with_timeout(Duration::from_millis(config.request_timeout_ms))
             .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
             .with_keep_alive_while_idle(true);
-        let unreachable = |reason: String| StoreError::Unreachable { endpoints: endpoints.clone(), reason };
+        let unreachable = |reason: String| StoreError::Unreachable {
+            endpoints: endpoints.clone(),
+            reason,
+        };
         let total = Duration::from_millis(config.connect_timeout_ms + config.request_timeout_ms);
-        let mut client = tokio::time::timeout(total, Client::connect(&config.endpoints, Some(opts)))
-            .await
-            .map_err(|_| unreachable(format!("no answer within {total:?}")))?
-            .map_err(|e| unreachable(e.to_string()))?;
+        let mut client =
+            tokio::time::timeout(total, Client::connect(&config.endpoints, Some(opts)))
+                .await
+                .map_err(|_| unreachable(format!("no answer within {total:?}")))?
+                .map_err(|e| unreachable(e.to_string()))?;
         tokio::time::timeout(total, client.status())
             .await
-            .map_err(|_| unreachable(format!("no member answered a status request within {total:?}")))?
+            .map_err(|_| {
+                unreachable(format!(
+                    "no member answered a status request within {total:?}"
+                ))
+            })?
             .map_err(|e| unreachable(e.to_string()))?;
-        Ok(EtcdStore { client, config, endpoints })
+        Ok(EtcdStore {
+            client,
+            config,
+            endpoints,
+        })
     }
 
     pub fn config(&self) -> &EtcdConfig {
@@ -181,25 +209,46 @@ impl EtcdStore {
         s.strip_prefix(self.config.prefix.as_str())
             .and_then(|r| r.strip_prefix('/'))
             .map(|r| r.strip_prefix("records/").unwrap_or(r))
-            .ok_or_else(|| StoreError::MalformedKey { key: s.to_string(), reason: format!("outside prefix {}", self.config.prefix) })
+            .ok_or_else(|| StoreError::MalformedKey {
+                key: s.to_string(),
+                reason: format!("outside prefix {}", self.config.prefix),
+            })
     }
 
     fn err(&self, op: &'static str) -> impl Fn(etcd_client::Error) -> StoreError + '_ {
         move |e| match &e {
             etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => {
-                StoreError::Unreachable { endpoints: self.endpoints.clone(), reason: format!("{op}: {e}") }
+                StoreError::Unreachable {
+                    endpoints: self.endpoints.clone(),
+                    reason: format!("{op}: {e}"),
+                }
             }
             etcd_client::Error::GRpcStatus(s)
-                if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled) =>
+                if matches!(
+                    s.code(),
+                    tonic::Code::Unavailable
+                        | tonic::Code::DeadlineExceeded
+                        | tonic::Code::Cancelled
+                ) =>
             {
-                StoreError::Unreachable { endpoints: self.endpoints.clone(), reason: format!("{op}: {e}") }
+                StoreError::Unreachable {
+                    endpoints: self.endpoints.clone(),
+                    reason: format!("{op}: {e}"),
+                }
             }
-            _ => StoreError::Etcd { op, source: e },
+            _ => StoreError::Etcd {
+                op,
+                source: Box::new(e),
+            },
         }
     }
 
     /// Runs an etcd request with the configured deadline.
-    async fn call<T>(&self, op: &'static str, fut: impl std::future::Future<Output = std::result::Result<T, etcd_client::Error>>) -> Result<T> {
+    async fn call<T>(
+        &self,
+        op: &'static str,
+        fut: impl std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
+    ) -> Result<T> {
         let after = Duration::from_millis(self.config.request_timeout_ms);
         match tokio::time::timeout(after, fut).await {
             Ok(r) => r.map_err(self.err(op)),
@@ -220,7 +269,9 @@ impl EtcdStore {
         loop {
             attempt += 1;
             match self.call(op, f(self.client.clone())).await {
-                Err(StoreError::Unreachable { reason, .. }) if attempt < RETRY_ATTEMPTS && not_executed(&reason) => {
+                Err(StoreError::Unreachable { reason, .. })
+                    if attempt < RETRY_ATTEMPTS && not_executed(&reason) =>
+                {
                     tokio::time::sleep(Duration::from_millis(10 * attempt as u64)).await;
                 }
                 other => return other,
@@ -230,11 +281,20 @@ impl EtcdStore {
 
     async fn get_kv(&self, op: &'static str, logical: &str) -> Result<Option<KeyValue>> {
         let key = self.full(logical);
-        let mut resp = self.retry(op, |mut c| { let k = key.clone(); async move { c.get(k, None).await } }).await?;
+        let mut resp = self
+            .retry(op, |mut c| {
+                let k = key.clone();
+                async move { c.get(k, None).await }
+            })
+            .await?;
         Ok(resp.take_kvs().into_iter().next())
     }
 
-    async fn get_decoded<T: serde::de::DeserializeOwned>(&self, op: &'static str, logical: &str) -> Result<Option<T>> {
+    async fn get_decoded<T: serde::de::DeserializeOwned>(
+        &self,
+        op: &'static str,
+        logical: &str,
+    ) -> Result<Option<T>> {
         match self.get_kv(op, logical).await? {
             Some(kv) => Ok(Some(decode(logical, kv.value())?)),
             None => Ok(None),
@@ -243,12 +303,24 @@ impl EtcdStore {
 
     async fn put_value(&self, op: &'static str, logical: &str, value: Vec<u8>) -> Result<()> {
         let key = self.full(logical);
-        self.retry(op, |mut c| { let (k, v) = (key.clone(), value.clone()); async move { c.put(k, v, None).await } }).await.map(|_| ())
+        self.retry(op, |mut c| {
+            let (k, v) = (key.clone(), value.clone());
+            async move { c.put(k, v, None).await }
+        })
+        .await
+        .map(|_| ())
     }
 
     async fn delete_key(&self, op: &'static str, logical: &str) -> Result<bool> {
         let key = self.full(logical);
-        Ok(self.retry(op, |mut c| { let k = key.clone(); async move { c.delete(k, None).await } }).await?.deleted() > 0)
+        Ok(self
+            .retry(op, |mut c| {
+                let k = key.clone();
+                async move { c.delete(k, None).await }
+            })
+            .await?
+            .deleted()
+            > 0)
     }
 
     /// Every key/value under `{prefix}/{sub}`, paged, at one revision.
@@ -260,11 +332,18 @@ impl EtcdStore {
         let mut out = Vec::new();
         // Bounded: each page advances the start key; 100k pages = 1e9 keys.
         for _ in 0..100_000 {
-            let mut opts = GetOptions::new().with_range(end.clone()).with_limit(SCAN_PAGE);
+            let mut opts = GetOptions::new()
+                .with_range(end.clone())
+                .with_limit(SCAN_PAGE);
             if revision > 0 {
                 opts = opts.with_revision(revision);
             }
-            let mut resp = self.retry(op, |mut c| { let (k, o) = (key.clone(), opts.clone()); async move { c.get(k, Some(o)).await } }).await?;
+            let mut resp = self
+                .retry(op, |mut c| {
+                    let (k, o) = (key.clone(), opts.clone());
+                    async move { c.get(k, Some(o)).await }
+                })
+                .await?;
             if revision == 0 {
                 revision = resp.header().map(|h| h.revision()).unwrap_or(0);
             }
@@ -282,7 +361,13 @@ impl EtcdStore {
     }
 
     /// Read-modify-write of one record with compare-and-swap.
-    async fn modify<T, F>(&self, op: &'static str, logical: &str, not_found: (&'static str, String), mut f: F) -> Result<T>
+    async fn modify<T, F>(
+        &self,
+        op: &'static str,
+        logical: &str,
+        not_found: (&'static str, String),
+        mut f: F,
+    ) -> Result<T>
     where
         T: Serialize + serde::de::DeserializeOwned,
         F: FnMut(&mut T),
@@ -290,34 +375,61 @@ impl EtcdStore {
         let full = self.full(logical);
         for _ in 0..CAS_ATTEMPTS {
             let Some(kv) = self.get_kv(op, logical).await? else {
-                return Err(StoreError::NotFound { kind: not_found.0, id: not_found.1 });
+                return Err(StoreError::NotFound {
+                    kind: not_found.0,
+                    id: not_found.1,
+                });
             };
             let mut value: T = decode(logical, kv.value())?;
             f(&mut value);
             let txn = Txn::new()
-                .when([Compare::mod_revision(full.clone(), CompareOp::Equal, kv.mod_revision())])
+                .when([Compare::mod_revision(
+                    full.clone(),
+                    CompareOp::Equal,
+                    kv.mod_revision(),
+                )])
                 .and_then([TxnOp::put(full.clone(), encode(&value), None)]);
-            if self.retry(op, |mut c| { let t = txn.clone(); async move { c.txn(t).await } }).await?.succeeded() {
+            if self
+                .retry(op, |mut c| {
+                    let t = txn.clone();
+                    async move { c.txn(t).await }
+                })
+                .await?
+                .succeeded()
+            {
                 return Ok(value);
             }
         }
-        Err(StoreError::Internal(format!("{op}: {logical} changed concurrently {CAS_ATTEMPTS} times in a row")))
+        Err(StoreError::Internal(format!(
+            "{op}: {logical} changed concurrently {CAS_ATTEMPTS} times in a row"
+        )))
     }
 
     fn decode_flow(&self, kv: &KeyValue) -> Result<FlowMapping> {
         let logical = self.logical(kv.key())?;
         let flow = logical
             .strip_prefix("flows/")
-            .ok_or_else(|| StoreError::MalformedKey { key: logical.to_string(), reason: "not under flows/".into() })?;
+            .ok_or_else(|| StoreError::MalformedKey {
+                key: logical.to_string(),
+                reason: "not under flows/".into(),
+            })?;
         let key = codec::parse_flow(logical, flow)?;
         let v: FlowValue = decode(logical, kv.value())?;
-        Ok(FlowMapping { key, server: ServerId(v.server) })
+        Ok(FlowMapping {
+            key,
+            server: ServerId(v.server),
+        })
     }
 
     fn decode_leader(&self, election: &str, kv: &KeyValue) -> Result<LeaderInfo> {
         let logical = codec::leader_key(election);
         let v: LeaderValue = decode(&logical, kv.value())?;
-        Ok(LeaderInfo { election: election.to_string(), candidate: v.candidate, lease_id: v.lease_id, term: kv.create_revision().max(0) as u64 })
+        Ok(LeaderInfo {
+            election: election.to_string(),
+            candidate: v.candidate,
+            lease_id: v.lease_id,
+            term: kv.create_revision().max(0) as u64,
+        })
     }
 
     /// Translates one watch event; `None` for keys that are not watched
@@ -336,11 +448,20 @@ impl EtcdStore {
             ("drains", true) => Change::DrainPut(decode(&logical, kv.value())?),
             ("drains", false) => Change::DrainDeleted(codec::parse_server_id(&logical, rest)?),
             ("audit", true) => Change::AuditAppended(decode(&logical, kv.value())?),
-            ("leader", true) => Change::LeaderChanged { election: rest.to_string(), leader: Some(self.decode_leader(rest, kv)?) },
-            ("leader", false) => Change::LeaderChanged { election: rest.to_string(), leader: None },
+            ("leader", true) => Change::LeaderChanged {
+                election: rest.to_string(),
+                leader: Some(self.decode_leader(rest, kv)?),
+            },
+            ("leader", false) => Change::LeaderChanged {
+                election: rest.to_string(),
+                leader: None,
+            },
             _ => return Ok(None),
         };
-        Ok(Some(WatchEvent { revision: kv.mod_revision().max(0) as u64, change }))
+        Ok(Some(WatchEvent {
+            revision: kv.mod_revision().max(0) as u64,
+            change,
+        }))
     }
 
     /// Writes a raw value at a logical key, bypassing encoding. For tests of
@@ -351,7 +472,6 @@ impl EtcdStore {
     }
 }
 
-
 #[async_trait]
 impl Store for EtcdStore {
     fn backend(&self) -> &'static str {
@@ -359,7 +479,8 @@ impl Store for EtcdStore {
     }
 
     async fn put_server(&self, server: &Server) -> Result<()> {
-        self.put_value("put_server", &codec::server_key(server.id), encode(server)).await
+        self.put_value("put_server", &codec::server_key(server.id), encode(server))
+            .await
     }
 
     async fn get_server(&self, id: ServerId) -> Result<Option<Server>> {
@@ -373,7 +494,10 @@ impl Store for EtcdStore {
             let id = codec::parse_server_id(logical, logical.trim_start_matches("servers/"))?;
             let s: Server = decode(logical, kv.value())?;
             if s.id != id {
-                return Err(StoreError::MalformedValue { key: logical.to_string(), reason: format!("holds server {}", s.id) });
+                return Err(StoreError::MalformedValue {
+                    key: logical.to_string(),
+                    reason: format!("holds server {}", s.id),
+                });
             }
             out.push(s);
         }
@@ -382,33 +506,50 @@ impl Store for EtcdStore {
     }
 
     async fn set_server_state(&self, id: ServerId, state: ServerState) -> Result<Server> {
-        self.modify("set_server_state", &codec::server_key(id), ("server", id.to_string()), |s: &mut Server| {
-            s.state = state;
-            s.updated_unix_ms = unix_ms_now();
-        })
+        self.modify(
+            "set_server_state",
+            &codec::server_key(id),
+            ("server", id.to_string()),
+            |s: &mut Server| {
+                s.state = state;
+                s.updated_unix_ms = unix_ms_now();
+            },
+        )
         .await
     }
 
     async fn set_server_weight(&self, id: ServerId, weight: u32) -> Result<Server> {
-        self.modify("set_server_weight", &codec::server_key(id), ("server", id.to_string()), |s: &mut Server| {
-            s.weight = weight;
-            s.updated_unix_ms = unix_ms_now();
-        })
+        self.modify(
+            "set_server_weight",
+            &codec::server_key(id),
+            ("server", id.to_string()),
+            |s: &mut Server| {
+                s.weight = weight;
+                s.updated_unix_ms = unix_ms_now();
+            },
+        )
         .await
     }
 
     async fn delete_server(&self, id: ServerId) -> Result<bool> {
-        self.delete_key("delete_server", &codec::server_key(id)).await
+        self.delete_key("delete_server", &codec::server_key(id))
+            .await
     }
 
     async fn put_service(&self, service: &Service) -> Result<()> {
         check_name("service name", &service.name)?;
-        self.put_value("put_service", &codec::service_key(&service.name), encode(service)).await
+        self.put_value(
+            "put_service",
+            &codec::service_key(&service.name),
+            encode(service),
+        )
+        .await
     }
 
     async fn get_service(&self, name: &str) -> Result<Option<Service>> {
         check_name("service name", name)?;
-        self.get_decoded("get_service", &codec::service_key(name)).await
+        self.get_decoded("get_service", &codec::service_key(name))
+            .await
     }
 
     async fn list_services(&self) -> Result<Vec<Service>> {
@@ -424,16 +565,21 @@ impl Store for EtcdStore {
 
     async fn delete_service(&self, name: &str) -> Result<bool> {
         check_name("service name", name)?;
-        self.delete_key("delete_service", &codec::service_key(name)).await
+        self.delete_key("delete_service", &codec::service_key(name))
+            .await
     }
 
     async fn get_policy(&self) -> Result<Policy> {
-        Ok(self.get_decoded("get_policy", codec::POLICY_KEY).await?.unwrap_or_default())
+        Ok(self
+            .get_decoded("get_policy", codec::POLICY_KEY)
+            .await?
+            .unwrap_or_default())
     }
 
     async fn put_policy(&self, policy: &Policy) -> Result<()> {
         policy.validate()?;
-        self.put_value("put_policy", codec::POLICY_KEY, encode(policy)).await
+        self.put_value("put_policy", codec::POLICY_KEY, encode(policy))
+            .await
     }
 
     async fn apply_flows(&self, ops: &[FlowOp]) -> Result<()> {
@@ -443,21 +589,30 @@ impl Store for EtcdStore {
             let txn_ops: Vec<TxnOp> = chunk
                 .iter()
                 .map(|op| match op {
-                    FlowOp::Put { key, server } => {
-                        TxnOp::put(self.full(&codec::flow_key(key)), encode(&FlowValue { server: server.0 }), None::<PutOptions>)
-                    }
+                    FlowOp::Put { key, server } => TxnOp::put(
+                        self.full(&codec::flow_key(key)),
+                        encode(&FlowValue { server: server.0 }),
+                        None::<PutOptions>,
+                    ),
                     FlowOp::Delete { key } => TxnOp::delete(self.full(&codec::flow_key(key)), None),
                 })
                 .collect();
             let txn = Txn::new().and_then(txn_ops);
-            self.retry("apply_flows", |mut c| { let t = txn.clone(); async move { c.txn(t).await } }).await?;
+            self.retry("apply_flows", |mut c| {
+                let t = txn.clone();
+                async move { c.txn(t).await }
+            })
+            .await?;
         }
         Ok(())
     }
 
     async fn get_flow(&self, key: &FlowKey) -> Result<Option<ServerId>> {
         let logical = codec::flow_key(key);
-        Ok(self.get_decoded::<FlowValue>("get_flow", &logical).await?.map(|v| ServerId(v.server)))
+        Ok(self
+            .get_decoded::<FlowValue>("get_flow", &logical)
+            .await?
+            .map(|v| ServerId(v.server)))
     }
 
     async fn list_flows_by_server(&self, server: ServerId) -> Result<Vec<FlowKey>> {
@@ -474,7 +629,10 @@ impl Store for EtcdStore {
 
     async fn scan_flows(&self) -> Result<Vec<FlowMapping>> {
         let kvs = self.range("scan_flows", "flows/").await?;
-        let mut out = kvs.iter().map(|kv| self.decode_flow(kv)).collect::<Result<Vec<_>>>()?;
+        let mut out = kvs
+            .iter()
+            .map(|kv| self.decode_flow(kv))
+            .collect::<Result<Vec<_>>>()?;
         out.sort_by_key(|m| m.key);
         Ok(out)
     }
@@ -483,16 +641,23 @@ impl Store for EtcdStore {
         let start = self.full("flows/");
         let end = prefix_end(&start);
         let opts = GetOptions::new().with_range(end).with_count_only();
-        let resp = self.retry("count_flows", |mut c| { let (k, o) = (start.clone(), opts.clone()); async move { c.get(k, Some(o)).await } }).await?;
+        let resp = self
+            .retry("count_flows", |mut c| {
+                let (k, o) = (start.clone(), opts.clone());
+                async move { c.get(k, Some(o)).await }
+            })
+            .await?;
         Ok(resp.count().max(0) as u64)
     }
 
     async fn put_drain(&self, drain: &Drain) -> Result<()> {
-        self.put_value("put_drain", &codec::drain_key(drain.server), encode(drain)).await
+        self.put_value("put_drain", &codec::drain_key(drain.server), encode(drain))
+            .await
     }
 
     async fn get_drain(&self, server: ServerId) -> Result<Option<Drain>> {
-        self.get_decoded("get_drain", &codec::drain_key(server)).await
+        self.get_decoded("get_drain", &codec::drain_key(server))
+            .await
     }
 
     async fn list_drains(&self) -> Result<Vec<Drain>> {
@@ -506,16 +671,27 @@ impl Store for EtcdStore {
         Ok(out)
     }
 
-    async fn update_drain(&self, server: ServerId, progress: DrainProgress, state: DrainState) -> Result<Drain> {
-        self.modify("update_drain", &codec::drain_key(server), ("drain", server.to_string()), |d: &mut Drain| {
-            d.progress = progress;
-            d.state = state;
-        })
+    async fn update_drain(
+        &self,
+        server: ServerId,
+        progress: DrainProgress,
+        state: DrainState,
+    ) -> Result<Drain> {
+        self.modify(
+            "update_drain",
+            &codec::drain_key(server),
+            ("drain", server.to_string()),
+            |d: &mut Drain| {
+                d.progress = progress;
+                d.state = state;
+            },
+        )
         .await
     }
 
     async fn delete_drain(&self, server: ServerId) -> Result<bool> {
-        self.delete_key("delete_drain", &codec::drain_key(server)).await
+        self.delete_key("delete_drain", &codec::drain_key(server))
+            .await
     }
 
     async fn append_audit(&self, record: &AuditRecord) -> Result<AuditEntry> {
@@ -523,21 +699,45 @@ impl Store for EtcdStore {
         let counter = self.full(counter_logical);
         for _ in 0..CAS_ATTEMPTS {
             let (last, rev) = match self.get_kv("append_audit", counter_logical).await? {
-                Some(kv) => (decode::<u64>(counter_logical, kv.value())?, kv.mod_revision()),
+                Some(kv) => (
+                    decode::<u64>(counter_logical, kv.value())?,
+                    kv.mod_revision(),
+                ),
                 None => (0, 0),
             };
-            let entry = AuditEntry { seq: last + 1, at_unix_ms: unix_ms_now(), record: record.clone() };
+            let entry = AuditEntry {
+                seq: last + 1,
+                at_unix_ms: unix_ms_now(),
+                record: record.clone(),
+            };
             let txn = Txn::new()
-                .when([Compare::mod_revision(counter.clone(), CompareOp::Equal, rev)])
+                .when([Compare::mod_revision(
+                    counter.clone(),
+                    CompareOp::Equal,
+                    rev,
+                )])
                 .and_then([
                     TxnOp::put(counter.clone(), encode(&entry.seq), None),
-                    TxnOp::put(self.full(&codec::audit_key(entry.seq)), encode(&entry), None),
+                    TxnOp::put(
+                        self.full(&codec::audit_key(entry.seq)),
+                        encode(&entry),
+                        None,
+                    ),
                 ]);
-            if self.retry("append_audit", |mut c| { let t = txn.clone(); async move { c.txn(t).await } }).await?.succeeded() {
+            if self
+                .retry("append_audit", |mut c| {
+                    let t = txn.clone();
+                    async move { c.txn(t).await }
+                })
+                .await?
+                .succeeded()
+            {
                 return Ok(entry);
             }
         }
-        Err(StoreError::Internal(format!("append_audit: audit counter contended {CAS_ATTEMPTS} times in a row")))
+        Err(StoreError::Internal(format!(
+            "append_audit: audit counter contended {CAS_ATTEMPTS} times in a row"
+        )))
     }
 
     async fn list_audit(&self, after: u64, limit: usize) -> Result<Vec<AuditEntry>> {
@@ -548,7 +748,12 @@ impl Store for EtcdStore {
         let end = prefix_end(&self.full("audit/"));
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let opts = GetOptions::new().with_range(end).with_limit(limit);
-        let mut resp = self.retry("list_audit", |mut c| { let (k, o) = (start.clone(), opts.clone()); async move { c.get(k, Some(o)).await } }).await?;
+        let mut resp = self
+            .retry("list_audit", |mut c| {
+                let (k, o) = (start.clone(), opts.clone());
+                async move { c.get(k, Some(o)).await }
+            })
+            .await?;
         let mut out = Vec::new();
         for kv in resp.take_kvs() {
             let logical = self.logical(kv.key())?;
@@ -558,21 +763,50 @@ impl Store for EtcdStore {
         Ok(out)
     }
 
-    async fn campaign(&self, election: &str, candidate: &str, ttl: Duration) -> Result<Option<LeaderLease>> {
+    async fn campaign(
+        &self,
+        election: &str,
+        candidate: &str,
+        ttl: Duration,
+    ) -> Result<Option<LeaderLease>> {
         check_name("election name", election)?;
         if candidate.is_empty() || candidate.len() > 256 {
-            return Err(StoreError::Invalid { what: "candidate", reason: "must be 1-256 bytes".into() });
+            return Err(StoreError::Invalid {
+                what: "candidate",
+                reason: "must be 1-256 bytes".into(),
+            });
         }
         let ttl_s = lease_ttl_secs(ttl);
-        let grant = self.retry("campaign: lease grant", |mut c| async move { c.lease_grant(ttl_s, None).await }).await?;
+        let grant = self
+            .retry("campaign: lease grant", |mut c| async move {
+                c.lease_grant(ttl_s, None).await
+            })
+            .await?;
         let lease_id = grant.id();
         let key = self.full(&codec::leader_key(election));
-        let value = encode(&LeaderValue { candidate: candidate.to_string(), lease_id });
+        let value = encode(&LeaderValue {
+            candidate: candidate.to_string(),
+            lease_id,
+        });
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease_id)))]);
-        let revoke = || self.retry("campaign: revoke", move |mut c| async move { c.lease_revoke(lease_id).await });
-        let resp = match self.retry("campaign", |mut c| { let t = txn.clone(); async move { c.txn(t).await } }).await {
+            .and_then([TxnOp::put(
+                key,
+                value,
+                Some(PutOptions::new().with_lease(lease_id)),
+            )]);
+        let revoke = || {
+            self.retry("campaign: revoke", move |mut c| async move {
+                c.lease_revoke(lease_id).await
+            })
+        };
+        let resp = match self
+            .retry("campaign", |mut c| {
+                let t = txn.clone();
+                async move { c.txn(t).await }
+            })
+            .await
+        {
             Ok(r) => r,
             Err(e) => {
                 let _ = revoke().await;
@@ -585,43 +819,78 @@ impl Store for EtcdStore {
         }
         let term = resp.header().map(|h| h.revision()).unwrap_or(0).max(0) as u64;
         Ok(Some(LeaderLease {
-            info: LeaderInfo { election: election.to_string(), candidate: candidate.to_string(), term, lease_id },
+            info: LeaderInfo {
+                election: election.to_string(),
+                candidate: candidate.to_string(),
+                term,
+                lease_id,
+            },
             ttl: Duration::from_secs(grant.ttl().max(1) as u64),
         }))
     }
 
     async fn keep_alive(&self, lease: &LeaderLease) -> Result<()> {
-        let not_leader = |reason: String| StoreError::NotLeader { election: lease.info.election.clone(), reason };
+        let not_leader = |reason: String| StoreError::NotLeader {
+            election: lease.info.election.clone(),
+            reason,
+        };
         let lost = |e: StoreError| match e {
-            StoreError::Etcd { source: etcd_client::Error::LeaseKeepAliveError(m), .. } => {
-                not_leader(format!("lease {}: {m}", lease.info.lease_id))
-            }
-            StoreError::Etcd { source: etcd_client::Error::GRpcStatus(s), .. } if s.message().contains("lease not found") => {
-                not_leader(format!("lease {}: {}", lease.info.lease_id, s.message()))
-            }
+            StoreError::Etcd { source, op } => match *source {
+                etcd_client::Error::LeaseKeepAliveError(m) => {
+                    not_leader(format!("lease {}: {m}", lease.info.lease_id))
+                }
+                etcd_client::Error::GRpcStatus(s) if s.message().contains("lease not found") => {
+                    not_leader(format!("lease {}: {}", lease.info.lease_id, s.message()))
+                }
+                other => StoreError::Etcd {
+                    op,
+                    source: Box::new(other),
+                },
+            },
             other => other,
         };
         let id = lease.info.lease_id;
-        let (mut keeper, mut stream) =
-            self.retry("keep_alive", |mut c| async move { c.lease_keep_alive(id).await }).await.map_err(lost)?;
-        self.call("keep_alive", keeper.keep_alive()).await.map_err(lost)?;
-        let resp = self.call("keep_alive", stream.message()).await.map_err(lost)?;
+        let (mut keeper, mut stream) = self
+            .retry(
+                "keep_alive",
+                |mut c| async move { c.lease_keep_alive(id).await },
+            )
+            .await
+            .map_err(lost)?;
+        self.call("keep_alive", keeper.keep_alive())
+            .await
+            .map_err(lost)?;
+        let resp = self
+            .call("keep_alive", stream.message())
+            .await
+            .map_err(lost)?;
         match resp {
             Some(r) if r.ttl() > 0 => {}
             _ => return Err(not_leader(format!("lease {} expired", lease.info.lease_id))),
         }
-        match self.get_kv("keep_alive", &codec::leader_key(&lease.info.election)).await? {
+        match self
+            .get_kv("keep_alive", &codec::leader_key(&lease.info.election))
+            .await?
+        {
             Some(kv) if kv.lease() == lease.info.lease_id => Ok(()),
-            _ => Err(not_leader(format!("leader key no longer held by lease {}", lease.info.lease_id))),
+            _ => Err(not_leader(format!(
+                "leader key no longer held by lease {}",
+                lease.info.lease_id
+            ))),
         }
     }
 
     async fn resign(&self, lease: &LeaderLease) -> Result<()> {
         let id = lease.info.lease_id;
-        match self.retry("resign", |mut c| async move { c.lease_revoke(id).await }).await {
+        match self
+            .retry("resign", |mut c| async move { c.lease_revoke(id).await })
+            .await
+        {
             Ok(_) => Ok(()),
             // Already expired: nothing to give up.
-            Err(StoreError::Etcd { source: etcd_client::Error::GRpcStatus(s), .. }) if s.message().contains("lease not found") => Ok(()),
+            Err(StoreError::Etcd { source, .. }) if matches!(&*source, etcd_client::Error::GRpcStatus(s) if s.message().contains("lease not found")) => {
+                Ok(())
+            }
             Err(e) => Err(e),
         }
     }
@@ -642,7 +911,10 @@ impl Store for EtcdStore {
         // Watch from the revision after "now" so nothing after this call is missed.
         let policy_key = self.full(codec::POLICY_KEY);
         let now_rev = self
-            .retry("watch", |mut c| { let k = policy_key.clone(); async move { c.get(k, Some(GetOptions::new().with_count_only())).await } })
+            .retry("watch", |mut c| {
+                let k = policy_key.clone();
+                async move { c.get(k, Some(GetOptions::new().with_count_only())).await }
+            })
             .await?
             .header()
             .map(|h| h.revision())
@@ -650,8 +922,15 @@ impl Store for EtcdStore {
         // One watcher over all records: etcd orders events within a watcher
         // only, so per-kind watchers could interleave out of revision order.
         let records = format!("{}/records/", self.config.prefix);
-        let opts = WatchOptions::new().with_start_revision(now_rev + 1).with_prefix();
-        let (watcher, mut stream) = self.retry("watch", |mut c| { let (k, o) = (records.clone(), opts.clone()); async move { c.watch(k, Some(o)).await } }).await?;
+        let opts = WatchOptions::new()
+            .with_start_revision(now_rev + 1)
+            .with_prefix();
+        let (watcher, mut stream) = self
+            .retry("watch", |mut c| {
+                let (k, o) = (records.clone(), opts.clone());
+                async move { c.watch(k, Some(o)).await }
+            })
+            .await?;
         let kinds: Vec<WatchKind> = kinds.to_vec();
         let this = self.clone();
         tokio::spawn(async move {
@@ -665,7 +944,10 @@ impl Store for EtcdStore {
                     Ok(Some(r)) => r,
                     Ok(None) => {
                         let _ = out_tx
-                            .send(Err(StoreError::Unreachable { endpoints: this.endpoints.clone(), reason: "watch stream closed".into() }))
+                            .send(Err(StoreError::Unreachable {
+                                endpoints: this.endpoints.clone(),
+                                reason: "watch stream closed".into(),
+                            }))
                             .await;
                         return;
                     }
@@ -677,12 +959,19 @@ impl Store for EtcdStore {
                 if resp.canceled() {
                     let reason = if resp.compact_revision() > 0 {
                         return {
-                            let _ = out_tx.send(Err(StoreError::WatchLagged { missed: 0 })).await;
+                            let _ = out_tx
+                                .send(Err(StoreError::WatchLagged { missed: 0 }))
+                                .await;
                         };
                     } else {
                         resp.cancel_reason().to_string()
                     };
-                    let _ = out_tx.send(Err(StoreError::Etcd { op: "watch", source: etcd_client::Error::WatchError(reason) })).await;
+                    let _ = out_tx
+                        .send(Err(StoreError::Etcd {
+                            op: "watch",
+                            source: Box::new(etcd_client::Error::WatchError(reason)),
+                        }))
+                        .await;
                     return;
                 }
                 for ev in resp.events() {

@@ -93,7 +93,12 @@ pub trait Store: Send + Sync + 'static {
     /// All drains, ordered by server.
     async fn list_drains(&self) -> Result<Vec<Drain>>;
     /// Records progress (and optionally a new state); `NotFound` if no drain.
-    async fn update_drain(&self, server: ServerId, progress: DrainProgress, state: DrainState) -> Result<Drain>;
+    async fn update_drain(
+        &self,
+        server: ServerId,
+        progress: DrainProgress,
+        state: DrainState,
+    ) -> Result<Drain>;
     async fn delete_drain(&self, server: ServerId) -> Result<bool>;
 
     // ----- audit log
@@ -106,7 +111,12 @@ pub trait Store: Send + Sync + 'static {
     /// Tries once to become leader of `election` with a lease of `ttl`
     /// (rounded up to whole seconds, at least 1 s). `Ok(None)` if another
     /// candidate holds a live lease.
-    async fn campaign(&self, election: &str, candidate: &str, ttl: Duration) -> Result<Option<LeaderLease>>;
+    async fn campaign(
+        &self,
+        election: &str,
+        candidate: &str,
+        ttl: Duration,
+    ) -> Result<Option<LeaderLease>>;
     /// Renews the lease; `NotLeader` if it expired or was taken over. Call
     /// at least every `ttl / 3`.
     async fn keep_alive(&self, lease: &LeaderLease) -> Result<()>;
@@ -150,5 +160,7 @@ pub(crate) fn lease_ttl_secs(ttl: Duration) -> i64 {
 
 /// Turns a channel receiver into a `WatchStream`.
 pub(crate) fn receiver_stream(rx: tokio::sync::mpsc::Receiver<Result<WatchEvent>>) -> WatchStream {
-    Box::pin(futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) }))
+    Box::pin(futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    }))
 }

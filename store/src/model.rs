@@ -87,7 +87,12 @@ pub struct Server {
 }
 
 impl Server {
-    pub fn new(id: ServerId, name: impl Into<String>, mgmt_addr: SocketAddr, data_addr: Ipv4Addr) -> Self {
+    pub fn new(
+        id: ServerId,
+        name: impl Into<String>,
+        mgmt_addr: SocketAddr,
+        data_addr: Ipv4Addr,
+    ) -> Self {
         let now = unix_ms_now();
         Server {
             id,
@@ -118,7 +123,9 @@ pub struct Service {
 pub(crate) fn check_name(what: &'static str, name: &str) -> Result<(), crate::StoreError> {
     let ok = !name.is_empty()
         && name.len() <= 128
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
     if ok {
         Ok(())
     } else {
@@ -209,35 +216,65 @@ impl Policy {
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<(), PolicyError> {
         fn bad(field: &'static str, reason: impl Into<String>) -> Result<(), PolicyError> {
-            Err(PolicyError { field, reason: reason.into() })
+            Err(PolicyError {
+                field,
+                reason: reason.into(),
+            })
         }
         let p = self;
-        if !p.proactive_threshold_pct.is_finite() || p.proactive_threshold_pct <= 0.0 || p.proactive_threshold_pct > 1000.0 {
-            return bad("proactive_threshold_pct", format!("must be in (0, 1000], got {}", p.proactive_threshold_pct));
+        if !p.proactive_threshold_pct.is_finite()
+            || p.proactive_threshold_pct <= 0.0
+            || p.proactive_threshold_pct > 1000.0
+        {
+            return bad(
+                "proactive_threshold_pct",
+                format!("must be in (0, 1000], got {}", p.proactive_threshold_pct),
+            );
         }
         if p.reactive_backlog_threshold == 0 {
             return bad("reactive_backlog_threshold", "must be at least 1 packet");
         }
         if p.max_migrations_per_sec_per_server == 0 {
-            return bad("max_migrations_per_sec_per_server", "must be at least 1 (disable the policies instead)");
+            return bad(
+                "max_migrations_per_sec_per_server",
+                "must be at least 1 (disable the policies instead)",
+            );
         }
-        if !p.hysteresis_pct.is_finite() || p.hysteresis_pct < 0.0 || p.hysteresis_pct >= p.proactive_threshold_pct {
+        if !p.hysteresis_pct.is_finite()
+            || p.hysteresis_pct < 0.0
+            || p.hysteresis_pct >= p.proactive_threshold_pct
+        {
             return bad(
                 "hysteresis_pct",
-                format!("must be in [0, proactive_threshold_pct={}), got {}", p.proactive_threshold_pct, p.hysteresis_pct),
+                format!(
+                    "must be in [0, proactive_threshold_pct={}), got {}",
+                    p.proactive_threshold_pct, p.hysteresis_pct
+                ),
             );
         }
         if p.connection_cooldown_ms > 3_600_000 {
-            return bad("connection_cooldown_ms", format!("must be at most 1 hour, got {} ms", p.connection_cooldown_ms));
+            return bad(
+                "connection_cooldown_ms",
+                format!(
+                    "must be at most 1 hour, got {} ms",
+                    p.connection_cooldown_ms
+                ),
+            );
         }
         if !(10..=10_000_000).contains(&p.load_notification_interval_us) {
             return bad(
                 "load_notification_interval_us",
-                format!("must be in [10 us, 10 s], got {} us", p.load_notification_interval_us),
+                format!(
+                    "must be in [10 us, 10 s], got {} us",
+                    p.load_notification_interval_us
+                ),
             );
         }
         if !(1..=60_000).contains(&p.heartbeat_interval_ms) {
-            return bad("heartbeat_interval_ms", format!("must be in [1, 60000] ms, got {}", p.heartbeat_interval_ms));
+            return bad(
+                "heartbeat_interval_ms",
+                format!("must be in [1, 60000] ms, got {}", p.heartbeat_interval_ms),
+            );
         }
         if p.dead_after_ms < 2 * p.heartbeat_interval_ms {
             return bad(
@@ -249,7 +286,10 @@ impl Policy {
             );
         }
         if !(1..=600_000).contains(&p.migration_deadline_ms) {
-            return bad("migration_deadline_ms", format!("must be in [1, 600000] ms, got {}", p.migration_deadline_ms));
+            return bad(
+                "migration_deadline_ms",
+                format!("must be in [1, 600000] ms, got {}", p.migration_deadline_ms),
+            );
         }
         Ok(())
     }
@@ -283,7 +323,12 @@ pub struct FlowMapping {
 /// those last operations. Applying the result equals applying the batch.
 pub(crate) fn last_op_per_flow(ops: &[FlowOp]) -> Vec<FlowOp> {
     let mut seen = std::collections::HashSet::with_capacity(ops.len());
-    let mut out: Vec<FlowOp> = ops.iter().rev().filter(|op| seen.insert(*op.key())).copied().collect();
+    let mut out: Vec<FlowOp> = ops
+        .iter()
+        .rev()
+        .filter(|op| seen.insert(*op.key()))
+        .copied()
+        .collect();
     out.reverse();
     out
 }
@@ -403,7 +448,10 @@ pub enum Change {
     DrainDeleted(ServerId),
     AuditAppended(AuditEntry),
     /// `leader` is `None` when the leader resigned or its lease expired.
-    LeaderChanged { election: String, leader: Option<LeaderInfo> },
+    LeaderChanged {
+        election: String,
+        leader: Option<LeaderInfo>,
+    },
 }
 
 impl Change {

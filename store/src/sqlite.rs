@@ -88,7 +88,10 @@ impl Default for SqliteConfig {
 
 impl SqliteConfig {
     pub fn at(path: impl Into<PathBuf>) -> Self {
-        SqliteConfig { path: path.into(), ..Default::default() }
+        SqliteConfig {
+            path: path.into(),
+            ..Default::default()
+        }
     }
 }
 
@@ -96,14 +99,20 @@ enum HubMsg {
     /// `filterable`: the event carries a change-log seq that subscribers
     /// compare with their start position; leader events are computed from
     /// lease rows and carry no seq of their own.
-    Event { filterable: bool, event: WatchEvent },
+    Event {
+        filterable: bool,
+        event: WatchEvent,
+    },
     Lagged(u64),
 }
 
 impl Clone for HubMsg {
     fn clone(&self) -> Self {
         match self {
-            HubMsg::Event { filterable, event } => HubMsg::Event { filterable: *filterable, event: event.clone() },
+            HubMsg::Event { filterable, event } => HubMsg::Event {
+                filterable: *filterable,
+                event: event.clone(),
+            },
             HubMsg::Lagged(n) => HubMsg::Lagged(*n),
         }
     }
@@ -126,14 +135,19 @@ pub struct SqliteStore {
 
 impl std::fmt::Debug for SqliteStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqliteStore").field("path", &self.inner.path).finish()
+        f.debug_struct("SqliteStore")
+            .field("path", &self.inner.path)
+            .finish()
     }
 }
 
 fn corrupt_or(path: &str, op: &'static str, e: rusqlite::Error) -> StoreError {
     match e.sqlite_error_code() {
         Some(rusqlite::ErrorCode::NotADatabase) | Some(rusqlite::ErrorCode::DatabaseCorrupt) => {
-            StoreError::Corrupt { path: path.to_string(), reason: e.to_string() }
+            StoreError::Corrupt {
+                path: path.to_string(),
+                reason: e.to_string(),
+            }
         }
         _ => StoreError::Sqlite { op, source: e },
     }
@@ -157,13 +171,15 @@ fn migrate(conn: &mut Connection, path: &str, from: i64, to: i64) -> Result<()> 
         .map_err(|e| corrupt_or(path, "begin migration", e))?;
     for v in from..to {
         let sql = MIGRATIONS[v as usize];
-        tx.execute_batch(sql).map_err(|e| corrupt_or(path, "schema migration", e))?;
+        tx.execute_batch(sql)
+            .map_err(|e| corrupt_or(path, "schema migration", e))?;
     }
     tx.pragma_update(None, "application_id", APPLICATION_ID)
         .map_err(|e| corrupt_or(path, "set application_id", e))?;
     tx.pragma_update(None, "user_version", to)
         .map_err(|e| corrupt_or(path, "set user_version", e))?;
-    tx.commit().map_err(|e| corrupt_or(path, "commit migration", e))?;
+    tx.commit()
+        .map_err(|e| corrupt_or(path, "commit migration", e))?;
     tracing::info!(path, from, to, "migrated store schema");
     Ok(())
 }
@@ -172,12 +188,17 @@ fn open_blocking(config: &SqliteConfig) -> Result<Connection> {
     let path = config.path.display().to_string();
     if let Some(dir) = config.path.parent() {
         if !dir.as_os_str().is_empty() && !dir.exists() {
-            return Err(StoreError::Config(format!("SQLite store {path}: directory {} does not exist", dir.display())));
+            return Err(StoreError::Config(format!(
+                "SQLite store {path}: directory {} does not exist",
+                dir.display()
+            )));
         }
     }
     let mut conn = Connection::open_with_flags(
         &config.path,
-        OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        OpenFlags::SQLITE_OPEN_READ_WRITE
+            | OpenFlags::SQLITE_OPEN_CREATE
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )
     .map_err(|e| corrupt_or(&path, "open", e))?;
     conn.busy_timeout(Duration::from_millis(config.busy_timeout_ms))
@@ -196,7 +217,8 @@ fn open_blocking(config: &SqliteConfig) -> Result<Connection> {
         let rows = st
             .query_map([], |r| r.get::<_, String>(0))
             .map_err(|e| corrupt_or(&path, "list tables", e))?;
-        rows.collect::<std::result::Result<_, _>>().map_err(|e| corrupt_or(&path, "list tables", e))?
+        rows.collect::<std::result::Result<_, _>>()
+            .map_err(|e| corrupt_or(&path, "list tables", e))?
     };
     if app_id == 0 && !tables.is_empty() {
         return Err(StoreError::ForeignDatabase {
@@ -214,15 +236,25 @@ fn open_blocking(config: &SqliteConfig) -> Result<Connection> {
         });
     }
     if version > SCHEMA_VERSION {
-        return Err(StoreError::SchemaTooNew { path, found: version, supported: SCHEMA_VERSION });
+        return Err(StoreError::SchemaTooNew {
+            path,
+            found: version,
+            supported: SCHEMA_VERSION,
+        });
     }
     let mode: String = conn
         .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
         .map_err(|e| corrupt_or(&path, "enable WAL", e))?;
     if !mode.eq_ignore_ascii_case("wal") {
-        return Err(StoreError::Config(format!("SQLite store {path}: cannot enable WAL (journal mode stays {mode})")));
+        return Err(StoreError::Config(format!(
+            "SQLite store {path}: cannot enable WAL (journal mode stays {mode})"
+        )));
     }
-    let sync = if config.fsync_every_commit { "FULL" } else { "NORMAL" };
+    let sync = if config.fsync_every_commit {
+        "FULL"
+    } else {
+        "NORMAL"
+    };
     conn.pragma_update(None, "synchronous", sync)
         .map_err(|e| corrupt_or(&path, "set synchronous", e))?;
     migrate(&mut conn, &path, version, SCHEMA_VERSION)?;
@@ -230,12 +262,18 @@ fn open_blocking(config: &SqliteConfig) -> Result<Connection> {
 }
 
 /// Appends a change-log row inside the caller's transaction.
-fn log_change(tx: &rusqlite::Transaction<'_>, kind: &str, key: &str, value: Option<&[u8]>) -> rusqlite::Result<()> {
+fn log_change(
+    tx: &rusqlite::Transaction<'_>,
+    kind: &str,
+    key: &str,
+    value: Option<&[u8]>,
+) -> rusqlite::Result<()> {
     tx.prepare_cached("INSERT INTO changes (kind, key, value) VALUES (?1, ?2, ?3)")?
         .execute(params![kind, key, value])?;
     let seq = tx.last_insert_rowid();
     if seq % 1000 == 0 {
-        tx.prepare_cached("DELETE FROM changes WHERE seq <= ?1")?.execute([seq - CHANGES_KEPT])?;
+        tx.prepare_cached("DELETE FROM changes WHERE seq <= ?1")?
+            .execute([seq - CHANGES_KEPT])?;
     }
     Ok(())
 }
@@ -243,15 +281,24 @@ fn log_change(tx: &rusqlite::Transaction<'_>, kind: &str, key: &str, value: Opti
 fn ip_from_i64(key: impl Fn() -> String, v: i64) -> Result<Ipv4Addr> {
     u32::try_from(v)
         .map(Ipv4Addr::from)
-        .map_err(|_| StoreError::MalformedKey { key: key(), reason: format!("IPv4 column holds {v}") })
+        .map_err(|_| StoreError::MalformedKey {
+            key: key(),
+            reason: format!("IPv4 column holds {v}"),
+        })
 }
 fn port_from_i64(key: impl Fn() -> String, v: i64) -> Result<u16> {
-    u16::try_from(v).map_err(|_| StoreError::MalformedKey { key: key(), reason: format!("port column holds {v}") })
+    u16::try_from(v).map_err(|_| StoreError::MalformedKey {
+        key: key(),
+        reason: format!("port column holds {v}"),
+    })
 }
 fn server_from_i64(key: &str, v: i64) -> Result<ServerId> {
     u32::try_from(v)
         .map(ServerId)
-        .map_err(|_| StoreError::MalformedValue { key: key.to_string(), reason: format!("server id {v} is not a 32-bit unsigned integer") })
+        .map_err(|_| StoreError::MalformedValue {
+            key: key.to_string(),
+            reason: format!("server id {v} is not a 32-bit unsigned integer"),
+        })
 }
 
 type FlowRow = (i64, i64, i64, i64, i64);
@@ -279,12 +326,21 @@ fn flow_params(k: &FlowKey) -> [i64; 4] {
 }
 
 /// A live lease row, if any, from the `leader` table.
-fn read_leader(conn: &Connection, election: &str, now_ms: i64) -> rusqlite::Result<Option<LeaderInfo>> {
+fn read_leader(
+    conn: &Connection,
+    election: &str,
+    now_ms: i64,
+) -> rusqlite::Result<Option<LeaderInfo>> {
     conn.prepare_cached(
         "SELECT candidate, lease_id, term FROM leader WHERE election = ?1 AND expires_unix_ms > ?2",
     )?
     .query_row(params![election, now_ms], |r| {
-        Ok(LeaderInfo { election: election.to_string(), candidate: r.get(0)?, lease_id: r.get(1)?, term: r.get::<_, i64>(2)? as u64 })
+        Ok(LeaderInfo {
+            election: election.to_string(),
+            candidate: r.get(0)?,
+            lease_id: r.get(1)?,
+            term: r.get::<_, i64>(2)? as u64,
+        })
     })
     .optional()
 }
@@ -293,7 +349,9 @@ fn decode_change(kind: &str, key: &str, value: Option<&[u8]>) -> Result<Change> 
     let id_part = |prefix: &str| key.strip_prefix(prefix).unwrap_or("");
     Ok(match (kind, value) {
         ("servers", Some(v)) => Change::ServerPut(decode(key, v)?),
-        ("servers", None) => Change::ServerDeleted(codec::parse_server_id(key, id_part("servers/"))?),
+        ("servers", None) => {
+            Change::ServerDeleted(codec::parse_server_id(key, id_part("servers/"))?)
+        }
         ("services", Some(v)) => Change::ServicePut(decode(key, v)?),
         ("services", None) => Change::ServiceDeleted(id_part("services/").to_string()),
         ("policy", Some(v)) => Change::PolicyPut(decode(key, v)?),
@@ -303,7 +361,10 @@ fn decode_change(kind: &str, key: &str, value: Option<&[u8]>) -> Result<Change> 
         _ => {
             return Err(StoreError::MalformedKey {
                 key: format!("changes/{key}"),
-                reason: format!("unknown change kind {kind:?} (value present: {})", value.is_some()),
+                reason: format!(
+                    "unknown change kind {kind:?} (value present: {})",
+                    value.is_some()
+                ),
             })
         }
     })
@@ -371,17 +432,34 @@ impl SqliteStore {
         Ok(out)
     }
 
-    async fn put_record(&self, op: &'static str, table: &'static str, id_col: &'static str, id: rusqlite::types::Value, key: String, value: Vec<u8>) -> Result<()> {
+    async fn put_record(
+        &self,
+        op: &'static str,
+        table: &'static str,
+        id_col: &'static str,
+        id: rusqlite::types::Value,
+        key: String,
+        value: Vec<u8>,
+    ) -> Result<()> {
         self.write(op, move |tx| {
-            tx.prepare_cached(&format!("INSERT OR REPLACE INTO {table} ({id_col}, value) VALUES (?1, ?2)"))
-                .and_then(|mut s| s.execute(params![id, value]))
-                .map_err(StoreError::sqlite(op))?;
+            tx.prepare_cached(&format!(
+                "INSERT OR REPLACE INTO {table} ({id_col}, value) VALUES (?1, ?2)"
+            ))
+            .and_then(|mut s| s.execute(params![id, value]))
+            .map_err(StoreError::sqlite(op))?;
             log_change(tx, table, &key, Some(&value)).map_err(StoreError::sqlite(op))
         })
         .await
     }
 
-    async fn delete_record(&self, op: &'static str, table: &'static str, id_col: &'static str, id: rusqlite::types::Value, key: String) -> Result<bool> {
+    async fn delete_record(
+        &self,
+        op: &'static str,
+        table: &'static str,
+        id_col: &'static str,
+        id: rusqlite::types::Value,
+        key: String,
+    ) -> Result<bool> {
         self.write(op, move |tx| {
             let n = tx
                 .prepare_cached(&format!("DELETE FROM {table} WHERE {id_col} = ?1"))
@@ -395,7 +473,14 @@ impl SqliteStore {
         .await
     }
 
-    async fn get_record<T: serde::de::DeserializeOwned + Send + 'static>(&self, op: &'static str, table: &'static str, id_col: &'static str, id: rusqlite::types::Value, key: String) -> Result<Option<T>> {
+    async fn get_record<T: serde::de::DeserializeOwned + Send + 'static>(
+        &self,
+        op: &'static str,
+        table: &'static str,
+        id_col: &'static str,
+        id: rusqlite::types::Value,
+        key: String,
+    ) -> Result<Option<T>> {
         self.run(op, move |conn| {
             let v: Option<Vec<u8>> = conn
                 .prepare_cached(&format!("SELECT value FROM {table} WHERE {id_col} = ?1"))
@@ -406,13 +491,26 @@ impl SqliteStore {
         .await
     }
 
-    async fn list_records<T: serde::de::DeserializeOwned + Send + 'static>(&self, op: &'static str, table: &'static str, id_col: &'static str, key_of: fn(&rusqlite::types::Value) -> String) -> Result<Vec<T>> {
+    async fn list_records<T: serde::de::DeserializeOwned + Send + 'static>(
+        &self,
+        op: &'static str,
+        table: &'static str,
+        id_col: &'static str,
+        key_of: fn(&rusqlite::types::Value) -> String,
+    ) -> Result<Vec<T>> {
         self.run(op, move |conn| {
             let mut st = conn
-                .prepare_cached(&format!("SELECT {id_col}, value FROM {table} ORDER BY {id_col}"))
+                .prepare_cached(&format!(
+                    "SELECT {id_col}, value FROM {table} ORDER BY {id_col}"
+                ))
                 .map_err(StoreError::sqlite(op))?;
             let rows = st
-                .query_map([], |r| Ok((r.get::<_, rusqlite::types::Value>(0)?, r.get::<_, Vec<u8>>(1)?)))
+                .query_map([], |r| {
+                    Ok((
+                        r.get::<_, rusqlite::types::Value>(0)?,
+                        r.get::<_, Vec<u8>>(1)?,
+                    ))
+                })
                 .map_err(StoreError::sqlite(op))?;
             let mut out = Vec::new();
             for row in rows {
@@ -425,7 +523,12 @@ impl SqliteStore {
     }
 
     /// Read-modify-write of one server under the write lock.
-    async fn modify_server(&self, op: &'static str, id: ServerId, f: impl FnOnce(&mut Server) + Send + 'static) -> Result<Server> {
+    async fn modify_server(
+        &self,
+        op: &'static str,
+        id: ServerId,
+        f: impl FnOnce(&mut Server) + Send + 'static,
+    ) -> Result<Server> {
         self.write(op, move |tx| {
             let key = codec::server_key(id);
             let v: Option<Vec<u8>> = tx
@@ -434,7 +537,12 @@ impl SqliteStore {
                 .map_err(StoreError::sqlite(op))?;
             let mut server: Server = match v {
                 Some(v) => decode(&key, &v)?,
-                None => return Err(StoreError::NotFound { kind: "server", id: id.to_string() }),
+                None => {
+                    return Err(StoreError::NotFound {
+                        kind: "server",
+                        id: id.to_string(),
+                    })
+                }
             };
             f(&mut server);
             server.updated_unix_ms = unix_ms_now();
@@ -449,7 +557,13 @@ impl SqliteStore {
     }
 
     async fn subscribe(&self) -> broadcast::Receiver<HubMsg> {
-        if let Some(tx) = self.inner.hub.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        if let Some(tx) = self
+            .inner
+            .hub
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
             return tx.subscribe();
         }
         // Take the starting state before `watch` returns, so a leader change
@@ -473,9 +587,12 @@ impl SqliteStore {
     #[doc(hidden)]
     pub async fn inject_raw_server(&self, id: i64, bytes: Vec<u8>) -> Result<()> {
         self.run("inject", move |c| {
-            c.execute("INSERT OR REPLACE INTO servers (id, value) VALUES (?1, ?2)", params![id, bytes])
-                .map_err(StoreError::sqlite("inject"))
-                .map(|_| ())
+            c.execute(
+                "INSERT OR REPLACE INTO servers (id, value) VALUES (?1, ?2)",
+                params![id, bytes],
+            )
+            .map_err(StoreError::sqlite("inject"))
+            .map(|_| ())
         })
         .await
     }
@@ -484,9 +601,12 @@ impl SqliteStore {
     #[doc(hidden)]
     pub async fn inject_raw_flow(&self, cols: [i64; 5]) -> Result<()> {
         self.run("inject", move |c| {
-            c.execute("INSERT OR REPLACE INTO flows VALUES (?1, ?2, ?3, ?4, ?5)", cols)
-                .map_err(StoreError::sqlite("inject"))
-                .map(|_| ())
+            c.execute(
+                "INSERT OR REPLACE INTO flows VALUES (?1, ?2, ?3, ?4, ?5)",
+                cols,
+            )
+            .map_err(StoreError::sqlite("inject"))
+            .map(|_| ())
         })
         .await
     }
@@ -536,21 +656,36 @@ async fn poll_once(
     let inner2 = inner.clone();
     let res = tokio::task::spawn_blocking(move || -> rusqlite::Result<PollResult> {
         let conn = inner2.conn.lock().unwrap_or_else(|p| p.into_inner());
-        let (min_seq, max_seq): (i64, i64) =
-            conn.query_row("SELECT IFNULL(MIN(seq), 0), IFNULL(MAX(seq), 0) FROM changes", [], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        let (min_seq, max_seq): (i64, i64) = conn.query_row(
+            "SELECT IFNULL(MIN(seq), 0), IFNULL(MAX(seq), 0) FROM changes",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?;
         let mut changes = Vec::new();
         if let Some(from) = from {
-            let mut st = conn.prepare_cached("SELECT seq, kind, key, value FROM changes WHERE seq > ?1 ORDER BY seq LIMIT 4096")?;
-            let rows = st.query_map([from], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?;
+            let mut st = conn.prepare_cached(
+                "SELECT seq, kind, key, value FROM changes WHERE seq > ?1 ORDER BY seq LIMIT 4096",
+            )?;
+            let rows =
+                st.query_map([from], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?;
             for r in rows {
                 changes.push(r?);
             }
         }
-        let mut st = conn.prepare_cached("SELECT election, candidate, lease_id, term, expires_unix_ms FROM leader")?;
+        let mut st = conn.prepare_cached(
+            "SELECT election, candidate, lease_id, term, expires_unix_ms FROM leader",
+        )?;
         let leaders = st
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))?
+            .query_map([], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+            })?
             .collect::<rusqlite::Result<Vec<_>>>()?;
-        Ok(PollResult { changes, max_seq, min_seq, leaders })
+        Ok(PollResult {
+            changes,
+            max_seq,
+            min_seq,
+            leaders,
+        })
     })
     .await;
     let res = match res {
@@ -572,9 +707,17 @@ async fn poll_once(
                 *last_seq = Some(seq);
                 match decode_change(&kind, &key, value.as_deref()) {
                     Ok(change) => {
-                        let _ = tx.send(HubMsg::Event { filterable: true, event: WatchEvent { revision: seq as u64, change } });
+                        let _ = tx.send(HubMsg::Event {
+                            filterable: true,
+                            event: WatchEvent {
+                                revision: seq as u64,
+                                change,
+                            },
+                        });
                     }
-                    Err(e) => tracing::warn!(path = %inner.path, seq, error = %e, "skipping undecodable change-log row"),
+                    Err(e) => {
+                        tracing::warn!(path = %inner.path, seq, error = %e, "skipping undecodable change-log row")
+                    }
                 }
             }
         }
@@ -582,12 +725,23 @@ async fn poll_once(
     let now = unix_ms_now() as i64;
     let rev = last_seq.unwrap_or(0).max(0) as u64;
     for (election, candidate, lease_id, term, expires) in res.leaders {
-        let live = (expires > now).then(|| LeaderInfo { election: election.clone(), candidate, lease_id, term: term.max(0) as u64 });
+        let live = (expires > now).then(|| LeaderInfo {
+            election: election.clone(),
+            candidate,
+            lease_id,
+            term: term.max(0) as u64,
+        });
         let prev = leaders.insert(election.clone(), live.clone());
         if !initial && prev.as_ref() != Some(&live) && !(prev.is_none() && live.is_none()) {
             let _ = tx.send(HubMsg::Event {
                 filterable: false,
-                event: WatchEvent { revision: rev, change: Change::LeaderChanged { election, leader: live } },
+                event: WatchEvent {
+                    revision: rev,
+                    change: Change::LeaderChanged {
+                        election,
+                        leader: live,
+                    },
+                },
             });
         }
     }
@@ -601,11 +755,26 @@ impl Store for SqliteStore {
 
     async fn put_server(&self, server: &Server) -> Result<()> {
         let key = codec::server_key(server.id);
-        self.put_record("put_server", "servers", "id", i64::from(server.id.0).into(), key, encode(server)).await
+        self.put_record(
+            "put_server",
+            "servers",
+            "id",
+            i64::from(server.id.0).into(),
+            key,
+            encode(server),
+        )
+        .await
     }
 
     async fn get_server(&self, id: ServerId) -> Result<Option<Server>> {
-        self.get_record("get_server", "servers", "id", i64::from(id.0).into(), codec::server_key(id)).await
+        self.get_record(
+            "get_server",
+            "servers",
+            "id",
+            i64::from(id.0).into(),
+            codec::server_key(id),
+        )
+        .await
     }
 
     async fn list_servers(&self) -> Result<Vec<Server>> {
@@ -617,26 +786,50 @@ impl Store for SqliteStore {
     }
 
     async fn set_server_state(&self, id: ServerId, state: ServerState) -> Result<Server> {
-        self.modify_server("set_server_state", id, move |s| s.state = state).await
+        self.modify_server("set_server_state", id, move |s| s.state = state)
+            .await
     }
 
     async fn set_server_weight(&self, id: ServerId, weight: u32) -> Result<Server> {
-        self.modify_server("set_server_weight", id, move |s| s.weight = weight).await
+        self.modify_server("set_server_weight", id, move |s| s.weight = weight)
+            .await
     }
 
     async fn delete_server(&self, id: ServerId) -> Result<bool> {
-        self.delete_record("delete_server", "servers", "id", i64::from(id.0).into(), codec::server_key(id)).await
+        self.delete_record(
+            "delete_server",
+            "servers",
+            "id",
+            i64::from(id.0).into(),
+            codec::server_key(id),
+        )
+        .await
     }
 
     async fn put_service(&self, service: &Service) -> Result<()> {
         check_name("service name", &service.name)?;
         let key = codec::service_key(&service.name);
-        self.put_record("put_service", "services", "name", service.name.clone().into(), key, encode(service)).await
+        self.put_record(
+            "put_service",
+            "services",
+            "name",
+            service.name.clone().into(),
+            key,
+            encode(service),
+        )
+        .await
     }
 
     async fn get_service(&self, name: &str) -> Result<Option<Service>> {
         check_name("service name", name)?;
-        self.get_record("get_service", "services", "name", name.to_string().into(), codec::service_key(name)).await
+        self.get_record(
+            "get_service",
+            "services",
+            "name",
+            name.to_string().into(),
+            codec::service_key(name),
+        )
+        .await
     }
 
     async fn list_services(&self) -> Result<Vec<Service>> {
@@ -649,19 +842,40 @@ impl Store for SqliteStore {
 
     async fn delete_service(&self, name: &str) -> Result<bool> {
         check_name("service name", name)?;
-        self.delete_record("delete_service", "services", "name", name.to_string().into(), codec::service_key(name)).await
+        self.delete_record(
+            "delete_service",
+            "services",
+            "name",
+            name.to_string().into(),
+            codec::service_key(name),
+        )
+        .await
     }
 
     async fn get_policy(&self) -> Result<Policy> {
         Ok(self
-            .get_record("get_policy", "policy", "id", 1i64.into(), codec::POLICY_KEY.to_string())
+            .get_record(
+                "get_policy",
+                "policy",
+                "id",
+                1i64.into(),
+                codec::POLICY_KEY.to_string(),
+            )
             .await?
             .unwrap_or_default())
     }
 
     async fn put_policy(&self, policy: &Policy) -> Result<()> {
         policy.validate()?;
-        self.put_record("put_policy", "policy", "id", 1i64.into(), codec::POLICY_KEY.to_string(), encode(policy)).await
+        self.put_record(
+            "put_policy",
+            "policy",
+            "id",
+            1i64.into(),
+            codec::POLICY_KEY.to_string(),
+            encode(policy),
+        )
+        .await
     }
 
     async fn apply_flows(&self, ops: &[FlowOp]) -> Result<()> {
@@ -739,9 +953,12 @@ impl Store for SqliteStore {
                 )
                 .map_err(StoreError::sqlite(op))?;
             let rows = st
-                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+                .query_map([], |r| {
+                    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+                })
                 .map_err(StoreError::sqlite(op))?;
-            rows.map(|r| r.map_err(StoreError::sqlite(op)).and_then(flow_from_row)).collect()
+            rows.map(|r| r.map_err(StoreError::sqlite(op)).and_then(flow_from_row))
+                .collect()
         })
         .await
     }
@@ -757,11 +974,26 @@ impl Store for SqliteStore {
 
     async fn put_drain(&self, drain: &Drain) -> Result<()> {
         let key = codec::drain_key(drain.server);
-        self.put_record("put_drain", "drains", "server", i64::from(drain.server.0).into(), key, encode(drain)).await
+        self.put_record(
+            "put_drain",
+            "drains",
+            "server",
+            i64::from(drain.server.0).into(),
+            key,
+            encode(drain),
+        )
+        .await
     }
 
     async fn get_drain(&self, server: ServerId) -> Result<Option<Drain>> {
-        self.get_record("get_drain", "drains", "server", i64::from(server.0).into(), codec::drain_key(server)).await
+        self.get_record(
+            "get_drain",
+            "drains",
+            "server",
+            i64::from(server.0).into(),
+            codec::drain_key(server),
+        )
+        .await
     }
 
     async fn list_drains(&self) -> Result<Vec<Drain>> {
@@ -772,7 +1004,12 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn update_drain(&self, server: ServerId, progress: DrainProgress, state: DrainState) -> Result<Drain> {
+    async fn update_drain(
+        &self,
+        server: ServerId,
+        progress: DrainProgress,
+        state: DrainState,
+    ) -> Result<Drain> {
         let op = "update_drain";
         self.write(op, move |tx| {
             let key = codec::drain_key(server);
@@ -782,7 +1019,12 @@ impl Store for SqliteStore {
                 .map_err(StoreError::sqlite(op))?;
             let mut drain: Drain = match v {
                 Some(v) => decode(&key, &v)?,
-                None => return Err(StoreError::NotFound { kind: "drain", id: server.to_string() }),
+                None => {
+                    return Err(StoreError::NotFound {
+                        kind: "drain",
+                        id: server.to_string(),
+                    })
+                }
             };
             drain.progress = progress;
             drain.state = state;
@@ -797,7 +1039,14 @@ impl Store for SqliteStore {
     }
 
     async fn delete_drain(&self, server: ServerId) -> Result<bool> {
-        self.delete_record("delete_drain", "drains", "server", i64::from(server.0).into(), codec::drain_key(server)).await
+        self.delete_record(
+            "delete_drain",
+            "drains",
+            "server",
+            i64::from(server.0).into(),
+            codec::drain_key(server),
+        )
+        .await
     }
 
     async fn append_audit(&self, record: &AuditRecord) -> Result<AuditEntry> {
@@ -809,12 +1058,17 @@ impl Store for SqliteStore {
                 .and_then(|mut s| s.execute([]))
                 .map_err(StoreError::sqlite(op))?;
             let seq = tx.last_insert_rowid();
-            let entry = AuditEntry { seq: seq as u64, at_unix_ms: unix_ms_now(), record };
+            let entry = AuditEntry {
+                seq: seq as u64,
+                at_unix_ms: unix_ms_now(),
+                record,
+            };
             let value = encode(&entry);
             tx.prepare_cached("UPDATE audit SET value = ?2 WHERE seq = ?1")
                 .and_then(|mut s| s.execute(params![seq, value]))
                 .map_err(StoreError::sqlite(op))?;
-            log_change(tx, "audit", &codec::audit_key(entry.seq), Some(&value)).map_err(StoreError::sqlite(op))?;
+            log_change(tx, "audit", &codec::audit_key(entry.seq), Some(&value))
+                .map_err(StoreError::sqlite(op))?;
             Ok(entry)
         })
         .await
@@ -829,7 +1083,9 @@ impl Store for SqliteStore {
                 .prepare_cached("SELECT seq, value FROM audit WHERE seq > ?1 ORDER BY seq LIMIT ?2")
                 .map_err(StoreError::sqlite(op))?;
             let rows = st
-                .query_map([after, limit], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?)))
+                .query_map([after, limit], |r| {
+                    Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?))
+                })
                 .map_err(StoreError::sqlite(op))?;
             let mut out = Vec::new();
             for r in rows {
@@ -841,10 +1097,18 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn campaign(&self, election: &str, candidate: &str, ttl: Duration) -> Result<Option<LeaderLease>> {
+    async fn campaign(
+        &self,
+        election: &str,
+        candidate: &str,
+        ttl: Duration,
+    ) -> Result<Option<LeaderLease>> {
         check_name("election name", election)?;
         if candidate.is_empty() || candidate.len() > 256 {
-            return Err(StoreError::Invalid { what: "candidate", reason: "must be 1-256 bytes".into() });
+            return Err(StoreError::Invalid {
+                what: "candidate",
+                reason: "must be 1-256 bytes".into(),
+            });
         }
         let (election, candidate) = (election.to_string(), candidate.to_string());
         let ttl_s = lease_ttl_secs(ttl);
@@ -906,10 +1170,12 @@ impl Store for SqliteStore {
     async fn resign(&self, lease: &LeaderLease) -> Result<()> {
         let lease = lease.clone();
         self.write("resign", move |tx| {
-            tx.prepare_cached("UPDATE leader SET expires_unix_ms = 0 WHERE election = ?1 AND lease_id = ?2")
-                .and_then(|mut s| s.execute(params![lease.info.election, lease.info.lease_id]))
-                .map_err(StoreError::sqlite("resign"))
-                .map(|_| ())
+            tx.prepare_cached(
+                "UPDATE leader SET expires_unix_ms = 0 WHERE election = ?1 AND lease_id = ?2",
+            )
+            .and_then(|mut s| s.execute(params![lease.info.election, lease.info.lease_id]))
+            .map_err(StoreError::sqlite("resign"))
+            .map(|_| ())
         })
         .await
     }
@@ -952,7 +1218,9 @@ impl Store for SqliteStore {
                         Ok(event)
                     }
                     Ok(HubMsg::Lagged(n)) => Err(StoreError::WatchLagged { missed: n }),
-                    Err(broadcast::error::RecvError::Lagged(n)) => Err(StoreError::WatchLagged { missed: n }),
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        Err(StoreError::WatchLagged { missed: n })
+                    }
                     Err(broadcast::error::RecvError::Closed) => return,
                 };
                 let end = item.is_err();

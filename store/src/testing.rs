@@ -28,7 +28,11 @@ pub enum HarnessError {
     #[error("etcd harness: cannot run {bin}: {reason}")]
     Spawn { bin: String, reason: String },
     #[error("etcd harness: member {member} not healthy after {waited:?}; log tail:\n{log_tail}")]
-    NotHealthy { member: String, waited: Duration, log_tail: String },
+    NotHealthy {
+        member: String,
+        waited: Duration,
+        log_tail: String,
+    },
 }
 
 struct Member {
@@ -55,7 +59,11 @@ pub fn unique_name(prefix: &str) -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
         .unwrap_or(0);
-    format!("{prefix}-{}-{}-{nanos}", std::process::id(), UNIQUE.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "{prefix}-{}-{}-{nanos}",
+        std::process::id(),
+        UNIQUE.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 fn etcd_bin() -> String {
@@ -64,8 +72,13 @@ fn etcd_bin() -> String {
 
 /// Distinct free loopback ports (held open together so they differ).
 fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
-    let listeners = (0..n).map(|_| TcpListener::bind("127.0.0.1:0")).collect::<std::io::Result<Vec<_>>>()?;
-    listeners.iter().map(|l| l.local_addr().map(|a| a.port())).collect()
+    let listeners = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    listeners
+        .iter()
+        .map(|l| l.local_addr().map(|a| a.port()))
+        .collect()
 }
 
 fn log_tail(path: &PathBuf) -> String {
@@ -77,9 +90,13 @@ fn log_tail(path: &PathBuf) -> String {
 /// `GET /health` on a member's client port.
 fn healthy(port: u16) -> bool {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else { return false };
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else {
+        return false;
+    };
     let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-    if s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").is_err() {
+    if s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .is_err()
+    {
         return false;
     }
     let mut buf = Vec::new();
@@ -98,11 +115,16 @@ impl EtcdCluster {
                 Err(e) => last = Some(e),
             }
         }
-        Err(last.unwrap_or_else(|| HarnessError::Spawn { bin: etcd_bin(), reason: "no attempt made".into() }))
+        Err(last.unwrap_or_else(|| HarnessError::Spawn {
+            bin: etcd_bin(),
+            reason: "no attempt made".into(),
+        }))
     }
 
     fn try_start(size: usize) -> Result<Self, HarnessError> {
-        let dir = tempfile::Builder::new().prefix("capybara-etcd-").tempdir()?;
+        let dir = tempfile::Builder::new()
+            .prefix("capybara-etcd-")
+            .tempdir()?;
         let ports = free_ports(size * 2)?;
         let members: Vec<Member> = (0..size)
             .map(|i| Member {
@@ -114,7 +136,11 @@ impl EtcdCluster {
                 child: None,
             })
             .collect();
-        let mut cluster = EtcdCluster { dir, members, token: unique_name("capybara-test") };
+        let mut cluster = EtcdCluster {
+            dir,
+            members,
+            token: unique_name("capybara-test"),
+        };
         for i in 0..size {
             cluster.spawn_member(i, "new")?;
         }
@@ -136,27 +162,46 @@ impl EtcdCluster {
         let initial_cluster = self.initial_cluster();
         let token = self.token.clone();
         let m = &mut self.members[i];
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&m.log)?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&m.log)?;
         let client = format!("http://127.0.0.1:{}", m.client_port);
         let peer = format!("http://127.0.0.1:{}", m.peer_port);
         let mut cmd = Command::new(etcd_bin());
-        cmd.arg("--name").arg(&m.name)
-            .arg("--data-dir").arg(&m.data_dir)
-            .arg("--listen-client-urls").arg(&client)
-            .arg("--advertise-client-urls").arg(&client)
-            .arg("--listen-peer-urls").arg(&peer)
-            .arg("--initial-advertise-peer-urls").arg(&peer)
-            .arg("--initial-cluster").arg(initial_cluster)
-            .arg("--initial-cluster-token").arg(token)
-            .arg("--initial-cluster-state").arg(state)
+        cmd.arg("--name")
+            .arg(&m.name)
+            .arg("--data-dir")
+            .arg(&m.data_dir)
+            .arg("--listen-client-urls")
+            .arg(&client)
+            .arg("--advertise-client-urls")
+            .arg(&client)
+            .arg("--listen-peer-urls")
+            .arg(&peer)
+            .arg("--initial-advertise-peer-urls")
+            .arg(&peer)
+            .arg("--initial-cluster")
+            .arg(initial_cluster)
+            .arg("--initial-cluster-token")
+            .arg(token)
+            .arg("--initial-cluster-state")
+            .arg(state)
             // Fast elections keep failover tests short; minimum lease TTL = 1 s.
-            .arg("--heartbeat-interval").arg("50")
-            .arg("--election-timeout").arg("500")
-            .arg("--max-txn-ops").arg("4096")
-            .arg("--max-request-bytes").arg("10485760")
-            .arg("--quota-backend-bytes").arg("4294967296")
-            .arg("--logger").arg("zap")
-            .arg("--log-level").arg("warn")
+            .arg("--heartbeat-interval")
+            .arg("50")
+            .arg("--election-timeout")
+            .arg("500")
+            .arg("--max-txn-ops")
+            .arg("4096")
+            .arg("--max-request-bytes")
+            .arg("10485760")
+            .arg("--quota-backend-bytes")
+            .arg("4294967296")
+            .arg("--logger")
+            .arg("zap")
+            .arg("--log-level")
+            .arg("warn")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
@@ -167,7 +212,10 @@ impl EtcdCluster {
                 Ok(())
             });
         }
-        let child = cmd.spawn().map_err(|e| HarnessError::Spawn { bin: etcd_bin(), reason: e.to_string() })?;
+        let child = cmd.spawn().map_err(|e| HarnessError::Spawn {
+            bin: etcd_bin(),
+            reason: e.to_string(),
+        })?;
         m.child = Some(child);
         Ok(())
     }
@@ -192,7 +240,11 @@ impl EtcdCluster {
             std::thread::sleep(Duration::from_millis(50));
         }
         let m = &self.members[i];
-        Err(HarnessError::NotHealthy { member: m.name.clone(), waited: start.elapsed(), log_tail: log_tail(&m.log) })
+        Err(HarnessError::NotHealthy {
+            member: m.name.clone(),
+            waited: start.elapsed(),
+            log_tail: log_tail(&m.log),
+        })
     }
 
     pub fn size(&self) -> usize {
@@ -201,7 +253,10 @@ impl EtcdCluster {
 
     /// Client URL of every member.
     pub fn endpoints(&self) -> Vec<String> {
-        self.members.iter().map(|m| format!("http://127.0.0.1:{}", m.client_port)).collect()
+        self.members
+            .iter()
+            .map(|m| format!("http://127.0.0.1:{}", m.client_port))
+            .collect()
     }
 
     /// A store config on this cluster with a fresh key prefix, so tests

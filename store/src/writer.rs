@@ -10,6 +10,9 @@
 //! with a deadline that passes first (then `close` says how many were left).
 //! Metrics expose backlog, batches, batch sizes, overflow, last error and lag.
 
+// `u64::is_multiple_of` needs Rust 1.87; the workspace supports 1.80.
+#![allow(clippy::manual_is_multiple_of)]
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -123,11 +126,18 @@ impl FlowWriterMetrics {
         line("flush_errors_total", self.flush_errors_total.to_string());
         line("retrying", u8::from(self.retrying).to_string());
         line("lag_seconds", format!("{:.6}", self.lag.as_secs_f64()));
-        line("last_flush_seconds", format!("{:.6}", self.last_flush.as_secs_f64()));
+        line(
+            "last_flush_seconds",
+            format!("{:.6}", self.last_flush.as_secs_f64()),
+        );
         let mut cum = 0;
         for (i, le) in BATCH_SIZE_BUCKETS.iter().enumerate() {
             cum += self.batch_size_buckets[i];
-            let le = if *le == u64::MAX { "+Inf".to_string() } else { le.to_string() };
+            let le = if *le == u64::MAX {
+                "+Inf".to_string()
+            } else {
+                le.to_string()
+            };
             s.push_str(&format!("{p}_batch_size_bucket{{le=\"{le}\"}} {cum}\n"));
         }
         s.push_str(&format!("{p}_batch_size_count {cum}\n"));
@@ -160,8 +170,20 @@ impl FlowWriter {
         let (tx, rx) = mpsc::channel(capacity);
         let counters = Arc::new(Counters::default());
         let shutdown = Arc::new(tokio::sync::Notify::new());
-        let task = tokio::spawn(flusher(store, config, rx, counters.clone(), shutdown.clone()));
-        FlowWriter { tx, shutdown, counters, capacity, task: Mutex::new(Some(task)) }
+        let task = tokio::spawn(flusher(
+            store,
+            config,
+            rx,
+            counters.clone(),
+            shutdown.clone(),
+        ));
+        FlowWriter {
+            tx,
+            shutdown,
+            counters,
+            capacity,
+            task: Mutex::new(Some(task)),
+        }
     }
 
     /// Queues one operation without blocking; refuses it when the queue is full.
@@ -195,7 +217,11 @@ impl FlowWriter {
                         "flow writer queue overflow: flow mappings are not being persisted"
                     );
                 }
-                Err(Overflow { reason, capacity: self.capacity, overflow_total: total })
+                Err(Overflow {
+                    reason,
+                    capacity: self.capacity,
+                    overflow_total: total,
+                })
             }
         }
     }
@@ -222,7 +248,11 @@ impl FlowWriter {
             max_flush: us(&c.max_flush_us),
             lag,
             last_batch_lag: us(&c.last_lag_us),
-            last_error: c.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            last_error: c
+                .last_error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
         }
     }
 
@@ -234,7 +264,11 @@ impl FlowWriter {
         while self.counters.written.load(Ordering::Acquire) < target {
             if start.elapsed() >= timeout {
                 let m = self.metrics();
-                return Err(Unflushed { unwritten: m.backlog, waited: start.elapsed(), last_error: m.last_error });
+                return Err(Unflushed {
+                    unwritten: m.backlog,
+                    waited: start.elapsed(),
+                    last_error: m.last_error,
+                });
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
@@ -251,7 +285,11 @@ impl FlowWriter {
             if tokio::time::timeout(deadline, &mut task).await.is_err() {
                 task.abort();
                 let m = self.metrics();
-                return Err(Unflushed { unwritten: m.backlog, waited: start.elapsed(), last_error: m.last_error });
+                return Err(Unflushed {
+                    unwritten: m.backlog,
+                    waited: start.elapsed(),
+                    last_error: m.last_error,
+                });
             }
         }
         Ok(())
@@ -266,7 +304,10 @@ impl Drop for FlowWriter {
 }
 
 fn bucket(n: usize) -> usize {
-    BATCH_SIZE_BUCKETS.iter().position(|b| n as u64 <= *b).unwrap_or(BATCH_SIZE_BUCKETS.len() - 1)
+    BATCH_SIZE_BUCKETS
+        .iter()
+        .position(|b| n as u64 <= *b)
+        .unwrap_or(BATCH_SIZE_BUCKETS.len() - 1)
 }
 
 async fn flusher(
@@ -294,17 +335,21 @@ async fn flusher(
                 }
             }
         };
-        let Some((first, first_at)) = next else { return };
+        let Some((first, first_at)) = next else {
+            return;
+        };
         batch.push(first);
         let linger_until = tokio::time::Instant::now() + config.linger;
         // Bounded by max_batch and by the linger deadline.
         while batch.len() < max_batch {
             match rx.try_recv() {
                 Ok((op, _)) => batch.push(op),
-                Err(mpsc::error::TryRecvError::Empty) => match tokio::time::timeout_at(linger_until, rx.recv()).await {
-                    Ok(Some((op, _))) => batch.push(op),
-                    Ok(None) | Err(_) => break,
-                },
+                Err(mpsc::error::TryRecvError::Empty) => {
+                    match tokio::time::timeout_at(linger_until, rx.recv()).await {
+                        Ok(Some((op, _))) => batch.push(op),
+                        Ok(None) | Err(_) => break,
+                    }
+                }
                 Err(mpsc::error::TryRecvError::Disconnected) => break,
             }
         }
@@ -316,23 +361,34 @@ async fn flusher(
         loop {
             attempt += 1;
             let t0 = Instant::now();
-            let res = match tokio::time::timeout(config.flush_timeout, store.apply_flows(&batch)).await {
-                Ok(r) => r.map_err(|e| e.to_string()),
-                Err(_) => Err(format!("apply_flows timed out after {:?}", config.flush_timeout)),
-            };
+            let res =
+                match tokio::time::timeout(config.flush_timeout, store.apply_flows(&batch)).await {
+                    Ok(r) => r.map_err(|e| e.to_string()),
+                    Err(_) => Err(format!(
+                        "apply_flows timed out after {:?}",
+                        config.flush_timeout
+                    )),
+                };
             let took = t0.elapsed();
             match res {
                 Ok(()) => {
                     let n = batch.len() as u64;
-                    c.last_flush_us.store(took.as_micros() as u64, Ordering::Relaxed);
-                    c.max_flush_us.fetch_max(took.as_micros() as u64, Ordering::Relaxed);
-                    c.last_lag_us.store(first_at.elapsed().as_micros() as u64, Ordering::Relaxed);
+                    c.last_flush_us
+                        .store(took.as_micros() as u64, Ordering::Relaxed);
+                    c.max_flush_us
+                        .fetch_max(took.as_micros() as u64, Ordering::Relaxed);
+                    c.last_lag_us
+                        .store(first_at.elapsed().as_micros() as u64, Ordering::Relaxed);
                     c.batches.fetch_add(1, Ordering::Relaxed);
                     c.buckets[bucket(batch.len())].fetch_add(1, Ordering::Relaxed);
                     c.written.fetch_add(n, Ordering::AcqRel);
                     let left = c.backlog.fetch_sub(n, Ordering::AcqRel) - n;
                     if attempt > 1 {
-                        tracing::info!(attempts = attempt, backlog = left, "flow writer recovered; store writes resumed");
+                        tracing::info!(
+                            attempts = attempt,
+                            backlog = left,
+                            "flow writer recovered; store writes resumed"
+                        );
                     }
                     c.retrying.store(0, Ordering::Relaxed);
                     *c.oldest_pending.lock().unwrap_or_else(|p| p.into_inner()) = None;

@@ -34,7 +34,12 @@ fn flow(i: u32) -> FlowKey {
 }
 
 fn service(name: &str, pool: &[u32]) -> Service {
-    Service { name: name.into(), vip: Ipv4Addr::new(192, 168, 0, 1), port: 443, pool: pool.iter().map(|&i| ServerId(i)).collect() }
+    Service {
+        name: name.into(),
+        vip: Ipv4Addr::new(192, 168, 0, 1),
+        port: 443,
+        pool: pool.iter().map(|&i| ServerId(i)).collect(),
+    }
 }
 
 fn drain(id: u32) -> Drain {
@@ -44,12 +49,21 @@ fn drain(id: u32) -> Drain {
         started_unix_ms: 1_000,
         deadline_unix_ms: 61_000,
         state: DrainState::Running,
-        progress: DrainProgress { flows_total: 10, flows_remaining: 10, ..Default::default() },
+        progress: DrainProgress {
+            flows_total: 10,
+            flows_remaining: 10,
+            ..Default::default()
+        },
     }
 }
 
 fn audit(action: &str) -> AuditRecord {
-    AuditRecord { actor: "tester".into(), action: action.into(), target: "s1".into(), detail: serde_json::json!({"k": 1}) }
+    AuditRecord {
+        actor: "tester".into(),
+        action: action.into(),
+        target: "s1".into(),
+        detail: serde_json::json!({"k": 1}),
+    }
 }
 
 mod cases {
@@ -62,7 +76,13 @@ mod cases {
         for id in [3, 1, 20, 2] {
             s.put_server(&server(id)).await.unwrap();
         }
-        let ids: Vec<u32> = s.list_servers().await.unwrap().iter().map(|s| s.id.0).collect();
+        let ids: Vec<u32> = s
+            .list_servers()
+            .await
+            .unwrap()
+            .iter()
+            .map(|s| s.id.0)
+            .collect();
         assert_eq!(ids, vec![1, 2, 3, 20], "ordered by id");
         let mut want = server(3);
         let got = s.get_server(ServerId(3)).await.unwrap().unwrap();
@@ -73,7 +93,15 @@ mod cases {
         let mut s3 = server(3);
         s3.name = "renamed".into();
         s.put_server(&s3).await.unwrap();
-        assert_eq!(f.second.get_server(ServerId(3)).await.unwrap().unwrap().name, "renamed");
+        assert_eq!(
+            f.second
+                .get_server(ServerId(3))
+                .await
+                .unwrap()
+                .unwrap()
+                .name,
+            "renamed"
+        );
         assert!(s.delete_server(ServerId(3)).await.unwrap());
         assert!(!s.delete_server(ServerId(3)).await.unwrap());
         assert_eq!(s.get_server(ServerId(3)).await.unwrap(), None);
@@ -82,17 +110,36 @@ mod cases {
     pub async fn server_state_and_weight(f: &Fixture) {
         let s = &f.store;
         s.put_server(&server(7)).await.unwrap();
-        for st in [ServerState::Draining, ServerState::Drained, ServerState::Dead, ServerState::Active] {
+        for st in [
+            ServerState::Draining,
+            ServerState::Drained,
+            ServerState::Dead,
+            ServerState::Active,
+        ] {
             let got = s.set_server_state(ServerId(7), st).await.unwrap();
             assert_eq!(got.state, st);
-            assert_eq!(f.second.get_server(ServerId(7)).await.unwrap().unwrap().state, st);
+            assert_eq!(
+                f.second
+                    .get_server(ServerId(7))
+                    .await
+                    .unwrap()
+                    .unwrap()
+                    .state,
+                st
+            );
         }
         let got = s.set_server_weight(ServerId(7), 42).await.unwrap();
         assert_eq!(got.weight, 42);
         assert_eq!(got.state, ServerState::Active, "weight change keeps state");
         assert_eq!(s.get_server(ServerId(7)).await.unwrap().unwrap().weight, 42);
-        let e = s.set_server_state(ServerId(99), ServerState::Dead).await.unwrap_err();
-        assert!(matches!(e, StoreError::NotFound { kind: "server", .. }), "{e}");
+        let e = s
+            .set_server_state(ServerId(99), ServerState::Dead)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, StoreError::NotFound { kind: "server", .. }),
+            "{e}"
+        );
         let e = s.set_server_weight(ServerId(99), 1).await.unwrap_err();
         assert!(e.to_string().contains("s99"), "{e}");
     }
@@ -101,16 +148,34 @@ mod cases {
         let s = &f.store;
         s.put_service(&service("web", &[1, 2])).await.unwrap();
         s.put_service(&service("api", &[3])).await.unwrap();
-        let names: Vec<String> = s.list_services().await.unwrap().into_iter().map(|s| s.name).collect();
+        let names: Vec<String> = s
+            .list_services()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
         assert_eq!(names, vec!["api", "web"]);
-        assert_eq!(f.second.get_service("web").await.unwrap(), Some(service("web", &[1, 2])));
+        assert_eq!(
+            f.second.get_service("web").await.unwrap(),
+            Some(service("web", &[1, 2]))
+        );
         s.put_service(&service("web", &[1, 2, 4])).await.unwrap();
         assert_eq!(s.get_service("web").await.unwrap().unwrap().pool.len(), 3);
         assert!(s.delete_service("web").await.unwrap());
         assert!(!s.delete_service("web").await.unwrap());
         assert_eq!(s.get_service("web").await.unwrap(), None);
         let e = s.put_service(&service("bad/name", &[])).await.unwrap_err();
-        assert!(matches!(e, StoreError::Invalid { what: "service name", .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                StoreError::Invalid {
+                    what: "service name",
+                    ..
+                }
+            ),
+            "{e}"
+        );
         assert!(s.get_service("").await.is_err());
     }
 
@@ -128,25 +193,52 @@ mod cases {
         };
         s.put_policy(&p).await.unwrap();
         assert_eq!(f.second.get_policy().await.unwrap(), p);
-        let bad = Policy { dead_after_ms: 10, ..Policy::default() };
+        let bad = Policy {
+            dead_after_ms: 10,
+            ..Policy::default()
+        };
         match s.put_policy(&bad).await {
-            Err(StoreError::InvalidPolicy(PolicyError { field, .. })) => assert_eq!(field, "dead_after_ms"),
+            Err(StoreError::InvalidPolicy(PolicyError { field, .. })) => {
+                assert_eq!(field, "dead_after_ms")
+            }
             other => panic!("expected InvalidPolicy, got {other:?}"),
         }
-        assert_eq!(s.get_policy().await.unwrap(), p, "rejected policy not stored");
+        assert_eq!(
+            s.get_policy().await.unwrap(),
+            p,
+            "rejected policy not stored"
+        );
     }
 
     pub async fn flows_batch_semantics(f: &Fixture) {
         let s = &f.store;
         let ops = vec![
-            FlowOp::Put { key: flow(1), server: ServerId(1) },
-            FlowOp::Put { key: flow(2), server: ServerId(1) },
-            FlowOp::Put { key: flow(3), server: ServerId(2) },
+            FlowOp::Put {
+                key: flow(1),
+                server: ServerId(1),
+            },
+            FlowOp::Put {
+                key: flow(2),
+                server: ServerId(1),
+            },
+            FlowOp::Put {
+                key: flow(3),
+                server: ServerId(2),
+            },
             // Last op per flow wins within a batch.
-            FlowOp::Put { key: flow(2), server: ServerId(2) },
+            FlowOp::Put {
+                key: flow(2),
+                server: ServerId(2),
+            },
             FlowOp::Delete { key: flow(3) },
-            FlowOp::Put { key: flow(3), server: ServerId(3) },
-            FlowOp::Put { key: flow(4), server: ServerId(1) },
+            FlowOp::Put {
+                key: flow(3),
+                server: ServerId(3),
+            },
+            FlowOp::Put {
+                key: flow(4),
+                server: ServerId(1),
+            },
             FlowOp::Delete { key: flow(4) },
             FlowOp::Delete { key: flow(999) },
         ];
@@ -157,20 +249,47 @@ mod cases {
         assert_eq!(s.get_flow(&flow(3)).await.unwrap(), Some(ServerId(3)));
         assert_eq!(s.get_flow(&flow(4)).await.unwrap(), None);
         assert_eq!(s.count_flows().await.unwrap(), 3);
-        assert_eq!(f.second.list_flows_by_server(ServerId(1)).await.unwrap(), vec![flow(1)]);
-        assert_eq!(s.list_flows_by_server(ServerId(2)).await.unwrap(), vec![flow(2)]);
-        assert!(s.list_flows_by_server(ServerId(9)).await.unwrap().is_empty());
+        assert_eq!(
+            f.second.list_flows_by_server(ServerId(1)).await.unwrap(),
+            vec![flow(1)]
+        );
+        assert_eq!(
+            s.list_flows_by_server(ServerId(2)).await.unwrap(),
+            vec![flow(2)]
+        );
+        assert!(s
+            .list_flows_by_server(ServerId(9))
+            .await
+            .unwrap()
+            .is_empty());
         let scan = s.scan_flows().await.unwrap();
         assert_eq!(
             scan,
             vec![
-                FlowMapping { key: flow(1), server: ServerId(1) },
-                FlowMapping { key: flow(2), server: ServerId(2) },
-                FlowMapping { key: flow(3), server: ServerId(3) },
+                FlowMapping {
+                    key: flow(1),
+                    server: ServerId(1)
+                },
+                FlowMapping {
+                    key: flow(2),
+                    server: ServerId(2)
+                },
+                FlowMapping {
+                    key: flow(3),
+                    server: ServerId(3)
+                },
             ]
         );
         // A later batch moves and ends flows.
-        s.apply_flows(&[FlowOp::Put { key: flow(1), server: ServerId(5) }, FlowOp::Delete { key: flow(2) }]).await.unwrap();
+        s.apply_flows(&[
+            FlowOp::Put {
+                key: flow(1),
+                server: ServerId(5),
+            },
+            FlowOp::Delete { key: flow(2) },
+        ])
+        .await
+        .unwrap();
         assert_eq!(s.get_flow(&flow(1)).await.unwrap(), Some(ServerId(5)));
         assert_eq!(s.count_flows().await.unwrap(), 2);
     }
@@ -178,16 +297,29 @@ mod cases {
     pub async fn flows_large_batch_and_scan(f: &Fixture) {
         let s = &f.store;
         let n = 25_000u32;
-        let ops: Vec<FlowOp> = (0..n).map(|i| FlowOp::Put { key: flow(i), server: ServerId(i % 4) }).collect();
+        let ops: Vec<FlowOp> = (0..n)
+            .map(|i| FlowOp::Put {
+                key: flow(i),
+                server: ServerId(i % 4),
+            })
+            .collect();
         s.apply_flows(&ops).await.unwrap();
         assert_eq!(s.count_flows().await.unwrap(), u64::from(n));
         let scan = f.second.scan_flows().await.unwrap();
         assert_eq!(scan.len(), n as usize);
-        assert!(scan.windows(2).all(|w| w[0].key < w[1].key), "scan ordered by key");
-        assert!(scan.iter().all(|m| m.server == ServerId(flow_index(&m.key) % 4)));
+        assert!(
+            scan.windows(2).all(|w| w[0].key < w[1].key),
+            "scan ordered by key"
+        );
+        assert!(scan
+            .iter()
+            .all(|m| m.server == ServerId(flow_index(&m.key) % 4)));
         let on2 = s.list_flows_by_server(ServerId(2)).await.unwrap();
         assert_eq!(on2.len(), (n / 4) as usize);
-        let dels: Vec<FlowOp> = (0..n).step_by(2).map(|i| FlowOp::Delete { key: flow(i) }).collect();
+        let dels: Vec<FlowOp> = (0..n)
+            .step_by(2)
+            .map(|i| FlowOp::Delete { key: flow(i) })
+            .collect();
         s.apply_flows(&dels).await.unwrap();
         assert_eq!(s.count_flows().await.unwrap(), u64::from(n / 2));
     }
@@ -201,18 +333,48 @@ mod cases {
         assert_eq!(s.get_drain(ServerId(4)).await.unwrap(), None);
         s.put_drain(&drain(4)).await.unwrap();
         s.put_drain(&drain(2)).await.unwrap();
-        let ids: Vec<u32> = s.list_drains().await.unwrap().iter().map(|d| d.server.0).collect();
+        let ids: Vec<u32> = s
+            .list_drains()
+            .await
+            .unwrap()
+            .iter()
+            .map(|d| d.server.0)
+            .collect();
         assert_eq!(ids, vec![2, 4]);
-        let p = DrainProgress { flows_total: 10, flows_migrated: 7, flows_closed: 1, flows_remaining: 2 };
-        let d = s.update_drain(ServerId(4), p, DrainState::Running).await.unwrap();
+        let p = DrainProgress {
+            flows_total: 10,
+            flows_migrated: 7,
+            flows_closed: 1,
+            flows_remaining: 2,
+        };
+        let d = s
+            .update_drain(ServerId(4), p, DrainState::Running)
+            .await
+            .unwrap();
         assert_eq!(d.progress, p);
         assert_eq!(d.deadline_unix_ms, 61_000, "update keeps deadline");
         let d = f.second.get_drain(ServerId(4)).await.unwrap().unwrap();
         assert_eq!(d.progress, p);
-        let done = DrainProgress { flows_migrated: 9, flows_remaining: 0, ..p };
-        assert_eq!(s.update_drain(ServerId(4), done, DrainState::Completed).await.unwrap().state, DrainState::Completed);
-        let e = s.update_drain(ServerId(77), p, DrainState::Running).await.unwrap_err();
-        assert!(matches!(e, StoreError::NotFound { kind: "drain", .. }), "{e}");
+        let done = DrainProgress {
+            flows_migrated: 9,
+            flows_remaining: 0,
+            ..p
+        };
+        assert_eq!(
+            s.update_drain(ServerId(4), done, DrainState::Completed)
+                .await
+                .unwrap()
+                .state,
+            DrainState::Completed
+        );
+        let e = s
+            .update_drain(ServerId(77), p, DrainState::Running)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, StoreError::NotFound { kind: "drain", .. }),
+            "{e}"
+        );
         assert!(s.delete_drain(ServerId(4)).await.unwrap());
         assert!(!s.delete_drain(ServerId(4)).await.unwrap());
         assert_eq!(s.list_drains().await.unwrap().len(), 1);
@@ -224,16 +386,25 @@ mod cases {
         let mut seqs = Vec::new();
         for i in 0..25 {
             let st = if i % 2 == 0 { &f.store } else { &f.second };
-            let e = st.append_audit(&audit(&format!("action-{i}"))).await.unwrap();
+            let e = st
+                .append_audit(&audit(&format!("action-{i}")))
+                .await
+                .unwrap();
             assert_eq!(e.record.action, format!("action-{i}"));
             seqs.push(e.seq);
         }
-        assert!(seqs.windows(2).all(|w| w[0] < w[1]), "strictly increasing: {seqs:?}");
+        assert!(
+            seqs.windows(2).all(|w| w[0] < w[1]),
+            "strictly increasing: {seqs:?}"
+        );
         let all = s.list_audit(0, 1000).await.unwrap();
         assert_eq!(all.len(), 25);
         assert_eq!(all.iter().map(|e| e.seq).collect::<Vec<_>>(), seqs);
         let page = s.list_audit(seqs[9], 5).await.unwrap();
-        assert_eq!(page.iter().map(|e| e.seq).collect::<Vec<_>>(), seqs[10..15].to_vec());
+        assert_eq!(
+            page.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            seqs[10..15].to_vec()
+        );
         assert_eq!(page[0].record, audit("action-10"));
         assert!(s.list_audit(seqs[24], 10).await.unwrap().is_empty());
         assert!(s.list_audit(0, 0).await.unwrap().is_empty());
@@ -243,17 +414,31 @@ mod cases {
         f.store.put_server(&server(1)).await.unwrap();
         let mut tasks = Vec::new();
         for w in 0..4u32 {
-            let st: Arc<dyn Store> = if w % 2 == 0 { f.store.clone() } else { f.second.clone() };
+            let st: Arc<dyn Store> = if w % 2 == 0 {
+                f.store.clone()
+            } else {
+                f.second.clone()
+            };
             tasks.push(tokio::spawn(async move {
                 let mut seqs = Vec::new();
                 for b in 0..10u32 {
                     let ops: Vec<FlowOp> = (0..100u32)
-                        .map(|i| FlowOp::Put { key: flow(w * 10_000 + b * 100 + i), server: ServerId(w) })
+                        .map(|i| FlowOp::Put {
+                            key: flow(w * 10_000 + b * 100 + i),
+                            server: ServerId(w),
+                        })
                         .collect();
                     st.apply_flows(&ops).await.unwrap();
-                    seqs.push(st.append_audit(&audit(&format!("w{w}-b{b}"))).await.unwrap().seq);
+                    seqs.push(
+                        st.append_audit(&audit(&format!("w{w}-b{b}")))
+                            .await
+                            .unwrap()
+                            .seq,
+                    );
                     // Contended read-modify-write of one record.
-                    st.set_server_weight(ServerId(1), w * 100 + b).await.unwrap();
+                    st.set_server_weight(ServerId(1), w * 100 + b)
+                        .await
+                        .unwrap();
                 }
                 seqs
             }));
@@ -267,11 +452,27 @@ mod cases {
         assert_eq!(all_seqs.len(), 40, "audit seqs unique under concurrency");
         assert_eq!(f.store.count_flows().await.unwrap(), 4000);
         for w in 0..4 {
-            assert_eq!(f.second.list_flows_by_server(ServerId(w)).await.unwrap().len(), 1000);
+            assert_eq!(
+                f.second
+                    .list_flows_by_server(ServerId(w))
+                    .await
+                    .unwrap()
+                    .len(),
+                1000
+            );
         }
         assert_eq!(f.store.list_audit(0, 100).await.unwrap().len(), 40);
-        let weight = f.store.get_server(ServerId(1)).await.unwrap().unwrap().weight;
-        assert!(weight % 100 == 9, "last write of some writer wins, got {weight}");
+        let weight = f
+            .store
+            .get_server(ServerId(1))
+            .await
+            .unwrap()
+            .unwrap()
+            .weight;
+        assert!(
+            weight % 100 == 9,
+            "last write of some writer wins, got {weight}"
+        );
     }
 
     pub async fn watch_delivers_changes_from_other_handle(f: &Fixture) {
@@ -279,9 +480,15 @@ mod cases {
         f.second.put_server(&server(1)).await.unwrap();
         let mut w = f.store.watch(&WatchKind::ALL).await.unwrap();
         f.second.put_server(&server(2)).await.unwrap();
-        f.second.set_server_state(ServerId(2), ServerState::Draining).await.unwrap();
+        f.second
+            .set_server_state(ServerId(2), ServerState::Draining)
+            .await
+            .unwrap();
         f.second.put_service(&service("web", &[2])).await.unwrap();
-        let p = Policy { hysteresis_pct: 3.0, ..Policy::default() };
+        let p = Policy {
+            hysteresis_pct: 3.0,
+            ..Policy::default()
+        };
         f.second.put_policy(&p).await.unwrap();
         f.second.put_drain(&drain(2)).await.unwrap();
         let entry = f.second.append_audit(&audit("server.drain")).await.unwrap();
@@ -289,7 +496,13 @@ mod cases {
         f.second.delete_service("web").await.unwrap();
         f.second.delete_server(ServerId(2)).await.unwrap();
         // Flow writes are not watched.
-        f.second.apply_flows(&[FlowOp::Put { key: flow(1), server: ServerId(2) }]).await.unwrap();
+        f.second
+            .apply_flows(&[FlowOp::Put {
+                key: flow(1),
+                server: ServerId(2),
+            }])
+            .await
+            .unwrap();
         f.second.put_policy(&Policy::default()).await.unwrap();
 
         let mut got = Vec::new();
@@ -324,7 +537,10 @@ mod cases {
         f.second.put_server(&server(1)).await.unwrap();
         f.second.put_service(&service("web", &[1])).await.unwrap();
         f.second.append_audit(&audit("x")).await.unwrap();
-        let p = Policy { max_migrations_per_sec_per_server: 7, ..Policy::default() };
+        let p = Policy {
+            max_migrations_per_sec_per_server: 7,
+            ..Policy::default()
+        };
         f.second.put_policy(&p).await.unwrap();
         assert_eq!(next_event(&mut w, WAIT).await.change, Change::PolicyPut(p));
         no_event(&mut w, Duration::from_millis(300)).await;
@@ -340,34 +556,89 @@ mod cases {
     pub async fn leader_campaign_resign_change(f: &Fixture) {
         let ttl = Duration::from_secs(5);
         assert_eq!(f.store.leader("switchd").await.unwrap(), None);
-        let a = f.store.campaign("switchd", "switch-a", ttl).await.unwrap().expect("a wins an empty election");
+        let a = f
+            .store
+            .campaign("switchd", "switch-a", ttl)
+            .await
+            .unwrap()
+            .expect("a wins an empty election");
         assert_eq!(a.info.candidate, "switch-a");
-        assert!(f.second.campaign("switchd", "switch-b", ttl).await.unwrap().is_none(), "b loses while a leads");
-        assert!(f.store.campaign("switchd", "switch-a", ttl).await.unwrap().is_none(), "no double win");
-        assert_eq!(f.second.leader("switchd").await.unwrap(), Some(a.info.clone()));
+        assert!(
+            f.second
+                .campaign("switchd", "switch-b", ttl)
+                .await
+                .unwrap()
+                .is_none(),
+            "b loses while a leads"
+        );
+        assert!(
+            f.store
+                .campaign("switchd", "switch-a", ttl)
+                .await
+                .unwrap()
+                .is_none(),
+            "no double win"
+        );
+        assert_eq!(
+            f.second.leader("switchd").await.unwrap(),
+            Some(a.info.clone())
+        );
         // Elections are independent.
-        let other = f.second.campaign("other", "switch-b", ttl).await.unwrap().expect("other election");
+        let other = f
+            .second
+            .campaign("other", "switch-b", ttl)
+            .await
+            .unwrap()
+            .expect("other election");
         f.store.keep_alive(&a).await.unwrap();
         f.store.resign(&a).await.unwrap();
         f.store.resign(&a).await.unwrap(); // idempotent
         assert_eq!(f.second.leader("switchd").await.unwrap(), None);
         let e = f.store.keep_alive(&a).await.unwrap_err();
         assert!(matches!(e, StoreError::NotLeader { .. }), "{e}");
-        let b = f.second.campaign("switchd", "switch-b", ttl).await.unwrap().expect("b wins after a resigned");
-        assert!(b.info.term > a.info.term, "term increases: {} > {}", b.info.term, a.info.term);
-        assert_eq!(f.store.leader("switchd").await.unwrap().unwrap().candidate, "switch-b");
-        assert_eq!(f.store.leader("other").await.unwrap(), Some(other.info.clone()));
+        let b = f
+            .second
+            .campaign("switchd", "switch-b", ttl)
+            .await
+            .unwrap()
+            .expect("b wins after a resigned");
+        assert!(
+            b.info.term > a.info.term,
+            "term increases: {} > {}",
+            b.info.term,
+            a.info.term
+        );
+        assert_eq!(
+            f.store.leader("switchd").await.unwrap().unwrap().candidate,
+            "switch-b"
+        );
+        assert_eq!(
+            f.store.leader("other").await.unwrap(),
+            Some(other.info.clone())
+        );
         f.second.resign(&b).await.unwrap();
         f.second.resign(&other).await.unwrap();
         assert!(f.store.campaign("bad/name", "x", ttl).await.is_err());
     }
 
     pub async fn lease_expiry_hands_over(f: &Fixture) {
-        let a = f.store.campaign("ha", "switch-a", Duration::from_millis(900)).await.unwrap().unwrap();
-        assert_eq!(a.ttl, Duration::from_secs(1), "TTL rounds up to whole seconds");
+        let a = f
+            .store
+            .campaign("ha", "switch-a", Duration::from_millis(900))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            a.ttl,
+            Duration::from_secs(1),
+            "TTL rounds up to whole seconds"
+        );
         // No keep-alive: the lease expires and b takes over.
         let b = eventually(Duration::from_secs(8), "lease expiry", || async {
-            f.second.campaign("ha", "switch-b", Duration::from_secs(5)).await.unwrap()
+            f.second
+                .campaign("ha", "switch-b", Duration::from_secs(5))
+                .await
+                .unwrap()
         })
         .await;
         assert!(b.info.term > a.info.term);
@@ -375,26 +646,47 @@ mod cases {
         assert!(matches!(e, StoreError::NotLeader { .. }), "{e}");
         // A stale resign does not dethrone the new leader.
         f.store.resign(&a).await.unwrap();
-        assert_eq!(f.store.leader("ha").await.unwrap().unwrap().candidate, "switch-b");
+        assert_eq!(
+            f.store.leader("ha").await.unwrap().unwrap().candidate,
+            "switch-b"
+        );
         f.second.resign(&b).await.unwrap();
     }
 
     pub async fn keep_alive_holds_leadership(f: &Fixture) {
-        let a = f.store.campaign("ka", "switch-a", Duration::from_secs(1)).await.unwrap().unwrap();
+        let a = f
+            .store
+            .campaign("ka", "switch-a", Duration::from_secs(1))
+            .await
+            .unwrap()
+            .unwrap();
         let start = std::time::Instant::now();
         // 2.5 lease lifetimes, renewing every 300 ms.
         while start.elapsed() < Duration::from_millis(2500) {
             f.store.keep_alive(&a).await.unwrap();
-            assert!(f.second.campaign("ka", "switch-b", Duration::from_secs(1)).await.unwrap().is_none());
+            assert!(f
+                .second
+                .campaign("ka", "switch-b", Duration::from_secs(1))
+                .await
+                .unwrap()
+                .is_none());
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
-        assert_eq!(f.second.leader("ka").await.unwrap().unwrap().candidate, "switch-a");
+        assert_eq!(
+            f.second.leader("ka").await.unwrap().unwrap().candidate,
+            "switch-a"
+        );
         f.store.resign(&a).await.unwrap();
     }
 
     pub async fn leader_watch_sees_change_and_expiry(f: &Fixture) {
         let mut w = f.second.watch(&[WatchKind::Leader]).await.unwrap();
-        let a = f.store.campaign("lw", "switch-a", Duration::from_secs(1)).await.unwrap().unwrap();
+        let a = f
+            .store
+            .campaign("lw", "switch-a", Duration::from_secs(1))
+            .await
+            .unwrap()
+            .unwrap();
         match next_event(&mut w, WAIT).await.change {
             Change::LeaderChanged { election, leader } => {
                 assert_eq!(election, "lw");
@@ -407,9 +699,16 @@ mod cases {
             Change::LeaderChanged { leader, .. } => assert_eq!(leader, None),
             other => panic!("{other:?}"),
         }
-        let b = f.second.campaign("lw", "switch-b", Duration::from_secs(5)).await.unwrap().unwrap();
+        let b = f
+            .second
+            .campaign("lw", "switch-b", Duration::from_secs(5))
+            .await
+            .unwrap()
+            .unwrap();
         match next_event(&mut w, WAIT).await.change {
-            Change::LeaderChanged { leader, .. } => assert_eq!(leader.unwrap().candidate, "switch-b"),
+            Change::LeaderChanged { leader, .. } => {
+                assert_eq!(leader.unwrap().candidate, "switch-b")
+            }
             other => panic!("{other:?}"),
         }
         f.second.resign(&b).await.unwrap();
@@ -420,10 +719,21 @@ mod cases {
     }
 
     pub async fn flow_writer_persists_everything(f: &Fixture) {
-        let writer = FlowWriter::spawn(f.store.clone(), FlowWriterConfig { max_batch: 500, ..Default::default() });
+        let writer = FlowWriter::spawn(
+            f.store.clone(),
+            FlowWriterConfig {
+                max_batch: 500,
+                ..Default::default()
+            },
+        );
         let n = 20_000u32;
         for i in 0..n {
-            writer.try_push(FlowOp::Put { key: flow(i), server: ServerId(i % 3) }).unwrap();
+            writer
+                .try_push(FlowOp::Put {
+                    key: flow(i),
+                    server: ServerId(i % 3),
+                })
+                .unwrap();
         }
         for i in (0..n).step_by(4) {
             writer.try_push(FlowOp::Delete { key: flow(i) }).unwrap();
@@ -434,10 +744,14 @@ mod cases {
         assert_eq!(m.written_total, u64::from(n + n / 4));
         assert_eq!(m.overflow_total, 0);
         assert!(m.batches_total >= u64::from((n + n / 4) / 500));
-        assert!(m.to_prometheus().contains("capybara_store_flow_writer_backlog 0"));
+        assert!(m
+            .to_prometheus()
+            .contains("capybara_store_flow_writer_backlog 0"));
         assert_eq!(f.second.count_flows().await.unwrap(), u64::from(n - n / 4));
         writer.close(Duration::from_secs(5)).await.unwrap();
-        let e = writer.try_push(FlowOp::Delete { key: flow(1) }).unwrap_err();
+        let e = writer
+            .try_push(FlowOp::Delete { key: flow(1) })
+            .unwrap_err();
         assert_eq!(e.reason, OverflowReason::WriterClosed);
     }
 }

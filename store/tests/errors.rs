@@ -11,18 +11,30 @@ use capybara_store::testing::EtcdCluster;
 use capybara_store::*;
 
 fn tmp() -> tempfile::TempDir {
-    tempfile::Builder::new().prefix("capybara-store-err-").tempdir().unwrap()
+    tempfile::Builder::new()
+        .prefix("capybara-store-err-")
+        .tempdir()
+        .unwrap()
 }
 
 #[tokio::test]
 async fn garbage_file_is_reported_as_corrupt_with_its_path() {
     let dir = tmp();
     let path = dir.path().join("store.db");
-    std::fs::write(&path, b"this is not a database, it is a text file\n".repeat(200)).unwrap();
-    let e = SqliteStore::open(SqliteConfig::at(&path)).await.unwrap_err();
+    std::fs::write(
+        &path,
+        b"this is not a database, it is a text file\n".repeat(200),
+    )
+    .unwrap();
+    let e = SqliteStore::open(SqliteConfig::at(&path))
+        .await
+        .unwrap_err();
     assert!(matches!(e, StoreError::Corrupt { .. }), "{e}");
     let msg = e.to_string();
-    assert!(msg.contains(&path.display().to_string()) && msg.contains("not a database"), "{msg}");
+    assert!(
+        msg.contains(&path.display().to_string()) && msg.contains("not a database"),
+        "{msg}"
+    );
 }
 
 #[tokio::test]
@@ -47,7 +59,8 @@ async fn damaged_pages_are_reported_as_corrupt() {
     // Checkpoint the WAL into the main file, then overwrite pages past the header.
     {
         let c = rusqlite::Connection::open(&path).unwrap();
-        c.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())).unwrap();
+        c.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+            .unwrap();
     }
     let mut bytes = std::fs::read(&path).unwrap();
     assert!(bytes.len() > 64 * 1024);
@@ -73,13 +86,20 @@ async fn foreign_sqlite_files_are_refused() {
         .unwrap()
         .execute_batch("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT); INSERT INTO users VALUES (1, 'x');")
         .unwrap();
-    let e = SqliteStore::open(SqliteConfig::at(&path)).await.unwrap_err();
+    let e = SqliteStore::open(SqliteConfig::at(&path))
+        .await
+        .unwrap_err();
     assert!(matches!(e, StoreError::ForeignDatabase { .. }), "{e}");
     assert!(e.to_string().contains("users"), "{e}");
 
     let path2 = dir.path().join("other.db");
-    rusqlite::Connection::open(&path2).unwrap().execute_batch("PRAGMA application_id = 1234;").unwrap();
-    let e = SqliteStore::open(SqliteConfig::at(&path2)).await.unwrap_err();
+    rusqlite::Connection::open(&path2)
+        .unwrap()
+        .execute_batch("PRAGMA application_id = 1234;")
+        .unwrap();
+    let e = SqliteStore::open(SqliteConfig::at(&path2))
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("0x4d2"), "{e}");
 }
 
@@ -88,44 +108,80 @@ async fn newer_schema_is_refused_and_older_is_migrated() {
     let dir = tmp();
     let path = dir.path().join("store.db");
     drop(SqliteStore::open(SqliteConfig::at(&path)).await.unwrap());
-    rusqlite::Connection::open(&path).unwrap().execute_batch("PRAGMA user_version = 99;").unwrap();
-    let e = SqliteStore::open(SqliteConfig::at(&path)).await.unwrap_err();
-    assert!(matches!(e, StoreError::SchemaTooNew { found: 99, .. }), "{e}");
+    rusqlite::Connection::open(&path)
+        .unwrap()
+        .execute_batch("PRAGMA user_version = 99;")
+        .unwrap();
+    let e = SqliteStore::open(SqliteConfig::at(&path))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, StoreError::SchemaTooNew { found: 99, .. }),
+        "{e}"
+    );
 
     // A version-1 file with data is migrated on open, data intact.
     let old = dir.path().join("v1.db");
     capybara_store::sqlite::create_at_schema_version(&old, 1).unwrap();
     rusqlite::Connection::open(&old)
         .unwrap()
-        .execute("INSERT INTO flows VALUES (167772161, 1000, 3232235521, 443, 4)", [])
+        .execute(
+            "INSERT INTO flows VALUES (167772161, 1000, 3232235521, 443, 4)",
+            [],
+        )
         .unwrap();
     let s = SqliteStore::open(SqliteConfig::at(&old)).await.unwrap();
-    let v: i64 = rusqlite::Connection::open(&old).unwrap().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+    let v: i64 = rusqlite::Connection::open(&old)
+        .unwrap()
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
     assert_eq!(v, capybara_store::sqlite::SCHEMA_VERSION);
     let flows = s.list_flows_by_server(ServerId(4)).await.unwrap();
     assert_eq!(flows.len(), 1);
     assert_eq!(flows[0].to_string(), "10.0.0.1:1000->192.168.0.1:443");
-    s.put_server(&Server::new(ServerId(1), "a", "127.0.0.1:1".parse().unwrap(), Ipv4Addr::LOCALHOST)).await.unwrap();
+    s.put_server(&Server::new(
+        ServerId(1),
+        "a",
+        "127.0.0.1:1".parse().unwrap(),
+        Ipv4Addr::LOCALHOST,
+    ))
+    .await
+    .unwrap();
 }
 
 #[tokio::test]
 async fn sqlite_malformed_values_and_keys_name_the_key() {
     let dir = tmp();
-    let s = SqliteStore::open(SqliteConfig::at(dir.path().join("s.db"))).await.unwrap();
+    let s = SqliteStore::open(SqliteConfig::at(dir.path().join("s.db")))
+        .await
+        .unwrap();
     s.inject_raw_server(5, b"{not json".to_vec()).await.unwrap();
     let e = s.get_server(ServerId(5)).await.unwrap_err();
-    assert!(matches!(e, StoreError::MalformedValue { ref key, .. } if key == "servers/5"), "{e}");
+    assert!(
+        matches!(e, StoreError::MalformedValue { ref key, .. } if key == "servers/5"),
+        "{e}"
+    );
     let e = s.list_servers().await.unwrap_err();
     assert!(e.to_string().contains("servers/5"), "{e}");
-    s.inject_raw_server(5, br#"{"v":9,"data":{}}"#.to_vec()).await.unwrap();
+    s.inject_raw_server(5, br#"{"v":9,"data":{}}"#.to_vec())
+        .await
+        .unwrap();
     let e = s.get_server(ServerId(5)).await.unwrap_err();
-    assert!(matches!(e, StoreError::UnsupportedVersion { found: 9, .. }), "{e}");
-    s.inject_raw_server(5, br#"{"v":1,"data":{"id":5}}"#.to_vec()).await.unwrap();
+    assert!(
+        matches!(e, StoreError::UnsupportedVersion { found: 9, .. }),
+        "{e}"
+    );
+    s.inject_raw_server(5, br#"{"v":1,"data":{"id":5}}"#.to_vec())
+        .await
+        .unwrap();
     let e = s.get_server(ServerId(5)).await.unwrap_err();
     assert!(e.to_string().contains("missing field"), "{e}");
     s.inject_raw_flow([1, 70_000, 1, 1, 1]).await.unwrap();
     let e = s.scan_flows().await.unwrap_err();
-    assert!(matches!(e, StoreError::MalformedKey { ref key, .. } if key.starts_with("flows/")), "{e}");
+    assert!(
+        matches!(e, StoreError::MalformedKey { ref key, .. } if key.starts_with("flows/")),
+        "{e}"
+    );
     assert!(e.to_string().contains("70000"), "{e}");
 }
 
@@ -133,28 +189,65 @@ async fn sqlite_malformed_values_and_keys_name_the_key() {
 async fn etcd_malformed_values_and_keys_name_the_key() {
     let cluster = EtcdCluster::start(1).unwrap();
     let s = EtcdStore::connect(cluster.store_config()).await.unwrap();
-    s.inject_raw("servers/5", b"\x00\x01binary".to_vec()).await.unwrap();
+    s.inject_raw("servers/5", b"\x00\x01binary".to_vec())
+        .await
+        .unwrap();
     let e = s.get_server(ServerId(5)).await.unwrap_err();
-    assert!(matches!(e, StoreError::MalformedValue { ref key, .. } if key == "servers/5"), "{e}");
-    assert!(s.list_servers().await.unwrap_err().to_string().contains("servers/5"));
-    s.inject_raw("servers/abc", br#"{"v":1,"data":{}}"#.to_vec()).await.unwrap();
+    assert!(
+        matches!(e, StoreError::MalformedValue { ref key, .. } if key == "servers/5"),
+        "{e}"
+    );
+    assert!(s
+        .list_servers()
+        .await
+        .unwrap_err()
+        .to_string()
+        .contains("servers/5"));
+    s.inject_raw("servers/abc", br#"{"v":1,"data":{}}"#.to_vec())
+        .await
+        .unwrap();
     s.inject_raw("servers/5", Vec::new()).await.unwrap();
     let e = s.list_servers().await.unwrap_err();
     assert!(e.to_string().contains("servers/"), "{e}");
-    s.inject_raw("policy", br#"{"v":2,"data":{}}"#.to_vec()).await.unwrap();
+    s.inject_raw("policy", br#"{"v":2,"data":{}}"#.to_vec())
+        .await
+        .unwrap();
     let e = s.get_policy().await.unwrap_err();
-    assert!(matches!(e, StoreError::UnsupportedVersion { found: 2, ref key, .. } if key == "policy"), "{e}");
-    s.inject_raw("flows/not-a-flow", br#"{"v":1,"data":{"server":1}}"#.to_vec()).await.unwrap();
+    assert!(
+        matches!(e, StoreError::UnsupportedVersion { found: 2, ref key, .. } if key == "policy"),
+        "{e}"
+    );
+    s.inject_raw(
+        "flows/not-a-flow",
+        br#"{"v":1,"data":{"server":1}}"#.to_vec(),
+    )
+    .await
+    .unwrap();
     let e = s.scan_flows().await.unwrap_err();
-    assert!(matches!(e, StoreError::MalformedKey { ref key, .. } if key == "flows/not-a-flow"), "{e}");
-    s.inject_raw("flows/1.2.3.4:5->6.7.8.9:10", br#"{"v":1,"data":{"server":-1}}"#.to_vec()).await.unwrap();
-    let e = s.get_flow(&capybara_store::codec::parse_flow("", "1.2.3.4:5->6.7.8.9:10").unwrap()).await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::MalformedKey { ref key, .. } if key == "flows/not-a-flow"),
+        "{e}"
+    );
+    s.inject_raw(
+        "flows/1.2.3.4:5->6.7.8.9:10",
+        br#"{"v":1,"data":{"server":-1}}"#.to_vec(),
+    )
+    .await
+    .unwrap();
+    let e = s
+        .get_flow(&capybara_store::codec::parse_flow("", "1.2.3.4:5->6.7.8.9:10").unwrap())
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("flows/1.2.3.4:5->6.7.8.9:10"), "{e}");
 }
 
 #[tokio::test]
 async fn unreachable_etcd_names_the_endpoints() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let endpoint = format!("http://127.0.0.1:{port}");
     let start = Instant::now();
     let e = EtcdStore::connect(EtcdConfig {
@@ -167,19 +260,34 @@ async fn unreachable_etcd_names_the_endpoints() {
     .unwrap_err();
     assert!(matches!(e, StoreError::Unreachable { .. }), "{e}");
     assert!(e.to_string().contains(&endpoint), "{e}");
-    assert!(start.elapsed() < Duration::from_secs(5), "bounded: {:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "bounded: {:?}",
+        start.elapsed()
+    );
 }
 
 #[tokio::test]
 async fn bad_configs_are_named() {
-    let e = EtcdStore::connect(EtcdConfig { endpoints: vec![], ..Default::default() }).await.unwrap_err();
+    let e = EtcdStore::connect(EtcdConfig {
+        endpoints: vec![],
+        ..Default::default()
+    })
+    .await
+    .unwrap_err();
     assert!(e.to_string().contains("endpoints"), "{e}");
-    let e = EtcdStore::connect(EtcdConfig { endpoints: vec!["127.0.0.1:2379".into()], ..Default::default() })
+    let e = EtcdStore::connect(EtcdConfig {
+        endpoints: vec!["127.0.0.1:2379".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap_err();
+    assert!(e.to_string().contains("127.0.0.1:2379"), "{e}");
+    let e = SqliteStore::open(SqliteConfig::at("/nonexistent-dir-capybara/x.db"))
         .await
         .unwrap_err();
-    assert!(e.to_string().contains("127.0.0.1:2379"), "{e}");
-    let e = SqliteStore::open(SqliteConfig::at("/nonexistent-dir-capybara/x.db")).await.unwrap_err();
     assert!(e.to_string().contains("/nonexistent-dir-capybara"), "{e}");
-    let cfg: Result<StoreConfig, _> = serde_json::from_str(r#"{"backend":"etcd","endpoint":["x"]}"#);
+    let cfg: Result<StoreConfig, _> =
+        serde_json::from_str(r#"{"backend":"etcd","endpoint":["x"]}"#);
     assert!(cfg.unwrap_err().to_string().contains("endpoint"));
 }

@@ -25,7 +25,9 @@ async fn leader_index(cluster: &EtcdCluster) -> usize {
     let eps = cluster.endpoints();
     for _ in 0..100 {
         for (i, ep) in eps.iter().enumerate() {
-            let Ok(mut c) = etcd_client::Client::connect([ep], None).await else { continue };
+            let Ok(mut c) = etcd_client::Client::connect([ep], None).await else {
+                continue;
+            };
             if let Ok(st) = c.status().await {
                 if st.header().map(|h| h.member_id()) == Some(st.leader()) {
                     return i;
@@ -40,11 +42,19 @@ async fn leader_index(cluster: &EtcdCluster) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_a_minority_member_loses_nothing_acknowledged() {
     let mut cluster = EtcdCluster::start(3).expect("start 3-member etcd");
-    let config = EtcdConfig { request_timeout_ms: 2_000, ..cluster.store_config() };
+    let config = EtcdConfig {
+        request_timeout_ms: 2_000,
+        ..cluster.store_config()
+    };
     let store: Arc<dyn Store> = Arc::new(EtcdStore::connect(config.clone()).await.unwrap());
     let writer = FlowWriter::spawn(
         store.clone(),
-        FlowWriterConfig { max_batch: 1000, initial_backoff: Duration::from_millis(20), flush_timeout: Duration::from_secs(3), ..Default::default() },
+        FlowWriterConfig {
+            max_batch: 1000,
+            initial_backoff: Duration::from_millis(20),
+            flush_timeout: Duration::from_secs(3),
+            ..Default::default()
+        },
     );
 
     let n = 30_000u32;
@@ -54,7 +64,12 @@ async fn losing_a_minority_member_loses_nothing_acknowledged() {
     // 30 rounds of 1000 writes, 50 ms apart (~20k writes/s); the leader dies after round 10.
     for round in 0..30u32 {
         for i in round * 1000..(round + 1) * 1000 {
-            writer.try_push(FlowOp::Put { key: flow(i), server: ServerId(i % 7) }).expect("queue has room");
+            writer
+                .try_push(FlowOp::Put {
+                    key: flow(i),
+                    server: ServerId(i % 7),
+                })
+                .expect("queue has room");
         }
         if round == 10 {
             acked_before_kill = writer.metrics().written_total;
@@ -62,7 +77,10 @@ async fn losing_a_minority_member_loses_nothing_acknowledged() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    writer.flush(Duration::from_secs(60)).await.expect("writer recovers and writes everything");
+    writer
+        .flush(Duration::from_secs(60))
+        .await
+        .expect("writer recovers and writes everything");
     let m = writer.metrics();
     eprintln!("killed member {killed}; {acked_before_kill} acknowledged before; metrics after {:?}: {m:?}", start.elapsed());
     assert_eq!(m.written_total, u64::from(n));
@@ -73,15 +91,28 @@ async fn losing_a_minority_member_loses_nothing_acknowledged() {
     // Every write is there, read through the surviving members.
     let all = store.scan_flows().await.unwrap();
     assert_eq!(all.len(), n as usize);
-    assert!(all.iter().all(|fm| fm.server == ServerId((u32::from(fm.key.client_ip) - 0x0a00_0000) % 7)));
+    assert!(all
+        .iter()
+        .all(|fm| fm.server == ServerId((u32::from(fm.key.client_ip) - 0x0a00_0000) % 7)));
 
     // The killed member rejoins and catches up; read through it alone.
     cluster.restart_member(killed).expect("restart member");
-    let only = EtcdConfig { endpoints: vec![cluster.endpoints()[killed].clone()], ..config };
+    let only = EtcdConfig {
+        endpoints: vec![cluster.endpoints()[killed].clone()],
+        ..config
+    };
     let via_restarted = EtcdStore::connect(only).await.unwrap();
-    let count = support::eventually(Duration::from_secs(10), "restarted member catches up", || async {
-        via_restarted.count_flows().await.ok().filter(|c| *c == u64::from(n))
-    })
+    let count = support::eventually(
+        Duration::from_secs(10),
+        "restarted member catches up",
+        || async {
+            via_restarted
+                .count_flows()
+                .await
+                .ok()
+                .filter(|c| *c == u64::from(n))
+        },
+    )
     .await;
     assert_eq!(count, u64::from(n));
     writer.close(Duration::from_secs(5)).await.unwrap();

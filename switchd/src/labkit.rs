@@ -289,7 +289,8 @@ impl Lab {
         anyhow::ensure!(acked, "server {j}: no REGISTER_ACK from {switch}");
         let stop = Arc::new(AtomicBool::new(false));
         let sent = Arc::new(AtomicU64::new(0));
-        let (stop2, sent2) = (stop.clone(), sent.clone());
+        let drains = Arc::new(AtomicU64::new(0));
+        let (stop2, sent2, drains2) = (stop.clone(), sent.clone(), drains.clone());
         let _ = sock.set_nonblocking(true);
         std::thread::spawn(move || {
             // Bounded by the stop flag.
@@ -304,13 +305,41 @@ impl Lab {
                 if hb.emit_with_mac(&mut b, &key).is_ok() && sock.send_to(&b, switch).is_ok() {
                     sent2.fetch_add(1, Ordering::Relaxed);
                 }
-                // Replies (DRAIN, ERROR) are not acted on by the stand-in.
+                // Replies are counted, not acted on, by the stand-in.
                 let mut r = [0u8; 1500];
-                while sock.recv_from(&mut r).is_ok() {}
+                while let Ok((n, _)) = sock.recv_from(&mut r) {
+                    if let Ok(ControlRepr { body: ControlBody::Drain(_), .. }) = ControlRepr::parse_verified(&r[..n], &key) {
+                        drains2.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
                 std::thread::sleep(Duration::from_millis(100));
             }
         });
-        Ok(ServerAgent { stop, heartbeats: sent })
+        Ok(ServerAgent { stop, heartbeats: sent, drains_received: drains })
+    }
+
+    /// Sends raw datagrams to the control channel from server `j`'s
+    /// management address (hostile-input tests).
+    pub fn send_raw_control(&self, j: u32, datagrams: Vec<Vec<u8>>) -> anyhow::Result<()> {
+        let sock = in_ns(&self.ns(&format!("s{j}")), move || UdpSocket::bind(SocketAddrV4::new(mgmt_addr(j), 0)))??;
+        for d in datagrams {
+            sock.send_to(&d, SocketAddrV4::new(SWITCH_SV, capybara_proto::ports::CONTROL))?;
+        }
+        Ok(())
+    }
+
+    /// POST `path` to a switchd status endpoint; returns the status line's code.
+    pub fn post(&self, port: u16, path: &str) -> anyhow::Result<String> {
+        let path = path.to_string();
+        in_ns(&self.ns("sw"), move || -> anyhow::Result<String> {
+            use std::io::Read;
+            let mut c = TcpStream::connect(SocketAddr::from(([127, 0, 0, 1], port)))?;
+            c.set_read_timeout(Some(Duration::from_secs(5)))?;
+            write!(c, "POST {path} HTTP/1.1\r\nHost: switchd\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")?;
+            let mut s = String::new();
+            c.read_to_string(&mut s)?;
+            Ok(s.lines().next().unwrap_or("").to_string())
+        })?
     }
 
     /// A UDP socket on server `j`'s data address, LOAD port (stand-in).
@@ -353,6 +382,8 @@ pub fn ping(c: &mut TcpStream, server: u32, tag: &str) -> anyhow::Result<()> {
 pub struct ServerAgent {
     stop: Arc<AtomicBool>,
     pub heartbeats: Arc<AtomicU64>,
+    /// Authenticated DRAIN messages received from the switch.
+    pub drains_received: Arc<AtomicU64>,
 }
 
 impl ServerAgent {

@@ -145,6 +145,68 @@ fn placement_liveness_and_persistence() {
     let m = lab.fetch(9102, "/metrics").unwrap();
     assert!(m.contains("capybara_store_flow_writer_batch_size_bucket") && m.contains("capybara_switchd_dataplane_packets_total"), "{m}");
 
+    // Hostile control traffic is counted by reason and dropped; the
+    // switch keeps serving.
+    {
+        use capybara_proto::control::{ControlBody, ControlRepr, Heartbeat};
+        let hb = |seq: u64, id: u32| ControlRepr {
+            server_id: capybara_proto::ServerId(id),
+            seq,
+            body: ControlBody::Heartbeat(Heartbeat { connections: 0, migrations_in_flight: 0, load_pps: 0, rx_backlog_bytes: 0, flags: 0 }),
+        };
+        let key = capybara_proto::MigrationKey::from_hex(labkit::KEY_HEX).unwrap();
+        let wrong = capybara_proto::MigrationKey::from_hex(&"ab".repeat(32)).unwrap();
+        let emit = |r: ControlRepr<'_>, k: &capybara_proto::MigrationKey| {
+            let mut b = vec![0u8; r.buffer_len()];
+            r.emit_with_mac(&mut b, k).unwrap();
+            b
+        };
+        let mut bad_version = emit(hb(1 << 40, 1), &key);
+        bad_version[2] = 9;
+        let mut truncated = emit(hb(1 << 40, 1), &key);
+        truncated.truncate(30);
+        let garbage: Vec<u8> = (0..200u32).map(|i| (i * 37 % 251) as u8).collect();
+        lab.send_raw_control(1, vec![
+            emit(hb(1 << 40, 1), &wrong),          // bad MAC
+            bad_version,                           // unknown version
+            truncated,                             // truncated
+            garbage,                               // not a control message
+            emit(hb(1, 1), &key),                  // replayed sequence number
+            emit(hb(1 << 40, 77), &key),           // unregistered server
+            vec![],                                // empty datagram
+        ])
+        .unwrap();
+        let (s, _) = lab
+            .wait_status(9102, Duration::from_secs(3), "hostile datagrams counted", |s| {
+                let d = &s["control_drops"];
+                ["bad_mac", "unknown_version", "truncated", "bad_magic", "replay", "not_registered"]
+                    .iter()
+                    .all(|r| d[*r].as_u64().unwrap_or(0) >= 1)
+            })
+            .unwrap();
+        eprintln!("control drops: {}", s["control_drops"]);
+        for (_, server, c) in held.iter_mut().filter(|h| h.1 != 2) {
+            labkit::ping(c.as_mut().unwrap(), *server, "after-garbage").unwrap();
+        }
+    }
+
+    // Drain: no new flows to s3, existing ones keep flowing, the server is told.
+    assert!(lab.post(9102, "/servers/3/drain?deadline_ms=5000").unwrap().contains("202"));
+    lab.wait_status(9102, Duration::from_secs(3), "s3 draining", |s| {
+        s["servers"].as_array().map(|a| a.iter().any(|x| x["id"] == 3 && x["state"] == "draining")).unwrap_or(false)
+    })
+    .unwrap();
+    let fresh = lab.connect_many(100, false).unwrap();
+    assert!(fresh.iter().all(|c| c.1 == 1), "new connections must all go to s1 (s2 dead, s3 draining)");
+    for (_, server, c) in held.iter_mut().filter(|h| h.1 == 3) {
+        labkit::ping(c.as_mut().unwrap(), *server, "draining").unwrap();
+    }
+    let t = Instant::now();
+    while agents[2].drains_received.load(std::sync::atomic::Ordering::Relaxed) == 0 && t.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(agents[2].drains_received.load(std::sync::atomic::Ordering::Relaxed) >= 1, "s3 never received DRAIN");
+
     // Clean shutdown: SIGTERM detaches every program.
     lab.kill(0, libc::SIGTERM);
     let st = lab.wait(0, Duration::from_secs(5)).expect("switchd exits on SIGTERM");

@@ -138,12 +138,27 @@ def test_policy_threshold_validated_and_saved(page: Page, api: Api, shot):
     field.fill(str(before["hysteresis_pct"]))
     expect(page.get_by_test_id("policy-error-hysteresis_pct")).to_contain_text("below")
 
+    # Server-side validation: a client whose rules lag the server's (here the
+    # request is rewritten on its way out) gets the real API's 422 problem,
+    # and the dashboard shows it next to the field it names.
+    def out_of_range(route):
+        route.continue_(post_data='{"proactive_threshold_pct": 5000}')
+
+    page.route("**/v1/policy", lambda route: out_of_range(route) if route.request.method == "PATCH" else route.continue_())
+    field.fill("30")
+    page.get_by_test_id("policy-save").click()
+    expect(page.get_by_test_id("policy-error-proactive_threshold_pct")).to_contain_text("5000")
+    expect(page.get_by_test_id("policy-status")).to_contain_text("422")
+    shot(page, "10-policy-server-error")
+    page.unroute("**/v1/policy")
+    assert api.get("/v1/policy") == before
+
     new = before["proactive_threshold_pct"] + 7.5
     field.fill(str(new))
     expect(page.get_by_test_id("policy-error-proactive_threshold_pct")).to_have_count(0)
     page.get_by_test_id("policy-save").click()
     expect(page.get_by_test_id("policy-status")).to_have_attribute("data-kind", "ok")
-    shot(page, "10-policy-saved")
+    shot(page, "11-policy-saved")
     after = api.get("/v1/policy")
     assert after["proactive_threshold_pct"] == new
     assert {k: v for k, v in after.items() if k != "proactive_threshold_pct"} == {
@@ -158,7 +173,30 @@ def test_services_page_lists_vip_and_pool(page: Page, api: Api, shot):
     expect(row).to_contain_text(f"{VIP}:{PORT}")
     for name in ("web-1", "web-2", "web-3"):
         expect(row).to_contain_text(name)
-    shot(page, "11-services")
+    shot(page, "12-services")
+
+    # A pool member is deregistered while the form is open: the API rejects
+    # the pool (422 naming `pool[1]`) and the form shows it next to the pool.
+    api.req("POST", "/v1/servers", 201, json={"id": 5, "name": "web-5", "mgmt_addr": "10.0.1.15:7000", "data_addr": "10.0.2.15"})
+    page.get_by_test_id("service-new").click()
+    page.get_by_test_id("service-field-name").fill("api")
+    page.get_by_test_id("service-field-vip").fill("10.0.0.101")
+    page.get_by_test_id("service-field-port").fill("443")
+    page.get_by_test_id("service-pool-1").check()
+    page.get_by_test_id("service-pool-5").check()
+    api.req("POST", "/v1/servers/5/drain", 202, json={"deadline_seconds": 5})
+    api.wait_for("web-5 drained", lambda: api.get("/v1/servers/5")["state"] == "drained")
+    api.req("DELETE", "/v1/servers/5", 204)
+    expect(page.get_by_test_id("service-pool-label-5")).to_contain_text("not registered")
+    page.get_by_test_id("service-save").click()
+    expect(page.get_by_test_id("service-error-pool")).to_contain_text("server 5 is not registered")
+    shot(page, "13-service-pool-rejected")
+
+    # Without the removed server the service is created and listed live.
+    page.get_by_test_id("service-pool-5").uncheck()
+    page.get_by_test_id("service-save").click()
+    expect(page.get_by_test_id("service-row-api")).to_contain_text("10.0.0.101:443")
+    assert api.get("/v1/services/api")["pool"] == [1]
 
 
 def test_live_updates_without_reload(page: Page, api: Api, shot):
@@ -175,7 +213,7 @@ def test_live_updates_without_reload(page: Page, api: Api, shot):
     current = api.get("/v1/policy")["migration_deadline_ms"]
     api.req("PATCH", "/v1/policy", 200, json={"migration_deadline_ms": current + 1})
     expect(page.get_by_test_id("policy-field-migration_deadline_ms")).to_have_value(str(current + 1))
-    shot(page, "12-live-policy")
+    shot(page, "14-live-policy")
 
 
 def test_revoked_token_returns_to_login(page: Page, api: Api, shot):
@@ -187,5 +225,5 @@ def test_revoked_token_returns_to_login(page: Page, api: Api, shot):
     page.get_by_test_id("weight-save-3").click()
     expect(page.get_by_test_id("login-form")).to_be_visible()
     expect(page.get_by_test_id("login-message")).to_contain_text("Signed out")
-    shot(page, "13-signed-out")
+    shot(page, "15-signed-out")
     assert page.evaluate("sessionStorage.getItem('capybara.token')") is None

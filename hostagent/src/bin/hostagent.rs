@@ -6,8 +6,10 @@
 //! field and value).
 
 use capybara_hostagent::config::{App, Backend, Config, Poll};
+use capybara_hostagent::migration::Migrator;
 use capybara_hostagent::stack::Transports;
-use capybara_hostagent::{apps, metrics, Stack, TcpListener};
+use capybara_hostagent::{apps, control, metrics, Stack, TcpListener};
+use capybara_tcpmig::{BufferMode, Engine, EngineConfig};
 use capybara_net::device::{Device, PollMode};
 use capybara_net::iface::{Interface, InterfaceConfig};
 use capybara_tcp::{Endpoint, TcpConfig};
@@ -115,6 +117,21 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
     for s in &cfg.services {
         transports.vips.insert(s.listen.port(), *s.listen.ip());
     }
+    let mut key = None;
+    if let Some(m) = &cfg.migration {
+        let k = m.load_key("config").map_err(|e| e.to_string())?;
+        let mut ec = EngineConfig::new(cfg.stack.address, m.switch);
+        // A snapshot holds both queues; the target buffers up to a receive
+        // window of client data.
+        ec.max_snapshot_bytes = cfg.stack.send_buffer + cfg.stack.recv_buffer + 4096;
+        ec.max_buffer_bytes = cfg.stack.recv_buffer;
+        if m.drop_mode {
+            ec.buffer_mode = BufferMode::Drop;
+        }
+        let engine = Engine::new(ec, k.clone()).map_err(|e| format!("migration: {e}"))?;
+        transports.mig = Some(Migrator::new(engine, cfg.stack.address));
+        key = Some(k);
+    }
     let stack = Stack::new(iface, transports, device, mode);
     let name: Rc<str> = Rc::from(cfg.name.as_str());
 
@@ -130,6 +147,14 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
                 App::Echo => tokio::task::spawn_local(apps::echo(l)),
                 App::Http => tokio::task::spawn_local(apps::http(l, name.clone())),
             };
+        }
+        if let (Some(c), Some(k)) = (cfg.control.clone(), key.clone()) {
+            let services = cfg.services.iter().map(|s| s.listen).collect();
+            tokio::task::spawn_local(control::run(c, k, stack.clone(), cfg.stack.address, mac.0, services));
+        }
+        if let Some(m) = cfg.migration.as_ref().filter(|m| m.churn_every_ms > 0) {
+            let (every, to) = (m.churn_every_ms, m.churn_to);
+            tokio::task::spawn_local(churn(stack.clone(), every, to));
         }
         if let Some(addr) = metrics_addr {
             let l = tokio::net::TcpListener::bind(addr)
@@ -153,4 +178,26 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
             _ = term.recv() => Ok(()),
         }
     })
+}
+
+/// Benchmarks and tests: every `every_ms`, start migrating each connection
+/// served here (and not already migrating) to `to`.
+async fn churn(stack: Stack, every_ms: u64, to: Option<std::net::Ipv4Addr>) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(every_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut flows = Vec::new();
+    loop {
+        tick.tick().await;
+        stack.with(|i| {
+            let now = i.clock.now();
+            if let Some(m) = i.transports.mig.as_mut() {
+                flows.clear();
+                flows.extend(m.flows().map(|(f, _)| *f));
+                for f in &flows {
+                    let _ = m.migrate(now, *f, to);
+                }
+            }
+            i.kick();
+        });
+    }
 }

@@ -18,11 +18,23 @@ pub struct Fixture {
 }
 
 pub async fn sqlite_fixture() -> Fixture {
-    let dir = tempfile::Builder::new().prefix("capybara-store-").tempdir().expect("temp dir");
-    let config = SqliteConfig { watch_poll_interval_ms: 20, ..SqliteConfig::at(dir.path().join("store.db")) };
-    let store = SqliteStore::open(config.clone()).await.expect("open sqlite");
+    let dir = tempfile::Builder::new()
+        .prefix("capybara-store-")
+        .tempdir()
+        .expect("temp dir");
+    let config = SqliteConfig {
+        watch_poll_interval_ms: 20,
+        ..SqliteConfig::at(dir.path().join("store.db"))
+    };
+    let store = SqliteStore::open(config.clone())
+        .await
+        .expect("open sqlite");
     let second = SqliteStore::open(config).await.expect("open sqlite again");
-    Fixture { store: Arc::new(store), second: Arc::new(second), _guard: Box::new(dir) }
+    Fixture {
+        store: Arc::new(store),
+        second: Arc::new(second),
+        _guard: Box::new(dir),
+    }
 }
 
 pub async fn etcd_fixture() -> Fixture {
@@ -30,9 +42,17 @@ pub async fn etcd_fixture() -> Fixture {
     let mut config = cluster.store_config();
     // Small transactions so that batches exercise chunking.
     config.max_txn_ops = 1000;
-    let store = EtcdStore::connect(config.clone()).await.expect("connect etcd");
-    let second = EtcdStore::connect(config).await.expect("connect etcd again");
-    Fixture { store: Arc::new(store), second: Arc::new(second), _guard: Box::new(cluster) }
+    let store = EtcdStore::connect(config.clone())
+        .await
+        .expect("connect etcd");
+    let second = EtcdStore::connect(config)
+        .await
+        .expect("connect etcd again");
+    Fixture {
+        store: Arc::new(store),
+        second: Arc::new(second),
+        _guard: Box::new(cluster),
+    }
 }
 
 /// Next event of a watch, or panic after `timeout`.

@@ -26,7 +26,17 @@ function clock(ms: number): string {
  * A Chart.js line chart over wall-clock time. The chart is created once and
  * updated in place (no animation) when `series` changes.
  */
-export function LineChart({ series, yLabel, testId }: { series: Series[]; yLabel: string; testId: string }) {
+export function LineChart({
+  series,
+  yLabel,
+  testId,
+  windowMs = 5 * 60_000,
+}: {
+  series: Series[];
+  yLabel: string;
+  testId: string;
+  windowMs?: number;
+}) {
   const canvas = useRef<HTMLCanvasElement>(null);
   const chart = useRef<Chart<'line', { x: number; y: number | null }[]> | null>(null);
 
@@ -61,6 +71,13 @@ export function LineChart({ series, yLabel, testId }: { series: Series[]; yLabel
   useEffect(() => {
     const c = chart.current;
     if (!c) return;
+    // A sliding window ending at the newest sample, so the time axis has
+    // round ticks and the chart scrolls instead of stretching.
+    let newest = 0;
+    for (const s of series) if (s.points.length) newest = Math.max(newest, s.points[s.points.length - 1].x);
+    const x = c.options.scales!.x!;
+    x.min = newest ? newest - windowMs : undefined;
+    x.max = newest || undefined;
     c.data.datasets = series.map((s) => ({
       label: s.label,
       data: s.points,
@@ -68,7 +85,7 @@ export function LineChart({ series, yLabel, testId }: { series: Series[]; yLabel
       backgroundColor: s.color,
     }));
     c.update('none');
-  }, [series]);
+  }, [series, windowMs]);
 
   const points = series.reduce((n, s) => n + s.points.filter((p) => p.y !== null).length, 0);
   return (

@@ -22,6 +22,14 @@ function unit(name: string): string {
   return '';
 }
 
+/** The allowed range, as the spec states it. */
+function range(fs: PolicyFieldSchema): string {
+  if (fs.minimum === undefined && fs.maximum === undefined) return '';
+  const lo = fs.minimum === undefined ? '' : `${fs.minimum} ${fs.exclusiveMinimum ? '<' : '≤'} `;
+  const hi = fs.maximum === undefined ? '' : ` ${fs.exclusiveMaximum ? '<' : '≤'} ${fs.maximum}`;
+  return `${lo}x${hi}`;
+}
+
 function toForm(p: Policy): Form {
   const f: Form = {};
   for (const fs of POLICY_SCHEMA.fields) {
@@ -221,7 +229,11 @@ export function PolicyPage({ state, clients, dispatch }: PageProps) {
                   data-testid={`policy-field-${fs.name}`}
                 />
               )}
-              <div className="hint small muted">{fs.description}</div>
+              <div className="hint small muted">
+                {range(fs)}
+                {range(fs) && fs.description ? ' · ' : ''}
+                {fs.description}
+              </div>
               {err && (
                 <div className="field-error" data-testid={`policy-error-${fs.name}`}>
                   {err}

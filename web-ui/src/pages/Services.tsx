@@ -157,6 +157,14 @@ function ServiceForm({
     }
   };
 
+  // Registered servers, plus pool members that are no longer registered
+  // (removed while the form was open), so the operator sees and can drop them.
+  const known = new Set(servers.map((s) => s.id));
+  const choices = [
+    ...servers.map((s) => ({ id: s.id, label: s.name })),
+    ...d.pool.filter((id) => !known.has(id)).map((id) => ({ id, label: `#${id} (not registered)` })),
+  ];
+
   const toggle = (id: number) => setD({ ...d, pool: d.pool.includes(id) ? d.pool.filter((x) => x !== id) : [...d.pool, id].sort((a, b) => a - b) });
 
   return (
@@ -165,29 +173,29 @@ function ServiceForm({
         <label>
           Name
           <input value={d.name} onChange={(e) => setD({ ...d, name: e.target.value })} data-testid="service-field-name" />
-          {errors.name && <span className="field-error">{errors.name}</span>}
+          {errors.name && <span className="field-error" data-testid="service-error-name">{errors.name}</span>}
         </label>
       )}
       <label>
         VIP
         <input value={d.vip} onChange={(e) => setD({ ...d, vip: e.target.value })} placeholder="10.0.0.100" data-testid="service-field-vip" />
-        {errors.vip && <span className="field-error">{errors.vip}</span>}
+        {errors.vip && <span className="field-error" data-testid="service-error-vip">{errors.vip}</span>}
       </label>
       <label>
         Port
         <input value={d.port} onChange={(e) => setD({ ...d, port: e.target.value })} placeholder="80" data-testid="service-field-port" />
-        {errors.port && <span className="field-error">{errors.port}</span>}
+        {errors.port && <span className="field-error" data-testid="service-error-port">{errors.port}</span>}
       </label>
       <fieldset>
         <legend>Pool</legend>
-        {servers.length === 0 && <span className="muted">No server registered.</span>}
-        {servers.map((s) => (
-          <label key={s.id} className="inline">
-            <input type="checkbox" checked={d.pool.includes(s.id)} onChange={() => toggle(s.id)} data-testid={`service-pool-${s.id}`} />
-            {s.name}
+        {choices.length === 0 && <span className="muted">No server registered.</span>}
+        {choices.map(({ id, label }) => (
+          <label key={id} className="inline" data-testid={`service-pool-label-${id}`}>
+            <input type="checkbox" checked={d.pool.includes(id)} onChange={() => toggle(id)} data-testid={`service-pool-${id}`} />
+            {label}
           </label>
         ))}
-        {errors.pool && <span className="field-error">{errors.pool}</span>}
+        {errors.pool && <span className="field-error" data-testid="service-error-pool">{errors.pool}</span>}
       </fieldset>
       {error && <div className="field-error" data-testid="service-form-error">{error}</div>}
       <div className="actions">
