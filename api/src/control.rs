@@ -206,6 +206,14 @@ impl StoreControlPlane {
         Ok(cp)
     }
 
+    /// Stops supervising drains in this process (they stay `running` in
+    /// the store; the next `new` resumes them).
+    pub fn shutdown(&self) {
+        for (_, h) in self.supervisors.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+            h.abort();
+        }
+    }
+
     fn spawn_supervisor(self: &Arc<Self>, server: ServerId, started: u64) {
         let me = Arc::clone(self);
         let handle = tokio::spawn(async move {

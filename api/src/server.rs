@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use actix_web::body::MessageBody;
 use actix_web::dev::{Service as _, ServerHandle};
 use actix_web::http::header;
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer, ResponseError};
@@ -28,7 +27,7 @@ use crate::control::{
 };
 use crate::events::{self, SseMessage};
 use crate::metrics::Metrics;
-use crate::problem::{parse_body, parse_server_id, read_json, valid_name, ApiResult, Problem, Query, MAX_BODY_BYTES};
+use crate::problem::{parse_body, parse_server_id, read_json, valid_name, ApiResult, Problem, Query};
 
 /// Everything needed to run the API.
 pub struct ApiConfig {
@@ -814,14 +813,6 @@ pub async fn server_event(state: &AppState, id: ServerId, stats: &HashMap<Server
 pub(crate) fn service_event(name: &str, s: Option<&Service>) -> Value {
     json!({ "name": name, "service": s.map(service_view) })
 }
-
-#[allow(dead_code)]
-fn _assert_body_limit() -> usize {
-    MAX_BODY_BYTES
-}
-
-#[allow(dead_code)]
-fn _assert_message_body<B: MessageBody>(_: B) {}
 
 pub(crate) fn data_source_json(d: DataSource) -> Value {
     serde_json::to_value(d).unwrap_or(Value::Null)

@@ -42,7 +42,8 @@ def api_binary() -> Path:
 class Api:
     """A running capybara-api and an admin session on it."""
 
-    def __init__(self, url: str, token: str, store_path: Path):
+    def __init__(self, url: str, token: str, store_path: Path, process: "ApiProcess"):
+        self.process = process
         self.url = url
         self.token = token
         self.store_path = store_path
@@ -53,6 +54,14 @@ class Api:
         r = self.http.request(method, self.url + path, timeout=10, **kw)
         assert r.status_code == expect, f"{method} {path}: {r.status_code} {r.text}"
         return r.json() if r.content else None
+
+    def restart(self, while_down=None):
+        """Stops the API, runs `while_down()`, starts it again on the same address."""
+        self.process.stop()
+        if while_down:
+            while_down()
+        listen = self.url.removeprefix("http://")
+        assert self.process.start(listen) == self.url
 
     def get(self, path: str):
         return self.req("GET", path, 200)
@@ -100,58 +109,83 @@ class Api:
             return len(rows)
 
 
+class ApiProcess:
+    """One capybara-api process; `restart()` stops it and starts a new one
+    on the same address and store (what an operator sees when the API
+    restarts)."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.store = tmp / "store.db"
+        self.token_file = tmp / "admin.token"
+        self.proc = None
+        self.log = None
+        self.runs = 0
+
+    def start(self, listen: str = "127.0.0.1:0") -> str:
+        self.runs += 1
+        log_path = self.tmp / f"api-{self.runs}.log"
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [
+                str(api_binary()),
+                "--store", f"sqlite:{self.store}",
+                "--listen", listen,
+                "--admin-token-file", str(self.token_file),
+                "--static-dir", str(DIST),
+            ],
+            stdout=subprocess.PIPE, stderr=self.log, text=True,
+        )
+        # The server prints `listening on http://ADDR` once bound. Read stdout
+        # on a thread so the wait is bounded even if it prints nothing.
+        found = {}
+        ready = threading.Event()
+        proc = self.proc
+
+        def read_stdout():
+            for line in proc.stdout:
+                m = re.search(r"listening on (http://\S+)", line)
+                if m and "url" not in found:
+                    found["url"] = m.group(1)
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read_stdout, daemon=True).start()
+        if not ready.wait(START_TIMEOUT_S) or "url" not in found:
+            self.stop()
+            pytest.fail(f"capybara-api did not start; log:\n{log_path.read_text()}")
+        url = found["url"]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while requests.get(url + "/readyz", timeout=2).status_code != 200:
+            assert time.monotonic() < deadline, "capybara-api never became ready"
+            time.sleep(0.1)
+        return url
+
+    def stop(self):
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.proc = None
+        self.log.close()
+
+
 @pytest.fixture(scope="session")
 def api(tmp_path_factory):
     if not (DIST / "index.html").exists():
         pytest.fail(f"{DIST} is not built: run web-ui/build.sh")
-    tmp = tmp_path_factory.mktemp("capybara-api")
-    store = tmp / "store.db"
-    token_file = tmp / "admin.token"
-    log_path = tmp / "api.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [
-            str(api_binary()),
-            "--store", f"sqlite:{store}",
-            "--listen", "127.0.0.1:0",
-            "--admin-token-file", str(token_file),
-            "--static-dir", str(DIST),
-        ],
-        stdout=subprocess.PIPE, stderr=log, text=True,
-    )
-    # The server prints `listening on http://ADDR` once bound. Read stdout on
-    # a thread so the wait is bounded even if the server prints nothing.
-    found = {}
-    ready = threading.Event()
-
-    def read_stdout():
-        for line in proc.stdout:
-            m = re.search(r"listening on (http://\S+)", line)
-            if m and "url" not in found:
-                found["url"] = m.group(1)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read_stdout, daemon=True).start()
+    p = ApiProcess(tmp_path_factory.mktemp("capybara-api"))
     try:
-        if not ready.wait(START_TIMEOUT_S) or "url" not in found:
-            proc.kill()
-            proc.wait(5)
-            pytest.fail(f"capybara-api did not start; log:\n{log_path.read_text()}")
-        url = found["url"]
-        token = token_file.read_text().strip()
-        a = Api(url, token, store)
-        a.wait_for("readyz", lambda: requests.get(url + "/readyz", timeout=2).status_code == 200)
+        url = p.start()
+        a = Api(url, p.token_file.read_text().strip(), p.store, p)
         seed(a)
         yield a
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
+        p.stop()
 
 
 SERVERS = [

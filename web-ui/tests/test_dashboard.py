@@ -227,3 +227,23 @@ def test_revoked_token_returns_to_login(page: Page, api: Api, shot):
     expect(page.get_by_test_id("login-message")).to_contain_text("Signed out")
     shot(page, "15-signed-out")
     assert page.evaluate("sessionStorage.getItem('capybara.token')") is None
+
+
+def test_stream_reconnects_after_api_restart(page: Page, api: Api, shot):
+    """The API goes away and comes back: the dashboard says it is reconnecting,
+    reopens the stream, and re-lists what changed while it was down."""
+    login(page, api)
+    status = page.get_by_test_id("stream-status")
+
+    def while_down():
+        expect(status).to_have_attribute("data-status", "reconnecting")
+        shot(page, "16-reconnecting")
+        # Changed while the API is down (the store is shared): only a
+        # re-list after reconnecting can show it.
+        api.put_flows(3, [("192.0.2.9", 43000 + i) for i in range(5)], VIP, PORT)
+
+    before = int(page.get_by_test_id("server-connections-3").inner_text())
+    api.restart(while_down)
+    expect(status).to_have_attribute("data-status", "live", timeout=20_000)
+    expect(page.get_by_test_id("server-connections-3")).to_have_text(str(before + 5))
+    shot(page, "17-reconnected")

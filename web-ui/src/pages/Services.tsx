@@ -159,13 +159,19 @@ function ServiceForm({
 
   // Registered servers, plus pool members that are no longer registered
   // (removed while the form was open), so the operator sees and can drop them.
+  // Unchecking one keeps it listed, so the list does not jump.
+  const [seen, setSeen] = useState<number[]>(d.pool);
   const known = new Set(servers.map((s) => s.id));
   const choices = [
     ...servers.map((s) => ({ id: s.id, label: s.name })),
-    ...d.pool.filter((id) => !known.has(id)).map((id) => ({ id, label: `#${id} (not registered)` })),
+    ...seen.filter((id) => !known.has(id)).map((id) => ({ id, label: `#${id} (not registered)` })),
   ];
 
-  const toggle = (id: number) => setD({ ...d, pool: d.pool.includes(id) ? d.pool.filter((x) => x !== id) : [...d.pool, id].sort((a, b) => a - b) });
+  const toggle = (id: number) => {
+    if (!seen.includes(id)) setSeen([...seen, id]);
+    toggleDraft(id);
+  };
+  const toggleDraft = (id: number) => setD({ ...d, pool: d.pool.includes(id) ? d.pool.filter((x) => x !== id) : [...d.pool, id].sort((a, b) => a - b) });
 
   return (
     <form className="service-form" onSubmit={submit} noValidate data-testid="service-form">

@@ -108,7 +108,7 @@ export interface TokensApiInterface {
     revokeTokenRequestOpts(requestParameters: RevokeTokenRequest): Promise<runtime.RequestOpts>;
 
     /**
-     * Revoking the last active admin token is a conflict (409).
+     * Revoking the last active admin token, or the token making the request, is a conflict (409).
      * @summary Revoke a token (admin)
      * @param {string} tokenId 
      * @param {*} [options] Override http request option.
@@ -118,7 +118,7 @@ export interface TokensApiInterface {
     revokeTokenRaw(requestParameters: RevokeTokenRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<void>>;
 
     /**
-     * Revoking the last active admin token is a conflict (409).
+     * Revoking the last active admin token, or the token making the request, is a conflict (409).
      * Revoke a token (admin)
      */
     revokeToken(requestParameters: RevokeTokenRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<void>;
@@ -266,7 +266,7 @@ export class TokensApi extends runtime.BaseAPI implements TokensApiInterface {
     }
 
     /**
-     * Revoking the last active admin token is a conflict (409).
+     * Revoking the last active admin token, or the token making the request, is a conflict (409).
      * Revoke a token (admin)
      */
     async revokeTokenRaw(requestParameters: RevokeTokenRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<void>> {
@@ -277,7 +277,7 @@ export class TokensApi extends runtime.BaseAPI implements TokensApiInterface {
     }
 
     /**
-     * Revoking the last active admin token is a conflict (409).
+     * Revoking the last active admin token, or the token making the request, is a conflict (409).
      * Revoke a token (admin)
      */
     async revokeToken(requestParameters: RevokeTokenRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<void> {

@@ -613,7 +613,7 @@ class TokensApi:
     ) -> None:
         """Revoke a token (admin)
 
-        Revoking the last active admin token is a conflict (409).
+        Revoking the last active admin token, or the token making the request, is a conflict (409).
 
         :param token_id: (required)
         :type token_id: str
@@ -687,7 +687,7 @@ class TokensApi:
     ) -> ApiResponse[None]:
         """Revoke a token (admin)
 
-        Revoking the last active admin token is a conflict (409).
+        Revoking the last active admin token, or the token making the request, is a conflict (409).
 
         :param token_id: (required)
         :type token_id: str
@@ -761,7 +761,7 @@ class TokensApi:
     ) -> RESTResponseType:
         """Revoke a token (admin)
 
-        Revoking the last active admin token is a conflict (409).
+        Revoking the last active admin token, or the token making the request, is a conflict (409).
 
         :param token_id: (required)
         :type token_id: str

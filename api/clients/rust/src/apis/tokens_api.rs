@@ -134,7 +134,7 @@ pub async fn list_tokens(configuration: &configuration::Configuration, ) -> Resu
     }
 }
 
-/// Revoking the last active admin token is a conflict (409).
+/// Revoking the last active admin token, or the token making the request, is a conflict (409).
 pub async fn revoke_token(configuration: &configuration::Configuration, token_id: &str) -> Result<(), Error<RevokeTokenError>> {
     // add a prefix to parameters to efficiently prevent name collisions
     let p_path_token_id = token_id;
