@@ -48,3 +48,8 @@ bench-stack: $(STAMP)
 # Data-plane packets/s, plain vs migrated flows, 1M flows / 200K migrated entries.
 bench-switch: $(STAMP)
 	@$(CARGO) run --release -q -p capybara-switchd --bin bench-switch
+
+.PHONY: bench-export-import
+# Connection snapshot export+import vs Linux TCP_REPAIR dump+restore.
+bench-export-import: $(STAMP)
+	@$(CARGO) run --release -q -p capybara-bench-export-import

@@ -182,6 +182,20 @@ impl BpfDataPlane {
         self.links.clear();
     }
 
+    /// Id of the XDP program attached to `ifindex` (ours or another
+    /// process's), 0 if none.
+    pub fn attached_prog_id(&self, ifindex: u32) -> Result<u32> {
+        use std::os::fd::AsFd;
+        let p = self
+            .obj
+            .progs()
+            .find(|p| p.name() == PROG_NAME)
+            .ok_or_else(|| DataPlaneError::Load(format!("program {PROG_NAME} missing")))?;
+        libbpf_rs::Xdp::new(p.as_fd())
+            .query_id(ifindex as i32, libbpf_rs::XdpFlags::NONE)
+            .map_err(|e| DataPlaneError::Load(format!("query XDP on ifindex {ifindex}: {e}")))
+    }
+
     /// Interfaces the program is attached to.
     pub fn attached(&self) -> Vec<u32> {
         self.links.iter().map(|(i, _)| *i).collect()

@@ -153,6 +153,10 @@ struct Switch {
     /// Standby: flows loaded from the store, to apply deltas.
     warm: HashMap<FlowKey, ServerId>,
     warm_syncs: u64,
+    /// Took over on the interfaces' evidence, before holding the lease.
+    fast_takeover: bool,
+    campaign_pending: Arc<AtomicBool>,
+    won_lease: Arc<Mutex<Option<LeaderLease>>>,
 }
 
 impl Switch {
@@ -220,6 +224,9 @@ impl Switch {
             flow_counts: (0, 0),
             warm: HashMap::new(),
             warm_syncs: 0,
+            fast_takeover: false,
+            campaign_pending: Arc::new(AtomicBool::new(false)),
+            won_lease: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -289,11 +296,34 @@ impl Switch {
         let sync_every = Duration::from_millis(self.cfg.ha.flow_sync_interval_ms);
         let mut next_sync = StdInstant::now();
         eprintln!("switchd: standby as {:?} in election {:?}", self.candidate, self.cfg.ha.election);
-        // Bounded by SHUTDOWN or winning; each round sleeps 100 ms.
+        // Same-box standby: once the active's program has been seen on our
+        // interfaces, its disappearance from all of them means the active
+        // is gone (a process's bpf_links die with it). Attaching is then
+        // safe without waiting for the lease to expire: an XDP link is
+        // exclusive per interface, so the interfaces themselves fence a
+        // live active out. The lease is still taken before serving HA
+        // duties that need it (renewal, fencing token).
+        let ifs: Vec<u32> = self.ifaces.iter().map(|i| i.0).collect();
+        let mut seen_active_program = false;
+        let mut next_campaign = StdInstant::now();
+        // Bounded by SHUTDOWN or winning; each round sleeps 10 ms.
         loop {
             if SHUTDOWN.load(Ordering::SeqCst) {
                 return Ok(false);
             }
+            let attached = ifs.iter().filter(|i| self.cp.dp.attached_prog_id(**i).map(|id| id != 0).unwrap_or(false)).count();
+            if attached > 0 {
+                seen_active_program = true;
+            } else if seen_active_program {
+                eprintln!("switchd: the active's XDP programs are gone from every interface: taking over before the lease expires");
+                self.fast_takeover = true;
+                return Ok(true);
+            }
+            if StdInstant::now() < next_campaign {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            next_campaign = StdInstant::now() + Duration::from_millis(100);
             let won = self.rt.block_on(async {
                 tokio::time::timeout(Duration::from_secs(2), store.campaign(&self.cfg.ha.election, &self.candidate, ttl)).await
             });
@@ -315,8 +345,29 @@ impl Switch {
                 next_sync = StdInstant::now() + sync_every;
                 self.publish();
             }
-            std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// After a fast takeover: win the lease as soon as it expires (the
+    /// dead active cannot renew it). Non-blocking: polled from `serve`.
+    fn campaign_in_background(&mut self) {
+        let (Some(store), true) = (self.store.clone(), self.lease.is_none()) else { return };
+        if self.campaign_pending.load(Ordering::SeqCst) {
+            return;
+        }
+        self.campaign_pending.store(true, Ordering::SeqCst);
+        let slot = self.won_lease.clone();
+        let pending = self.campaign_pending.clone();
+        let (election, candidate, ttl) = (self.cfg.ha.election.clone(), self.candidate.clone(), Duration::from_millis(self.cfg.ha.lease_ttl_ms));
+        self.rt.spawn(async move {
+            if let Ok(Ok(Some(lease))) = tokio::time::timeout(Duration::from_secs(2), store.campaign(&election, &candidate, ttl)).await {
+                eprintln!("switchd: won election {:?} (term {}) after the fast takeover", lease.info.election, lease.info.term);
+                if let Ok(mut s) = slot.lock() {
+                    *s = Some(lease);
+                }
+            }
+            pending.store(false, Ordering::SeqCst);
+        });
     }
 
     /// Servers and flows from the store into the (attached or not) data
@@ -431,6 +482,15 @@ impl Switch {
             if now >= next_status {
                 self.publish();
                 next_status = now + Duration::from_millis(200);
+            }
+            if self.cfg.ha.enabled && self.lease.is_none() && now >= next_renew {
+                let won = self.won_lease.lock().ok().and_then(|mut l| l.take());
+                if let Some(l) = won {
+                    self.lease = Some(l);
+                } else {
+                    self.campaign_in_background();
+                    next_renew = now + Duration::from_millis(100);
+                }
             }
             if self.lease.is_some() && now >= next_renew {
                 self.renew_lease();
@@ -708,6 +768,7 @@ impl Switch {
             "epoch": self.epoch,
             "lease_term": self.lease.as_ref().map(|l| l.info.term),
             "takeover_ms": self.takeover_ms,
+            "fast_takeover": self.fast_takeover,
             "attached_ifindexes": self.cp.dp.attached(),
             "servers": servers,
             "services": services,

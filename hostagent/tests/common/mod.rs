@@ -294,7 +294,7 @@ impl Link {
         } else {
             1
         };
-        for c in 0..copies {
+        for _ in 0..copies {
             let mut at = now + self.cfg.latency;
             if self.rng.chance(f.reorder) {
                 self.stats.reordered += 1;
@@ -302,8 +302,7 @@ impl Link {
                 at += Duration::from_micros(extra);
             }
             self.seq += 1;
-            let frame = if c + 1 == copies { std::mem::take(&mut { frame.clone() }) } else { frame.clone() };
-            self.queue.push(Reverse((at, self.seq, frame)));
+            self.queue.push(Reverse((at, self.seq, frame.clone())));
         }
     }
 
@@ -739,7 +738,12 @@ impl Server {
                         break;
                     }
                     match tcp.recv(id, &mut buf[..cap]) {
-                        Ok(0) => continue,
+                        Ok(0) => {
+                            if can_send {
+                                let _ = tcp.shutdown(id);
+                            }
+                            break;
+                        }
                         Ok(n) => {
                             let w = tcp.send(id, &buf[..n]);
                             assert_eq!(w, Ok(n), "echo: send capacity only grows between recv and send");
