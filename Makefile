@@ -53,3 +53,8 @@ bench-switch: $(STAMP)
 # Connection snapshot export+import vs Linux TCP_REPAIR dump+restore.
 bench-export-import: $(STAMP)
 	@$(CARGO) run --release -q -p capybara-bench-export-import
+
+.PHONY: bench-store
+# Batched flow writes per second and batch latency, SQLite and a real etcd.
+bench-store: $(STAMP)
+	@$(CARGO) run --release -q -p capybara-store --features testing --example bench_store

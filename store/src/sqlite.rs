@@ -235,6 +235,12 @@ fn open_blocking(config: &SqliteConfig) -> Result<Connection> {
             reason: format!("application id is {app_id:#x}, expected {APPLICATION_ID:#x}"),
         });
     }
+    if version < 0 {
+        return Err(StoreError::Corrupt {
+            path,
+            reason: format!("schema version (user_version) is negative: {version}"),
+        });
+    }
     if version > SCHEMA_VERSION {
         return Err(StoreError::SchemaTooNew {
             path,

@@ -103,11 +103,16 @@ pub struct HaConfig {
     pub candidate: Option<String>,
     pub lease_ttl_ms: u64,
     pub flow_sync_interval_ms: u64,
+    /// Same-box standby: take over as soon as the active's XDP programs
+    /// vanish from every interface, before its lease expires (the
+    /// interfaces fence a live active out). Cross-box pairs never see each
+    /// other's programs and always wait for the lease.
+    pub fast_takeover: bool,
 }
 
 impl Default for HaConfig {
     fn default() -> Self {
-        HaConfig { enabled: false, election: "switchd".into(), candidate: None, lease_ttl_ms: 1000, flow_sync_interval_ms: 500 }
+        HaConfig { enabled: false, election: "switchd".into(), candidate: None, lease_ttl_ms: 1000, flow_sync_interval_ms: 500, fast_takeover: true }
     }
 }
 

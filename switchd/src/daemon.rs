@@ -314,7 +314,7 @@ impl Switch {
             let attached = ifs.iter().filter(|i| self.cp.dp.attached_prog_id(**i).map(|id| id != 0).unwrap_or(false)).count();
             if attached > 0 {
                 seen_active_program = true;
-            } else if seen_active_program {
+            } else if seen_active_program && self.cfg.ha.fast_takeover {
                 eprintln!("switchd: the active's XDP programs are gone from every interface: taking over before the lease expires");
                 self.fast_takeover = true;
                 return Ok(true);

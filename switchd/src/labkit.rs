@@ -73,6 +73,8 @@ pub fn is_root() -> bool {
 
 /// A lab with `servers` servers and one client; torn down on drop.
 pub struct Lab {
+    /// `store = ...` for switchd configs (default: SQLite in `dir`).
+    pub store: Option<String>,
     pub prefix: String,
     pub dir: PathBuf,
     switchds: Vec<Child>,
@@ -85,7 +87,7 @@ impl Lab {
         let dir = std::env::temp_dir().join(format!("capy-switchd-{prefix}"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
-        let lab = Lab { prefix, dir, switchds: Vec::new(), stop: Arc::new(AtomicBool::new(false)) };
+        let lab = Lab { store: None, prefix, dir, switchds: Vec::new(), stop: Arc::new(AtomicBool::new(false)) };
         let bin = capybara_bin();
         sh(&[bin.to_str().unwrap_or("capybara"), "lab", "up", "--prefix", &lab.prefix, "--servers", &servers.to_string()])?;
         std::fs::write(lab.dir.join("key"), KEY_HEX)?;
@@ -152,10 +154,10 @@ impl Lab {
     pub fn switchd_config(&self, name: &str, servers: u32, weights: &[u32], metrics_port: u16, extra: &str) -> anyhow::Result<PathBuf> {
         let mut t = format!(
             "control_listen = \"{SWITCH_SV}:7692\"\nkey_file = \"{}\"\nmetrics_listen = \"127.0.0.1:{metrics_port}\"\n\
-             store = \"sqlite:{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 500\nclosed_linger_ms = 1000\nmax_flows = 65536\n{extra}\n\
+             store = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 500\nclosed_linger_ms = 1000\nmax_flows = 65536\n{extra}\n\
              [[interfaces]]\nname = \"cl1\"\nrole = \"client\"\n",
             self.dir.join("key").display(),
-            self.dir.join("store.db").display()
+            self.store.clone().unwrap_or_else(|| format!("sqlite:{}", self.dir.join("store.db").display()))
         );
         for j in 1..=servers {
             t += &format!("[[interfaces]]\nname = \"sv{j}\"\nrole = \"server\"\n");
@@ -441,9 +443,21 @@ pub struct FailoverResult {
 
 /// Active + standby switchd in one switch namespace, `n` established
 /// connections, SIGKILL of the active (see docs/SWITCHD.md, HA).
-pub fn failover_run(switchd: &std::path::Path, n: usize) -> anyhow::Result<FailoverResult> {
+///
+/// `fast_takeover = false` waits for the lease (the cross-box behaviour);
+/// `store_setup` may start a store inside the lab (e.g. etcd in the switch
+/// namespace) and return its `store = ` value plus a guard kept for the run.
+pub fn failover_run<G>(
+    switchd: &std::path::Path,
+    n: usize,
+    fast_takeover: bool,
+    store_setup: impl FnOnce(&Lab) -> anyhow::Result<(Option<String>, G)>,
+) -> anyhow::Result<FailoverResult> {
     let mut lab = Lab::up("swh", 3)?;
-    let ha = "[ha]\nenabled = true\nlease_ttl_ms = 1000\nflow_sync_interval_ms = 200\n";
+    let (store, _store_guard) = store_setup(&lab)?;
+    lab.store = store;
+    let ha = format!("[ha]\nenabled = true\nlease_ttl_ms = 1000\nflow_sync_interval_ms = 200\nfast_takeover = {fast_takeover}\n");
+    let ha = ha.as_str();
     let a = lab.switchd_config("a", 3, &[1, 1, 1], 9102, ha)?;
     let b = lab.switchd_config("b", 3, &[1, 1, 1], 9103, ha)?;
     let ia = lab.start_switchd(switchd, &a, "a.log")?;
@@ -485,7 +499,9 @@ pub fn failover_run(switchd: &std::path::Path, n: usize) -> anyhow::Result<Failo
         .wait_status(9103, Duration::from_secs(15), "standby takes over", |s| s["role"] == "active")
         .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("b.log")))?;
     let takeover_ms = killed.elapsed().as_secs_f64() * 1e3;
-    std::thread::sleep(Duration::from_millis(300));
+    // The lease follows (at once, or when the dead one's expires).
+    lab.wait_status(9103, Duration::from_secs(5), "new active holds the lease", |s| !s["lease_term"].is_null())
+        .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("b.log")))?;
     let mut lost = 0;
     for (_, s, c) in held.iter_mut() {
         if let Err(e) = ping(c.as_mut().expect("kept"), *s, "after") {
@@ -503,11 +519,14 @@ pub fn failover_run(switchd: &std::path::Path, n: usize) -> anyhow::Result<Failo
         }
         Err(_) => f64::NAN,
     };
-    Ok(FailoverResult {
+    let result = FailoverResult {
         takeover_ms,
         attach_ms: st["takeover_ms"].as_f64().unwrap_or(f64::NAN),
         connections_lost: lost,
         max_stall_ms,
         flows_restored: st["restored_flows"].as_u64().unwrap_or(0),
-    })
+    };
+    // Switchds first, then the store they talk to.
+    drop(lab);
+    Ok(result)
 }

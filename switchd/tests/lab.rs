@@ -217,18 +217,91 @@ fn placement_liveness_and_persistence() {
     drop(agents);
 }
 
+fn check_failover(r: &labkit::FailoverResult, mode: &str) {
+    eprintln!(
+        "{mode}: RESULT takeover_ms={:.0} connections_lost={} max_stall_ms={:.0} attach_ms={:.1} flows_restored={}",
+        r.takeover_ms, r.connections_lost, r.max_stall_ms, r.attach_ms, r.flows_restored
+    );
+    assert_eq!(r.connections_lost, 0, "connections lost in takeover");
+    assert!(r.flows_restored >= 61, "standby restored {} flows", r.flows_restored);
+    assert!(r.takeover_ms < 5000.0, "takeover took {} ms", r.takeover_ms);
+}
+
+/// Same-box standby (SQLite store): takes over when the active's programs vanish.
 #[test]
 fn standby_takes_over_after_sigkill() {
     if skip() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let r = capybara_switchd::labkit::failover_run(&switchd_bin(), 60).expect("failover run");
-    eprintln!(
-        "RESULT takeover_ms={:.0} connections_lost={} max_stall_ms={:.0} attach_ms={:.1} flows_restored={}",
-        r.takeover_ms, r.connections_lost, r.max_stall_ms, r.attach_ms, r.flows_restored
-    );
-    assert!(r.flows_restored >= 61, "standby restored {} flows", r.flows_restored);
-    assert_eq!(r.connections_lost, 0, "connections lost in takeover");
-    assert!(r.takeover_ms < 5000.0, "takeover took {} ms", r.takeover_ms);
+    let r = labkit::failover_run(&switchd_bin(), 60, true, |_| Ok((None, ()))).expect("failover run");
+    check_failover(&r, "fast takeover, sqlite");
+}
+
+/// Etcd store inside the switch namespace; the standby waits for the
+/// dead active's lease to expire, as a standby on another box would.
+#[test]
+fn standby_takes_over_by_lease_with_etcd() {
+    if skip() {
+        return;
+    }
+    if !std::path::Path::new("/usr/bin/etcd").exists() && std::env::var_os("ETCD_BIN").is_none() {
+        eprintln!("skipped: no etcd binary");
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let r = labkit::failover_run(&switchd_bin(), 60, false, |lab| {
+        let etcd = NsEtcd::start(&lab.ns("sw"))?;
+        Ok((Some(format!("etcd:{}", etcd.endpoint)), etcd))
+    })
+    .expect("failover run");
+    check_failover(&r, "lease takeover, etcd");
+    assert!(r.takeover_ms > 500.0, "a lease-only takeover cannot beat the lease ({} ms)", r.takeover_ms);
+}
+
+/// A one-member etcd started from a thread inside a lab namespace. The
+/// thread stays alive for the cluster's lifetime: the harness sets
+/// PR_SET_PDEATHSIG, which fires when the *thread* that forked exits.
+struct NsEtcd {
+    endpoint: String,
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl NsEtcd {
+    fn start(ns: &str) -> anyhow::Result<NsEtcd> {
+        use std::os::fd::AsRawFd;
+        let path = format!("/run/netns/{ns}");
+        let (tx, rx) = std::sync::mpsc::channel::<anyhow::Result<String>>();
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let run = || -> anyhow::Result<capybara_store::testing::EtcdCluster> {
+                let f = std::fs::File::open(&path)?;
+                // SAFETY: plain syscall on a valid fd; this thread only.
+                anyhow::ensure!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } == 0, "setns {path}");
+                Ok(capybara_store::testing::EtcdCluster::start(1)?)
+            };
+            match run() {
+                Ok(c) => {
+                    let _ = tx.send(Ok(c.endpoints().join(",")));
+                    let _ = stop_rx.recv();
+                    drop(c);
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                }
+            }
+        });
+        let endpoint = rx.recv_timeout(Duration::from_secs(30))??;
+        Ok(NsEtcd { endpoint, stop: Some(stop_tx), thread: Some(thread) })
+    }
+}
+
+impl Drop for NsEtcd {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }

@@ -634,8 +634,14 @@ pub fn server_tcp_config(i: usize) -> TcpConfig {
     c
 }
 
+/// Sized like the hostagent binary does: a snapshot holds both TCP queues,
+/// and the target buffers up to one receive window of client segments.
 pub fn server_mig_config(addr: Ipv4Addr) -> EngineConfig {
-    EngineConfig::new(addr, SWITCH)
+    let tcp = TcpConfig::default();
+    let mut c = EngineConfig::new(addr, SWITCH);
+    c.max_snapshot_bytes = tcp.tx_buffer + tcp.rx_buffer + 4096;
+    c.max_buffer_bytes = tcp.rx_buffer;
+    c
 }
 
 impl Server {

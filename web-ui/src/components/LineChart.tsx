@@ -22,6 +22,12 @@ function clock(ms: number): string {
   return d.toTimeString().slice(0, 8);
 }
 
+/** A tick step of whole seconds (or minutes) near `ms`, so labels never repeat. */
+function niceStep(ms: number): number {
+  for (const s of [1, 2, 5, 10, 15, 30, 60, 120, 300, 600]) if (s * 1000 >= ms) return s * 1000;
+  return 600_000;
+}
+
 /**
  * A Chart.js line chart over wall-clock time. The chart is created once and
  * updated in place (no animation) when `series` changes.
@@ -73,11 +79,23 @@ export function LineChart({
     if (!c) return;
     // A sliding window ending at the newest sample, so the time axis has
     // round ticks and the chart scrolls instead of stretching.
+    // Until the window is full, it spans the samples there are.
     let newest = 0;
-    for (const s of series) if (s.points.length) newest = Math.max(newest, s.points[s.points.length - 1].x);
-    const x = c.options.scales!.x!;
-    x.min = newest ? newest - windowMs : undefined;
-    x.max = newest || undefined;
+    let oldest = Infinity;
+    for (const s of series) {
+      if (!s.points.length) continue;
+      newest = Math.max(newest, s.points[s.points.length - 1].x);
+      oldest = Math.min(oldest, s.points[0].x);
+    }
+    const x = c.options.scales!.x! as any;
+    if (newest) {
+      const span = Math.max(1000, Math.min(windowMs, newest - oldest));
+      x.min = newest - span;
+      x.max = newest;
+      x.ticks.stepSize = niceStep(span / 5);
+    } else {
+      x.min = x.max = x.ticks.stepSize = undefined;
+    }
     c.data.datasets = series.map((s) => ({
       label: s.label,
       data: s.points,
