@@ -21,6 +21,7 @@ setup:
 
 build:
 	$(CARGO) build --release --workspace --bins
+	bash web-ui/build.sh
 
 $(STAMP):
 	@$(MAKE) --no-print-directory setup

@@ -12,5 +12,10 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== build (release)"
 cargo build --release --workspace --bins
+status=0
 echo "== cargo test (workspace, release)"
-cargo test --release --workspace --no-fail-fast 2>&1 | tee test-output/cargo-test.log
+cargo test --release --workspace --no-fail-fast 2>&1 | tee test-output/cargo-test.log || status=1
+echo "== dashboard in a real browser (playwright + chromium)"
+bash web-ui/build.sh
+CAPYBARA_API_BIN=target/release/capybara-api bash web-ui/test.sh 2>&1 | tee test-output/web-ui.log || status=1
+exit $status

@@ -19,6 +19,7 @@ if [[ -z "${CAPYBARA_API_BIN:-}" ]]; then
     export CAPYBARA_API_BIN="$root/target/debug/capybara-api"
 fi
 
+export PYTHONDONTWRITEBYTECODE=1
 mkdir -p "$root/test-output/ui"
 # Bounded: the fixture's waits are bounded too; this is the backstop.
 timeout 300 "$root/.venv/bin/python" -m pytest -p no:cacheprovider -q \

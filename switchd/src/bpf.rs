@@ -21,6 +21,9 @@ pub static SWITCH_BPF_OBJ: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/swi
 
 const PROG_NAME: &str = "capy_switch";
 
+/// Most entries [`DataPlane::table_sizes`] counts per table.
+pub const TABLE_COUNT_CAP: usize = 100_000;
+
 /// Map capacities chosen at load time (defaults: the header's).
 #[derive(Debug, Clone, Copy)]
 pub struct BpfOptions {
@@ -376,7 +379,9 @@ impl DataPlane for BpfDataPlane {
         batch_update(&self.maps.flows, "flows", &keys, &vals)
     }
     fn table_sizes(&mut self) -> Result<(usize, usize)> {
-        Ok((self.maps.flows.keys().count(), self.maps.migrations.keys().count()))
+        // One syscall per key: capped so that a huge table cannot stall
+        // the control loop (reported as the cap, i.e. "at least").
+        Ok((self.maps.flows.keys().take(TABLE_COUNT_CAP).count(), self.maps.migrations.keys().take(TABLE_COUNT_CAP).count()))
     }
     fn lookup_flow(&mut self, key: CFlowKey) -> Result<Option<CFlow>> {
         Ok(self

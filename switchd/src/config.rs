@@ -446,6 +446,13 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
     }
 
     #[test]
+    fn shipped_lab_config_is_valid() {
+        let c = Config::from_toml(include_str!("../config/lab.toml")).unwrap();
+        assert_eq!(c.interfaces.len(), 4);
+        assert!(c.services[0].pool.is_empty());
+    }
+
+    #[test]
     fn errors_name_field_and_value() {
         let e = err(&OK.replace("\"maglev\"", "x").replace("key_file", "placement = \"ring\"\nkey_file"));
         assert!(e.contains("`placement`") && e.contains("\"ring\""), "{e}");

@@ -418,25 +418,38 @@ impl<D: DataPlane> ControlPlane<D> {
     /// Recomputes Maglev tables (pushing only changed slots), LWRR rings and
     /// target rings from each service's live pool members.
     fn push_tables(&mut self) -> Result<()> {
+        self.push(true)
+    }
+
+    /// Live members of service `i`, with their pool weights.
+    fn live_members(&self, i: usize) -> Vec<Server> {
+        self.services[i]
+            .pool
+            .iter()
+            .filter_map(|(id, w)| {
+                let s = self.servers.get(id)?;
+                (s.liveness == Liveness::Live).then(|| Server { weight: (*w).max(1), ..s.clone() })
+            })
+            .collect()
+    }
+
+    /// Rings always; Maglev tables only with `maglev` (they depend on the
+    /// pool, not on load, and cost a 65,537-slot rebuild each).
+    fn push(&mut self, maglev: bool) -> Result<()> {
         for i in 0..self.services.len() {
-            let live: Vec<Server> = self.services[i]
-                .pool
-                .iter()
-                .filter_map(|(id, w)| {
-                    let s = self.servers.get(id)?;
-                    (s.liveness == Liveness::Live).then(|| Server { weight: (*w).max(1), ..s.clone() })
-                })
-                .collect();
-            let backends: Vec<Backend> = live.iter().map(|s| Backend { id: s.id.0, index: s.index, weight: s.weight }).collect();
-            let table = maglev::build_table(&backends, MAGLEV_SIZE);
+            let live = self.live_members(i);
+            let svc_index = self.services[i].index;
+            if maglev {
+                let backends: Vec<Backend> = live.iter().map(|s| Backend { id: s.id.0, index: s.index, weight: s.weight }).collect();
+                let table = maglev::build_table(&backends, MAGLEV_SIZE);
+                let delta = maglev::diff(&self.services[i].maglev_shadow, &table);
+                if !delta.is_empty() {
+                    self.dp.write_maglev(svc_index, &delta)?;
+                    self.services[i].maglev_shadow = table;
+                }
+            }
             let lwrr = CRing::from_slice(RING_ROTATE, &lwrr_ring(&live));
             let target = target_ring(&live, self.cfg.target_policy);
-            let svc_index = self.services[i].index;
-            let delta = maglev::diff(&self.services[i].maglev_shadow, &table);
-            if !delta.is_empty() {
-                self.dp.write_maglev(svc_index, &delta)?;
-                self.services[i].maglev_shadow = table.clone();
-            }
             self.dp.write_ring(svc_index, RING_PLACEMENT, &lwrr)?;
             self.dp.write_ring(svc_index, RING_TARGET, &target)?;
         }
@@ -490,9 +503,10 @@ impl<D: DataPlane> ControlPlane<D> {
             .iter()
             .map(|s| LoadReport { server: s.id, data_ip: s.data_ip, own_load: s.load, pool_load, live_servers, least_loaded: least })
             .collect();
-        if self.cfg.target_policy == TargetPolicy::LeastLoaded {
-            // Least-loaded order changes with every interval.
-            self.push_tables()?;
+        if self.cfg.target_policy == TargetPolicy::LeastLoaded || self.services.iter().any(|s| s.placement == Placement::Lwrr) {
+            // Least-loaded order and LWRR rings follow the load of every
+            // interval; Maglev tables do not.
+            self.push(false)?;
         }
         Ok(reports)
     }
@@ -651,7 +665,9 @@ mod tests {
         c.dp.count_packets(0, 100);
         c.dp.count_packets(1, 10);
         c.dp.count_packets(2, 50);
+        let maglev_writes = c.dp.maglev_writes;
         let r = c.tick(Instant::from_millis(1)).unwrap();
+        assert_eq!(c.dp.maglev_writes, maglev_writes, "a load change must not rewrite Maglev tables");
         assert_eq!(r.len(), 3);
         assert!(r.iter().all(|x| x.pool_load == 160 && x.live_servers == 3));
         assert_eq!(r[0].own_load, 100);
@@ -721,6 +737,51 @@ mod tests {
         let r = lwrr_ring(&[mk(0, 1, 1000), mk(1, 1, 0)]);
         assert!(count(&r, 1) > 4 * count(&r, 0), "{} {}", count(&r, 0), count(&r, 1));
         assert!(lwrr_ring(&[]).is_empty());
+    }
+
+    #[test]
+    fn set_owner_only_from_owner_or_named_owner() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let k = FlowKey { client_ip: Ipv4Addr::new(198, 18, 0, 11), client_port: 7, service_ip: VIP, service_port: 80 };
+        c.dp.place_flow(CFlowKey::from(k), 0, 0);
+        c.dp.migrate_flow(CFlowKey::from(k), 1);
+        c.flush_events(Instant::ZERO, &mut VecSink::default()).unwrap();
+        // s3 neither owns the flow nor names itself: refused.
+        assert!(matches!(c.set_owner(ServerId(3), k, ServerId(1)), Err(ControlError::SetOwnerRefused { .. })));
+        assert!(c.set_owner(ServerId(1), FlowKey { client_port: 8, ..k }, ServerId(1)).is_err(), "unknown flow");
+        // The origin (s1) takes its flow back after an aborted migration.
+        c.set_owner(ServerId(1), k, ServerId(1)).unwrap();
+        assert_eq!(c.dp.current_owner(CFlowKey::from(k)), Some(0));
+        assert!(c.dp.migrations.is_empty());
+        // The current owner hands it to s3.
+        c.set_owner(ServerId(1), k, ServerId(3)).unwrap();
+        assert_eq!(c.dp.current_owner(CFlowKey::from(k)), Some(2));
+        let mut sink = VecSink::default();
+        c.flush_events(Instant::ZERO, &mut sink).unwrap();
+        let kinds: Vec<u32> = sink.0.iter().map(|e| e.kind).collect();
+        assert_eq!(kinds, vec![EV_RETURNED, EV_MIGRATED]);
+    }
+
+    #[test]
+    fn per_service_pools_follow_config_and_register() {
+        let mut c = ControlPlane::new(MemDataPlane::new(), ControlConfig::new(Duration::from_millis(300), TargetPolicy::RoundRobin));
+        let vip2 = Ipv4Addr::new(198, 18, 100, 2);
+        c.add_service_with_pool(VIP, 80, Placement::Maglev, PoolSpec { members: vec![(ServerId(1), 3)], open: false }).unwrap();
+        c.add_service_with_pool(vip2, 80, Placement::Maglev, PoolSpec::default()).unwrap();
+        let reg = |c: &mut ControlPlane<MemDataPlane>, j: u32, wanted: &[SocketAddrV4]| {
+            c.register_for(Instant::ZERO, ServerId(j), Ipv4Addr::new(198, 18, 2, 10 + j as u8), [2, 0, 0, 0, 1, j as u8], 5, [2; 6], 1, wanted)
+                .unwrap()
+        };
+        reg(&mut c, 1, &[]);
+        reg(&mut c, 2, &[SocketAddrV4::new(vip2, 80)]);
+        reg(&mut c, 3, &[]);
+        assert_eq!(c.services()[0].pool.iter().map(|(k, v)| (k.0, *v)).collect::<Vec<_>>(), vec![(1, 3)]);
+        assert_eq!(c.services()[1].pool.keys().map(|k| k.0).collect::<Vec<_>>(), vec![2]);
+        assert!(c.dp.maglev[&0].iter().all(|v| *v == 0));
+        assert!(c.dp.maglev[&1].iter().all(|v| *v == 1));
+        // A second server can't claim a live server's data address.
+        let e = c.register(Instant::ZERO, ServerId(9), Ipv4Addr::new(198, 18, 2, 11), [0; 6], 5, [2; 6], 1);
+        assert!(matches!(e, Err(ControlError::AddressInUse { .. })));
     }
 
     #[test]

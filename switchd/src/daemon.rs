@@ -873,7 +873,8 @@ fn kind_name(k: ControlKind) -> &'static str {
 
 // ---------------------------------------------------------------------------
 // HTTP: GET /status (JSON), GET /metrics (Prometheus text),
-// POST /servers/<id>/drain?deadline_ms=N, POST /servers/<id>/undrain.
+// POST /servers/<id>/drain?deadline_ms=N, POST /servers/<id>/undrain,
+// POST /migrate?server=ID&client=IP:PORT&service=VIP:PORT[&target=IP].
 // Loopback or management side only; one request per connection.
 // ---------------------------------------------------------------------------
 
@@ -915,6 +916,24 @@ fn route(method: &str, target: &str, published: &Mutex<Published>, cmds: &mpsc::
     match (method, path) {
         ("GET", "/status") => ("200 OK", "application/json", get(|p| p.status.clone())),
         ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", get(|p| p.metrics.clone())),
+        ("POST", "/migrate") => {
+            // /migrate?server=ID&client=IP:PORT&service=VIP:PORT[&target=IP]
+            let arg = |k: &str| query.split('&').find_map(|kv| kv.strip_prefix(k).and_then(|v| v.strip_prefix('=')));
+            let server = arg("server").and_then(|v| v.parse::<u32>().ok());
+            let client = arg("client").and_then(|v| v.parse::<SocketAddrV4>().ok());
+            let service = arg("service").and_then(|v| v.parse::<SocketAddrV4>().ok());
+            let target = match arg("target").map(|v| v.parse::<Ipv4Addr>()) {
+                None => None,
+                Some(Ok(t)) => Some(t),
+                Some(Err(_)) => return ("400 Bad Request", "text/plain", "bad target (an IPv4 data address)\n".into()),
+            };
+            let (Some(server), Some(client), Some(service)) = (server, client, service) else {
+                return ("400 Bad Request", "text/plain", "need server=ID&client=IP:PORT&service=VIP:PORT[&target=IP]\n".into());
+            };
+            let flow = FlowKey { client_ip: *client.ip(), client_port: client.port(), service_ip: *service.ip(), service_port: service.port() };
+            let _ = cmds.send(Command::Migrate { server: ServerId(server), flow, target });
+            ("202 Accepted", "text/plain", "accepted\n".into())
+        }
         ("POST", p) if p.starts_with("/servers/") => {
             let rest = &p["/servers/".len()..];
             let (id, action) = rest.split_once('/').unwrap_or((rest, ""));
@@ -933,7 +952,7 @@ fn route(method: &str, target: &str, published: &Mutex<Published>, cmds: &mpsc::
             let _ = cmds.send(cmd);
             ("202 Accepted", "text/plain", "accepted\n".into())
         }
-        _ => ("404 Not Found", "text/plain", "GET /status, GET /metrics, POST /servers/<id>/drain|undrain\n".into()),
+        _ => ("404 Not Found", "text/plain", "GET /status, GET /metrics, POST /servers/<id>/drain|undrain, POST /migrate\n".into()),
     }
 }
 
@@ -946,4 +965,31 @@ pub fn fetch(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
     c.read_to_string(&mut s)?;
     let body = s.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("").to_string();
     Ok(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn http_routes_parse_requests_and_refuse_bad_ones() {
+        let published = Mutex::new(Published { status: "{}".into(), metrics: "m 1\n".into() });
+        let (tx, rx) = mpsc::channel();
+        assert_eq!(route("GET", "/status", &published, &tx).0, "200 OK");
+        assert_eq!(route("GET", "/metrics", &published, &tx).2, "m 1\n");
+        assert_eq!(route("GET", "/nope", &published, &tx).0, "404 Not Found");
+        assert_eq!(route("POST", "/servers/x/drain", &published, &tx).0, "400 Bad Request");
+        assert_eq!(route("POST", "/servers/3/drain?deadline_ms=abc", &published, &tx).0, "400 Bad Request");
+        assert_eq!(route("POST", "/servers/3/drain?deadline_ms=500", &published, &tx).0, "202 Accepted");
+        assert!(matches!(rx.try_recv(), Ok(Command::Drain { server: ServerId(3), deadline_ms: 500, cancel: false })));
+        assert_eq!(route("POST", "/migrate?server=1&client=198.18.0.11:4000", &published, &tx).0, "400 Bad Request");
+        let r = route("POST", "/migrate?server=1&client=198.18.0.11:4000&service=198.18.100.1:80&target=198.18.2.12", &published, &tx);
+        assert_eq!(r.0, "202 Accepted");
+        match rx.try_recv() {
+            Ok(Command::Migrate { server, flow, target }) => {
+                assert_eq!((server, flow.client_port, target), (ServerId(1), 4000, Some(Ipv4Addr::new(198, 18, 2, 12))));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }

@@ -61,7 +61,7 @@ fn setup() -> Lab {
         &[Backend { id: 10, index: 0, weight: 1 }, Backend { id: 11, index: 1, weight: 1 }],
         MAGLEV_SIZE,
     );
-    let delta = maglev::diff(&vec![NO_SERVER; 0], &table);
+    let delta = maglev::diff(&[NO_SERVER; 0], &table);
     dp.set_service(CServiceKey::tcp(VIP, 80), CService { index: 0, placement: PLACE_MAGLEV }).unwrap();
     dp.write_maglev(0, &delta).unwrap();
     dp.write_ring(0, RING_TARGET, &CRing::from_slice(RING_ROTATE, &[0, 1])).unwrap();

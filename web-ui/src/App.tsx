@@ -56,6 +56,8 @@ function Dashboard({ token, onLogout }: { token: string; onLogout: (message?: st
   const [state, dispatch] = useReducer(reducer, initialState);
   const [page, setPage] = useState<Page>(pageFromHash());
   const [error, setError] = useState<string | null>(null);
+  // Completed re-lists (exposed for tests as `data-syncs`).
+  const [syncs, setSyncs] = useState(0);
 
   const clients = useMemo(
     () => makeClients(token, (msg) => onLogout(`Signed out: ${msg}`)),
@@ -76,10 +78,11 @@ function Dashboard({ token, onLogout }: { token: string; onLogout: (message?: st
       clients.policy.getPolicy().then((p) => dispatch({ type: 'policy', policy: p })),
     ]);
     // Migrations may be unavailable (503) without a data plane; that is not fatal.
-    clients.migrations
+    await clients.migrations
       .listMigrations({ limit: 100 })
       .then((l) => dispatch({ type: 'migrations', items: l.items }))
       .catch(async (e) => dispatch({ type: 'migrationsError', message: problemText(await toProblem(e)) }));
+    setSyncs((n) => n + 1);
     const failed = results.find((r): r is PromiseRejectedResult => r.status === 'rejected');
     setError(failed ? problemText(await toProblem(failed.reason)) : null);
   }, [clients]);
@@ -108,7 +111,7 @@ function Dashboard({ token, onLogout }: { token: string; onLogout: (message?: st
             </a>
           ))}
         </nav>
-        <span className={`stream stream-${state.stream}`} data-testid="stream-status" data-status={state.stream}>
+        <span className={`stream stream-${state.stream}`} data-testid="stream-status" data-status={state.stream} data-syncs={syncs}>
           {state.stream === 'live' ? 'live' : state.stream === 'connecting' ? 'connecting…' : 'reconnecting…'}
         </span>
         {state.dataSource && (

@@ -22,6 +22,8 @@ def login(page: Page, api: Api, token: str | None = None):
     page.get_by_test_id("login-token").fill(token or api.token)
     page.get_by_test_id("login-submit").click()
     expect(page.get_by_test_id("stream-status")).to_have_attribute("data-status", "live")
+    # The re-list that follows the stream opening has landed.
+    expect(page.get_by_test_id("stream-status")).not_to_have_attribute("data-syncs", "0")
 
 
 def test_login_then_three_servers_with_live_counts(page: Page, api: Api, shot):
@@ -216,6 +218,18 @@ def test_live_updates_without_reload(page: Page, api: Api, shot):
     shot(page, "14-live-policy")
 
 
+def test_viewer_sees_the_refusal(page: Page, api: Api, shot):
+    """A viewer token can look but not drain: the API's 403 problem is shown on the card."""
+    created = api.req("POST", "/v1/tokens", 201, json={"name": "ui-viewer", "role": "viewer"})
+    login(page, api, created["secret"])
+    page.get_by_test_id("drain-button-1").click()
+    page.get_by_test_id("drain-confirm-1").click()
+    expect(page.get_by_test_id("server-error-1")).to_contain_text("403")
+    expect(page.get_by_test_id("server-state-1")).to_have_text("active")
+    assert api.get("/v1/servers/1")["state"] == "active"
+    shot(page, "15-viewer-forbidden")
+
+
 def test_revoked_token_returns_to_login(page: Page, api: Api, shot):
     created = api.req("POST", "/v1/tokens", 201, json={"name": "ui-operator", "role": "operator"})
     login(page, api, created["secret"])
@@ -225,7 +239,7 @@ def test_revoked_token_returns_to_login(page: Page, api: Api, shot):
     page.get_by_test_id("weight-save-3").click()
     expect(page.get_by_test_id("login-form")).to_be_visible()
     expect(page.get_by_test_id("login-message")).to_contain_text("Signed out")
-    shot(page, "15-signed-out")
+    shot(page, "16-signed-out")
     assert page.evaluate("sessionStorage.getItem('capybara.token')") is None
 
 
@@ -237,7 +251,7 @@ def test_stream_reconnects_after_api_restart(page: Page, api: Api, shot):
 
     def while_down():
         expect(status).to_have_attribute("data-status", "reconnecting")
-        shot(page, "16-reconnecting")
+        shot(page, "17-reconnecting")
         # Changed while the API is down (the store is shared): only a
         # re-list after reconnecting can show it.
         api.put_flows(3, [("192.0.2.9", 43000 + i) for i in range(5)], VIP, PORT)
@@ -246,4 +260,4 @@ def test_stream_reconnects_after_api_restart(page: Page, api: Api, shot):
     api.restart(while_down)
     expect(status).to_have_attribute("data-status", "live", timeout=20_000)
     expect(page.get_by_test_id("server-connections-3")).to_have_text(str(before + 5))
-    shot(page, "17-reconnected")
+    shot(page, "18-reconnected")
