@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use actix_web::{web, HttpResponse, ResponseError};
 use capybara_store::{DrainState, ServerState};
 
-use crate::problem::{ApiResult, Problem};
+use crate::problem::ApiResult;
 use crate::server::AppState;
 
 const PROBE_INTERVAL: Duration = Duration::from_secs(1);
@@ -137,6 +137,8 @@ async fn render(state: &AppState) -> ApiResult<String> {
     for (i, c) in CLASSES.iter().enumerate() {
         let _ = writeln!(w, "capybara_api_requests_total{{class=\"{c}\"}} {}", state.metrics.requests[i].load(Ordering::Relaxed));
     }
-    let _: Option<Problem> = None;
+    let _ = writeln!(w, "# HELP capybara_api_sse_clients Open /v1/events streams.");
+    let _ = writeln!(w, "# TYPE capybara_api_sse_clients gauge");
+    let _ = writeln!(w, "capybara_api_sse_clients {}", state.hub.receiver_count());
     Ok(o)
 }

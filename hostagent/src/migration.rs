@@ -154,13 +154,19 @@ impl Migrator {
         if self.frozen_flows.contains_key(&flow) {
             return false;
         }
+        // The engine first: a flow that left recently may be migrating back
+        // in, and its segments must be buffered for the import, not dropped
+        // as "gone" (that stalled the client until its RTO).
+        if !matches!(self.engine.buffer_segment(now, flow, segment), BufferVerdict::NotMigrating) {
+            return false;
+        }
         if let Some(until) = self.gone_flows.get(&flow) {
             if *until > now {
                 return false;
             }
             self.gone_flows.remove(&flow);
         }
-        matches!(self.engine.buffer_segment(now, flow, segment), BufferVerdict::NotMigrating)
+        true
     }
 
     /// Starts migrating the connection of `flow` to `target` (or a target

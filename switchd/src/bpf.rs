@@ -255,8 +255,10 @@ fn batch_update<K: Pod, V: Pod>(map: &MapHandle, name: &'static str, keys: &[K],
     Ok(())
 }
 
-fn keys_of<K: Pod>(map: &MapHandle) -> Vec<K> {
-    map.keys().filter_map(|k| K::from_bytes(&k)).collect()
+/// Up to `limit` entries of a hash map, read in batches of 4,096.
+fn entries<K: Pod, V: Pod>(map: &MapHandle, name: &'static str, limit: usize) -> Result<Vec<(K, V)>> {
+    let it = map.lookup_batch(4096, MapFlags::ANY, MapFlags::ANY).map_err(map_err(name, "lookup_batch"))?;
+    Ok(it.take(limit).filter_map(|(k, v)| Some((K::from_bytes(&k)?, V::from_bytes(&v)?))).collect())
 }
 
 fn percpu_sum(values: &[Vec<u8>], offset: usize) -> u64 {
@@ -381,7 +383,10 @@ impl DataPlane for BpfDataPlane {
     fn table_sizes(&mut self) -> Result<(usize, usize)> {
         // One syscall per key: capped so that a huge table cannot stall
         // the control loop (reported as the cap, i.e. "at least").
-        Ok((self.maps.flows.keys().take(TABLE_COUNT_CAP).count(), self.maps.migrations.keys().take(TABLE_COUNT_CAP).count()))
+        Ok((
+            entries::<CFlowKey, CFlow>(&self.maps.flows, "flows", TABLE_COUNT_CAP)?.len(),
+            entries::<CFlowKey, CMigration>(&self.maps.migrations, "migrations", TABLE_COUNT_CAP)?.len(),
+        ))
     }
     fn lookup_flow(&mut self, key: CFlowKey) -> Result<Option<CFlow>> {
         Ok(self
@@ -400,31 +405,24 @@ impl DataPlane for BpfDataPlane {
             .and_then(|v| CMigration::from_bytes(&v)))
     }
     fn remove_flows_of(&mut self, server: u32) -> Result<Vec<CFlowKey>> {
-        // O(entries) syscalls; runs only when a server dies.
+        // Runs only when a server dies: reads both tables in batches (one
+        // syscall per 4,096 entries), deletes the dead server's entries one
+        // by one (an LRU eviction meanwhile must not abort the rest).
         let mut removed = Vec::new();
+        // Keys with a migration entry, to it (removed) or elsewhere (kept).
         let mut migrated_away = std::collections::HashSet::new();
-        for k in keys_of::<CFlowKey>(&self.maps.migrations) {
-            match self.lookup_migration(k)? {
-                Some(m) if m.server == server => {
-                    let _ = self.maps.migrations.delete(k.as_bytes());
-                    let _ = self.maps.flows.delete(k.as_bytes());
-                    removed.push(k);
-                }
-                Some(_) => {
-                    migrated_away.insert(k);
-                }
-                None => {}
+        for (k, m) in entries::<CFlowKey, CMigration>(&self.maps.migrations, "migrations", usize::MAX)? {
+            if m.server == server {
+                let _ = self.maps.migrations.delete(k.as_bytes());
+                let _ = self.maps.flows.delete(k.as_bytes());
+                removed.push(k);
             }
+            migrated_away.insert(k);
         }
-        for k in keys_of::<CFlowKey>(&self.maps.flows) {
-            if migrated_away.contains(&k) {
-                continue;
-            }
-            if let Some(f) = self.lookup_flow(k)? {
-                if f.server == server {
-                    let _ = self.maps.flows.delete(k.as_bytes());
-                    removed.push(k);
-                }
+        for (k, f) in entries::<CFlowKey, CFlow>(&self.maps.flows, "flows", usize::MAX)? {
+            if f.server == server && !migrated_away.contains(&k) {
+                let _ = self.maps.flows.delete(k.as_bytes());
+                removed.push(k);
             }
         }
         Ok(removed)

@@ -108,11 +108,15 @@ pub struct HaConfig {
     /// interfaces fence a live active out). Cross-box pairs never see each
     /// other's programs and always wait for the lease.
     pub fast_takeover: bool,
+    /// On becoming active, send a gratuitous ARP for every VIP out of every
+    /// client-side interface (claims the service addresses where clients
+    /// share an L2 segment with the switch pair).
+    pub claim_vips: bool,
 }
 
 impl Default for HaConfig {
     fn default() -> Self {
-        HaConfig { enabled: false, election: "switchd".into(), candidate: None, lease_ttl_ms: 1000, flow_sync_interval_ms: 500, fast_takeover: true }
+        HaConfig { enabled: false, election: "switchd".into(), candidate: None, lease_ttl_ms: 1000, flow_sync_interval_ms: 500, fast_takeover: true, claim_vips: false }
     }
 }
 
@@ -373,6 +377,11 @@ impl Config {
             let e = &raw.ha.election;
             if e.is_empty() || e.len() > 128 || !e.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b)) {
                 return Err(invalid("ha.election", format!("{e:?}"), "1-128 characters of [A-Za-z0-9_.-]"));
+            }
+            if let Some(c) = &raw.ha.candidate {
+                if c.is_empty() || c.len() > 256 {
+                    return Err(invalid("ha.candidate", format!("{c:?}"), "must be 1-256 bytes"));
+                }
             }
             if !(1000..=60_000).contains(&raw.ha.lease_ttl_ms) {
                 return Err(invalid("ha.lease_ttl_ms", raw.ha.lease_ttl_ms, "must be 1000..=60000 (the store counts whole seconds)"));

@@ -155,6 +155,7 @@ struct Switch {
     warm_syncs: u64,
     /// Took over on the interfaces' evidence, before holding the lease.
     fast_takeover: bool,
+    garp_sent: u64,
     campaign_pending: Arc<AtomicBool>,
     won_lease: Arc<Mutex<Option<LeaderLease>>>,
 }
@@ -225,6 +226,7 @@ impl Switch {
             warm: HashMap::new(),
             warm_syncs: 0,
             fast_takeover: false,
+            garp_sent: 0,
             campaign_pending: Arc::new(AtomicBool::new(false)),
             won_lease: Arc::new(Mutex::new(None)),
         })
@@ -251,6 +253,9 @@ impl Switch {
             let _ = self.cp.heartbeat(now, id);
         }
         self.attach_all()?;
+        if self.cfg.ha.claim_vips {
+            self.claim_vips();
+        }
         self.role = "active";
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         self.takeover_ms = Some(ms);
@@ -344,6 +349,21 @@ impl Switch {
                 self.warm_syncs += 1;
                 next_sync = StdInstant::now() + sync_every;
                 self.publish();
+            }
+        }
+    }
+
+    /// Gratuitous ARP for every VIP on every client-side interface.
+    fn claim_vips(&mut self) {
+        let mut vips: Vec<Ipv4Addr> = self.cfg.services.iter().map(|s| *s.vip.ip()).collect();
+        vips.sort();
+        vips.dedup();
+        for (idx, role, mac) in &self.ifaces {
+            if *role == Role::Client {
+                match sys::send_garp(*idx, *mac, &vips) {
+                    Ok(n) => self.garp_sent += n as u64,
+                    Err(e) => eprintln!("switchd: gratuitous ARP on ifindex {idx}: {e}"),
+                }
             }
         }
     }
@@ -769,6 +789,7 @@ impl Switch {
             "lease_term": self.lease.as_ref().map(|l| l.info.term),
             "takeover_ms": self.takeover_ms,
             "fast_takeover": self.fast_takeover,
+            "garp_sent": self.garp_sent,
             "attached_ifindexes": self.cp.dp.attached(),
             "servers": servers,
             "services": services,

@@ -439,6 +439,37 @@ pub struct FailoverResult {
     /// the failover: the client-visible stall.
     pub max_stall_ms: f64,
     pub flows_restored: u64,
+    /// The client saw the new active's gratuitous ARP for the VIP.
+    pub garp_seen: bool,
+}
+
+/// A raw socket receiving every ARP frame of this namespace.
+fn arp_listener() -> anyhow::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let proto = (libc::ETH_P_ARP as u16).to_be();
+    // SAFETY: plain syscall; ownership taken at once.
+    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_NONBLOCK, proto as i32) };
+    anyhow::ensure!(fd >= 0, "AF_PACKET socket: {}", std::io::Error::last_os_error());
+    // SAFETY: fresh descriptor.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// Whether a gratuitous ARP for `ip` arrives within `timeout` (or already did).
+fn saw_garp(fd: &std::os::fd::OwnedFd, ip: Ipv4Addr, timeout: Duration) -> bool {
+    let start = Instant::now();
+    let mut buf = [0u8; 128];
+    // Bounded by `timeout`.
+    while start.elapsed() < timeout {
+        // SAFETY: valid buffer of the given length.
+        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0) };
+        if n >= 42 && buf[12..14] == [0x08, 0x06] && buf[28..32] == ip.octets() && buf[38..42] == ip.octets() {
+            return true;
+        }
+        if n < 0 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    false
 }
 
 /// Active + standby switchd in one switch namespace, `n` established
@@ -456,7 +487,9 @@ pub fn failover_run<G>(
     let mut lab = Lab::up("swh", 3)?;
     let (store, _store_guard) = store_setup(&lab)?;
     lab.store = store;
-    let ha = format!("[ha]\nenabled = true\nlease_ttl_ms = 1000\nflow_sync_interval_ms = 200\nfast_takeover = {fast_takeover}\n");
+    let ha = format!(
+        "[ha]\nenabled = true\nlease_ttl_ms = 1000\nflow_sync_interval_ms = 200\nfast_takeover = {fast_takeover}\nclaim_vips = true\n"
+    );
     let ha = ha.as_str();
     let a = lab.switchd_config("a", 3, &[1, 1, 1], 9102, ha)?;
     let b = lab.switchd_config("b", 3, &[1, 1, 1], 9103, ha)?;
@@ -492,6 +525,7 @@ pub fn failover_run<G>(
         }
         Ok(worst)
     });
+    let arp = in_ns(&lab.ns("c1"), arp_listener)??;
     std::thread::sleep(Duration::from_millis(200));
     lab.kill(ia, libc::SIGKILL);
     let killed = Instant::now();
@@ -519,7 +553,9 @@ pub fn failover_run<G>(
         }
         Err(_) => f64::NAN,
     };
+    let garp_seen = saw_garp(&arp, VIP, Duration::from_secs(1));
     let result = FailoverResult {
+        garp_seen,
         takeover_ms,
         attach_ms: st["takeover_ms"].as_f64().unwrap_or(f64::NAN),
         connections_lost: lost,

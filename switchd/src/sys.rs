@@ -88,3 +88,74 @@ mod tests {
         assert!(super::parse_mac("zz:00:0a:ff:00:01").is_none());
     }
 }
+
+/// A gratuitous ARP request announcing `ip` at `mac`, padded to 60 bytes.
+pub fn garp_frame(mac: [u8; 6], ip: Ipv4Addr) -> [u8; 60] {
+    let mut f = [0u8; 60];
+    f[0..6].copy_from_slice(&[0xff; 6]);
+    f[6..12].copy_from_slice(&mac);
+    f[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
+    f[14..16].copy_from_slice(&1u16.to_be_bytes()); // Ethernet
+    f[16..18].copy_from_slice(&0x0800u16.to_be_bytes()); // IPv4
+    f[18] = 6;
+    f[19] = 4;
+    f[20..22].copy_from_slice(&1u16.to_be_bytes()); // request
+    f[22..28].copy_from_slice(&mac);
+    f[28..32].copy_from_slice(&ip.octets());
+    // target hardware address zero; target protocol address = sender's
+    f[38..42].copy_from_slice(&ip.octets());
+    f
+}
+
+/// Sends one gratuitous ARP for each of `ips` out of interface `ifindex`
+/// (a new active claiming the service addresses on a shared L2 segment).
+pub fn send_garp(ifindex: u32, mac: [u8; 6], ips: &[Ipv4Addr]) -> std::io::Result<usize> {
+    use std::os::fd::{FromRawFd, OwnedFd, AsRawFd};
+    let proto = (libc::ETH_P_ARP as u16).to_be();
+    // SAFETY: plain syscall; the fd is owned below.
+    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, proto as i32) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh, valid descriptor we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: zeroed sockaddr_ll is a valid value.
+    let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    sll.sll_family = libc::AF_PACKET as u16;
+    sll.sll_protocol = proto;
+    sll.sll_ifindex = ifindex as i32;
+    sll.sll_halen = 6;
+    sll.sll_addr[..6].copy_from_slice(&[0xff; 6]);
+    let mut sent = 0;
+    for ip in ips {
+        let f = garp_frame(mac, *ip);
+        // SAFETY: valid buffer and sockaddr for the given lengths.
+        let n = unsafe {
+            libc::sendto(
+                fd.as_raw_fd(),
+                f.as_ptr() as *const libc::c_void,
+                f.len(),
+                0,
+                &sll as *const libc::sockaddr_ll as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            )
+        };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        sent += 1;
+    }
+    Ok(sent)
+}
+
+#[cfg(test)]
+mod garp_tests {
+    #[test]
+    fn garp_frame_layout() {
+        let f = super::garp_frame([2, 0, 0, 0, 0, 1], std::net::Ipv4Addr::new(198, 18, 100, 1));
+        assert_eq!(&f[12..14], &[0x08, 0x06]);
+        assert_eq!(&f[20..22], &[0, 1]);
+        assert_eq!(&f[28..32], &[198, 18, 100, 1]);
+        assert_eq!(&f[38..42], &[198, 18, 100, 1]);
+    }
+}

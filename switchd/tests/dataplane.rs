@@ -313,3 +313,25 @@ fn owners_and_malformed_packets() {
             verdict: XDP_DROP, output: None, reason: "drop_tcpmig_no_target" },
     ]);
 }
+
+/// The control plane's dead-server cleanup on the real maps (batched reads).
+#[test]
+fn remove_flows_of_dead_server_on_bpf_maps() {
+    let mut lab = setup();
+    let k = |p: u16| CFlowKey::from(FlowKey { client_ip: CLIENT, client_port: p, service_ip: VIP, service_port: 80 });
+    // 2,000 flows on s0 and s1 (well below the small LRU's capacity, so
+    // none is evicted), two of them migrated.
+    for p in 0..2000u16 {
+        lab.dp.insert_flow(k(p), CFlow { server: (p % 2) as u32, service: 0, flags: 0 }).unwrap();
+    }
+    lab.dp.insert_migration(k(0), CMigration { server: 1, epoch: 1 }).unwrap(); // s0 -> s1: dies with s1
+    lab.dp.insert_migration(k(1), CMigration { server: 0, epoch: 1 }).unwrap(); // s1 -> s0: survives
+    assert_eq!(lab.dp.table_sizes().unwrap(), (2000, 2));
+    let mut removed = lab.dp.remove_flows_of(1).unwrap();
+    removed.sort_by_key(|x| FlowKey::from(*x).client_port);
+    assert_eq!(removed.len(), 1000, "999 placed on s1 and not migrated away + 1 migrated to s1");
+    assert!(removed.contains(&k(0)) && !removed.contains(&k(1)));
+    assert_eq!(lab.dp.table_sizes().unwrap(), (1000, 1));
+    assert_eq!(lab.dp.lookup_migration(k(1)).unwrap().map(|m| m.server), Some(0));
+    assert!(lab.dp.lookup_flow(k(3)).unwrap().is_none() && lab.dp.lookup_flow(k(2)).unwrap().is_some());
+}

@@ -225,6 +225,7 @@ fn check_failover(r: &labkit::FailoverResult, mode: &str) {
     assert_eq!(r.connections_lost, 0, "connections lost in takeover");
     assert!(r.flows_restored >= 61, "standby restored {} flows", r.flows_restored);
     assert!(r.takeover_ms < 5000.0, "takeover took {} ms", r.takeover_ms);
+    assert!(r.garp_seen, "the client never saw the new active's gratuitous ARP for the VIP");
 }
 
 /// Same-box standby (SQLite store): takes over when the active's programs vanish.

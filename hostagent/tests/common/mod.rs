@@ -626,6 +626,35 @@ pub struct Server {
     pub conns: Vec<ConnId>,
     /// Errors seen by the application (anything but WouldBlock).
     pub app_errors: Vec<TcpError>,
+    /// The connection as it was exported, for every migration out.
+    pub exports: Vec<Exported>,
+}
+
+/// What an exported connection held (coverage of the property test).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Exported {
+    pub state: State,
+    /// Sent but unacknowledged bytes.
+    pub unacked: u32,
+    /// Queued bytes not sent yet.
+    pub unsent: usize,
+    /// In-order bytes the application has not read.
+    pub unread: usize,
+    /// Out-of-order data waiting for a hole to fill.
+    pub out_of_order: bool,
+}
+
+impl Exported {
+    fn of(c: &capybara_tcp::Connection) -> Exported {
+        let unacked = c.snd.max.0.wrapping_sub(c.snd.una.0).min(c.tx.len() as u32);
+        Exported {
+            state: c.state,
+            unacked,
+            unsent: c.tx.len() - unacked as usize,
+            unread: c.rx.len(),
+            out_of_order: !c.ooo.is_empty(),
+        }
+    }
 }
 
 pub fn server_tcp_config(i: usize) -> TcpConfig {
@@ -656,7 +685,7 @@ impl Server {
         tr.vips.insert(SERVICE_PORT, VIP);
         let engine = Engine::new(mig, migration_key()).expect("engine config");
         tr.mig = Some(Migrator::new(engine, addr));
-        Server { index, addr, iface, tr, alive: true, app, conns: Vec::new(), app_errors: Vec::new() }
+        Server { index, addr, iface, tr, alive: true, app, conns: Vec::new(), app_errors: Vec::new(), exports: Vec::new() }
     }
 
     pub fn migrator(&self) -> &Migrator {
@@ -690,8 +719,16 @@ impl Server {
         for _ in 0..64 {
             let mut any = false;
             let mut woken = Vec::new();
+            // Exports happen in `process_events`, on the state as it is now.
+            let before: Vec<(ConnId, Exported)> =
+                self.conns.iter().filter_map(|&id| Some((id, Exported::of(self.tr.tcp.connection(id)?)))).collect();
             let m = self.tr.mig.as_mut().expect("servers migrate");
             m.process_events(now, &mut self.tr.tcp, &mut woken);
+            for (id, e) in before {
+                if self.tr.tcp.connection(id).is_none() {
+                    self.exports.push(e);
+                }
+            }
             any |= !woken.is_empty();
             while let Some(ev) = self.tr.tcp.poll_event() {
                 any = true;

@@ -296,7 +296,7 @@ class HealthApi:
     ) -> str:
         """Prometheus metrics (text exposition format 0.0.4)
 
-        Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_control_plane_live`. 
+        Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_api_sse_clients`, `capybara_control_plane_live`. 
 
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
@@ -360,7 +360,7 @@ class HealthApi:
     ) -> ApiResponse[str]:
         """Prometheus metrics (text exposition format 0.0.4)
 
-        Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_control_plane_live`. 
+        Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_api_sse_clients`, `capybara_control_plane_live`. 
 
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
@@ -424,7 +424,7 @@ class HealthApi:
     ) -> RESTResponseType:
         """Prometheus metrics (text exposition format 0.0.4)
 
-        Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_control_plane_live`. 
+        Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_api_sse_clients`, `capybara_control_plane_live`. 
 
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request

@@ -73,7 +73,7 @@ pub async fn healthz(configuration: &configuration::Configuration, ) -> Result<m
     }
 }
 
-/// Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_control_plane_live`. 
+/// Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_api_sse_clients`, `capybara_control_plane_live`. 
 pub async fn metrics(configuration: &configuration::Configuration, ) -> Result<String, Error<MetricsError>> {
 
     let uri_str = format!("{}/metrics", configuration.base_path);
