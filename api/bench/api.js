@@ -36,7 +36,7 @@ export const options = {
 };
 
 const READS = ['/v1/servers', '/v1/servers/1', '/v1/services', '/v1/policy', '/v1/connections?limit=100',
-               '/v1/migrations', '/v1/audit?limit=50', '/v1/servers/1/drain'];
+               '/v1/migrations', '/v1/audit?limit=50', '/v1/servers/3/drain'];
 
 export function mixed() {
   const r = Math.random();

@@ -11,8 +11,15 @@ K6="${K6:-$(command -v k6 || echo "$VENV/bin/k6")}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
 DURATION="${DURATION:-30s}"
 cd "$ROOT"
-cargo build -q -p capybara-api --bin capybara-api
-BIN="$CARGO_TARGET_DIR/debug/capybara-api"
+# PROFILE=release for numbers worth comparing (default debug, to spare the
+# shared build machine).
+PROFILE="${PROFILE:-debug}"
+if [ "$PROFILE" = release ]; then
+  cargo build -q --release -p capybara-api --bin capybara-api
+else
+  cargo build -q -p capybara-api --bin capybara-api
+fi
+BIN="$CARGO_TARGET_DIR/$PROFILE/capybara-api"
 WORK="$(mktemp -d)"
 "$BIN" --store "sqlite:$WORK/store.db" --listen 127.0.0.1:0 --admin-token-file "$WORK/admin.token" \
   --workers "${WORKERS:-2}" >"$WORK/stdout" 2>"$WORK/server.log" &
@@ -20,7 +27,7 @@ PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; rm -rf "$WORK"' EXIT
 URL=""
 for _ in $(seq 1 100); do
-  URL="$(grep -o 'http://[0-9.:]*' "$WORK/stdout" 2>/dev/null | head -1)"; [ -n "$URL" ] && break; sleep 0.1
+  URL="$(grep -o 'http://[0-9.:]*' "$WORK/stdout" 2>/dev/null | head -1 || true)"; [ -n "$URL" ] && break; sleep 0.1
 done
 [ -n "$URL" ] || { cat "$WORK/server.log"; exit 1; }
 TOKEN="$(cat "$WORK/admin.token")"

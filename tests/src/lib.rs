@@ -173,3 +173,60 @@ pub fn output_dir(test: &str) -> PathBuf {
     std::fs::create_dir_all(&root).expect("create test output dir");
     root
 }
+
+/// Writes a deployment key (hex) into `dir` and returns its path.
+pub fn deployment_key(dir: &std::path::Path) -> PathBuf {
+    let path = dir.join("deployment.key");
+    let bytes: Vec<u8> = (0..32).map(|i| (i * 37 + std::process::id() as usize) as u8).collect();
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    std::fs::write(&path, hex).expect("write key");
+    path
+}
+
+/// A switchd configuration for a lab with `servers` servers and one client:
+/// echo on VIP 198.18.100.1:7 and HTTP on :80, every registered server in
+/// the pool, SQLite store in `dir`.
+pub fn switchd_config(dir: &std::path::Path, servers: u32, key: &std::path::Path) -> PathBuf {
+    let mut t = format!(
+        "control_listen = \"198.18.1.1:7692\"\nkey_file = \"{}\"\nplacement = \"maglev\"\n\
+         target_selection = \"round_robin\"\nload_interval_us = 1000\nheartbeat_interval_ms = 100\n\
+         dead_after_ms = 1000\nclosed_linger_ms = 5000\nmetrics_listen = \"127.0.0.1:9102\"\n\
+         store = \"sqlite:{}\"\n[ha]\nenabled = false\n[[interfaces]]\nname = \"cl1\"\nrole = \"client\"\n",
+        key.display(),
+        dir.join("store.db").display()
+    );
+    for j in 1..=servers {
+        t.push_str(&format!("[[interfaces]]\nname = \"sv{j}\"\nrole = \"server\"\n"));
+    }
+    t.push_str("[[services]]\nname = \"echo\"\nvip = \"198.18.100.1:7\"\npool = []\n");
+    t.push_str("[[services]]\nname = \"web\"\nvip = \"198.18.100.1:80\"\npool = []\n");
+    let path = dir.join("switchd.toml");
+    std::fs::write(&path, t).expect("write switchd config");
+    path
+}
+
+/// A hostagent configuration for server `j` behind the switch: services on
+/// the VIP, migration and control channel on; `churn` = (every_ms, target
+/// server) makes it migrate everything it serves to that server periodically.
+pub fn hostagent_migrating_config(
+    dir: &std::path::Path,
+    j: u32,
+    key: &std::path::Path,
+    churn: Option<(u64, u32)>,
+) -> PathBuf {
+    let base = hostagent_config(dir, j, "198.18.100.1", "");
+    let mut t = std::fs::read_to_string(&base).expect("read base config");
+    t.push_str(&format!(
+        "[migration]\nkey_file = \"{}\"\nswitch = \"198.18.1.1\"\n",
+        key.display()
+    ));
+    if let Some((every, to)) = churn {
+        t.push_str(&format!("churn_every_ms = {every}\nchurn_to = \"198.18.2.{}\"\n", 10 + to));
+    }
+    t.push_str(&format!(
+        "[control]\nswitch = \"198.18.1.1:7692\"\nserver_id = {j}\nmanagement = \"198.18.1.{}\"\n",
+        10 + j
+    ));
+    std::fs::write(&base, t).expect("write hostagent config");
+    base
+}

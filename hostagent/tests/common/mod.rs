@@ -374,6 +374,8 @@ pub struct Switch {
     pub choices: HashMap<u64, Ipv4Addr>,
     pub drops: Vec<KindDrop>,
     pub counters: SwitchCounters,
+    /// RSTs from servers to the client: (time, server port).
+    pub resets: Vec<(Instant, Port)>,
     /// Every TCPMig message seen: (time, kind, id, src, dst, forwarded to).
     pub mig_log: Vec<(Instant, Kind, u64, Ipv4Addr, Ipv4Addr, Option<Ipv4Addr>)>,
     rr: usize,
@@ -392,6 +394,7 @@ impl Switch {
             migration: HashMap::new(),
             choices: HashMap::new(),
             drops: Vec::new(),
+            resets: Vec::new(),
             counters: SwitchCounters::default(),
             mig_log: Vec::new(),
             rr: 0,
@@ -423,7 +426,7 @@ impl Switch {
             EtherType::Arp => self.arp(from, eth.src_addr(), eth.payload()).into_iter().collect(),
             EtherType::Ipv4 => match from {
                 Port::Client => self.from_client(frame),
-                Port::Server(_) => self.from_server(now, frame),
+                Port::Server(_) => self.from_server(now, from, frame),
             },
             _ => Vec::new(),
         }
@@ -486,13 +489,14 @@ impl Switch {
         vec![(Port::Server(port), out)]
     }
 
-    fn from_server(&mut self, now: Instant, frame: &[u8]) -> Vec<(Port, Vec<u8>)> {
+    fn from_server(&mut self, now: Instant, from: Port, frame: &[u8]) -> Vec<(Port, Vec<u8>)> {
         if ipv4_bounds(frame).is_none() {
             return Vec::new();
         }
         if ip_proto(frame) == IPPROTO_TCP && ip_src(frame) == VIP && ip_dst(frame) == CLIENT {
             if tcp_flags(frame).is_some_and(|f| f & 0x04 != 0) {
                 self.counters.resets_to_client += 1;
+                self.resets.push((now, from));
             }
             let mut out = frame.to_vec();
             set_macs(&mut out, SWITCH_MAC, CLIENT_MAC);
@@ -608,8 +612,8 @@ impl Switch {
 pub enum App {
     Echo,
     /// Reads (and records in [`World::server_rx`]) whatever the client
-    /// sends, and independently sends `len` bytes of `stream(seed)`; shuts
-    /// down when both are done.
+    /// sends, and independently sends `len` bytes of `stream(seed)`, then
+    /// shuts down its side (possibly before the client does).
     Source { seed: u64, len: usize },
 }
 
@@ -800,13 +804,9 @@ impl Server {
                     }
                 },
                 App::Source { seed, len } => {
-                    let mut eof = false;
                     loop {
                         match tcp.recv(id, buf) {
-                            Ok(0) => {
-                                eof = true;
-                                break;
-                            }
+                            Ok(0) => break,
                             Ok(n) => {
                                 server_rx.extend_from_slice(&buf[..n]);
                                 moved = true;
@@ -836,7 +836,9 @@ impl Server {
                             assert_eq!(w, Ok(n));
                             moved = true;
                         }
-                    } else if eof {
+                    } else {
+                        // Done writing: close our side whatever the client
+                        // still sends (both directions are independent).
                         let _ = tcp.shutdown(id);
                         moved = true;
                     }
@@ -878,9 +880,14 @@ impl Client {
         Some(FlowKey { client_ip: *local.ip(), client_port: local.port(), service_ip: VIP, service_port: SERVICE_PORT })
     }
 
-    /// The stream ended normally (FIN received, nothing left to read).
+    /// The connection failed, or both directions completed: the server's
+    /// FIN was read and ours was acknowledged (so was all our data).
     pub fn done(&self) -> bool {
-        self.eof || self.error.is_some()
+        let fin_acked = self
+            .conn
+            .and_then(|id| self.tr.tcp.state(id))
+            .is_some_and(|s| matches!(s, State::FinWait2 | State::TimeWait | State::Closed));
+        self.error.is_some() || (self.eof && fin_acked)
     }
 
     fn run(&mut self, now: Instant, link: &mut Link, buf: &mut [u8]) -> bool {
@@ -1150,6 +1157,11 @@ impl World {
         assert_eq!(owners.len(), 1, "owners {owners:?}; {}", self.describe());
         let owner = SERVERS[owners[0]];
         assert_eq!(self.switch.owner(&flow), Some(owner), "switch disagrees; {}", self.describe());
+        // No stale copy anywhere: the other server holds no TCP state of it.
+        for s in self.servers.iter().filter(|s| s.index != owners[0]) {
+            let copies = s.tr.tcp.connections().filter(|(_, c)| c.remote.port() == flow.client_port).count();
+            assert_eq!(copies, 0, "server {} still has the connection; {}", s.index, self.describe());
+        }
         if let Some(e) = self.switch.migration.get(&flow) {
             assert!(!e.pending, "entry still pending: {e:?}; {}", self.describe());
         }
@@ -1160,7 +1172,7 @@ impl World {
     pub fn describe(&self) -> String {
         let flow = self.flow();
         format!(
-            "t={} sent={}/{} rx={} eof={} err={:?} owners={:?} entry={:?} switch={:?} outcomes={:?} app_errors={:?}",
+            "t={} sent={}/{} rx={} eof={} err={:?} owners={:?} entry={:?} switch={:?} outcomes={:?} app_errors={:?} resets={:?} tcpmig={:?}",
             self.now,
             self.client.sent,
             self.client.to_send.len(),
@@ -1172,6 +1184,8 @@ impl World {
             self.switch.counters,
             self.outcomes(),
             self.servers.iter().map(|s| s.app_errors.clone()).collect::<Vec<_>>(),
+            self.switch.resets,
+            self.switch.mig_log.iter().map(|(t, k, _, s, d, to)| format!("{t} {k:?} {s}->{d} => {to:?}")).collect::<Vec<_>>(),
         )
     }
 }

@@ -18,6 +18,50 @@ fn fail(msg: String) -> ! {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // `--connections N` runs N concurrent streams (each BYTES long, seeds
+    // seed..seed+N) and fails if any of them fails.
+    if let Some(pos) = args.iter().position(|a| a == "--connections") {
+        let n: u64 = args
+            .get(pos + 1)
+            .and_then(|v| v.parse().ok())
+            .filter(|n| (1..=10_000).contains(n))
+            .unwrap_or_else(|| fail("invalid --connections value: expected 1 to 10000".into()));
+        let mut rest = args.clone();
+        rest.drain(pos..pos + 2);
+        let exe = std::env::current_exe().unwrap_or_else(|e| fail(format!("current_exe: {e}")));
+        let base_seed: u64 = rest
+            .iter()
+            .position(|a| a == "--seed")
+            .and_then(|i| rest.get(i + 1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1);
+        rest.retain(|_| true);
+        let mut children = Vec::new();
+        for i in 0..n {
+            let mut a = rest.clone();
+            if let Some(k) = a.iter().position(|x| x == "--seed") {
+                a.drain(k..k + 2);
+            }
+            a.extend(["--seed".into(), (base_seed + i).to_string()]);
+            let c = std::process::Command::new(&exe)
+                .args(&a)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap_or_else(|e| fail(format!("spawn: {e}")));
+            children.push(c);
+        }
+        let mut failed = 0;
+        for c in children {
+            let out = c.wait_with_output().unwrap_or_else(|e| fail(format!("wait: {e}")));
+            if !out.status.success() {
+                failed += 1;
+                eprint!("{}", String::from_utf8_lossy(&out.stderr));
+            }
+        }
+        println!("connections={n} failed={failed} ok={}", failed == 0);
+        std::process::exit(if failed == 0 { 0 } else { 1 });
+    }
     let usage = || -> ! {
         fail("usage: capybara-echo-client ADDR BYTES [--seed N] [--chunk N] [--timeout-s N]".into())
     };
