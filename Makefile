@@ -59,3 +59,8 @@ bench-export-import: $(STAMP)
 # Batched flow writes per second and batch latency, SQLite and a real etcd.
 bench-store: $(STAMP)
 	@$(CARGO) run --release -q -p capybara-store --features testing --example bench_store
+
+.PHONY: bench-api
+# k6 against the running api: mixed reads/writes at 500 req/s plus 50 SSE streams.
+bench-api: $(STAMP)
+	@PROFILE=release bash api/scripts/bench.sh

@@ -17,10 +17,15 @@ step "python client dependencies"
 "$VENV/bin/python" -c 'import pydantic, dateutil' 2>/dev/null \
   || "$VENV/bin/pip" install -q -r "$API_DIR/clients/python/requirements.txt" || exit 1
 
-step "cargo test -p capybara-api"
-cargo test -p capybara-api || fail=1
-cargo build -p capybara-api --bins || exit 1
-BIN="$CARGO_TARGET_DIR/debug/capybara-api"
+if [ -n "${CAPYBARA_API_BIN:-}" ]; then
+  # `make test` already ran the Rust tests and built the release binary.
+  BIN="$CAPYBARA_API_BIN"
+else
+  step "cargo test -p capybara-api"
+  cargo test -p capybara-api || fail=1
+  cargo build -p capybara-api --bins || exit 1
+  BIN="$CARGO_TARGET_DIR/debug/capybara-api"
+fi
 
 step "pytest api/tests"
 CAPYBARA_API_BIN="$BIN" "$VENV/bin/pytest" -q "$API_DIR/tests" || fail=1
