@@ -30,6 +30,14 @@ enum Command {
         #[command(subcommand)]
         command: LabCommand,
     },
+    /// Operate a running appliance through its REST API: `capybara ctl
+    /// servers`, `drain SERVER --deadline 30s --wait`, `undrain`, `migrate`,
+    /// `policy get|set`, `migrations --follow`, `services` (`ctl --help`).
+    #[command(disable_help_flag = true)]
+    Ctl {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Args)]
@@ -325,6 +333,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Lab { command } => lab_command(command),
+        Command::Ctl { args } => {
+            let code = capybara_api::ctl::ctl_main(args);
+            return ExitCode::from(u8::try_from(code).unwrap_or(1));
+        }
     };
     match result {
         Ok(code) => code,

@@ -291,6 +291,14 @@ impl Migrator {
                     });
                 }
                 Event::AbortedIn { id, flow, .. } => {
+                    // The switch may still send us the flow's segments (the
+                    // entry stays pending toward us until our ABORT decision
+                    // passes it, and some are in flight): drop them
+                    // silently like those of a gone flow. A RST here would
+                    // kill the client's connection, which the origin serves.
+                    if !self.by_flow.contains_key(&flow) {
+                        self.gone_flows.insert(flow, now + GONE_LINGER);
+                    }
                     self.record(MigrationRecord {
                         id,
                         flow,

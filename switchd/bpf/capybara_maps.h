@@ -68,10 +68,18 @@
 #define CAPY_FLOW_MIGRATED 0x1 /* a migration-table entry exists or existed    */
 #define CAPY_FLOW_CLOSING 0x2  /* FIN seen from the client; closed event sent  */
 
+/* capy_migration.pending */
+#define CAPY_MIG_FINAL 0
+#define CAPY_MIG_PENDING 1
+
+/* Recently steered PREPAREs remembered (migration id -> target index), so
+ * that retransmissions of one migration go to the same target. */
+#define CAPY_PREPARE_MEMORY 8192
+
 /* capy_flow_event.kind */
 #define CAPY_EV_NEW 1      /* flow placed on `server`                          */
-#define CAPY_EV_MIGRATED 2 /* PREPARE-ACK: owner `prev_server` -> `server`     */
-#define CAPY_EV_RETURNED 3 /* migrated back to its original server: entry gone */
+#define CAPY_EV_MIGRATED 2 /* migration final (CONN_STATE_ACK): owner `prev_server` -> `server` */
+#define CAPY_EV_RETURNED 3 /* same, back to its original server (entry kept, final) */
 #define CAPY_EV_CLOSED 4   /* client FIN or RST                                */
 
 /* Which ring of a service (index = service * CAPY_RING_KINDS + kind). */
@@ -109,6 +117,8 @@ enum capy_stat {
 	CAPY_STAT_DROP_TCPMIG_UNKNOWN,    /* origin/target not a registered server    */
 	CAPY_STAT_DROP_TCPMIG_NO_TARGET,  /* PREPARE with no candidate target         */
 	CAPY_STAT_DROP_MIGRATION_FULL,    /* migration table full on PREPARE-ACK      */
+	CAPY_STAT_DROP_PREPARE_ACK_STALE, /* PREPARE-ACK of an old migration, or the flow is mid-migration */
+	CAPY_STAT_DROP_ABORT_UNMATCHED,   /* ABORT request to the switch, no pending entry of that id */
 	CAPY_STAT_EVENT_LOST,             /* flow event not delivered: ring buffer full (not a verdict) */
 	CAPY_STAT_MAX,
 };
@@ -132,10 +142,18 @@ struct capy_flow {
 	__u16 flags;   /* CAPY_FLOW_*                                */
 };
 
-/* Migration-table value: the connection's current owner. */
+/* Migration-table value (docs/MIGRATION.md, "What the switch must do").
+ * pending = 1: installed by PREPARE_ACK of `migration_id`, pointing at its
+ * target, until CONN_STATE_ACK (target committed: final, same owner) or the
+ * target's ABORT decision (final, owner = origin) passes the switch.
+ * pending = 0 (final): `server` owns the flow. A final entry pointing at the
+ * flow's original server is kept (not deleted) as a tombstone, so that a
+ * stale PREPARE_ACK of an older migration cannot redirect the flow. */
 struct capy_migration {
-	__u32 server; /* current target server index   */
-	__u32 epoch;  /* low 32 bits of migration_id: which migration installed it */
+	__u32 server;        /* owner (final) or target (pending), server index */
+	__u8 pending;        /* CAPY_MIG_PENDING / CAPY_MIG_FINAL                */
+	__u8 pad[3];         /* 0                                               */
+	__u64 migration_id;  /* host order: origin data addr << 32 | counter    */
 };
 
 /* A server of the pool, as the data plane needs it to forward. */
@@ -215,8 +233,9 @@ struct {
 } flows SEC(".maps");
 
 /* Migration table (seed §7.1): migrated connections only, FlowKey ->
- * current target. Written by the program on PREPARE-ACK; deleted when the
- * connection returns to its original server, closes, or its owner dies.
+ * {owner, migration id, pending}. Written by the program on PREPARE-ACK,
+ * CONN_STATE_ACK and the target's ABORT decision (struct capy_migration);
+ * deleted when the connection closes or its owner dies.
  * Plain hash (not LRU): an entry must never be silently forgotten, or the
  * connection would go back to a server that no longer holds it. */
 struct {
@@ -233,6 +252,15 @@ struct {
 	__type(key, __u32);
 	__type(value, struct capy_server);
 } servers SEC(".maps");
+
+/* PREPARE steering memory: migration id (host order) -> target index, so
+ * that every retransmission of one migration reaches the same target. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, CAPY_PREPARE_MEMORY);
+	__type(key, __u64);
+	__type(value, __u32);
+} prepare_targets SEC(".maps");
 
 /* Server data address -> server index, to resolve TCPMig origin/target. */
 struct {

@@ -6,8 +6,10 @@
  * are placed (new flow), or sent to their current owner (migration table
  * first, then flow table), with the destination rewritten to the server's
  * data address. Server side: TCPMig PREPARE is steered to a target taken
- * from the control plane's target ring; PREPARE-ACK installs the
- * migration-table entry as it passes, then goes on to the origin.
+ * from the control plane's target ring (retransmissions to the same target);
+ * PREPARE-ACK installs a pending migration-table entry toward the target,
+ * CONN_STATE_ACK makes it final, the target's ABORT decision points it back
+ * at the origin (docs/MIGRATION.md, "What the switch must do").
  * Everything else (server responses from the VIP, ARP, control channel)
  * goes to the kernel (XDP_PASS), which routes it.
  *
@@ -285,13 +287,40 @@ static __always_inline int send_to_server(struct ethhdr *eth, struct iphdr *ip, 
 	return forward_l2(eth, srv);
 }
 
+static __always_inline __u64 mig_id(const struct tcpmig_hdr *m)
+{
+	return bpf_be64_to_cpu(m->migration_id);
+}
+
+static __always_inline struct capy_flow_key mig_flow_key(const struct tcpmig_hdr *m)
+{
+	struct capy_flow_key key = {
+		.client_ip = m->client_ip,
+		.service_ip = m->service_ip,
+		.client_port = m->client_port,
+		.service_port = m->service_port,
+	};
+	return key;
+}
+
+/* Writes {server, pending, id} for `key`; `flags` BPF_ANY / BPF_NOEXIST. */
+static __always_inline long put_migration(const struct capy_flow_key *key, __u32 server, __u8 pending,
+					  __u64 id, __u64 flags)
+{
+	struct capy_migration nm = { .server = server, .pending = pending, .migration_id = id };
+
+	return bpf_map_update_elem(&migrations, key, &nm, flags);
+}
+
 static __always_inline int handle_prepare(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
 					  struct tcpmig_hdr *m)
 {
 	struct capy_service_key sk = { .vip = m->service_ip, .port = m->service_port, .proto = IPPROTO_TCP };
 	struct capy_service *svc;
-	struct capy_server *srv;
+	struct capy_server *srv = NULL;
 	__u32 target, origin = (__u32)-1;
+	__u64 id = mig_id(m);
+	__u32 *mem;
 
 	lookup_server_idx(m->origin, &origin);
 	if (m->target) {
@@ -302,7 +331,21 @@ static __always_inline int handle_prepare(struct ethhdr *eth, struct iphdr *ip, 
 		srv = bpf_map_lookup_elem(&servers, &target);
 		if (!usable_owner(srv))
 			return verdict(CAPY_STAT_DROP_TCPMIG_NO_TARGET, XDP_DROP);
-	} else {
+		count_only(CAPY_STAT_FWD_PREPARE);
+		return send_to_server(eth, ip, udp, srv);
+	}
+
+	/* Every retransmission of one migration goes to the target its first
+	 * PREPARE went to (the target dedups by id; another target would
+	 * answer a second PREPARE_ACK for the same migration). */
+	mem = bpf_map_lookup_elem(&prepare_targets, &id);
+	if (mem) {
+		target = *mem;
+		srv = bpf_map_lookup_elem(&servers, &target);
+		if (target == origin || !usable_owner(srv))
+			srv = NULL;
+	}
+	if (!srv) {
 		int tries;
 
 		svc = bpf_map_lookup_elem(&services, &sk);
@@ -322,25 +365,29 @@ static __always_inline int handle_prepare(struct ethhdr *eth, struct iphdr *ip, 
 		srv = bpf_map_lookup_elem(&servers, &target);
 		if (!srv || srv->state != CAPY_SERVER_LIVE)
 			return verdict(CAPY_STAT_DROP_TCPMIG_NO_TARGET, XDP_DROP);
+		bpf_map_update_elem(&prepare_targets, &id, &target, BPF_ANY);
 	}
 	count_only(CAPY_STAT_FWD_PREPARE);
 	return send_to_server(eth, ip, udp, srv);
 }
 
+/* PREPARE_ACK(M, origin o, target t): the target reserved its buffers; from
+ * now on the client's segments must reach t (it buffers them). Installs
+ * {t, M, pending} iff there is no entry, or the entry is final, owned by o,
+ * of another migration, and not older than M from the same origin (ids of
+ * one origin increase). A duplicate of the installing ACK is forwarded;
+ * anything else (stale ACK, or the flow is mid-migration) is dropped. */
 static __always_inline int handle_prepare_ack(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
 					      struct tcpmig_hdr *m)
 {
-	struct capy_flow_key key = {
-		.client_ip = m->client_ip,
-		.service_ip = m->service_ip,
-		.client_port = m->client_port,
-		.service_port = m->service_port,
-	};
+	struct capy_flow_key key = mig_flow_key(m);
 	__be32 target_addr = m->target ? m->target : ip->saddr;
-	__u32 target, origin, prev;
+	__u64 id = mig_id(m);
+	__u32 target, origin;
 	struct capy_migration *old;
 	struct capy_flow *flow;
 	struct capy_server *osrv;
+	long err;
 
 	if (lookup_server_idx(target_addr, &target) < 0 || lookup_server_idx(m->origin, &origin) < 0)
 		return verdict(CAPY_STAT_DROP_TCPMIG_UNKNOWN, XDP_DROP);
@@ -350,26 +397,110 @@ static __always_inline int handle_prepare_ack(struct ethhdr *eth, struct iphdr *
 
 	flow = bpf_map_lookup_elem(&flows, &key);
 	old = bpf_map_lookup_elem(&migrations, &key);
-	prev = old ? old->server : (flow ? flow->server : origin);
-	if (flow && flow->server == target) {
-		/* Back home: the flow table alone routes it again. */
-		if (old) {
-			bpf_map_delete_elem(&migrations, &key);
-			emit_event(&key, CAPY_EV_RETURNED, target, prev);
-		}
-	} else if (!old || old->server != target) {
-		/* Retransmitted PREPARE-ACKs find the entry already there and
-		 * change nothing (no duplicate event). */
-		struct capy_migration nm = { .server = target, .epoch = (__u32)bpf_be64_to_cpu(m->migration_id) };
+	if (old) {
+		__u64 oid = old->migration_id;
 
-		if (bpf_map_update_elem(&migrations, &key, &nm, BPF_ANY) < 0)
-			return verdict(CAPY_STAT_DROP_MIGRATION_FULL, XDP_DROP);
-		if (flow)
-			flow->flags |= CAPY_FLOW_MIGRATED;
-		emit_event(&key, CAPY_EV_MIGRATED, target, prev);
+		if (!old->pending && old->server == origin && oid != id &&
+		    !((oid >> 32) == (id >> 32) && id < oid)) {
+			err = put_migration(&key, target, CAPY_MIG_PENDING, id, BPF_ANY);
+		} else if (oid == id && old->server == target) {
+			/* Duplicate (PREPARE retransmitted): no change. */
+			count_only(CAPY_STAT_FWD_PREPARE_ACK);
+			return send_to_server(eth, ip, udp, osrv);
+		} else {
+			return verdict(CAPY_STAT_DROP_PREPARE_ACK_STALE, XDP_DROP);
+		}
+	} else {
+		/* Without an entry the owner is the flow's placement: only it
+		 * can be the origin of a migration. */
+		if (flow && flow->server != origin)
+			return verdict(CAPY_STAT_DROP_PREPARE_ACK_STALE, XDP_DROP);
+		err = put_migration(&key, target, CAPY_MIG_PENDING, id, BPF_NOEXIST);
+		if (err == -17 /* EEXIST: another CPU installed one meanwhile */)
+			return verdict(CAPY_STAT_DROP_PREPARE_ACK_STALE, XDP_DROP);
 	}
+	if (err < 0)
+		return verdict(CAPY_STAT_DROP_MIGRATION_FULL, XDP_DROP);
+	if (flow)
+		flow->flags |= CAPY_FLOW_MIGRATED;
 	count_only(CAPY_STAT_FWD_PREPARE_ACK);
 	return send_to_server(eth, ip, udp, osrv);
+}
+
+/* CONN_STATE_ACK(M, t): t imported the connection and owns it. A matching
+ * pending entry becomes final; the owner change is reported to the store
+ * (it persists final owners only). */
+static __always_inline void on_conn_state_ack(struct tcpmig_hdr *m, __be32 saddr)
+{
+	struct capy_flow_key key = mig_flow_key(m);
+	__u32 target, origin;
+	__u64 id = mig_id(m);
+	struct capy_migration *e;
+	struct capy_flow *flow;
+
+	if (lookup_server_idx(m->target ? m->target : saddr, &target) < 0)
+		return;
+	e = bpf_map_lookup_elem(&migrations, &key);
+	if (!e || !e->pending || e->migration_id != id || e->server != target)
+		return;
+	if (put_migration(&key, target, CAPY_MIG_FINAL, id, BPF_EXIST) < 0)
+		return;
+	if (lookup_server_idx(m->origin, &origin) < 0)
+		origin = target;
+	flow = bpf_map_lookup_elem(&flows, &key);
+	emit_event(&key, flow && flow->server == target ? CAPY_EV_RETURNED : CAPY_EV_MIGRATED,
+		   target, origin);
+}
+
+/* ABORT decision (IP destination == its origin field: the target promises
+ * never to commit M): a pending entry of M toward the target becomes final
+ * on the origin; without an entry, a final one on the origin is installed
+ * as a tombstone (a PREPARE_ACK of M delayed in the network must not
+ * redirect the flow later). */
+static __always_inline void on_abort_decision(struct tcpmig_hdr *m)
+{
+	struct capy_flow_key key = mig_flow_key(m);
+	__u32 target, origin;
+	__u64 id = mig_id(m);
+	struct capy_migration *e;
+	struct capy_flow *flow;
+
+	if (lookup_server_idx(m->origin, &origin) < 0)
+		return;
+	e = bpf_map_lookup_elem(&migrations, &key);
+	if (e) {
+		if (e->pending && e->migration_id == id && lookup_server_idx(m->target, &target) == 0 &&
+		    e->server == target)
+			put_migration(&key, origin, CAPY_MIG_FINAL, id, BPF_EXIST);
+		return;
+	}
+	/* No entry: the owner is the placement; a tombstone elsewhere would
+	 * redirect the flow. */
+	flow = bpf_map_lookup_elem(&flows, &key);
+	if (flow && flow->server != origin)
+		return;
+	put_migration(&key, origin, CAPY_MIG_FINAL, id, BPF_NOEXIST);
+}
+
+/* ABORT request addressed to the switch (the origin does not know the
+ * target): steered to the target of a pending entry of the same migration,
+ * otherwise dropped (no migration of that id is in flight). */
+static __always_inline int handle_abort_to_switch(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
+						  struct tcpmig_hdr *m)
+{
+	struct capy_flow_key key = mig_flow_key(m);
+	struct capy_migration *e = bpf_map_lookup_elem(&migrations, &key);
+	struct capy_server *srv;
+	__u32 idx;
+
+	if (!e || !e->pending || e->migration_id != mig_id(m))
+		return verdict(CAPY_STAT_DROP_ABORT_UNMATCHED, XDP_DROP);
+	idx = e->server;
+	srv = bpf_map_lookup_elem(&servers, &idx);
+	if (!srv || srv->state == CAPY_SERVER_EMPTY)
+		return verdict(CAPY_STAT_DROP_ABORT_UNMATCHED, XDP_DROP);
+	count_only(CAPY_STAT_FWD_TCPMIG);
+	return send_to_server(eth, ip, udp, srv);
 }
 
 static __always_inline int handle_tcpmig(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *ip,
@@ -392,10 +523,22 @@ static __always_inline int handle_tcpmig(struct xdp_md *ctx, struct ethhdr *eth,
 		return handle_prepare(eth, ip, udp, m);
 	case TCPMIG_KIND_PREPARE_ACK:
 		return handle_prepare_ack(eth, ip, udp, m);
-	case TCPMIG_KIND_CONN_STATE:
 	case TCPMIG_KIND_CONN_STATE_ACK:
+		on_conn_state_ack(m, ip->saddr);
+		goto direct;
+	case TCPMIG_KIND_ABORT: {
+		__u32 zero = 0;
+		struct capy_config *cfg = bpf_map_lookup_elem(&config, &zero);
+
+		if (ip->daddr == m->origin)
+			on_abort_decision(m);
+		else if (cfg && ip->daddr == cfg->switch_server_ip)
+			return handle_abort_to_switch(eth, ip, udp, m);
+		goto direct;
+	}
+	case TCPMIG_KIND_CONN_STATE:
 	case TCPMIG_KIND_REJECT:
-	case TCPMIG_KIND_ABORT:
+	direct:
 		/* Origin <-> target directly; forward without the kernel. */
 		if (lookup_server_idx(ip->daddr, &idx) < 0)
 			return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);

@@ -33,6 +33,10 @@ pub const PLACE_RING: u32 = 1;
 pub const FLOW_MIGRATED: u16 = 0x1;
 pub const FLOW_CLOSING: u16 = 0x2;
 
+pub const MIG_FINAL: u8 = 0;
+pub const MIG_PENDING: u8 = 1;
+pub const PREPARE_MEMORY: u32 = 8192;
+
 pub const EV_NEW: u32 = 1;
 pub const EV_MIGRATED: u32 = 2;
 pub const EV_RETURNED: u32 = 3;
@@ -49,7 +53,7 @@ pub const RING_FIRST: u32 = 1;
 pub const NO_SERVER: u32 = u32::MAX;
 
 /// `enum capy_stat`, in order. Index = counter slot in the `stats` map.
-pub const STAT_NAMES: [&str; 23] = [
+pub const STAT_NAMES: [&str; 25] = [
     "pass_not_ipv4",
     "pass_not_service",
     "pass_unknown_iface",
@@ -72,6 +76,8 @@ pub const STAT_NAMES: [&str; 23] = [
     "drop_tcpmig_unknown",
     "drop_tcpmig_no_target",
     "drop_migration_full",
+    "drop_prepare_ack_stale",
+    "drop_abort_unmatched",
     "event_lost",
 ];
 pub const STAT_MAX: u32 = STAT_NAMES.len() as u32;
@@ -163,14 +169,33 @@ pub struct CFlow {
 }
 unsafe impl Pod for CFlow {}
 
-/// `struct capy_migration`: the connection's current owner.
+/// `struct capy_migration`: `{owner, migration_id, pending}` of a flow
+/// (docs/MIGRATION.md). `pending`: [`MIG_PENDING`] from PREPARE_ACK (owner =
+/// the target) until CONN_STATE_ACK or the target's ABORT decision makes it
+/// [`MIG_FINAL`]. `migration_id` in host order.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CMigration {
     pub server: u32,
-    pub epoch: u32,
+    pub pending: u8,
+    pub pad: [u8; 3],
+    pub migration_id: u64,
 }
 unsafe impl Pod for CMigration {}
+
+impl CMigration {
+    /// A final entry: `server` owns the flow.
+    pub fn owner(server: u32, migration_id: u64) -> Self {
+        CMigration { server, pending: MIG_FINAL, pad: [0; 3], migration_id }
+    }
+    /// A pending entry toward the target `server` of `migration_id`.
+    pub fn pending(server: u32, migration_id: u64) -> Self {
+        CMigration { server, pending: MIG_PENDING, pad: [0; 3], migration_id }
+    }
+    pub fn is_pending(&self) -> bool {
+        self.pending != MIG_FINAL
+    }
+}
 
 /// `struct capy_server`.
 #[repr(C)]

@@ -324,21 +324,31 @@ impl<D: DataPlane> ControlPlane<D> {
 
     /// SET_OWNER: `sender` says the flow is owned by `owner` (an origin
     /// taking a flow back after an aborted migration). Accepted only from the
-    /// flow's current owner or from the named owner itself.
+    /// flow's current owner or from the named owner itself, and never while
+    /// a migration of the flow is pending in the data plane: then only
+    /// CONN_STATE_ACK or the target's ABORT decision may settle the owner
+    /// (docs/MIGRATION.md), and a SET_OWNER (possibly delayed behind a later
+    /// migration) would create a second owner. The result is a final entry
+    /// that keeps the last migration id, so the data plane's stale
+    /// PREPARE_ACK checks keep working; an entry back on the original server
+    /// is kept final (not deleted) for the same reason.
     pub fn set_owner(&mut self, sender: ServerId, key: FlowKey, owner: ServerId) -> std::result::Result<(), ControlError> {
         let refuse = |reason| ControlError::SetOwnerRefused { sender, key, reason };
         let sidx = self.servers.get(&sender).filter(|s| s.liveness != Liveness::Dead).ok_or(refuse("sender not registered"))?.index;
         let oidx = self.servers.get(&owner).filter(|s| s.liveness != Liveness::Dead).ok_or(refuse("owner not registered"))?.index;
         let ck = CFlowKey::from(key);
         let flow = self.dp.lookup_flow(ck)?.ok_or(refuse("unknown flow"))?;
-        let current = self.dp.lookup_migration(ck)?.map(|m| m.server).unwrap_or(flow.server);
+        let entry = self.dp.lookup_migration(ck)?;
+        if entry.is_some_and(|m| m.is_pending()) {
+            return Err(refuse("a migration of the flow is pending"));
+        }
+        let current = entry.map(|m| m.server).unwrap_or(flow.server);
         if sidx != current && sidx != oidx {
             return Err(refuse("sender neither owns the flow nor is the named owner"));
         }
-        if oidx == flow.server {
-            self.dp.delete_migration(ck)?;
-        } else {
-            self.dp.insert_migration(ck, CMigration { server: oidx, epoch: 0 })?;
+        if entry.is_some() || oidx != flow.server {
+            let id = entry.map(|m| m.migration_id).unwrap_or(0);
+            self.dp.insert_migration(ck, CMigration::owner(oidx, id))?;
         }
         if current != oidx {
             let kind = if oidx == flow.server { EV_RETURNED } else { EV_MIGRATED };
@@ -752,7 +762,7 @@ mod tests {
         // The origin (s1) takes its flow back after an aborted migration.
         c.set_owner(ServerId(1), k, ServerId(1)).unwrap();
         assert_eq!(c.dp.current_owner(CFlowKey::from(k)), Some(0));
-        assert!(c.dp.migrations.is_empty());
+        assert_eq!(c.dp.migrations.get(&CFlowKey::from(k)).map(|m| (m.server, m.is_pending())), Some((0, false)), "kept final on the original server");
         // The current owner hands it to s3.
         c.set_owner(ServerId(1), k, ServerId(3)).unwrap();
         assert_eq!(c.dp.current_owner(CFlowKey::from(k)), Some(2));
@@ -760,6 +770,10 @@ mod tests {
         c.flush_events(Instant::ZERO, &mut sink).unwrap();
         let kinds: Vec<u32> = sink.0.iter().map(|e| e.kind).collect();
         assert_eq!(kinds, vec![EV_RETURNED, EV_MIGRATED]);
+        // While a migration is pending the data plane decides: refused.
+        c.dp.migrations.insert(CFlowKey::from(k), CMigration::pending(1, 7));
+        assert!(matches!(c.set_owner(ServerId(3), k, ServerId(3)), Err(ControlError::SetOwnerRefused { .. })));
+        assert_eq!(c.dp.current_owner(CFlowKey::from(k)), Some(1));
     }
 
     #[test]

@@ -111,11 +111,14 @@ impl MemDataPlane {
         self.flows.insert(key, CFlow { server, service, flags: 0 });
         self.events.push_back(CFlowEvent { key, kind: EV_NEW, server, prev_server: server, ts_ns: 0 });
     }
-    /// Plays a PREPARE-ACK passing through.
+    /// Plays a completed migration passing through (PREPARE-ACK, then
+    /// CONN_STATE_ACK): a final entry on `target` and its event.
     pub fn migrate_flow(&mut self, key: CFlowKey, target: u32) {
         let prev = self.current_owner(key).unwrap_or(target);
-        self.migrations.insert(key, CMigration { server: target, epoch: 0 });
-        self.events.push_back(CFlowEvent { key, kind: EV_MIGRATED, server: target, prev_server: prev, ts_ns: 0 });
+        let id = self.migrations.get(&key).map(|m| m.migration_id + 1).unwrap_or(1);
+        self.migrations.insert(key, CMigration::owner(target, id));
+        let kind = if self.flows.get(&key).is_some_and(|f| f.server == target) { EV_RETURNED } else { EV_MIGRATED };
+        self.events.push_back(CFlowEvent { key, kind, server: target, prev_server: prev, ts_ns: 0 });
     }
     pub fn current_owner(&self, key: CFlowKey) -> Option<u32> {
         self.migrations

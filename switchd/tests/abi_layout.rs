@@ -19,7 +19,7 @@ const PROBE: &str = r#"
 int main(void) {
   S(capy_flow_key) O(capy_flow_key, client_ip) O(capy_flow_key, service_ip) O(capy_flow_key, client_port) O(capy_flow_key, service_port)
   S(capy_flow) O(capy_flow, server) O(capy_flow, service) O(capy_flow, flags)
-  S(capy_migration) O(capy_migration, server) O(capy_migration, epoch)
+  S(capy_migration) O(capy_migration, server) O(capy_migration, pending) O(capy_migration, pad) O(capy_migration, migration_id)
   S(capy_server) O(capy_server, data_ip) O(capy_server, ifindex) O(capy_server, mac) O(capy_server, src_mac) O(capy_server, state) O(capy_server, flags) O(capy_server, weight)
   S(capy_service_key) O(capy_service_key, vip) O(capy_service_key, port) O(capy_service_key, proto)
   S(capy_service) O(capy_service, index) O(capy_service, placement)
@@ -34,6 +34,7 @@ int main(void) {
   C(CAPY_FLOW_MIGRATED) C(CAPY_FLOW_CLOSING) C(CAPY_EV_NEW) C(CAPY_EV_MIGRATED) C(CAPY_EV_RETURNED) C(CAPY_EV_CLOSED)
   C(CAPY_RING_PLACEMENT) C(CAPY_RING_TARGET) C(CAPY_RING_KINDS) C(CAPY_RING_ROTATE) C(CAPY_RING_FIRST)
   C(CAPY_STAT_MAX) C(CAPY_STAT_FWD_MIGRATED) C(CAPY_STAT_DROP_TCPMIG_FROM_CLIENT) C(CAPY_STAT_EVENT_LOST)
+  C(CAPY_STAT_DROP_PREPARE_ACK_STALE) C(CAPY_STAT_DROP_ABORT_UNMATCHED) C(CAPY_MIG_FINAL) C(CAPY_MIG_PENDING) C(CAPY_PREPARE_MEMORY)
   return 0;
 }
 "#;
@@ -79,7 +80,7 @@ fn c_structs_match_rust() {
     }
     s!("capy_flow_key", CFlowKey, [client_ip, service_ip, client_port, service_port]);
     s!("capy_flow", CFlow, [server, service, flags]);
-    s!("capy_migration", CMigration, [server, epoch]);
+    s!("capy_migration", CMigration, [server, pending, pad, migration_id]);
     s!("capy_server", CServer, [data_ip, ifindex, mac, src_mac, state, flags, weight]);
     s!("capy_service_key", CServiceKey, [vip, port, proto]);
     s!("capy_service", CService, [index, placement]);
@@ -120,6 +121,11 @@ fn c_structs_match_rust() {
         ("CAPY_STAT_FWD_MIGRATED", stat("fwd_migrated") as u64),
         ("CAPY_STAT_DROP_TCPMIG_FROM_CLIENT", stat("drop_tcpmig_from_client") as u64),
         ("CAPY_STAT_EVENT_LOST", stat("event_lost") as u64),
+        ("CAPY_STAT_DROP_PREPARE_ACK_STALE", stat("drop_prepare_ack_stale") as u64),
+        ("CAPY_STAT_DROP_ABORT_UNMATCHED", stat("drop_abort_unmatched") as u64),
+        ("CAPY_MIG_FINAL", MIG_FINAL as u64),
+        ("CAPY_MIG_PENDING", MIG_PENDING as u64),
+        ("CAPY_PREPARE_MEMORY", PREPARE_MEMORY as u64),
     ];
     for (n, v) in consts {
         checks.push((format!("const {n}"), *v));

@@ -324,8 +324,8 @@ fn remove_flows_of_dead_server_on_bpf_maps() {
     for p in 0..2000u16 {
         lab.dp.insert_flow(k(p), CFlow { server: (p % 2) as u32, service: 0, flags: 0 }).unwrap();
     }
-    lab.dp.insert_migration(k(0), CMigration { server: 1, epoch: 1 }).unwrap(); // s0 -> s1: dies with s1
-    lab.dp.insert_migration(k(1), CMigration { server: 0, epoch: 1 }).unwrap(); // s1 -> s0: survives
+    lab.dp.insert_migration(k(0), CMigration::owner(1, 1)).unwrap(); // s0 -> s1: dies with s1
+    lab.dp.insert_migration(k(1), CMigration::owner(0, 1)).unwrap(); // s1 -> s0: survives
     assert_eq!(lab.dp.table_sizes().unwrap(), (2000, 2));
     let mut removed = lab.dp.remove_flows_of(1).unwrap();
     removed.sort_by_key(|x| FlowKey::from(*x).client_port);

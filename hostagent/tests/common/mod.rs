@@ -374,6 +374,9 @@ pub struct Switch {
     pub choices: HashMap<u64, Ipv4Addr>,
     pub drops: Vec<KindDrop>,
     pub counters: SwitchCounters,
+    /// Every change of a migration-table entry: (time, message kind, message
+    /// id, entry before, entry after).
+    pub table_log: Vec<(Instant, Kind, u64, Option<MigEntry>, Option<MigEntry>)>,
     /// RSTs from servers to the client: (time, server port).
     pub resets: Vec<(Instant, Port)>,
     /// Every TCPMig message seen: (time, kind, id, src, dst, forwarded to).
@@ -395,6 +398,7 @@ impl Switch {
             choices: HashMap::new(),
             drops: Vec::new(),
             resets: Vec::new(),
+            table_log: Vec::new(),
             counters: SwitchCounters::default(),
             mig_log: Vec::new(),
             rr: 0,
@@ -509,7 +513,12 @@ impl Switch {
             self.mig_log.push((now, kind, id, src, dst, None));
             return Vec::new();
         }
+        let before = self.migration.get(&m.flow).copied();
         let verdict = self.tcpmig(src, dst, &m);
+        let after = self.migration.get(&m.flow).copied();
+        if before != after {
+            self.table_log.push((now, kind, id, before, after));
+        }
         let verdict = if verdict.is_some() && self.fault(kind, true) { None } else { verdict };
         self.mig_log.push((now, kind, id, src, dst, verdict));
         let Some(to) = verdict else {
@@ -1172,7 +1181,7 @@ impl World {
     pub fn describe(&self) -> String {
         let flow = self.flow();
         format!(
-            "t={} sent={}/{} rx={} eof={} err={:?} owners={:?} entry={:?} switch={:?} outcomes={:?} app_errors={:?} resets={:?} tcpmig={:?}",
+            "t={} sent={}/{} rx={} eof={} err={:?} owners={:?} entry={:?} switch={:?} outcomes={:?} app_errors={:?} resets={:?} table={:?} tcpmig={:?}",
             self.now,
             self.client.sent,
             self.client.to_send.len(),
@@ -1185,6 +1194,7 @@ impl World {
             self.outcomes(),
             self.servers.iter().map(|s| s.app_errors.clone()).collect::<Vec<_>>(),
             self.switch.resets,
+            self.switch.table_log.iter().map(|(t, k, id, b, a)| format!("{t} {k:?} {id:x}: {b:?} -> {a:?}")).collect::<Vec<_>>(),
             self.switch.mig_log.iter().map(|(t, k, _, s, d, to)| format!("{t} {k:?} {s}->{d} => {to:?}")).collect::<Vec<_>>(),
         )
     }

@@ -64,7 +64,7 @@ fn main() -> anyhow::Result<()> {
     let vals: Vec<CFlow> = (0..FLOWS).map(|i| CFlow { server: i % SERVERS, service: 0, flags: 0 }).collect();
     dp.insert_flows_batch(&keys, &vals)?;
     let mkeys: Vec<CFlowKey> = (0..MIGRATED).map(|i| key_of(i * (FLOWS / MIGRATED))).collect();
-    let mvals: Vec<CMigration> = (0..MIGRATED).map(|i| CMigration { server: (i + 1) % SERVERS, epoch: i }).collect();
+    let mvals: Vec<CMigration> = (0..MIGRATED).map(|i| CMigration::owner((i + 1) % SERVERS, i as u64)).collect();
     dp.insert_migrations_batch(&mkeys, &mvals)?;
 
     // Probe flows: a plain one on server 3, a migrated one 2 -> 5.
@@ -73,7 +73,7 @@ fn main() -> anyhow::Result<()> {
     dp.insert_flow(plain.into(), CFlow { server: 3, service: 1, flags: 0 })?;
     let migrated = FlowKey { client_ip: client, client_port: 50_001, service_ip: server_ip(5), service_port: 80 };
     dp.insert_flow(migrated.into(), CFlow { server: 2, service: 1, flags: FLOW_MIGRATED })?;
-    dp.insert_migration(migrated.into(), CMigration { server: 5, epoch: 1 })?;
+    dp.insert_migration(migrated.into(), CMigration::owner(5, 1))?;
     let pkt = |k: &FlowKey| tcp_frame([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 9, 9], k.client_ip, k.client_port, k.service_ip, 80, TCP_ACK, &[0u8; 64]);
     let (pp, pm) = (pkt(&plain), pkt(&migrated));
 
