@@ -24,6 +24,7 @@ pub mod events;
 pub mod metrics;
 pub mod problem;
 pub mod server;
+pub mod switchd;
 
 pub use apidb::{ApiDb, DrainMode, Role};
 pub use control::{ControlPlane, StoreControlPlane};

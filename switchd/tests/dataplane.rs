@@ -82,16 +82,25 @@ fn to_server_tcp(s: u32, sport: u16, flags: u8) -> Vec<u8> {
 }
 
 fn tcpmig(kind: Kind, sport_flow: u16, origin: u32, target: Option<u32>) -> Vec<u8> {
+    mig(kind, 0x1122_3344_5566_7788, sport_flow, origin, target)
+}
+
+/// Migration id `n` of origin server `s`: data address << 32 | counter.
+fn mid(s: u32, n: u32) -> u64 {
+    (u64::from(u32::from(server_ip(s))) << 32) | u64::from(n)
+}
+
+fn mig(kind: Kind, migration_id: u64, sport_flow: u16, origin: u32, target: Option<u32>) -> Vec<u8> {
     let repr = TcpMigRepr {
         kind,
-        migration_id: 0x1122_3344_5566_7788,
+        migration_id,
         flow: FlowKey { client_ip: CLIENT, client_port: sport_flow, service_ip: VIP, service_port: 80 },
         origin: server_ip(origin),
         target: target.map(server_ip).unwrap_or(Ipv4Addr::UNSPECIFIED),
         seq: 1,
         frag_index: 0,
         frag_count: 1,
-        reason: Reason::None,
+        reason: if kind == Kind::Abort { Reason::Timeout } else { Reason::None },
         payload: b"",
     };
     let mut buf = vec![0u8; repr.buffer_len()];
@@ -104,6 +113,11 @@ fn udp_from(src: Ipv4Addr, dst: Ipv4Addr, payload: &[u8]) -> Vec<u8> {
 }
 fn udp_to_server(s: u32, src: Ipv4Addr, payload: &[u8]) -> Vec<u8> {
     udp_frame(server_mac(s), SV_MAC, src, 7690, server_ip(s), 7690, payload)
+}
+/// What the switch emits for a datagram from server `src` to server `dst`
+/// forwarded as is (only the Ethernet addresses change).
+fn direct(src: u32, dst: u32, payload: &[u8]) -> Vec<u8> {
+    udp_to_server(dst, server_ip(src), payload)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -160,6 +174,7 @@ fn flows_and_migrations() {
     let owner = maglev_server(&lab, sport, VIP);
     let other = 1 - owner;
     let key = CFlowKey::from(FlowKey { client_ip: CLIENT, client_port: sport, service_ip: VIP, service_port: 80 });
+    let (m1, m2) = (mid(owner, 1), mid(other, 1));
 
     run(&mut lab, vec![
         Case { desc: "SYN to the VIP is placed by Maglev (user-space hash == kernel hash)", side: Side::Client,
@@ -193,8 +208,8 @@ fn flows_and_migrations() {
             input: udp_from(CLIENT, server_ip(owner), &tcpmig(Kind::PrepareAck, sport, owner, Some(other))), verdict: XDP_DROP,
             output: None, reason: "drop_tcpmig_from_client" },
         Case { desc: "PREPARE-ACK installs the migration entry and goes on to the origin", side: Side::Server,
-            input: udp_from(server_ip(other), server_ip(owner), &tcpmig(Kind::PrepareAck, sport, owner, Some(other))), verdict: XDP_REDIRECT,
-            output: Some(udp_to_server(owner, server_ip(other), &tcpmig(Kind::PrepareAck, sport, owner, Some(other)))), reason: "fwd_prepare_ack" },
+            input: udp_from(server_ip(other), server_ip(owner), &mig(Kind::PrepareAck, m1, sport, owner, Some(other))), verdict: XDP_REDIRECT,
+            output: Some(udp_to_server(owner, server_ip(other), &mig(Kind::PrepareAck, m1, sport, owner, Some(other)))), reason: "fwd_prepare_ack" },
         Case { desc: "migrated flow goes to the target", side: Side::Client,
             input: client_tcp(VIP, sport, TCP_ACK | TCP_PSH), verdict: XDP_REDIRECT,
             output: Some(to_server_tcp(other, sport, TCP_ACK | TCP_PSH)), reason: "fwd_migrated" },
@@ -202,26 +217,32 @@ fn flows_and_migrations() {
             input: udp_from(server_ip(owner), server_ip(other), &tcpmig(Kind::ConnState, sport, owner, Some(other))), verdict: XDP_REDIRECT,
             output: Some({ let mut f = udp_from(server_ip(owner), server_ip(other), &tcpmig(Kind::ConnState, sport, owner, Some(other)));
                 f[0..6].copy_from_slice(&server_mac(other)); f[6..12].copy_from_slice(&SV_MAC); f }), reason: "fwd_tcpmig" },
+        Case { desc: "CONN_STATE_ACK goes on to the origin and makes the entry final", side: Side::Server,
+            input: udp_from(server_ip(other), server_ip(owner), &mig(Kind::ConnStateAck, m1, sport, owner, Some(other))), verdict: XDP_REDIRECT,
+            output: Some(direct(other, owner, &mig(Kind::ConnStateAck, m1, sport, owner, Some(other)))), reason: "fwd_tcpmig" },
     ]);
-    assert_eq!(lab.dp.lookup_migration(key).unwrap().map(|m| m.server), Some(other));
+    assert_eq!(lab.dp.lookup_migration(key).unwrap(), Some(CMigration::owner(other, m1)));
     assert_eq!(lab.dp.lookup_flow(key).unwrap().map(|f| (f.server, f.flags & FLOW_MIGRATED)), Some((owner, FLOW_MIGRATED)));
 
     run(&mut lab, vec![
-        Case { desc: "PREPARE-ACK back to the original server clears the entry", side: Side::Server,
-            input: udp_from(server_ip(owner), server_ip(other), &tcpmig(Kind::PrepareAck, sport, other, Some(owner))), verdict: XDP_REDIRECT,
-            output: Some(udp_to_server(other, server_ip(owner), &tcpmig(Kind::PrepareAck, sport, other, Some(owner)))), reason: "fwd_prepare_ack" },
-        Case { desc: "returned flow follows the flow table again", side: Side::Client,
+        Case { desc: "PREPARE-ACK back to the original server: pending entry toward it", side: Side::Server,
+            input: udp_from(server_ip(owner), server_ip(other), &mig(Kind::PrepareAck, m2, sport, other, Some(owner))), verdict: XDP_REDIRECT,
+            output: Some(udp_to_server(other, server_ip(owner), &mig(Kind::PrepareAck, m2, sport, other, Some(owner)))), reason: "fwd_prepare_ack" },
+        Case { desc: "CONN_STATE_ACK of the return makes it final (entry kept as a tombstone)", side: Side::Server,
+            input: udp_from(server_ip(owner), server_ip(other), &mig(Kind::ConnStateAck, m2, sport, other, Some(owner))), verdict: XDP_REDIRECT,
+            output: Some(direct(owner, other, &mig(Kind::ConnStateAck, m2, sport, other, Some(owner)))), reason: "fwd_tcpmig" },
+        Case { desc: "returned flow goes to the original server", side: Side::Client,
             input: client_tcp(VIP, sport, TCP_ACK), verdict: XDP_REDIRECT,
-            output: Some(to_server_tcp(owner, sport, TCP_ACK)), reason: "fwd_established" },
+            output: Some(to_server_tcp(owner, sport, TCP_ACK)), reason: "fwd_migrated" },
         Case { desc: "PREPARE-ACK naming an unknown server is dropped", side: Side::Server,
             input: udp_from(Ipv4Addr::new(10, 9, 9, 9), server_ip(owner), &tcpmig(Kind::PrepareAck, sport, owner, None)), verdict: XDP_DROP,
             output: None, reason: "drop_tcpmig_unknown" },
         Case { desc: "client FIN is forwarded and marks the flow closing", side: Side::Client,
             input: client_tcp(VIP, sport, TCP_ACK | TCP_FIN), verdict: XDP_REDIRECT,
-            output: Some(to_server_tcp(owner, sport, TCP_ACK | TCP_FIN)), reason: "fwd_established" },
+            output: Some(to_server_tcp(owner, sport, TCP_ACK | TCP_FIN)), reason: "fwd_migrated" },
         Case { desc: "client RST is forwarded and removes the flow", side: Side::Client,
             input: client_tcp(VIP, sport, TCP_RST), verdict: XDP_REDIRECT,
-            output: Some(to_server_tcp(owner, sport, TCP_RST)), reason: "fwd_established" },
+            output: Some(to_server_tcp(owner, sport, TCP_RST)), reason: "fwd_migrated" },
         Case { desc: "non-SYN without entry is re-placed by Maglev (switch restart)", side: Side::Client,
             input: client_tcp(VIP, sport, TCP_ACK), verdict: XDP_REDIRECT,
             output: Some(to_server_tcp(owner, sport, TCP_ACK)), reason: "fwd_recovered" },
@@ -248,6 +269,197 @@ fn flows_and_migrations() {
     // Pool monitor: client packets forwarded to each server.
     let pk = lab.dp.server_packets().unwrap();
     assert_eq!(pk[owner as usize], 7, "SYN, ACK, returned ACK, FIN, RST, recovered ACK... {pk:?}");
+}
+
+/// docs/MIGRATION.md "What the switch must do": the {owner, id, pending}
+/// rules of the migration table, one case per rule, in the order a flow
+/// that migrates away, back and away again would meet them.
+#[test]
+fn migration_table_rules() {
+    let mut lab = setup();
+    let sport = 44000;
+    let a = maglev_server(&lab, sport, VIP);
+    let b = 1 - a;
+    let key = CFlowKey::from(FlowKey { client_ip: CLIENT, client_port: sport, service_ip: VIP, service_port: 80 });
+    let (a1, a2, a3, a4, a9, b1) = (mid(a, 1), mid(a, 2), mid(a, 3), mid(a, 4), mid(a, 9), mid(b, 1));
+    // Message helpers: `ack(id, o, t)` is a PREPARE_ACK from t to o, etc.
+    let pa = |id, o, t| mig(Kind::PrepareAck, id, sport, o, Some(t));
+    let csa = |id, o, t| mig(Kind::ConnStateAck, id, sport, o, Some(t));
+    let abort = |id, o, t: Option<u32>| mig(Kind::Abort, id, sport, o, t);
+    let ack_in = |id, o, t| udp_from(server_ip(t), server_ip(o), &pa(id, o, t));
+    let ack_out = |id, o, t| udp_to_server(o, server_ip(t), &pa(id, o, t));
+    let data = |s: u32| Case { desc: "", side: Side::Client, input: client_tcp(VIP, sport, TCP_ACK | TCP_PSH),
+        verdict: XDP_REDIRECT, output: Some(to_server_tcp(s, sport, TCP_ACK | TCP_PSH)), reason: "fwd_migrated" };
+    let entry = |lab: &mut Lab| lab.dp.lookup_migration(key).unwrap();
+    let before = lab.dp.server_packets().unwrap();
+
+    run(&mut lab, vec![
+        Case { desc: "SYN placed on a", side: Side::Client, input: client_tcp(VIP, sport, TCP_SYN), verdict: XDP_REDIRECT,
+            output: Some(to_server_tcp(a, sport, TCP_SYN)), reason: "fwd_new_flow" },
+        Case { desc: "PREPARE_ACK a1 (a->b), no entry: pending entry toward b, forwarded to a", side: Side::Server,
+            input: ack_in(a1, a, b), verdict: XDP_REDIRECT, output: Some(ack_out(a1, a, b)), reason: "fwd_prepare_ack" },
+    ]);
+    assert_eq!(entry(&mut lab), Some(CMigration::pending(b, a1)));
+    run(&mut lab, vec![
+        Case { desc: "client data follows the pending entry to the target (it buffers)", ..data(b) },
+        Case { desc: "duplicate PREPARE_ACK a1: forwarded, no change", side: Side::Server,
+            input: ack_in(a1, a, b), verdict: XDP_REDIRECT, output: Some(ack_out(a1, a, b)), reason: "fwd_prepare_ack" },
+        Case { desc: "PREPARE_ACK a2 while a1 is pending: dropped", side: Side::Server,
+            input: ack_in(a2, a, b), verdict: XDP_DROP, output: None, reason: "drop_prepare_ack_stale" },
+        Case { desc: "PREPARE_ACK b1 (b->a) while a1 is pending: dropped", side: Side::Server,
+            input: ack_in(b1, b, a), verdict: XDP_DROP, output: None, reason: "drop_prepare_ack_stale" },
+        Case { desc: "ABORT request a1 to the switch: steered to the pending target", side: Side::Server,
+            input: udp_from(server_ip(a), SWITCH_SV, &abort(a1, a, None)), verdict: XDP_REDIRECT,
+            output: Some(udp_to_server(b, server_ip(a), &abort(a1, a, None))), reason: "fwd_tcpmig" },
+        Case { desc: "ABORT request a9 to the switch (no pending entry of that id): dropped", side: Side::Server,
+            input: udp_from(server_ip(a), SWITCH_SV, &abort(a9, a, None)), verdict: XDP_DROP, output: None, reason: "drop_abort_unmatched" },
+        Case { desc: "CONN_STATE_ACK a9 (not the pending migration): forwarded, no change", side: Side::Server,
+            input: udp_from(server_ip(b), server_ip(a), &csa(a9, a, b)), verdict: XDP_REDIRECT,
+            output: Some(direct(b, a, &csa(a9, a, b))), reason: "fwd_tcpmig" },
+    ]);
+    assert_eq!(entry(&mut lab), Some(CMigration::pending(b, a1)));
+    run(&mut lab, vec![
+        Case { desc: "CONN_STATE_ACK a1 from b: entry final on b, forwarded to a", side: Side::Server,
+            input: udp_from(server_ip(b), server_ip(a), &csa(a1, a, b)), verdict: XDP_REDIRECT,
+            output: Some(direct(b, a, &csa(a1, a, b))), reason: "fwd_tcpmig" },
+    ]);
+    assert_eq!(entry(&mut lab), Some(CMigration::owner(b, a1)));
+    run(&mut lab, vec![
+        Case { desc: "client data goes to the new owner b", ..data(b) },
+        Case { desc: "late duplicate PREPARE_ACK a1 after the commit: forwarded, stays final", side: Side::Server,
+            input: ack_in(a1, a, b), verdict: XDP_REDIRECT, output: Some(ack_out(a1, a, b)), reason: "fwd_prepare_ack" },
+        Case { desc: "stale PREPARE_ACK a3 from a, which no longer owns the flow: dropped", side: Side::Server,
+            input: ack_in(a3, a, b), verdict: XDP_DROP, output: None, reason: "drop_prepare_ack_stale" },
+        Case { desc: "ABORT decision a1 from b after its commit (impossible, forged): no change", side: Side::Server,
+            input: udp_from(server_ip(b), server_ip(a), &abort(a1, a, Some(b))), verdict: XDP_REDIRECT,
+            output: Some(direct(b, a, &abort(a1, a, Some(b)))), reason: "fwd_tcpmig" },
+    ]);
+    assert_eq!(entry(&mut lab), Some(CMigration::owner(b, a1)));
+    // Back to the original server a, and away again.
+    run(&mut lab, vec![
+        Case { desc: "PREPARE_ACK b1 (b->a, back home): pending toward a", side: Side::Server,
+            input: ack_in(b1, b, a), verdict: XDP_REDIRECT, output: Some(ack_out(b1, b, a)), reason: "fwd_prepare_ack" },
+        Case { desc: "client data to a (buffering for the return)", ..data(a) },
+        Case { desc: "CONN_STATE_ACK b1 from a: final on a", side: Side::Server,
+            input: udp_from(server_ip(a), server_ip(b), &csa(b1, b, a)), verdict: XDP_REDIRECT,
+            output: Some(direct(a, b, &csa(b1, b, a))), reason: "fwd_tcpmig" },
+    ]);
+    assert_eq!(entry(&mut lab), Some(CMigration::owner(a, b1)), "kept final on the original server");
+    run(&mut lab, vec![
+        Case { desc: "returned flow goes to a", ..data(a) },
+        Case { desc: "duplicate PREPARE_ACK b1 after the return: forwarded, no change", side: Side::Server,
+            input: ack_in(b1, b, a), verdict: XDP_REDIRECT, output: Some(ack_out(b1, b, a)), reason: "fwd_prepare_ack" },
+        Case { desc: "PREPARE_ACK a2 (a->b again, final entry owned by a): pending toward b", side: Side::Server,
+            input: ack_in(a2, a, b), verdict: XDP_REDIRECT, output: Some(ack_out(a2, a, b)), reason: "fwd_prepare_ack" },
+        Case { desc: "client data to b", ..data(b) },
+        Case { desc: "ABORT decision a2 from b (dst == origin): forwarded to a", side: Side::Server,
+            input: udp_from(server_ip(b), server_ip(a), &abort(a2, a, Some(b))), verdict: XDP_REDIRECT,
+            output: Some(direct(b, a, &abort(a2, a, Some(b)))), reason: "fwd_tcpmig" },
+    ]);
+    assert_eq!(entry(&mut lab), Some(CMigration::owner(a, a2)), "target's decision: final on the origin");
+    run(&mut lab, vec![
+        Case { desc: "client data back to the origin a", ..data(a) },
+        Case { desc: "stale PREPARE_ACK a1 (older id from the same origin): dropped", side: Side::Server,
+            input: ack_in(a1, a, b), verdict: XDP_DROP, output: None, reason: "drop_prepare_ack_stale" },
+        Case { desc: "PREPARE_ACK a2 of the aborted migration, delayed: dropped", side: Side::Server,
+            input: ack_in(a2, a, b), verdict: XDP_DROP, output: None, reason: "drop_prepare_ack_stale" },
+        Case { desc: "ABORT request a2 to the switch after the decision: dropped", side: Side::Server,
+            input: udp_from(server_ip(a), SWITCH_SV, &abort(a2, a, None)), verdict: XDP_DROP, output: None, reason: "drop_abort_unmatched" },
+        Case { desc: "PREPARE_ACK a4 (newer migration from a): pending toward b", side: Side::Server,
+            input: ack_in(a4, a, b), verdict: XDP_REDIRECT, output: Some(ack_out(a4, a, b)), reason: "fwd_prepare_ack" },
+        Case { desc: "ABORT decision a3 (another migration) from b: forwarded, no change", side: Side::Server,
+            input: udp_from(server_ip(b), server_ip(a), &abort(a3, a, Some(b))), verdict: XDP_REDIRECT,
+            output: Some(direct(b, a, &abort(a3, a, Some(b)))), reason: "fwd_tcpmig" },
+        Case { desc: "ABORT request a4 to the switch: steered to b", side: Side::Server,
+            input: udp_from(server_ip(a), SWITCH_SV, &abort(a4, a, None)), verdict: XDP_REDIRECT,
+            output: Some(udp_to_server(b, server_ip(a), &abort(a4, a, None))), reason: "fwd_tcpmig" },
+        Case { desc: "CONN_STATE_ACK a4 from b: final on b", side: Side::Server,
+            input: udp_from(server_ip(b), server_ip(a), &csa(a4, a, b)), verdict: XDP_REDIRECT,
+            output: Some(direct(b, a, &csa(a4, a, b))), reason: "fwd_tcpmig" },
+        Case { desc: "client data to b", ..data(b) },
+    ]);
+    assert_eq!(entry(&mut lab), Some(CMigration::owner(b, a4)));
+
+    // Events: the store sees owners when they become final only.
+    let mut evs = Vec::new();
+    lab.dp.drain_events(&mut evs).unwrap();
+    let kinds: Vec<(u32, u32, u32)> = evs.iter().filter(|e| e.key == key).map(|e| (e.kind, e.server, e.prev_server)).collect();
+    assert_eq!(kinds, vec![(EV_NEW, a, a), (EV_MIGRATED, b, a), (EV_RETURNED, a, b), (EV_MIGRATED, b, a)]);
+    // Pool monitor: client packets counted on the server they went to.
+    let after = lab.dp.server_packets().unwrap();
+    assert_eq!((after[a as usize] - before[a as usize], after[b as usize] - before[b as usize]), (4, 4), "{after:?}");
+}
+
+/// ABORT decision without an entry: a tombstone on the origin, so that the
+/// migration's PREPARE_ACK, delayed in the network, cannot redirect the flow.
+#[test]
+fn abort_decision_without_entry_leaves_a_tombstone() {
+    let mut lab = setup();
+    let sport = 44100;
+    let a = maglev_server(&lab, sport, VIP);
+    let b = 1 - a;
+    let key = CFlowKey::from(FlowKey { client_ip: CLIENT, client_port: sport, service_ip: VIP, service_port: 80 });
+    let id = mid(a, 5);
+    let abort = mig(Kind::Abort, id, sport, a, Some(b));
+    let ack = mig(Kind::PrepareAck, id, sport, a, Some(b));
+    run(&mut lab, vec![
+        Case { desc: "SYN placed on a", side: Side::Client, input: client_tcp(VIP, sport, TCP_SYN), verdict: XDP_REDIRECT,
+            output: Some(to_server_tcp(a, sport, TCP_SYN)), reason: "fwd_new_flow" },
+        Case { desc: "ABORT decision from b, no entry: forwarded to a", side: Side::Server,
+            input: udp_from(server_ip(b), server_ip(a), &abort), verdict: XDP_REDIRECT, output: Some(direct(b, a, &abort)), reason: "fwd_tcpmig" },
+    ]);
+    assert_eq!(lab.dp.lookup_migration(key).unwrap(), Some(CMigration::owner(a, id)));
+    run(&mut lab, vec![
+        Case { desc: "the aborted migration's PREPARE_ACK arrives late: dropped", side: Side::Server,
+            input: udp_from(server_ip(b), server_ip(a), &ack), verdict: XDP_DROP, output: None, reason: "drop_prepare_ack_stale" },
+        Case { desc: "client data stays on a", side: Side::Client, input: client_tcp(VIP, sport, TCP_ACK), verdict: XDP_REDIRECT,
+            output: Some(to_server_tcp(a, sport, TCP_ACK)), reason: "fwd_migrated" },
+        Case { desc: "a later migration a->b proceeds", side: Side::Server,
+            input: udp_from(server_ip(b), server_ip(a), &mig(Kind::PrepareAck, mid(a, 6), sport, a, Some(b))), verdict: XDP_REDIRECT,
+            output: Some(udp_to_server(a, server_ip(b), &mig(Kind::PrepareAck, mid(a, 6), sport, a, Some(b)))), reason: "fwd_prepare_ack" },
+    ]);
+    assert_eq!(lab.dp.lookup_migration(key).unwrap(), Some(CMigration::pending(b, mid(a, 6))));
+    // A flow placed on b: an ABORT decision naming a as origin installs nothing.
+    let other = (44101..45000).find(|p| maglev_server(&lab, *p, VIP) == b).unwrap();
+    let okey = CFlowKey::from(FlowKey { client_ip: CLIENT, client_port: other, service_ip: VIP, service_port: 80 });
+    lab.dp.insert_flow(okey, CFlow { server: b, service: 0, flags: 0 }).unwrap();
+    let forged = mig(Kind::Abort, mid(a, 7), other, a, Some(b));
+    run(&mut lab, vec![
+        Case { desc: "ABORT decision whose origin is not the flow's owner: forwarded, no tombstone", side: Side::Server,
+            input: udp_from(server_ip(b), server_ip(a), &forged), verdict: XDP_REDIRECT, output: Some(direct(b, a, &forged)), reason: "fwd_tcpmig" },
+    ]);
+    assert_eq!(lab.dp.lookup_migration(okey).unwrap(), None);
+}
+
+/// Every retransmission of one PREPARE (target 0) reaches the target the
+/// first one went to, although the round-robin ring moves on.
+#[test]
+fn prepare_retransmissions_keep_their_target() {
+    let mut lab = setup();
+    let mut s4 = CServer { ifindex: lab.sv, mac: server_mac(4), src_mac: SV_MAC, state: SERVER_LIVE, weight: 1, ..Default::default() };
+    s4.set_data_addr(server_ip(4));
+    lab.dp.set_server(4, s4).unwrap();
+    lab.dp.write_ring(0, RING_TARGET, &CRing::from_slice(RING_ROTATE, &[0, 1, 4])).unwrap();
+    let sport = 45000;
+    let prep = |id| udp_from(server_ip(0), SWITCH_SV, &mig(Kind::Prepare, id, sport, 0, None));
+    let target_of = |lab: &mut Lab, id| {
+        let r = lab.dp.test_run(&prep(id), lab.sv, 1).unwrap();
+        assert_eq!(r.verdict, XDP_REDIRECT);
+        [1u32, 4].into_iter().find(|s| r.packet == udp_to_server(*s, server_ip(0), &mig(Kind::Prepare, id, sport, 0, None))).expect("steered to 1 or 4")
+    };
+    let first = target_of(&mut lab, mid(0, 1));
+    let mut cases = Vec::new();
+    for i in 0..4 {
+        let _ = i;
+        cases.push(Case { desc: "PREPARE retransmission: same target", side: Side::Server, input: prep(mid(0, 1)), verdict: XDP_REDIRECT,
+            output: Some(udp_to_server(first, server_ip(0), &mig(Kind::Prepare, mid(0, 1), sport, 0, None))), reason: "fwd_prepare" });
+        // Another migration in between moves the ring on.
+        let _ = target_of(&mut lab, mid(0, 100 + i));
+    }
+    run(&mut lab, cases);
+    // Round robin still spreads distinct migrations.
+    let seen: std::collections::BTreeSet<u32> = (200..204).map(|n| target_of(&mut lab, mid(0, n))).collect();
+    assert_eq!(seen.len(), 2, "{seen:?}");
 }
 
 #[test]

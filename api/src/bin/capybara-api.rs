@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
+use capybara_api::switchd::SwitchdControlPlane;
 use capybara_api::{ApiConfig, ApiDb, StoreControlPlane};
 use capybara_store::{SqliteConfig, SqliteStore, Store};
 use clap::Parser;
@@ -31,6 +32,11 @@ struct Args {
     static_dir: Option<PathBuf>,
     #[arg(long, default_value_t = 2)]
     workers: usize,
+    /// switchd's HTTP endpoint (e.g. `http://127.0.0.1:9102`): live load,
+    /// drains and migrations through the running switch. Without it the
+    /// API works from the store alone.
+    #[arg(long, value_name = "URL")]
+    switchd: Option<String>,
 }
 
 #[actix_web::main]
@@ -62,10 +68,16 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let cp = StoreControlPlane::new(store.clone(), db.clone()).await.map_err(|p| anyhow::anyhow!("{p}"))?;
+    let control_plane: Arc<dyn capybara_api::ControlPlane> = match &args.switchd {
+        Some(url) => Arc::new(
+            SwitchdControlPlane::new(cp, store.clone(), url).map_err(|p| anyhow::anyhow!("--switchd {url}: {}", p.detail))?,
+        ),
+        None => Arc::new(cp),
+    };
     let running = capybara_api::start(ApiConfig {
         listen: args.listen,
         store,
-        control_plane: Arc::new(cp),
+        control_plane,
         db,
         static_dir: args.static_dir,
         workers: args.workers,

@@ -223,7 +223,7 @@ fn set_macs(frame: &mut [u8], src: EthernetAddress, dst: EthernetAddress) {
 pub struct Faults {
     pub loss: f64,
     pub duplicate: f64,
-    /// Probability that a frame is held back by up to `reorder_delay`.
+    /// Probability that a frame is held back by up to the reorder delay.
     pub reorder: f64,
 }
 
@@ -240,6 +240,11 @@ pub struct LinkConfig {
     /// output never being due in the instant it was sent).
     pub latency: Duration,
     pub reorder_delay: Duration,
+    /// The same for TCPMig frames. Keep it below the duration of two
+    /// migrations unless testing the switch's stale-PREPARE_ACK residual
+    /// risk (see `stale_prepare_ack_from_two_migrations_ago` in
+    /// live_migration.rs).
+    pub tcpmig_reorder_delay: Duration,
     pub tcp: Faults,
     pub tcpmig: Faults,
 }
@@ -249,6 +254,7 @@ impl Default for LinkConfig {
         LinkConfig {
             latency: Duration::from_micros(10),
             reorder_delay: Duration::from_micros(100),
+            tcpmig_reorder_delay: Duration::from_micros(100),
             tcp: Faults::NONE,
             tcpmig: Faults::NONE,
         }
@@ -279,10 +285,10 @@ impl Link {
 
     pub fn send(&mut self, now: Instant, frame: Vec<u8>) {
         self.stats.sent += 1;
-        let f = match classify(&frame) {
-            Class::Tcp => self.cfg.tcp,
-            Class::TcpMig(_) => self.cfg.tcpmig,
-            Class::Other => Faults::NONE,
+        let (f, delay) = match classify(&frame) {
+            Class::Tcp => (self.cfg.tcp, self.cfg.reorder_delay),
+            Class::TcpMig(_) => (self.cfg.tcpmig, self.cfg.tcpmig_reorder_delay),
+            Class::Other => (Faults::NONE, Duration::ZERO),
         };
         if self.rng.chance(f.loss) {
             self.stats.lost += 1;
@@ -298,7 +304,7 @@ impl Link {
             let mut at = now + self.cfg.latency;
             if self.rng.chance(f.reorder) {
                 self.stats.reordered += 1;
-                let extra = 1 + self.rng.below(self.cfg.reorder_delay.as_micros().max(1) as u64);
+                let extra = 1 + self.rng.below(delay.as_micros().max(1) as u64);
                 at += Duration::from_micros(extra);
             }
             self.seq += 1;
@@ -1181,7 +1187,7 @@ impl World {
     pub fn describe(&self) -> String {
         let flow = self.flow();
         format!(
-            "t={} sent={}/{} rx={} eof={} err={:?} owners={:?} entry={:?} switch={:?} outcomes={:?} app_errors={:?} resets={:?} table={:?} tcpmig={:?}",
+            "t={} sent={}/{} rx={} eof={} err={:?} owners={:?} entry={:?} switch={:?} outcomes={:?} app_errors={:?} resets={:?} table(last 20)={:?} tcpmig(last 40)={:?}",
             self.now,
             self.client.sent,
             self.client.to_send.len(),
@@ -1194,8 +1200,12 @@ impl World {
             self.outcomes(),
             self.servers.iter().map(|s| s.app_errors.clone()).collect::<Vec<_>>(),
             self.switch.resets,
-            self.switch.table_log.iter().map(|(t, k, id, b, a)| format!("{t} {k:?} {id:x}: {b:?} -> {a:?}")).collect::<Vec<_>>(),
-            self.switch.mig_log.iter().map(|(t, k, _, s, d, to)| format!("{t} {k:?} {s}->{d} => {to:?}")).collect::<Vec<_>>(),
+            last(&self.switch.table_log, 20).iter().map(|(t, k, id, b, a)| format!("{t} {k:?} {id:x}: {b:?} -> {a:?}")).collect::<Vec<_>>(),
+            last(&self.switch.mig_log, 40).iter().map(|(t, k, id, s, d, to)| format!("{t} {k:?} {id:x} {s}->{d} => {to:?}")).collect::<Vec<_>>(),
         )
     }
+}
+
+fn last<T>(v: &[T], n: usize) -> &[T] {
+    &v[v.len().saturating_sub(n)..]
 }
