@@ -26,14 +26,20 @@ build:
 $(STAMP):
 	@$(MAKE) --no-print-directory setup
 
-# The demo on embedded defaults. For now: the network-namespace lab with
-# one client, the switch and three servers; Ctrl-C (or `make demo-stop`)
-# tears it down.
+# The demo on embedded defaults: the lab (prefix demo) with switchd, three
+# hostagents, the API + dashboard on http://127.0.0.1:8080 and a skewed
+# client load; Ctrl-C (or `make demo-stop`) tears it all down.
 demo: $(STAMP)
 	@bash scripts/demo.sh
 
+# Stops a running `make demo` (its own teardown), then removes the lab in
+# any case (e.g. after the script was killed with SIGKILL).
 demo-stop:
-	@$(CAPYBARA) lab down --prefix $${CAPYBARA_LAB_PREFIX:-cpb}
+	@pid=$$(cat target/demo/demo.pid 2>/dev/null || true); \
+	if [ -n "$$pid" ] && grep -qs demo.sh /proc/$$pid/cmdline; then \
+	  kill $$pid; for i in $$(seq 1 100); do kill -0 $$pid 2>/dev/null || break; sleep 0.2; done; \
+	fi
+	@$(CAPYBARA) lab down --prefix $${CAPYBARA_LAB_PREFIX:-demo}
 
 # Everything, as CI runs it.
 test: $(STAMP)

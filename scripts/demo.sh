@@ -1,25 +1,208 @@
 #!/usr/bin/env bash
-# `make demo`: brings up the lab on embedded defaults and keeps it until
-# Ctrl-C, then tears it down.
+# `make demo`: the appliance in the namespace lab, on embedded defaults.
+#
+#   lab (prefix demo): client c1, switch sw, servers s1..s3
+#   sw: switchd (XDP on cl1, sv1..sv3; HTTP endpoint 127.0.0.1:9102 there),
+#       capybara-api on 127.0.0.1:8080 there (--switchd http://127.0.0.1:9102)
+#   s1..s3: hostagent, HTTP on VIP 198.18.100.1:80, migration + control on
+#   c1: capybara-loadgen, Zipf load over long-lived connections, in rounds
+#   root namespace: a TCP relay 127.0.0.1:8080 -> the API in sw (loopback only)
+#
+# Keeps running until Ctrl-C, `make demo-stop` or CAPYBARA_DEMO_SECONDS;
+# tears everything down on any exit (also on error).
+# State and logs: target/demo/ (wiped at start); the admin token is also
+# written to test-output/demo/admin-token.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CAPYBARA=target/release/capybara
-PREFIX=${CAPYBARA_LAB_PREFIX:-cpb}
-cleanup() { "$CAPYBARA" lab down --prefix "$PREFIX" || true; }
-trap cleanup EXIT INT TERM
-"$CAPYBARA" lab up --prefix "$PREFIX" --servers 3
-"$CAPYBARA" lab status --prefix "$PREFIX"
+ROOT=$PWD
+PREFIX=${CAPYBARA_LAB_PREFIX:-demo}
+DIR=$ROOT/target/demo
+OUT=$ROOT/test-output/demo
+API_PORT=8080
+VIP=198.18.100.1
+SERVERS=3
+ROUND=${CAPYBARA_DEMO_ROUND:-20s}
+
+# Binaries: target/release (what `make setup` builds); CAPYBARA_BIN_DIR
+# overrides, per binary, when it holds that binary.
+bin() {
+  if [ -n "${CAPYBARA_BIN_DIR:-}" ] && [ -x "$CAPYBARA_BIN_DIR/$1" ]; then
+    echo "$CAPYBARA_BIN_DIR/$1"
+  else
+    echo "$ROOT/target/release/$1"
+  fi
+}
+CAPYBARA=$(bin capybara)
+SWITCHD=$(bin switchd)
+HOSTAGENT=$(bin hostagent)
+API=$(bin capybara-api)
+LOADGEN=$(bin capybara-loadgen)
+for b in "$CAPYBARA" "$SWITCHD" "$HOSTAGENT" "$API" "$LOADGEN"; do
+  [ -x "$b" ] || { echo "demo: missing $b (run \`make setup\`)" >&2; exit 1; }
+done
+[ -f "$ROOT/web-ui/dist/index.html" ] || { echo "demo: missing web-ui/dist (run \`make setup\`)" >&2; exit 1; }
+if [ "$(id -u)" != 0 ]; then echo "demo: needs root (network namespaces, eBPF)" >&2; exit 1; fi
+
+PIDS=()
+LOADGEN_LOOP=
+cleaned=
+cleanup() {
+  local rc=$?
+  [ -n "$cleaned" ] && return
+  cleaned=1
+  trap '' INT TERM
+  echo
+  echo "demo: tearing down..."
+  touch "$DIR/stop" 2>/dev/null || true
+  [ -n "$LOADGEN_LOOP" ] && kill "$LOADGEN_LOOP" 2>/dev/null || true
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  sleep 0.5
+  for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  # Also kills whatever is left inside the lab's namespaces.
+  "$CAPYBARA" lab down --prefix "$PREFIX" >/dev/null 2>&1 || "$CAPYBARA" lab down --prefix "$PREFIX" || true
+  rm -f "$DIR/demo.pid"
+  echo "demo: stopped (lab $PREFIX removed)"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+fail() { echo "demo: $*" >&2; exit 1; }
+
+# wait_until SECONDS WHAT COMMAND...: polls every 0.2 s.
+wait_until() {
+  local limit=$1 what=$2; shift 2
+  local end=$((SECONDS + limit))
+  until "$@" >/dev/null 2>&1; do
+    [ $SECONDS -lt $end ] || fail "timed out after ${limit}s waiting for $what (logs: $DIR)"
+    sleep 0.2
+  done
+}
+
+if ss -ltn "sport = :$API_PORT" | grep -q LISTEN; then
+  fail "127.0.0.1:$API_PORT is already in use (another demo? \`make demo-stop\`)"
+fi
+
+# ---- state directory, keys, configs -------------------------------------
+"$CAPYBARA" lab down --prefix "$PREFIX" >/dev/null 2>&1 || true
+rm -rf "$DIR" "$OUT"
+mkdir -p "$DIR" "$OUT"
+echo $$ > "$DIR/demo.pid"
+od -An -tx1 -N32 /dev/urandom | tr -d ' \n' > "$DIR/deployment.key"
+chmod 600 "$DIR/deployment.key"
+
+{
+  cat <<EOF
+control_listen = "198.18.1.1:7692"
+key_file = "$DIR/deployment.key"
+placement = "maglev"
+target_selection = "round_robin"
+load_interval_us = 1000
+heartbeat_interval_ms = 100
+dead_after_ms = 1000
+closed_linger_ms = 5000
+metrics_listen = "127.0.0.1:9102"
+store = "sqlite:$DIR/store.db"
+[ha]
+enabled = false
+[[interfaces]]
+name = "cl1"
+role = "client"
+EOF
+  for j in $(seq 1 $SERVERS); do printf '[[interfaces]]\nname = "sv%d"\nrole = "server"\n' "$j"; done
+  cat <<EOF
+[[services]]
+name = "web"
+vip = "$VIP:80"
+pool = []
+EOF
+} > "$DIR/switchd.toml"
+
+for j in $(seq 1 $SERVERS); do
+  cat > "$DIR/hostagent-s$j.toml" <<EOF
+name = "s$j"
+[interface]
+name = "eth0"
+[stack]
+address = "198.18.2.$((10 + j))"
+gateway = "198.18.1.1"
+[[service]]
+listen = "$VIP:80"
+app = "http"
+[migration]
+key_file = "$DIR/deployment.key"
+switch = "198.18.1.1"
+[control]
+switch = "198.18.1.1:7692"
+server_id = $j
+management = "198.18.1.$((10 + j))"
+EOF
+done
+
+# ---- lab and processes --------------------------------------------------
+echo "demo: building the lab ($PREFIX: c1, sw, s1..s$SERVERS)"
+"$CAPYBARA" lab up --prefix "$PREFIX" --servers "$SERVERS" > "$DIR/lab-up.log" 2>&1 || { cat "$DIR/lab-up.log" >&2; fail "lab up failed"; }
+NS() { echo "$PREFIX-$1"; }
+
+echo "demo: starting switchd"
+ip netns exec "$(NS sw)" "$SWITCHD" --config "$DIR/switchd.toml" > "$DIR/switchd.log" 2>&1 &
+PIDS+=($!)
+
+echo "demo: starting hostagents on s1..s$SERVERS"
+for j in $(seq 1 $SERVERS); do
+  ip netns exec "$(NS s$j)" "$HOSTAGENT" --config "$DIR/hostagent-s$j.toml" --metrics "198.18.1.$((10 + j)):9100" \
+    > "$DIR/hostagent-s$j.log" 2>&1 &
+  PIDS+=($!)
+done
+registered() { for j in $(seq 1 $SERVERS); do grep -q "registered s$j" "$DIR/switchd.log" || return 1; done; }
+wait_until 60 "every server to register with switchd" registered
+wait_until 60 "the VIP to answer from c1" ip netns exec "$(NS c1)" curl -s -m 1 -o /dev/null "http://$VIP/"
+
+echo "demo: starting the API"
+ip netns exec "$(NS sw)" "$API" --store "sqlite:$DIR/store.db" --listen "127.0.0.1:$API_PORT" \
+  --admin-token-file "$OUT/admin-token" --static-dir "$ROOT/web-ui/dist" --switchd "http://127.0.0.1:9102" \
+  > "$DIR/api.log" 2>&1 &
+PIDS+=($!)
+wait_until 60 "the API" ip netns exec "$(NS sw)" curl -sf -m 1 -o /dev/null "http://127.0.0.1:$API_PORT/healthz"
+
+python3 "$ROOT/scripts/demo-relay.py" "127.0.0.1:$API_PORT" "/run/netns/$(NS sw)" "127.0.0.1:$API_PORT" > "$DIR/relay.log" 2>&1 &
+PIDS+=($!)
+wait_until 20 "the API from the host" curl -sf -m 1 -o /dev/null "http://127.0.0.1:$API_PORT/healthz"
+cp "$OUT/admin-token" "$DIR/admin-token"
+TOKEN=$(cat "$OUT/admin-token")
+
+echo "demo: starting the client load (Zipf over 100 long-lived connections, rounds of $ROUND)"
+(
+  round=0
+  while [ ! -e "$DIR/stop" ]; do
+    round=$((round + 1))
+    ip netns exec "$(NS c1)" "$LOADGEN" --target "$VIP:80" --rate 400 --conns 100 --dist zipf --zipf-alpha 1.2 \
+      --duration "$ROUND" --seed "$round" >> "$DIR/loadgen.log" 2>&1 || sleep 1
+  done
+) &
+LOADGEN_LOOP=$!
+
 cat <<TXT
 
-The lab is up: one client (c1), the switch (sw) and three servers (s1..s3),
-each in its own network namespace. Try:
-  $CAPYBARA lab exec c1 -- ping -c 3 198.18.1.11
-  $CAPYBARA lab fault c1 --drop 5%        # eBPF loss injector
-  $CAPYBARA lab exec sw -- ip route
-Press Ctrl-C (or run \`make demo-stop\` elsewhere) to tear it down.
+Capybara demo is up.
+  Dashboard:    http://127.0.0.1:$API_PORT
+  Admin token:  $TOKEN
+                (also in test-output/demo/admin-token)
+  API:          curl -H "Authorization: Bearer \$(cat test-output/demo/admin-token)" http://127.0.0.1:$API_PORT/v1/servers
+  switchd:      ip netns exec $(NS sw) curl -s 127.0.0.1:9102/status
+  Logs, state:  target/demo/
+Press Ctrl-C (or run \`make demo-stop\` elsewhere) to stop it and tear everything down.
 TXT
-if [ -n "${CAPYBARA_DEMO_SECONDS:-}" ]; then
-  sleep "$CAPYBARA_DEMO_SECONDS"
-else
-  while true; do sleep 3600; done
-fi
+
+START=$SECONDS
+while true; do
+  sleep 1
+  if [ -n "${CAPYBARA_DEMO_SECONDS:-}" ] && [ $((SECONDS - START)) -ge "$CAPYBARA_DEMO_SECONDS" ]; then
+    echo "demo: CAPYBARA_DEMO_SECONDS=$CAPYBARA_DEMO_SECONDS elapsed"
+    exit 0
+  fi
+  for p in "${PIDS[@]}"; do
+    kill -0 "$p" 2>/dev/null || fail "a demo process ($p: $(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null || echo exited)) stopped; see $DIR/*.log"
+  done
+done
