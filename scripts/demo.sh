@@ -46,10 +46,13 @@ if [ "$(id -u)" != 0 ]; then echo "demo: needs root (network namespaces, eBPF)" 
 PIDS=()
 LOADGEN_LOOP=
 cleaned=
+owned=
 cleanup() {
   local rc=$?
   [ -n "$cleaned" ] && return
   cleaned=1
+  # Failed before it built anything (e.g. another demo is running): leave it.
+  [ -n "$owned" ] || exit "$rc"
   trap '' INT TERM
   echo
   echo "demo: tearing down..."
@@ -85,6 +88,7 @@ if ss -ltn "sport = :$API_PORT" | grep -q LISTEN; then
 fi
 
 # ---- state directory, keys, configs -------------------------------------
+owned=1
 "$CAPYBARA" lab down --prefix "$PREFIX" >/dev/null 2>&1 || true
 rm -rf "$DIR" "$OUT"
 mkdir -p "$DIR" "$OUT"

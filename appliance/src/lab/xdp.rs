@@ -22,7 +22,7 @@ pub fn attach_pass(ns: &str, iface: &str) -> Result<(), LabError> {
             .find(|p| p.name() == "capy_lab_pass")
             .ok_or_else(|| LabError::Invalid("lab XDP object has no program".into()))?;
         Xdp::new(prog.as_fd())
-            .attach(idx, XdpFlags::DRV_MODE | XdpFlags::REPLACE)
+            .attach(idx, XdpFlags::DRV_MODE)
             .map_err(bpf_err("cannot attach the lab XDP program"))
     })
 }
