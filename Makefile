@@ -70,3 +70,8 @@ bench-store: $(STAMP)
 # k6 against the running api: mixed reads/writes at 500 req/s plus 50 SSE streams.
 bench-api: $(STAMP)
 	@PROFILE=release bash api/scripts/bench.sh
+
+.PHONY: bench-failover
+# SIGKILL of the active switchd with established connections: takeover time.
+bench-failover: $(STAMP)
+	@$(CARGO) run --release -q -p capybara-switchd --bin bench-failover
