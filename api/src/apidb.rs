@@ -118,12 +118,19 @@ fn hash_token(token: &str) -> [u8; 32] {
 
 /// Whether `s` has the shape of a token (`capy_` + 64 lowercase hex).
 pub fn is_token_shaped(s: &str) -> bool {
-    s.len() == 69 && s.starts_with("capy_") && s[5..].bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    s.len() == 69
+        && s.starts_with("capy_")
+        && s[5..]
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 impl ApiDb {
     pub fn open(path: &Path) -> Result<Self, ApiDbError> {
-        let err = |source| ApiDbError::Sqlite { path: path.display().to_string(), source };
+        let err = |source| ApiDbError::Sqlite {
+            path: path.display().to_string(),
+            source,
+        };
         let conn = Connection::open(path).map_err(err)?;
         conn.busy_timeout(Duration::from_secs(5)).map_err(err)?;
         conn.execute_batch(
@@ -145,7 +152,10 @@ impl ApiDb {
     }
 
     fn err(&self) -> impl Fn(rusqlite::Error) -> ApiDbError + '_ {
-        move |source| ApiDbError::Sqlite { path: self.path.display().to_string(), source }
+        move |source| ApiDbError::Sqlite {
+            path: self.path.display().to_string(),
+            source,
+        }
     }
 
     fn load_all(&self) -> Result<Vec<CachedToken>, ApiDbError> {
@@ -170,7 +180,9 @@ impl ApiDb {
         for row in rows {
             let (id, name, role, hash, created, created_by, revoked) = row.map_err(self.err())?;
             // A row we cannot read (edited by hand) grants nothing.
-            let (Some(role), Ok(hash)) = (Role::parse(&role), <[u8; 32]>::try_from(hash.as_slice())) else {
+            let (Some(role), Ok(hash)) =
+                (Role::parse(&role), <[u8; 32]>::try_from(hash.as_slice()))
+            else {
                 tracing::warn!(token = %id, "ignoring malformed token row");
                 continue;
             };
@@ -198,7 +210,13 @@ impl ApiDb {
 
     /// The active token matching `presented`, compared in constant time.
     pub fn authenticate(&self, presented: &str) -> Option<TokenInfo> {
-        let stale = self.cache.read().unwrap_or_else(|p| p.into_inner()).0.elapsed() > CACHE_TTL;
+        let stale = self
+            .cache
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+            .elapsed()
+            > CACHE_TTL;
         if stale {
             if let Err(e) = self.reload() {
                 tracing::warn!(error = %e, "reloading tokens failed; using the cached copy");
@@ -218,16 +236,33 @@ impl ApiDb {
 
     pub fn list(&self) -> Result<Vec<TokenInfo>, ApiDbError> {
         self.reload()?;
-        Ok(self.cache.read().unwrap_or_else(|p| p.into_inner()).1.iter().map(|t| t.info.clone()).collect())
+        Ok(self
+            .cache
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .1
+            .iter()
+            .map(|t| t.info.clone())
+            .collect())
     }
 
-    fn insert(&self, name: &str, role: Role, created_by: &str, secret: &str) -> Result<TokenInfo, ApiDbError> {
+    fn insert(
+        &self,
+        name: &str,
+        role: Role,
+        created_by: &str,
+        secret: &str,
+    ) -> Result<TokenInfo, ApiDbError> {
         let id = format!("t_{}", random_hex(8)?);
         let now = unix_ms_now();
         {
             let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
             let exists: Option<String> = conn
-                .query_row("SELECT id FROM tokens WHERE name = ?1 AND revoked_unix_ms IS NULL", params![name], |r| r.get(0))
+                .query_row(
+                    "SELECT id FROM tokens WHERE name = ?1 AND revoked_unix_ms IS NULL",
+                    params![name],
+                    |r| r.get(0),
+                )
                 .optional()
                 .map_err(self.err())?;
             if exists.is_some() {
@@ -252,7 +287,12 @@ impl ApiDb {
     }
 
     /// Creates a token; returns it with its secret (shown once).
-    pub fn create(&self, name: &str, role: Role, created_by: &str) -> Result<(TokenInfo, String), ApiDbError> {
+    pub fn create(
+        &self,
+        name: &str,
+        role: Role,
+        created_by: &str,
+    ) -> Result<(TokenInfo, String), ApiDbError> {
         let secret = format!("capy_{}", random_hex(32)?);
         let info = self.insert(name, role, created_by, &secret)?;
         Ok((info, secret))
@@ -268,14 +308,20 @@ impl ApiDb {
         if t.revoked {
             return Ok(t.clone());
         }
-        let admins = all.iter().filter(|t| t.role == Role::Admin && !t.revoked).count();
+        let admins = all
+            .iter()
+            .filter(|t| t.role == Role::Admin && !t.revoked)
+            .count();
         if t.role == Role::Admin && admins <= 1 {
             return Err(ApiDbError::LastAdmin);
         }
         {
             let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-            conn.execute("UPDATE tokens SET revoked_unix_ms = ?2 WHERE id = ?1", params![id, unix_ms_now() as i64])
-                .map_err(self.err())?;
+            conn.execute(
+                "UPDATE tokens SET revoked_unix_ms = ?2 WHERE id = ?1",
+                params![id, unix_ms_now() as i64],
+            )
+            .map_err(self.err())?;
         }
         self.reload()?;
         let mut t = t.clone();
@@ -290,12 +336,17 @@ impl ApiDb {
     /// for the caller to print once.
     pub fn bootstrap_admin(&self, token_file: Option<&Path>) -> Result<Option<String>, ApiDbError> {
         if let Some(path) = token_file {
-            let ferr = |reason: String| ApiDbError::TokenFile { path: path.display().to_string(), reason };
+            let ferr = |reason: String| ApiDbError::TokenFile {
+                path: path.display().to_string(),
+                reason,
+            };
             let (secret, created) = if path.exists() {
                 let s = std::fs::read_to_string(path).map_err(|e| ferr(e.to_string()))?;
                 let s = s.trim().to_string();
                 if !is_token_shaped(&s) {
-                    return Err(ferr("must hold one token: `capy_` followed by 64 lowercase hex digits".into()));
+                    return Err(ferr(
+                        "must hold one token: `capy_` followed by 64 lowercase hex digits".into(),
+                    ));
                 }
                 (s, false)
             } else {
@@ -304,7 +355,13 @@ impl ApiDb {
                 (s, true)
             };
             let h = hash_token(&secret);
-            let known = self.cache.read().unwrap_or_else(|p| p.into_inner()).1.iter().any(|t| t.hash == h);
+            let known = self
+                .cache
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .1
+                .iter()
+                .any(|t| t.hash == h);
             if !known {
                 let mut name = "bootstrap".to_string();
                 let mut n = 1;
@@ -316,7 +373,11 @@ impl ApiDb {
             }
             return Ok(created.then_some(secret));
         }
-        if self.list()?.iter().any(|t| t.role == Role::Admin && !t.revoked) {
+        if self
+            .list()?
+            .iter()
+            .any(|t| t.role == Role::Admin && !t.revoked)
+        {
             return Ok(None);
         }
         let (_, secret) = self.create("admin", Role::Admin, "system")?;
@@ -338,7 +399,11 @@ impl ApiDb {
     pub fn drain_mode(&self, server: ServerId) -> DrainMode {
         let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
         let m: Option<String> = conn
-            .query_row("SELECT mode FROM drain_modes WHERE server = ?1", params![server.0], |r| r.get(0))
+            .query_row(
+                "SELECT mode FROM drain_modes WHERE server = ?1",
+                params![server.0],
+                |r| r.get(0),
+            )
             .optional()
             .unwrap_or(None);
         if m.as_deref() == Some("force") {
@@ -381,10 +446,19 @@ mod tests {
         let (info, secret) = db.create("ops", Role::Operator, "admin").unwrap();
         assert!(is_token_shaped(&secret));
         assert_eq!(db.authenticate(&secret).unwrap().name, "ops");
-        assert!(matches!(db.create("ops", Role::Viewer, "admin"), Err(ApiDbError::DuplicateName(_))));
+        assert!(matches!(
+            db.create("ops", Role::Viewer, "admin"),
+            Err(ApiDbError::DuplicateName(_))
+        ));
         db.revoke(&info.id).unwrap();
         assert!(db.authenticate(&secret).is_none());
-        let admin_id = db.list().unwrap().into_iter().find(|t| t.name == "admin").unwrap().id;
+        let admin_id = db
+            .list()
+            .unwrap()
+            .into_iter()
+            .find(|t| t.name == "admin")
+            .unwrap()
+            .id;
         assert!(matches!(db.revoke(&admin_id), Err(ApiDbError::LastAdmin)));
         assert!(db.authenticate("capy_00").is_none());
     }

@@ -23,24 +23,42 @@ impl Principal {
 /// Authenticates the request and checks that its role is at least `min`.
 /// `allow_query` also accepts `?access_token=` (only for the event stream,
 /// whose browser client cannot set headers).
-pub fn authorize(req: &HttpRequest, state: &AppState, min: Role, allow_query: bool) -> ApiResult<Principal> {
+pub fn authorize(
+    req: &HttpRequest,
+    state: &AppState,
+    min: Role,
+    allow_query: bool,
+) -> ApiResult<Principal> {
     let presented = match req.headers().get(header::AUTHORIZATION) {
         Some(v) => {
-            let v = v.to_str().map_err(|_| Problem::unauthorized("Authorization header is not ASCII"))?;
+            let v = v
+                .to_str()
+                .map_err(|_| Problem::unauthorized("Authorization header is not ASCII"))?;
             let (scheme, token) = v.split_once(' ').unwrap_or((v, ""));
             if !scheme.eq_ignore_ascii_case("bearer") || token.trim().is_empty() {
-                return Err(Problem::unauthorized("Authorization must be `Bearer <token>`"));
+                return Err(Problem::unauthorized(
+                    "Authorization must be `Bearer <token>`",
+                ));
             }
             token.trim().to_string()
         }
         None if allow_query => {
-            let q = crate::problem::Query::parse(req).map_err(|_| Problem::unauthorized("missing bearer token"))?;
+            let q = crate::problem::Query::parse(req)
+                .map_err(|_| Problem::unauthorized("missing bearer token"))?;
             match q.get("access_token") {
                 Some(t) if !t.is_empty() => t.to_string(),
-                _ => return Err(Problem::unauthorized("missing bearer token (Authorization header or access_token)")),
+                _ => {
+                    return Err(Problem::unauthorized(
+                        "missing bearer token (Authorization header or access_token)",
+                    ))
+                }
             }
         }
-        None => return Err(Problem::unauthorized("missing bearer token in the Authorization header")),
+        None => {
+            return Err(Problem::unauthorized(
+                "missing bearer token in the Authorization header",
+            ))
+        }
     };
     let Some(token) = state.db.authenticate(&presented) else {
         return Err(Problem::unauthorized("unknown or revoked token"));

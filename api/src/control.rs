@@ -37,7 +37,10 @@ pub enum DataSource {
 
 /// `CLIENT_IP:PORT-VIP:PORT`.
 pub fn connection_id(k: &FlowKey) -> String {
-    format!("{}:{}-{}:{}", k.client_ip, k.client_port, k.service_ip, k.service_port)
+    format!(
+        "{}:{}-{}:{}",
+        k.client_ip, k.client_port, k.service_ip, k.service_port
+    )
 }
 
 pub fn parse_connection_id(s: &str) -> Option<FlowKey> {
@@ -149,7 +152,8 @@ pub struct Histogram {
 
 pub const MIGRATION_OUTCOMES: [&str; 4] = ["succeeded", "rejected", "aborted", "timed_out"];
 pub const MIGRATION_PHASES: [&str; 5] = ["prepare", "export", "transfer", "import", "total"];
-pub const PHASE_BUCKETS_SECONDS: [f64; 10] = [1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 1e-1];
+pub const PHASE_BUCKETS_SECONDS: [f64; 10] =
+    [1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 1e-1];
 
 /// What the control plane pushes to event subscribers.
 #[derive(Debug, Clone)]
@@ -168,9 +172,17 @@ pub trait ControlPlane: Send + Sync + 'static {
     /// may be absent.
     async fn server_stats(&self) -> Result<HashMap<ServerId, ServerStats>, Problem>;
     /// Starts migrating `conn` to `target` (or a switch-picked target).
-    async fn migrate(&self, conn: FlowKey, target: Option<ServerId>) -> Result<MigrationView, Problem>;
+    async fn migrate(
+        &self,
+        conn: FlowKey,
+        target: Option<ServerId>,
+    ) -> Result<MigrationView, Problem>;
     /// Migrations with `id > after`, oldest first, at most `limit`.
-    async fn recent_migrations(&self, after: u64, limit: usize) -> Result<Vec<MigrationView>, Problem>;
+    async fn recent_migrations(
+        &self,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<MigrationView>, Problem>;
     /// Starts a drain: the server is `draining` when this returns.
     async fn start_drain(&self, server: ServerId, spec: DrainSpec) -> Result<DrainView, Problem>;
     /// Cancels a running drain (if any) and makes the server active again.
@@ -197,7 +209,12 @@ impl StoreControlPlane {
     /// process (their deadlines are wall-clock, so a restart loses nothing).
     pub async fn new(store: Arc<dyn Store>, db: Arc<ApiDb>) -> Result<Arc<Self>, Problem> {
         let (events, _) = broadcast::channel(256);
-        let cp = Arc::new(StoreControlPlane { store, db, events, supervisors: Mutex::new(HashMap::new()) });
+        let cp = Arc::new(StoreControlPlane {
+            store,
+            db,
+            events,
+            supervisors: Mutex::new(HashMap::new()),
+        });
         for d in cp.store.list_drains().await? {
             if d.state == DrainState::Running {
                 cp.spawn_supervisor(d.server, d.started_unix_ms);
@@ -209,7 +226,12 @@ impl StoreControlPlane {
     /// Stops supervising drains in this process (they stay `running` in
     /// the store; the next `new` resumes them).
     pub fn shutdown(&self) {
-        for (_, h) in self.supervisors.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+        for (_, h) in self
+            .supervisors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+        {
             h.abort();
         }
     }
@@ -228,7 +250,12 @@ impl StoreControlPlane {
                 }
             }
         });
-        if let Some(old) = self.supervisors.lock().unwrap_or_else(|p| p.into_inner()).insert(server, handle.abort_handle()) {
+        if let Some(old) = self
+            .supervisors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(server, handle.abort_handle())
+        {
             old.abort();
         }
     }
@@ -236,7 +263,9 @@ impl StoreControlPlane {
     /// One step of a drain; `Ok(false)` when the drain is over (or was
     /// cancelled or replaced).
     async fn supervise_once(&self, server: ServerId, started: u64) -> Result<bool, Problem> {
-        let Some(d) = self.store.get_drain(server).await? else { return Ok(false) };
+        let Some(d) = self.store.get_drain(server).await? else {
+            return Ok(false);
+        };
         if d.state != DrainState::Running || d.started_unix_ms != started {
             return Ok(false);
         }
@@ -244,7 +273,9 @@ impl StoreControlPlane {
         let remaining = flows.len() as u64;
         let mut progress = d.progress;
         progress.flows_remaining = remaining;
-        progress.flows_closed = progress.flows_total.saturating_sub(remaining + progress.flows_migrated);
+        progress.flows_closed = progress
+            .flows_total
+            .saturating_sub(remaining + progress.flows_migrated);
         let now = unix_ms_now();
         if remaining == 0 {
             self.finish(server, progress, DrainState::Completed).await?;
@@ -260,20 +291,31 @@ impl StoreControlPlane {
                 progress.flows_remaining = 0;
                 self.finish(server, progress, DrainState::Completed).await?;
             } else {
-                self.store.update_drain(server, progress, DrainState::TimedOut).await?;
+                self.store
+                    .update_drain(server, progress, DrainState::TimedOut)
+                    .await?;
             }
             return Ok(false);
         }
         if progress != d.progress {
-            self.store.update_drain(server, progress, DrainState::Running).await?;
+            self.store
+                .update_drain(server, progress, DrainState::Running)
+                .await?;
         }
         Ok(true)
     }
 
-    async fn finish(&self, server: ServerId, progress: DrainProgress, state: DrainState) -> Result<(), Problem> {
+    async fn finish(
+        &self,
+        server: ServerId,
+        progress: DrainProgress,
+        state: DrainState,
+    ) -> Result<(), Problem> {
         self.store.update_drain(server, progress, state).await?;
         if state == DrainState::Completed {
-            self.store.set_server_state(server, ServerState::Drained).await?;
+            self.store
+                .set_server_state(server, ServerState::Drained)
+                .await?;
         }
         Ok(())
     }
@@ -282,7 +324,14 @@ impl StoreControlPlane {
         let (remaining, truncated) = if d.state == DrainState::TimedOut {
             let flows = self.store.list_flows_by_server(d.server).await?;
             let truncated = flows.len() > REMAINING_LISTED;
-            (flows.iter().take(REMAINING_LISTED).map(connection_id).collect(), truncated)
+            (
+                flows
+                    .iter()
+                    .take(REMAINING_LISTED)
+                    .map(connection_id)
+                    .collect(),
+                truncated,
+            )
         } else {
             (Vec::new(), false)
         };
@@ -310,15 +359,36 @@ impl ControlPlane for Arc<StoreControlPlane> {
     }
 
     async fn connections(&self, filter: &ConnectionFilter) -> Result<ConnectionPage, Problem> {
-        let services: HashMap<(Ipv4Addr, u16), String> =
-            self.store.list_services().await?.into_iter().map(|s| ((s.vip, s.port), s.name)).collect();
+        let services: HashMap<(Ipv4Addr, u16), String> = self
+            .store
+            .list_services()
+            .await?
+            .into_iter()
+            .map(|s| ((s.vip, s.port), s.name))
+            .collect();
         let flows: Vec<(FlowKey, ServerId)> = match filter.server {
-            Some(s) => self.store.list_flows_by_server(s).await?.into_iter().map(|k| (k, s)).collect(),
-            None => self.store.scan_flows().await?.into_iter().map(|m| (m.key, m.server)).collect(),
+            Some(s) => self
+                .store
+                .list_flows_by_server(s)
+                .await?
+                .into_iter()
+                .map(|k| (k, s))
+                .collect(),
+            None => self
+                .store
+                .scan_flows()
+                .await?
+                .into_iter()
+                .map(|m| (m.key, m.server))
+                .collect(),
         };
         let matching: Vec<_> = flows
             .into_iter()
-            .filter(|(k, _)| filter.service.is_none_or(|svc| (k.service_ip, k.service_port) == svc))
+            .filter(|(k, _)| {
+                filter
+                    .service
+                    .is_none_or(|svc| (k.service_ip, k.service_port) == svc)
+            })
             .collect();
         let total = matching.len() as u64;
         let items: Vec<_> = matching
@@ -334,35 +404,68 @@ impl ControlPlane for Arc<StoreControlPlane> {
                 server: s.0,
             })
             .collect();
-        Ok(ConnectionPage { truncated: (items.len() as u64) < total, items, total, data_source: DataSource::Store })
+        Ok(ConnectionPage {
+            truncated: (items.len() as u64) < total,
+            items,
+            total,
+            data_source: DataSource::Store,
+        })
     }
 
     async fn server_stats(&self) -> Result<HashMap<ServerId, ServerStats>, Problem> {
         let mut out: HashMap<ServerId, ServerStats> = HashMap::new();
         for s in self.store.list_servers().await? {
-            out.insert(s.id, ServerStats { data_source: DataSource::Store, connections: 0, load_pps: None });
+            out.insert(
+                s.id,
+                ServerStats {
+                    data_source: DataSource::Store,
+                    connections: 0,
+                    load_pps: None,
+                },
+            );
         }
         for m in self.store.scan_flows().await? {
             out.entry(m.server)
-                .or_insert(ServerStats { data_source: DataSource::Store, connections: 0, load_pps: None })
+                .or_insert(ServerStats {
+                    data_source: DataSource::Store,
+                    connections: 0,
+                    load_pps: None,
+                })
                 .connections += 1;
         }
         Ok(out)
     }
 
-    async fn migrate(&self, conn: FlowKey, target: Option<ServerId>) -> Result<MigrationView, Problem> {
+    async fn migrate(
+        &self,
+        conn: FlowKey,
+        target: Option<ServerId>,
+    ) -> Result<MigrationView, Problem> {
         let Some(owner) = self.store.get_flow(&conn).await? else {
-            return Err(Problem::not_found(format!("connection {} not found", connection_id(&conn))));
+            return Err(Problem::not_found(format!(
+                "connection {} not found",
+                connection_id(&conn)
+            )));
         };
         if let Some(t) = target {
             let Some(ts) = self.store.get_server(t).await? else {
-                return Err(Problem::invalid("target", format!("server {} is not registered", t.0)));
+                return Err(Problem::invalid(
+                    "target",
+                    format!("server {} is not registered", t.0),
+                ));
             };
             if t == owner {
-                return Err(Problem::conflict(format!("connection is already on server {}", t.0)));
+                return Err(Problem::conflict(format!(
+                    "connection is already on server {}",
+                    t.0
+                )));
             }
             if ts.state != ServerState::Active {
-                return Err(Problem::conflict(format!("target server {} is {}, not active", t.0, ts.state.as_str())));
+                return Err(Problem::conflict(format!(
+                    "target server {} is {}, not active",
+                    t.0,
+                    ts.state.as_str()
+                )));
             }
         }
         Err(Problem::unavailable(
@@ -370,7 +473,11 @@ impl ControlPlane for Arc<StoreControlPlane> {
         ))
     }
 
-    async fn recent_migrations(&self, _after: u64, _limit: usize) -> Result<Vec<MigrationView>, Problem> {
+    async fn recent_migrations(
+        &self,
+        _after: u64,
+        _limit: usize,
+    ) -> Result<Vec<MigrationView>, Problem> {
         Ok(Vec::new())
     }
 
@@ -379,7 +486,10 @@ impl ControlPlane for Arc<StoreControlPlane> {
             return Err(Problem::not_found(format!("server {} not found", server.0)));
         };
         if s.state == ServerState::Dead {
-            return Err(Problem::conflict(format!("server {} is dead; it has no connections to drain", server.0)));
+            return Err(Problem::conflict(format!(
+                "server {} is dead; it has no connections to drain",
+                server.0
+            )));
         }
         if let Some(d) = self.store.get_drain(server).await? {
             if d.state == DrainState::Running {
@@ -391,14 +501,22 @@ impl ControlPlane for Arc<StoreControlPlane> {
         }
         for (i, t) in spec.targets.iter().enumerate() {
             if *t == server {
-                return Err(Problem::invalid(format!("targets[{i}]"), "a server cannot be its own drain target"));
+                return Err(Problem::invalid(
+                    format!("targets[{i}]"),
+                    "a server cannot be its own drain target",
+                ));
             }
             if self.store.get_server(*t).await?.is_none() {
-                return Err(Problem::invalid(format!("targets[{i}]"), format!("server {} is not registered", t.0)));
+                return Err(Problem::invalid(
+                    format!("targets[{i}]"),
+                    format!("server {} is not registered", t.0),
+                ));
             }
         }
         // No new connections from now on: switchd watches this state.
-        self.store.set_server_state(server, ServerState::Draining).await?;
+        self.store
+            .set_server_state(server, ServerState::Draining)
+            .await?;
         let total = self.store.list_flows_by_server(server).await?.len() as u64;
         let now = unix_ms_now();
         let drain = Drain {
@@ -407,9 +525,16 @@ impl ControlPlane for Arc<StoreControlPlane> {
             started_unix_ms: now,
             deadline_unix_ms: now + spec.deadline.as_millis() as u64,
             state: DrainState::Running,
-            progress: DrainProgress { flows_total: total, flows_migrated: 0, flows_closed: 0, flows_remaining: total },
+            progress: DrainProgress {
+                flows_total: total,
+                flows_migrated: 0,
+                flows_closed: 0,
+                flows_remaining: total,
+            },
         };
-        self.db.set_drain_mode(server, spec.mode).map_err(|e| Problem::internal(e.to_string()))?;
+        self.db
+            .set_drain_mode(server, spec.mode)
+            .map_err(|e| Problem::internal(e.to_string()))?;
         self.store.put_drain(&drain).await?;
         self.spawn_supervisor(server, now);
         self.view(drain).await
@@ -420,18 +545,30 @@ impl ControlPlane for Arc<StoreControlPlane> {
             return Err(Problem::not_found(format!("server {} not found", server.0)));
         };
         if s.state == ServerState::Dead {
-            return Err(Problem::conflict(format!("server {} is dead; re-register it instead", server.0)));
+            return Err(Problem::conflict(format!(
+                "server {} is dead; re-register it instead",
+                server.0
+            )));
         }
-        if let Some(h) = self.supervisors.lock().unwrap_or_else(|p| p.into_inner()).remove(&server) {
+        if let Some(h) = self
+            .supervisors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&server)
+        {
             h.abort();
         }
         if let Some(d) = self.store.get_drain(server).await? {
             if d.state == DrainState::Running {
-                self.store.update_drain(server, d.progress, DrainState::Cancelled).await?;
+                self.store
+                    .update_drain(server, d.progress, DrainState::Cancelled)
+                    .await?;
             }
         }
         if s.state != ServerState::Active {
-            self.store.set_server_state(server, ServerState::Active).await?;
+            self.store
+                .set_server_state(server, ServerState::Active)
+                .await?;
         }
         Ok(())
     }
@@ -455,7 +592,11 @@ impl ControlPlane for Arc<StoreControlPlane> {
         for p in MIGRATION_PHASES {
             m.phase_histograms.insert(
                 p,
-                Histogram { buckets: PHASE_BUCKETS_SECONDS.iter().map(|b| (*b, 0)).collect(), sum: 0.0, count: 0 },
+                Histogram {
+                    buckets: PHASE_BUCKETS_SECONDS.iter().map(|b| (*b, 0)).collect(),
+                    sum: 0.0,
+                    count: 0,
+                },
             );
         }
         m

@@ -69,7 +69,10 @@ fn api_err<T: std::fmt::Debug>(e: ClientError<T>) -> CtlError {
 /// `30s`, `2m`, `1h`, `500ms` or plain seconds.
 pub fn parse_duration(s: &str) -> Option<Duration> {
     let s = s.trim();
-    let (num, unit) = s.find(|c: char| !c.is_ascii_digit()).map(|i| s.split_at(i)).unwrap_or((s, "s"));
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map(|i| s.split_at(i))
+        .unwrap_or((s, "s"));
     let n: u64 = num.parse().ok()?;
     match unit {
         "ms" => Some(Duration::from_millis(n)),
@@ -97,7 +100,9 @@ impl Args {
             if let Some((k, v)) = a.split_once('=').filter(|(k, _)| k.starts_with("--")) {
                 flags.push((k.to_string(), Some(v.to_string())));
             } else if Self::VALUED.contains(&a.as_str()) {
-                let v = it.next().ok_or_else(|| CtlError::Usage(format!("{a} needs a value")))?;
+                let v = it
+                    .next()
+                    .ok_or_else(|| CtlError::Usage(format!("{a} needs a value")))?;
                 flags.push((a, Some(v)));
             } else if a.starts_with("--") {
                 flags.push((a, None));
@@ -108,7 +113,11 @@ impl Args {
         Ok(Args { positional, flags })
     }
     fn value(&self, k: &str) -> Option<&str> {
-        self.flags.iter().rev().find(|(f, _)| f == k).and_then(|(_, v)| v.as_deref())
+        self.flags
+            .iter()
+            .rev()
+            .find(|(f, _)| f == k)
+            .and_then(|(_, v)| v.as_deref())
     }
     fn has(&self, k: &str) -> bool {
         self.flags.iter().any(|(f, _)| f == k)
@@ -118,7 +127,10 @@ impl Args {
 /// Runs `capybara ctl` with `args` (without the program name and `ctl`);
 /// returns the process exit code.
 pub fn ctl_main(args: Vec<String>) -> i32 {
-    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: starting the runtime: {e}");
@@ -143,7 +155,11 @@ fn server_id(s: &str) -> Result<i64, CtlError> {
         .parse::<i64>()
         .ok()
         .filter(|n| (1..=u32::MAX as i64).contains(n))
-        .ok_or_else(|| CtlError::Usage(format!("SERVER must be a server id (e.g. 3 or s3), got {s:?}")))
+        .ok_or_else(|| {
+            CtlError::Usage(format!(
+                "SERVER must be a server id (e.g. 3 or s3), got {s:?}"
+            ))
+        })
 }
 
 async fn run(args: Vec<String>) -> Result<(), CtlError> {
@@ -164,7 +180,10 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
         .unwrap_or_else(|| "http://127.0.0.1:8080".into())
         .trim_end_matches('/')
         .to_string();
-    cfg.bearer_access_token = a.value("--token").map(str::to_string).or_else(|| std::env::var("CAPYBARA_TOKEN").ok());
+    cfg.bearer_access_token = a
+        .value("--token")
+        .map(str::to_string)
+        .or_else(|| std::env::var("CAPYBARA_TOKEN").ok());
     cfg.user_agent = Some("capybara-ctl".into());
     let pos: Vec<&str> = a.positional.iter().map(String::as_str).collect();
     match pos.as_slice() {
@@ -172,15 +191,27 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
         ["services"] => services(&cfg).await,
         ["drain", s] => drain(&cfg, server_id(s)?, &a).await,
         ["undrain", s] => {
-            let srv = apis::servers_api::undrain_server(&cfg, server_id(s)?).await.map_err(api_err)?;
-            println!("server {} ({}) is {}", srv.id, srv.name, state_str(srv.state));
+            let srv = apis::servers_api::undrain_server(&cfg, server_id(s)?)
+                .await
+                .map_err(api_err)?;
+            println!(
+                "server {} ({}) is {}",
+                srv.id,
+                srv.name,
+                state_str(srv.state)
+            );
             Ok(())
         }
         ["migrate", conn] => {
             let target = a.value("--target").map(server_id).transpose()?;
             let req = models::MigrateRequest { target };
-            let m = apis::connections_api::migrate_connection(&cfg, conn, Some(req)).await.map_err(api_err)?;
-            println!("migration {} of {} from server {} started ({:?})", m.id, m.connection, m.origin, m.outcome);
+            let m = apis::connections_api::migrate_connection(&cfg, conn, Some(req))
+                .await
+                .map_err(api_err)?;
+            println!(
+                "migration {} of {} from server {} started ({:?})",
+                m.id, m.connection, m.origin, m.outcome
+            );
             Ok(())
         }
         ["policy", "get"] => {
@@ -188,14 +219,22 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
             let v = serde_json::to_value(&p).map_err(|e| CtlError::Api(e.to_string()))?;
             if let Value::Object(m) = v {
                 for (k, v) in m {
-                    println!("{k}={}", v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string()));
+                    println!(
+                        "{k}={}",
+                        v.as_str()
+                            .map(str::to_string)
+                            .unwrap_or_else(|| v.to_string())
+                    );
                 }
             }
             Ok(())
         }
         ["policy", "set", kvs @ ..] if !kvs.is_empty() => policy_set(&cfg, kvs).await,
         ["migrations"] => migrations(&cfg, &a).await,
-        _ => Err(CtlError::Usage(format!("unknown command {:?}", a.positional.join(" ")))),
+        _ => Err(CtlError::Usage(format!(
+            "unknown command {:?}",
+            a.positional.join(" ")
+        ))),
     }
 }
 
@@ -209,10 +248,20 @@ fn state_str(s: models::ServerState) -> &'static str {
 }
 
 async fn servers(cfg: &Configuration) -> Result<(), CtlError> {
-    let list = apis::servers_api::list_servers(cfg).await.map_err(api_err)?;
-    println!("{:>5}  {:<16} {:<9} {:>6} {:>11} {:>10}  {}", "ID", "NAME", "STATE", "WEIGHT", "CONNECTIONS", "LOAD_PPS", "DATA_ADDR");
+    let list = apis::servers_api::list_servers(cfg)
+        .await
+        .map_err(api_err)?;
+    println!(
+        "{:>5}  {:<16} {:<9} {:>6} {:>11} {:>10}  {}",
+        "ID", "NAME", "STATE", "WEIGHT", "CONNECTIONS", "LOAD_PPS", "DATA_ADDR"
+    );
     for s in list.items {
-        let load = s.stats.load_pps.flatten().map(|l| format!("{l:.0}")).unwrap_or_else(|| "-".into());
+        let load = s
+            .stats
+            .load_pps
+            .flatten()
+            .map(|l| format!("{l:.0}"))
+            .unwrap_or_else(|| "-".into());
         println!(
             "{:>5}  {:<16} {:<9} {:>6} {:>11} {:>10}  {}",
             s.id,
@@ -228,11 +277,18 @@ async fn servers(cfg: &Configuration) -> Result<(), CtlError> {
 }
 
 async fn services(cfg: &Configuration) -> Result<(), CtlError> {
-    let list = apis::services_api::list_services(cfg).await.map_err(api_err)?;
+    let list = apis::services_api::list_services(cfg)
+        .await
+        .map_err(api_err)?;
     println!("{:<20} {:<21} {}", "NAME", "VIP:PORT", "POOL");
     for s in list.items {
         let pool: Vec<String> = s.pool.iter().map(|p| p.to_string()).collect();
-        println!("{:<20} {:<21} {}", s.name, format!("{}:{}", s.vip, s.port), pool.join(","));
+        println!(
+            "{:<20} {:<21} {}",
+            s.name,
+            format!("{}:{}", s.vip, s.port),
+            pool.join(",")
+        );
     }
     Ok(())
 }
@@ -240,13 +296,18 @@ async fn services(cfg: &Configuration) -> Result<(), CtlError> {
 /// Parses `KEY=VALUE` into a JSON value: booleans and numbers as such,
 /// anything else as a string; the API validates and names a bad key.
 fn policy_value(v: &str) -> Value {
-    serde_json::from_str::<Value>(v).ok().filter(|j| j.is_boolean() || j.is_number()).unwrap_or_else(|| Value::String(v.to_string()))
+    serde_json::from_str::<Value>(v)
+        .ok()
+        .filter(|j| j.is_boolean() || j.is_number())
+        .unwrap_or_else(|| Value::String(v.to_string()))
 }
 
 async fn policy_set(cfg: &Configuration, kvs: &[&str]) -> Result<(), CtlError> {
     let mut patch = serde_json::Map::new();
     for kv in kvs {
-        let (k, v) = kv.split_once('=').ok_or_else(|| CtlError::Usage(format!("expected KEY=VALUE, got {kv:?}")))?;
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| CtlError::Usage(format!("expected KEY=VALUE, got {kv:?}")))?;
         patch.insert(k.to_string(), policy_value(v));
     }
     // Through the generated model, so an unknown key fails here with its name.
@@ -254,12 +315,24 @@ async fn policy_set(cfg: &Configuration, kvs: &[&str]) -> Result<(), CtlError> {
         .map_err(|e| CtlError::Usage(format!("bad policy setting: {e}")))?;
     let known = serde_json::to_value(&p).unwrap_or_default();
     if let Some(k) = patch.keys().find(|k| known.get(k.as_str()).is_none()) {
-        return Err(CtlError::Usage(format!("unknown policy key {k:?} (see `policy get`)")));
+        return Err(CtlError::Usage(format!(
+            "unknown policy key {k:?} (see `policy get`)"
+        )));
     }
-    let p = apis::policy_api::patch_policy(cfg, p).await.map_err(api_err)?;
+    let p = apis::policy_api::patch_policy(cfg, p)
+        .await
+        .map_err(api_err)?;
     let v = serde_json::to_value(&p).unwrap_or_default();
     for k in patch.keys() {
-        println!("{k}={}", v.get(k).map(|x| x.as_str().map(str::to_string).unwrap_or_else(|| x.to_string())).unwrap_or_default());
+        println!(
+            "{k}={}",
+            v.get(k)
+                .map(|x| x
+                    .as_str()
+                    .map(str::to_string)
+                    .unwrap_or_else(|| x.to_string()))
+                .unwrap_or_default()
+        );
     }
     Ok(())
 }
@@ -277,7 +350,11 @@ fn progress_line(d: &models::Drain) -> String {
     let p = &d.progress;
     let done = p.flows_total - p.flows_remaining.min(p.flows_total);
     let width = 30usize;
-    let filled = if p.flows_total == 0 { width } else { (done as usize * width) / p.flows_total as usize };
+    let filled = if p.flows_total == 0 {
+        width
+    } else {
+        (done as usize * width) / p.flows_total as usize
+    };
     format!(
         "[{}{}] {done}/{} moved or closed, {} remaining ({})",
         "#".repeat(filled),
@@ -290,14 +367,29 @@ fn progress_line(d: &models::Drain) -> String {
 
 async fn drain(cfg: &Configuration, id: i64, a: &Args) -> Result<(), CtlError> {
     let deadline = match a.value("--deadline") {
-        Some(d) => parse_duration(d).ok_or_else(|| CtlError::Usage(format!("--deadline: bad duration {d:?} (e.g. 30s, 5m)")))?,
+        Some(d) => parse_duration(d).ok_or_else(|| {
+            CtlError::Usage(format!("--deadline: bad duration {d:?} (e.g. 30s, 5m)"))
+        })?,
         None => Duration::from_secs(30),
     };
     let secs = deadline.as_secs().max(1) as i32;
-    let mode = if a.has("--force") { models::DrainMode::Force } else { models::DrainMode::Migrate };
-    let req = models::DrainRequest { deadline_seconds: Some(secs), mode: Some(mode), targets: None };
-    let d = apis::servers_api::drain_server(cfg, id, req).await.map_err(api_err)?;
-    eprintln!("draining server {id}: {} connections, deadline in {secs} s", d.progress.flows_total);
+    let mode = if a.has("--force") {
+        models::DrainMode::Force
+    } else {
+        models::DrainMode::Migrate
+    };
+    let req = models::DrainRequest {
+        deadline_seconds: Some(secs),
+        mode: Some(mode),
+        targets: None,
+    };
+    let d = apis::servers_api::drain_server(cfg, id, req)
+        .await
+        .map_err(api_err)?;
+    eprintln!(
+        "draining server {id}: {} connections, deadline in {secs} s",
+        d.progress.flows_total
+    );
     if !a.has("--wait") {
         println!("{}", drain_state_str(d.state));
         return Ok(());
@@ -307,7 +399,9 @@ async fn drain(cfg: &Configuration, id: i64, a: &Args) -> Result<(), CtlError> {
     let give_up = Instant::now() + deadline + Duration::from_secs(30);
     let mut last = String::new();
     loop {
-        let d = apis::servers_api::get_drain(cfg, id).await.map_err(api_err)?;
+        let d = apis::servers_api::get_drain(cfg, id)
+            .await
+            .map_err(api_err)?;
         let line = progress_line(&d);
         if line != last {
             if tty {
@@ -333,14 +427,20 @@ async fn drain(cfg: &Configuration, id: i64, a: &Args) -> Result<(), CtlError> {
                 }
                 let mut msg = format!("drain of server {id} ended {}", drain_state_str(other));
                 if !d.remaining.is_empty() {
-                    msg.push_str(&format!("; {} connections remain: {}", d.remaining.len(), d.remaining.join(" ")));
+                    msg.push_str(&format!(
+                        "; {} connections remain: {}",
+                        d.remaining.len(),
+                        d.remaining.join(" ")
+                    ));
                 }
                 println!("{}", drain_state_str(other));
                 return Err(CtlError::DrainIncomplete(msg));
             }
         }
         if Instant::now() > give_up {
-            return Err(CtlError::DrainIncomplete(format!("drain of server {id} still running after its deadline")));
+            return Err(CtlError::DrainIncomplete(format!(
+                "drain of server {id} still running after its deadline"
+            )));
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
@@ -359,18 +459,43 @@ fn outcome_str(o: models::MigrationOutcome) -> &'static str {
 async fn migrations(cfg: &Configuration, a: &Args) -> Result<(), CtlError> {
     let follow = a.has("--follow");
     let stop_after = match a.value("--for") {
-        Some(d) => Some(parse_duration(d).ok_or_else(|| CtlError::Usage(format!("--for: bad duration {d:?}")))?),
+        Some(d) => Some(
+            parse_duration(d)
+                .ok_or_else(|| CtlError::Usage(format!("--for: bad duration {d:?}")))?,
+        ),
         None => None,
     };
     let started = Instant::now();
     let mut after = 0i64;
-    println!("{:>8}  {:<34} {:>6} {:>6} {:<11} {:>10}", "ID", "CONNECTION", "FROM", "TO", "OUTCOME", "TOTAL_US");
+    println!(
+        "{:>8}  {:<34} {:>6} {:>6} {:<11} {:>10}",
+        "ID", "CONNECTION", "FROM", "TO", "OUTCOME", "TOTAL_US"
+    );
     loop {
-        let list = apis::migrations_api::list_migrations(cfg, Some(after), Some(1000)).await.map_err(api_err)?;
+        let list = apis::migrations_api::list_migrations(cfg, Some(after), Some(1000))
+            .await
+            .map_err(api_err)?;
         for m in &list.items {
-            let total = m.phases.total_us.flatten().map(|t| t.to_string()).unwrap_or_else(|| "-".into());
-            let to = m.target.flatten().map(|t| t.to_string()).unwrap_or_else(|| "-".into());
-            println!("{:>8}  {:<34} {:>6} {:>6} {:<11} {:>10}", m.id, m.connection, m.origin, to, outcome_str(m.outcome), total);
+            let total = m
+                .phases
+                .total_us
+                .flatten()
+                .map(|t| t.to_string())
+                .unwrap_or_else(|| "-".into());
+            let to = m
+                .target
+                .flatten()
+                .map(|t| t.to_string())
+                .unwrap_or_else(|| "-".into());
+            println!(
+                "{:>8}  {:<34} {:>6} {:>6} {:<11} {:>10}",
+                m.id,
+                m.connection,
+                m.origin,
+                to,
+                outcome_str(m.outcome),
+                total
+            );
             after = after.max(m.id);
         }
         std::io::stdout().flush().ok();
@@ -399,6 +524,9 @@ mod tests {
     fn policy_values() {
         assert_eq!(policy_value("true"), Value::Bool(true));
         assert_eq!(policy_value("12.5"), serde_json::json!(12.5));
-        assert_eq!(policy_value("least_loaded"), Value::String("least_loaded".into()));
+        assert_eq!(
+            policy_value("least_loaded"),
+            Value::String("least_loaded".into())
+        );
     }
 }

@@ -23,7 +23,15 @@ use crate::control::ControlEvent;
 use crate::problem::{ApiResult, Problem, Query};
 use crate::server::{data_source_json, server_event, service_event, AppState};
 
-pub const EVENT_TYPES: [&str; 7] = ["load", "server", "service", "drain", "migration", "policy", "lagged"];
+pub const EVENT_TYPES: [&str; 7] = [
+    "load",
+    "server",
+    "service",
+    "drain",
+    "migration",
+    "policy",
+    "lagged",
+];
 const KEEPALIVE: Duration = Duration::from_secs(15);
 const LOAD_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -34,7 +42,10 @@ pub struct SseMessage {
 }
 
 fn frame(event: &'static str, data: &Value) -> Arc<SseMessage> {
-    Arc::new(SseMessage { event, frame: Bytes::from(format!("event: {event}\ndata: {data}\n\n")) })
+    Arc::new(SseMessage {
+        event,
+        frame: Bytes::from(format!("event: {event}\ndata: {data}\n\n")),
+    })
 }
 
 /// Runs until the process ends (the caller aborts it on shutdown).
@@ -43,7 +54,16 @@ pub async fn run_hub(state: AppState) {
     let mut ticker = tokio::time::interval(LOAD_INTERVAL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
-        let mut watch = match state.store.watch(&[WatchKind::Servers, WatchKind::Services, WatchKind::Policy, WatchKind::Drains]).await {
+        let mut watch = match state
+            .store
+            .watch(&[
+                WatchKind::Servers,
+                WatchKind::Services,
+                WatchKind::Policy,
+                WatchKind::Drains,
+            ])
+            .await
+        {
             Ok(w) => w,
             Err(e) => {
                 tracing::warn!(error = %e, "event hub: store watch failed; retrying in 1 s");
@@ -101,7 +121,10 @@ pub async fn run_hub(state: AppState) {
 
 async fn publish_change(state: &AppState, change: Change) -> ApiResult<()> {
     let msg = match change {
-        Change::ServerPut(s) => frame("server", &server_event(state, s.id, &state.cp.server_stats().await?).await?),
+        Change::ServerPut(s) => frame(
+            "server",
+            &server_event(state, s.id, &state.cp.server_stats().await?).await?,
+        ),
         Change::ServerDeleted(id) => frame("server", &json!({ "id": id.0, "server": null })),
         Change::ServicePut(s) => frame("service", &service_event(&s.name, Some(&s))),
         Change::ServiceDeleted(name) => frame("service", &service_event(&name, None)),
@@ -110,7 +133,9 @@ async fn publish_change(state: &AppState, change: Change) -> ApiResult<()> {
             Some(v) => frame("drain", &json!(v)),
             None => return Ok(()),
         },
-        Change::DrainDeleted(_) | Change::AuditAppended(_) | Change::LeaderChanged { .. } => return Ok(()),
+        Change::DrainDeleted(_) | Change::AuditAppended(_) | Change::LeaderChanged { .. } => {
+            return Ok(())
+        }
     };
     let _ = state.hub.send(msg);
     Ok(())
@@ -128,7 +153,10 @@ pub async fn stream(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<Ht
                 match EVENT_TYPES.iter().find(|e| **e == t) {
                     Some(e) => set.insert(*e),
                     None => {
-                        return Err(Problem::bad_param("types", format!("unknown event type {t:?}; known: {}", EVENT_TYPES.join(","))))
+                        return Err(Problem::bad_param(
+                            "types",
+                            format!("unknown event type {t:?}; known: {}", EVENT_TYPES.join(",")),
+                        ))
                     }
                 };
             }
@@ -139,28 +167,31 @@ pub async fn stream(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<Ht
     let mut keepalive = tokio::time::interval(KEEPALIVE);
     keepalive.reset();
     let first = Bytes::from_static(b": connected\n\n");
-    let body = futures::stream::unfold((rx, keepalive, Some(first), types), |(mut rx, mut ka, first, types)| async move {
-        if let Some(f) = first {
-            return Some((Ok::<_, actix_web::Error>(f), (rx, ka, None, types)));
-        }
-        loop {
-            tokio::select! {
-                msg = rx.recv() => match msg {
-                    Ok(m) => {
-                        if types.as_ref().is_none_or(|t| t.contains(m.event)) {
-                            return Some((Ok(m.frame.clone()), (rx, ka, None, types)));
-                        }
-                    }
-                    Err(broadcast::error::RecvError::Lagged(n)) => {
-                        let f = Bytes::from(format!("event: lagged\ndata: {}\n\n", json!({ "missed": n })));
-                        return Some((Ok(f), (rx, ka, None, types)));
-                    }
-                    Err(broadcast::error::RecvError::Closed) => return None,
-                },
-                _ = ka.tick() => return Some((Ok(Bytes::from_static(b": keep-alive\n\n")), (rx, ka, None, types))),
+    let body = futures::stream::unfold(
+        (rx, keepalive, Some(first), types),
+        |(mut rx, mut ka, first, types)| async move {
+            if let Some(f) = first {
+                return Some((Ok::<_, actix_web::Error>(f), (rx, ka, None, types)));
             }
-        }
-    });
+            loop {
+                tokio::select! {
+                    msg = rx.recv() => match msg {
+                        Ok(m) => {
+                            if types.as_ref().is_none_or(|t| t.contains(m.event)) {
+                                return Some((Ok(m.frame.clone()), (rx, ka, None, types)));
+                            }
+                        }
+                        Err(broadcast::error::RecvError::Lagged(n)) => {
+                            let f = Bytes::from(format!("event: lagged\ndata: {}\n\n", json!({ "missed": n })));
+                            return Some((Ok(f), (rx, ka, None, types)));
+                        }
+                        Err(broadcast::error::RecvError::Closed) => return None,
+                    },
+                    _ = ka.tick() => return Some((Ok(Bytes::from_static(b": keep-alive\n\n")), (rx, ka, None, types))),
+                }
+            }
+        },
+    );
     Ok(HttpResponse::Ok()
         .content_type("text/event-stream")
         .insert_header(("Cache-Control", "no-cache"))

@@ -31,21 +31,44 @@ pub struct Problem {
 }
 
 impl Problem {
-    fn new(status: StatusCode, kind: &'static str, title: &'static str, detail: impl Into<String>) -> Self {
-        Problem { status, kind, title, detail: detail.into(), field: None, www_authenticate: false, allow: None }
+    fn new(
+        status: StatusCode,
+        kind: &'static str,
+        title: &'static str,
+        detail: impl Into<String>,
+    ) -> Self {
+        Problem {
+            status,
+            kind,
+            title,
+            detail: detail.into(),
+            field: None,
+            www_authenticate: false,
+            allow: None,
+        }
     }
     pub fn with_field(mut self, field: impl Into<String>) -> Self {
         self.field = Some(field.into());
         self
     }
     pub fn bad_request(detail: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "bad-request", "Bad request", detail)
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "bad-request",
+            "Bad request",
+            detail,
+        )
     }
     pub fn bad_param(param: &str, detail: impl Into<String>) -> Self {
         Self::bad_request(detail).with_field(param)
     }
     pub fn unauthorized(detail: impl Into<String>) -> Self {
-        let mut p = Self::new(StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized", detail);
+        let mut p = Self::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "Unauthorized",
+            detail,
+        );
         p.www_authenticate = true;
         p
     }
@@ -77,18 +100,39 @@ impl Problem {
         )
     }
     pub fn unsupported_media(detail: impl Into<String>) -> Self {
-        Self::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported-media-type", "Unsupported media type", detail)
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported-media-type",
+            "Unsupported media type",
+            detail,
+        )
     }
     pub fn invalid(field: impl Into<String>, detail: impl Into<String>) -> Self {
         let field = field.into();
         let detail = format!("`{field}`: {}", detail.into());
-        Self::new(StatusCode::UNPROCESSABLE_ENTITY, "validation", "Validation failed", detail).with_field(field)
+        Self::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "validation",
+            "Validation failed",
+            detail,
+        )
+        .with_field(field)
     }
     pub fn internal(detail: impl Into<String>) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "Internal error", detail)
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "Internal error",
+            detail,
+        )
     }
     pub fn unavailable(detail: impl Into<String>) -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "Service unavailable", detail)
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "Service unavailable",
+            detail,
+        )
     }
 
     pub fn body(&self) -> Value {
@@ -107,7 +151,13 @@ impl Problem {
 
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} {}: {}", self.status.as_u16(), self.title, self.detail)
+        write!(
+            f,
+            "{} {}: {}",
+            self.status.as_u16(),
+            self.title,
+            self.detail
+        )
     }
 }
 
@@ -117,9 +167,15 @@ impl ResponseError for Problem {
     }
     fn error_response(&self) -> HttpResponse {
         let mut b = HttpResponse::build(self.status);
-        b.insert_header((header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json")));
+        b.insert_header((
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        ));
         if self.www_authenticate {
-            b.insert_header((header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"capybara\"")));
+            b.insert_header((
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"capybara\""),
+            ));
         }
         if let Some(allow) = self.allow {
             b.insert_header((header::ALLOW, HeaderValue::from_static(allow)));
@@ -147,7 +203,11 @@ pub type ApiResult<T> = Result<T, Problem>;
 
 /// Reads a JSON body of at most `MAX_BODY_BYTES`. `Ok(None)` when the body
 /// is empty and `required` is false.
-pub async fn read_json(req: &HttpRequest, mut payload: actix_web::web::Payload, required: bool) -> ApiResult<Option<Value>> {
+pub async fn read_json(
+    req: &HttpRequest,
+    mut payload: actix_web::web::Payload,
+    required: bool,
+) -> ApiResult<Option<Value>> {
     if let Some(len) = req.headers().get(header::CONTENT_LENGTH) {
         if let Some(n) = len.to_str().ok().and_then(|s| s.parse::<u64>().ok()) {
             if n > MAX_BODY_BYTES as u64 {
@@ -164,14 +224,31 @@ pub async fn read_json(req: &HttpRequest, mut payload: actix_web::web::Payload, 
         buf.extend_from_slice(&chunk);
     }
     if buf.is_empty() {
-        return if required { Err(Problem::bad_request("a JSON request body is required")) } else { Ok(None) };
+        return if required {
+            Err(Problem::bad_request("a JSON request body is required"))
+        } else {
+            Ok(None)
+        };
     }
-    let ct = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
-    let mime = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
-    if mime != "application/json" && !(mime.starts_with("application/") && mime.ends_with("+json")) {
-        return Err(Problem::unsupported_media(format!("Content-Type must be application/json, got {ct:?}")));
+    let ct = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let mime = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    if mime != "application/json" && !(mime.starts_with("application/") && mime.ends_with("+json"))
+    {
+        return Err(Problem::unsupported_media(format!(
+            "Content-Type must be application/json, got {ct:?}"
+        )));
     }
-    let v: Value = serde_json::from_slice(&buf).map_err(|e| Problem::bad_request(format!("body is not valid JSON: {e}")))?;
+    let v: Value = serde_json::from_slice(&buf)
+        .map_err(|e| Problem::bad_request(format!("body is not valid JSON: {e}")))?;
     Ok(Some(v))
 }
 
@@ -188,8 +265,20 @@ pub fn parse_body<T: DeserializeOwned>(v: Value) -> ApiResult<T> {
     serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
         let msg = e.inner().to_string();
         let path = e.path().to_string();
-        let field = field_from_message(&msg).map(|f| if path == "." { f.clone() } else { format!("{path}.{f}") });
-        let field = field.unwrap_or_else(|| if path == "." { "body".to_string() } else { path.clone() });
+        let field = field_from_message(&msg).map(|f| {
+            if path == "." {
+                f.clone()
+            } else {
+                format!("{path}.{f}")
+            }
+        });
+        let field = field.unwrap_or_else(|| {
+            if path == "." {
+                "body".to_string()
+            } else {
+                path.clone()
+            }
+        });
         Problem::invalid(field, msg)
     })
 }
@@ -198,12 +287,18 @@ pub fn parse_body<T: DeserializeOwned>(v: Value) -> ApiResult<T> {
 /// path still points at the enclosing object.
 fn field_from_message(msg: &str) -> Option<String> {
     // (For unknown fields the path already ends with the field.)
-    msg.strip_prefix("missing field `").and_then(|rest| rest.split('`').next()).map(str::to_string)
+    msg.strip_prefix("missing field `")
+        .and_then(|rest| rest.split('`').next())
+        .map(str::to_string)
 }
 
 /// `[A-Za-z0-9_.-]{1,64}`: names of servers, services and tokens.
 pub fn valid_name(name: &str) -> bool {
-    !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
 }
 
 /// Query parameters, last occurrence wins.
@@ -216,14 +311,23 @@ impl Query {
             .map_err(|e| Problem::bad_request(format!("malformed query string: {e}")))
     }
     pub fn get(&self, key: &str) -> Option<&str> {
-        self.0.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+        self.0
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
     }
     pub fn u64_in(&self, key: &str, min: u64, max: u64) -> ApiResult<Option<u64>> {
         match self.get(key) {
             None => Ok(None),
             Some(s) => match s.parse::<u64>() {
                 Ok(n) if (min..=max).contains(&n) => Ok(Some(n)),
-                _ => Err(Problem::bad_param(key, format!("query parameter `{key}` must be an integer in [{min}, {max}], got {s:?}"))),
+                _ => Err(Problem::bad_param(
+                    key,
+                    format!(
+                        "query parameter `{key}` must be an integer in [{min}, {max}], got {s:?}"
+                    ),
+                )),
             },
         }
     }
@@ -233,7 +337,10 @@ impl Query {
 pub fn parse_server_id(raw: &str) -> ApiResult<capybara_proto::flow::ServerId> {
     match raw.parse::<u64>() {
         Ok(n) if (1..=u32::MAX as u64).contains(&n) => Ok(capybara_proto::flow::ServerId(n as u32)),
-        _ => Err(Problem::bad_param("server_id", format!("server id must be an integer in [1, 4294967295], got {raw:?}"))),
+        _ => Err(Problem::bad_param(
+            "server_id",
+            format!("server id must be an integer in [1, 4294967295], got {raw:?}"),
+        )),
     }
 }
 

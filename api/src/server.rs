@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use actix_web::dev::{Service as _, ServerHandle};
+use actix_web::dev::{ServerHandle, Service as _};
 use actix_web::http::header;
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer, ResponseError};
 use capybara_proto::flow::ServerId;
@@ -23,11 +23,14 @@ use tokio::sync::broadcast;
 use crate::apidb::{ApiDb, ApiDbError, DrainMode, Role};
 use crate::auth::{authorize, Principal};
 use crate::control::{
-    parse_connection_id, ConnectionFilter, ControlPlane, DataSource, DrainSpec, DrainView, ServerStats,
+    parse_connection_id, ConnectionFilter, ControlPlane, DataSource, DrainSpec, DrainView,
+    ServerStats,
 };
 use crate::events::{self, SseMessage};
 use crate::metrics::Metrics;
-use crate::problem::{parse_body, parse_server_id, read_json, valid_name, ApiResult, Problem, Query};
+use crate::problem::{
+    parse_body, parse_server_id, read_json, valid_name, ApiResult, Problem, Query,
+};
 
 /// Everything needed to run the API.
 pub struct ApiConfig {
@@ -114,51 +117,75 @@ pub async fn start(config: ApiConfig) -> std::io::Result<RunningApi> {
     let server = server.run();
     let handle = server.handle();
     let join = tokio::spawn(server);
-    Ok(RunningApi { addr, handle, join, background })
+    Ok(RunningApi {
+        addr,
+        handle,
+        join,
+        background,
+    })
 }
 
 fn resource(path: &str, allow: &'static str) -> actix_web::Resource {
-    web::resource(path).default_service(web::to(move || async move { Problem::method_not_allowed(allow).error_response() }))
+    web::resource(path).default_service(web::to(move || async move {
+        Problem::method_not_allowed(allow).error_response()
+    }))
 }
 
 /// Registers every route of `openapi.yaml` (and the dashboard, if any).
 pub fn routes(cfg: &mut web::ServiceConfig, static_dir: Option<PathBuf>) {
-    cfg.service(resource("/v1/servers", "GET, POST").route(web::get().to(list_servers)).route(web::post().to(register_server)))
-        .service(
-            resource("/v1/servers/{server_id}", "GET, DELETE")
-                .route(web::get().to(get_server))
-                .route(web::delete().to(deregister_server)),
-        )
-        .service(resource("/v1/servers/{server_id}/weight", "PUT").route(web::put().to(set_weight)))
-        .service(
-            resource("/v1/servers/{server_id}/drain", "GET, POST")
-                .route(web::get().to(get_drain))
-                .route(web::post().to(drain_server)),
-        )
-        .service(resource("/v1/servers/{server_id}/undrain", "POST").route(web::post().to(undrain_server)))
-        .service(resource("/v1/services", "GET, POST").route(web::get().to(list_services)).route(web::post().to(create_service)))
-        .service(
-            resource("/v1/services/{service_name}", "GET, PUT, DELETE")
-                .route(web::get().to(get_service))
-                .route(web::put().to(update_service))
-                .route(web::delete().to(delete_service)),
-        )
-        .service(resource("/v1/connections", "GET").route(web::get().to(list_connections)))
-        .service(resource("/v1/connections/{connection_id}/migrate", "POST").route(web::post().to(migrate_connection)))
-        .service(resource("/v1/migrations", "GET").route(web::get().to(list_migrations)))
-        .service(
-            resource("/v1/policy", "GET, PUT, PATCH")
-                .route(web::get().to(get_policy))
-                .route(web::put().to(put_policy))
-                .route(web::patch().to(patch_policy)),
-        )
-        .service(resource("/v1/tokens", "GET, POST").route(web::get().to(list_tokens)).route(web::post().to(create_token)))
-        .service(resource("/v1/tokens/{token_id}", "DELETE").route(web::delete().to(revoke_token)))
-        .service(resource("/v1/events", "GET").route(web::get().to(events::stream)))
-        .service(resource("/v1/audit", "GET").route(web::get().to(list_audit)))
-        .service(resource("/metrics", "GET").route(web::get().to(crate::metrics::metrics)))
-        .service(resource("/healthz", "GET").route(web::get().to(healthz)))
-        .service(resource("/readyz", "GET").route(web::get().to(readyz)));
+    cfg.service(
+        resource("/v1/servers", "GET, POST")
+            .route(web::get().to(list_servers))
+            .route(web::post().to(register_server)),
+    )
+    .service(
+        resource("/v1/servers/{server_id}", "GET, DELETE")
+            .route(web::get().to(get_server))
+            .route(web::delete().to(deregister_server)),
+    )
+    .service(resource("/v1/servers/{server_id}/weight", "PUT").route(web::put().to(set_weight)))
+    .service(
+        resource("/v1/servers/{server_id}/drain", "GET, POST")
+            .route(web::get().to(get_drain))
+            .route(web::post().to(drain_server)),
+    )
+    .service(
+        resource("/v1/servers/{server_id}/undrain", "POST").route(web::post().to(undrain_server)),
+    )
+    .service(
+        resource("/v1/services", "GET, POST")
+            .route(web::get().to(list_services))
+            .route(web::post().to(create_service)),
+    )
+    .service(
+        resource("/v1/services/{service_name}", "GET, PUT, DELETE")
+            .route(web::get().to(get_service))
+            .route(web::put().to(update_service))
+            .route(web::delete().to(delete_service)),
+    )
+    .service(resource("/v1/connections", "GET").route(web::get().to(list_connections)))
+    .service(
+        resource("/v1/connections/{connection_id}/migrate", "POST")
+            .route(web::post().to(migrate_connection)),
+    )
+    .service(resource("/v1/migrations", "GET").route(web::get().to(list_migrations)))
+    .service(
+        resource("/v1/policy", "GET, PUT, PATCH")
+            .route(web::get().to(get_policy))
+            .route(web::put().to(put_policy))
+            .route(web::patch().to(patch_policy)),
+    )
+    .service(
+        resource("/v1/tokens", "GET, POST")
+            .route(web::get().to(list_tokens))
+            .route(web::post().to(create_token)),
+    )
+    .service(resource("/v1/tokens/{token_id}", "DELETE").route(web::delete().to(revoke_token)))
+    .service(resource("/v1/events", "GET").route(web::get().to(events::stream)))
+    .service(resource("/v1/audit", "GET").route(web::get().to(list_audit)))
+    .service(resource("/metrics", "GET").route(web::get().to(crate::metrics::metrics)))
+    .service(resource("/healthz", "GET").route(web::get().to(healthz)))
+    .service(resource("/readyz", "GET").route(web::get().to(readyz)));
     if let Some(dir) = static_dir {
         cfg.service(
             actix_files::Files::new("/", dir)
@@ -178,7 +205,9 @@ fn st(data: &web::Data<AppState>) -> &AppState {
 }
 
 fn json_response<T: Serialize>(status: actix_web::http::StatusCode, v: &T) -> HttpResponse {
-    HttpResponse::build(status).content_type("application/json").body(serde_json::to_string(v).unwrap_or_default())
+    HttpResponse::build(status)
+        .content_type("application/json")
+        .body(serde_json::to_string(v).unwrap_or_default())
 }
 
 fn ok<T: Serialize>(v: &T) -> HttpResponse {
@@ -188,7 +217,12 @@ fn ok<T: Serialize>(v: &T) -> HttpResponse {
 /// Appends an audit entry. The mutation already happened, so a failing
 /// audit append is logged loudly rather than reported as a failure.
 async fn audit(state: &AppState, who: &Principal, action: &str, target: String, detail: Value) {
-    let rec = AuditRecord { actor: who.actor(), action: action.to_string(), target, detail };
+    let rec = AuditRecord {
+        actor: who.actor(),
+        action: action.to_string(),
+        target,
+        detail,
+    };
     if let Err(e) = state.store.append_audit(&rec).await {
         tracing::error!(error = %e, action, "audit append failed");
     }
@@ -210,14 +244,24 @@ pub struct ServerView {
     pub drain: Option<DrainView>,
 }
 
-pub async fn server_view(state: &AppState, s: Server, stats: Option<ServerStats>) -> ApiResult<ServerView> {
+pub async fn server_view(
+    state: &AppState,
+    s: Server,
+    stats: Option<ServerStats>,
+) -> ApiResult<ServerView> {
     let stats = match stats {
         Some(st) => st,
-        None => state.cp.server_stats().await?.get(&s.id).copied().unwrap_or(ServerStats {
-            data_source: state.cp.data_source(),
-            connections: 0,
-            load_pps: None,
-        }),
+        None => state
+            .cp
+            .server_stats()
+            .await?
+            .get(&s.id)
+            .copied()
+            .unwrap_or(ServerStats {
+                data_source: state.cp.data_source(),
+                connections: 0,
+                load_pps: None,
+            }),
     };
     let drain = state.cp.drain_status(s.id).await?;
     Ok(ServerView {
@@ -236,7 +280,11 @@ pub async fn server_view(state: &AppState, s: Server, stats: Option<ServerStats>
 
 async fn existing_server(state: &AppState, raw: &str) -> ApiResult<Server> {
     let id = parse_server_id(raw)?;
-    state.store.get_server(id).await?.ok_or_else(|| Problem::not_found(format!("server {} not found", id.0)))
+    state
+        .store
+        .get_server(id)
+        .await?
+        .ok_or_else(|| Problem::not_found(format!("server {} not found", id.0)))
 }
 
 async fn list_servers(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
@@ -246,12 +294,27 @@ async fn list_servers(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<
     let mut items = Vec::new();
     for s in state.store.list_servers().await? {
         let sst = stats.get(&s.id).copied();
-        items.push(server_view(state, s, sst.or(Some(ServerStats { data_source: state.cp.data_source(), connections: 0, load_pps: None }))).await?);
+        items.push(
+            server_view(
+                state,
+                s,
+                sst.or(Some(ServerStats {
+                    data_source: state.cp.data_source(),
+                    connections: 0,
+                    load_pps: None,
+                })),
+            )
+            .await?,
+        );
     }
     Ok(ok(&json!({ "items": items })))
 }
 
-async fn get_server(req: HttpRequest, path: web::Path<String>, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn get_server(
+    req: HttpRequest,
+    path: web::Path<String>,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
     let s = existing_server(state, &path).await?;
@@ -270,50 +333,76 @@ struct RegisterBody {
 
 fn check_weight(field: &str, w: u64) -> ApiResult<u32> {
     if w > 65535 {
-        return Err(Problem::invalid(field, format!("must be in [0, 65535], got {w}")));
+        return Err(Problem::invalid(
+            field,
+            format!("must be in [0, 65535], got {w}"),
+        ));
     }
     Ok(w as u32)
 }
 
-async fn register_server(req: HttpRequest, payload: web::Payload, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn register_server(
+    req: HttpRequest,
+    payload: web::Payload,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     let who = authorize(&req, state, Role::Operator, false)?;
     let body = read_json(&req, payload, true).await?.unwrap_or(Value::Null);
     let b: RegisterBody = parse_body(body.clone())?;
     if let Some(id) = b.id {
         if !(1..=u32::MAX as u64).contains(&id) {
-            return Err(Problem::invalid("id", format!("must be in [1, 4294967295], got {id}")));
+            return Err(Problem::invalid(
+                "id",
+                format!("must be in [1, 4294967295], got {id}"),
+            ));
         }
     }
     if !valid_name(&b.name) {
-        return Err(Problem::invalid("name", "must be 1-64 characters of [A-Za-z0-9_.-]"));
+        return Err(Problem::invalid(
+            "name",
+            "must be 1-64 characters of [A-Za-z0-9_.-]",
+        ));
     }
-    let mgmt: SocketAddr = b
-        .mgmt_addr
-        .parse()
-        .map_err(|_| Problem::invalid("mgmt_addr", format!("must be IPv4:port, got {:?}", b.mgmt_addr)))?;
+    let mgmt: SocketAddr = b.mgmt_addr.parse().map_err(|_| {
+        Problem::invalid(
+            "mgmt_addr",
+            format!("must be IPv4:port, got {:?}", b.mgmt_addr),
+        )
+    })?;
     if mgmt.port() == 0 {
         return Err(Problem::invalid("mgmt_addr", "port must not be 0"));
     }
-    let data_addr: Ipv4Addr =
-        b.data_addr.parse().map_err(|_| Problem::invalid("data_addr", format!("must be an IPv4 address, got {:?}", b.data_addr)))?;
+    let data_addr: Ipv4Addr = b.data_addr.parse().map_err(|_| {
+        Problem::invalid(
+            "data_addr",
+            format!("must be an IPv4 address, got {:?}", b.data_addr),
+        )
+    })?;
     let weight = check_weight("weight", b.weight.unwrap_or(100))?;
     let _g = state.write_lock.lock().await;
     let existing = state.store.list_servers().await?;
     if existing.iter().any(|s| s.name == b.name) {
-        return Err(Problem::conflict(format!("a server named {:?} is already registered", b.name)));
+        return Err(Problem::conflict(format!(
+            "a server named {:?} is already registered",
+            b.name
+        )));
     }
     let id = match b.id {
         Some(id) => {
             if existing.iter().any(|s| s.id.0 as u64 == id) {
-                return Err(Problem::conflict(format!("server id {id} is already registered")));
+                return Err(Problem::conflict(format!(
+                    "server id {id} is already registered"
+                )));
             }
             ServerId(id as u32)
         }
         None => {
             let max = existing.iter().map(|s| s.id.0).max().unwrap_or(0);
             if max == u32::MAX {
-                return Err(Problem::conflict("no free server id above the largest one; pass `id`"));
+                return Err(Problem::conflict(
+                    "no free server id above the largest one; pass `id`",
+                ));
             }
             ServerId(max + 1)
         }
@@ -322,7 +411,14 @@ async fn register_server(req: HttpRequest, payload: web::Payload, data: web::Dat
     server.weight = weight;
     state.store.put_server(&server).await?;
     drop(_g);
-    audit(state, &who, "server.register", format!("servers/{}", id.0), body).await;
+    audit(
+        state,
+        &who,
+        "server.register",
+        format!("servers/{}", id.0),
+        body,
+    )
+    .await;
     let view = server_view(state, server, None).await?;
     Ok(HttpResponse::Created()
         .insert_header((header::LOCATION, format!("/v1/servers/{}", id.0)))
@@ -330,7 +426,11 @@ async fn register_server(req: HttpRequest, payload: web::Payload, data: web::Dat
         .body(serde_json::to_string(&view).unwrap_or_default()))
 }
 
-async fn deregister_server(req: HttpRequest, path: web::Path<String>, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn deregister_server(
+    req: HttpRequest,
+    path: web::Path<String>,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     let who = authorize(&req, state, Role::Admin, false)?;
     let s = existing_server(state, &path).await?;
@@ -342,13 +442,29 @@ async fn deregister_server(req: HttpRequest, path: web::Path<String>, data: web:
         )));
     }
     let _g = state.write_lock.lock().await;
-    if let Some(svc) = state.store.list_services().await?.into_iter().find(|svc| svc.pool.contains(&s.id)) {
-        return Err(Problem::conflict(format!("server {} is in the pool of service {:?}; remove it there first", s.id.0, svc.name)));
+    if let Some(svc) = state
+        .store
+        .list_services()
+        .await?
+        .into_iter()
+        .find(|svc| svc.pool.contains(&s.id))
+    {
+        return Err(Problem::conflict(format!(
+            "server {} is in the pool of service {:?}; remove it there first",
+            s.id.0, svc.name
+        )));
     }
     state.store.delete_drain(s.id).await?;
     state.store.delete_server(s.id).await?;
     drop(_g);
-    audit(state, &who, "server.deregister", format!("servers/{}", s.id.0), json!({ "name": s.name })).await;
+    audit(
+        state,
+        &who,
+        "server.deregister",
+        format!("servers/{}", s.id.0),
+        json!({ "name": s.name }),
+    )
+    .await;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -358,14 +474,26 @@ struct WeightBody {
     weight: u64,
 }
 
-async fn set_weight(req: HttpRequest, path: web::Path<String>, payload: web::Payload, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn set_weight(
+    req: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     let who = authorize(&req, state, Role::Operator, false)?;
     let s = existing_server(state, &path).await?;
     let b: WeightBody = parse_body(read_json(&req, payload, true).await?.unwrap_or(Value::Null))?;
     let w = check_weight("weight", b.weight)?;
     let updated = state.store.set_server_weight(s.id, w).await?;
-    audit(state, &who, "server.weight", format!("servers/{}", s.id.0), json!({ "old": s.weight, "new": w })).await;
+    audit(
+        state,
+        &who,
+        "server.weight",
+        format!("servers/{}", s.id.0),
+        json!({ "old": s.weight, "new": w }),
+    )
+    .await;
     Ok(ok(&server_view(state, updated, None).await?))
 }
 
@@ -377,7 +505,12 @@ struct DrainBody {
     targets: Option<Vec<u64>>,
 }
 
-async fn drain_server(req: HttpRequest, path: web::Path<String>, payload: web::Payload, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn drain_server(
+    req: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     let who = authorize(&req, state, Role::Operator, false)?;
     let s = existing_server(state, &path).await?;
@@ -385,43 +518,81 @@ async fn drain_server(req: HttpRequest, path: web::Path<String>, payload: web::P
     let b: DrainBody = parse_body(body.clone())?;
     let deadline = b.deadline_seconds.unwrap_or(30);
     if !(1..=86_400).contains(&deadline) {
-        return Err(Problem::invalid("deadline_seconds", format!("must be in [1, 86400], got {deadline}")));
+        return Err(Problem::invalid(
+            "deadline_seconds",
+            format!("must be in [1, 86400], got {deadline}"),
+        ));
     }
     let mut targets = Vec::new();
     for (i, t) in b.targets.unwrap_or_default().into_iter().enumerate() {
         if !(1..=u32::MAX as u64).contains(&t) {
-            return Err(Problem::invalid(format!("targets[{i}]"), format!("must be a server id in [1, 4294967295], got {t}")));
+            return Err(Problem::invalid(
+                format!("targets[{i}]"),
+                format!("must be a server id in [1, 4294967295], got {t}"),
+            ));
         }
         if targets.contains(&ServerId(t as u32)) {
-            return Err(Problem::invalid(format!("targets[{i}]"), format!("server {t} is listed twice")));
+            return Err(Problem::invalid(
+                format!("targets[{i}]"),
+                format!("server {t} is listed twice"),
+            ));
         }
         targets.push(ServerId(t as u32));
     }
     if targets.len() > 1024 {
         return Err(Problem::invalid("targets", "at most 1024 targets"));
     }
-    let spec = DrainSpec { deadline: Duration::from_secs(deadline), mode: b.mode.unwrap_or(DrainMode::Migrate), targets };
+    let spec = DrainSpec {
+        deadline: Duration::from_secs(deadline),
+        mode: b.mode.unwrap_or(DrainMode::Migrate),
+        targets,
+    };
     let view = state.cp.start_drain(s.id, spec).await?;
-    audit(state, &who, "server.drain", format!("servers/{}", s.id.0), body).await;
+    audit(
+        state,
+        &who,
+        "server.drain",
+        format!("servers/{}", s.id.0),
+        body,
+    )
+    .await;
     Ok(json_response(actix_web::http::StatusCode::ACCEPTED, &view))
 }
 
-async fn get_drain(req: HttpRequest, path: web::Path<String>, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn get_drain(
+    req: HttpRequest,
+    path: web::Path<String>,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
     let s = existing_server(state, &path).await?;
     match state.cp.drain_status(s.id).await? {
         Some(d) => Ok(ok(&d)),
-        None => Err(Problem::not_found(format!("server {} has never been drained", s.id.0))),
+        None => Err(Problem::not_found(format!(
+            "server {} has never been drained",
+            s.id.0
+        ))),
     }
 }
 
-async fn undrain_server(req: HttpRequest, path: web::Path<String>, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn undrain_server(
+    req: HttpRequest,
+    path: web::Path<String>,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     let who = authorize(&req, state, Role::Operator, false)?;
     let s = existing_server(state, &path).await?;
     state.cp.stop_drain(s.id).await?;
-    audit(state, &who, "server.undrain", format!("servers/{}", s.id.0), json!({ "previous_state": s.state.as_str() })).await;
+    audit(
+        state,
+        &who,
+        "server.undrain",
+        format!("servers/{}", s.id.0),
+        json!({ "previous_state": s.state.as_str() }),
+    )
+    .await;
     let s = existing_server(state, &path).await?;
     Ok(ok(&server_view(state, s, None).await?))
 }
@@ -446,96 +617,174 @@ struct ServiceView {
 }
 
 fn service_view(s: &Service) -> ServiceView {
-    ServiceView { name: s.name.clone(), vip: s.vip.to_string(), port: s.port, pool: s.pool.iter().map(|p| p.0).collect() }
+    ServiceView {
+        name: s.name.clone(),
+        vip: s.vip.to_string(),
+        port: s.port,
+        pool: s.pool.iter().map(|p| p.0).collect(),
+    }
 }
 
 /// Validates a service body against the registered servers and the other
 /// services (unique VIP:port).
 async fn check_service(state: &AppState, name: String, b: ServiceBody) -> ApiResult<Service> {
-    let vip: Ipv4Addr = b.vip.parse().map_err(|_| Problem::invalid("vip", format!("must be an IPv4 address, got {:?}", b.vip)))?;
+    let vip: Ipv4Addr = b.vip.parse().map_err(|_| {
+        Problem::invalid("vip", format!("must be an IPv4 address, got {:?}", b.vip))
+    })?;
     if !(1..=65535).contains(&b.port) {
-        return Err(Problem::invalid("port", format!("must be in [1, 65535], got {}", b.port)));
+        return Err(Problem::invalid(
+            "port",
+            format!("must be in [1, 65535], got {}", b.port),
+        ));
     }
     if b.pool.len() > 1024 {
         return Err(Problem::invalid("pool", "at most 1024 servers"));
     }
-    let servers: HashSet<u32> = state.store.list_servers().await?.into_iter().map(|s| s.id.0).collect();
+    let servers: HashSet<u32> = state
+        .store
+        .list_servers()
+        .await?
+        .into_iter()
+        .map(|s| s.id.0)
+        .collect();
     let mut pool = Vec::new();
     for (i, id) in b.pool.iter().enumerate() {
         let f = format!("pool[{i}]");
         if !(1..=u32::MAX as u64).contains(id) {
-            return Err(Problem::invalid(f, format!("must be a server id in [1, 4294967295], got {id}")));
+            return Err(Problem::invalid(
+                f,
+                format!("must be a server id in [1, 4294967295], got {id}"),
+            ));
         }
         if !servers.contains(&(*id as u32)) {
-            return Err(Problem::invalid(f, format!("server {id} is not registered")));
+            return Err(Problem::invalid(
+                f,
+                format!("server {id} is not registered"),
+            ));
         }
         if pool.contains(&ServerId(*id as u32)) {
             return Err(Problem::invalid(f, format!("server {id} is listed twice")));
         }
         pool.push(ServerId(*id as u32));
     }
-    if let Some(other) = state.store.list_services().await?.into_iter().find(|s| s.vip == vip && s.port == b.port as u16 && s.name != name) {
-        return Err(Problem::conflict(format!("{vip}:{} is already the address of service {:?}", b.port, other.name)));
+    if let Some(other) = state
+        .store
+        .list_services()
+        .await?
+        .into_iter()
+        .find(|s| s.vip == vip && s.port == b.port as u16 && s.name != name)
+    {
+        return Err(Problem::conflict(format!(
+            "{vip}:{} is already the address of service {:?}",
+            b.port, other.name
+        )));
     }
-    Ok(Service { name, vip, port: b.port as u16, pool })
+    Ok(Service {
+        name,
+        vip,
+        port: b.port as u16,
+        pool,
+    })
 }
 
 fn check_service_name(raw: &str) -> ApiResult<()> {
     if valid_name(raw) {
         Ok(())
     } else {
-        Err(Problem::bad_param("service_name", "service names are 1-64 characters of [A-Za-z0-9_.-]"))
+        Err(Problem::bad_param(
+            "service_name",
+            "service names are 1-64 characters of [A-Za-z0-9_.-]",
+        ))
     }
 }
 
 async fn list_services(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
-    let items: Vec<_> = state.store.list_services().await?.iter().map(service_view).collect();
+    let items: Vec<_> = state
+        .store
+        .list_services()
+        .await?
+        .iter()
+        .map(service_view)
+        .collect();
     Ok(ok(&json!({ "items": items })))
 }
 
-async fn create_service(req: HttpRequest, payload: web::Payload, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn create_service(
+    req: HttpRequest,
+    payload: web::Payload,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     let who = authorize(&req, state, Role::Admin, false)?;
     let body = read_json(&req, payload, true).await?.unwrap_or(Value::Null);
     let b: ServiceBody = parse_body(body.clone())?;
-    let Some(name) = b.name.clone() else { return Err(Problem::invalid("name", "missing field `name`")) };
+    let Some(name) = b.name.clone() else {
+        return Err(Problem::invalid("name", "missing field `name`"));
+    };
     if !valid_name(&name) {
-        return Err(Problem::invalid("name", "must be 1-64 characters of [A-Za-z0-9_.-]"));
+        return Err(Problem::invalid(
+            "name",
+            "must be 1-64 characters of [A-Za-z0-9_.-]",
+        ));
     }
     let _g = state.write_lock.lock().await;
     let svc = check_service(state, name.clone(), b).await?;
     if state.store.get_service(&name).await?.is_some() {
-        return Err(Problem::conflict(format!("service {name:?} already exists")));
+        return Err(Problem::conflict(format!(
+            "service {name:?} already exists"
+        )));
     }
     state.store.put_service(&svc).await?;
     drop(_g);
-    audit(state, &who, "service.create", format!("services/{name}"), body).await;
+    audit(
+        state,
+        &who,
+        "service.create",
+        format!("services/{name}"),
+        body,
+    )
+    .await;
     Ok(HttpResponse::Created()
         .insert_header((header::LOCATION, format!("/v1/services/{name}")))
         .content_type("application/json")
         .body(serde_json::to_string(&service_view(&svc)).unwrap_or_default()))
 }
 
-async fn get_service(req: HttpRequest, path: web::Path<String>, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn get_service(
+    req: HttpRequest,
+    path: web::Path<String>,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
     check_service_name(&path)?;
     match state.store.get_service(&path).await? {
         Some(s) => Ok(ok(&service_view(&s))),
-        None => Err(Problem::not_found(format!("service {:?} not found", path.as_str()))),
+        None => Err(Problem::not_found(format!(
+            "service {:?} not found",
+            path.as_str()
+        ))),
     }
 }
 
-async fn update_service(req: HttpRequest, path: web::Path<String>, payload: web::Payload, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn update_service(
+    req: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     let who = authorize(&req, state, Role::Admin, false)?;
     check_service_name(&path)?;
     let name = path.into_inner();
     let body = read_json(&req, payload, true).await?.unwrap_or(Value::Null);
     if body.get("name").is_some() {
-        return Err(Problem::invalid("name", "unknown field `name`: the name is in the path and cannot change"));
+        return Err(Problem::invalid(
+            "name",
+            "unknown field `name`: the name is in the path and cannot change",
+        ));
     }
     let b: ServiceBody = parse_body(body.clone())?;
     let _g = state.write_lock.lock().await;
@@ -545,18 +794,39 @@ async fn update_service(req: HttpRequest, path: web::Path<String>, payload: web:
     let svc = check_service(state, name.clone(), b).await?;
     state.store.put_service(&svc).await?;
     drop(_g);
-    audit(state, &who, "service.update", format!("services/{name}"), json!({ "old": service_view(&old), "new": body })).await;
+    audit(
+        state,
+        &who,
+        "service.update",
+        format!("services/{name}"),
+        json!({ "old": service_view(&old), "new": body }),
+    )
+    .await;
     Ok(ok(&service_view(&svc)))
 }
 
-async fn delete_service(req: HttpRequest, path: web::Path<String>, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn delete_service(
+    req: HttpRequest,
+    path: web::Path<String>,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     let who = authorize(&req, state, Role::Admin, false)?;
     check_service_name(&path)?;
     if !state.store.delete_service(&path).await? {
-        return Err(Problem::not_found(format!("service {:?} not found", path.as_str())));
+        return Err(Problem::not_found(format!(
+            "service {:?} not found",
+            path.as_str()
+        )));
     }
-    audit(state, &who, "service.delete", format!("services/{}", path.as_str()), json!({})).await;
+    audit(
+        state,
+        &who,
+        "service.delete",
+        format!("services/{}", path.as_str()),
+        json!({}),
+    )
+    .await;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -566,24 +836,38 @@ async fn list_connections(req: HttpRequest, data: web::Data<AppState>) -> ApiRes
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
     let q = Query::parse(&req)?;
-    let server = q.u64_in("server", 1, u32::MAX as u64)?.map(|s| ServerId(s as u32));
+    let server = q
+        .u64_in("server", 1, u32::MAX as u64)?
+        .map(|s| ServerId(s as u32));
     let limit = q.u64_in("limit", 1, 10_000)?.unwrap_or(100) as usize;
     let service = match q.get("service") {
         None => None,
         Some(name) => {
             if !valid_name(name) {
-                return Err(Problem::bad_param("service", "service names are 1-64 characters of [A-Za-z0-9_.-]"));
+                return Err(Problem::bad_param(
+                    "service",
+                    "service names are 1-64 characters of [A-Za-z0-9_.-]",
+                ));
             }
             let svc = state.store.get_service(name).await?;
             match svc {
                 Some(s) => Some((s.vip, s.port)),
                 None => {
-                    return Ok(ok(&json!({ "items": [], "total": 0, "truncated": false, "data_source": state.cp.data_source() })))
+                    return Ok(ok(
+                        &json!({ "items": [], "total": 0, "truncated": false, "data_source": state.cp.data_source() }),
+                    ))
                 }
             }
         }
     };
-    let page = state.cp.connections(&ConnectionFilter { server, service, limit }).await?;
+    let page = state
+        .cp
+        .connections(&ConnectionFilter {
+            server,
+            service,
+            limit,
+        })
+        .await?;
     Ok(ok(&page))
 }
 
@@ -593,7 +877,12 @@ struct MigrateBody {
     target: Option<u64>,
 }
 
-async fn migrate_connection(req: HttpRequest, path: web::Path<String>, payload: web::Payload, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn migrate_connection(
+    req: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     let who = authorize(&req, state, Role::Operator, false)?;
     let body = read_json(&req, payload, false).await?;
@@ -602,7 +891,10 @@ async fn migrate_connection(req: HttpRequest, path: web::Path<String>, payload: 
             let b: MigrateBody = parse_body(v.clone())?;
             match b.target {
                 Some(t) if !(1..=u32::MAX as u64).contains(&t) => {
-                    return Err(Problem::invalid("target", format!("must be a server id in [1, 4294967295], got {t}")))
+                    return Err(Problem::invalid(
+                        "target",
+                        format!("must be a server id in [1, 4294967295], got {t}"),
+                    ))
                 }
                 t => t.map(|t| ServerId(t as u32)),
             }
@@ -610,10 +902,20 @@ async fn migrate_connection(req: HttpRequest, path: web::Path<String>, payload: 
         None => None,
     };
     let Some(key) = parse_connection_id(&path) else {
-        return Err(Problem::not_found(format!("connection {:?} not found (ids are CLIENT_IP:PORT-VIP:PORT)", path.as_str())));
+        return Err(Problem::not_found(format!(
+            "connection {:?} not found (ids are CLIENT_IP:PORT-VIP:PORT)",
+            path.as_str()
+        )));
     };
     let m = state.cp.migrate(key, target).await?;
-    audit(state, &who, "connection.migrate", format!("connections/{}", path.as_str()), json!({ "target": target.map(|t| t.0), "migration": m.id })).await;
+    audit(
+        state,
+        &who,
+        "connection.migrate",
+        format!("connections/{}", path.as_str()),
+        json!({ "target": target.map(|t| t.0), "migration": m.id }),
+    )
+    .await;
     Ok(json_response(actix_web::http::StatusCode::ACCEPTED, &m))
 }
 
@@ -624,7 +926,9 @@ async fn list_migrations(req: HttpRequest, data: web::Data<AppState>) -> ApiResu
     let after = q.u64_in("after", 0, i64::MAX as u64)?.unwrap_or(0);
     let limit = q.u64_in("limit", 1, 10_000)?.unwrap_or(100) as usize;
     let items = state.cp.recent_migrations(after, limit).await?;
-    Ok(ok(&json!({ "items": items, "data_source": state.cp.data_source() })))
+    Ok(ok(
+        &json!({ "items": items, "data_source": state.cp.data_source() }),
+    ))
 }
 
 // ----- policy
@@ -649,7 +953,9 @@ const POLICY_FIELDS: [&str; 14] = [
 /// Applies `changes` (every key, for PUT) to `current` and validates the
 /// result; the 422 names the first bad field.
 fn merge_policy(current: &Policy, changes: Value, full: bool) -> ApiResult<Policy> {
-    let Value::Object(changes) = changes else { return Err(Problem::invalid("body", "must be a JSON object")) };
+    let Value::Object(changes) = changes else {
+        return Err(Problem::invalid("body", "must be a JSON object"));
+    };
     for k in changes.keys() {
         if !POLICY_FIELDS.contains(&k.as_str()) {
             return Err(Problem::invalid(k.clone(), format!("unknown field `{k}`")));
@@ -657,7 +963,10 @@ fn merge_policy(current: &Policy, changes: Value, full: bool) -> ApiResult<Polic
     }
     if full {
         if let Some(missing) = POLICY_FIELDS.iter().find(|f| !changes.contains_key(**f)) {
-            return Err(Problem::invalid(*missing, "is required (use PATCH to change some fields)"));
+            return Err(Problem::invalid(
+                *missing,
+                "is required (use PATCH to change some fields)",
+            ));
         }
     }
     let mut merged = serde_json::to_value(current).map_err(|e| Problem::internal(e.to_string()))?;
@@ -666,12 +975,16 @@ fn merge_policy(current: &Policy, changes: Value, full: bool) -> ApiResult<Polic
     }
     let p: Policy = parse_body(merged)?;
     if p.dead_after_ms > 86_400_000 {
-        return Err(Problem::invalid("dead_after_ms", format!("must be at most 86400000 ms, got {}", p.dead_after_ms)));
+        return Err(Problem::invalid(
+            "dead_after_ms",
+            format!("must be at most 86400000 ms, got {}", p.dead_after_ms),
+        ));
     }
     if p.hysteresis_pct > 1000.0 {
         return Err(Problem::invalid("hysteresis_pct", "must be at most 1000"));
     }
-    p.validate().map_err(|e| Problem::invalid(e.field, e.reason))?;
+    p.validate()
+        .map_err(|e| Problem::invalid(e.field, e.reason))?;
     Ok(p)
 }
 
@@ -681,7 +994,12 @@ async fn get_policy(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<Ht
     Ok(ok(&state.store.get_policy().await?))
 }
 
-async fn write_policy(req: HttpRequest, payload: web::Payload, data: web::Data<AppState>, full: bool) -> ApiResult<HttpResponse> {
+async fn write_policy(
+    req: HttpRequest,
+    payload: web::Payload,
+    data: web::Data<AppState>,
+    full: bool,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     let who = authorize(&req, state, Role::Operator, false)?;
     let body = read_json(&req, payload, true).await?.unwrap_or(Value::Null);
@@ -690,21 +1008,43 @@ async fn write_policy(req: HttpRequest, payload: web::Payload, data: web::Data<A
     let new = merge_policy(&old, body, full)?;
     state.store.put_policy(&new).await?;
     drop(_g);
-    let (ov, nv) = (serde_json::to_value(&old).unwrap_or_default(), serde_json::to_value(&new).unwrap_or_default());
+    let (ov, nv) = (
+        serde_json::to_value(&old).unwrap_or_default(),
+        serde_json::to_value(&new).unwrap_or_default(),
+    );
     let changed: BTreeMap<&str, Value> = POLICY_FIELDS
         .iter()
         .filter(|f| ov.get(**f) != nv.get(**f))
         .map(|f| (*f, json!({ "old": ov.get(*f), "new": nv.get(*f) })))
         .collect();
-    audit(state, &who, if full { "policy.replace" } else { "policy.update" }, "policy".into(), json!({ "changed": changed })).await;
+    audit(
+        state,
+        &who,
+        if full {
+            "policy.replace"
+        } else {
+            "policy.update"
+        },
+        "policy".into(),
+        json!({ "changed": changed }),
+    )
+    .await;
     Ok(ok(&new))
 }
 
-async fn put_policy(req: HttpRequest, payload: web::Payload, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn put_policy(
+    req: HttpRequest,
+    payload: web::Payload,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     write_policy(req, payload, data, true).await
 }
 
-async fn patch_policy(req: HttpRequest, payload: web::Payload, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn patch_policy(
+    req: HttpRequest,
+    payload: web::Payload,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     write_policy(req, payload, data, false).await
 }
 
@@ -731,36 +1071,76 @@ fn db_problem(e: ApiDbError) -> Problem {
 async fn list_tokens(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
     let state = st(&data);
     authorize(&req, state, Role::Admin, false)?;
-    Ok(ok(&json!({ "items": state.db.list().map_err(db_problem)? })))
+    Ok(ok(
+        &json!({ "items": state.db.list().map_err(db_problem)? }),
+    ))
 }
 
-async fn create_token(req: HttpRequest, payload: web::Payload, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn create_token(
+    req: HttpRequest,
+    payload: web::Payload,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     let who = authorize(&req, state, Role::Admin, false)?;
     let b: TokenBody = parse_body(read_json(&req, payload, true).await?.unwrap_or(Value::Null))?;
     if !valid_name(&b.name) {
-        return Err(Problem::invalid("name", "must be 1-64 characters of [A-Za-z0-9_.-]"));
+        return Err(Problem::invalid(
+            "name",
+            "must be 1-64 characters of [A-Za-z0-9_.-]",
+        ));
     }
-    let (info, secret) = state.db.create(&b.name, b.role, &who.token.name).map_err(db_problem)?;
-    audit(state, &who, "token.create", format!("tokens/{}", info.id), json!({ "name": info.name, "role": info.role })).await;
+    let (info, secret) = state
+        .db
+        .create(&b.name, b.role, &who.token.name)
+        .map_err(db_problem)?;
+    audit(
+        state,
+        &who,
+        "token.create",
+        format!("tokens/{}", info.id),
+        json!({ "name": info.name, "role": info.role }),
+    )
+    .await;
     let mut v = serde_json::to_value(&info).unwrap_or_default();
     v["secret"] = json!(secret);
     Ok(json_response(actix_web::http::StatusCode::CREATED, &v))
 }
 
-async fn revoke_token(req: HttpRequest, path: web::Path<String>, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+async fn revoke_token(
+    req: HttpRequest,
+    path: web::Path<String>,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
     let state = st(&data);
     let who = authorize(&req, state, Role::Admin, false)?;
     let id = path.into_inner();
-    if !(id.len() == 18 && id.starts_with("t_") && id[2..].bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))) {
-        return Err(Problem::bad_param("token_id", "token ids are `t_` followed by 16 hex digits"));
+    if !(id.len() == 18
+        && id.starts_with("t_")
+        && id[2..]
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+    {
+        return Err(Problem::bad_param(
+            "token_id",
+            "token ids are `t_` followed by 16 hex digits",
+        ));
     }
     if id == who.token.id {
         // Nobody locks themselves out by accident (or by fuzzing).
-        return Err(Problem::conflict("a token cannot revoke itself; use another admin token"));
+        return Err(Problem::conflict(
+            "a token cannot revoke itself; use another admin token",
+        ));
     }
     let info = state.db.revoke(&id).map_err(db_problem)?;
-    audit(state, &who, "token.revoke", format!("tokens/{id}"), json!({ "name": info.name })).await;
+    audit(
+        state,
+        &who,
+        "token.revoke",
+        format!("tokens/{id}"),
+        json!({ "name": info.name }),
+    )
+    .await;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -794,7 +1174,9 @@ async fn readyz(data: web::Data<AppState>) -> HttpResponse {
     match tokio::time::timeout(Duration::from_secs(2), data.store.get_policy()).await {
         Ok(Ok(_)) => {
             data.metrics.record_store_probe(Some(started.elapsed()));
-            ok(&json!({ "status": "ok", "store": data.store.backend(), "control_plane": data.cp.name() }))
+            ok(
+                &json!({ "status": "ok", "store": data.store.backend(), "control_plane": data.cp.name() }),
+            )
         }
         Ok(Err(e)) => Problem::unavailable(format!("store not ready: {e}")).error_response(),
         Err(_) => Problem::unavailable("store did not answer within 2 s").error_response(),
@@ -802,9 +1184,24 @@ async fn readyz(data: web::Data<AppState>) -> HttpResponse {
 }
 
 /// For `events`: a server as the `server` event carries it.
-pub async fn server_event(state: &AppState, id: ServerId, stats: &HashMap<ServerId, ServerStats>) -> ApiResult<Value> {
+pub async fn server_event(
+    state: &AppState,
+    id: ServerId,
+    stats: &HashMap<ServerId, ServerStats>,
+) -> ApiResult<Value> {
     let server = match state.store.get_server(id).await? {
-        Some(s) => Some(server_view(state, s, stats.get(&id).copied().or(Some(ServerStats { data_source: state.cp.data_source(), connections: 0, load_pps: None }))).await?),
+        Some(s) => Some(
+            server_view(
+                state,
+                s,
+                stats.get(&id).copied().or(Some(ServerStats {
+                    data_source: state.cp.data_source(),
+                    connections: 0,
+                    load_pps: None,
+                })),
+            )
+            .await?,
+        ),
         None => None,
     };
     Ok(json!({ "id": id.0, "server": server }))
@@ -820,5 +1217,8 @@ pub(crate) fn data_source_json(d: DataSource) -> Value {
 
 /// Total of request counters, by status class (for tests and metrics).
 pub fn requests_total(m: &Metrics) -> u64 {
-    m.requests.iter().map(|c: &AtomicU64| c.load(Ordering::Relaxed)).sum()
+    m.requests
+        .iter()
+        .map(|c: &AtomicU64| c.load(Ordering::Relaxed))
+        .sum()
 }

@@ -32,9 +32,9 @@ use serde::Deserialize;
 use tokio::sync::broadcast;
 
 use crate::control::{
-    connection_id, ConnectionFilter, ConnectionPage, ControlEvent, ControlPlane, DataSource, DrainSpec, DrainView,
-    Histogram, MigrationMetrics, MigrationPhases, MigrationView, ServerStats, StoreControlPlane, MIGRATION_OUTCOMES,
-    MIGRATION_PHASES, PHASE_BUCKETS_SECONDS,
+    connection_id, ConnectionFilter, ConnectionPage, ControlEvent, ControlPlane, DataSource,
+    DrainSpec, DrainView, Histogram, MigrationMetrics, MigrationPhases, MigrationView, ServerStats,
+    StoreControlPlane, MIGRATION_OUTCOMES, MIGRATION_PHASES, PHASE_BUCKETS_SECONDS,
 };
 use crate::problem::Problem;
 
@@ -70,8 +70,9 @@ pub struct Status {
 
 /// Parses switchd's `/status` body into per-server stats.
 pub fn parse_status(body: &str) -> Result<HashMap<ServerId, ServerStats>, Problem> {
-    let st: Status = serde_json::from_str(body)
-        .map_err(|e| Problem::unavailable(format!("switchd returned an unreadable /status: {e}")))?;
+    let st: Status = serde_json::from_str(body).map_err(|e| {
+        Problem::unavailable(format!("switchd returned an unreadable /status: {e}"))
+    })?;
     Ok(st
         .servers
         .into_iter()
@@ -110,7 +111,9 @@ impl SwitchdHttp {
     pub fn new(base: &str) -> Result<Self, Problem> {
         let base = base.trim_end_matches('/').to_string();
         if !base.starts_with("http://") {
-            return Err(Problem::internal(format!("switchd URL must be http://HOST:PORT, got {base:?}")));
+            return Err(Problem::internal(format!(
+                "switchd URL must be http://HOST:PORT, got {base:?}"
+            )));
         }
         let client = Client::builder()
             .timeout(HTTP_TIMEOUT)
@@ -126,13 +129,20 @@ impl SwitchdHttp {
     }
 
     fn unreachable(&self, what: &str, e: impl std::fmt::Display) -> Problem {
-        Problem::unavailable(format!("switchd at {} is unreachable ({what}): {e}", self.base))
+        Problem::unavailable(format!(
+            "switchd at {} is unreachable ({what}): {e}",
+            self.base
+        ))
     }
 
     async fn send(&self, post: bool, path: &str) -> Result<String, Problem> {
         let what = format!("{} {path}", if post { "POST" } else { "GET" });
         let url = format!("{}{path}", self.base);
-        let req = if post { self.client.post(url) } else { self.client.get(url) };
+        let req = if post {
+            self.client.post(url)
+        } else {
+            self.client.get(url)
+        };
         let resp = req.send().await.map_err(|e| self.unreachable(&what, e))?;
         let status = resp.status().as_u16();
         let body = resp.text().await.map_err(|e| self.unreachable(&what, e))?;
@@ -173,14 +183,21 @@ pub struct SwitchdControlPlane {
 }
 
 impl SwitchdControlPlane {
-    pub fn new(inner: Arc<StoreControlPlane>, store: Arc<dyn Store>, switchd_url: &str) -> Result<Arc<Self>, Problem> {
+    pub fn new(
+        inner: Arc<StoreControlPlane>,
+        store: Arc<dyn Store>,
+        switchd_url: &str,
+    ) -> Result<Arc<Self>, Problem> {
         let (events, _) = broadcast::channel(256);
         Ok(Arc::new(SwitchdControlPlane {
             inner,
             store,
             http: SwitchdHttp::new(switchd_url)?,
             events,
-            log: Arc::new(Mutex::new(MigrationLog { next_id: 1, items: VecDeque::new() })),
+            log: Arc::new(Mutex::new(MigrationLog {
+                next_id: 1,
+                items: VecDeque::new(),
+            })),
         }))
     }
 
@@ -225,7 +242,10 @@ impl SwitchdControlPlane {
                 }
                 if start.elapsed() >= MIGRATION_WATCH {
                     v.outcome = "timed_out";
-                    v.reason = Some(format!("still on server {} after {:?}", owner.0, MIGRATION_WATCH));
+                    v.reason = Some(format!(
+                        "still on server {} after {:?}",
+                        owner.0, MIGRATION_WATCH
+                    ));
                     break;
                 }
             }
@@ -255,23 +275,40 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
     async fn server_stats(&self) -> Result<HashMap<ServerId, ServerStats>, Problem> {
         let mut out = self.http.server_stats().await?;
         for s in self.store.list_servers().await? {
-            out.entry(s.id).or_insert(ServerStats { data_source: DataSource::Switchd, connections: 0, load_pps: None });
+            out.entry(s.id).or_insert(ServerStats {
+                data_source: DataSource::Switchd,
+                connections: 0,
+                load_pps: None,
+            });
         }
         Ok(out)
     }
 
-    async fn migrate(&self, conn: FlowKey, target: Option<ServerId>) -> Result<MigrationView, Problem> {
+    async fn migrate(
+        &self,
+        conn: FlowKey,
+        target: Option<ServerId>,
+    ) -> Result<MigrationView, Problem> {
         let Some(owner) = self.store.get_flow(&conn).await? else {
-            return Err(Problem::not_found(format!("connection {} not found", connection_id(&conn))));
+            return Err(Problem::not_found(format!(
+                "connection {} not found",
+                connection_id(&conn)
+            )));
         };
         let target_ip = match target {
             None => None,
             Some(t) => {
                 let Some(ts) = self.store.get_server(t).await? else {
-                    return Err(Problem::invalid("target", format!("server {} is not registered", t.0)));
+                    return Err(Problem::invalid(
+                        "target",
+                        format!("server {} is not registered", t.0),
+                    ));
                 };
                 if t == owner {
-                    return Err(Problem::conflict(format!("connection is already on server {}", t.0)));
+                    return Err(Problem::conflict(format!(
+                        "connection is already on server {}",
+                        t.0
+                    )));
                 }
                 if ts.state != ServerState::Active {
                     return Err(Problem::conflict(format!(
@@ -283,7 +320,9 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
                 Some(ts.data_addr)
             }
         };
-        self.http.post(&migrate_path(owner, &conn, target_ip)).await?;
+        self.http
+            .post(&migrate_path(owner, &conn, target_ip))
+            .await?;
         let id = {
             let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
             let id = log.next_id;
@@ -307,9 +346,14 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
         Ok(view)
     }
 
-    async fn recent_migrations(&self, after: u64, limit: usize) -> Result<Vec<MigrationView>, Problem> {
+    async fn recent_migrations(
+        &self,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<MigrationView>, Problem> {
         let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
-        let mut v: Vec<MigrationView> = log.items.iter().filter(|m| m.id > after).cloned().collect();
+        let mut v: Vec<MigrationView> =
+            log.items.iter().filter(|m| m.id > after).cloned().collect();
         v.sort_by_key(|m| m.id);
         v.truncate(limit);
         Ok(v)
@@ -319,7 +363,14 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
         let deadline_ms = spec.deadline.as_millis().min(u32::MAX as u128);
         // Validates and records the drain (the server is `draining` in the store).
         let view = self.inner.start_drain(server, spec).await?;
-        if let Err(p) = self.http.post(&format!("/servers/{}/drain?deadline_ms={deadline_ms}", server.0)).await {
+        if let Err(p) = self
+            .http
+            .post(&format!(
+                "/servers/{}/drain?deadline_ms={deadline_ms}",
+                server.0
+            ))
+            .await
+        {
             // Not started on the data plane: do not leave a recorded drain behind.
             if let Err(e) = self.inner.stop_drain(server).await {
                 tracing::warn!(server = %server, error = %e, "rolling back a drain switchd refused");
@@ -331,7 +382,9 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
 
     async fn stop_drain(&self, server: ServerId) -> Result<(), Problem> {
         self.inner.stop_drain(server).await?;
-        self.http.post(&format!("/servers/{}/undrain", server.0)).await?;
+        self.http
+            .post(&format!("/servers/{}/undrain", server.0))
+            .await?;
         Ok(())
     }
 
@@ -348,8 +401,18 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
         for o in MIGRATION_OUTCOMES {
             m.by_outcome.insert(o, 0);
         }
-        let mut total = Histogram { buckets: PHASE_BUCKETS_SECONDS.iter().map(|b| (*b, 0)).collect(), sum: 0.0, count: 0 };
-        for x in self.log.lock().unwrap_or_else(|p| p.into_inner()).items.iter() {
+        let mut total = Histogram {
+            buckets: PHASE_BUCKETS_SECONDS.iter().map(|b| (*b, 0)).collect(),
+            sum: 0.0,
+            count: 0,
+        };
+        for x in self
+            .log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .items
+            .iter()
+        {
             if let Some(n) = m.by_outcome.get_mut(x.outcome) {
                 *n += 1;
             }
@@ -368,7 +431,11 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
             let h = if p == "total" {
                 total.clone()
             } else {
-                Histogram { buckets: PHASE_BUCKETS_SECONDS.iter().map(|b| (*b, 0)).collect(), sum: 0.0, count: 0 }
+                Histogram {
+                    buckets: PHASE_BUCKETS_SECONDS.iter().map(|b| (*b, 0)).collect(),
+                    sum: 0.0,
+                    count: 0,
+                }
             };
             m.phase_histograms.insert(p, h);
         }
@@ -439,7 +506,10 @@ mod tests {
     #[test]
     fn bad_urls_are_refused() {
         assert!(SwitchdHttp::new("127.0.0.1:9102").is_err());
-        assert_eq!(SwitchdHttp::new("http://127.0.0.1:9102/").unwrap().base(), "http://127.0.0.1:9102");
+        assert_eq!(
+            SwitchdHttp::new("http://127.0.0.1:9102/").unwrap().base(),
+            "http://127.0.0.1:9102"
+        );
     }
 
     #[tokio::test]
@@ -457,7 +527,9 @@ mod tests {
     }
 
     /// A fake switchd answering like the real one (HTTP/1.1, Connection: close).
-    async fn fake_switchd(answers: Vec<(&'static str, String)>) -> (String, tokio::task::JoinHandle<Vec<String>>) {
+    async fn fake_switchd(
+        answers: Vec<(&'static str, String)>,
+    ) -> (String, tokio::task::JoinHandle<Vec<String>>) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", l.local_addr().unwrap());
         let h = tokio::spawn(async move {
@@ -500,7 +572,11 @@ mod tests {
         c.post("/servers/3/drain?deadline_ms=500").await.unwrap();
         let p = c.post("/servers/3/drain?deadline_ms=x").await.unwrap_err();
         assert_eq!(p.status.as_u16(), 503);
-        assert!(p.detail.contains("HTTP 400") && p.detail.contains("bad deadline_ms"), "{}", p.detail);
+        assert!(
+            p.detail.contains("HTTP 400") && p.detail.contains("bad deadline_ms"),
+            "{}",
+            p.detail
+        );
         let seen = h.await.unwrap();
         assert_eq!(seen[0], "GET /status HTTP/1.1");
         assert_eq!(seen[1], "POST /servers/3/drain?deadline_ms=500 HTTP/1.1");

@@ -21,10 +21,18 @@ struct Api {
 }
 
 async fn start(dir: &Path) -> Api {
-    let store: Arc<dyn Store> =
-        Arc::new(SqliteStore::open(SqliteConfig { path: dir.join("store.db"), ..SqliteConfig::default() }).await.unwrap());
+    let store: Arc<dyn Store> = Arc::new(
+        SqliteStore::open(SqliteConfig {
+            path: dir.join("store.db"),
+            ..SqliteConfig::default()
+        })
+        .await
+        .unwrap(),
+    );
     let db = Arc::new(ApiDb::open(&dir.join("api.db")).unwrap());
-    let cp = StoreControlPlane::new(store.clone(), db.clone()).await.unwrap();
+    let cp = StoreControlPlane::new(store.clone(), db.clone())
+        .await
+        .unwrap();
     let running = capybara_api::start(ApiConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         store: store.clone(),
@@ -36,7 +44,13 @@ async fn start(dir: &Path) -> Api {
     .await
     .unwrap();
     let url = format!("http://{}", running.addr);
-    Api { running, cp, store, db, url }
+    Api {
+        running,
+        cp,
+        store,
+        db,
+        url,
+    }
 }
 
 impl Api {
@@ -49,7 +63,12 @@ impl Api {
     }
 }
 
-async fn call(method: &str, url: String, token: Option<&str>, body: Option<Value>) -> (u16, Value, String) {
+async fn call(
+    method: &str,
+    url: String,
+    token: Option<&str>,
+    body: Option<Value>,
+) -> (u16, Value, String) {
     let c = reqwest::Client::new();
     let mut r = c.request(method.parse().unwrap(), url);
     if let Some(t) = token {
@@ -60,18 +79,37 @@ async fn call(method: &str, url: String, token: Option<&str>, body: Option<Value
     }
     let resp = r.timeout(Duration::from_secs(10)).send().await.unwrap();
     let status = resp.status().as_u16();
-    let ct = resp.headers().get("content-type").map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
+    let ct = resp
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
     let text = resp.text().await.unwrap();
-    (status, serde_json::from_str(&text).unwrap_or(Value::Null), ct)
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::Null),
+        ct,
+    )
 }
 
 fn flow(port: u16) -> FlowKey {
-    FlowKey { client_ip: Ipv4Addr::new(192, 0, 2, 1), client_port: port, service_ip: Ipv4Addr::new(10, 0, 0, 100), service_port: 80 }
+    FlowKey {
+        client_ip: Ipv4Addr::new(192, 0, 2, 1),
+        client_port: port,
+        service_ip: Ipv4Addr::new(10, 0, 0, 100),
+        service_port: 80,
+    }
 }
 
 async fn register(api: &Api, token: &str, name: &str) -> u64 {
     let body = json!({ "name": name, "mgmt_addr": "10.0.1.11:7000", "data_addr": "10.0.2.11" });
-    let (s, v, _) = call("POST", format!("{}/v1/servers", api.url), Some(token), Some(body)).await;
+    let (s, v, _) = call(
+        "POST",
+        format!("{}/v1/servers", api.url),
+        Some(token),
+        Some(body),
+    )
+    .await;
     assert_eq!(s, 201, "{v}");
     v["id"].as_u64().unwrap()
 }
@@ -79,11 +117,20 @@ async fn register(api: &Api, token: &str, name: &str) -> u64 {
 async fn wait_drain(api: &Api, token: &str, id: u64, state: &str) -> Value {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        let (_, d, _) = call("GET", format!("{}/v1/servers/{id}/drain", api.url), Some(token), None).await;
+        let (_, d, _) = call(
+            "GET",
+            format!("{}/v1/servers/{id}/drain", api.url),
+            Some(token),
+            None,
+        )
+        .await;
         if d["state"] == state {
             return d;
         }
-        assert!(Instant::now() < deadline, "drain never reached {state}: {d}");
+        assert!(
+            Instant::now() < deadline,
+            "drain never reached {state}: {d}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -98,39 +145,118 @@ async fn roles_validation_and_audit() {
 
     let (s, v, ct) = call("GET", format!("{}/v1/servers", api.url), None, None).await;
     assert_eq!((s, ct.as_str()), (401, "application/problem+json"), "{v}");
-    let (s, _, _) = call("GET", format!("{}/v1/servers", api.url), Some("capy_nope"), None).await;
+    let (s, _, _) = call(
+        "GET",
+        format!("{}/v1/servers", api.url),
+        Some("capy_nope"),
+        None,
+    )
+    .await;
     assert_eq!(s, 401);
-    let (s, _, _) = call("GET", format!("{}/v1/servers", api.url), Some(&viewer), None).await;
+    let (s, _, _) = call(
+        "GET",
+        format!("{}/v1/servers", api.url),
+        Some(&viewer),
+        None,
+    )
+    .await;
     assert_eq!(s, 200);
     let body = json!({ "name": "web1", "mgmt_addr": "10.0.1.11:7000", "data_addr": "10.0.2.11" });
-    let (s, v, _) = call("POST", format!("{}/v1/servers", api.url), Some(&viewer), Some(body.clone())).await;
+    let (s, v, _) = call(
+        "POST",
+        format!("{}/v1/servers", api.url),
+        Some(&viewer),
+        Some(body.clone()),
+    )
+    .await;
     assert_eq!(s, 403, "{v}");
-    let (s, _, _) = call("POST", format!("{}/v1/servers", api.url), Some(&operator), Some(body)).await;
+    let (s, _, _) = call(
+        "POST",
+        format!("{}/v1/servers", api.url),
+        Some(&operator),
+        Some(body),
+    )
+    .await;
     assert_eq!(s, 201);
-    let (s, _, _) = call("POST", format!("{}/v1/tokens", api.url), Some(&operator), Some(json!({"name": "x", "role": "viewer"}))).await;
+    let (s, _, _) = call(
+        "POST",
+        format!("{}/v1/tokens", api.url),
+        Some(&operator),
+        Some(json!({"name": "x", "role": "viewer"})),
+    )
+    .await;
     assert_eq!(s, 403);
     let svc = json!({ "name": "web", "vip": "10.0.0.100", "port": 80, "pool": [1] });
-    let (s, _, _) = call("POST", format!("{}/v1/services", api.url), Some(&operator), Some(svc.clone())).await;
+    let (s, _, _) = call(
+        "POST",
+        format!("{}/v1/services", api.url),
+        Some(&operator),
+        Some(svc.clone()),
+    )
+    .await;
     assert_eq!(s, 403);
-    let (s, _, _) = call("POST", format!("{}/v1/services", api.url), Some(&admin), Some(svc)).await;
+    let (s, _, _) = call(
+        "POST",
+        format!("{}/v1/services", api.url),
+        Some(&admin),
+        Some(svc),
+    )
+    .await;
     assert_eq!(s, 201);
 
     // Validation names the field; bad input is never a 5xx.
-    let (s, v, ct) = call("PATCH", format!("{}/v1/policy", api.url), Some(&operator), Some(json!({"heartbeat_interval_ms": 0}))).await;
+    let (s, v, ct) = call(
+        "PATCH",
+        format!("{}/v1/policy", api.url),
+        Some(&operator),
+        Some(json!({"heartbeat_interval_ms": 0})),
+    )
+    .await;
     assert_eq!((s, ct.as_str()), (422, "application/problem+json"));
     assert_eq!(v["field"], "heartbeat_interval_ms");
-    let (s, v, _) = call("POST", format!("{}/v1/servers/1/drain", api.url), Some(&operator), Some(json!({"targets": [1]}))).await;
+    let (s, v, _) = call(
+        "POST",
+        format!("{}/v1/servers/1/drain", api.url),
+        Some(&operator),
+        Some(json!({"targets": [1]})),
+    )
+    .await;
     assert_eq!((s, v["field"].as_str()), (422, Some("targets[0]")), "{v}");
 
     // Every mutation is in the audit log with the token name.
-    let (_, v, _) = call("GET", format!("{}/v1/audit?limit=100", api.url), Some(&viewer), None).await;
+    let (_, v, _) = call(
+        "GET",
+        format!("{}/v1/audit?limit=100", api.url),
+        Some(&viewer),
+        None,
+    )
+    .await;
     let items = v["items"].as_array().unwrap();
     let summary: Vec<(String, String)> = items
         .iter()
-        .map(|e| (e["action"].as_str().unwrap().to_string(), e["actor"].as_str().unwrap().split(' ').next().unwrap().to_string()))
+        .map(|e| {
+            (
+                e["action"].as_str().unwrap().to_string(),
+                e["actor"]
+                    .as_str()
+                    .unwrap()
+                    .split(' ')
+                    .next()
+                    .unwrap()
+                    .to_string(),
+            )
+        })
         .collect();
-    assert_eq!(summary, vec![("server.register".into(), "bob".into()), ("service.create".into(), "root".into())]);
-    assert!(items.iter().all(|e| e["at_unix_ms"].as_u64().unwrap() > 1_600_000_000_000));
+    assert_eq!(
+        summary,
+        vec![
+            ("server.register".into(), "bob".into()),
+            ("service.create".into(), "root".into())
+        ]
+    );
+    assert!(items
+        .iter()
+        .all(|e| e["at_unix_ms"].as_u64().unwrap() > 1_600_000_000_000));
     api.stop().await;
 }
 
@@ -141,16 +267,42 @@ async fn drain_survives_api_restart_and_completes() {
     let token = api.token("ops", Role::Operator);
     let id = register(&api, &token, "web1").await;
     register(&api, &token, "web2").await;
-    let ops: Vec<FlowOp> = (1..=3).map(|p| FlowOp::Put { key: flow(p), server: ServerId(id as u32) }).collect();
+    let ops: Vec<FlowOp> = (1..=3)
+        .map(|p| FlowOp::Put {
+            key: flow(p),
+            server: ServerId(id as u32),
+        })
+        .collect();
     api.store.apply_flows(&ops).await.unwrap();
 
-    let (s, d, _) = call("POST", format!("{}/v1/servers/{id}/drain", api.url), Some(&token), Some(json!({"deadline_seconds": 60}))).await;
+    let (s, d, _) = call(
+        "POST",
+        format!("{}/v1/servers/{id}/drain", api.url),
+        Some(&token),
+        Some(json!({"deadline_seconds": 60})),
+    )
+    .await;
     assert_eq!(s, 202, "{d}");
-    assert_eq!((d["state"].as_str(), d["progress"]["flows_total"].as_u64()), (Some("running"), Some(3)));
-    let (_, srv, _) = call("GET", format!("{}/v1/servers/{id}", api.url), Some(&token), None).await;
+    assert_eq!(
+        (d["state"].as_str(), d["progress"]["flows_total"].as_u64()),
+        (Some("running"), Some(3))
+    );
+    let (_, srv, _) = call(
+        "GET",
+        format!("{}/v1/servers/{id}", api.url),
+        Some(&token),
+        None,
+    )
+    .await;
     assert_eq!(srv["state"], "draining");
     assert_eq!(srv["stats"]["connections"], 3);
-    let (s, _, _) = call("POST", format!("{}/v1/servers/{id}/drain", api.url), Some(&token), Some(json!({}))).await;
+    let (s, _, _) = call(
+        "POST",
+        format!("{}/v1/servers/{id}/drain", api.url),
+        Some(&token),
+        Some(json!({})),
+    )
+    .await;
     assert_eq!(s, 409, "a second drain conflicts");
     api.stop().await;
 
@@ -158,10 +310,22 @@ async fn drain_survives_api_restart_and_completes() {
     let api = start(dir.path()).await;
     let d = wait_drain(&api, &token, id, "running").await;
     assert_eq!(d["progress"]["flows_remaining"], 3);
-    api.store.apply_flows(&[FlowOp::Delete { key: flow(1) }, FlowOp::Delete { key: flow(2) }]).await.unwrap();
+    api.store
+        .apply_flows(&[
+            FlowOp::Delete { key: flow(1) },
+            FlowOp::Delete { key: flow(2) },
+        ])
+        .await
+        .unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let (_, d, _) = call("GET", format!("{}/v1/servers/{id}/drain", api.url), Some(&token), None).await;
+        let (_, d, _) = call(
+            "GET",
+            format!("{}/v1/servers/{id}/drain", api.url),
+            Some(&token),
+            None,
+        )
+        .await;
         if d["progress"]["flows_remaining"] == 1 {
             assert_eq!(d["progress"]["flows_closed"], 2);
             break;
@@ -169,9 +333,18 @@ async fn drain_survives_api_restart_and_completes() {
         assert!(Instant::now() < deadline, "progress not updated: {d}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    api.store.apply_flows(&[FlowOp::Delete { key: flow(3) }]).await.unwrap();
+    api.store
+        .apply_flows(&[FlowOp::Delete { key: flow(3) }])
+        .await
+        .unwrap();
     wait_drain(&api, &token, id, "completed").await;
-    let (_, srv, _) = call("GET", format!("{}/v1/servers/{id}", api.url), Some(&token), None).await;
+    let (_, srv, _) = call(
+        "GET",
+        format!("{}/v1/servers/{id}", api.url),
+        Some(&token),
+        None,
+    )
+    .await;
     assert_eq!(srv["state"], "drained");
     api.stop().await;
 }
@@ -185,33 +358,90 @@ async fn drain_deadline_reports_remaining_or_breaks_in_force_mode() {
     let b = register(&api, &token, "b").await;
     api.store
         .apply_flows(&[
-            FlowOp::Put { key: flow(10), server: ServerId(a as u32) },
-            FlowOp::Put { key: flow(11), server: ServerId(a as u32) },
-            FlowOp::Put { key: flow(20), server: ServerId(b as u32) },
+            FlowOp::Put {
+                key: flow(10),
+                server: ServerId(a as u32),
+            },
+            FlowOp::Put {
+                key: flow(11),
+                server: ServerId(a as u32),
+            },
+            FlowOp::Put {
+                key: flow(20),
+                server: ServerId(b as u32),
+            },
         ])
         .await
         .unwrap();
     // migrate mode: nothing can move (no data plane), so the deadline
     // passes and the drain names exactly what is left, breaking nothing.
-    let (s, _, _) = call("POST", format!("{}/v1/servers/{a}/drain", api.url), Some(&token), Some(json!({"deadline_seconds": 1}))).await;
+    let (s, _, _) = call(
+        "POST",
+        format!("{}/v1/servers/{a}/drain", api.url),
+        Some(&token),
+        Some(json!({"deadline_seconds": 1})),
+    )
+    .await;
     assert_eq!(s, 202);
     let d = wait_drain(&api, &token, a, "timed_out").await;
-    assert_eq!(d["remaining"], json!(["192.0.2.1:10-10.0.0.100:80", "192.0.2.1:11-10.0.0.100:80"]));
-    assert_eq!(api.store.list_flows_by_server(ServerId(a as u32)).await.unwrap().len(), 2);
-    let (_, srv, _) = call("GET", format!("{}/v1/servers/{a}", api.url), Some(&token), None).await;
+    assert_eq!(
+        d["remaining"],
+        json!(["192.0.2.1:10-10.0.0.100:80", "192.0.2.1:11-10.0.0.100:80"])
+    );
+    assert_eq!(
+        api.store
+            .list_flows_by_server(ServerId(a as u32))
+            .await
+            .unwrap()
+            .len(),
+        2
+    );
+    let (_, srv, _) = call(
+        "GET",
+        format!("{}/v1/servers/{a}", api.url),
+        Some(&token),
+        None,
+    )
+    .await;
     assert_eq!(srv["state"], "draining", "still takes no new connections");
 
     // force mode breaks what is left at the deadline and completes.
-    let (s, _, _) = call("POST", format!("{}/v1/servers/{b}/drain", api.url), Some(&token), Some(json!({"deadline_seconds": 1, "mode": "force"}))).await;
+    let (s, _, _) = call(
+        "POST",
+        format!("{}/v1/servers/{b}/drain", api.url),
+        Some(&token),
+        Some(json!({"deadline_seconds": 1, "mode": "force"})),
+    )
+    .await;
     assert_eq!(s, 202);
     let d = wait_drain(&api, &token, b, "completed").await;
     assert_eq!(d["progress"]["flows_closed"], 1);
-    assert!(api.store.list_flows_by_server(ServerId(b as u32)).await.unwrap().is_empty());
+    assert!(api
+        .store
+        .list_flows_by_server(ServerId(b as u32))
+        .await
+        .unwrap()
+        .is_empty());
 
     // undrain returns a timed-out server to active.
-    let (s, srv, _) = call("POST", format!("{}/v1/servers/{a}/undrain", api.url), Some(&token), None).await;
+    let (s, srv, _) = call(
+        "POST",
+        format!("{}/v1/servers/{a}/undrain", api.url),
+        Some(&token),
+        None,
+    )
+    .await;
     assert_eq!((s, srv["state"].as_str()), (200, Some("active")));
-    let (s, v, _) = call("POST", format!("{}/v1/connections/192.0.2.1:10-10.0.0.100:80/migrate", api.url), Some(&token), None).await;
+    let (s, v, _) = call(
+        "POST",
+        format!(
+            "{}/v1/connections/192.0.2.1:10-10.0.0.100:80/migrate",
+            api.url
+        ),
+        Some(&token),
+        None,
+    )
+    .await;
     assert_eq!(s, 503, "store-backed control plane cannot migrate: {v}");
     api.stop().await;
 }
@@ -222,7 +452,11 @@ fn ctl(url: &str, token: &str, args: &[&str]) -> (i32, String, String) {
         .args(args)
         .output()
         .unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -239,29 +473,58 @@ async fn ctl_commands() {
     let (code, out, _) = run(vec!["servers"]).await.unwrap();
     assert_eq!(code, 0);
     assert!(out.contains("web1") && out.contains("active"), "{out}");
-    let (code, out, err) = run(vec!["drain", "1", "--deadline", "5s", "--wait"]).await.unwrap();
+    let (code, out, err) = run(vec!["drain", "1", "--deadline", "5s", "--wait"])
+        .await
+        .unwrap();
     assert_eq!(code, 0, "{err}");
     assert!(out.trim_end().ends_with("completed"), "{out}");
-    assert!(err.contains("0/0") || err.contains("remaining"), "progress on stderr: {err}");
+    assert!(
+        err.contains("0/0") || err.contains("remaining"),
+        "progress on stderr: {err}"
+    );
     let (code, out, _) = run(vec!["servers"]).await.unwrap();
     assert!(code == 0 && out.contains("drained"), "{out}");
     let (code, out, _) = run(vec!["undrain", "s1"]).await.unwrap();
     assert!(code == 0 && out.contains("active"), "{out}");
-    let (code, out, err) = run(vec!["policy", "set", "proactive_threshold_pct=20", "target_selection=least_loaded"]).await.unwrap();
+    let (code, out, err) = run(vec![
+        "policy",
+        "set",
+        "proactive_threshold_pct=20",
+        "target_selection=least_loaded",
+    ])
+    .await
+    .unwrap();
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("proactive_threshold_pct=20") && out.contains("target_selection=least_loaded"), "{out}");
-    let (code, _, err) = run(vec!["policy", "set", "hysteresis_pct=500"]).await.unwrap();
+    assert!(
+        out.contains("proactive_threshold_pct=20") && out.contains("target_selection=least_loaded"),
+        "{out}"
+    );
+    let (code, _, err) = run(vec!["policy", "set", "hysteresis_pct=500"])
+        .await
+        .unwrap();
     assert_eq!(code, 1);
-    assert!(err.contains("hysteresis_pct") && err.contains("422"), "{err}");
+    assert!(
+        err.contains("hysteresis_pct") && err.contains("422"),
+        "{err}"
+    );
     let (code, _, err) = run(vec!["policy", "set", "bogus=1"]).await.unwrap();
     assert_eq!(code, 2, "{err}");
     let (code, out, _) = run(vec!["policy", "get"]).await.unwrap();
     assert!(code == 0 && out.contains("placement=maglev"), "{out}");
     let (code, out, _) = run(vec!["services"]).await.unwrap();
     assert!(code == 0 && out.contains("VIP:PORT"), "{out}");
-    let (code, out, _) = run(vec!["migrations", "--follow", "--for", "1s"]).await.unwrap();
+    let (code, out, _) = run(vec!["migrations", "--follow", "--for", "1s"])
+        .await
+        .unwrap();
     assert!(code == 0 && out.contains("OUTCOME"), "{out}");
-    let (code, _, err) = run(vec!["migrate", "192.0.2.1:9-10.0.0.100:80", "--target", "1"]).await.unwrap();
+    let (code, _, err) = run(vec![
+        "migrate",
+        "192.0.2.1:9-10.0.0.100:80",
+        "--target",
+        "1",
+    ])
+    .await
+    .unwrap();
     assert_eq!(code, 1);
     assert!(err.contains("404"), "{err}");
     let (code, _, _) = run(vec!["frobnicate"]).await.unwrap();

@@ -97,7 +97,10 @@ fn respond(name: &str, req: Request<hyper::body::Incoming>) -> Response<Full<Byt
     let path = req.uri().path();
     let (status, body) = if path == "/" {
         (200, Bytes::from(format!("hello from {name}\n")))
-    } else if let Some(n) = path.strip_prefix("/bytes/").and_then(|n| n.parse::<usize>().ok()) {
+    } else if let Some(n) = path
+        .strip_prefix("/bytes/")
+        .and_then(|n| n.parse::<usize>().ok())
+    {
         if n <= 64 << 20 {
             (200, Bytes::from(vec![b'x'; n]))
         } else {

@@ -153,9 +153,15 @@ impl MigrationConfig {
                 .map_err(|e| bad(f.clone(), format!("cannot read the key file: {e}")))?
                 .trim()
                 .to_string(),
-            _ => return Err(bad("(none)".into(), "give exactly one of key or key_file".into())),
+            _ => {
+                return Err(bad(
+                    "(none)".into(),
+                    "give exactly one of key or key_file".into(),
+                ))
+            }
         };
-        capybara_proto::MigrationKey::from_hex(&hex).map_err(|e| bad("<secret>".into(), e.to_string()))
+        capybara_proto::MigrationKey::from_hex(&hex)
+            .map_err(|e| bad("<secret>".into(), e.to_string()))
     }
 }
 
@@ -167,18 +173,28 @@ fn default_name() -> String {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path}: {message}")]
     Parse { path: String, message: String },
     #[error("{path}: {field} = {value}: {why}")]
-    Invalid { path: String, field: String, value: String, why: String },
+    Invalid {
+        path: String,
+        field: String,
+        value: String,
+        why: String,
+    },
 }
 
 impl Config {
     /// Reads and validates a configuration file.
     pub fn load(path: &str) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
         let cfg = Config::parse(path, &text)?;
         cfg.validate(path)?;
         Ok(cfg)
@@ -191,7 +207,10 @@ impl Config {
                 .span()
                 .map(|s| {
                     let n = text[..s.start].matches('\n').count() + 1;
-                    format!(" (line {n}: {})", text.lines().nth(n - 1).unwrap_or("").trim())
+                    format!(
+                        " (line {n}: {})",
+                        text.lines().nth(n - 1).unwrap_or("").trim()
+                    )
                 })
                 .unwrap_or_default();
             ConfigError::Parse {
@@ -217,19 +236,34 @@ impl Config {
             ));
         }
         if self.interface.backend == Backend::Dpdk && self.interface.dpdk_args.is_empty() {
-            return Err(bad("interface.dpdk_args", "[]".into(), "the dpdk backend needs EAL arguments"));
+            return Err(bad(
+                "interface.dpdk_args",
+                "[]".into(),
+                "the dpdk backend needs EAL arguments",
+            ));
         }
         let s = &self.stack;
         if s.address.is_unspecified() || s.address.is_broadcast() || s.address.is_multicast() {
-            return Err(bad("stack.address", s.address.to_string(), "must be a unicast address"));
+            return Err(bad(
+                "stack.address",
+                s.address.to_string(),
+                "must be a unicast address",
+            ));
         }
         if s.gateway.is_unspecified() || s.gateway == s.address {
-            return Err(bad("stack.gateway", s.gateway.to_string(), "must be another unicast address"));
+            return Err(bad(
+                "stack.gateway",
+                s.gateway.to_string(),
+                "must be another unicast address",
+            ));
         }
         if !(536..=9000).contains(&s.mss) {
             return Err(bad("stack.mss", s.mss.to_string(), "must be 536 to 9000"));
         }
-        for (field, v) in [("stack.send_buffer", s.send_buffer), ("stack.recv_buffer", s.recv_buffer)] {
+        for (field, v) in [
+            ("stack.send_buffer", s.send_buffer),
+            ("stack.recv_buffer", s.recv_buffer),
+        ] {
             if !(4096..=64 << 20).contains(&v) {
                 return Err(bad(field, v.to_string(), "must be 4 KiB to 64 MiB"));
             }
@@ -237,7 +271,11 @@ impl Config {
         if let Some(m) = &self.migration {
             m.load_key(origin)?;
             if m.churn_every_ms > 0 && m.churn_to.is_none() {
-                return Err(bad("migration.churn_to", "(none)".into(), "churn_every_ms needs churn_to"));
+                return Err(bad(
+                    "migration.churn_to",
+                    "(none)".into(),
+                    "churn_every_ms needs churn_to",
+                ));
             }
         }
         if let Some(c) = &self.control {
@@ -247,11 +285,18 @@ impl Config {
         }
         for (i, a) in self.services.iter().enumerate() {
             if a.listen.port() == 0 {
-                return Err(bad(&format!("service[{i}].listen"), a.listen.to_string(), "port 0"));
+                return Err(bad(
+                    &format!("service[{i}].listen"),
+                    a.listen.to_string(),
+                    "port 0",
+                ));
             }
             // Incoming segments reach a listener by port (the switch rewrote
             // the VIP to our data address), so ports must be unique.
-            if self.services[..i].iter().any(|b| b.listen.port() == a.listen.port()) {
+            if self.services[..i]
+                .iter()
+                .any(|b| b.listen.port() == a.listen.port())
+            {
                 return Err(bad(
                     &format!("service[{i}].listen"),
                     a.listen.to_string(),
@@ -303,7 +348,10 @@ app = "echo"
         let e = check(&GOOD.replace("app = \"echo\"", "app = \"ftp\"")).unwrap_err();
         assert!(e.contains("ftp"), "{e}");
         let e = check(&GOOD.replace("198.18.100.1:7\"", "198.18.100.2:80\"")).unwrap_err();
-        assert!(e.contains("service[1].listen") && e.contains("198.18.100.2:80"), "{e}");
+        assert!(
+            e.contains("service[1].listen") && e.contains("198.18.100.2:80"),
+            "{e}"
+        );
         let e = check(&GOOD.replace("[stack]", "[stack]\nmss = 20")).unwrap_err();
         assert!(e.contains("stack.mss = 20"), "{e}");
         let e = check(&GOOD.replace("name = \"eth0\"", "name = \"eth0\"\nspeed = 1")).unwrap_err();

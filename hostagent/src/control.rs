@@ -26,7 +26,10 @@ pub async fn run(
     let sock = match tokio::net::UdpSocket::bind(SocketAddrV4::new(cfg.management, 0)).await {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("hostagent: control channel: cannot bind {}: {e}", cfg.management);
+            eprintln!(
+                "hostagent: control channel: cannot bind {}: {e}",
+                cfg.management
+            );
             return;
         }
     };
@@ -38,7 +41,13 @@ pub async fn run(
     let mut draining = false;
     let send = |body: ControlBody<'_>, buf: &mut [u8], seq: &mut u64| -> Option<usize> {
         *seq += 1;
-        ControlRepr { server_id: id, seq: *seq, body }.emit_with_mac(buf, &key).ok()
+        ControlRepr {
+            server_id: id,
+            seq: *seq,
+            body,
+        }
+        .emit_with_mac(buf, &key)
+        .ok()
     };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
@@ -112,13 +121,18 @@ pub async fn run(
 /// (or cancels that). Returns how many migrations were started.
 fn drain(i: &mut crate::stack::Inner, on: bool) -> usize {
     let now = i.clock.now();
-    let Some(m) = i.transports.mig.as_mut() else { return 0 };
+    let Some(m) = i.transports.mig.as_mut() else {
+        return 0;
+    };
     m.engine.set_draining(on);
     if !on {
         return 0;
     }
     let flows: Vec<_> = m.flows().map(|(f, _)| *f).collect();
-    let started = flows.iter().filter(|f| m.migrate(now, **f, None).is_ok()).count();
+    let started = flows
+        .iter()
+        .filter(|f| m.migrate(now, **f, None).is_ok())
+        .count();
     i.kick();
     started
 }

@@ -19,7 +19,11 @@ pub fn render(stack: &Stack, name: &str) -> String {
         let _ = writeln!(s, "capybara_frames_sent_total{{{l}}} {}", ic.tx_frames);
         let _ = writeln!(s, "# TYPE capybara_frame_drops_total counter");
         for (reason, n) in ic.drop_counts() {
-            let _ = writeln!(s, "capybara_frame_drops_total{{{l},reason=\"{}\"}} {n}", reason.as_str());
+            let _ = writeln!(
+                s,
+                "capybara_frame_drops_total{{{l},reason=\"{}\"}} {n}",
+                reason.as_str()
+            );
         }
         let tc = i.transports.tcp.counters();
         for (metric, v) in [
@@ -27,17 +31,37 @@ pub fn render(stack: &Stack, name: &str) -> String {
             ("capybara_tcp_segments_sent_total", tc.segments_out),
             ("capybara_tcp_resets_sent_total", tc.resets_sent),
             ("capybara_tcp_resets_received_total", tc.resets_received),
-            ("capybara_tcp_zero_window_probes_total", tc.zero_window_probes),
+            (
+                "capybara_tcp_zero_window_probes_total",
+                tc.zero_window_probes,
+            ),
             ("capybara_tcp_keepalive_probes_total", tc.keepalive_probes),
-            ("capybara_tcp_connections_passive_total", tc.connections_passive),
-            ("capybara_tcp_connections_active_total", tc.connections_active),
-            ("capybara_tcp_connections_timed_out_total", tc.connections_timed_out),
+            (
+                "capybara_tcp_connections_passive_total",
+                tc.connections_passive,
+            ),
+            (
+                "capybara_tcp_connections_active_total",
+                tc.connections_active,
+            ),
+            (
+                "capybara_tcp_connections_timed_out_total",
+                tc.connections_timed_out,
+            ),
         ] {
             let _ = writeln!(s, "# TYPE {metric} counter\n{metric}{{{l}}} {v}");
         }
         let _ = writeln!(s, "# TYPE capybara_tcp_retransmits_total counter");
-        let _ = writeln!(s, "capybara_tcp_retransmits_total{{{l},kind=\"timeout\"}} {}", tc.retransmits_timeout);
-        let _ = writeln!(s, "capybara_tcp_retransmits_total{{{l},kind=\"fast\"}} {}", tc.retransmits_fast);
+        let _ = writeln!(
+            s,
+            "capybara_tcp_retransmits_total{{{l},kind=\"timeout\"}} {}",
+            tc.retransmits_timeout
+        );
+        let _ = writeln!(
+            s,
+            "capybara_tcp_retransmits_total{{{l},kind=\"fast\"}} {}",
+            tc.retransmits_fast
+        );
         let _ = writeln!(s, "# TYPE capybara_tcp_segment_drops_total counter");
         let d = &tc.drops;
         for (reason, n) in [
@@ -52,7 +76,10 @@ pub fn render(stack: &Stack, name: &str) -> String {
             ("unexpected", d.unexpected),
             ("rst_queue_full", d.rst_queue_full),
         ] {
-            let _ = writeln!(s, "capybara_tcp_segment_drops_total{{{l},reason=\"{reason}\"}} {n}");
+            let _ = writeln!(
+                s,
+                "capybara_tcp_segment_drops_total{{{l},reason=\"{reason}\"}} {n}"
+            );
         }
         let _ = writeln!(s, "# TYPE capybara_tcp_connections gauge");
         for (state, n) in i.transports.tcp.connections_by_state() {
@@ -65,11 +92,14 @@ pub fn render(stack: &Stack, name: &str) -> String {
 /// Serves `GET /metrics` on a kernel TCP listener.
 pub async fn serve(listener: tokio::net::TcpListener, stack: Stack, name: std::rc::Rc<str>) {
     loop {
-        let Ok((mut sock, _)) = listener.accept().await else { continue };
+        let Ok((mut sock, _)) = listener.accept().await else {
+            continue;
+        };
         let body = render(&stack, &name);
         tokio::task::spawn_local(async move {
             let mut req = [0u8; 1024];
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(2), sock.read(&mut req)).await;
+            let _ =
+                tokio::time::timeout(std::time::Duration::from_secs(2), sock.read(&mut req)).await;
             let resp = format!(
                 "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                 body.len()

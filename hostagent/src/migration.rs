@@ -121,7 +121,10 @@ impl Migrator {
 
     /// What a handle held by the application refers to now.
     pub fn handle(&self, id: ConnId) -> HandleState {
-        self.handles.get(&id).copied().unwrap_or(HandleState::Live(id))
+        self.handles
+            .get(&id)
+            .copied()
+            .unwrap_or(HandleState::Live(id))
     }
 
     /// If `id` (just accepted from the endpoint) is a resumed connection,
@@ -134,7 +137,10 @@ impl Migrator {
 
     /// The application handle an endpoint id belongs to.
     pub fn app_handle(&self, endpoint_id: ConnId) -> ConnId {
-        self.aliases.get(&endpoint_id).copied().unwrap_or(endpoint_id)
+        self.aliases
+            .get(&endpoint_id)
+            .copied()
+            .unwrap_or(endpoint_id)
     }
 
     pub fn recent(&self) -> impl Iterator<Item = &MigrationRecord> {
@@ -157,7 +163,10 @@ impl Migrator {
         // The engine first: a flow that left recently may be migrating back
         // in, and its segments must be buffered for the import, not dropped
         // as "gone" (that stalled the client until its RTO).
-        if !matches!(self.engine.buffer_segment(now, flow, segment), BufferVerdict::NotMigrating) {
+        if !matches!(
+            self.engine.buffer_segment(now, flow, segment),
+            BufferVerdict::NotMigrating
+        ) {
             return false;
         }
         if let Some(until) = self.gone_flows.get(&flow) {
@@ -171,11 +180,18 @@ impl Migrator {
 
     /// Starts migrating the connection of `flow` to `target` (or a target
     /// the switch picks).
-    pub fn migrate(&mut self, now: Instant, flow: FlowKey, target: Option<Ipv4Addr>) -> Result<MigrationId, String> {
+    pub fn migrate(
+        &mut self,
+        now: Instant,
+        flow: FlowKey,
+        target: Option<Ipv4Addr>,
+    ) -> Result<MigrationId, String> {
         if !self.by_flow.contains_key(&flow) {
             return Err(format!("no connection {flow} served here"));
         }
-        self.engine.migrate_out(now, flow, target).map_err(|e| e.to_string())
+        self.engine
+            .migrate_out(now, flow, target)
+            .map_err(|e| e.to_string())
     }
 
     /// Handles the engine's events. `woken` collects application handles
@@ -203,7 +219,12 @@ impl Migrator {
                         }
                     }
                 }
-                Event::MigratedOut { id, flow, target, telemetry } => {
+                Event::MigratedOut {
+                    id,
+                    flow,
+                    target,
+                    telemetry,
+                } => {
                     if let Some((cid, _, _)) = self.exported.remove(&id) {
                         self.frozen_flows.remove(&flow);
                         self.gone_flows.insert(flow, now + GONE_LINGER);
@@ -255,7 +276,9 @@ impl Migrator {
                         telemetry: None,
                     });
                 }
-                Event::ImportNow { id, flow, origin, .. } => {
+                Event::ImportNow {
+                    id, flow, origin, ..
+                } => {
                     self.scratch.clear();
                     if let Some(s) = self.engine.snapshot(id) {
                         self.scratch.extend_from_slice(s);
@@ -281,7 +304,12 @@ impl Migrator {
                         }
                     }
                 }
-                Event::MigratedIn { id, flow, origin, telemetry } => {
+                Event::MigratedIn {
+                    id,
+                    flow,
+                    origin,
+                    telemetry,
+                } => {
                     self.record(MigrationRecord {
                         id,
                         flow,

@@ -43,7 +43,9 @@ pub struct Moved(pub std::net::Ipv4Addr);
 
 /// The server a connection moved to, if `e` says it moved.
 pub fn moved_to(e: &io::Error) -> Option<std::net::Ipv4Addr> {
-    e.get_ref().and_then(|i| i.downcast_ref::<Moved>()).map(|m| m.0)
+    e.get_ref()
+        .and_then(|i| i.downcast_ref::<Moved>())
+        .map(|m| m.0)
 }
 
 /// Where an application handle's calls go now.
@@ -86,8 +88,13 @@ pub struct TcpListener {
 impl TcpListener {
     /// Starts listening on `local` (a VIP and port).
     pub fn bind(stack: &Stack, local: SocketAddrV4) -> io::Result<TcpListener> {
-        stack.with(|i| i.transports.tcp.listen(local)).map_err(io_error)?;
-        Ok(TcpListener { stack: stack.clone(), local })
+        stack
+            .with(|i| i.transports.tcp.listen(local))
+            .map_err(io_error)?;
+        Ok(TcpListener {
+            stack: stack.clone(),
+            local,
+        })
     }
 
     pub fn local_addr(&self) -> SocketAddrV4 {
@@ -106,7 +113,13 @@ impl TcpListener {
             inner.wakers.insert(id, Default::default());
             let peer = inner.transports.tcp.remote_addr(id).unwrap_or(self.local);
             drop(inner);
-            return Poll::Ready(Ok((TcpStream { stack: self.stack.clone(), id }, peer)));
+            return Poll::Ready(Ok((
+                TcpStream {
+                    stack: self.stack.clone(),
+                    id,
+                },
+                peer,
+            )));
         }
         inner.accept_wakers.insert(port, cx.waker().clone());
         Poll::Pending
@@ -146,11 +159,21 @@ impl TcpStream {
     }
 
     pub fn peer_addr(&self) -> io::Result<SocketAddrV4> {
-        self.live(|i, id| i.transports.tcp.remote_addr(id).ok_or_else(|| io_error(TcpError::InvalidHandle)))
+        self.live(|i, id| {
+            i.transports
+                .tcp
+                .remote_addr(id)
+                .ok_or_else(|| io_error(TcpError::InvalidHandle))
+        })
     }
 
     pub fn local_addr(&self) -> io::Result<SocketAddrV4> {
-        self.live(|i, id| i.transports.tcp.local_addr(id).ok_or_else(|| io_error(TcpError::InvalidHandle)))
+        self.live(|i, id| {
+            i.transports
+                .tcp
+                .local_addr(id)
+                .ok_or_else(|| io_error(TcpError::InvalidHandle))
+        })
     }
 
     /// Non-blocking read: `Ok(0)` at end of stream, `WouldBlock` when empty.
@@ -224,7 +247,12 @@ impl TcpStream {
     }
 }
 
-fn poll_read_inner(stack: &Stack, app: ConnId, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+fn poll_read_inner(
+    stack: &Stack,
+    app: ConnId,
+    cx: &mut Context<'_>,
+    buf: &mut ReadBuf<'_>,
+) -> Poll<io::Result<()>> {
     let mut inner = stack.inner.borrow_mut();
     let id = match target(&inner, app) {
         Target::Live(id) => id,
@@ -269,13 +297,21 @@ impl Drop for TcpStream {
 }
 
 impl AsyncRead for TcpStream {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         poll_read_inner(&self.stack, self.id, cx, buf)
     }
 }
 
 impl AsyncWrite for TcpStream {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
         if data.is_empty() {
             return Poll::Ready(Ok(0));
         }

@@ -11,12 +11,12 @@
 //! futures on TCP events, and socket calls that produce output wake the
 //! driver.
 
+use crate::migration::{HandleState, Migrator};
 use capybara_net::device::{Device, PollMode};
 use capybara_net::driver::{self, Clock};
 use capybara_net::iface::{Interface, Ipv4Out, Transport};
-use capybara_proto::time::Instant;
-use crate::migration::{HandleState, Migrator};
 use capybara_proto::checksum;
+use capybara_proto::time::Instant;
 use capybara_proto::FlowKey;
 use capybara_tcp::{ConnId, Endpoint, Event};
 use std::cell::RefCell;
@@ -45,7 +45,13 @@ pub struct Transports {
 
 impl Transports {
     pub fn new(tcp: Endpoint, local: Ipv4Addr) -> Transports {
-        Transports { tcp, mig: None, vips: HashMap::new(), local, udp_drops: 0 }
+        Transports {
+            tcp,
+            mig: None,
+            vips: HashMap::new(),
+            local,
+            udp_drops: 0,
+        }
     }
 
     /// The flow a TCP segment from `src` belongs to (None if too short).
@@ -67,7 +73,10 @@ impl Transports {
         };
         let len = usize::from(u16::from_be_bytes([h[4], h[5]]));
         let sum = u16::from_be_bytes([h[6], h[7]]);
-        if len < UDP_HEADER || len > dgram.len() || (sum != 0 && checksum::transport(src, dst, IPPROTO_UDP, &dgram[..len]) != 0) {
+        if len < UDP_HEADER
+            || len > dgram.len()
+            || (sum != 0 && checksum::transport(src, dst, IPPROTO_UDP, &dgram[..len]) != 0)
+        {
             self.udp_drops += 1;
             return;
         }
@@ -83,7 +92,14 @@ impl Transports {
 }
 
 impl Transport for Transports {
-    fn handle_ipv4(&mut self, now: Instant, src: Ipv4Addr, dst: Ipv4Addr, protocol: u8, payload: &[u8]) {
+    fn handle_ipv4(
+        &mut self,
+        now: Instant,
+        src: Ipv4Addr,
+        dst: Ipv4Addr,
+        protocol: u8,
+        payload: &[u8],
+    ) {
         match protocol {
             IPPROTO_TCP => {
                 if self.mig.is_some() {
@@ -118,13 +134,21 @@ impl Transport for Transports {
                         sum = 0xffff;
                     }
                     buf[6..8].copy_from_slice(&sum.to_be_bytes());
-                    return Some(Ipv4Out { src: self.local, dst: t.dst, protocol: IPPROTO_UDP, len });
+                    return Some(Ipv4Out {
+                        src: self.local,
+                        dst: t.dst,
+                        protocol: IPPROTO_UDP,
+                        len,
+                    });
                 }
             }
         }
-        self.tcp
-            .poll_transmit(now, buf)
-            .map(|t| Ipv4Out { src: t.src, dst: t.dst, protocol: IPPROTO_TCP, len: t.len })
+        self.tcp.poll_transmit(now, buf).map(|t| Ipv4Out {
+            src: t.src,
+            dst: t.dst,
+            protocol: IPPROTO_TCP,
+            len: t.len,
+        })
     }
 
     fn poll_timeout(&self) -> Option<Instant> {
@@ -183,7 +207,13 @@ impl Inner {
     pub(crate) fn poll_once(&mut self) -> bool {
         let now = self.clock.now();
         self.needs_poll = false;
-        let r = match driver::poll(now, &mut self.iface, &mut *self.device, &mut self.transports, self.batch) {
+        let r = match driver::poll(
+            now,
+            &mut self.iface,
+            &mut *self.device,
+            &mut self.transports,
+            self.batch,
+        ) {
             Ok(r) => r,
             Err(e) => {
                 self.device_error = Some(e.to_string());
@@ -228,12 +258,18 @@ impl Inner {
     /// The application handle an endpoint id belongs to (they differ only
     /// for connections resumed after an aborted migration).
     fn app_id(&self, id: ConnId) -> ConnId {
-        self.transports.mig.as_ref().map_or(id, |m| m.app_handle(id))
+        self.transports
+            .mig
+            .as_ref()
+            .map_or(id, |m| m.app_handle(id))
     }
 
     /// The endpoint id behind an application handle, or why there is none.
     pub(crate) fn resolve(&self, app_id: ConnId) -> HandleState {
-        self.transports.mig.as_ref().map_or(HandleState::Live(app_id), |m| m.handle(app_id))
+        self.transports
+            .mig
+            .as_ref()
+            .map_or(HandleState::Live(app_id), |m| m.handle(app_id))
     }
 
     fn dispatch(&mut self, ev: Event) {
@@ -284,7 +320,12 @@ pub struct Stack {
 }
 
 impl Stack {
-    pub fn new(iface: Interface, transports: Transports, device: Box<dyn Device>, mode: PollMode) -> Stack {
+    pub fn new(
+        iface: Interface,
+        transports: Transports,
+        device: Box<dyn Device>,
+        mode: PollMode,
+    ) -> Stack {
         Stack {
             inner: Rc::new(RefCell::new(Inner {
                 iface,
@@ -321,8 +362,13 @@ impl Stack {
                 // SAFETY: the descriptor belongs to `self.inner.device`, which
                 // lives as long as this driver (the stack is never dropped
                 // while `drive` runs), so it stays open while registered.
-                unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
-                    .map_err(|e| format!("cannot register the device with the reactor: {e}"))?,
+                unsafe {
+                    tokio::io::unix::AsyncFd::register_with_interest(
+                        fd,
+                        tokio::io::Interest::READABLE,
+                    )
+                }
+                .map_err(|e| format!("cannot register the device with the reactor: {e}"))?,
             ),
             _ => None,
         };
@@ -358,7 +404,9 @@ impl Stack {
                         inner.iface.poll_timeout(&inner.transports).map(|t| {
                             let now = inner.clock.now();
                             tokio::time::Instant::now()
-                                + std::time::Duration::from_micros(t.as_micros().saturating_sub(now.as_micros()))
+                                + std::time::Duration::from_micros(
+                                    t.as_micros().saturating_sub(now.as_micros()),
+                                )
                         })
                     };
                     let wait = WaitKick { stack: &self.inner };
@@ -390,7 +438,10 @@ struct WaitKick<'a> {
 
 impl std::future::Future for WaitKick<'_> {
     type Output = ();
-    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
         let mut inner = self.stack.borrow_mut();
         if inner.needs_poll {
             std::task::Poll::Ready(())

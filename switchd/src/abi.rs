@@ -186,11 +186,21 @@ unsafe impl Pod for CMigration {}
 impl CMigration {
     /// A final entry: `server` owns the flow.
     pub fn owner(server: u32, migration_id: u64) -> Self {
-        CMigration { server, pending: MIG_FINAL, pad: [0; 3], migration_id }
+        CMigration {
+            server,
+            pending: MIG_FINAL,
+            pad: [0; 3],
+            migration_id,
+        }
     }
     /// A pending entry toward the target `server` of `migration_id`.
     pub fn pending(server: u32, migration_id: u64) -> Self {
-        CMigration { server, pending: MIG_PENDING, pad: [0; 3], migration_id }
+        CMigration {
+            server,
+            pending: MIG_PENDING,
+            pad: [0; 3],
+            migration_id,
+        }
     }
     pub fn is_pending(&self) -> bool {
         self.pending != MIG_FINAL

@@ -11,7 +11,9 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, Object, ObjectBuilder, RingBuffer, RingBufferBuilder};
+use libbpf_rs::{
+    Link, MapCore, MapFlags, MapHandle, Object, ObjectBuilder, RingBuffer, RingBufferBuilder,
+};
 
 use crate::abi::*;
 use crate::dataplane::{check_range, DataPlane, DataPlaneError, FlowEvent, Result};
@@ -35,14 +37,22 @@ pub struct BpfOptions {
 
 impl Default for BpfOptions {
     fn default() -> Self {
-        BpfOptions { max_flows: MAX_FLOWS, max_migrations: MAX_MIGRATIONS, event_ring_bytes: 1 << 22 }
+        BpfOptions {
+            max_flows: MAX_FLOWS,
+            max_migrations: MAX_MIGRATIONS,
+            event_ring_bytes: 1 << 22,
+        }
     }
 }
 
 impl BpfOptions {
     /// Small maps for tests: quick to create, little memory.
     pub fn small() -> Self {
-        BpfOptions { max_flows: 4096, max_migrations: 4096, event_ring_bytes: 1 << 16 }
+        BpfOptions {
+            max_flows: 4096,
+            max_migrations: 4096,
+            event_ring_bytes: 1 << 16,
+        }
     }
 }
 
@@ -91,14 +101,20 @@ pub struct BpfDataPlane {
 }
 
 fn map_err(map: &'static str, op: &'static str) -> impl FnOnce(libbpf_rs::Error) -> DataPlaneError {
-    move |e| DataPlaneError::Map { map, op, detail: e.to_string() }
+    move |e| DataPlaneError::Map {
+        map,
+        op,
+        detail: e.to_string(),
+    }
 }
 
 impl BpfDataPlane {
     /// Loads the program and creates its maps (needs CAP_BPF / root).
     pub fn load(opts: BpfOptions) -> Result<Self> {
         let load_err = |e: libbpf_rs::Error| DataPlaneError::Load(e.to_string());
-        let mut open = ObjectBuilder::default().open_memory(SWITCH_BPF_OBJ).map_err(load_err)?;
+        let mut open = ObjectBuilder::default()
+            .open_memory(SWITCH_BPF_OBJ)
+            .map_err(load_err)?;
         for mut m in open.maps_mut() {
             let n = m.name().to_string_lossy().to_string();
             let size = match n.as_str() {
@@ -209,7 +225,11 @@ impl BpfDataPlane {
     pub fn add_tx_port(&mut self, ifindex: u32) -> Result<()> {
         self.maps
             .tx_ports
-            .update(&ifindex.to_ne_bytes(), &ifindex.to_ne_bytes(), MapFlags::ANY)
+            .update(
+                &ifindex.to_ne_bytes(),
+                &ifindex.to_ne_bytes(),
+                MapFlags::ANY,
+            )
             .map_err(map_err("tx_ports", "update"))
     }
 
@@ -229,23 +249,43 @@ impl BpfDataPlane {
             input.data_out = Some(&mut out);
             input.context_in = Some(&mut ctx);
             input.repeat = repeat;
-            p.test_run(input).map(|o| (o.return_value, o.data.map(|d| d.len()).unwrap_or(0), o.duration))
+            p.test_run(input).map(|o| {
+                (
+                    o.return_value,
+                    o.data.map(|d| d.len()).unwrap_or(0),
+                    o.duration,
+                )
+            })
         })?;
-        let (verdict, len, duration) = r.map_err(|e| DataPlaneError::Load(format!("BPF_PROG_TEST_RUN: {e}")))?;
+        let (verdict, len, duration) =
+            r.map_err(|e| DataPlaneError::Load(format!("BPF_PROG_TEST_RUN: {e}")))?;
         out.truncate(len);
-        Ok(TestRun { verdict, packet: out, duration })
+        Ok(TestRun {
+            verdict,
+            packet: out,
+            duration,
+        })
     }
 
     /// Bulk-loads flow entries (benchmark and store restore).
     pub fn insert_flows_batch(&mut self, keys: &[CFlowKey], vals: &[CFlow]) -> Result<()> {
         batch_update(&self.maps.flows, "flows", keys, vals)
     }
-    pub fn insert_migrations_batch(&mut self, keys: &[CFlowKey], vals: &[CMigration]) -> Result<()> {
+    pub fn insert_migrations_batch(
+        &mut self,
+        keys: &[CFlowKey],
+        vals: &[CMigration],
+    ) -> Result<()> {
         batch_update(&self.maps.migrations, "migrations", keys, vals)
     }
 }
 
-fn batch_update<K: Pod, V: Pod>(map: &MapHandle, name: &'static str, keys: &[K], vals: &[V]) -> Result<()> {
+fn batch_update<K: Pod, V: Pod>(
+    map: &MapHandle,
+    name: &'static str,
+    keys: &[K],
+    vals: &[V],
+) -> Result<()> {
     for (kc, vc) in keys.chunks(8192).zip(vals.chunks(8192)) {
         let kb: Vec<u8> = kc.iter().flat_map(|k| k.as_bytes().to_vec()).collect();
         let vb: Vec<u8> = vc.iter().flat_map(|v| v.as_bytes().to_vec()).collect();
@@ -256,9 +296,18 @@ fn batch_update<K: Pod, V: Pod>(map: &MapHandle, name: &'static str, keys: &[K],
 }
 
 /// Up to `limit` entries of a hash map, read in batches of 4,096.
-fn entries<K: Pod, V: Pod>(map: &MapHandle, name: &'static str, limit: usize) -> Result<Vec<(K, V)>> {
-    let it = map.lookup_batch(4096, MapFlags::ANY, MapFlags::ANY).map_err(map_err(name, "lookup_batch"))?;
-    Ok(it.take(limit).filter_map(|(k, v)| Some((K::from_bytes(&k)?, V::from_bytes(&v)?))).collect())
+fn entries<K: Pod, V: Pod>(
+    map: &MapHandle,
+    name: &'static str,
+    limit: usize,
+) -> Result<Vec<(K, V)>> {
+    let it = map
+        .lookup_batch(4096, MapFlags::ANY, MapFlags::ANY)
+        .map_err(map_err(name, "lookup_batch"))?;
+    Ok(it
+        .take(limit)
+        .filter_map(|(k, v)| Some((K::from_bytes(&k)?, V::from_bytes(&v)?)))
+        .collect())
 }
 
 fn percpu_sum(values: &[Vec<u8>], offset: usize) -> u64 {
@@ -271,7 +320,10 @@ fn percpu_sum(values: &[Vec<u8>], offset: usize) -> u64 {
 
 impl DataPlane for BpfDataPlane {
     fn set_config(&mut self, cfg: CConfig) -> Result<()> {
-        self.maps.config.update(&0u32.to_ne_bytes(), cfg.as_bytes(), MapFlags::ANY).map_err(map_err("config", "update"))
+        self.maps
+            .config
+            .update(&0u32.to_ne_bytes(), cfg.as_bytes(), MapFlags::ANY)
+            .map_err(map_err("config", "update"))
     }
     fn set_iface(&mut self, ifindex: u32, iface: CIface) -> Result<()> {
         self.maps
@@ -287,7 +339,11 @@ impl DataPlane for BpfDataPlane {
             .map_err(map_err("servers", "update"))?;
         self.maps
             .server_by_addr
-            .update(&server.data_ip.to_ne_bytes(), &index.to_ne_bytes(), MapFlags::ANY)
+            .update(
+                &server.data_ip.to_ne_bytes(),
+                &index.to_ne_bytes(),
+                MapFlags::ANY,
+            )
             .map_err(map_err("server_by_addr", "update"))?;
         self.live_servers.insert(index);
         Ok(())
@@ -296,7 +352,11 @@ impl DataPlane for BpfDataPlane {
         check_range("server index", index, MAX_SERVERS)?;
         self.maps
             .servers
-            .update(&index.to_ne_bytes(), CServer::default().as_bytes(), MapFlags::ANY)
+            .update(
+                &index.to_ne_bytes(),
+                CServer::default().as_bytes(),
+                MapFlags::ANY,
+            )
             .map_err(map_err("servers", "update"))?;
         let _ = self.maps.server_by_addr.delete(&data_ip.to_ne_bytes());
         self.live_servers.remove(&index);
@@ -304,7 +364,10 @@ impl DataPlane for BpfDataPlane {
     }
     fn set_service(&mut self, key: CServiceKey, svc: CService) -> Result<()> {
         check_range("service index", svc.index, MAX_SERVICES)?;
-        self.maps.services.update(key.as_bytes(), svc.as_bytes(), MapFlags::ANY).map_err(map_err("services", "update"))
+        self.maps
+            .services
+            .update(key.as_bytes(), svc.as_bytes(), MapFlags::ANY)
+            .map_err(map_err("services", "update"))
     }
     fn remove_service(&mut self, key: CServiceKey) -> Result<()> {
         let _ = self.maps.services.delete(key.as_bytes());
@@ -331,7 +394,10 @@ impl DataPlane for BpfDataPlane {
         check_range("service index", service, MAX_SERVICES)?;
         check_range("ring kind", kind, RING_KINDS)?;
         let idx = service * RING_KINDS + kind;
-        self.maps.rings.update(&idx.to_ne_bytes(), ring.as_bytes(), MapFlags::ANY).map_err(map_err("rings", "update"))
+        self.maps
+            .rings
+            .update(&idx.to_ne_bytes(), ring.as_bytes(), MapFlags::ANY)
+            .map_err(map_err("rings", "update"))
     }
     fn server_packets(&mut self) -> Result<Vec<u64>> {
         let mut out = vec![0u64; MAX_SERVERS as usize];
@@ -350,8 +416,11 @@ impl DataPlane for BpfDataPlane {
     fn stats(&mut self) -> Result<Vec<u64>> {
         let mut out = vec![0u64; STAT_MAX as usize];
         for (i, slot) in out.iter_mut().enumerate() {
-            if let Some(v) =
-                self.maps.stats.lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY).map_err(map_err("stats", "lookup"))?
+            if let Some(v) = self
+                .maps
+                .stats
+                .lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY)
+                .map_err(map_err("stats", "lookup"))?
             {
                 *slot = percpu_sum(&v, 0);
             }
@@ -359,10 +428,16 @@ impl DataPlane for BpfDataPlane {
         Ok(out)
     }
     fn insert_flow(&mut self, key: CFlowKey, flow: CFlow) -> Result<()> {
-        self.maps.flows.update(key.as_bytes(), flow.as_bytes(), MapFlags::ANY).map_err(map_err("flows", "update"))
+        self.maps
+            .flows
+            .update(key.as_bytes(), flow.as_bytes(), MapFlags::ANY)
+            .map_err(map_err("flows", "update"))
     }
     fn insert_migration(&mut self, key: CFlowKey, m: CMigration) -> Result<()> {
-        self.maps.migrations.update(key.as_bytes(), m.as_bytes(), MapFlags::ANY).map_err(map_err("migrations", "update"))
+        self.maps
+            .migrations
+            .update(key.as_bytes(), m.as_bytes(), MapFlags::ANY)
+            .map_err(map_err("migrations", "update"))
     }
     fn delete_migration(&mut self, key: CFlowKey) -> Result<()> {
         let _ = self.maps.migrations.delete(key.as_bytes());
@@ -385,7 +460,8 @@ impl DataPlane for BpfDataPlane {
         // the control loop (reported as the cap, i.e. "at least").
         Ok((
             entries::<CFlowKey, CFlow>(&self.maps.flows, "flows", TABLE_COUNT_CAP)?.len(),
-            entries::<CFlowKey, CMigration>(&self.maps.migrations, "migrations", TABLE_COUNT_CAP)?.len(),
+            entries::<CFlowKey, CMigration>(&self.maps.migrations, "migrations", TABLE_COUNT_CAP)?
+                .len(),
         ))
     }
     fn lookup_flow(&mut self, key: CFlowKey) -> Result<Option<CFlow>> {
@@ -411,7 +487,9 @@ impl DataPlane for BpfDataPlane {
         let mut removed = Vec::new();
         // Keys with a migration entry, to it (removed) or elsewhere (kept).
         let mut migrated_away = std::collections::HashSet::new();
-        for (k, m) in entries::<CFlowKey, CMigration>(&self.maps.migrations, "migrations", usize::MAX)? {
+        for (k, m) in
+            entries::<CFlowKey, CMigration>(&self.maps.migrations, "migrations", usize::MAX)?
+        {
             if m.server == server {
                 let _ = self.maps.migrations.delete(k.as_bytes());
                 let _ = self.maps.flows.delete(k.as_bytes());
@@ -428,8 +506,13 @@ impl DataPlane for BpfDataPlane {
         Ok(removed)
     }
     fn drain_events(&mut self, out: &mut Vec<FlowEvent>) -> Result<usize> {
-        self.ringbuf.consume().map_err(map_err("flow_events", "consume"))?;
-        let mut p = self.pending.lock().map_err(|_| DataPlaneError::Load("event buffer poisoned".into()))?;
+        self.ringbuf
+            .consume()
+            .map_err(map_err("flow_events", "consume"))?;
+        let mut p = self
+            .pending
+            .lock()
+            .map_err(|_| DataPlaneError::Load("event buffer poisoned".into()))?;
         let n = p.len();
         out.append(&mut p);
         Ok(n)

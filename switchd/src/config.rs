@@ -46,11 +46,23 @@ pub enum ConfigError {
     #[error("config {path}: {err}")]
     Parse { path: String, err: String },
     #[error("config field `{field}` = {value}: {reason}")]
-    Invalid { field: String, value: String, reason: String },
+    Invalid {
+        field: String,
+        value: String,
+        reason: String,
+    },
 }
 
-fn invalid(field: impl Into<String>, value: impl std::fmt::Display, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { field: field.into(), value: value.to_string(), reason: reason.into() }
+fn invalid(
+    field: impl Into<String>,
+    value: impl std::fmt::Display,
+    reason: impl Into<String>,
+) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        value: value.to_string(),
+        reason: reason.into(),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -116,7 +128,15 @@ pub struct HaConfig {
 
 impl Default for HaConfig {
     fn default() -> Self {
-        HaConfig { enabled: false, election: "switchd".into(), candidate: None, lease_ttl_ms: 1000, flow_sync_interval_ms: 500, fast_takeover: true, claim_vips: false }
+        HaConfig {
+            enabled: false,
+            election: "switchd".into(),
+            candidate: None,
+            lease_ttl_ms: 1000,
+            flow_sync_interval_ms: 500,
+            fast_takeover: true,
+            claim_vips: false,
+        }
     }
 }
 
@@ -187,31 +207,53 @@ impl StoreSpec {
     pub fn parse(s: &str) -> Result<Self, ConfigError> {
         if let Some(p) = s.strip_prefix("sqlite:") {
             if p.is_empty() {
-                return Err(invalid("store", format!("{s:?}"), "sqlite: needs a file path"));
+                return Err(invalid(
+                    "store",
+                    format!("{s:?}"),
+                    "sqlite: needs a file path",
+                ));
             }
             return Ok(StoreSpec::Sqlite(PathBuf::from(p)));
         }
         if let Some(list) = s.strip_prefix("etcd:") {
-            let eps: Vec<String> = list.split(',').map(|e| e.trim().to_string()).filter(|e| !e.is_empty()).collect();
+            let eps: Vec<String> = list
+                .split(',')
+                .map(|e| e.trim().to_string())
+                .filter(|e| !e.is_empty())
+                .collect();
             if eps.is_empty() {
-                return Err(invalid("store", format!("{s:?}"), "etcd: needs at least one http:// endpoint"));
+                return Err(invalid(
+                    "store",
+                    format!("{s:?}"),
+                    "etcd: needs at least one http:// endpoint",
+                ));
             }
             for e in &eps {
                 if !(e.starts_with("http://") || e.starts_with("https://")) {
-                    return Err(invalid("store", format!("{e:?}"), "etcd endpoints start with http:// or https://"));
+                    return Err(invalid(
+                        "store",
+                        format!("{e:?}"),
+                        "etcd endpoints start with http:// or https://",
+                    ));
                 }
             }
             return Ok(StoreSpec::Etcd(eps));
         }
-        Err(invalid("store", format!("{s:?}"), "expected `sqlite:PATH` or `etcd:http://a,http://b`"))
+        Err(invalid(
+            "store",
+            format!("{s:?}"),
+            "expected `sqlite:PATH` or `etcd:http://a,http://b`",
+        ))
     }
 
     pub fn to_store_config(&self) -> capybara_store::StoreConfig {
         match self {
-            StoreSpec::Sqlite(p) => capybara_store::StoreConfig::Sqlite(capybara_store::SqliteConfig {
-                watch_poll_interval_ms: 50,
-                ..capybara_store::SqliteConfig::at(p.clone())
-            }),
+            StoreSpec::Sqlite(p) => {
+                capybara_store::StoreConfig::Sqlite(capybara_store::SqliteConfig {
+                    watch_poll_interval_ms: 50,
+                    ..capybara_store::SqliteConfig::at(p.clone())
+                })
+            }
             StoreSpec::Etcd(eps) => capybara_store::StoreConfig::Etcd(capybara_store::EtcdConfig {
                 endpoints: eps.clone(),
                 ..Default::default()
@@ -251,143 +293,285 @@ fn parse_placement(field: &str, s: &str) -> Result<Placement, ConfigError> {
     match s {
         "maglev" => Ok(Placement::Maglev),
         "lwrr" => Ok(Placement::Lwrr),
-        _ => Err(invalid(field, format!("{s:?}"), "expected \"maglev\" or \"lwrr\"")),
+        _ => Err(invalid(
+            field,
+            format!("{s:?}"),
+            "expected \"maglev\" or \"lwrr\"",
+        )),
     }
 }
 
 impl Config {
     pub fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read { path: path.display().to_string(), err })?;
+        let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read {
+            path: path.display().to_string(),
+            err,
+        })?;
         Self::from_toml(&text).map_err(|e| match e {
-            ConfigError::Parse { err, .. } => ConfigError::Parse { path: path.display().to_string(), err },
+            ConfigError::Parse { err, .. } => ConfigError::Parse {
+                path: path.display().to_string(),
+                err,
+            },
             e => e,
         })
     }
 
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse { path: String::new(), err: e.to_string() })?;
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: String::new(),
+            err: e.to_string(),
+        })?;
         Self::validate(raw)
     }
 
     /// Checks every field; the first problem is returned, naming the field.
     pub fn validate(raw: RawConfig) -> Result<Self, ConfigError> {
-        let control_listen: SocketAddrV4 = raw
-            .control_listen
-            .parse()
-            .map_err(|_| invalid("control_listen", format!("{:?}", raw.control_listen), "expected IPv4:port"))?;
+        let control_listen: SocketAddrV4 = raw.control_listen.parse().map_err(|_| {
+            invalid(
+                "control_listen",
+                format!("{:?}", raw.control_listen),
+                "expected IPv4:port",
+            )
+        })?;
         if control_listen.ip().is_unspecified() {
             // The address is also where servers send PREPAREs: it must be real.
-            return Err(invalid("control_listen", control_listen, "must be the switch's server-side address, not 0.0.0.0"));
+            return Err(invalid(
+                "control_listen",
+                control_listen,
+                "must be the switch's server-side address, not 0.0.0.0",
+            ));
         }
         if raw.key_file.as_os_str().is_empty() {
-            return Err(invalid("key_file", "\"\"", "must name the deployment key file"));
+            return Err(invalid(
+                "key_file",
+                "\"\"",
+                "must name the deployment key file",
+            ));
         }
         let placement = parse_placement("placement", &raw.placement)?;
         let target_policy = match raw.target_selection.as_str() {
             "round_robin" => TargetPolicy::RoundRobin,
             "least_loaded" => TargetPolicy::LeastLoaded,
-            s => return Err(invalid("target_selection", format!("{s:?}"), "expected \"round_robin\" or \"least_loaded\"")),
+            s => {
+                return Err(invalid(
+                    "target_selection",
+                    format!("{s:?}"),
+                    "expected \"round_robin\" or \"least_loaded\"",
+                ))
+            }
         };
         if !(100..=1_000_000).contains(&raw.load_interval_us) {
-            return Err(invalid("load_interval_us", raw.load_interval_us, "must be 100..=1000000"));
+            return Err(invalid(
+                "load_interval_us",
+                raw.load_interval_us,
+                "must be 100..=1000000",
+            ));
         }
         if !(10..=60_000).contains(&raw.heartbeat_interval_ms) {
-            return Err(invalid("heartbeat_interval_ms", raw.heartbeat_interval_ms, "must be 10..=60000"));
+            return Err(invalid(
+                "heartbeat_interval_ms",
+                raw.heartbeat_interval_ms,
+                "must be 10..=60000",
+            ));
         }
         if raw.dead_after_ms < 2 * raw.heartbeat_interval_ms || raw.dead_after_ms > 600_000 {
             return Err(invalid(
                 "dead_after_ms",
                 raw.dead_after_ms,
-                format!("must be at least 2 x heartbeat_interval_ms ({}) and at most 600000", 2 * raw.heartbeat_interval_ms),
+                format!(
+                    "must be at least 2 x heartbeat_interval_ms ({}) and at most 600000",
+                    2 * raw.heartbeat_interval_ms
+                ),
             ));
         }
         if raw.closed_linger_ms > 3_600_000 {
-            return Err(invalid("closed_linger_ms", raw.closed_linger_ms, "must be at most 3600000"));
+            return Err(invalid(
+                "closed_linger_ms",
+                raw.closed_linger_ms,
+                "must be at most 3600000",
+            ));
         }
-        let metrics_listen: SocketAddr = raw
-            .metrics_listen
-            .parse()
-            .map_err(|_| invalid("metrics_listen", format!("{:?}", raw.metrics_listen), "expected IP:port"))?;
+        let metrics_listen: SocketAddr = raw.metrics_listen.parse().map_err(|_| {
+            invalid(
+                "metrics_listen",
+                format!("{:?}", raw.metrics_listen),
+                "expected IP:port",
+            )
+        })?;
         let store = raw.store.as_deref().map(StoreSpec::parse).transpose()?;
         if !(1024..=crate::abi::MAX_FLOWS * 8).contains(&raw.max_flows) {
-            return Err(invalid("max_flows", raw.max_flows, format!("must be 1024..={}", crate::abi::MAX_FLOWS * 8)));
+            return Err(invalid(
+                "max_flows",
+                raw.max_flows,
+                format!("must be 1024..={}", crate::abi::MAX_FLOWS * 8),
+            ));
         }
         if raw.interfaces.is_empty() {
-            return Err(invalid("interfaces", "[]", "at least one client and one server interface"));
+            return Err(invalid(
+                "interfaces",
+                "[]",
+                "at least one client and one server interface",
+            ));
         }
         let mut names = BTreeSet::new();
         for (i, ifc) in raw.interfaces.iter().enumerate() {
             if ifc.name.is_empty() || ifc.name.len() > 15 || ifc.name.contains(['/', ' ']) {
-                return Err(invalid(format!("interfaces[{i}].name"), format!("{:?}", ifc.name), "not a Linux interface name"));
+                return Err(invalid(
+                    format!("interfaces[{i}].name"),
+                    format!("{:?}", ifc.name),
+                    "not a Linux interface name",
+                ));
             }
             if !names.insert(ifc.name.clone()) {
-                return Err(invalid(format!("interfaces[{i}].name"), format!("{:?}", ifc.name), "listed twice"));
+                return Err(invalid(
+                    format!("interfaces[{i}].name"),
+                    format!("{:?}", ifc.name),
+                    "listed twice",
+                ));
             }
         }
         for role in [Role::Client, Role::Server] {
             if !raw.interfaces.iter().any(|i| i.role == role) {
-                return Err(invalid("interfaces", format!("{} entries", raw.interfaces.len()), format!("no interface with role {role:?}")));
+                return Err(invalid(
+                    "interfaces",
+                    format!("{} entries", raw.interfaces.len()),
+                    format!("no interface with role {role:?}"),
+                ));
             }
         }
         if raw.interfaces.len() > crate::abi::MAX_IFACES as usize {
-            return Err(invalid("interfaces", raw.interfaces.len(), format!("at most {}", crate::abi::MAX_IFACES)));
+            return Err(invalid(
+                "interfaces",
+                raw.interfaces.len(),
+                format!("at most {}", crate::abi::MAX_IFACES),
+            ));
         }
         if raw.services.is_empty() {
             return Err(invalid("services", "[]", "at least one service"));
         }
         if raw.services.len() > crate::abi::MAX_SERVICES as usize {
-            return Err(invalid("services", raw.services.len(), format!("at most {}", crate::abi::MAX_SERVICES)));
+            return Err(invalid(
+                "services",
+                raw.services.len(),
+                format!("at most {}", crate::abi::MAX_SERVICES),
+            ));
         }
         let mut services = Vec::new();
         let mut seen = BTreeSet::new();
         for (i, s) in raw.services.iter().enumerate() {
             let f = |n: &str| format!("services[{i}].{n}");
-            if s.name.is_empty() || s.name.len() > 128 || !s.name.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b)) {
-                return Err(invalid(f("name"), format!("{:?}", s.name), "1-128 characters of [A-Za-z0-9_.-]"));
+            if s.name.is_empty()
+                || s.name.len() > 128
+                || !s
+                    .name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
+            {
+                return Err(invalid(
+                    f("name"),
+                    format!("{:?}", s.name),
+                    "1-128 characters of [A-Za-z0-9_.-]",
+                ));
             }
-            let vip: SocketAddrV4 = s.vip.parse().map_err(|_| invalid(f("vip"), format!("{:?}", s.vip), "expected VIP:port (IPv4)"))?;
-            if vip.port() == 0 || vip.ip().is_unspecified() || vip.ip().is_broadcast() || vip.ip().is_multicast() {
-                return Err(invalid(f("vip"), format!("{:?}", s.vip), "needs a unicast address and a non-zero port"));
+            let vip: SocketAddrV4 = s.vip.parse().map_err(|_| {
+                invalid(f("vip"), format!("{:?}", s.vip), "expected VIP:port (IPv4)")
+            })?;
+            if vip.port() == 0
+                || vip.ip().is_unspecified()
+                || vip.ip().is_broadcast()
+                || vip.ip().is_multicast()
+            {
+                return Err(invalid(
+                    f("vip"),
+                    format!("{:?}", s.vip),
+                    "needs a unicast address and a non-zero port",
+                ));
             }
             if !seen.insert(vip) {
-                return Err(invalid(f("vip"), format!("{:?}", s.vip), "another service has the same VIP:port"));
+                return Err(invalid(
+                    f("vip"),
+                    format!("{:?}", s.vip),
+                    "another service has the same VIP:port",
+                ));
             }
             let mut ids = BTreeSet::new();
             for (k, m) in s.pool.iter().enumerate() {
                 if m.server == 0 {
-                    return Err(invalid(format!("services[{i}].pool[{k}].server"), 0, "server ids start at 1"));
+                    return Err(invalid(
+                        format!("services[{i}].pool[{k}].server"),
+                        0,
+                        "server ids start at 1",
+                    ));
                 }
                 if !ids.insert(m.server) {
-                    return Err(invalid(format!("services[{i}].pool[{k}].server"), m.server, "listed twice"));
+                    return Err(invalid(
+                        format!("services[{i}].pool[{k}].server"),
+                        m.server,
+                        "listed twice",
+                    ));
                 }
                 if m.weight == 0 || m.weight > 65535 {
-                    return Err(invalid(format!("services[{i}].pool[{k}].weight"), m.weight, "must be 1..=65535"));
+                    return Err(invalid(
+                        format!("services[{i}].pool[{k}].weight"),
+                        m.weight,
+                        "must be 1..=65535",
+                    ));
                 }
             }
             let placement = match &s.placement {
                 Some(p) => parse_placement(&f("placement"), p)?,
                 None => placement,
             };
-            services.push(Service { name: s.name.clone(), vip, pool: s.pool.clone(), placement });
+            services.push(Service {
+                name: s.name.clone(),
+                vip,
+                pool: s.pool.clone(),
+                placement,
+            });
         }
         if raw.ha.enabled {
             if store.is_none() {
-                return Err(invalid("ha.enabled", true, "HA needs a `store` (the lease and flow table live there)"));
+                return Err(invalid(
+                    "ha.enabled",
+                    true,
+                    "HA needs a `store` (the lease and flow table live there)",
+                ));
             }
             let e = &raw.ha.election;
-            if e.is_empty() || e.len() > 128 || !e.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b)) {
-                return Err(invalid("ha.election", format!("{e:?}"), "1-128 characters of [A-Za-z0-9_.-]"));
+            if e.is_empty()
+                || e.len() > 128
+                || !e
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
+            {
+                return Err(invalid(
+                    "ha.election",
+                    format!("{e:?}"),
+                    "1-128 characters of [A-Za-z0-9_.-]",
+                ));
             }
             if let Some(c) = &raw.ha.candidate {
                 if c.is_empty() || c.len() > 256 {
-                    return Err(invalid("ha.candidate", format!("{c:?}"), "must be 1-256 bytes"));
+                    return Err(invalid(
+                        "ha.candidate",
+                        format!("{c:?}"),
+                        "must be 1-256 bytes",
+                    ));
                 }
             }
             if !(1000..=60_000).contains(&raw.ha.lease_ttl_ms) {
-                return Err(invalid("ha.lease_ttl_ms", raw.ha.lease_ttl_ms, "must be 1000..=60000 (the store counts whole seconds)"));
+                return Err(invalid(
+                    "ha.lease_ttl_ms",
+                    raw.ha.lease_ttl_ms,
+                    "must be 1000..=60000 (the store counts whole seconds)",
+                ));
             }
             if !(50..=60_000).contains(&raw.ha.flow_sync_interval_ms) {
-                return Err(invalid("ha.flow_sync_interval_ms", raw.ha.flow_sync_interval_ms, "must be 50..=60000"));
+                return Err(invalid(
+                    "ha.flow_sync_interval_ms",
+                    raw.ha.flow_sync_interval_ms,
+                    "must be 50..=60000",
+                ));
             }
         }
         Ok(Config {
@@ -410,9 +594,15 @@ impl Config {
 
     /// The deployment key, from `key_file` (hex).
     pub fn load_key(&self) -> Result<capybara_proto::MigrationKey, ConfigError> {
-        let text = std::fs::read_to_string(&self.key_file)
-            .map_err(|e| invalid("key_file", self.key_file.display(), format!("cannot read: {e}")))?;
-        capybara_proto::MigrationKey::from_hex(&text).map_err(|e| invalid("key_file", self.key_file.display(), e.to_string()))
+        let text = std::fs::read_to_string(&self.key_file).map_err(|e| {
+            invalid(
+                "key_file",
+                self.key_file.display(),
+                format!("cannot read: {e}"),
+            )
+        })?;
+        capybara_proto::MigrationKey::from_hex(&text)
+            .map_err(|e| invalid("key_file", self.key_file.display(), e.to_string()))
     }
 
     /// The switch's address on the server side.
@@ -463,12 +653,20 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
 
     #[test]
     fn errors_name_field_and_value() {
-        let e = err(&OK.replace("\"maglev\"", "x").replace("key_file", "placement = \"ring\"\nkey_file"));
+        let e = err(&OK
+            .replace("\"maglev\"", "x")
+            .replace("key_file", "placement = \"ring\"\nkey_file"));
         assert!(e.contains("`placement`") && e.contains("\"ring\""), "{e}");
         let e = err(&OK.replace("198.18.100.1:80", "198.18.100.1"));
-        assert!(e.contains("services[0].vip") && e.contains("198.18.100.1"), "{e}");
+        assert!(
+            e.contains("services[0].vip") && e.contains("198.18.100.1"),
+            "{e}"
+        );
         let e = err(&OK.replace("weight = 2", "weight = 0"));
-        assert!(e.contains("services[0].pool[0].weight") && e.contains('0'), "{e}");
+        assert!(
+            e.contains("services[0].pool[0].weight") && e.contains('0'),
+            "{e}"
+        );
         let e = err(&OK.replace("sqlite:/tmp/s.db", "mysql://x"));
         assert!(e.contains("`store`") && e.contains("mysql"), "{e}");
         let e = err(&OK.replace("role = \"server\"", "role = \"client\""));

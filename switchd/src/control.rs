@@ -128,7 +128,11 @@ pub struct ControlConfig {
 
 impl ControlConfig {
     pub fn new(dead_after: std::time::Duration, target_policy: TargetPolicy) -> Self {
-        ControlConfig { dead_after, target_policy, closed_linger: std::time::Duration::from_secs(5) }
+        ControlConfig {
+            dead_after,
+            target_policy,
+            closed_linger: std::time::Duration::from_secs(5),
+        }
     }
 }
 
@@ -145,7 +149,11 @@ pub enum ControlError {
     #[error("data address {addr} is already used by server {owner}")]
     AddressInUse { addr: Ipv4Addr, owner: ServerId },
     #[error("SET_OWNER from {sender} for {key}: {reason}")]
-    SetOwnerRefused { sender: ServerId, key: FlowKey, reason: &'static str },
+    SetOwnerRefused {
+        sender: ServerId,
+        key: FlowKey,
+        reason: &'static str,
+    },
 }
 
 pub struct ControlPlane<D: DataPlane> {
@@ -199,8 +207,21 @@ impl<D: DataPlane> ControlPlane<D> {
     }
 
     /// A service whose pool is every registered server.
-    pub fn add_service(&mut self, vip: Ipv4Addr, port: u16, placement: Placement) -> std::result::Result<u32, ControlError> {
-        self.add_service_with_pool(vip, port, placement, PoolSpec { members: Vec::new(), open: true })
+    pub fn add_service(
+        &mut self,
+        vip: Ipv4Addr,
+        port: u16,
+        placement: Placement,
+    ) -> std::result::Result<u32, ControlError> {
+        self.add_service_with_pool(
+            vip,
+            port,
+            placement,
+            PoolSpec {
+                members: Vec::new(),
+                open: true,
+            },
+        )
     }
 
     pub fn add_service_with_pool(
@@ -218,7 +239,13 @@ impl<D: DataPlane> ControlPlane<D> {
             Placement::Maglev => PLACE_MAGLEV,
             Placement::Lwrr => PLACE_RING,
         };
-        self.dp.set_service(CServiceKey::tcp(vip, port), CService { index, placement: place })?;
+        self.dp.set_service(
+            CServiceKey::tcp(vip, port),
+            CService {
+                index,
+                placement: place,
+            },
+        )?;
         let configured: BTreeMap<ServerId, u32> = spec.members.iter().copied().collect();
         let mut pool = BTreeMap::new();
         for (id, w) in &configured {
@@ -231,7 +258,16 @@ impl<D: DataPlane> ControlPlane<D> {
                 pool.entry(s.id).or_insert(s.weight);
             }
         }
-        self.services.push(Service { vip, port, index, placement, pool, configured, open: spec.open, maglev_shadow: Vec::new() });
+        self.services.push(Service {
+            vip,
+            port,
+            index,
+            placement,
+            pool,
+            configured,
+            open: spec.open,
+            maglev_shadow: Vec::new(),
+        });
         self.push_tables()?;
         Ok(index)
     }
@@ -265,10 +301,22 @@ impl<D: DataPlane> ControlPlane<D> {
         weight: u32,
         wanted: &[SocketAddrV4],
     ) -> std::result::Result<u32, ControlError> {
-        if let Some(other) = self.servers.values().find(|s| s.data_ip == data_ip && s.id != id && s.liveness != Liveness::Dead) {
-            return Err(ControlError::AddressInUse { addr: data_ip, owner: other.id });
+        if let Some(other) = self
+            .servers
+            .values()
+            .find(|s| s.data_ip == data_ip && s.id != id && s.liveness != Liveness::Dead)
+        {
+            return Err(ControlError::AddressInUse {
+                addr: data_ip,
+                owner: other.id,
+            });
         }
-        if let Some(stale) = self.servers.values().find(|s| s.data_ip == data_ip && s.id != id).map(|s| s.id) {
+        if let Some(stale) = self
+            .servers
+            .values()
+            .find(|s| s.data_ip == data_ip && s.id != id)
+            .map(|s| s.id)
+        {
             // A dead server's address taken over by a new id: forget the old one.
             self.forget(stale)?;
         }
@@ -280,7 +328,8 @@ impl<D: DataPlane> ControlPlane<D> {
         };
         if let Some(old) = self.servers.get(&id) {
             if old.data_ip != data_ip {
-                self.dp.clear_server(old.index, u32::from_ne_bytes(old.data_ip.octets()))?;
+                self.dp
+                    .clear_server(old.index, u32::from_ne_bytes(old.data_ip.octets()))?;
             }
         }
         let s = Server {
@@ -299,7 +348,9 @@ impl<D: DataPlane> ControlPlane<D> {
         let weight = s.weight;
         self.servers.insert(id, s);
         for svc in &mut self.services {
-            let listed = wanted.iter().any(|w| *w.ip() == svc.vip && w.port() == svc.port);
+            let listed = wanted
+                .iter()
+                .any(|w| *w.ip() == svc.vip && w.port() == svc.port);
             if let Some(w) = svc.configured.get(&id) {
                 svc.pool.insert(id, *w);
             } else if svc.open || listed {
@@ -314,7 +365,8 @@ impl<D: DataPlane> ControlPlane<D> {
     /// Removes a server entirely (slot freed). Its flows must already be gone.
     fn forget(&mut self, id: ServerId) -> Result<()> {
         if let Some(s) = self.servers.remove(&id) {
-            self.dp.clear_server(s.index, u32::from_ne_bytes(s.data_ip.octets()))?;
+            self.dp
+                .clear_server(s.index, u32::from_ne_bytes(s.data_ip.octets()))?;
             for svc in &mut self.services {
                 svc.pool.remove(&id);
             }
@@ -332,10 +384,29 @@ impl<D: DataPlane> ControlPlane<D> {
     /// that keeps the last migration id, so the data plane's stale
     /// PREPARE_ACK checks keep working; an entry back on the original server
     /// is kept final (not deleted) for the same reason.
-    pub fn set_owner(&mut self, sender: ServerId, key: FlowKey, owner: ServerId) -> std::result::Result<(), ControlError> {
-        let refuse = |reason| ControlError::SetOwnerRefused { sender, key, reason };
-        let sidx = self.servers.get(&sender).filter(|s| s.liveness != Liveness::Dead).ok_or(refuse("sender not registered"))?.index;
-        let oidx = self.servers.get(&owner).filter(|s| s.liveness != Liveness::Dead).ok_or(refuse("owner not registered"))?.index;
+    pub fn set_owner(
+        &mut self,
+        sender: ServerId,
+        key: FlowKey,
+        owner: ServerId,
+    ) -> std::result::Result<(), ControlError> {
+        let refuse = |reason| ControlError::SetOwnerRefused {
+            sender,
+            key,
+            reason,
+        };
+        let sidx = self
+            .servers
+            .get(&sender)
+            .filter(|s| s.liveness != Liveness::Dead)
+            .ok_or(refuse("sender not registered"))?
+            .index;
+        let oidx = self
+            .servers
+            .get(&owner)
+            .filter(|s| s.liveness != Liveness::Dead)
+            .ok_or(refuse("owner not registered"))?
+            .index;
         let ck = CFlowKey::from(key);
         let flow = self.dp.lookup_flow(ck)?.ok_or(refuse("unknown flow"))?;
         let entry = self.dp.lookup_migration(ck)?;
@@ -344,30 +415,52 @@ impl<D: DataPlane> ControlPlane<D> {
         }
         let current = entry.map(|m| m.server).unwrap_or(flow.server);
         if sidx != current && sidx != oidx {
-            return Err(refuse("sender neither owns the flow nor is the named owner"));
+            return Err(refuse(
+                "sender neither owns the flow nor is the named owner",
+            ));
         }
         if entry.is_some() || oidx != flow.server {
             let id = entry.map(|m| m.migration_id).unwrap_or(0);
             self.dp.insert_migration(ck, CMigration::owner(oidx, id))?;
         }
         if current != oidx {
-            let kind = if oidx == flow.server { EV_RETURNED } else { EV_MIGRATED };
-            self.events.push(CFlowEvent { key: ck, kind, server: oidx, prev_server: current, ts_ns: 0 });
+            let kind = if oidx == flow.server {
+                EV_RETURNED
+            } else {
+                EV_MIGRATED
+            };
+            self.events.push(CFlowEvent {
+                key: ck,
+                kind,
+                server: oidx,
+                prev_server: current,
+                ts_ns: 0,
+            });
         }
         Ok(())
     }
 
     /// Loads flow mappings (a standby taking over): each flow is routed to
     /// its stored owner. Unknown owners or services are skipped and counted.
-    pub fn load_flows(&mut self, flows: &[(FlowKey, ServerId)]) -> std::result::Result<(usize, usize), ControlError> {
+    pub fn load_flows(
+        &mut self,
+        flows: &[(FlowKey, ServerId)],
+    ) -> std::result::Result<(usize, usize), ControlError> {
         let mut batch = Vec::with_capacity(flows.len());
         let mut skipped = 0;
         for (key, owner) in flows {
-            let svc = self.services.iter().find(|s| s.vip == key.service_ip && s.port == key.service_port);
+            let svc = self
+                .services
+                .iter()
+                .find(|s| s.vip == key.service_ip && s.port == key.service_port);
             match (self.servers.get(owner), svc) {
                 (Some(s), Some(svc)) => batch.push((
                     CFlowKey::from(*key),
-                    CFlow { server: s.index, service: svc.index as u16, flags: 0 },
+                    CFlow {
+                        server: s.index,
+                        service: svc.index as u16,
+                        flags: 0,
+                    },
                 )),
                 _ => skipped += 1,
             }
@@ -384,20 +477,38 @@ impl<D: DataPlane> ControlPlane<D> {
         Ok(())
     }
 
-    pub fn heartbeat(&mut self, now: Instant, id: ServerId) -> std::result::Result<(), ControlError> {
-        let s = self.servers.get_mut(&id).ok_or(ControlError::UnknownServer(id))?;
+    pub fn heartbeat(
+        &mut self,
+        now: Instant,
+        id: ServerId,
+    ) -> std::result::Result<(), ControlError> {
+        let s = self
+            .servers
+            .get_mut(&id)
+            .ok_or(ControlError::UnknownServer(id))?;
         s.last_heartbeat = now;
         Ok(())
     }
 
     /// Starts (or ends) a drain: no new flows nor migrations to the server;
     /// its existing flows keep flowing.
-    pub fn set_draining(&mut self, id: ServerId, draining: bool) -> std::result::Result<(), ControlError> {
-        let s = self.servers.get_mut(&id).ok_or(ControlError::UnknownServer(id))?;
+    pub fn set_draining(
+        &mut self,
+        id: ServerId,
+        draining: bool,
+    ) -> std::result::Result<(), ControlError> {
+        let s = self
+            .servers
+            .get_mut(&id)
+            .ok_or(ControlError::UnknownServer(id))?;
         if s.liveness == Liveness::Dead {
             return Ok(());
         }
-        s.liveness = if draining { Liveness::Draining } else { Liveness::Live };
+        s.liveness = if draining {
+            Liveness::Draining
+        } else {
+            Liveness::Live
+        };
         self.push_server(id)?;
         self.push_tables()?;
         Ok(())
@@ -422,7 +533,10 @@ impl<D: DataPlane> ControlPlane<D> {
     }
 
     fn live(&self) -> Vec<&Server> {
-        self.servers.values().filter(|s| s.liveness == Liveness::Live).collect()
+        self.servers
+            .values()
+            .filter(|s| s.liveness == Liveness::Live)
+            .collect()
     }
 
     /// Recomputes Maglev tables (pushing only changed slots), LWRR rings and
@@ -438,7 +552,10 @@ impl<D: DataPlane> ControlPlane<D> {
             .iter()
             .filter_map(|(id, w)| {
                 let s = self.servers.get(id)?;
-                (s.liveness == Liveness::Live).then(|| Server { weight: (*w).max(1), ..s.clone() })
+                (s.liveness == Liveness::Live).then(|| Server {
+                    weight: (*w).max(1),
+                    ..s.clone()
+                })
             })
             .collect()
     }
@@ -450,7 +567,14 @@ impl<D: DataPlane> ControlPlane<D> {
             let live = self.live_members(i);
             let svc_index = self.services[i].index;
             if maglev {
-                let backends: Vec<Backend> = live.iter().map(|s| Backend { id: s.id.0, index: s.index, weight: s.weight }).collect();
+                let backends: Vec<Backend> = live
+                    .iter()
+                    .map(|s| Backend {
+                        id: s.id.0,
+                        index: s.index,
+                        weight: s.weight,
+                    })
+                    .collect();
                 let table = maglev::build_table(&backends, MAGLEV_SIZE);
                 let delta = maglev::diff(&self.services[i].maglev_shadow, &table);
                 if !delta.is_empty() {
@@ -475,7 +599,10 @@ impl<D: DataPlane> ControlPlane<D> {
         let newly_dead: Vec<ServerId> = self
             .servers
             .values()
-            .filter(|s| s.liveness != Liveness::Dead && now.saturating_since(s.last_heartbeat) > self.cfg.dead_after)
+            .filter(|s| {
+                s.liveness != Liveness::Dead
+                    && now.saturating_since(s.last_heartbeat) > self.cfg.dead_after
+            })
             .map(|s| s.id)
             .collect();
         for id in &newly_dead {
@@ -489,7 +616,13 @@ impl<D: DataPlane> ControlPlane<D> {
             for id in newly_dead {
                 let idx = self.servers[&id].index;
                 for key in self.dp.remove_flows_of(idx)? {
-                    self.events.push(CFlowEvent { key, kind: EV_CLOSED, server: idx, prev_server: idx, ts_ns: 0 });
+                    self.events.push(CFlowEvent {
+                        key,
+                        kind: EV_CLOSED,
+                        server: idx,
+                        prev_server: idx,
+                        ts_ns: 0,
+                    });
                 }
             }
         }
@@ -500,7 +633,11 @@ impl<D: DataPlane> ControlPlane<D> {
             s.load = c.saturating_sub(s.last_counter);
             s.last_counter = c;
         }
-        let counted: Vec<&Server> = self.servers.values().filter(|s| s.liveness != Liveness::Dead).collect();
+        let counted: Vec<&Server> = self
+            .servers
+            .values()
+            .filter(|s| s.liveness != Liveness::Dead)
+            .collect();
         let pool_load: u64 = counted.iter().map(|s| s.load).sum();
         let least = self
             .live()
@@ -511,9 +648,18 @@ impl<D: DataPlane> ControlPlane<D> {
         let live_servers = counted.len() as u32;
         let reports = counted
             .iter()
-            .map(|s| LoadReport { server: s.id, data_ip: s.data_ip, own_load: s.load, pool_load, live_servers, least_loaded: least })
+            .map(|s| LoadReport {
+                server: s.id,
+                data_ip: s.data_ip,
+                own_load: s.load,
+                pool_load,
+                live_servers,
+                least_loaded: least,
+            })
             .collect();
-        if self.cfg.target_policy == TargetPolicy::LeastLoaded || self.services.iter().any(|s| s.placement == Placement::Lwrr) {
+        if self.cfg.target_policy == TargetPolicy::LeastLoaded
+            || self.services.iter().any(|s| s.placement == Placement::Lwrr)
+        {
             // Least-loaded order and LWRR rings follow the load of every
             // interval; Maglev tables do not.
             self.push(false)?;
@@ -550,7 +696,11 @@ impl<D: DataPlane> ControlPlane<D> {
 
     /// Moves flow events from the data plane (and liveness) to the sink in
     /// one batch. Returns how many. Closed flows start their linger.
-    pub fn flush_events(&mut self, now: Instant, sink: &mut dyn FlowEventSink) -> std::result::Result<usize, ControlError> {
+    pub fn flush_events(
+        &mut self,
+        now: Instant,
+        sink: &mut dyn FlowEventSink,
+    ) -> std::result::Result<usize, ControlError> {
         let from_liveness = self.events.len();
         self.dp.drain_events(&mut self.events)?;
         let n = self.events.len();
@@ -563,7 +713,11 @@ impl<D: DataPlane> ControlPlane<D> {
             let updates: Vec<FlowUpdate> = self
                 .events
                 .iter()
-                .map(|e| FlowUpdate { event: *e, key: FlowKey::from(e.key), owner: self.server_by_index(e.server).map(|s| s.id) })
+                .map(|e| FlowUpdate {
+                    event: *e,
+                    key: FlowKey::from(e.key),
+                    owner: self.server_by_index(e.server).map(|s| s.id),
+                })
                 .collect();
             sink.write_batch(&updates);
             self.events.clear();
@@ -579,12 +733,17 @@ pub fn lwrr_ring(live: &[Server]) -> Vec<u32> {
     if live.is_empty() {
         return Vec::new();
     }
-    let per_w: Vec<f64> = live.iter().map(|s| s.load as f64 / s.weight as f64).collect();
+    let per_w: Vec<f64> = live
+        .iter()
+        .map(|s| s.load as f64 / s.weight as f64)
+        .collect();
     let mean = per_w.iter().sum::<f64>() / per_w.len() as f64;
     let eff: Vec<i64> = live
         .iter()
         .zip(&per_w)
-        .map(|(s, l)| ((s.weight as f64 * 16.0 * (mean + 1.0) / (l + 1.0)).round() as i64).clamp(1, 1 << 20))
+        .map(|(s, l)| {
+            ((s.weight as f64 * 16.0 * (mean + 1.0) / (l + 1.0)).round() as i64).clamp(1, 1 << 20)
+        })
         .collect();
     let total: i64 = eff.iter().sum();
     let mut current = vec![0i64; live.len()];
@@ -593,7 +752,9 @@ pub fn lwrr_ring(live: &[Server]) -> Vec<u32> {
         for (c, e) in current.iter_mut().zip(&eff) {
             *c += e;
         }
-        let best = (0..live.len()).max_by_key(|i| (current[*i], std::cmp::Reverse(*i))).unwrap_or(0);
+        let best = (0..live.len())
+            .max_by_key(|i| (current[*i], std::cmp::Reverse(*i)))
+            .unwrap_or(0);
         current[best] -= total;
         ring.push(live[best].index);
     }
@@ -629,17 +790,33 @@ mod tests {
     const VIP: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 1);
 
     fn cp(policy: TargetPolicy) -> ControlPlane<MemDataPlane> {
-        let mut c = ControlPlane::new(MemDataPlane::new(), ControlConfig::new(Duration::from_millis(300), policy));
+        let mut c = ControlPlane::new(
+            MemDataPlane::new(),
+            ControlConfig::new(Duration::from_millis(300), policy),
+        );
         c.add_service(VIP, 80, Placement::Maglev).unwrap();
         for j in 1..=3u32 {
-            c.register(Instant::ZERO, ServerId(j), Ipv4Addr::new(198, 18, 2, 10 + j as u8), [2, 0, 0, 0, 1, j as u8], 5, [2; 6], 1)
-                .unwrap();
+            c.register(
+                Instant::ZERO,
+                ServerId(j),
+                Ipv4Addr::new(198, 18, 2, 10 + j as u8),
+                [2, 0, 0, 0, 1, j as u8],
+                5,
+                [2; 6],
+                1,
+            )
+            .unwrap();
         }
         c
     }
 
     fn key(port: u16) -> CFlowKey {
-        CFlowKey::from(FlowKey { client_ip: Ipv4Addr::new(198, 18, 0, 11), client_port: port, service_ip: VIP, service_port: 80 })
+        CFlowKey::from(FlowKey {
+            client_ip: Ipv4Addr::new(198, 18, 0, 11),
+            client_port: port,
+            service_ip: VIP,
+            service_port: 80,
+        })
     }
 
     #[test]
@@ -649,7 +826,10 @@ mod tests {
         let t = &c.dp.maglev[&0];
         assert!(t.iter().all(|v| *v < 3));
         assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 1, 2]);
-        assert_eq!(c.dp.server_by_addr[&u32::from_ne_bytes([198, 18, 2, 12])], 1);
+        assert_eq!(
+            c.dp.server_by_addr[&u32::from_ne_bytes([198, 18, 2, 12])],
+            1
+        );
     }
 
     #[test]
@@ -664,7 +844,11 @@ mod tests {
         assert!(delta > 0 && delta < (MAGLEV_SIZE as u64) / 2, "{delta}");
         assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 2]);
         assert_eq!(c.dp.servers[&1].state, SERVER_DRAINING);
-        assert_eq!(c.dp.current_owner(key(1)), Some(1), "existing flow untouched");
+        assert_eq!(
+            c.dp.current_owner(key(1)),
+            Some(1),
+            "existing flow untouched"
+        );
         c.set_draining(ServerId(2), false).unwrap();
         assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 1, 2]);
     }
@@ -677,7 +861,10 @@ mod tests {
         c.dp.count_packets(2, 50);
         let maglev_writes = c.dp.maglev_writes;
         let r = c.tick(Instant::from_millis(1)).unwrap();
-        assert_eq!(c.dp.maglev_writes, maglev_writes, "a load change must not rewrite Maglev tables");
+        assert_eq!(
+            c.dp.maglev_writes, maglev_writes,
+            "a load change must not rewrite Maglev tables"
+        );
         assert_eq!(r.len(), 3);
         assert!(r.iter().all(|x| x.pool_load == 160 && x.live_servers == 3));
         assert_eq!(r[0].own_load, 100);
@@ -703,8 +890,10 @@ mod tests {
         c.flush_events(Instant::ZERO, &mut sink).unwrap();
         assert_eq!(sink.0.len(), 6);
         for t in 1..=5u64 {
-            c.heartbeat(Instant::from_millis(t * 100), ServerId(1)).unwrap();
-            c.heartbeat(Instant::from_millis(t * 100), ServerId(3)).unwrap();
+            c.heartbeat(Instant::from_millis(t * 100), ServerId(1))
+                .unwrap();
+            c.heartbeat(Instant::from_millis(t * 100), ServerId(3))
+                .unwrap();
             c.tick(Instant::from_millis(t * 100)).unwrap();
         }
         assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Dead);
@@ -717,7 +906,12 @@ mod tests {
         assert_eq!(c.dp.servers[&1].state, SERVER_DEAD);
         let mut sink = VecSink::default();
         c.flush_events(Instant::ZERO, &mut sink).unwrap();
-        let mut closed: Vec<u16> = sink.0.iter().filter(|e| e.kind == EV_CLOSED).map(|e| FlowKey::from(e.key).client_port).collect();
+        let mut closed: Vec<u16> = sink
+            .0
+            .iter()
+            .filter(|e| e.kind == EV_CLOSED)
+            .map(|e| FlowKey::from(e.key).client_port)
+            .collect();
         closed.sort();
         assert_eq!(closed, vec![2, 4]);
         // A dead server is not reported to by the pool monitor.
@@ -745,24 +939,55 @@ mod tests {
         assert_eq!(r.len(), RING_SIZE);
         assert_eq!((count(&r, 0), count(&r, 1)), (64, 192));
         let r = lwrr_ring(&[mk(0, 1, 1000), mk(1, 1, 0)]);
-        assert!(count(&r, 1) > 4 * count(&r, 0), "{} {}", count(&r, 0), count(&r, 1));
+        assert!(
+            count(&r, 1) > 4 * count(&r, 0),
+            "{} {}",
+            count(&r, 0),
+            count(&r, 1)
+        );
         assert!(lwrr_ring(&[]).is_empty());
     }
 
     #[test]
     fn set_owner_only_from_owner_or_named_owner() {
         let mut c = cp(TargetPolicy::RoundRobin);
-        let k = FlowKey { client_ip: Ipv4Addr::new(198, 18, 0, 11), client_port: 7, service_ip: VIP, service_port: 80 };
+        let k = FlowKey {
+            client_ip: Ipv4Addr::new(198, 18, 0, 11),
+            client_port: 7,
+            service_ip: VIP,
+            service_port: 80,
+        };
         c.dp.place_flow(CFlowKey::from(k), 0, 0);
         c.dp.migrate_flow(CFlowKey::from(k), 1);
-        c.flush_events(Instant::ZERO, &mut VecSink::default()).unwrap();
+        c.flush_events(Instant::ZERO, &mut VecSink::default())
+            .unwrap();
         // s3 neither owns the flow nor names itself: refused.
-        assert!(matches!(c.set_owner(ServerId(3), k, ServerId(1)), Err(ControlError::SetOwnerRefused { .. })));
-        assert!(c.set_owner(ServerId(1), FlowKey { client_port: 8, ..k }, ServerId(1)).is_err(), "unknown flow");
+        assert!(matches!(
+            c.set_owner(ServerId(3), k, ServerId(1)),
+            Err(ControlError::SetOwnerRefused { .. })
+        ));
+        assert!(
+            c.set_owner(
+                ServerId(1),
+                FlowKey {
+                    client_port: 8,
+                    ..k
+                },
+                ServerId(1)
+            )
+            .is_err(),
+            "unknown flow"
+        );
         // The origin (s1) takes its flow back after an aborted migration.
         c.set_owner(ServerId(1), k, ServerId(1)).unwrap();
         assert_eq!(c.dp.current_owner(CFlowKey::from(k)), Some(0));
-        assert_eq!(c.dp.migrations.get(&CFlowKey::from(k)).map(|m| (m.server, m.is_pending())), Some((0, false)), "kept final on the original server");
+        assert_eq!(
+            c.dp.migrations
+                .get(&CFlowKey::from(k))
+                .map(|m| (m.server, m.is_pending())),
+            Some((0, false)),
+            "kept final on the original server"
+        );
         // The current owner hands it to s3.
         c.set_owner(ServerId(1), k, ServerId(3)).unwrap();
         assert_eq!(c.dp.current_owner(CFlowKey::from(k)), Some(2));
@@ -771,30 +996,74 @@ mod tests {
         let kinds: Vec<u32> = sink.0.iter().map(|e| e.kind).collect();
         assert_eq!(kinds, vec![EV_RETURNED, EV_MIGRATED]);
         // While a migration is pending the data plane decides: refused.
-        c.dp.migrations.insert(CFlowKey::from(k), CMigration::pending(1, 7));
-        assert!(matches!(c.set_owner(ServerId(3), k, ServerId(3)), Err(ControlError::SetOwnerRefused { .. })));
+        c.dp.migrations
+            .insert(CFlowKey::from(k), CMigration::pending(1, 7));
+        assert!(matches!(
+            c.set_owner(ServerId(3), k, ServerId(3)),
+            Err(ControlError::SetOwnerRefused { .. })
+        ));
         assert_eq!(c.dp.current_owner(CFlowKey::from(k)), Some(1));
     }
 
     #[test]
     fn per_service_pools_follow_config_and_register() {
-        let mut c = ControlPlane::new(MemDataPlane::new(), ControlConfig::new(Duration::from_millis(300), TargetPolicy::RoundRobin));
+        let mut c = ControlPlane::new(
+            MemDataPlane::new(),
+            ControlConfig::new(Duration::from_millis(300), TargetPolicy::RoundRobin),
+        );
         let vip2 = Ipv4Addr::new(198, 18, 100, 2);
-        c.add_service_with_pool(VIP, 80, Placement::Maglev, PoolSpec { members: vec![(ServerId(1), 3)], open: false }).unwrap();
-        c.add_service_with_pool(vip2, 80, Placement::Maglev, PoolSpec::default()).unwrap();
+        c.add_service_with_pool(
+            VIP,
+            80,
+            Placement::Maglev,
+            PoolSpec {
+                members: vec![(ServerId(1), 3)],
+                open: false,
+            },
+        )
+        .unwrap();
+        c.add_service_with_pool(vip2, 80, Placement::Maglev, PoolSpec::default())
+            .unwrap();
         let reg = |c: &mut ControlPlane<MemDataPlane>, j: u32, wanted: &[SocketAddrV4]| {
-            c.register_for(Instant::ZERO, ServerId(j), Ipv4Addr::new(198, 18, 2, 10 + j as u8), [2, 0, 0, 0, 1, j as u8], 5, [2; 6], 1, wanted)
-                .unwrap()
+            c.register_for(
+                Instant::ZERO,
+                ServerId(j),
+                Ipv4Addr::new(198, 18, 2, 10 + j as u8),
+                [2, 0, 0, 0, 1, j as u8],
+                5,
+                [2; 6],
+                1,
+                wanted,
+            )
+            .unwrap()
         };
         reg(&mut c, 1, &[]);
         reg(&mut c, 2, &[SocketAddrV4::new(vip2, 80)]);
         reg(&mut c, 3, &[]);
-        assert_eq!(c.services()[0].pool.iter().map(|(k, v)| (k.0, *v)).collect::<Vec<_>>(), vec![(1, 3)]);
-        assert_eq!(c.services()[1].pool.keys().map(|k| k.0).collect::<Vec<_>>(), vec![2]);
+        assert_eq!(
+            c.services()[0]
+                .pool
+                .iter()
+                .map(|(k, v)| (k.0, *v))
+                .collect::<Vec<_>>(),
+            vec![(1, 3)]
+        );
+        assert_eq!(
+            c.services()[1].pool.keys().map(|k| k.0).collect::<Vec<_>>(),
+            vec![2]
+        );
         assert!(c.dp.maglev[&0].iter().all(|v| *v == 0));
         assert!(c.dp.maglev[&1].iter().all(|v| *v == 1));
         // A second server can't claim a live server's data address.
-        let e = c.register(Instant::ZERO, ServerId(9), Ipv4Addr::new(198, 18, 2, 11), [0; 6], 5, [2; 6], 1);
+        let e = c.register(
+            Instant::ZERO,
+            ServerId(9),
+            Ipv4Addr::new(198, 18, 2, 11),
+            [0; 6],
+            5,
+            [2; 6],
+            1,
+        );
         assert!(matches!(e, Err(ControlError::AddressInUse { .. })));
     }
 
@@ -802,7 +1071,8 @@ mod tests {
     fn round_robin_target_ring_is_live_only() {
         let mut c = cp(TargetPolicy::RoundRobin);
         for t in 1..=4u64 {
-            c.heartbeat(Instant::from_millis(t * 100), ServerId(2)).unwrap();
+            c.heartbeat(Instant::from_millis(t * 100), ServerId(2))
+                .unwrap();
             c.tick(Instant::from_millis(t * 100)).unwrap();
         }
         assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[1]);

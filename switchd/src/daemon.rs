@@ -28,7 +28,8 @@ use std::time::{Duration, Instant as StdInstant};
 
 use anyhow::Context;
 use capybara_proto::control::{
-    self as ctl, ControlBody, ControlError as WireError, ControlKind, ControlRepr, ErrorCode, ErrorMsg, RegisterAck,
+    self as ctl, ControlBody, ControlError as WireError, ControlKind, ControlRepr, ErrorCode,
+    ErrorMsg, RegisterAck,
 };
 use capybara_proto::load::LoadRepr;
 use capybara_proto::{ports, FlowKey, Instant, MigrationKey, ServerId};
@@ -60,8 +61,16 @@ fn install_signal_handlers() {
 /// Operator requests from the HTTP endpoint to the control thread.
 #[derive(Debug)]
 pub enum Command {
-    Drain { server: ServerId, deadline_ms: u32, cancel: bool },
-    Migrate { server: ServerId, flow: FlowKey, target: Option<Ipv4Addr> },
+    Drain {
+        server: ServerId,
+        deadline_ms: u32,
+        cancel: bool,
+    },
+    Migrate {
+        server: ServerId,
+        flow: FlowKey,
+        target: Option<Ipv4Addr>,
+    },
 }
 
 /// What the HTTP thread serves; refreshed by the control thread.
@@ -96,11 +105,17 @@ pub fn run(cfg: Config) -> anyhow::Result<()> {
     // Resolve interfaces before anything else: a typo should fail fast.
     let mut ifaces = Vec::new();
     for (i, ifc) in cfg.interfaces.iter().enumerate() {
-        let idx = sys::ifindex(&ifc.name).with_context(|| format!("config field `interfaces[{i}].name` = {:?}", ifc.name))?;
-        let mac = sys::iface_mac(&ifc.name).with_context(|| format!("config field `interfaces[{i}].name` = {:?}", ifc.name))?;
+        let idx = sys::ifindex(&ifc.name)
+            .with_context(|| format!("config field `interfaces[{i}].name` = {:?}", ifc.name))?;
+        let mac = sys::iface_mac(&ifc.name)
+            .with_context(|| format!("config field `interfaces[{i}].name` = {:?}", ifc.name))?;
         ifaces.push((idx, ifc.role, mac));
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().thread_name("switchd-store").build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .thread_name("switchd-store")
+        .build()?;
     let store: Option<Arc<dyn Store>> = match &cfg.store {
         Some(spec) => Some(
             rt.block_on(capybara_store::open(&spec.to_store_config()))
@@ -112,9 +127,21 @@ pub fn run(cfg: Config) -> anyhow::Result<()> {
     let (cmd_tx, cmd_rx) = mpsc::channel();
     start_http(cfg.metrics_listen, published.clone(), cmd_tx)?;
 
-    let dp = BpfDataPlane::load(BpfOptions { max_flows: cfg.max_flows, ..Default::default() })
-        .context("loading the XDP data plane (needs root / CAP_BPF)")?;
-    let mut sw = Switch::new(cfg, key, dp, ifaces, store, rt.handle().clone(), published, cmd_rx)?;
+    let dp = BpfDataPlane::load(BpfOptions {
+        max_flows: cfg.max_flows,
+        ..Default::default()
+    })
+    .context("loading the XDP data plane (needs root / CAP_BPF)")?;
+    let mut sw = Switch::new(
+        cfg,
+        key,
+        dp,
+        ifaces,
+        store,
+        rt.handle().clone(),
+        published,
+        cmd_rx,
+    )?;
     let result = sw.main();
     sw.shutdown(&rt);
     drop(sw);
@@ -181,21 +208,44 @@ impl Switch {
                 Role::Client => IFACE_CLIENT,
                 Role::Server => IFACE_SERVER,
             };
-            cp.dp.set_iface(*idx, CIface { role: r, mac: *mac, pad: 0 })?;
+            cp.dp.set_iface(
+                *idx,
+                CIface {
+                    role: r,
+                    mac: *mac,
+                    pad: 0,
+                },
+            )?;
             cp.dp.add_tx_port(*idx)?;
         }
         for s in &cfg.services {
-            let spec = PoolSpec { members: s.pool.iter().map(|m| (ServerId(m.server), m.weight)).collect(), open: s.pool.is_empty() };
+            let spec = PoolSpec {
+                members: s
+                    .pool
+                    .iter()
+                    .map(|m| (ServerId(m.server), m.weight))
+                    .collect(),
+                open: s.pool.is_empty(),
+            };
             cp.add_service_with_pool(*s.vip.ip(), s.vip.port(), s.placement, spec)?;
         }
         let sink = store.as_ref().map(|st| {
             let _g = rt.enter();
-            StoreSink::new(Arc::new(FlowWriter::spawn(st.clone(), FlowWriterConfig::default())))
+            StoreSink::new(Arc::new(FlowWriter::spawn(
+                st.clone(),
+                FlowWriterConfig::default(),
+            )))
         });
-        let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let now_s = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
         let epoch = (now_s.as_secs() as u32) ^ (std::process::id() << 16) ^ now_s.subsec_nanos();
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-        let candidate = cfg.ha.candidate.clone().unwrap_or_else(|| format!("{}-{}", host.trim(), std::process::id()));
+        let candidate = cfg
+            .ha
+            .candidate
+            .clone()
+            .unwrap_or_else(|| format!("{}-{}", host.trim(), std::process::id()));
         Ok(Switch {
             cfg,
             key,
@@ -248,7 +298,12 @@ impl Switch {
         // Restored servers were loaded while standing by: their liveness
         // clock starts now, and their next heartbeats keep them live.
         let now = self.now();
-        let ids: Vec<ServerId> = self.cp.servers().filter(|s| s.liveness != Liveness::Dead).map(|s| s.id).collect();
+        let ids: Vec<ServerId> = self
+            .cp
+            .servers()
+            .filter(|s| s.liveness != Liveness::Dead)
+            .map(|s| s.id)
+            .collect();
         for id in ids {
             let _ = self.cp.heartbeat(now, id);
         }
@@ -300,7 +355,10 @@ impl Switch {
         let ttl = Duration::from_millis(self.cfg.ha.lease_ttl_ms);
         let sync_every = Duration::from_millis(self.cfg.ha.flow_sync_interval_ms);
         let mut next_sync = StdInstant::now();
-        eprintln!("switchd: standby as {:?} in election {:?}", self.candidate, self.cfg.ha.election);
+        eprintln!(
+            "switchd: standby as {:?} in election {:?}",
+            self.candidate, self.cfg.ha.election
+        );
         // Same-box standby: once the active's program has been seen on our
         // interfaces, its disappearance from all of them means the active
         // is gone (a process's bpf_links die with it). Attaching is then
@@ -316,7 +374,16 @@ impl Switch {
             if SHUTDOWN.load(Ordering::SeqCst) {
                 return Ok(false);
             }
-            let attached = ifs.iter().filter(|i| self.cp.dp.attached_prog_id(**i).map(|id| id != 0).unwrap_or(false)).count();
+            let attached = ifs
+                .iter()
+                .filter(|i| {
+                    self.cp
+                        .dp
+                        .attached_prog_id(**i)
+                        .map(|id| id != 0)
+                        .unwrap_or(false)
+                })
+                .count();
             if attached > 0 {
                 seen_active_program = true;
             } else if seen_active_program && self.cfg.ha.fast_takeover {
@@ -330,11 +397,18 @@ impl Switch {
             }
             next_campaign = StdInstant::now() + Duration::from_millis(100);
             let won = self.rt.block_on(async {
-                tokio::time::timeout(Duration::from_secs(2), store.campaign(&self.cfg.ha.election, &self.candidate, ttl)).await
+                tokio::time::timeout(
+                    Duration::from_secs(2),
+                    store.campaign(&self.cfg.ha.election, &self.candidate, ttl),
+                )
+                .await
             });
             match won {
                 Ok(Ok(Some(lease))) => {
-                    eprintln!("switchd: won election {:?} (term {})", lease.info.election, lease.info.term);
+                    eprintln!(
+                        "switchd: won election {:?} (term {})",
+                        lease.info.election, lease.info.term
+                    );
                     self.lease = Some(lease);
                     return Ok(true);
                 }
@@ -371,17 +445,31 @@ impl Switch {
     /// After a fast takeover: win the lease as soon as it expires (the
     /// dead active cannot renew it). Non-blocking: polled from `serve`.
     fn campaign_in_background(&mut self) {
-        let (Some(store), true) = (self.store.clone(), self.lease.is_none()) else { return };
+        let (Some(store), true) = (self.store.clone(), self.lease.is_none()) else {
+            return;
+        };
         if self.campaign_pending.load(Ordering::SeqCst) {
             return;
         }
         self.campaign_pending.store(true, Ordering::SeqCst);
         let slot = self.won_lease.clone();
         let pending = self.campaign_pending.clone();
-        let (election, candidate, ttl) = (self.cfg.ha.election.clone(), self.candidate.clone(), Duration::from_millis(self.cfg.ha.lease_ttl_ms));
+        let (election, candidate, ttl) = (
+            self.cfg.ha.election.clone(),
+            self.candidate.clone(),
+            Duration::from_millis(self.cfg.ha.lease_ttl_ms),
+        );
         self.rt.spawn(async move {
-            if let Ok(Ok(Some(lease))) = tokio::time::timeout(Duration::from_secs(2), store.campaign(&election, &candidate, ttl)).await {
-                eprintln!("switchd: won election {:?} (term {}) after the fast takeover", lease.info.election, lease.info.term);
+            if let Ok(Ok(Some(lease))) = tokio::time::timeout(
+                Duration::from_secs(2),
+                store.campaign(&election, &candidate, ttl),
+            )
+            .await
+            {
+                eprintln!(
+                    "switchd: won election {:?} (term {}) after the fast takeover",
+                    lease.info.election, lease.info.term
+                );
                 if let Ok(mut s) = slot.lock() {
                     *s = Some(lease);
                 }
@@ -393,21 +481,40 @@ impl Switch {
     /// Servers and flows from the store into the (attached or not) data
     /// plane, as a delta against what was loaded before.
     fn sync_from_store(&mut self) -> anyhow::Result<()> {
-        let Some(store) = self.store.clone() else { return Ok(()) };
-        let (servers, flows) = self.rt.block_on(async {
-            tokio::time::timeout(Duration::from_secs(5), async { Ok::<_, capybara_store::StoreError>((store.list_servers().await?, store.scan_flows().await?)) })
+        let Some(store) = self.store.clone() else {
+            return Ok(());
+        };
+        let (servers, flows) = self
+            .rt
+            .block_on(async {
+                tokio::time::timeout(Duration::from_secs(5), async {
+                    Ok::<_, capybara_store::StoreError>((
+                        store.list_servers().await?,
+                        store.scan_flows().await?,
+                    ))
+                })
                 .await
-        })
-        .context("store did not answer within 5 s")??;
+            })
+            .context("store did not answer within 5 s")??;
         let now = self.now();
         for s in servers {
             if matches!(s.state, ServerState::Dead | ServerState::Drained) {
                 continue;
             }
-            if self.cp.server(s.id).map(|x| x.data_ip == s.data_addr && x.liveness != Liveness::Dead).unwrap_or(false) {
+            if self
+                .cp
+                .server(s.id)
+                .map(|x| x.data_ip == s.data_addr && x.liveness != Liveness::Dead)
+                .unwrap_or(false)
+            {
                 continue;
             }
-            let Some(mac) = s.name.split_whitespace().find_map(|t| t.strip_prefix("data_mac=")).and_then(sys::parse_mac) else {
+            let Some(mac) = s
+                .name
+                .split_whitespace()
+                .find_map(|t| t.strip_prefix("data_mac="))
+                .and_then(sys::parse_mac)
+            else {
                 eprintln!("switchd: stored server {} has no data_mac in its record; waiting for its REGISTER", s.id);
                 continue;
             };
@@ -419,18 +526,37 @@ impl Switch {
                 }
             };
             let src_mac = sys::iface_mac(&dev)?;
-            self.cp.register_for(now, s.id, s.data_addr, mac, ifindex, src_mac, s.weight.max(1), &[])?;
+            self.cp.register_for(
+                now,
+                s.id,
+                s.data_addr,
+                mac,
+                ifindex,
+                src_mac,
+                s.weight.max(1),
+                &[],
+            )?;
             if s.state == ServerState::Draining {
                 self.cp.set_draining(s.id, true)?;
             }
             if let SocketAddr::V4(_) = s.mgmt_addr {
-                self.peers.entry(s.id).or_insert_with(|| new_peer(s.mgmt_addr));
+                self.peers
+                    .entry(s.id)
+                    .or_insert_with(|| new_peer(s.mgmt_addr));
             }
         }
         let fresh: HashMap<FlowKey, ServerId> = flows.iter().map(|m| (m.key, m.server)).collect();
-        let changed: Vec<(FlowKey, ServerId)> =
-            fresh.iter().filter(|(k, s)| self.warm.get(k) != Some(s)).map(|(k, s)| (*k, *s)).collect();
-        let gone: Vec<FlowKey> = self.warm.keys().filter(|k| !fresh.contains_key(k)).copied().collect();
+        let changed: Vec<(FlowKey, ServerId)> = fresh
+            .iter()
+            .filter(|(k, s)| self.warm.get(k) != Some(s))
+            .map(|(k, s)| (*k, *s))
+            .collect();
+        let gone: Vec<FlowKey> = self
+            .warm
+            .keys()
+            .filter(|k| !fresh.contains_key(k))
+            .copied()
+            .collect();
         let (loaded, _skipped) = self.cp.load_flows(&changed)?;
         self.cp.unload_flows(&gone)?;
         self.restored_flows = fresh.len();
@@ -440,9 +566,14 @@ impl Switch {
     }
 
     fn serve(&mut self) -> anyhow::Result<()> {
-        let sock = UdpSocket::bind(self.cfg.control_listen)
-            .with_context(|| format!("binding the control channel on {} (config field `control_listen`)", self.cfg.control_listen))?;
-        let load_sock = UdpSocket::bind(SocketAddrV4::new(self.cfg.switch_addr(), 0)).context("binding the load-notification socket")?;
+        let sock = UdpSocket::bind(self.cfg.control_listen).with_context(|| {
+            format!(
+                "binding the control channel on {} (config field `control_listen`)",
+                self.cfg.control_listen
+            )
+        })?;
+        let load_sock = UdpSocket::bind(SocketAddrV4::new(self.cfg.switch_addr(), 0))
+            .context("binding the load-notification socket")?;
         load_sock.set_nonblocking(true)?;
         sock.set_nonblocking(true)?;
         self.warm.clear();
@@ -476,7 +607,11 @@ impl Switch {
                         least_loaded: r.least_loaded,
                     };
                     let mut b = [0u8; capybara_proto::load::LEN];
-                    if repr.emit(&mut b).is_ok() && load_sock.send_to(&b, SocketAddrV4::new(r.data_ip, ports::LOAD)).is_ok() {
+                    if repr.emit(&mut b).is_ok()
+                        && load_sock
+                            .send_to(&b, SocketAddrV4::new(r.data_ip, ports::LOAD))
+                            .is_ok()
+                    {
                         self.load_sent += 1;
                     }
                 }
@@ -546,11 +681,18 @@ impl Switch {
     /// Liveness side effects: record newly dead servers in the store, and
     /// resend pending DRAINs.
     fn after_tick(&mut self, _now: Instant) {
-        let dead: Vec<ServerId> =
-            self.cp.servers().filter(|s| s.liveness == Liveness::Dead && self.peers.contains_key(&s.id)).map(|s| s.id).collect();
+        let dead: Vec<ServerId> = self
+            .cp
+            .servers()
+            .filter(|s| s.liveness == Liveness::Dead && self.peers.contains_key(&s.id))
+            .map(|s| s.id)
+            .collect();
         for id in dead {
             self.peers.remove(&id);
-            eprintln!("switchd: server {id} missed heartbeats for {:?}: dead, entries removed", self.cfg.dead_after);
+            eprintln!(
+                "switchd: server {id} missed heartbeats for {:?}: dead, entries removed",
+                self.cfg.dead_after
+            );
             self.store_state(id, ServerState::Dead);
         }
     }
@@ -566,12 +708,16 @@ impl Switch {
     }
 
     fn renew_lease(&mut self) {
-        let (Some(store), Some(lease)) = (self.store.clone(), self.lease.clone()) else { return };
+        let (Some(store), Some(lease)) = (self.store.clone(), self.lease.clone()) else {
+            return;
+        };
         let lost = self.lease_lost.clone();
         self.rt.spawn(async move {
             match tokio::time::timeout(lease.ttl / 2, store.keep_alive(&lease)).await {
                 Ok(Ok(())) => {}
-                Ok(Err(capybara_store::StoreError::NotLeader { .. })) => lost.store(true, Ordering::SeqCst),
+                Ok(Err(capybara_store::StoreError::NotLeader { .. })) => {
+                    lost.store(true, Ordering::SeqCst)
+                }
                 Ok(Err(e)) => eprintln!("switchd: lease keep-alive: {e}"),
                 Err(_) => eprintln!("switchd: lease keep-alive timed out"),
             }
@@ -585,15 +731,34 @@ impl Switch {
 
     fn reply(&mut self, id: ServerId, body: ControlBody<'_>) -> Option<Vec<u8>> {
         self.seq += 1;
-        let repr = ControlRepr { server_id: id, seq: self.seq, body };
+        let repr = ControlRepr {
+            server_id: id,
+            seq: self.seq,
+            body,
+        };
         let mut out = vec![0u8; repr.buffer_len()];
         repr.emit_with_mac(&mut out, &self.key).ok()?;
         Some(out)
     }
 
-    fn error_reply(&mut self, id: ServerId, code: ErrorCode, kind: ControlKind, seq: u64, text: &str) -> Option<Vec<u8>> {
+    fn error_reply(
+        &mut self,
+        id: ServerId,
+        code: ErrorCode,
+        kind: ControlKind,
+        seq: u64,
+        text: &str,
+    ) -> Option<Vec<u8>> {
         let text = &text[..text.len().min(ctl::MAX_ERROR_TEXT)];
-        self.reply(id, ControlBody::Error(ErrorMsg { code, ref_kind: kind.to_u8(), ref_seq: seq, text }))
+        self.reply(
+            id,
+            ControlBody::Error(ErrorMsg {
+                code,
+                ref_kind: kind.to_u8(),
+                ref_seq: seq,
+                text,
+            }),
+        )
     }
 
     /// One control datagram. Returns the reply, if any.
@@ -622,7 +787,13 @@ impl Switch {
                 None => {
                     *self.drops.entry("not_registered").or_default() += 1;
                     if matches!(kind, ControlKind::Heartbeat | ControlKind::SetOwner) {
-                        return self.error_reply(id, ErrorCode::NotRegistered, kind, repr.seq, "register first");
+                        return self.error_reply(
+                            id,
+                            ErrorCode::NotRegistered,
+                            kind,
+                            repr.seq,
+                            "register first",
+                        );
                     }
                     return None;
                 }
@@ -632,28 +803,77 @@ impl Switch {
         match repr.body {
             ControlBody::Register(r) => {
                 if id.0 == 0 {
-                    return self.error_reply(id, ErrorCode::BadRequest, kind, repr.seq, "server id 0 is reserved");
+                    return self.error_reply(
+                        id,
+                        ErrorCode::BadRequest,
+                        kind,
+                        repr.seq,
+                        "server id 0 is reserved",
+                    );
                 }
                 let (dev, ifindex) = match sys::route_dev(r.data_addr) {
                     Ok(x) => x,
-                    Err(e) => return self.error_reply(id, ErrorCode::BadRequest, kind, repr.seq, &format!("data address: {e}")),
+                    Err(e) => {
+                        return self.error_reply(
+                            id,
+                            ErrorCode::BadRequest,
+                            kind,
+                            repr.seq,
+                            &format!("data address: {e}"),
+                        )
+                    }
                 };
-                if !self.ifaces.iter().any(|(i, role, _)| *i == ifindex && *role == Role::Server) {
-                    let t = format!("data address {} is routed via {dev}, not a server-side interface", r.data_addr);
+                if !self
+                    .ifaces
+                    .iter()
+                    .any(|(i, role, _)| *i == ifindex && *role == Role::Server)
+                {
+                    let t = format!(
+                        "data address {} is routed via {dev}, not a server-side interface",
+                        r.data_addr
+                    );
                     return self.error_reply(id, ErrorCode::BadRequest, kind, repr.seq, &t);
                 }
-                let src_mac = self.ifaces.iter().find(|(i, _, _)| *i == ifindex).map(|x| x.2).unwrap_or_default();
+                let src_mac = self
+                    .ifaces
+                    .iter()
+                    .find(|(i, _, _)| *i == ifindex)
+                    .map(|x| x.2)
+                    .unwrap_or_default();
                 let wanted: Vec<SocketAddrV4> = r.services.iter().collect();
-                if let Err(e) = self.cp.register_for(now, id, r.data_addr, r.data_mac, ifindex, src_mac, u32::from(r.weight).max(1), &wanted) {
-                    let code = if matches!(e, crate::control::ControlError::AddressInUse { .. }) { ErrorCode::IdConflict } else { ErrorCode::Internal };
+                if let Err(e) = self.cp.register_for(
+                    now,
+                    id,
+                    r.data_addr,
+                    r.data_mac,
+                    ifindex,
+                    src_mac,
+                    u32::from(r.weight).max(1),
+                    &wanted,
+                ) {
+                    let code = if matches!(e, crate::control::ControlError::AddressInUse { .. }) {
+                        ErrorCode::IdConflict
+                    } else {
+                        ErrorCode::Internal
+                    };
                     return self.error_reply(id, code, kind, repr.seq, &e.to_string());
                 }
                 let mut peer = new_peer(from);
                 peer.last_seq = repr.seq;
                 self.peers.insert(id, peer);
-                eprintln!("switchd: registered {id}: data {} mac {} via {dev}, weight {}", r.data_addr, sys::format_mac(&r.data_mac), r.weight);
+                eprintln!(
+                    "switchd: registered {id}: data {} mac {} via {dev}, weight {}",
+                    r.data_addr,
+                    sys::format_mac(&r.data_mac),
+                    r.weight
+                );
                 if let Some(store) = self.store.clone() {
-                    let mut rec = capybara_store::Server::new(id, format!("s{} data_mac={}", id.0, sys::format_mac(&r.data_mac)), from, r.data_addr);
+                    let mut rec = capybara_store::Server::new(
+                        id,
+                        format!("s{} data_mac={}", id.0, sys::format_mac(&r.data_mac)),
+                        from,
+                        r.data_addr,
+                    );
                     rec.weight = u32::from(r.weight).max(1);
                     self.rt.spawn(async move {
                         if let Err(e) = store.put_server(&rec).await {
@@ -671,7 +891,13 @@ impl Switch {
             }
             ControlBody::Heartbeat(h) => {
                 if self.cp.heartbeat(now, id).is_err() {
-                    return self.error_reply(id, ErrorCode::NotRegistered, kind, repr.seq, "register first");
+                    return self.error_reply(
+                        id,
+                        ErrorCode::NotRegistered,
+                        kind,
+                        repr.seq,
+                        "register first",
+                    );
                 }
                 let mut resend = None;
                 if let Some(p) = self.peers.get_mut(&id) {
@@ -703,7 +929,15 @@ impl Switch {
                 }
                 let owner = match self.cp.server_by_addr(s.owner) {
                     Some(o) => o.id,
-                    None => return self.error_reply(id, ErrorCode::BadRequest, kind, repr.seq, "owner is not a registered data address"),
+                    None => {
+                        return self.error_reply(
+                            id,
+                            ErrorCode::BadRequest,
+                            kind,
+                            repr.seq,
+                            "owner is not a registered data address",
+                        )
+                    }
                 };
                 match self.cp.set_owner(id, s.flow, owner) {
                     Ok(()) => None,
@@ -717,25 +951,46 @@ impl Switch {
                 if let Some(p) = self.peers.get_mut(&id) {
                     p.last_seq = repr.seq;
                 }
-                eprintln!("switchd: {id} reports error {:?} for kind {} seq {}: {}", e.code, e.ref_kind, e.ref_seq, e.text);
+                eprintln!(
+                    "switchd: {id} reports error {:?} for kind {} seq {}: {}",
+                    e.code, e.ref_kind, e.ref_seq, e.text
+                );
                 None
             }
             // Switch -> server kinds arriving at the switch.
-            ControlBody::RegisterAck(_) | ControlBody::Drain(_) | ControlBody::Migrate(_) => self.drop_msg("unexpected_kind"),
+            ControlBody::RegisterAck(_) | ControlBody::Drain(_) | ControlBody::Migrate(_) => {
+                self.drop_msg("unexpected_kind")
+            }
         }
     }
 
     fn command(&mut self, sock: &UdpSocket, cmd: Command) {
         match cmd {
-            Command::Drain { server, deadline_ms, cancel } => {
+            Command::Drain {
+                server,
+                deadline_ms,
+                cancel,
+            } => {
                 if let Err(e) = self.cp.set_draining(server, !cancel) {
                     eprintln!("switchd: drain {server}: {e}");
                     return;
                 }
-                self.store_state(server, if cancel { ServerState::Active } else { ServerState::Draining });
-                let Some(mgmt) = self.peers.get(&server).map(|p| p.mgmt) else { return };
+                self.store_state(
+                    server,
+                    if cancel {
+                        ServerState::Active
+                    } else {
+                        ServerState::Draining
+                    },
+                );
+                let Some(mgmt) = self.peers.get(&server).map(|p| p.mgmt) else {
+                    return;
+                };
                 let flags = if cancel { ctl::DRAIN_CANCEL } else { 0 };
-                if let Some(msg) = self.reply(server, ControlBody::Drain(ctl::Drain { deadline_ms, flags })) {
+                if let Some(msg) = self.reply(
+                    server,
+                    ControlBody::Drain(ctl::Drain { deadline_ms, flags }),
+                ) {
                     let _ = sock.send_to(&msg, mgmt);
                 }
                 if let Some(p) = self.peers.get_mut(&server) {
@@ -743,9 +998,17 @@ impl Switch {
                     p.pending_drain = Some((deadline_ms, cancel, 10));
                 }
             }
-            Command::Migrate { server, flow, target } => {
-                let Some(mgmt) = self.peers.get(&server).map(|p| p.mgmt) else { return };
-                if let Some(msg) = self.reply(server, ControlBody::Migrate(ctl::Migrate { flow, target })) {
+            Command::Migrate {
+                server,
+                flow,
+                target,
+            } => {
+                let Some(mgmt) = self.peers.get(&server).map(|p| p.mgmt) else {
+                    return;
+                };
+                if let Some(msg) =
+                    self.reply(server, ControlBody::Migrate(ctl::Migrate { flow, target }))
+                {
                     let _ = sock.send_to(&msg, mgmt);
                 }
             }
@@ -778,10 +1041,17 @@ impl Switch {
             .map(|s| json!({"vip": format!("{}:{}", s.vip, s.port), "index": s.index, "placement": format!("{:?}", s.placement).to_lowercase(),
                  "pool": s.pool.iter().map(|(id, w)| json!({"server": id.0, "weight": w})).collect::<Vec<_>>()}))
             .collect();
-        let dp_counters: serde_json::Map<String, serde_json::Value> =
-            STAT_NAMES.iter().zip(stats.iter().chain(std::iter::repeat(&0))).map(|(n, v)| (n.to_string(), json!(v))).collect();
+        let dp_counters: serde_json::Map<String, serde_json::Value> = STAT_NAMES
+            .iter()
+            .zip(stats.iter().chain(std::iter::repeat(&0)))
+            .map(|(n, v)| (n.to_string(), json!(v)))
+            .collect();
         let writer = self.sink.as_ref().map(|s| s.writer().metrics());
-        let sinkm = self.sink.as_ref().map(|s| s.metrics.clone()).unwrap_or_default();
+        let sinkm = self
+            .sink
+            .as_ref()
+            .map(|s| s.metrics.clone())
+            .unwrap_or_default();
         let status = json!({
             "role": self.role,
             "candidate": self.candidate,
@@ -826,14 +1096,20 @@ impl Switch {
                 s.load
             );
         }
-        m += &format!("{p}_flows {}\n{p}_migrations {}\n", self.flow_counts.0, self.flow_counts.1);
+        m += &format!(
+            "{p}_flows {}\n{p}_migrations {}\n",
+            self.flow_counts.0, self.flow_counts.1
+        );
         for (n, v) in STAT_NAMES.iter().zip(stats.iter()) {
             m += &format!("{p}_dataplane_packets_total{{reason=\"{n}\"}} {v}\n");
         }
         for (n, v) in &self.drops {
             m += &format!("{p}_control_drops_total{{reason=\"{n}\"}} {v}\n");
         }
-        m += &format!("{p}_tick_overruns_total {}\n{p}_load_notifications_total {}\n", self.tick_overruns, self.load_sent);
+        m += &format!(
+            "{p}_tick_overruns_total {}\n{p}_load_notifications_total {}\n",
+            self.tick_overruns, self.load_sent
+        );
         m += &format!("{p}_reaped_total {}\n", self.cp.reaped_total);
         if let Some(w) = &writer {
             m += &w.to_prometheus();
@@ -853,7 +1129,9 @@ impl Switch {
             }
         }
         if let (Some(store), Some(lease)) = (self.store.clone(), self.lease.take()) {
-            let _ = rt.block_on(async { tokio::time::timeout(Duration::from_secs(1), store.resign(&lease)).await });
+            let _ = rt.block_on(async {
+                tokio::time::timeout(Duration::from_secs(1), store.resign(&lease)).await
+            });
         }
     }
 }
@@ -861,8 +1139,15 @@ impl Switch {
 /// Waits until `sock` is readable or `timeout` passed (nanosecond timer).
 fn wait_readable(sock: &UdpSocket, timeout: Duration) {
     use std::os::fd::AsRawFd;
-    let mut pfd = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    let mut pfd = libc::pollfd {
+        fd: sock.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
     // SAFETY: one valid pollfd, valid timespec, no signal mask.
     unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
 }
@@ -899,8 +1184,14 @@ fn kind_name(k: ControlKind) -> &'static str {
 // Loopback or management side only; one request per connection.
 // ---------------------------------------------------------------------------
 
-fn start_http(addr: SocketAddr, published: Arc<Mutex<Published>>, cmds: mpsc::Sender<Command>) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(addr).with_context(|| format!("binding the status endpoint (config field `metrics_listen` = {addr})"))?;
+fn start_http(
+    addr: SocketAddr,
+    published: Arc<Mutex<Published>>,
+    cmds: mpsc::Sender<Command>,
+) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(addr).with_context(|| {
+        format!("binding the status endpoint (config field `metrics_listen` = {addr})")
+    })?;
     static REQUESTS: AtomicU64 = AtomicU64::new(0);
     std::thread::Builder::new().name("switchd-http".into()).spawn(move || {
         for conn in listener.incoming() {
@@ -931,60 +1222,126 @@ fn start_http(addr: SocketAddr, published: Arc<Mutex<Published>>, cmds: mpsc::Se
     Ok(())
 }
 
-fn route(method: &str, target: &str, published: &Mutex<Published>, cmds: &mpsc::Sender<Command>) -> (&'static str, &'static str, String) {
+fn route(
+    method: &str,
+    target: &str,
+    published: &Mutex<Published>,
+    cmds: &mpsc::Sender<Command>,
+) -> (&'static str, &'static str, String) {
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
     let get = |f: fn(&Published) -> String| published.lock().map(|p| f(&p)).unwrap_or_default();
     match (method, path) {
         ("GET", "/status") => ("200 OK", "application/json", get(|p| p.status.clone())),
-        ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", get(|p| p.metrics.clone())),
+        ("GET", "/metrics") => (
+            "200 OK",
+            "text/plain; version=0.0.4",
+            get(|p| p.metrics.clone()),
+        ),
         ("POST", "/migrate") => {
             // /migrate?server=ID&client=IP:PORT&service=VIP:PORT[&target=IP]
-            let arg = |k: &str| query.split('&').find_map(|kv| kv.strip_prefix(k).and_then(|v| v.strip_prefix('=')));
+            let arg = |k: &str| {
+                query
+                    .split('&')
+                    .find_map(|kv| kv.strip_prefix(k).and_then(|v| v.strip_prefix('=')))
+            };
             let server = arg("server").and_then(|v| v.parse::<u32>().ok());
             let client = arg("client").and_then(|v| v.parse::<SocketAddrV4>().ok());
             let service = arg("service").and_then(|v| v.parse::<SocketAddrV4>().ok());
             let target = match arg("target").map(|v| v.parse::<Ipv4Addr>()) {
                 None => None,
                 Some(Ok(t)) => Some(t),
-                Some(Err(_)) => return ("400 Bad Request", "text/plain", "bad target (an IPv4 data address)\n".into()),
+                Some(Err(_)) => {
+                    return (
+                        "400 Bad Request",
+                        "text/plain",
+                        "bad target (an IPv4 data address)\n".into(),
+                    )
+                }
             };
             let (Some(server), Some(client), Some(service)) = (server, client, service) else {
-                return ("400 Bad Request", "text/plain", "need server=ID&client=IP:PORT&service=VIP:PORT[&target=IP]\n".into());
+                return (
+                    "400 Bad Request",
+                    "text/plain",
+                    "need server=ID&client=IP:PORT&service=VIP:PORT[&target=IP]\n".into(),
+                );
             };
-            let flow = FlowKey { client_ip: *client.ip(), client_port: client.port(), service_ip: *service.ip(), service_port: service.port() };
-            let _ = cmds.send(Command::Migrate { server: ServerId(server), flow, target });
+            let flow = FlowKey {
+                client_ip: *client.ip(),
+                client_port: client.port(),
+                service_ip: *service.ip(),
+                service_port: service.port(),
+            };
+            let _ = cmds.send(Command::Migrate {
+                server: ServerId(server),
+                flow,
+                target,
+            });
             ("202 Accepted", "text/plain", "accepted\n".into())
         }
         ("POST", p) if p.starts_with("/servers/") => {
             let rest = &p["/servers/".len()..];
             let (id, action) = rest.split_once('/').unwrap_or((rest, ""));
-            let Ok(id) = id.parse::<u32>() else { return ("400 Bad Request", "text/plain", format!("bad server id {id:?}\n")) };
+            let Ok(id) = id.parse::<u32>() else {
+                return (
+                    "400 Bad Request",
+                    "text/plain",
+                    format!("bad server id {id:?}\n"),
+                );
+            };
             let deadline_ms = query
                 .split('&')
                 .find_map(|kv| kv.strip_prefix("deadline_ms="))
                 .map(|v| v.parse::<u32>())
                 .unwrap_or(Ok(30_000));
-            let Ok(deadline_ms) = deadline_ms else { return ("400 Bad Request", "text/plain", "bad deadline_ms\n".into()) };
+            let Ok(deadline_ms) = deadline_ms else {
+                return ("400 Bad Request", "text/plain", "bad deadline_ms\n".into());
+            };
             let cmd = match action {
-                "drain" => Command::Drain { server: ServerId(id), deadline_ms, cancel: false },
-                "undrain" => Command::Drain { server: ServerId(id), deadline_ms, cancel: true },
-                _ => return ("404 Not Found", "text/plain", format!("unknown action {action:?}\n")),
+                "drain" => Command::Drain {
+                    server: ServerId(id),
+                    deadline_ms,
+                    cancel: false,
+                },
+                "undrain" => Command::Drain {
+                    server: ServerId(id),
+                    deadline_ms,
+                    cancel: true,
+                },
+                _ => {
+                    return (
+                        "404 Not Found",
+                        "text/plain",
+                        format!("unknown action {action:?}\n"),
+                    )
+                }
             };
             let _ = cmds.send(cmd);
             ("202 Accepted", "text/plain", "accepted\n".into())
         }
-        _ => ("404 Not Found", "text/plain", "GET /status, GET /metrics, POST /servers/<id>/drain|undrain, POST /migrate\n".into()),
+        _ => (
+            "404 Not Found",
+            "text/plain",
+            "GET /status, GET /metrics, POST /servers/<id>/drain|undrain, POST /migrate\n".into(),
+        ),
     }
 }
 
 /// `switchd --dump`: fetches `/status` (or another path) from a running switchd.
 pub fn fetch(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
-    let mut c = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).with_context(|| format!("connecting to switchd at {addr}"))?;
+    let mut c = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+        .with_context(|| format!("connecting to switchd at {addr}"))?;
     c.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(c, "GET {path} HTTP/1.1\r\nHost: switchd\r\nConnection: close\r\n\r\n")?;
+    write!(
+        c,
+        "GET {path} HTTP/1.1\r\nHost: switchd\r\nConnection: close\r\n\r\n"
+    )?;
     let mut s = String::new();
     c.read_to_string(&mut s)?;
-    let body = s.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("").to_string();
+    let body = s
+        .split_once("\r\n\r\n")
+        .map(|x| x.1)
+        .unwrap_or("")
+        .to_string();
     Ok(body)
 }
 
@@ -994,21 +1351,61 @@ mod tests {
 
     #[test]
     fn http_routes_parse_requests_and_refuse_bad_ones() {
-        let published = Mutex::new(Published { status: "{}".into(), metrics: "m 1\n".into() });
+        let published = Mutex::new(Published {
+            status: "{}".into(),
+            metrics: "m 1\n".into(),
+        });
         let (tx, rx) = mpsc::channel();
         assert_eq!(route("GET", "/status", &published, &tx).0, "200 OK");
         assert_eq!(route("GET", "/metrics", &published, &tx).2, "m 1\n");
         assert_eq!(route("GET", "/nope", &published, &tx).0, "404 Not Found");
-        assert_eq!(route("POST", "/servers/x/drain", &published, &tx).0, "400 Bad Request");
-        assert_eq!(route("POST", "/servers/3/drain?deadline_ms=abc", &published, &tx).0, "400 Bad Request");
-        assert_eq!(route("POST", "/servers/3/drain?deadline_ms=500", &published, &tx).0, "202 Accepted");
-        assert!(matches!(rx.try_recv(), Ok(Command::Drain { server: ServerId(3), deadline_ms: 500, cancel: false })));
-        assert_eq!(route("POST", "/migrate?server=1&client=198.18.0.11:4000", &published, &tx).0, "400 Bad Request");
-        let r = route("POST", "/migrate?server=1&client=198.18.0.11:4000&service=198.18.100.1:80&target=198.18.2.12", &published, &tx);
+        assert_eq!(
+            route("POST", "/servers/x/drain", &published, &tx).0,
+            "400 Bad Request"
+        );
+        assert_eq!(
+            route("POST", "/servers/3/drain?deadline_ms=abc", &published, &tx).0,
+            "400 Bad Request"
+        );
+        assert_eq!(
+            route("POST", "/servers/3/drain?deadline_ms=500", &published, &tx).0,
+            "202 Accepted"
+        );
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(Command::Drain {
+                server: ServerId(3),
+                deadline_ms: 500,
+                cancel: false
+            })
+        ));
+        assert_eq!(
+            route(
+                "POST",
+                "/migrate?server=1&client=198.18.0.11:4000",
+                &published,
+                &tx
+            )
+            .0,
+            "400 Bad Request"
+        );
+        let r = route(
+            "POST",
+            "/migrate?server=1&client=198.18.0.11:4000&service=198.18.100.1:80&target=198.18.2.12",
+            &published,
+            &tx,
+        );
         assert_eq!(r.0, "202 Accepted");
         match rx.try_recv() {
-            Ok(Command::Migrate { server, flow, target }) => {
-                assert_eq!((server, flow.client_port, target), (ServerId(1), 4000, Some(Ipv4Addr::new(198, 18, 2, 12))));
+            Ok(Command::Migrate {
+                server,
+                flow,
+                target,
+            }) => {
+                assert_eq!(
+                    (server, flow.client_port, target),
+                    (ServerId(1), 4000, Some(Ipv4Addr::new(198, 18, 2, 12)))
+                );
             }
             other => panic!("{other:?}"),
         }

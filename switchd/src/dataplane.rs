@@ -12,9 +12,17 @@ use crate::abi::*;
 #[derive(Debug, thiserror::Error)]
 pub enum DataPlaneError {
     #[error("map {map}: {op} failed: {detail}")]
-    Map { map: &'static str, op: &'static str, detail: String },
+    Map {
+        map: &'static str,
+        op: &'static str,
+        detail: String,
+    },
     #[error("{what} {value} out of range (max {max})")]
-    OutOfRange { what: &'static str, value: u32, max: u32 },
+    OutOfRange {
+        what: &'static str,
+        value: u32,
+        max: u32,
+    },
     #[error("loading the XDP program: {0}")]
     Load(String),
 }
@@ -108,17 +116,44 @@ impl MemDataPlane {
     }
     /// Plays the packet path: a flow placed on `server`, with its event.
     pub fn place_flow(&mut self, key: CFlowKey, server: u32, service: u16) {
-        self.flows.insert(key, CFlow { server, service, flags: 0 });
-        self.events.push_back(CFlowEvent { key, kind: EV_NEW, server, prev_server: server, ts_ns: 0 });
+        self.flows.insert(
+            key,
+            CFlow {
+                server,
+                service,
+                flags: 0,
+            },
+        );
+        self.events.push_back(CFlowEvent {
+            key,
+            kind: EV_NEW,
+            server,
+            prev_server: server,
+            ts_ns: 0,
+        });
     }
     /// Plays a completed migration passing through (PREPARE-ACK, then
     /// CONN_STATE_ACK): a final entry on `target` and its event.
     pub fn migrate_flow(&mut self, key: CFlowKey, target: u32) {
         let prev = self.current_owner(key).unwrap_or(target);
-        let id = self.migrations.get(&key).map(|m| m.migration_id + 1).unwrap_or(1);
+        let id = self
+            .migrations
+            .get(&key)
+            .map(|m| m.migration_id + 1)
+            .unwrap_or(1);
         self.migrations.insert(key, CMigration::owner(target, id));
-        let kind = if self.flows.get(&key).is_some_and(|f| f.server == target) { EV_RETURNED } else { EV_MIGRATED };
-        self.events.push_back(CFlowEvent { key, kind, server: target, prev_server: prev, ts_ns: 0 });
+        let kind = if self.flows.get(&key).is_some_and(|f| f.server == target) {
+            EV_RETURNED
+        } else {
+            EV_MIGRATED
+        };
+        self.events.push_back(CFlowEvent {
+            key,
+            kind,
+            server: target,
+            prev_server: prev,
+            ts_ns: 0,
+        });
     }
     pub fn current_owner(&self, key: CFlowKey) -> Option<u32> {
         self.migrations
@@ -166,7 +201,10 @@ impl DataPlane for MemDataPlane {
     }
     fn write_maglev(&mut self, service: u32, delta: &[(u32, u32)]) -> Result<()> {
         check_range("service index", service, MAX_SERVICES)?;
-        let t = self.maglev.entry(service).or_insert_with(|| vec![NO_SERVER; MAGLEV_SIZE as usize]);
+        let t = self
+            .maglev
+            .entry(service)
+            .or_insert_with(|| vec![NO_SERVER; MAGLEV_SIZE as usize]);
         for (slot, v) in delta {
             check_range("maglev slot", *slot, MAGLEV_SIZE)?;
             t[*slot as usize] = *v;
@@ -212,8 +250,12 @@ impl DataPlane for MemDataPlane {
         Ok(self.migrations.get(&key).copied())
     }
     fn remove_flows_of(&mut self, server: u32) -> Result<Vec<CFlowKey>> {
-        let mut removed: Vec<CFlowKey> =
-            self.migrations.iter().filter(|(_, m)| m.server == server).map(|(k, _)| *k).collect();
+        let mut removed: Vec<CFlowKey> = self
+            .migrations
+            .iter()
+            .filter(|(_, m)| m.server == server)
+            .map(|(k, _)| *k)
+            .collect();
         for k in &removed {
             self.migrations.remove(k);
             self.flows.remove(k);

@@ -45,25 +45,40 @@ pub fn data_addr(j: u32) -> Ipv4Addr {
 
 fn sh(args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new(args[0]).args(&args[1..]).output()?;
-    anyhow::ensure!(out.status.success(), "{}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    anyhow::ensure!(
+        out.status.success(),
+        "{}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// Runs `f` on a thread inside network namespace `ns` (sockets created
 /// there stay in that namespace wherever they are used later).
-pub fn in_ns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> anyhow::Result<T> {
+pub fn in_ns<T: Send + 'static>(
+    ns: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> anyhow::Result<T> {
     let path = format!("/run/netns/{ns}");
     let h = std::thread::spawn(move || -> anyhow::Result<T> {
         let fd = std::fs::File::open(&path)?;
         // SAFETY: plain syscall on a valid fd; affects this thread only.
-        anyhow::ensure!(unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } == 0, "setns {path}: {}", std::io::Error::last_os_error());
+        anyhow::ensure!(
+            unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } == 0,
+            "setns {path}: {}",
+            std::io::Error::last_os_error()
+        );
         Ok(f())
     });
-    h.join().map_err(|_| anyhow::anyhow!("thread in {ns} panicked"))?
+    h.join()
+        .map_err(|_| anyhow::anyhow!("thread in {ns} panicked"))?
 }
 
 pub fn capybara_bin() -> PathBuf {
-    std::env::var_os("CAPYBARA_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/work/main/target/debug/capybara"))
+    std::env::var_os("CAPYBARA_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/work/main/target/debug/capybara"))
 }
 
 pub fn is_root() -> bool {
@@ -87,9 +102,23 @@ impl Lab {
         let dir = std::env::temp_dir().join(format!("capy-switchd-{prefix}"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
-        let lab = Lab { store: None, prefix, dir, switchds: Vec::new(), stop: Arc::new(AtomicBool::new(false)) };
+        let lab = Lab {
+            store: None,
+            prefix,
+            dir,
+            switchds: Vec::new(),
+            stop: Arc::new(AtomicBool::new(false)),
+        };
         let bin = capybara_bin();
-        sh(&[bin.to_str().unwrap_or("capybara"), "lab", "up", "--prefix", &lab.prefix, "--servers", &servers.to_string()])?;
+        sh(&[
+            bin.to_str().unwrap_or("capybara"),
+            "lab",
+            "up",
+            "--prefix",
+            &lab.prefix,
+            "--servers",
+            &servers.to_string(),
+        ])?;
         std::fs::write(lab.dir.join("key"), KEY_HEX)?;
         for j in 1..=servers {
             lab.stand_in_server(j)?;
@@ -104,8 +133,26 @@ impl Lab {
     fn stand_in_server(&self, j: u32) -> anyhow::Result<()> {
         let ns = self.ns(&format!("s{j}"));
         let data = data_addr(j).to_string();
-        sh(&["ip", "-n", &ns, "addr", "replace", &format!("{data}/32"), "dev", "eth0"])?;
-        sh(&["ip", "-n", &ns, "addr", "replace", &format!("{VIP}/32"), "dev", "lo"])?;
+        sh(&[
+            "ip",
+            "-n",
+            &ns,
+            "addr",
+            "replace",
+            &format!("{data}/32"),
+            "dev",
+            "eth0",
+        ])?;
+        sh(&[
+            "ip",
+            "-n",
+            &ns,
+            "addr",
+            "replace",
+            &format!("{VIP}/32"),
+            "dev",
+            "lo",
+        ])?;
         let rules = format!(
             "table ip capylab {{\n chain pre {{\n  type filter hook prerouting priority -300;\n  \
              ip daddr {data} tcp dport 80 ip daddr set {VIP} notrack\n }}\n \
@@ -113,7 +160,15 @@ impl Lab {
         );
         let f = self.dir.join(format!("s{j}.nft"));
         std::fs::write(&f, rules)?;
-        sh(&["ip", "netns", "exec", &ns, "nft", "-f", f.to_str().unwrap_or_default()])?;
+        sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &ns,
+            "nft",
+            "-f",
+            f.to_str().unwrap_or_default(),
+        ])?;
         // The kernel listener: writes "s<j>\n" on accept, then echoes lines.
         let stop = self.stop.clone();
         let listener = in_ns(&ns, || TcpListener::bind("0.0.0.0:80"))??;
@@ -151,7 +206,14 @@ impl Lab {
     }
 
     /// Writes a switchd config for this lab and returns its path.
-    pub fn switchd_config(&self, name: &str, servers: u32, weights: &[u32], metrics_port: u16, extra: &str) -> anyhow::Result<PathBuf> {
+    pub fn switchd_config(
+        &self,
+        name: &str,
+        servers: u32,
+        weights: &[u32],
+        metrics_port: u16,
+        extra: &str,
+    ) -> anyhow::Result<PathBuf> {
         let mut t = format!(
             "control_listen = \"{SWITCH_SV}:7692\"\nkey_file = \"{}\"\nmetrics_listen = \"127.0.0.1:{metrics_port}\"\n\
              store = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 500\nclosed_linger_ms = 1000\nmax_flows = 65536\n{extra}\n\
@@ -164,7 +226,11 @@ impl Lab {
         }
         t += &format!("[[services]]\nname = \"web\"\nvip = \"{VIP}:80\"\npool = [");
         for (j, w) in weights.iter().enumerate() {
-            t += &format!("{}{{ server = {}, weight = {w} }}", if j > 0 { ", " } else { "" }, j + 1);
+            t += &format!(
+                "{}{{ server = {}, weight = {w} }}",
+                if j > 0 { ", " } else { "" },
+                j + 1
+            );
         }
         t += "]\n";
         let p = self.dir.join(format!("{name}.toml"));
@@ -173,7 +239,12 @@ impl Lab {
     }
 
     /// Starts switchd in the switch namespace; returns its index for [`Self::kill`].
-    pub fn start_switchd(&mut self, bin: &std::path::Path, config: &std::path::Path, log: &str) -> anyhow::Result<usize> {
+    pub fn start_switchd(
+        &mut self,
+        bin: &std::path::Path,
+        config: &std::path::Path,
+        log: &str,
+    ) -> anyhow::Result<usize> {
         let logf = std::fs::File::create(self.dir.join(log))?;
         let child = Command::new("ip")
             .args(["netns", "exec", &self.ns("sw")])
@@ -213,7 +284,9 @@ impl Lab {
     /// GET `path` from a switchd status endpoint in the switch namespace.
     pub fn fetch(&self, port: u16, path: &str) -> anyhow::Result<String> {
         let path = path.to_string();
-        in_ns(&self.ns("sw"), move || crate::daemon::fetch(SocketAddr::from(([127, 0, 0, 1], port)), &path))?
+        in_ns(&self.ns("sw"), move || {
+            crate::daemon::fetch(SocketAddr::from(([127, 0, 0, 1], port)), &path)
+        })?
     }
 
     pub fn status(&self, port: u16) -> anyhow::Result<serde_json::Value> {
@@ -253,7 +326,9 @@ impl Lab {
             .nth(1)
             .and_then(crate::sys::parse_mac)
             .ok_or_else(|| anyhow::anyhow!("no MAC for eth0 in {ns}"))?;
-        let sock = in_ns(&ns, move || UdpSocket::bind(SocketAddrV4::new(mgmt_addr(j), 0)))??;
+        let sock = in_ns(&ns, move || {
+            UdpSocket::bind(SocketAddrV4::new(mgmt_addr(j), 0))
+        })??;
         sock.set_read_timeout(Some(Duration::from_millis(200)))?;
         let key = MigrationKey::from_hex(KEY_HEX)?;
         let switch = SocketAddrV4::new(SWITCH_SV, capybara_proto::ports::CONTROL);
@@ -279,11 +354,16 @@ impl Lab {
             sock.send_to(&buf, switch)?;
             if let Ok((n, _)) = sock.recv_from(&mut rbuf) {
                 match ControlRepr::parse_verified(&rbuf[..n], &key) {
-                    Ok(ControlRepr { body: ControlBody::RegisterAck(_), .. }) => {
+                    Ok(ControlRepr {
+                        body: ControlBody::RegisterAck(_),
+                        ..
+                    }) => {
                         acked = true;
                         break;
                     }
-                    Ok(other) => anyhow::bail!("server {j}: REGISTER answered with {:?}", other.body),
+                    Ok(other) => {
+                        anyhow::bail!("server {j}: REGISTER answered with {:?}", other.body)
+                    }
                     Err(_) => {}
                 }
             }
@@ -301,7 +381,13 @@ impl Lab {
                 let hb = ControlRepr {
                     server_id: ServerId(j),
                     seq,
-                    body: ControlBody::Heartbeat(Heartbeat { connections: 0, migrations_in_flight: 0, load_pps: 0, rx_backlog_bytes: 0, flags: 0 }),
+                    body: ControlBody::Heartbeat(Heartbeat {
+                        connections: 0,
+                        migrations_in_flight: 0,
+                        load_pps: 0,
+                        rx_backlog_bytes: 0,
+                        flags: 0,
+                    }),
                 };
                 let mut b = vec![0u8; hb.buffer_len()];
                 if hb.emit_with_mac(&mut b, &key).is_ok() && sock.send_to(&b, switch).is_ok() {
@@ -310,22 +396,35 @@ impl Lab {
                 // Replies are counted, not acted on, by the stand-in.
                 let mut r = [0u8; 1500];
                 while let Ok((n, _)) = sock.recv_from(&mut r) {
-                    if let Ok(ControlRepr { body: ControlBody::Drain(_), .. }) = ControlRepr::parse_verified(&r[..n], &key) {
+                    if let Ok(ControlRepr {
+                        body: ControlBody::Drain(_),
+                        ..
+                    }) = ControlRepr::parse_verified(&r[..n], &key)
+                    {
                         drains2.fetch_add(1, Ordering::Relaxed);
                     }
                 }
                 std::thread::sleep(Duration::from_millis(100));
             }
         });
-        Ok(ServerAgent { stop, heartbeats: sent, drains_received: drains })
+        Ok(ServerAgent {
+            stop,
+            heartbeats: sent,
+            drains_received: drains,
+        })
     }
 
     /// Sends raw datagrams to the control channel from server `j`'s
     /// management address (hostile-input tests).
     pub fn send_raw_control(&self, j: u32, datagrams: Vec<Vec<u8>>) -> anyhow::Result<()> {
-        let sock = in_ns(&self.ns(&format!("s{j}")), move || UdpSocket::bind(SocketAddrV4::new(mgmt_addr(j), 0)))??;
+        let sock = in_ns(&self.ns(&format!("s{j}")), move || {
+            UdpSocket::bind(SocketAddrV4::new(mgmt_addr(j), 0))
+        })??;
         for d in datagrams {
-            sock.send_to(&d, SocketAddrV4::new(SWITCH_SV, capybara_proto::ports::CONTROL))?;
+            sock.send_to(
+                &d,
+                SocketAddrV4::new(SWITCH_SV, capybara_proto::ports::CONTROL),
+            )?;
         }
         Ok(())
     }
@@ -346,28 +445,46 @@ impl Lab {
 
     /// A UDP socket on server `j`'s data address, LOAD port (stand-in).
     pub fn load_listener(&self, j: u32) -> anyhow::Result<UdpSocket> {
-        let s = in_ns(&self.ns(&format!("s{j}")), move || UdpSocket::bind(SocketAddrV4::new(data_addr(j), capybara_proto::ports::LOAD)))??;
+        let s = in_ns(&self.ns(&format!("s{j}")), move || {
+            UdpSocket::bind(SocketAddrV4::new(data_addr(j), capybara_proto::ports::LOAD))
+        })??;
         s.set_read_timeout(Some(Duration::from_millis(500)))?;
         Ok(s)
     }
 
     /// Opens `n` connections from client 1 to the VIP; each tells which
     /// server answered. Returns (local port, server, stream) per connection.
-    pub fn connect_many(&self, n: usize, keep: bool) -> anyhow::Result<Vec<(u16, u32, Option<TcpStream>)>> {
-        in_ns(&self.ns("c1"), move || -> anyhow::Result<Vec<(u16, u32, Option<TcpStream>)>> {
-            let mut out = Vec::with_capacity(n);
-            for i in 0..n {
-                let c = TcpStream::connect_timeout(&SocketAddr::from((VIP, 80)), Duration::from_secs(3))
+    pub fn connect_many(
+        &self,
+        n: usize,
+        keep: bool,
+    ) -> anyhow::Result<Vec<(u16, u32, Option<TcpStream>)>> {
+        in_ns(
+            &self.ns("c1"),
+            move || -> anyhow::Result<Vec<(u16, u32, Option<TcpStream>)>> {
+                let mut out = Vec::with_capacity(n);
+                for i in 0..n {
+                    let c = TcpStream::connect_timeout(
+                        &SocketAddr::from((VIP, 80)),
+                        Duration::from_secs(3),
+                    )
                     .map_err(|e| anyhow::anyhow!("connection {i}: {e}"))?;
-                c.set_read_timeout(Some(Duration::from_secs(3)))?;
-                let port = c.local_addr()?.port();
-                let mut line = String::new();
-                BufReader::new(&c).read_line(&mut line).map_err(|e| anyhow::anyhow!("connection {i} (port {port}): {e}"))?;
-                let server: u32 = line.trim().trim_start_matches('s').parse().map_err(|_| anyhow::anyhow!("connection {i}: greeting {line:?}"))?;
-                out.push((port, server, keep.then_some(c)));
-            }
-            Ok(out)
-        })?
+                    c.set_read_timeout(Some(Duration::from_secs(3)))?;
+                    let port = c.local_addr()?.port();
+                    let mut line = String::new();
+                    BufReader::new(&c)
+                        .read_line(&mut line)
+                        .map_err(|e| anyhow::anyhow!("connection {i} (port {port}): {e}"))?;
+                    let server: u32 = line
+                        .trim()
+                        .trim_start_matches('s')
+                        .parse()
+                        .map_err(|_| anyhow::anyhow!("connection {i}: greeting {line:?}"))?;
+                    out.push((port, server, keep.then_some(c)));
+                }
+                Ok(out)
+            },
+        )?
     }
 }
 
@@ -377,7 +494,10 @@ pub fn ping(c: &mut TcpStream, server: u32, tag: &str) -> anyhow::Result<()> {
     let mut line = String::new();
     let mut r = BufReader::new(c.try_clone()?);
     r.read_line(&mut line)?;
-    anyhow::ensure!(line == format!("s{server} {tag}\n"), "echo {line:?}, expected from s{server}");
+    anyhow::ensure!(
+        line == format!("s{server} {tag}\n"),
+        "echo {line:?}, expected from s{server}"
+    );
     Ok(())
 }
 
@@ -419,7 +539,9 @@ impl Drop for Lab {
             let _ = c.wait();
         }
         let bin = capybara_bin();
-        let _ = Command::new(bin).args(["lab", "down", "--prefix", &self.prefix]).output();
+        let _ = Command::new(bin)
+            .args(["lab", "down", "--prefix", &self.prefix])
+            .output();
         if std::env::var_os("CAPY_KEEP_LAB_DIR").is_none() {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
@@ -448,8 +570,18 @@ fn arp_listener() -> anyhow::Result<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd;
     let proto = (libc::ETH_P_ARP as u16).to_be();
     // SAFETY: plain syscall; ownership taken at once.
-    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_NONBLOCK, proto as i32) };
-    anyhow::ensure!(fd >= 0, "AF_PACKET socket: {}", std::io::Error::last_os_error());
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_PACKET,
+            libc::SOCK_RAW | libc::SOCK_NONBLOCK,
+            proto as i32,
+        )
+    };
+    anyhow::ensure!(
+        fd >= 0,
+        "AF_PACKET socket: {}",
+        std::io::Error::last_os_error()
+    );
     // SAFETY: fresh descriptor.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
 }
@@ -461,8 +593,19 @@ fn saw_garp(fd: &std::os::fd::OwnedFd, ip: Ipv4Addr, timeout: Duration) -> bool 
     // Bounded by `timeout`.
     while start.elapsed() < timeout {
         // SAFETY: valid buffer of the given length.
-        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0) };
-        if n >= 42 && buf[12..14] == [0x08, 0x06] && buf[28..32] == ip.octets() && buf[38..42] == ip.octets() {
+        let n = unsafe {
+            libc::recv(
+                fd.as_raw_fd(),
+                buf.as_mut_ptr() as *mut libc::c_void,
+                buf.len(),
+                0,
+            )
+        };
+        if n >= 42
+            && buf[12..14] == [0x08, 0x06]
+            && buf[28..32] == ip.octets()
+            && buf[38..42] == ip.octets()
+        {
             return true;
         }
         if n < 0 {
@@ -494,12 +637,21 @@ pub fn failover_run<G>(
     let a = lab.switchd_config("a", 3, &[1, 1, 1], 9102, ha)?;
     let b = lab.switchd_config("b", 3, &[1, 1, 1], 9103, ha)?;
     let ia = lab.start_switchd(switchd, &a, "a.log")?;
-    lab.wait_status(9102, Duration::from_secs(10), "first switchd active", |s| s["role"] == "active")
-        .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("a.log")))?;
+    lab.wait_status(9102, Duration::from_secs(10), "first switchd active", |s| {
+        s["role"] == "active"
+    })
+    .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("a.log")))?;
     lab.start_switchd(switchd, &b, "b.log")?;
-    lab.wait_status(9103, Duration::from_secs(10), "second switchd standby", |s| s["role"] == "standby")
-        .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("b.log")))?;
-    let _agents: Vec<ServerAgent> = (1..=3).map(|j| lab.register_server(j, 1)).collect::<anyhow::Result<_>>()?;
+    lab.wait_status(
+        9103,
+        Duration::from_secs(10),
+        "second switchd standby",
+        |s| s["role"] == "standby",
+    )
+    .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("b.log")))?;
+    let _agents: Vec<ServerAgent> = (1..=3)
+        .map(|j| lab.register_server(j, 1))
+        .collect::<anyhow::Result<_>>()?;
     let mut held = lab.connect_many(n, true)?;
     for (_, s, c) in held.iter_mut() {
         ping(c.as_mut().expect("kept"), *s, "before")?;
@@ -508,8 +660,10 @@ pub fn failover_run<G>(
     let (_, psrv, pc) = pinger.pop().expect("one");
     let mut pc = pc.expect("kept");
     pc.set_read_timeout(Some(Duration::from_secs(10)))?;
-    lab.wait_status(9103, Duration::from_secs(5), "standby warm", |s| s["warm_flows"].as_u64().unwrap_or(0) >= (n + 1) as u64)
-        .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("b.log")))?;
+    lab.wait_status(9103, Duration::from_secs(5), "standby warm", |s| {
+        s["warm_flows"].as_u64().unwrap_or(0) >= (n + 1) as u64
+    })
+    .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("b.log")))?;
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
     let stall = std::thread::spawn(move || -> anyhow::Result<f64> {
@@ -530,12 +684,19 @@ pub fn failover_run<G>(
     lab.kill(ia, libc::SIGKILL);
     let killed = Instant::now();
     let (st, _) = lab
-        .wait_status(9103, Duration::from_secs(15), "standby takes over", |s| s["role"] == "active")
+        .wait_status(9103, Duration::from_secs(15), "standby takes over", |s| {
+            s["role"] == "active"
+        })
         .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("b.log")))?;
     let takeover_ms = killed.elapsed().as_secs_f64() * 1e3;
     // The lease follows (at once, or when the dead one's expires).
-    lab.wait_status(9103, Duration::from_secs(5), "new active holds the lease", |s| !s["lease_term"].is_null())
-        .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("b.log")))?;
+    lab.wait_status(
+        9103,
+        Duration::from_secs(5),
+        "new active holds the lease",
+        |s| !s["lease_term"].is_null(),
+    )
+    .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("b.log")))?;
     let mut lost = 0;
     for (_, s, c) in held.iter_mut() {
         if let Err(e) = ping(c.as_mut().expect("kept"), *s, "after") {

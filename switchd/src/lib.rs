@@ -9,15 +9,15 @@
 //! and active/standby takeover. The data plane never makes a policy decision.
 
 pub mod abi;
+pub mod bpf;
 pub mod config;
+pub mod control;
 pub mod daemon;
+pub mod dataplane;
 pub mod labkit;
+pub mod maglev;
 pub mod persist;
 pub mod sys;
-pub mod maglev;
-pub mod bpf;
-pub mod control;
-pub mod dataplane;
 
 pub use dataplane::{DataPlane, DataPlaneError, MemDataPlane};
 pub mod netns;

@@ -31,14 +31,29 @@ impl TestNetns {
     /// Creates `capy-sw-<pid>-<n>` with veth interfaces `names` (up; peers `<name>p`) and
     /// moves the calling thread into it.
     pub fn enter(names: &[&str]) -> std::io::Result<Self> {
-        let name = format!("capy-sw-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst));
+        let name = format!(
+            "capy-sw-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::SeqCst)
+        );
         let home = File::open("/proc/thread-self/ns/net")?;
         ip(&["netns", "add", &name])?;
         let guard = TestNetns { name, home };
         for n in names {
             // veth rather than dummy: always built into test kernels.
             let peer = format!("{n}p");
-            ip(&["-n", &guard.name, "link", "add", n, "type", "veth", "peer", "name", &peer])?;
+            ip(&[
+                "-n",
+                &guard.name,
+                "link",
+                "add",
+                n,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &peer,
+            ])?;
             ip(&["-n", &guard.name, "link", "set", n, "up"])?;
             ip(&["-n", &guard.name, "link", "set", &peer, "up"])?;
         }

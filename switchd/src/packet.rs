@@ -16,7 +16,14 @@ pub const TCP_ACK: u8 = 0x10;
 
 /// Ethernet + IPv4 (no options, DF) around `l4`; checksum of the IP header
 /// computed, the L4 checksum left to the caller.
-pub fn ipv4_frame(dst_mac: Mac, src_mac: Mac, src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4: &[u8]) -> Vec<u8> {
+pub fn ipv4_frame(
+    dst_mac: Mac,
+    src_mac: Mac,
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    proto: u8,
+    l4: &[u8],
+) -> Vec<u8> {
     let mut f = Vec::with_capacity(34 + l4.len());
     f.extend_from_slice(&dst_mac);
     f.extend_from_slice(&src_mac);
@@ -65,7 +72,15 @@ pub fn tcp_frame(
 }
 
 /// A UDP datagram with its checksum (0xffff if it computes to 0).
-pub fn udp_frame(dst_mac: Mac, src_mac: Mac, src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, payload: &[u8]) -> Vec<u8> {
+pub fn udp_frame(
+    dst_mac: Mac,
+    src_mac: Mac,
+    src: Ipv4Addr,
+    sport: u16,
+    dst: Ipv4Addr,
+    dport: u16,
+    payload: &[u8],
+) -> Vec<u8> {
     let mut u = vec![0u8; 8];
     u[0..2].copy_from_slice(&sport.to_be_bytes());
     u[2..4].copy_from_slice(&dport.to_be_bytes());

@@ -32,7 +32,10 @@ pub struct StoreSink {
 
 impl StoreSink {
     pub fn new(writer: Arc<FlowWriter>) -> Self {
-        StoreSink { writer, metrics: SinkMetrics::default() }
+        StoreSink {
+            writer,
+            metrics: SinkMetrics::default(),
+        }
     }
     pub fn writer(&self) -> &Arc<FlowWriter> {
         &self.writer
@@ -84,7 +87,12 @@ mod tests {
     use std::time::Duration;
 
     fn key(port: u16) -> FlowKey {
-        FlowKey { client_ip: Ipv4Addr::new(198, 18, 0, 11), client_port: port, service_ip: Ipv4Addr::new(198, 18, 100, 1), service_port: 80 }
+        FlowKey {
+            client_ip: Ipv4Addr::new(198, 18, 0, 11),
+            client_port: port,
+            service_ip: Ipv4Addr::new(198, 18, 100, 1),
+            service_port: 80,
+        }
     }
 
     /// Real SQLite store, real writer: events from the control plane end up
@@ -95,17 +103,37 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("capy-switchd-persist-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(SqliteConfig::at(dir.join("s.db"))).await.unwrap());
-        let writer = Arc::new(FlowWriter::spawn(store.clone(), FlowWriterConfig::default()));
+        let store: Arc<dyn Store> = Arc::new(
+            SqliteStore::open(SqliteConfig::at(dir.join("s.db")))
+                .await
+                .unwrap(),
+        );
+        let writer = Arc::new(FlowWriter::spawn(
+            store.clone(),
+            FlowWriterConfig::default(),
+        ));
         let mut sink = StoreSink::new(writer.clone());
 
         let mut cfg = ControlConfig::new(Duration::from_millis(300), TargetPolicy::RoundRobin);
         cfg.closed_linger = Duration::from_millis(100);
         let mut c = ControlPlane::new(MemDataPlane::new(), cfg);
-        c.add_service(Ipv4Addr::new(198, 18, 100, 1), 80, crate::control::Placement::Maglev).unwrap();
+        c.add_service(
+            Ipv4Addr::new(198, 18, 100, 1),
+            80,
+            crate::control::Placement::Maglev,
+        )
+        .unwrap();
         for j in 1..=2u32 {
-            c.register(Instant::ZERO, ServerId(j), Ipv4Addr::new(198, 18, 2, 10 + j as u8), [2, 0, 0, 0, 0, j as u8], 3, [2; 6], 1)
-                .unwrap();
+            c.register(
+                Instant::ZERO,
+                ServerId(j),
+                Ipv4Addr::new(198, 18, 2, 10 + j as u8),
+                [2, 0, 0, 0, 0, j as u8],
+                3,
+                [2; 6],
+                1,
+            )
+            .unwrap();
         }
         let k1 = CFlowKey::from(key(1));
         let k2 = CFlowKey::from(key(2));
@@ -121,7 +149,13 @@ mod tests {
         // and reports it; the store forgets it; after the linger the
         // control plane removes both entries.
         c.dp.flows.get_mut(&k2).unwrap().flags |= FLOW_CLOSING;
-        c.dp.events.push_back(CFlowEvent { key: k2, kind: EV_CLOSED, server: 1, prev_server: 1, ts_ns: 0 });
+        c.dp.events.push_back(CFlowEvent {
+            key: k2,
+            kind: EV_CLOSED,
+            server: 1,
+            prev_server: 1,
+            ts_ns: 0,
+        });
         c.flush_events(Instant::from_millis(10), &mut sink).unwrap();
         writer.flush(Duration::from_secs(5)).await.unwrap();
         assert_eq!(store.get_flow(&key(2)).await.unwrap(), None);
@@ -130,11 +164,21 @@ mod tests {
         c.tick(Instant::from_millis(50)).unwrap();
         assert!(c.dp.migrations.contains_key(&k2), "still lingering");
         c.tick(Instant::from_millis(120)).unwrap();
-        assert!(!c.dp.migrations.contains_key(&k2) && !c.dp.flows.contains_key(&k2), "reaped");
+        assert!(
+            !c.dp.migrations.contains_key(&k2) && !c.dp.flows.contains_key(&k2),
+            "reaped"
+        );
         assert!(c.dp.flows.contains_key(&k1), "open flow untouched");
         assert_eq!(c.reaped_total, 1);
 
-        assert_eq!((sink.metrics.puts, sink.metrics.deletes, sink.metrics.overflow), (3, 1, 0));
+        assert_eq!(
+            (
+                sink.metrics.puts,
+                sink.metrics.deletes,
+                sink.metrics.overflow
+            ),
+            (3, 1, 0)
+        );
         let m = writer.metrics();
         assert_eq!(m.written_total, 4);
         assert!(m.batches_total >= 1 && m.batches_total <= 4);

@@ -16,7 +16,10 @@ fn ip(args: &[&str]) -> Result<String, SysError> {
     let out = Command::new("ip")
         .args(args)
         .output()
-        .map_err(|e| SysError::Command { what: format!("ip {}", args.join(" ")), detail: e.to_string() })?;
+        .map_err(|e| SysError::Command {
+            what: format!("ip {}", args.join(" ")),
+            detail: e.to_string(),
+        })?;
     if !out.status.success() {
         return Err(SysError::Command {
             what: format!("ip {}", args.join(" ")),
@@ -27,7 +30,8 @@ fn ip(args: &[&str]) -> Result<String, SysError> {
 }
 
 pub fn ifindex(name: &str) -> Result<u32, SysError> {
-    let c = std::ffi::CString::new(name).map_err(|_| SysError::NoInterface { name: name.into() })?;
+    let c =
+        std::ffi::CString::new(name).map_err(|_| SysError::NoInterface { name: name.into() })?;
     // SAFETY: valid NUL-terminated string.
     let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
     if i == 0 {
@@ -46,7 +50,10 @@ pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
 }
 
 pub fn format_mac(m: &[u8; 6]) -> String {
-    m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+    m.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 /// Ethernet address of an interface.
@@ -60,7 +67,10 @@ pub fn iface_mac(name: &str) -> Result<[u8; 6], SysError> {
             }
         }
     }
-    Err(SysError::Command { what: format!("MAC of {name}"), detail: format!("no link/ether in {out:?}") })
+    Err(SysError::Command {
+        what: format!("MAC of {name}"),
+        detail: format!("no link/ether in {out:?}"),
+    })
 }
 
 /// The interface name and ifindex the kernel routes `addr` through.
@@ -74,7 +84,10 @@ pub fn route_dev(addr: Ipv4Addr) -> Result<(String, u32), SysError> {
             }
         }
     }
-    Err(SysError::Command { what: format!("route to {addr}"), detail: format!("no dev in {out:?}") })
+    Err(SysError::Command {
+        what: format!("route to {addr}"),
+        detail: format!("no dev in {out:?}"),
+    })
 }
 
 #[cfg(test)]
@@ -110,7 +123,7 @@ pub fn garp_frame(mac: [u8; 6], ip: Ipv4Addr) -> [u8; 60] {
 /// Sends one gratuitous ARP for each of `ips` out of interface `ifindex`
 /// (a new active claiming the service addresses on a shared L2 segment).
 pub fn send_garp(ifindex: u32, mac: [u8; 6], ips: &[Ipv4Addr]) -> std::io::Result<usize> {
-    use std::os::fd::{FromRawFd, OwnedFd, AsRawFd};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let proto = (libc::ETH_P_ARP as u16).to_be();
     // SAFETY: plain syscall; the fd is owned below.
     let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, proto as i32) };

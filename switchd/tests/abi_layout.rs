@@ -63,7 +63,10 @@ fn probe() -> HashMap<String, u64> {
             let mut it = l.split_whitespace();
             let kind = it.next().unwrap();
             let name = it.next().unwrap();
-            (format!("{kind} {name}"), it.next().unwrap().parse().unwrap())
+            (
+                format!("{kind} {name}"),
+                it.next().unwrap().parse().unwrap(),
+            )
         })
         .collect()
 }
@@ -78,17 +81,33 @@ fn c_structs_match_rust() {
             $( checks.push((format!("offsetof {}.{}", $c, stringify!($f)), offset_of!($r, $f) as u64)); )*
         };
     }
-    s!("capy_flow_key", CFlowKey, [client_ip, service_ip, client_port, service_port]);
+    s!(
+        "capy_flow_key",
+        CFlowKey,
+        [client_ip, service_ip, client_port, service_port]
+    );
     s!("capy_flow", CFlow, [server, service, flags]);
-    s!("capy_migration", CMigration, [server, pending, pad, migration_id]);
-    s!("capy_server", CServer, [data_ip, ifindex, mac, src_mac, state, flags, weight]);
+    s!(
+        "capy_migration",
+        CMigration,
+        [server, pending, pad, migration_id]
+    );
+    s!(
+        "capy_server",
+        CServer,
+        [data_ip, ifindex, mac, src_mac, state, flags, weight]
+    );
     s!("capy_service_key", CServiceKey, [vip, port, proto]);
     s!("capy_service", CService, [index, placement]);
     s!("capy_ring", CRing, [len, mode, servers]);
     s!("capy_iface", CIface, [role, mac]);
     s!("capy_config", CConfig, [switch_server_ip, flags]);
     s!("capy_server_stats", CServerStats, [packets, bytes]);
-    s!("capy_flow_event", CFlowEvent, [key, kind, server, prev_server, ts_ns]);
+    s!(
+        "capy_flow_event",
+        CFlowEvent,
+        [key, kind, server, prev_server, ts_ns]
+    );
     let consts: &[(&str, u64)] = &[
         ("CAPY_MAX_SERVERS", MAX_SERVERS as u64),
         ("CAPY_MAX_SERVICES", MAX_SERVICES as u64),
@@ -119,10 +138,19 @@ fn c_structs_match_rust() {
         ("CAPY_RING_FIRST", RING_FIRST as u64),
         ("CAPY_STAT_MAX", STAT_MAX as u64),
         ("CAPY_STAT_FWD_MIGRATED", stat("fwd_migrated") as u64),
-        ("CAPY_STAT_DROP_TCPMIG_FROM_CLIENT", stat("drop_tcpmig_from_client") as u64),
+        (
+            "CAPY_STAT_DROP_TCPMIG_FROM_CLIENT",
+            stat("drop_tcpmig_from_client") as u64,
+        ),
         ("CAPY_STAT_EVENT_LOST", stat("event_lost") as u64),
-        ("CAPY_STAT_DROP_PREPARE_ACK_STALE", stat("drop_prepare_ack_stale") as u64),
-        ("CAPY_STAT_DROP_ABORT_UNMATCHED", stat("drop_abort_unmatched") as u64),
+        (
+            "CAPY_STAT_DROP_PREPARE_ACK_STALE",
+            stat("drop_prepare_ack_stale") as u64,
+        ),
+        (
+            "CAPY_STAT_DROP_ABORT_UNMATCHED",
+            stat("drop_abort_unmatched") as u64,
+        ),
         ("CAPY_MIG_FINAL", MIG_FINAL as u64),
         ("CAPY_MIG_PENDING", MIG_PENDING as u64),
         ("CAPY_PREPARE_MEMORY", PREPARE_MEMORY as u64),

@@ -29,7 +29,10 @@ fn skip() -> bool {
         return true;
     }
     if !labkit::capybara_bin().exists() {
-        eprintln!("skipped: {} missing (build the appliance or set CAPYBARA_BIN)", labkit::capybara_bin().display());
+        eprintln!(
+            "skipped: {} missing (build the appliance or set CAPYBARA_BIN)",
+            labkit::capybara_bin().display()
+        );
         return true;
     }
     false
@@ -48,15 +51,34 @@ fn placement_liveness_and_persistence() {
     let mut lab = Lab::up("swl", 3).expect("lab up");
     let weights = [1u32, 2, 3];
     let cfg = lab.switchd_config("a", 3, &weights, 9102, "").unwrap();
-    let out = std::process::Command::new(switchd_bin()).arg("--config").arg(&cfg).arg("--check").output().unwrap();
-    assert!(out.status.success(), "--check: {}", String::from_utf8_lossy(&out.stderr));
+    let out = std::process::Command::new(switchd_bin())
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--check")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "--check: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     lab.start_switchd(&switchd_bin(), &cfg, "a.log").unwrap();
-    lab.wait_status(9102, Duration::from_secs(10), "switchd active", |s| s["role"] == "active")
-        .unwrap_or_else(|e| panic!("{e}\n{}", lab.log("a.log")));
-    let agents: Vec<_> = (1..=3).map(|j| lab.register_server(j, 1).unwrap_or_else(|e| panic!("{e}\n{}", lab.log("a.log")))).collect();
+    lab.wait_status(9102, Duration::from_secs(10), "switchd active", |s| {
+        s["role"] == "active"
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", lab.log("a.log")));
+    let agents: Vec<_> = (1..=3)
+        .map(|j| {
+            lab.register_server(j, 1)
+                .unwrap_or_else(|e| panic!("{e}\n{}", lab.log("a.log")))
+        })
+        .collect();
     let (status, _) = lab
         .wait_status(9102, Duration::from_secs(5), "3 live servers", |s| {
-            s["servers"].as_array().map(|a| a.iter().filter(|x| x["state"] == "live").count() == 3).unwrap_or(false)
+            s["servers"]
+                .as_array()
+                .map(|a| a.iter().filter(|x| x["state"] == "live").count() == 3)
+                .unwrap_or(false)
         })
         .unwrap();
 
@@ -67,13 +89,17 @@ fn placement_liveness_and_persistence() {
     let t = Instant::now();
     while got < 50 && t.elapsed() < Duration::from_secs(2) {
         if let Ok((n, _)) = ln.recv_from(&mut b) {
-            let r = capybara_proto::load::LoadRepr::parse_bytes(&b[..n]).expect("valid LOAD-NOTIFICATION");
+            let r = capybara_proto::load::LoadRepr::parse_bytes(&b[..n])
+                .expect("valid LOAD-NOTIFICATION");
             assert_eq!(r.server_id.0, 1);
             assert_eq!(r.live_servers, 3);
             got += 1;
         }
     }
-    assert!(got >= 50, "only {got} load notifications in 2 s (1 ms interval)");
+    assert!(
+        got >= 50,
+        "only {got} load notifications in 2 s (1 ms interval)"
+    );
     let load_rate = got as f64 / t.elapsed().as_secs_f64();
 
     // Placement: 3,000 connections, each where Maglev says.
@@ -81,19 +107,39 @@ fn placement_liveness_and_persistence() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|s| (s["index"].as_u64().unwrap() as u32, s["id"].as_u64().unwrap() as u32))
+        .map(|s| {
+            (
+                s["index"].as_u64().unwrap() as u32,
+                s["id"].as_u64().unwrap() as u32,
+            )
+        })
         .collect();
-    let backends: Vec<Backend> = index_of.iter().map(|(idx, id)| Backend { id: *id, index: *idx, weight: weights[*id as usize - 1] }).collect();
+    let backends: Vec<Backend> = index_of
+        .iter()
+        .map(|(idx, id)| Backend {
+            id: *id,
+            index: *idx,
+            weight: weights[*id as usize - 1],
+        })
+        .collect();
     let table = maglev::build_table(&backends, capybara_switchd::abi::MAGLEV_SIZE);
     let t = Instant::now();
-    let conns = lab.connect_many(3000, false).unwrap_or_else(|e| panic!("{e}\n{}", lab.log("a.log")));
+    let conns = lab
+        .connect_many(3000, false)
+        .unwrap_or_else(|e| panic!("{e}\n{}", lab.log("a.log")));
     let elapsed = t.elapsed();
     let mut counts = [0usize; 4];
     let mut mispredicted = 0;
     for (port, server, _) in &conns {
         counts[*server as usize] += 1;
-        let k = FlowKey { client_ip: labkit::client_addr(1), client_port: *port, service_ip: VIP, service_port: 80 };
-        let predicted = index_of[&table[(maglev::flow_hash(&k) % capybara_switchd::abi::MAGLEV_SIZE) as usize]];
+        let k = FlowKey {
+            client_ip: labkit::client_addr(1),
+            client_port: *port,
+            service_ip: VIP,
+            service_port: 80,
+        };
+        let predicted =
+            index_of[&table[(maglev::flow_hash(&k) % capybara_switchd::abi::MAGLEV_SIZE) as usize]];
         if predicted != *server {
             mispredicted += 1;
         }
@@ -104,17 +150,28 @@ fn placement_liveness_and_persistence() {
     for j in 1..=3 {
         let share = counts[j] as f64 / 3000.0;
         let expected = weights[j - 1] as f64 / total_w as f64;
-        assert!((share - expected).abs() < 0.05, "s{j}: share {share:.3}, weight share {expected:.3}");
+        assert!(
+            (share - expected).abs() < 0.05,
+            "s{j}: share {share:.3}, weight share {expected:.3}"
+        );
     }
 
     // Persistence: the store saw the flows (and their deletion at close);
     // the closed flows' entries are reaped after the 1 s linger.
     let (s, _) = lab
-        .wait_status(9102, Duration::from_secs(5), "store caught up", |s| s["store"]["sink_puts"].as_u64().unwrap_or(0) >= 3000 && s["store"]["backlog"] == 0)
+        .wait_status(9102, Duration::from_secs(5), "store caught up", |s| {
+            s["store"]["sink_puts"].as_u64().unwrap_or(0) >= 3000 && s["store"]["backlog"] == 0
+        })
         .unwrap();
-    assert!(s["store"]["sink_deletes"].as_u64().unwrap() >= 2900, "{}", s["store"]);
-    lab.wait_status(9102, Duration::from_secs(6), "closed flows reaped", |s| s["flows"] == 0 && s["reaped_total"].as_u64().unwrap_or(0) >= 2900)
-        .unwrap();
+    assert!(
+        s["store"]["sink_deletes"].as_u64().unwrap() >= 2900,
+        "{}",
+        s["store"]
+    );
+    lab.wait_status(9102, Duration::from_secs(6), "closed flows reaped", |s| {
+        s["flows"] == 0 && s["reaped_total"].as_u64().unwrap_or(0) >= 2900
+    })
+    .unwrap();
 
     // Liveness: hold connections, stop s2's heartbeats.
     let mut held = lab.connect_many(60, true).unwrap();
@@ -123,27 +180,42 @@ fn placement_liveness_and_persistence() {
     }
     let on_s2 = held.iter().filter(|h| h.1 == 2).count();
     assert!(on_s2 > 0 && on_s2 < 60);
-    lab.wait_status(9102, Duration::from_secs(3), "held flows counted", |s| s["flows"] == 60).unwrap();
+    lab.wait_status(9102, Duration::from_secs(3), "held flows counted", |s| {
+        s["flows"] == 60
+    })
+    .unwrap();
     agents[1].stop();
     let stopped = Instant::now();
     let (_, _) = lab
         .wait_status(9102, Duration::from_secs(3), "s2 dead", |s| {
-            s["servers"].as_array().map(|a| a.iter().any(|x| x["id"] == 2 && x["state"] == "dead")).unwrap_or(false)
+            s["servers"]
+                .as_array()
+                .map(|a| a.iter().any(|x| x["id"] == 2 && x["state"] == "dead"))
+                .unwrap_or(false)
         })
         .unwrap();
     let detect = stopped.elapsed();
     eprintln!("dead server detected {detect:?} after its last heartbeat (dead_after 500 ms)");
     assert!(detect < Duration::from_secs(1), "detection took {detect:?}");
-    lab.wait_status(9102, Duration::from_secs(3), "s2's entries removed", |s| s["flows"].as_u64() == Some((60 - on_s2) as u64))
-        .unwrap();
+    lab.wait_status(9102, Duration::from_secs(3), "s2's entries removed", |s| {
+        s["flows"].as_u64() == Some((60 - on_s2) as u64)
+    })
+    .unwrap();
     for (_, server, c) in held.iter_mut().filter(|h| h.1 != 2) {
         labkit::ping(c.as_mut().unwrap(), *server, "after").unwrap();
     }
     // New connections avoid the dead server.
     let fresh = lab.connect_many(200, false).unwrap();
-    assert!(fresh.iter().all(|c| c.1 != 2), "a new connection went to the dead server");
+    assert!(
+        fresh.iter().all(|c| c.1 != 2),
+        "a new connection went to the dead server"
+    );
     let m = lab.fetch(9102, "/metrics").unwrap();
-    assert!(m.contains("capybara_store_flow_writer_batch_size_bucket") && m.contains("capybara_switchd_dataplane_packets_total"), "{m}");
+    assert!(
+        m.contains("capybara_store_flow_writer_batch_size_bucket")
+            && m.contains("capybara_switchd_dataplane_packets_total"),
+        "{m}"
+    );
 
     // Hostile control traffic is counted by reason and dropped; the
     // switch keeps serving.
@@ -152,7 +224,13 @@ fn placement_liveness_and_persistence() {
         let hb = |seq: u64, id: u32| ControlRepr {
             server_id: capybara_proto::ServerId(id),
             seq,
-            body: ControlBody::Heartbeat(Heartbeat { connections: 0, migrations_in_flight: 0, load_pps: 0, rx_backlog_bytes: 0, flags: 0 }),
+            body: ControlBody::Heartbeat(Heartbeat {
+                connections: 0,
+                migrations_in_flight: 0,
+                load_pps: 0,
+                rx_backlog_bytes: 0,
+                flags: 0,
+            }),
         };
         let key = capybara_proto::MigrationKey::from_hex(labkit::KEY_HEX).unwrap();
         let wrong = capybara_proto::MigrationKey::from_hex(&"ab".repeat(32)).unwrap();
@@ -166,23 +244,38 @@ fn placement_liveness_and_persistence() {
         let mut truncated = emit(hb(1 << 40, 1), &key);
         truncated.truncate(30);
         let garbage: Vec<u8> = (0..200u32).map(|i| (i * 37 % 251) as u8).collect();
-        lab.send_raw_control(1, vec![
-            emit(hb(1 << 40, 1), &wrong),          // bad MAC
-            bad_version,                           // unknown version
-            truncated,                             // truncated
-            garbage,                               // not a control message
-            emit(hb(1, 1), &key),                  // replayed sequence number
-            emit(hb(1 << 40, 77), &key),           // unregistered server
-            vec![],                                // empty datagram
-        ])
+        lab.send_raw_control(
+            1,
+            vec![
+                emit(hb(1 << 40, 1), &wrong), // bad MAC
+                bad_version,                  // unknown version
+                truncated,                    // truncated
+                garbage,                      // not a control message
+                emit(hb(1, 1), &key),         // replayed sequence number
+                emit(hb(1 << 40, 77), &key),  // unregistered server
+                vec![],                       // empty datagram
+            ],
+        )
         .unwrap();
         let (s, _) = lab
-            .wait_status(9102, Duration::from_secs(3), "hostile datagrams counted", |s| {
-                let d = &s["control_drops"];
-                ["bad_mac", "unknown_version", "truncated", "bad_magic", "replay", "not_registered"]
+            .wait_status(
+                9102,
+                Duration::from_secs(3),
+                "hostile datagrams counted",
+                |s| {
+                    let d = &s["control_drops"];
+                    [
+                        "bad_mac",
+                        "unknown_version",
+                        "truncated",
+                        "bad_magic",
+                        "replay",
+                        "not_registered",
+                    ]
                     .iter()
                     .all(|r| d[*r].as_u64().unwrap_or(0) >= 1)
-            })
+                },
+            )
             .unwrap();
         eprintln!("control drops: {}", s["control_drops"]);
         for (_, server, c) in held.iter_mut().filter(|h| h.1 != 2) {
@@ -191,29 +284,57 @@ fn placement_liveness_and_persistence() {
     }
 
     // Drain: no new flows to s3, existing ones keep flowing, the server is told.
-    assert!(lab.post(9102, "/servers/3/drain?deadline_ms=5000").unwrap().contains("202"));
+    assert!(lab
+        .post(9102, "/servers/3/drain?deadline_ms=5000")
+        .unwrap()
+        .contains("202"));
     lab.wait_status(9102, Duration::from_secs(3), "s3 draining", |s| {
-        s["servers"].as_array().map(|a| a.iter().any(|x| x["id"] == 3 && x["state"] == "draining")).unwrap_or(false)
+        s["servers"]
+            .as_array()
+            .map(|a| a.iter().any(|x| x["id"] == 3 && x["state"] == "draining"))
+            .unwrap_or(false)
     })
     .unwrap();
     let fresh = lab.connect_many(100, false).unwrap();
-    assert!(fresh.iter().all(|c| c.1 == 1), "new connections must all go to s1 (s2 dead, s3 draining)");
+    assert!(
+        fresh.iter().all(|c| c.1 == 1),
+        "new connections must all go to s1 (s2 dead, s3 draining)"
+    );
     for (_, server, c) in held.iter_mut().filter(|h| h.1 == 3) {
         labkit::ping(c.as_mut().unwrap(), *server, "draining").unwrap();
     }
     let t = Instant::now();
-    while agents[2].drains_received.load(std::sync::atomic::Ordering::Relaxed) == 0 && t.elapsed() < Duration::from_secs(3) {
+    while agents[2]
+        .drains_received
+        .load(std::sync::atomic::Ordering::Relaxed)
+        == 0
+        && t.elapsed() < Duration::from_secs(3)
+    {
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(agents[2].drains_received.load(std::sync::atomic::Ordering::Relaxed) >= 1, "s3 never received DRAIN");
+    assert!(
+        agents[2]
+            .drains_received
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1,
+        "s3 never received DRAIN"
+    );
 
     // Clean shutdown: SIGTERM detaches every program.
     lab.kill(0, libc::SIGTERM);
-    let st = lab.wait(0, Duration::from_secs(5)).expect("switchd exits on SIGTERM");
+    let st = lab
+        .wait(0, Duration::from_secs(5))
+        .expect("switchd exits on SIGTERM");
     assert!(st.success(), "exit status {st:?}\n{}", lab.log("a.log"));
-    let links = std::process::Command::new("ip").args(["-n", &lab.ns("sw"), "-o", "link", "show"]).output().unwrap();
+    let links = std::process::Command::new("ip")
+        .args(["-n", &lab.ns("sw"), "-o", "link", "show"])
+        .output()
+        .unwrap();
     let links = String::from_utf8_lossy(&links.stdout);
-    assert!(!links.contains("xdp"), "XDP program left attached:\n{links}");
+    assert!(
+        !links.contains("xdp"),
+        "XDP program left attached:\n{links}"
+    );
     drop(agents);
 }
 
@@ -223,9 +344,16 @@ fn check_failover(r: &labkit::FailoverResult, mode: &str) {
         r.takeover_ms, r.connections_lost, r.max_stall_ms, r.attach_ms, r.flows_restored
     );
     assert_eq!(r.connections_lost, 0, "connections lost in takeover");
-    assert!(r.flows_restored >= 61, "standby restored {} flows", r.flows_restored);
+    assert!(
+        r.flows_restored >= 61,
+        "standby restored {} flows",
+        r.flows_restored
+    );
     assert!(r.takeover_ms < 5000.0, "takeover took {} ms", r.takeover_ms);
-    assert!(r.garp_seen, "the client never saw the new active's gratuitous ARP for the VIP");
+    assert!(
+        r.garp_seen,
+        "the client never saw the new active's gratuitous ARP for the VIP"
+    );
 }
 
 /// Same-box standby (SQLite store): takes over when the active's programs vanish.
@@ -235,7 +363,8 @@ fn standby_takes_over_after_sigkill() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let r = labkit::failover_run(&switchd_bin(), 60, true, |_| Ok((None, ()))).expect("failover run");
+    let r =
+        labkit::failover_run(&switchd_bin(), 60, true, |_| Ok((None, ()))).expect("failover run");
     check_failover(&r, "fast takeover, sqlite");
 }
 
@@ -257,7 +386,11 @@ fn standby_takes_over_by_lease_with_etcd() {
     })
     .expect("failover run");
     check_failover(&r, "lease takeover, etcd");
-    assert!(r.takeover_ms > 500.0, "a lease-only takeover cannot beat the lease ({} ms)", r.takeover_ms);
+    assert!(
+        r.takeover_ms > 500.0,
+        "a lease-only takeover cannot beat the lease ({} ms)",
+        r.takeover_ms
+    );
 }
 
 /// A one-member etcd started from a thread inside a lab namespace. The
@@ -279,7 +412,10 @@ impl NsEtcd {
             let run = || -> anyhow::Result<capybara_store::testing::EtcdCluster> {
                 let f = std::fs::File::open(&path)?;
                 // SAFETY: plain syscall on a valid fd; this thread only.
-                anyhow::ensure!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } == 0, "setns {path}");
+                anyhow::ensure!(
+                    unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } == 0,
+                    "setns {path}"
+                );
                 Ok(capybara_store::testing::EtcdCluster::start(1)?)
             };
             match run() {
@@ -294,7 +430,11 @@ impl NsEtcd {
             }
         });
         let endpoint = rx.recv_timeout(Duration::from_secs(30))??;
-        Ok(NsEtcd { endpoint, stop: Some(stop_tx), thread: Some(thread) })
+        Ok(NsEtcd {
+            endpoint,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        })
     }
 }
 

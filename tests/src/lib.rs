@@ -42,11 +42,25 @@ impl Lab {
         let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let prefix = format!("{tag}{}{n}", std::process::id() % 100_000);
         let out = Command::new(bin("capybara"))
-            .args(["lab", "up", "--prefix", &prefix, "--servers", &servers.to_string()])
+            .args([
+                "lab",
+                "up",
+                "--prefix",
+                &prefix,
+                "--servers",
+                &servers.to_string(),
+            ])
             .output()
             .expect("run capybara lab up");
-        assert!(out.status.success(), "lab up failed: {}", String::from_utf8_lossy(&out.stderr));
-        Lab { prefix, children: Vec::new() }
+        assert!(
+            out.status.success(),
+            "lab up failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Lab {
+            prefix,
+            children: Vec::new(),
+        }
     }
 
     pub fn namespace(&self, node: &str) -> String {
@@ -56,7 +70,8 @@ impl Lab {
     /// A command that runs `program` inside `node`.
     pub fn command(&self, node: &str, program: impl AsRef<std::ffi::OsStr>) -> Command {
         let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.namespace(node)]).arg(program);
+        c.args(["netns", "exec", &self.namespace(node)])
+            .arg(program);
         c
     }
 
@@ -69,7 +84,12 @@ impl Lab {
 
     /// Starts a long-running process inside `node`; it is killed when the lab
     /// guard drops (and by `lab down` in any case).
-    pub fn spawn(&mut self, node: &str, program: impl AsRef<std::ffi::OsStr>, args: &[&str]) -> u32 {
+    pub fn spawn(
+        &mut self,
+        node: &str,
+        program: impl AsRef<std::ffi::OsStr>,
+        args: &[&str],
+    ) -> u32 {
         let child = self
             .command(node, program)
             .args(args)
@@ -107,7 +127,10 @@ impl Lab {
     pub fn wait_for(&self, what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
         let start = Instant::now();
         while !cond() {
-            assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+            assert!(
+                start.elapsed() < limit,
+                "timed out after {limit:?} waiting for {what}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -154,7 +177,12 @@ pub fn run_with_timeout(mut cmd: Command, limit: Duration) -> Output {
 /// service on port 80 and an echo service on port 7 of `listen_ip` (the
 /// server's data address when clients connect directly, a VIP behind the
 /// switch). `backend_lines` go into `[interface]` (e.g. the DPDK backend).
-pub fn hostagent_config(dir: &std::path::Path, j: u32, listen_ip: &str, backend_lines: &str) -> PathBuf {
+pub fn hostagent_config(
+    dir: &std::path::Path,
+    j: u32,
+    listen_ip: &str,
+    backend_lines: &str,
+) -> PathBuf {
     let data = format!("198.18.2.{}", 10 + j);
     let text = format!(
         "name = \"s{j}\"\n[interface]\nname = \"eth0\"\n{backend_lines}\n[stack]\naddress = \"{data}\"\ngateway = \"198.18.1.1\"\n\
@@ -168,7 +196,10 @@ pub fn hostagent_config(dir: &std::path::Path, j: u32, listen_ip: &str, backend_
 /// A scratch directory under `test-output/` named after the test, emptied
 /// first; logs written there survive a failed run for inspection.
 pub fn output_dir(test: &str) -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join("test-output").join(test);
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("test-output")
+        .join(test);
     let _ = std::fs::remove_dir_all(&root);
     std::fs::create_dir_all(&root).expect("create test output dir");
     root
@@ -177,7 +208,9 @@ pub fn output_dir(test: &str) -> PathBuf {
 /// Writes a deployment key (hex) into `dir` and returns its path.
 pub fn deployment_key(dir: &std::path::Path) -> PathBuf {
     let path = dir.join("deployment.key");
-    let bytes: Vec<u8> = (0..32).map(|i| (i * 37 + std::process::id() as usize) as u8).collect();
+    let bytes: Vec<u8> = (0..32)
+        .map(|i| (i * 37 + std::process::id() as usize) as u8)
+        .collect();
     let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
     std::fs::write(&path, hex).expect("write key");
     path
@@ -196,7 +229,9 @@ pub fn switchd_config(dir: &std::path::Path, servers: u32, key: &std::path::Path
         dir.join("store.db").display()
     );
     for j in 1..=servers {
-        t.push_str(&format!("[[interfaces]]\nname = \"sv{j}\"\nrole = \"server\"\n"));
+        t.push_str(&format!(
+            "[[interfaces]]\nname = \"sv{j}\"\nrole = \"server\"\n"
+        ));
     }
     t.push_str("[[services]]\nname = \"echo\"\nvip = \"198.18.100.1:7\"\npool = []\n");
     t.push_str("[[services]]\nname = \"web\"\nvip = \"198.18.100.1:80\"\npool = []\n");
@@ -221,7 +256,10 @@ pub fn hostagent_migrating_config(
         key.display()
     ));
     if let Some((every, to)) = churn {
-        t.push_str(&format!("churn_every_ms = {every}\nchurn_to = \"198.18.2.{}\"\n", 10 + to));
+        t.push_str(&format!(
+            "churn_every_ms = {every}\nchurn_to = \"198.18.2.{}\"\n",
+            10 + to
+        ));
     }
     t.push_str(&format!(
         "[control]\nswitch = \"198.18.1.1:7692\"\nserver_id = {j}\nmanagement = \"198.18.1.{}\"\n",

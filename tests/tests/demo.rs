@@ -29,7 +29,10 @@ fn curl(args: &[&str]) -> (u16, String) {
 }
 
 fn demo_namespaces() -> Vec<String> {
-    let out = Command::new("ip").args(["netns", "list"]).output().expect("ip netns list");
+    let out = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns list");
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| l.split_whitespace().next())
@@ -61,17 +64,24 @@ impl Demo {
                 c.env("CAPYBARA_BIN_DIR", dir);
             }
         }
-        Demo { child: Some(c.spawn().expect("start scripts/demo.sh")) }
+        Demo {
+            child: Some(c.spawn().expect("start scripts/demo.sh")),
+        }
     }
 
     fn running(&mut self) -> bool {
-        self.child.as_mut().is_some_and(|c| c.try_wait().expect("wait").is_none())
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().expect("wait").is_none())
     }
 
     /// SIGTERM (what `make demo-stop` sends) and waits for the teardown.
     fn stop(&mut self) -> Option<std::process::ExitStatus> {
         let mut c = self.child.take()?;
-        let _ = Command::new("kill").arg("-TERM").arg(c.id().to_string()).status();
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(c.id().to_string())
+            .status();
         let start = Instant::now();
         while start.elapsed() < Duration::from_secs(60) {
             if let Some(st) = c.try_wait().expect("wait") {
@@ -88,12 +98,20 @@ impl Drop for Demo {
     fn drop(&mut self) {
         if self.child.is_some() {
             self.stop();
-            let _ = Command::new(bin("capybara")).args(["lab", "down", "--prefix", PREFIX]).output();
+            let _ = Command::new(bin("capybara"))
+                .args(["lab", "down", "--prefix", PREFIX])
+                .output();
         }
     }
 }
 
-fn wait_for(what: &str, limit: Duration, demo: &mut Demo, log: &Path, mut cond: impl FnMut() -> bool) {
+fn wait_for(
+    what: &str,
+    limit: Duration,
+    demo: &mut Demo,
+    log: &Path,
+    mut cond: impl FnMut() -> bool,
+) {
     let start = Instant::now();
     while !cond() {
         assert!(
@@ -120,11 +138,21 @@ fn first_connection_id(json: &str) -> Option<String> {
 fn migrations_seen(demo_dir: &Path) -> (usize, u64) {
     let mut logged = 0;
     for j in 1..=3 {
-        let log = std::fs::read_to_string(demo_dir.join(format!("hostagent-s{j}.log"))).unwrap_or_default();
+        let log = std::fs::read_to_string(demo_dir.join(format!("hostagent-s{j}.log")))
+            .unwrap_or_default();
         logged += log.lines().filter(|l| l.contains(" migrated to ")).count();
     }
     let out = Command::new("ip")
-        .args(["netns", "exec", &format!("{PREFIX}-sw"), "curl", "-s", "-m", "2", "http://127.0.0.1:9102/metrics"])
+        .args([
+            "netns",
+            "exec",
+            &format!("{PREFIX}-sw"),
+            "curl",
+            "-s",
+            "-m",
+            "2",
+            "http://127.0.0.1:9102/metrics",
+        ])
         .output();
     let acks = out
         .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
@@ -140,17 +168,43 @@ fn migrations_seen(demo_dir: &Path) -> (usize, u64) {
 fn demo_serves_the_api_and_migrates_a_connection_then_tears_down() {
     let out = output_dir("demo_test");
     let log = out.join("demo.log");
-    let seconds = std::env::var("CAPYBARA_DEMO_SECONDS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
+    let seconds = std::env::var("CAPYBARA_DEMO_SECONDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(60);
     let mut demo = Demo::start(&log, seconds);
 
-    wait_for("the API's /healthz on the host", Duration::from_secs(180), &mut demo, &log, || {
-        curl(&[&format!("{API}/healthz")]).0 == 200
-    });
-    let token = std::fs::read_to_string(root().join("test-output/demo/admin-token")).expect("admin token file");
+    wait_for(
+        "the API's /healthz on the host",
+        Duration::from_secs(180),
+        &mut demo,
+        &log,
+        || curl(&[&format!("{API}/healthz")]).0 == 200,
+    );
+    // The banner comes right after the API answers from the host.
+    wait_for(
+        "the demo's banner",
+        Duration::from_secs(60),
+        &mut demo,
+        &log,
+        || {
+            std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .contains("Press Ctrl-C")
+        },
+    );
+    let token = std::fs::read_to_string(root().join("test-output/demo/admin-token"))
+        .expect("admin token file");
     let auth = format!("Authorization: Bearer {}", token.trim());
     let demo_log = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(demo_log.contains("http://127.0.0.1:8080"), "no dashboard URL printed:\n{demo_log}");
-    assert!(demo_log.contains(token.trim()), "the admin token was not printed:\n{demo_log}");
+    assert!(
+        demo_log.contains("http://127.0.0.1:8080"),
+        "no dashboard URL printed:\n{demo_log}"
+    );
+    assert!(
+        demo_log.contains(token.trim()),
+        "the admin token was not printed:\n{demo_log}"
+    );
 
     let (code, health) = curl(&[&format!("{API}/healthz")]);
     assert_eq!(code, 200);
@@ -163,20 +217,41 @@ fn demo_serves_the_api_and_migrates_a_connection_then_tears_down() {
 
     let (code, index) = curl(&[&format!("{API}/")]);
     assert_eq!(code, 200);
-    let expected = std::fs::read_to_string(root().join("web-ui/dist/index.html")).expect("web-ui/dist/index.html");
-    assert_eq!(index.trim(), expected.trim(), "/ is not the dashboard's index.html");
+    let expected = std::fs::read_to_string(root().join("web-ui/dist/index.html"))
+        .expect("web-ui/dist/index.html");
+    assert_eq!(
+        index.trim(),
+        expected.trim(),
+        "/ is not the dashboard's index.html"
+    );
 
     // A live connection of the client load, migrated through the API.
     let mut conn = None;
-    wait_for("a connection listed by the API", Duration::from_secs(60), &mut demo, &log, || {
-        let (code, body) = curl(&["-H", &auth, &format!("{API}/v1/connections?limit=5")]);
-        conn = if code == 200 { first_connection_id(&body) } else { None };
-        conn.is_some()
-    });
+    wait_for(
+        "a connection listed by the API",
+        Duration::from_secs(60),
+        &mut demo,
+        &log,
+        || {
+            let (code, body) = curl(&["-H", &auth, &format!("{API}/v1/connections?limit=5")]);
+            conn = if code == 200 {
+                first_connection_id(&body)
+            } else {
+                None
+            };
+            conn.is_some()
+        },
+    );
     let conn = conn.unwrap();
     let demo_dir = root().join("target/demo");
     let before = migrations_seen(&demo_dir);
-    let (code, body) = curl(&["-X", "POST", "-H", &auth, &format!("{API}/v1/connections/{conn}/migrate")]);
+    let (code, body) = curl(&[
+        "-X",
+        "POST",
+        "-H",
+        &auth,
+        &format!("{API}/v1/connections/{conn}/migrate"),
+    ]);
     assert_eq!(code, 202, "migrate {conn}: {body}");
     assert!(body.contains("\"trigger\":\"manual\""), "{body}");
     let mut after = before;
@@ -193,12 +268,23 @@ fn demo_serves_the_api_and_migrates_a_connection_then_tears_down() {
         "no migration of {conn} seen (hostagent ' migrated to ' lines {before:?} -> {after:?} [lines, fwd_prepare_ack])"
     );
     let (_, migrations) = curl(&["-H", &auth, &format!("{API}/v1/migrations")]);
-    println!("migrated {conn}: hostagent log lines {} -> {}, fwd_prepare_ack {} -> {}", before.0, after.0, before.1, after.1);
+    println!(
+        "migrated {conn}: hostagent log lines {} -> {}, fwd_prepare_ack {} -> {}",
+        before.0, after.0, before.1, after.1
+    );
     println!("GET /v1/migrations: {migrations}");
 
     let status = demo.stop().expect("demo was running");
     println!("demo exited with {status:?}");
-    assert!(demo_namespaces().is_empty(), "namespaces left behind: {:?}", demo_namespaces());
-    assert_ne!(curl(&[&format!("{API}/healthz")]).0, 200, "the API still answers after the demo stopped");
+    assert!(
+        demo_namespaces().is_empty(),
+        "namespaces left behind: {:?}",
+        demo_namespaces()
+    );
+    assert_ne!(
+        curl(&[&format!("{API}/healthz")]).0,
+        200,
+        "the API still answers after the demo stopped"
+    );
     let _ = std::fs::copy(&log, out.join("demo.log.final"));
 }

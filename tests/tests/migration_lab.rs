@@ -2,11 +2,16 @@
 //! XDP program) and the real user-space stacks: connections move between
 //! servers while the client streams, and the client never notices.
 
-use capybara_systests::{bin, deployment_key, hostagent_migrating_config, output_dir, switchd_config, Lab};
+use capybara_systests::{
+    bin, deployment_key, hostagent_migrating_config, output_dir, switchd_config, Lab,
+};
 use std::time::Duration;
 
 fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// Starts switchd and one migrating hostagent per server; returns when
@@ -14,7 +19,12 @@ fn env_u64(name: &str, default: u64) -> u64 {
 fn start(lab: &mut Lab, dir: &std::path::Path, servers: u32, churn_ms: u64) {
     let key = deployment_key(dir);
     let sw = switchd_config(dir, servers, &key);
-    lab.spawn_logged("sw", bin("switchd"), &["--config", sw.to_str().unwrap()], &dir.join("switchd.log"));
+    lab.spawn_logged(
+        "sw",
+        bin("switchd"),
+        &["--config", sw.to_str().unwrap()],
+        &dir.join("switchd.log"),
+    );
     for j in 1..=servers {
         // Each server hands its connections to the next one.
         let churn = (churn_ms > 0).then_some((churn_ms, j % servers + 1));
@@ -32,20 +42,33 @@ fn start(lab: &mut Lab, dir: &std::path::Path, servers: u32, churn_ms: u64) {
         let log = std::fs::read_to_string(dir.join("switchd.log")).unwrap_or_default();
         (1..=servers).all(|j| log.contains(&format!("registered s{j}")))
     };
-    lab.wait_for("every server to register with switchd", Duration::from_secs(30), registered);
+    lab.wait_for(
+        "every server to register with switchd",
+        Duration::from_secs(30),
+        registered,
+    );
     let answers = || {
-        lab.run("c1", "curl", &["-s", "-m", "1", "-o", "/dev/null", "http://198.18.100.1/"], Duration::from_secs(5))
-            .status
-            .success()
+        lab.run(
+            "c1",
+            "curl",
+            &["-s", "-m", "1", "-o", "/dev/null", "http://198.18.100.1/"],
+            Duration::from_secs(5),
+        )
+        .status
+        .success()
     };
     lab.wait_for("the VIP to answer", Duration::from_secs(30), answers);
 }
 
-fn migrations_out(dir: &std::path::Path, servers: u32) -> (usize, std::collections::HashSet<String>) {
+fn migrations_out(
+    dir: &std::path::Path,
+    servers: u32,
+) -> (usize, std::collections::HashSet<String>) {
     let mut n = 0;
     let mut peers = std::collections::HashSet::new();
     for j in 1..=servers {
-        let log = std::fs::read_to_string(dir.join(format!("hostagent-s{j}.log"))).unwrap_or_default();
+        let log =
+            std::fs::read_to_string(dir.join(format!("hostagent-s{j}.log"))).unwrap_or_default();
         for l in log.lines().filter(|l| l.contains(" migrated to ")) {
             n += 1;
             if let Some(p) = l.split_whitespace().find_map(|w| w.strip_prefix("peer=")) {
@@ -61,11 +84,19 @@ fn assert_no_resets(lab: &Lab, servers: u32) {
         let out = lab.run(
             &format!("s{j}"),
             "curl",
-            &["-s", "-m", "2", &format!("http://198.18.1.{}:9100/metrics", 10 + j)],
+            &[
+                "-s",
+                "-m",
+                "2",
+                &format!("http://198.18.1.{}:9100/metrics", 10 + j),
+            ],
             Duration::from_secs(5),
         );
         let text = String::from_utf8_lossy(&out.stdout);
-        for l in text.lines().filter(|l| l.starts_with("capybara_tcp_resets_sent_total")) {
+        for l in text
+            .lines()
+            .filter(|l| l.starts_with("capybara_tcp_resets_sent_total"))
+        {
             assert!(l.ends_with(" 0"), "server s{j} sent resets: {l}");
         }
     }
@@ -88,7 +119,11 @@ fn echo_stream_survives_migration_back_and_forth() {
         Duration::from_secs(1800),
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "echo failed: {stdout} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "echo failed: {stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("ok=true"), "{stdout}");
     let (n, _) = migrations_out(&dir, 2);
     assert!(n >= 10, "only {n} migrations happened");
@@ -101,16 +136,34 @@ fn echo_stream_survives_migration_back_and_forth() {
 fn thousand_connections_each_migrate_while_in_use() {
     let dir = output_dir("migration_lab_thousand");
     let mut lab = Lab::up("mt", 2);
-    start(&mut lab, &dir, 2, env_u64("CAPYBARA_THOUSAND_CHURN_MS", 200));
+    start(
+        &mut lab,
+        &dir,
+        2,
+        env_u64("CAPYBARA_THOUSAND_CHURN_MS", 200),
+    );
     let conns = env_u64("CAPYBARA_MIGRATION_CONNECTIONS", 1000);
     let out = lab.run(
         "c1",
         bin("capybara-echo-client").to_str().unwrap(),
-        &["198.18.100.1:7", "200000", "--chunk", "4096", "--connections", &conns.to_string(), "--timeout-s", "60"],
+        &[
+            "198.18.100.1:7",
+            "200000",
+            "--chunk",
+            "4096",
+            "--connections",
+            &conns.to_string(),
+            "--timeout-s",
+            "60",
+        ],
         Duration::from_secs(900),
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "echo failed: {stdout} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "echo failed: {stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let (n, peers) = migrations_out(&dir, 2);
     assert!(
         peers.len() as u64 >= conns,

@@ -12,9 +12,21 @@ const DATA: &str = "198.18.2.11";
 fn start_stack(lab: &mut Lab, dir: &std::path::Path, backend: &str) {
     let cfg = hostagent_config(dir, 1, DATA, backend);
     let log = dir.join("hostagent.log");
-    lab.spawn_logged("s1", bin("hostagent"), &["--config", cfg.to_str().unwrap()], &log);
+    lab.spawn_logged(
+        "s1",
+        bin("hostagent"),
+        &["--config", cfg.to_str().unwrap()],
+        &log,
+    );
     let ping_ok = || {
-        lab.run("c1", "ping", &["-c", "1", "-W", "1", DATA], Duration::from_secs(5)).status.success()
+        lab.run(
+            "c1",
+            "ping",
+            &["-c", "1", "-W", "1", DATA],
+            Duration::from_secs(5),
+        )
+        .status
+        .success()
     };
     lab.wait_for("the stack to answer ping", Duration::from_secs(20), ping_ok);
 }
@@ -23,7 +35,14 @@ fn echo(lab: &Lab, bytes: u64, seed: u64, limit: Duration) {
     let out = lab.run(
         "c1",
         bin("capybara-echo-client").to_str().unwrap(),
-        &[&format!("{DATA}:7"), &bytes.to_string(), "--seed", &seed.to_string(), "--timeout-s", "120"],
+        &[
+            &format!("{DATA}:7"),
+            &bytes.to_string(),
+            "--seed",
+            &seed.to_string(),
+            "--timeout-s",
+            "120",
+        ],
         limit,
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -32,12 +51,23 @@ fn echo(lab: &Lab, bytes: u64, seed: u64, limit: Duration) {
         "echo of {bytes} bytes failed: {stdout} {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains(&format!("received={bytes} ")) && stdout.contains("ok=true"), "{stdout}");
+    assert!(
+        stdout.contains(&format!("received={bytes} ")) && stdout.contains("ok=true"),
+        "{stdout}"
+    );
 }
 
 fn curl_keepalive(lab: &Lab, n: usize) {
     let urls: Vec<String> = (0..n).map(|_| format!("http://{DATA}/")).collect();
-    let mut args = vec!["-sS", "-m", "120", "-w", "%{http_code}\\n", "-o", "/dev/null"];
+    let mut args = vec![
+        "-sS",
+        "-m",
+        "120",
+        "-w",
+        "%{http_code}\\n",
+        "-o",
+        "/dev/null",
+    ];
     // One -o per URL so that every response body is discarded and every
     // status line is printed.
     let mut full: Vec<&str> = Vec::new();
@@ -47,7 +77,11 @@ fn curl_keepalive(lab: &Lab, n: usize) {
     args.truncate(5);
     args.extend(full);
     let out = lab.run("c1", "curl", &args, Duration::from_secs(150));
-    assert!(out.status.success(), "curl failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "curl failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     let ok = stdout.lines().filter(|l| *l == "200").count();
     assert_eq!(ok, n, "expected {n} responses with status 200");
@@ -62,7 +96,12 @@ fn linux_clients_interoperate_with_the_af_packet_stack() {
     start_stack(&mut lab, &dir, "");
 
     // ping
-    let out = lab.run("c1", "ping", &["-c", "5", "-i", "0.05", DATA], Duration::from_secs(10));
+    let out = lab.run(
+        "c1",
+        "ping",
+        &["-c", "5", "-i", "0.05", DATA],
+        Duration::from_secs(10),
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains("5 received"));
 
     // 1,000 keep-alive GETs
@@ -80,14 +119,30 @@ fn linux_clients_interoperate_with_the_af_packet_stack() {
     let out = lab.run(
         "c1",
         "wrk",
-        &["-t", "2", "-c", "100", "-d", "20s", "--timeout", "10s", &format!("http://{DATA}/")],
+        &[
+            "-t",
+            "2",
+            "-c",
+            "100",
+            "-d",
+            "20s",
+            "--timeout",
+            "10s",
+            &format!("http://{DATA}/"),
+        ],
         Duration::from_secs(60),
     );
     let text = String::from_utf8_lossy(&out.stdout);
     std::fs::write(dir.join("wrk.txt"), text.as_bytes()).unwrap();
     assert!(out.status.success(), "wrk failed: {text}");
-    assert!(!text.contains("Socket errors"), "wrk reported socket errors: {text}");
-    assert!(!text.contains("Non-2xx"), "wrk saw non-2xx responses: {text}");
+    assert!(
+        !text.contains("Socket errors"),
+        "wrk reported socket errors: {text}"
+    );
+    assert!(
+        !text.contains("Non-2xx"),
+        "wrk saw non-2xx responses: {text}"
+    );
 }
 
 #[test]
@@ -100,7 +155,15 @@ fn echo_is_byte_exact_under_one_and_five_percent_loss() {
         // the stack receives.
         for node in ["c1", "s1"] {
             let o = std::process::Command::new(bin("capybara"))
-                .args(["lab", "fault", "--prefix", &lab.prefix, node, "--drop", loss])
+                .args([
+                    "lab",
+                    "fault",
+                    "--prefix",
+                    &lab.prefix,
+                    node,
+                    "--drop",
+                    loss,
+                ])
                 .output()
                 .unwrap();
             assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -116,11 +179,27 @@ fn linux_clients_interoperate_with_the_dpdk_stack() {
     let backend = "backend = \"dpdk\"\npoll = \"busy\"\ndpdk_args = [\"--no-huge\", \"--no-pci\", \"--no-shconf\", \"--file-prefix=capybara-systest\", \"--no-telemetry\", \"--log-level=error\", \"-l\", \"0\", \"--vdev=net_af_packet0,iface=eth0\"]";
     let cfg = hostagent_config(&dir, 1, DATA, backend);
     let log = dir.join("hostagent.log");
-    lab.spawn_logged("s1", bin("hostagent"), &["--config", cfg.to_str().unwrap()], &log);
+    lab.spawn_logged(
+        "s1",
+        bin("hostagent"),
+        &["--config", cfg.to_str().unwrap()],
+        &log,
+    );
     let ping_ok = || {
-        lab.run("c1", "ping", &["-c", "1", "-W", "1", DATA], Duration::from_secs(5)).status.success()
+        lab.run(
+            "c1",
+            "ping",
+            &["-c", "1", "-W", "1", DATA],
+            Duration::from_secs(5),
+        )
+        .status
+        .success()
     };
-    lab.wait_for("the DPDK stack to answer ping", Duration::from_secs(30), ping_ok);
+    lab.wait_for(
+        "the DPDK stack to answer ping",
+        Duration::from_secs(30),
+        ping_ok,
+    );
     curl_keepalive(&lab, 200);
     echo(&lab, 50 << 20, 3, Duration::from_secs(300));
 }

@@ -13,7 +13,10 @@ use capybara_store::{SqliteConfig, SqliteStore, Store};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
-#[command(name = "capybara-api", about = "Capybara operators' REST API (development server)")]
+#[command(
+    name = "capybara-api",
+    about = "Capybara operators' REST API (development server)"
+)]
 struct Args {
     /// Store to open: `sqlite:PATH`.
     #[arg(long, default_value = "sqlite:capybara.db")]
@@ -42,7 +45,9 @@ struct Args {
 #[actix_web::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
@@ -51,9 +56,12 @@ async fn main() -> anyhow::Result<()> {
     };
     let path = PathBuf::from(path);
     let store: Arc<dyn Store> = Arc::new(
-        SqliteStore::open(SqliteConfig { path: path.clone(), ..SqliteConfig::default() })
-            .await
-            .with_context(|| format!("opening store {}", path.display()))?,
+        SqliteStore::open(SqliteConfig {
+            path: path.clone(),
+            ..SqliteConfig::default()
+        })
+        .await
+        .with_context(|| format!("opening store {}", path.display()))?,
     );
     let api_db_path = args.api_db.unwrap_or_else(|| {
         let mut p = path.clone().into_os_string();
@@ -67,10 +75,13 @@ async fn main() -> anyhow::Result<()> {
             None => println!("admin token (shown once): {secret}"),
         }
     }
-    let cp = StoreControlPlane::new(store.clone(), db.clone()).await.map_err(|p| anyhow::anyhow!("{p}"))?;
+    let cp = StoreControlPlane::new(store.clone(), db.clone())
+        .await
+        .map_err(|p| anyhow::anyhow!("{p}"))?;
     let control_plane: Arc<dyn capybara_api::ControlPlane> = match &args.switchd {
         Some(url) => Arc::new(
-            SwitchdControlPlane::new(cp, store.clone(), url).map_err(|p| anyhow::anyhow!("--switchd {url}: {}", p.detail))?,
+            SwitchdControlPlane::new(cp, store.clone(), url)
+                .map_err(|p| anyhow::anyhow!("--switchd {url}: {}", p.detail))?,
         ),
         None => Arc::new(cp),
     };

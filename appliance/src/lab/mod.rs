@@ -340,4 +340,3 @@ pub(crate) fn ifindex(iface: &str, ns: &str) -> Result<i32, LabError> {
 pub(crate) fn bpf_err(what: &str) -> impl Fn(libbpf_rs::Error) -> LabError + '_ {
     move |e| LabError::Invalid(format!("{what}: {e}"))
 }
-

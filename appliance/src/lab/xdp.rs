@@ -16,7 +16,9 @@ pub fn attach_pass(ns: &str, iface: &str) -> Result<(), LabError> {
         let open = ObjectBuilder::default()
             .open_memory(PASS_OBJ)
             .map_err(bpf_err("cannot open the lab XDP object"))?;
-        let obj = open.load().map_err(bpf_err("cannot load the lab XDP program"))?;
+        let obj = open
+            .load()
+            .map_err(bpf_err("cannot load the lab XDP program"))?;
         let prog = obj
             .progs()
             .find(|p| p.name() == "capy_lab_pass")

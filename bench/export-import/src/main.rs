@@ -53,7 +53,13 @@ fn build_connection(q: usize) -> (Endpoint, ConnId, Instant) {
     let mut server = Endpoint::new(TcpConfig::default());
     server.listen(vip).unwrap();
     let mut now = Instant::from_millis(1000);
-    let c = client.connect(now, SocketAddrV4::new(Ipv4Addr::new(198, 18, 0, 11), 0), vip).unwrap();
+    let c = client
+        .connect(
+            now,
+            SocketAddrV4::new(Ipv4Addr::new(198, 18, 0, 11), 0),
+            vip,
+        )
+        .unwrap();
     let mut s = None;
     for _ in 0..10 {
         now += Duration::from_millis(5);
@@ -127,7 +133,11 @@ fn bench_ours(iterations: usize, q: usize) -> Ours {
         black_box(&buf);
     }
     let st = a.connection(id).unwrap();
-    assert_eq!((st.rx.len(), st.tx.len(), st.state), (q, q, State::Established), "state survived the ping-pong");
+    assert_eq!(
+        (st.rx.len(), st.tx.len(), st.state),
+        (q, q, State::Established),
+        "state survived the ping-pong"
+    );
 
     // Export alone (import is outside the timing), for the breakdown.
     let mut export_only = Vec::with_capacity(2000);
@@ -144,7 +154,12 @@ fn bench_ours(iterations: usize, q: usize) -> Ours {
     }
     samples.sort_unstable();
     export_only.sort_unstable();
-    Ours { samples, snapshot_len, empty_len, export_only }
+    Ours {
+        samples,
+        snapshot_len,
+        empty_len,
+        export_only,
+    }
 }
 
 // ---------------------------------------------------------------- linux
@@ -222,13 +237,29 @@ mod linux {
     }
 
     fn set<T>(fd: c_int, opt: c_int, v: &T, what: &str) -> io::Result<()> {
-        let r = unsafe { libc::setsockopt(fd, libc::IPPROTO_TCP, opt, v as *const T as *const c_void, size_of::<T>() as socklen_t) };
+        let r = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::IPPROTO_TCP,
+                opt,
+                v as *const T as *const c_void,
+                size_of::<T>() as socklen_t,
+            )
+        };
         cvt(r, what).map(|_| ())
     }
 
     fn get<T: Copy>(fd: c_int, opt: c_int, v: &mut T, what: &str) -> io::Result<()> {
         let mut len = size_of::<T>() as socklen_t;
-        let r = unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, opt, v as *mut T as *mut c_void, &mut len) };
+        let r = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::IPPROTO_TCP,
+                opt,
+                v as *mut T as *mut c_void,
+                &mut len,
+            )
+        };
         cvt(r, what).map(|_| ())
     }
 
@@ -236,27 +267,41 @@ mod linux {
         sockaddr_in {
             sin_family: libc::AF_INET as libc::sa_family_t,
             sin_port: a.port().to_be(),
-            sin_addr: libc::in_addr { s_addr: u32::from(*a.ip()).to_be() },
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*a.ip()).to_be(),
+            },
             sin_zero: [0; 8],
         }
     }
 
     fn from_sin(s: &sockaddr_in) -> SocketAddrV4 {
-        SocketAddrV4::new(u32::from_be(s.sin_addr.s_addr).into(), u16::from_be(s.sin_port))
+        SocketAddrV4::new(
+            u32::from_be(s.sin_addr.s_addr).into(),
+            u16::from_be(s.sin_port),
+        )
     }
 
     fn name(fd: c_int, peer: bool) -> io::Result<SocketAddrV4> {
         let mut s: sockaddr_in = unsafe { std::mem::zeroed() };
         let mut len = size_of::<sockaddr_in>() as socklen_t;
         let p = &mut s as *mut sockaddr_in as *mut libc::sockaddr;
-        let r = unsafe { if peer { libc::getpeername(fd, p, &mut len) } else { libc::getsockname(fd, p, &mut len) } };
+        let r = unsafe {
+            if peer {
+                libc::getpeername(fd, p, &mut len)
+            } else {
+                libc::getsockname(fd, p, &mut len)
+            }
+        };
         cvt(r, "getsockname/getpeername")?;
         Ok(from_sin(&s))
     }
 
     fn ioctl_len(fd: c_int, req: libc::c_ulong) -> io::Result<usize> {
         let mut n: c_int = 0;
-        cvt(unsafe { libc::ioctl(fd, req, &mut n) }, "ioctl SIOCINQ/SIOCOUTQ")?;
+        cvt(
+            unsafe { libc::ioctl(fd, req, &mut n) },
+            "ioctl SIOCINQ/SIOCOUTQ",
+        )?;
         Ok(n as usize)
     }
 
@@ -267,7 +312,14 @@ mod linux {
         out.resize(len, 0);
         let mut got = 0;
         while got < len {
-            let r = unsafe { libc::recv(fd, out[got..].as_mut_ptr() as *mut c_void, len - got, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+            let r = unsafe {
+                libc::recv(
+                    fd,
+                    out[got..].as_mut_ptr() as *mut c_void,
+                    len - got,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
             let r = cvt(r as c_int, "recv(MSG_PEEK) of a repair queue")? as usize;
             if r == 0 {
                 break;
@@ -296,7 +348,15 @@ mod linux {
         get(fd, TCP_TIMESTAMP, &mut d.timestamp, "TCP_TIMESTAMP")?;
         let mut info = [0u8; 232];
         let mut len = info.len() as socklen_t;
-        let r = unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, info.as_mut_ptr() as *mut c_void, &mut len) };
+        let r = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                info.as_mut_ptr() as *mut c_void,
+                &mut len,
+            )
+        };
         cvt(r, "TCP_INFO")?;
         d.options = info[5];
         d.snd_wscale = info[6] & 0x0f;
@@ -308,7 +368,10 @@ mod linux {
 
     /// Restore into a fresh socket: the import half.
     pub fn restore(d: &Dump) -> io::Result<c_int> {
-        let fd = cvt(unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) }, "socket")?;
+        let fd = cvt(
+            unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) },
+            "socket",
+        )?;
         let r = (|| {
             set(fd, TCP_REPAIR, &TCP_REPAIR_ON, "TCP_REPAIR on")?;
             let q = TCP_RECV_QUEUE;
@@ -322,30 +385,69 @@ mod linux {
             let local = sin(d.local.unwrap());
             let remote = sin(d.remote.unwrap());
             let sl = size_of::<sockaddr_in>() as socklen_t;
-            cvt(unsafe { libc::bind(fd, &local as *const sockaddr_in as *const libc::sockaddr, sl) }, "bind")?;
-            cvt(unsafe { libc::connect(fd, &remote as *const sockaddr_in as *const libc::sockaddr, sl) }, "connect (repair)")?;
+            cvt(
+                unsafe {
+                    libc::bind(
+                        fd,
+                        &local as *const sockaddr_in as *const libc::sockaddr,
+                        sl,
+                    )
+                },
+                "bind",
+            )?;
+            cvt(
+                unsafe {
+                    libc::connect(
+                        fd,
+                        &remote as *const sockaddr_in as *const libc::sockaddr,
+                        sl,
+                    )
+                },
+                "connect (repair)",
+            )?;
             let mut opts = [RepairOpt { code: 0, val: 0 }; 4];
             let mut n = 0;
-            opts[n] = RepairOpt { code: TCPOPT_MSS, val: d.mss };
+            opts[n] = RepairOpt {
+                code: TCPOPT_MSS,
+                val: d.mss,
+            };
             n += 1;
             if d.options & TCPI_OPT_WSCALE != 0 {
-                opts[n] = RepairOpt { code: TCPOPT_WINDOW, val: u32::from(d.snd_wscale) | (u32::from(d.rcv_wscale) << 16) };
+                opts[n] = RepairOpt {
+                    code: TCPOPT_WINDOW,
+                    val: u32::from(d.snd_wscale) | (u32::from(d.rcv_wscale) << 16),
+                };
                 n += 1;
             }
             if d.options & TCPI_OPT_SACK != 0 {
-                opts[n] = RepairOpt { code: TCPOPT_SACK_PERM, val: 0 };
+                opts[n] = RepairOpt {
+                    code: TCPOPT_SACK_PERM,
+                    val: 0,
+                };
                 n += 1;
             }
             if d.options & TCPI_OPT_TIMESTAMPS != 0 {
-                opts[n] = RepairOpt { code: TCPOPT_TIMESTAMP, val: 0 };
+                opts[n] = RepairOpt {
+                    code: TCPOPT_TIMESTAMP,
+                    val: 0,
+                };
                 n += 1;
             }
             let r = unsafe {
-                libc::setsockopt(fd, libc::IPPROTO_TCP, TCP_REPAIR_OPTIONS, opts.as_ptr() as *const c_void, (n * size_of::<RepairOpt>()) as socklen_t)
+                libc::setsockopt(
+                    fd,
+                    libc::IPPROTO_TCP,
+                    TCP_REPAIR_OPTIONS,
+                    opts.as_ptr() as *const c_void,
+                    (n * size_of::<RepairOpt>()) as socklen_t,
+                )
             };
             cvt(r, "TCP_REPAIR_OPTIONS")?;
             set(fd, TCP_TIMESTAMP, &d.timestamp, "TCP_TIMESTAMP")?;
-            for (q, data, what) in [(TCP_SEND_QUEUE, &d.outq, "send queue"), (TCP_RECV_QUEUE, &d.inq, "recv queue")] {
+            for (q, data, what) in [
+                (TCP_SEND_QUEUE, &d.outq, "send queue"),
+                (TCP_RECV_QUEUE, &d.inq, "recv queue"),
+            ] {
                 if data.is_empty() {
                     continue;
                 }
@@ -375,26 +477,55 @@ mod linux {
         unsafe {
             let l = cvt(libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0), "socket")?;
             let one: c_int = 1;
-            libc::setsockopt(l, libc::SOL_SOCKET, libc::SO_REUSEADDR, &one as *const c_int as *const c_void, 4);
+            libc::setsockopt(
+                l,
+                libc::SOL_SOCKET,
+                libc::SO_REUSEADDR,
+                &one as *const c_int as *const c_void,
+                4,
+            );
             let a = sin(SocketAddrV4::new([127, 0, 0, 1].into(), 0));
             let sl = size_of::<sockaddr_in>() as socklen_t;
-            cvt(libc::bind(l, &a as *const sockaddr_in as *const libc::sockaddr, sl), "bind listener")?;
+            cvt(
+                libc::bind(l, &a as *const sockaddr_in as *const libc::sockaddr, sl),
+                "bind listener",
+            )?;
             cvt(libc::listen(l, 4), "listen")?;
             let port = name(l, false)?.port();
             let c = cvt(libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0), "socket")?;
             let small: c_int = 4096;
-            libc::setsockopt(c, libc::SOL_SOCKET, libc::SO_RCVBUF, &small as *const c_int as *const c_void, 4);
+            libc::setsockopt(
+                c,
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                &small as *const c_int as *const c_void,
+                4,
+            );
             let to = sin(SocketAddrV4::new([127, 0, 0, 1].into(), port));
-            cvt(libc::connect(c, &to as *const sockaddr_in as *const libc::sockaddr, sl), "connect")?;
-            let s = cvt(libc::accept(l, std::ptr::null_mut(), std::ptr::null_mut()), "accept")?;
+            cvt(
+                libc::connect(c, &to as *const sockaddr_in as *const libc::sockaddr, sl),
+                "connect",
+            )?;
+            let s = cvt(
+                libc::accept(l, std::ptr::null_mut(), std::ptr::null_mut()),
+                "accept",
+            )?;
             libc::close(l);
             let data: Vec<u8> = (0..q).map(|i| (i * 7 + 3) as u8).collect();
-            cvt(libc::send(c, data.as_ptr() as *const c_void, q, 0) as c_int, "client send")?;
+            cvt(
+                libc::send(c, data.as_ptr() as *const c_void, q, 0) as c_int,
+                "client send",
+            )?;
             // Fill the client's receive window, then queue `q` more bytes.
             let chunk = [0x5au8; 512];
             let start = WallInstant::now();
             while ioctl_len(s, SIOCOUTQ)? < q {
-                libc::send(s, chunk.as_ptr() as *const c_void, chunk.len(), libc::MSG_DONTWAIT);
+                libc::send(
+                    s,
+                    chunk.as_ptr() as *const c_void,
+                    chunk.len(),
+                    libc::MSG_DONTWAIT,
+                );
                 std::thread::sleep(std::time::Duration::from_millis(2));
                 if start.elapsed().as_secs() > 5 {
                     return Err(io::Error::other("server send queue does not fill"));
@@ -437,7 +568,10 @@ fn bench_linux(iterations: usize, q: usize) -> std::io::Result<Linux> {
     let inq = linux::inq_len(fd)?;
     let outq = linux::outq_len(fd)?;
     let want: Vec<u8> = (0..q).map(|i| (i * 7 + 3) as u8).collect();
-    assert_eq!(inq, q, "receive queue survived {iterations} dump/restore cycles");
+    assert_eq!(
+        inq, q,
+        "receive queue survived {iterations} dump/restore cycles"
+    );
     assert_eq!(d.inq, want, "receive queue bytes");
     let dump_bytes = d.inq.len() + d.outq.len() + 4 * 5 + 4 * 6;
     unsafe {
@@ -445,7 +579,11 @@ fn bench_linux(iterations: usize, q: usize) -> std::io::Result<Linux> {
         libc::close(client);
     }
     samples.sort_unstable();
-    Ok(Linux { samples, dump_bytes, outq })
+    Ok(Linux {
+        samples,
+        dump_bytes,
+        outq,
+    })
 }
 
 fn main() {
@@ -454,8 +592,18 @@ fn main() {
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
-            "--iterations" => iterations = args.next().and_then(|v| v.parse().ok()).expect("--iterations N"),
-            "--queue-bytes" => q = args.next().and_then(|v| v.parse().ok()).expect("--queue-bytes N"),
+            "--iterations" => {
+                iterations = args
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("--iterations N")
+            }
+            "--queue-bytes" => {
+                q = args
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("--queue-bytes N")
+            }
             _ => {
                 eprintln!("usage: capybara-bench-export-import [--iterations N] [--queue-bytes N]");
                 std::process::exit(2);
@@ -487,7 +635,10 @@ fn main() {
                 l.dump_bytes,
                 l.outq
             );
-            println!("linux: p50 {l50} ns, p99 {l99} ns, max {} ns", l.samples.last().unwrap());
+            println!(
+                "linux: p50 {l50} ns, p99 {l99} ns, max {} ns",
+                l.samples.last().unwrap()
+            );
             (l50, l99)
         }
         Err(e) => {
@@ -495,6 +646,10 @@ fn main() {
             (0, 0)
         }
     };
-    let speedup = if o50 > 0 { l50 as f64 / o50 as f64 } else { 0.0 };
+    let speedup = if o50 > 0 {
+        l50 as f64 / o50 as f64
+    } else {
+        0.0
+    };
     println!("RESULT ours_p50_ns={o50} ours_p99_ns={o99} linux_p50_ns={l50} linux_p99_ns={l99} speedup_p50={speedup:.1}");
 }

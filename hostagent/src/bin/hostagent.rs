@@ -9,10 +9,10 @@ use capybara_hostagent::config::{App, Backend, Config, Poll};
 use capybara_hostagent::migration::Migrator;
 use capybara_hostagent::stack::Transports;
 use capybara_hostagent::{apps, control, metrics, Stack, TcpListener};
-use capybara_tcpmig::{BufferMode, Engine, EngineConfig};
 use capybara_net::device::{Device, PollMode};
 use capybara_net::iface::{Interface, InterfaceConfig};
 use capybara_tcp::{Endpoint, TcpConfig};
+use capybara_tcpmig::{BufferMode, Engine, EngineConfig};
 use std::process::ExitCode;
 use std::rc::Rc;
 
@@ -46,7 +46,8 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => return usage_error(e),
     };
-    let metrics_addr = match metrics_addr.map(|a| a.parse::<std::net::SocketAddr>().map_err(|_| a)) {
+    let metrics_addr = match metrics_addr.map(|a| a.parse::<std::net::SocketAddr>().map_err(|_| a))
+    {
         Some(Ok(a)) => Some(a),
         Some(Err(a)) => return usage_error(format!("invalid --metrics address {a:?}")),
         None => None,
@@ -142,7 +143,8 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, async move {
         for s in &cfg.services {
-            let l = TcpListener::bind(&stack, s.listen).map_err(|e| format!("listen {}: {e}", s.listen))?;
+            let l = TcpListener::bind(&stack, s.listen)
+                .map_err(|e| format!("listen {}: {e}", s.listen))?;
             match s.app {
                 App::Echo => tokio::task::spawn_local(apps::echo(l)),
                 App::Http => tokio::task::spawn_local(apps::http(l, name.clone())),
@@ -150,7 +152,14 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
         }
         if let (Some(c), Some(k)) = (cfg.control.clone(), key.clone()) {
             let services = cfg.services.iter().map(|s| s.listen).collect();
-            tokio::task::spawn_local(control::run(c, k, stack.clone(), cfg.stack.address, mac.0, services));
+            tokio::task::spawn_local(control::run(
+                c,
+                k,
+                stack.clone(),
+                cfg.stack.address,
+                mac.0,
+                services,
+            ));
         }
         if let Some(m) = cfg.migration.as_ref().filter(|m| m.churn_every_ms > 0) {
             let (every, to) = (m.churn_every_ms, m.churn_to);

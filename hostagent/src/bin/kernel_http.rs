@@ -16,12 +16,17 @@ fn main() {
         std::process::exit(2)
     });
     let name: Rc<str> = Rc::from(name.as_str());
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     tokio::task::LocalSet::new().block_on(&rt, async move {
-        let l = tokio::net::TcpListener::bind(addr).await.unwrap_or_else(|e| {
-            eprintln!("capybara-kernel-http: bind {addr}: {e}");
-            std::process::exit(1)
-        });
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .unwrap_or_else(|e| {
+                eprintln!("capybara-kernel-http: bind {addr}: {e}");
+                std::process::exit(1)
+            });
         loop {
             if let Ok((s, _)) = l.accept().await {
                 let _ = s.set_nodelay(true);

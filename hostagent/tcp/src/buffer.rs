@@ -27,7 +27,11 @@ impl RingBuffer {
     /// Allocates the ring once. `vec![0; n]` maps zeroed pages lazily, so a
     /// large idle buffer costs little resident memory.
     pub fn new(capacity: usize) -> Self {
-        RingBuffer { storage: vec![0; capacity], head: 0, len: 0 }
+        RingBuffer {
+            storage: vec![0; capacity],
+            head: 0,
+            len: 0,
+        }
     }
     pub fn capacity(&self) -> usize {
         self.storage.len()
@@ -127,7 +131,10 @@ impl RingBuffer {
         let n = n.min(cap - off);
         let start = self.index(off);
         let first = n.min(cap - start);
-        (&self.storage[start..start + first], &self.storage[..n - first])
+        (
+            &self.storage[start..start + first],
+            &self.storage[..n - first],
+        )
     }
 
     /// Empties the ring for reuse by another connection. Stale bytes stay in
@@ -185,7 +192,10 @@ impl Eq for RingBuffer {}
 
 impl fmt::Debug for RingBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RingBuffer").field("len", &self.len).field("capacity", &self.capacity()).finish()
+        f.debug_struct("RingBuffer")
+            .field("len", &self.len)
+            .field("capacity", &self.capacity())
+            .finish()
     }
 }
 
@@ -208,7 +218,10 @@ impl PartialEq for Assembler {
 
 impl Default for Assembler {
     fn default() -> Self {
-        Assembler { ranges: [(0, 0); MAX_OOO_RANGES], len: 0 }
+        Assembler {
+            ranges: [(0, 0); MAX_OOO_RANGES],
+            len: 0,
+        }
     }
 }
 
@@ -304,7 +317,10 @@ impl PartialEq for Scoreboard {
 
 impl Default for Scoreboard {
     fn default() -> Self {
-        Scoreboard { blocks: [(SeqNum(0), SeqNum(0)); MAX_SCOREBOARD], len: 0 }
+        Scoreboard {
+            blocks: [(SeqNum(0), SeqNum(0)); MAX_SCOREBOARD],
+            len: 0,
+        }
     }
 }
 

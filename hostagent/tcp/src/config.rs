@@ -16,7 +16,11 @@ pub struct KeepAlive {
 
 impl Default for KeepAlive {
     fn default() -> Self {
-        KeepAlive { idle: Duration::from_secs(7200), interval: Duration::from_secs(75), probes: 9 }
+        KeepAlive {
+            idle: Duration::from_secs(7200),
+            interval: Duration::from_secs(75),
+            probes: 9,
+        }
     }
 }
 

@@ -56,7 +56,14 @@ impl State {
     }
     /// States in which queued data or FIN may still be (re)transmitted.
     fn can_send(self) -> bool {
-        matches!(self, State::Established | State::CloseWait | State::FinWait1 | State::Closing | State::LastAck)
+        matches!(
+            self,
+            State::Established
+                | State::CloseWait
+                | State::FinWait1
+                | State::Closing
+                | State::LastAck
+        )
     }
     /// States in which incoming payload is accepted (before the peer's FIN).
     fn can_receive(self) -> bool {
@@ -207,7 +214,11 @@ impl RttEstimator {
     /// Current RTO including backoff, capped at the maximum.
     pub fn rto(&self, p: &ConnParams) -> Duration {
         let max = p.max_rto.as_micros() as u64;
-        let shifted = if self.backoff >= 32 { max } else { self.rto_us.saturating_mul(1u64 << self.backoff) };
+        let shifted = if self.backoff >= 32 {
+            max
+        } else {
+            self.rto_us.saturating_mul(1u64 << self.backoff)
+        };
         Duration::from_micros(shifted.min(max))
     }
 }
@@ -374,7 +385,11 @@ impl Connection {
         state: State,
     ) -> Self {
         let params = ConnParams::from_config(cfg);
-        let wscale = if cfg.window_scaling { our_window_scale(cfg.rx_buffer) } else { 0 };
+        let wscale = if cfg.window_scaling {
+            our_window_scale(cfg.rx_buffer)
+        } else {
+            0
+        };
         Connection {
             state,
             local,
@@ -402,7 +417,10 @@ impl Connection {
                 mss: params.mss,
             },
             opts: Negotiated::default(),
-            ts: Timestamps { recent: 0, offset: ts_offset },
+            ts: Timestamps {
+                recent: 0,
+                offset: ts_offset,
+            },
             rtt: RttEstimator::new(&params),
             cc: Congestion {
                 cwnd: 0,
@@ -431,7 +449,13 @@ impl Connection {
     }
 
     /// Active open (RFC 9293 §3.10.1): SYN-SENT, the SYN goes out at the next poll.
-    pub fn connect(cfg: &TcpConfig, local: SocketAddrV4, remote: SocketAddrV4, iss: SeqNum, ts_offset: u32) -> Self {
+    pub fn connect(
+        cfg: &TcpConfig,
+        local: SocketAddrV4,
+        remote: SocketAddrV4,
+        iss: SeqNum,
+        ts_offset: u32,
+    ) -> Self {
         Self::base(cfg, local, remote, iss, ts_offset, State::SynSent)
     }
 
@@ -482,7 +506,9 @@ impl Connection {
         let mss = o.mss.unwrap_or(536).min(p.mss).max(64);
         let overhead = if self.opts.timestamps { 12 } else { 0 };
         self.snd.smss = mss - overhead;
-        let iw = p.initial_cwnd_segments.saturating_mul(u32::from(self.snd.smss));
+        let iw = p
+            .initial_cwnd_segments
+            .saturating_mul(u32::from(self.snd.smss));
         self.cc.cwnd = iw;
     }
 
@@ -533,7 +559,10 @@ impl Connection {
 
     fn enter_time_wait(&mut self, now: Instant) {
         self.state = State::TimeWait;
-        self.timers = Timers { close: Some(now + self.params.time_wait), ..Timers::default() };
+        self.timers = Timers {
+            close: Some(now + self.params.time_wait),
+            ..Timers::default()
+        };
     }
 
     // ---------------------------------------------------------------- input
@@ -597,7 +626,11 @@ impl Connection {
             (0, 0) => seg.seq == self.rcv.nxt,
             (0, _) => in_wnd(seg.seq),
             (_, 0) => false,
-            (n, _) => in_wnd(seg.seq) || in_wnd(seg.seq.add(n - 1)) || (seg.seq < self.rcv.nxt && seg.seq.add(n) > self.rcv.nxt),
+            (n, _) => {
+                in_wnd(seg.seq)
+                    || in_wnd(seg.seq.add(n - 1))
+                    || (seg.seq < self.rcv.nxt && seg.seq.add(n) > self.rcv.nxt)
+            }
         };
         let mut ack_only = false;
         if !acceptable {
@@ -797,7 +830,13 @@ impl Connection {
 
     /// ACK processing for synchronized states. Returns false when the
     /// segment must be dropped.
-    fn process_ack(&mut self, now: Instant, seg: &TcpRepr, ack: SeqNum, ctr: &mut Counters) -> bool {
+    fn process_ack(
+        &mut self,
+        now: Instant,
+        seg: &TcpRepr,
+        ack: SeqNum,
+        ctr: &mut Counters,
+    ) -> bool {
         // RFC 5961 §5.2: acceptable ACKs lie in [SND.UNA - MAX.SND.WND, SND.MAX].
         if ack > self.snd.max {
             ctr.drops.bad_ack += 1;
@@ -839,8 +878,11 @@ impl Connection {
             self.rtt.backoff = 0;
             self.on_new_ack(acked, ack, flight_before, smss);
             // RFC 6298 §5.2/5.3: stop the timer when all is acked, else restart it.
-            self.timers.retransmit =
-                if self.snd.una == self.snd.max { None } else { Some(now + self.rtt.rto(&self.params)) };
+            self.timers.retransmit = if self.snd.una == self.snd.max {
+                None
+            } else {
+                Some(now + self.rtt.rto(&self.params))
+            };
             if data > 0 && self.want_writable {
                 self.want_writable = false;
                 self.events.writable = true;
@@ -920,7 +962,11 @@ impl Connection {
             cc.in_recovery = true;
             cc.fast_retransmit = true;
             cc.rexmit_next = una;
-            cc.cwnd = if sack { cc.ssthresh } else { cc.ssthresh + 3 * smss };
+            cc.cwnd = if sack {
+                cc.ssthresh
+            } else {
+                cc.ssthresh + 3 * smss
+            };
         }
     }
 
@@ -1017,7 +1063,9 @@ impl Connection {
         if blocked {
             if self.timers.persist.is_none() {
                 let base = self.rtt.rto(&self.params);
-                let d = base.saturating_mul(1u32 << self.retries.persist.min(16)).min(self.params.max_rto);
+                let d = base
+                    .saturating_mul(1u32 << self.retries.persist.min(16))
+                    .min(self.params.max_rto);
                 self.timers.persist = Some(now + d);
             }
         } else {
@@ -1030,7 +1078,10 @@ impl Connection {
     /// Earliest timer deadline.
     pub fn next_deadline(&self) -> Option<Instant> {
         let t = &self.timers;
-        [t.retransmit, t.persist, t.delayed_ack, t.keepalive, t.close].into_iter().flatten().min()
+        [t.retransmit, t.persist, t.delayed_ack, t.keepalive, t.close]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Fires every timer whose deadline is at or before `now`.
@@ -1232,7 +1283,8 @@ impl Connection {
             // flight, holes below it are lost unless already retransmitted.
             let hi = self.sack.highest().map_or(una, |h| h.max(una));
             let resent_to = self.cc.rexmit_next.max(una).min(hi);
-            pipe = self.snd.max.since(hi) + resent_to.since(una) - self.sack.sacked_in(una, resent_to);
+            pipe =
+                self.snd.max.since(hi) + resent_to.since(una) - self.sack.sacked_in(una, resent_to);
             if pipe >= self.cc.cwnd {
                 return None;
             }
@@ -1262,12 +1314,26 @@ impl Connection {
         if len == 0 && !fin {
             return None;
         }
-        Some((start, len, fin, if resend { SendKind::Resend } else { SendKind::New }))
+        Some((
+            start,
+            len,
+            fin,
+            if resend {
+                SendKind::Resend
+            } else {
+                SendKind::New
+            },
+        ))
     }
 
     /// Writes the next segment this connection wants to send into `buf`
     /// (which should hold at least 60 bytes + MSS), returning its length.
-    pub fn poll_segment(&mut self, now: Instant, buf: &mut [u8], ctr: &mut Counters) -> Option<usize> {
+    pub fn poll_segment(
+        &mut self,
+        now: Instant,
+        buf: &mut [u8],
+        ctr: &mut Counters,
+    ) -> Option<usize> {
         if let Some(seq) = self.pending.rst_reply.take() {
             let mut r = TcpRepr::new(self.local.port(), self.remote.port(), seq);
             r.rst = true;
@@ -1305,7 +1371,10 @@ impl Connection {
                     r.ack = Some(self.rcv.nxt);
                     r.options.window_scale = self.opts.window_scale.then_some(self.rcv.wscale);
                     r.options.sack_permitted = self.opts.sack;
-                    r.options.timestamp = self.opts.timestamps.then(|| (self.ts_now(now), self.ts.recent));
+                    r.options.timestamp = self
+                        .opts
+                        .timestamps
+                        .then(|| (self.ts_now(now), self.ts.recent));
                 }
                 if self.rtt.timed.is_none() && self.retries.rto == 0 {
                     self.rtt.timed = Some((self.snd.iss.add(1), now));
@@ -1343,7 +1412,8 @@ impl Connection {
             let copied = self.tx.read_at(off, &mut buf[hl..hl + len as usize]);
             debug_assert_eq!(copied, len as usize);
             let total = hl + len as usize;
-            crate::wire::TcpPacket::new_unchecked(&mut buf[..total]).fill_checksum(*self.local.ip(), *self.remote.ip());
+            crate::wire::TcpPacket::new_unchecked(&mut buf[..total])
+                .fill_checksum(*self.local.ip(), *self.remote.ip());
             let end = start.add(len + u32::from(fin));
             match kind {
                 SendKind::Fast => {
@@ -1432,7 +1502,9 @@ impl Connection {
 
     /// Error for a closed connection, if it ended abnormally.
     fn closed_error(&self) -> TcpError {
-        self.close_reason.and_then(CloseReason::error).unwrap_or(TcpError::Closed)
+        self.close_reason
+            .and_then(CloseReason::error)
+            .unwrap_or(TcpError::Closed)
     }
 
     /// Reads in-order data. `Ok(0)` means end of stream (the peer's FIN);
@@ -1533,7 +1605,9 @@ impl Connection {
         !self.rx.is_empty() || self.rcv.fin_received || self.state == State::Closed
     }
     pub fn is_writable(&self) -> bool {
-        matches!(self.state, State::Established | State::CloseWait) && !self.fin.queued && !self.tx.is_full()
+        matches!(self.state, State::Established | State::CloseWait)
+            && !self.fin.queued
+            && !self.tx.is_full()
     }
     pub fn send_queue_len(&self) -> usize {
         self.tx.len()

@@ -32,8 +32,8 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::ops::Range;
 use std::net::{Ipv4Addr, SocketAddrV4};
+use std::ops::Range;
 
 use capybara_proto::time::Instant;
 use capybara_proto::FlowKey;
@@ -262,7 +262,14 @@ impl Endpoint {
         if self.listeners.contains_key(&local.port()) {
             return Err(TcpError::AddrInUse);
         }
-        self.listeners.insert(local.port(), Listener { addr: local, half_open: 0, queued: 0 });
+        self.listeners.insert(
+            local.port(),
+            Listener {
+                addr: local,
+                half_open: 0,
+                queued: 0,
+            },
+        );
         Ok(())
     }
 
@@ -288,7 +295,12 @@ impl Endpoint {
     }
 
     /// Active open from `local` (port 0 picks an ephemeral port) to `remote`.
-    pub fn connect(&mut self, now: Instant, local: SocketAddrV4, remote: SocketAddrV4) -> Result<ConnId, TcpError> {
+    pub fn connect(
+        &mut self,
+        now: Instant,
+        local: SocketAddrV4,
+        remote: SocketAddrV4,
+    ) -> Result<ConnId, TcpError> {
         self.now = now;
         let mut local = local;
         if local.port() == 0 {
@@ -296,7 +308,11 @@ impl Endpoint {
             for _ in 0..16384 {
                 let p = self.next_port;
                 self.next_port = if p == u16::MAX { 49152 } else { p + 1 };
-                let k = Key { remote_ip: *remote.ip(), remote_port: remote.port(), local_port: p };
+                let k = Key {
+                    remote_ip: *remote.ip(),
+                    remote_port: remote.port(),
+                    local_port: p,
+                };
                 if !self.flows.contains_key(&k) && !self.listeners.contains_key(&p) {
                     found = Some(p);
                     break;
@@ -304,7 +320,11 @@ impl Endpoint {
             }
             local.set_port(found.ok_or(TcpError::NoPorts)?);
         }
-        let key = Key { remote_ip: *remote.ip(), remote_port: remote.port(), local_port: local.port() };
+        let key = Key {
+            remote_ip: *remote.ip(),
+            remote_port: remote.port(),
+            local_port: local.port(),
+        };
         if self.flows.contains_key(&key) {
             return Err(TcpError::AddrInUse);
         }
@@ -472,7 +492,13 @@ impl Endpoint {
     /// buffers go to the import pool). Returns the snapshot length. On error
     /// (`InvalidHandle`, `BufferTooSmall`) the connection is untouched.
     /// Allocates nothing.
-    pub fn export(&mut self, now: Instant, id: ConnId, app_state: &[u8], out: &mut [u8]) -> Result<usize, SnapshotError> {
+    pub fn export(
+        &mut self,
+        now: Instant,
+        id: ConnId,
+        app_state: &[u8],
+        out: &mut [u8],
+    ) -> Result<usize, SnapshotError> {
         let e = self.conns.get(&id).ok_or(SnapshotError::InvalidHandle)?;
         let n = Snapshot::capture(&e.conn, now, app_state).emit(out)?;
         self.finish_export(id);
@@ -514,14 +540,21 @@ impl Endpoint {
     pub fn import(&mut self, now: Instant, bytes: &[u8]) -> Result<Imported, SnapshotError> {
         let snap = Snapshot::parse_bytes(bytes)?;
         snap.check_capacity(self.cfg.tx_buffer, self.cfg.rx_buffer)?;
-        let key = Key { remote_ip: *snap.remote.ip(), remote_port: snap.remote.port(), local_port: snap.local.port() };
+        let key = Key {
+            remote_ip: *snap.remote.ip(),
+            remote_port: snap.remote.port(),
+            local_port: snap.local.port(),
+        };
         if self.flows.contains_key(&key) {
             return Err(SnapshotError::FlowExists);
         }
         self.now = self.now.max(now);
         let (tx, rx) = match self.spare.pop() {
             Some(pair) => pair,
-            None => (RingBuffer::new(self.cfg.tx_buffer), RingBuffer::new(self.cfg.rx_buffer)),
+            None => (
+                RingBuffer::new(self.cfg.tx_buffer),
+                RingBuffer::new(self.cfg.rx_buffer),
+            ),
         };
         let conn = snap.restore(now, &self.cfg, tx, rx);
         let app_start = snap.app.as_ptr() as usize - bytes.as_ptr() as usize;
@@ -538,7 +571,10 @@ impl Endpoint {
         self.spare.truncate(limit);
         self.spare.reserve(limit.saturating_sub(self.spare.len()));
         while self.spare.len() < limit {
-            self.spare.push((RingBuffer::new(self.cfg.tx_buffer), RingBuffer::new(self.cfg.rx_buffer)));
+            self.spare.push((
+                RingBuffer::new(self.cfg.tx_buffer),
+                RingBuffer::new(self.cfg.rx_buffer),
+            ));
         }
     }
 
@@ -596,7 +632,11 @@ impl Endpoint {
             self.counters.drops.malformed += 1;
             return;
         }
-        let key = Key { remote_ip: src, remote_port: repr.src_port, local_port: repr.dst_port };
+        let key = Key {
+            remote_ip: src,
+            remote_port: repr.src_port,
+            local_port: repr.dst_port,
+        };
         if let Some(&id) = self.flows.get(&key) {
             let Some(e) = self.conns.get_mut(&id) else {
                 self.flows.remove(&key);
@@ -629,7 +669,11 @@ impl Endpoint {
             self.queue_rst(&repr, local, remote);
             return;
         };
-        let local = if l.addr.ip().is_unspecified() { SocketAddrV4::new(dst, repr.dst_port) } else { l.addr };
+        let local = if l.addr.ip().is_unspecified() {
+            SocketAddrV4::new(dst, repr.dst_port)
+        } else {
+            l.addr
+        };
         if !(repr.syn && repr.ack.is_none()) {
             // LISTEN: an ACK gets <SEQ=SEG.ACK><CTL=RST>; anything else is dropped.
             self.counters.drops.unexpected += 1;
@@ -662,15 +706,25 @@ impl Endpoint {
             if let Ok(len) = t.emit(buf, *r.local.ip(), *r.remote.ip()) {
                 self.counters.resets_sent += 1;
                 self.counters.segments_out += 1;
-                return Some(Transmit { src: *r.local.ip(), dst: *r.remote.ip(), len });
+                return Some(Transmit {
+                    src: *r.local.ip(),
+                    dst: *r.remote.ip(),
+                    len,
+                });
             }
         }
         while let Some(id) = self.ready.pop_front() {
-            let Some(e) = self.conns.get_mut(&id) else { continue };
+            let Some(e) = self.conns.get_mut(&id) else {
+                continue;
+            };
             match e.conn.poll_segment(now, buf, &mut self.counters) {
                 Some(len) => {
                     self.counters.segments_out += 1;
-                    let t = Transmit { src: *e.conn.local.ip(), dst: *e.conn.remote.ip(), len };
+                    let t = Transmit {
+                        src: *e.conn.local.ip(),
+                        dst: *e.conn.remote.ip(),
+                        len,
+                    };
                     self.ready.push_back(id);
                     self.sync_events(id);
                     return Some(t);
@@ -721,18 +775,34 @@ impl Endpoint {
     // ------------------------------------------------------------ internals
 
     fn owned(&self, id: ConnId) -> Option<&Connection> {
-        self.conns.get(&id).filter(|e| e.stage == Stage::Owned && !e.app_closed).map(|e| &e.conn)
+        self.conns
+            .get(&id)
+            .filter(|e| e.stage == Stage::Owned && !e.app_closed)
+            .map(|e| &e.conn)
     }
 
     fn owned_mut(&mut self, id: ConnId) -> Result<&mut Entry, TcpError> {
-        self.conns.get_mut(&id).filter(|e| e.stage == Stage::Owned && !e.app_closed).ok_or(TcpError::InvalidHandle)
+        self.conns
+            .get_mut(&id)
+            .filter(|e| e.stage == Stage::Owned && !e.app_closed)
+            .ok_or(TcpError::InvalidHandle)
     }
 
     fn insert(&mut self, conn: Connection, listener: Option<u16>, stage: Stage) -> ConnId {
         let id = ConnId(self.next_id);
         self.next_id += 1;
         self.flows.insert(key_of(&conn), id);
-        self.conns.insert(id, Entry { conn, listener, stage, app_closed: false, in_ready: false, scheduled: None });
+        self.conns.insert(
+            id,
+            Entry {
+                conn,
+                listener,
+                stage,
+                app_closed: false,
+                in_ready: false,
+                scheduled: None,
+            },
+        );
         id
     }
 
@@ -744,7 +814,9 @@ impl Endpoint {
 
     /// Registers the connection's current earliest deadline in the heap.
     fn reschedule(&mut self, id: ConnId) {
-        let Some(e) = self.conns.get_mut(&id) else { return };
+        let Some(e) = self.conns.get_mut(&id) else {
+            return;
+        };
         let d = e.conn.next_deadline();
         if d != e.scheduled {
             e.scheduled = d;
@@ -760,7 +832,8 @@ impl Endpoint {
     fn clean_timers(&mut self) {
         if self.timers.len() > 2 * self.conns.len() + 64 {
             let conns = &self.conns;
-            self.timers.retain(|Reverse((t, id))| conns.get(id).is_some_and(|e| e.scheduled == Some(*t)));
+            self.timers
+                .retain(|Reverse((t, id))| conns.get(id).is_some_and(|e| e.scheduled == Some(*t)));
         }
         while let Some(&Reverse((t, id))) = self.timers.peek() {
             if self.conns.get(&id).is_some_and(|e| e.scheduled == Some(t)) {
@@ -804,7 +877,12 @@ impl Endpoint {
             Some(a) => (a, None),
             None => (SeqNum(0), Some(seg.seq.add(seg.segment_len() as u32))),
         };
-        self.rsts.push_back(RstReply { local, remote, seq, ack });
+        self.rsts.push_back(RstReply {
+            local,
+            remote,
+            seq,
+            ack,
+        });
     }
 
     /// After any activity on a connection: publish its events and schedule
@@ -820,7 +898,9 @@ impl Endpoint {
     }
 
     fn sync_events(&mut self, id: ConnId) {
-        let Some(e) = self.conns.get_mut(&id) else { return };
+        let Some(e) = self.conns.get_mut(&id) else {
+            return;
+        };
         let ev = std::mem::take(&mut e.conn.events);
         if ev.established {
             match e.stage {
@@ -866,7 +946,11 @@ impl Endpoint {
 }
 
 fn key_of(c: &Connection) -> Key {
-    Key { remote_ip: *c.remote.ip(), remote_port: c.remote.port(), local_port: c.local.port() }
+    Key {
+        remote_ip: *c.remote.ip(),
+        remote_port: c.remote.port(),
+        local_port: c.local.port(),
+    }
 }
 
 fn info_of(c: &Connection) -> ConnInfo {

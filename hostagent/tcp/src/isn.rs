@@ -21,7 +21,10 @@ impl IsnGenerator {
         let mut b = [0u8; 8];
         a.copy_from_slice(&key[..8]);
         b.copy_from_slice(&key[8..]);
-        IsnGenerator { k0: u64::from_le_bytes(a), k1: u64::from_le_bytes(b) }
+        IsnGenerator {
+            k0: u64::from_le_bytes(a),
+            k1: u64::from_le_bytes(b),
+        }
     }
 
     pub fn isn(&self, now: Instant, local: SocketAddrV4, remote: SocketAddrV4) -> SeqNum {

@@ -34,8 +34,8 @@ use capybara_proto::time::{Duration, Instant};
 use crate::buffer::{Assembler, RingBuffer, Scoreboard, MAX_OOO_RANGES, MAX_SCOREBOARD};
 use crate::config::{KeepAlive, TcpConfig};
 use crate::conn::{
-    AckState, Congestion, ConnEvents, ConnParams, ConnStats, Connection, FinState, Negotiated, Pending, RecvSeq,
-    Retries, RttEstimator, SendSeq, State, Timers, Timestamps,
+    AckState, Congestion, ConnEvents, ConnParams, ConnStats, Connection, FinState, Negotiated,
+    Pending, RecvSeq, Retries, RttEstimator, SendSeq, State, Timers, Timestamps,
 };
 use crate::error::CloseReason;
 use crate::seq::SeqNum;
@@ -116,13 +116,20 @@ pub enum SnapshotError {
     #[error("unsupported snapshot version {0} (this build reads version {VERSION})")]
     Version(u8),
     #[error("snapshot field `{field}` is invalid: {why}")]
-    Invalid { field: &'static str, why: &'static str },
+    Invalid {
+        field: &'static str,
+        why: &'static str,
+    },
     #[error("{0} bytes follow the end of the snapshot")]
     Trailing(usize),
     #[error("buffer of {available} bytes is too small for a {needed}-byte snapshot")]
     BufferTooSmall { needed: usize, available: usize },
     #[error("snapshot field `{field}` needs {needed} bytes of queue but this endpoint's buffer holds {capacity}")]
-    QueueTooLarge { field: &'static str, needed: usize, capacity: usize },
+    QueueTooLarge {
+        field: &'static str,
+        needed: usize,
+        capacity: usize,
+    },
     #[error("a connection with the snapshot's 4-tuple already exists")]
     FlowExists,
     #[error("no such connection handle")]
@@ -179,11 +186,17 @@ impl<T: AsRef<[u8]>> SnapshotView<T> {
     }
     /// The connection's local address (the service VIP).
     pub fn local(&self) -> SocketAddrV4 {
-        SocketAddrV4::new(Ipv4Addr::from(self.u32(field::LOCAL_IP)), self.u16(field::LOCAL_PORT))
+        SocketAddrV4::new(
+            Ipv4Addr::from(self.u32(field::LOCAL_IP)),
+            self.u16(field::LOCAL_PORT),
+        )
     }
     /// The client.
     pub fn remote(&self) -> SocketAddrV4 {
-        SocketAddrV4::new(Ipv4Addr::from(self.u32(field::REMOTE_IP)), self.u16(field::REMOTE_PORT))
+        SocketAddrV4::new(
+            Ipv4Addr::from(self.u32(field::REMOTE_IP)),
+            self.u16(field::REMOTE_PORT),
+        )
     }
     pub fn snd_una(&self) -> SeqNum {
         SeqNum(self.u32(field::SND_UNA))
@@ -309,7 +322,9 @@ impl<'a> Reader<'a> {
         let mut v: u64 = 0;
         let mut shift = 0u32;
         loop {
-            let Some(&b) = self.buf.get(self.pos) else { return Err(SnapshotError::Truncated(f)) };
+            let Some(&b) = self.buf.get(self.pos) else {
+                return Err(SnapshotError::Truncated(f));
+            };
             self.pos += 1;
             if shift == 63 && b > 1 {
                 return Err(invalid(f, "varint overflows 64 bits"));
@@ -454,7 +469,10 @@ fn reason_from(c: u8) -> Option<Option<CloseReason>> {
 
 /// Remaining time of a timer at `now` (zero when already due).
 fn remaining(t: Option<Instant>, now: Instant) -> Option<Duration> {
-    t.map(|t| t.saturating_since(now).min(Duration::from_micros(MAX_MICROS)))
+    t.map(|t| {
+        t.saturating_since(now)
+            .min(Duration::from_micros(MAX_MICROS))
+    })
 }
 
 impl<'a> Snapshot<'a> {
@@ -483,10 +501,13 @@ impl<'a> Snapshot<'a> {
             tsval: conn.ts_now(now),
             ts_recent: conn.ts.recent,
             rtt,
-            rtt_timed: conn
-                .rtt
-                .timed
-                .map(|(end, sent)| (end, now.saturating_since(sent).min(Duration::from_micros(MAX_MICROS)))),
+            rtt_timed: conn.rtt.timed.map(|(end, sent)| {
+                (
+                    end,
+                    now.saturating_since(sent)
+                        .min(Duration::from_micros(MAX_MICROS)),
+                )
+            }),
             cc: conn.cc,
             sack: conn.sack,
             fin: conn.fin,
@@ -513,7 +534,13 @@ impl<'a> Snapshot<'a> {
 
     fn has_counters(&self) -> bool {
         let r = &self.retries;
-        (self.rtt.backoff | self.cc.dup_acks | self.ack.dup_pending | r.rto | r.persist | r.keepalive) != 0
+        (self.rtt.backoff
+            | self.cc.dup_acks
+            | self.ack.dup_pending
+            | r.rto
+            | r.persist
+            | r.keepalive)
+            != 0
     }
 
     fn flags(&self) -> u32 {
@@ -603,7 +630,10 @@ impl<'a> Snapshot<'a> {
             out.var(u64::from(r.0.wrapping_sub(l.0)));
         }
         let t = &self.timers;
-        for d in [t.retransmit, t.persist, t.delayed_ack, t.keepalive, t.close].into_iter().flatten() {
+        for d in [t.retransmit, t.persist, t.delayed_ack, t.keepalive, t.close]
+            .into_iter()
+            .flatten()
+        {
             out.var(d.as_micros() as u64);
         }
         if let Some(seq) = self.pending.rst_reply {
@@ -623,7 +653,13 @@ impl<'a> Snapshot<'a> {
             out.var(u64::from(ka.probes));
         }
         let st = &self.stats;
-        for v in [st.segments_in, st.segments_out, st.retransmits, st.bytes_acked, st.bytes_received] {
+        for v in [
+            st.segments_in,
+            st.segments_out,
+            st.retransmits,
+            st.bytes_acked,
+            st.bytes_received,
+        ] {
             out.var(v);
         }
         out.var(self.tx.len() as u64);
@@ -657,7 +693,10 @@ impl<'a> Snapshot<'a> {
     pub fn emit(&self, buf: &mut [u8]) -> Result<usize> {
         let needed = self.buffer_len();
         if buf.len() < needed {
-            return Err(SnapshotError::BufferTooSmall { needed, available: buf.len() });
+            return Err(SnapshotError::BufferTooSmall {
+                needed,
+                available: buf.len(),
+            });
         }
         let flags = self.flags();
         buf[field::VERSION] = VERSION;
@@ -671,7 +710,10 @@ impl<'a> Snapshot<'a> {
         buf[field::RCV_NXT].copy_from_slice(&self.rcv.nxt.0.to_be_bytes());
         buf[field::TSVAL].copy_from_slice(&self.tsval.to_be_bytes());
         buf[field::TS_RECENT].copy_from_slice(&self.ts_recent.to_be_bytes());
-        let mut w = Writer { buf: &mut buf[..needed], pos: HEADER_LEN };
+        let mut w = Writer {
+            buf: &mut buf[..needed],
+            pos: HEADER_LEN,
+        };
         self.walk(&mut w);
         let pos = w.pos;
         debug_assert_eq!(pos, needed);
@@ -701,9 +743,13 @@ impl<'a> Snapshot<'a> {
             9 => State::TimeWait,
             _ => return Err(invalid("state", "unknown state")),
         };
-        let close_reason = reason_from(sb >> 4).ok_or(invalid("close_reason", "unknown close reason"))?;
+        let close_reason =
+            reason_from(sb >> 4).ok_or(invalid("close_reason", "unknown close reason"))?;
         if (state == State::Closed) != close_reason.is_some() {
-            return Err(invalid("close_reason", "present exactly when the state is CLOSED"));
+            return Err(invalid(
+                "close_reason",
+                "present exactly when the state is CLOSED",
+            ));
         }
         let f = view.flags();
         if f & flag::RESERVED != 0 {
@@ -718,15 +764,23 @@ impl<'a> Snapshot<'a> {
         let una = view.snd_una();
         let rcv_nxt = view.rcv_nxt();
 
-        let mut r = Reader { buf: bytes, pos: HEADER_LEN };
+        let mut r = Reader {
+            buf: bytes,
+            pos: HEADER_LEN,
+        };
         let iss = una.sub(r.u32v("snd.una-iss")?);
         let nxt_off = r.u32v("snd.nxt-una")?;
         let max_off = r.u32v("snd.max-una")?;
         if nxt_off > max_off || max_off > i32::MAX as u32 {
-            return Err(invalid("snd.nxt-una", "SND.NXT must lie in [SND.UNA, SND.MAX]"));
+            return Err(invalid(
+                "snd.nxt-una",
+                "SND.NXT must lie in [SND.UNA, SND.MAX]",
+            ));
         }
         let wnd = r.u32v("snd.wnd")?;
-        let max_wnd = wnd.checked_add(r.u32v("snd.max_wnd-wnd")?).ok_or(invalid("snd.max_wnd-wnd", "overflow"))?;
+        let max_wnd = wnd
+            .checked_add(r.u32v("snd.max_wnd-wnd")?)
+            .ok_or(invalid("snd.max_wnd-wnd", "overflow"))?;
         let wl1 = rcv_nxt.add(r.i32z("snd.wl1-rcv.nxt")? as u32);
         let wl2 = una.add(r.i32z("snd.wl2-una")? as u32);
         let ws = r.var_max("wscale", 0xff)? as u8;
@@ -744,10 +798,17 @@ impl<'a> Snapshot<'a> {
         }
         let irs = rcv_nxt.sub(r.u32v("rcv.nxt-irs")?);
         let adv_right = rcv_nxt.add(r.i32z("rcv.adv_right-nxt")? as u32);
-        let fin_seq = if has(flag::HAS_FIN_SEQ) { Some(rcv_nxt.add(r.i32z("rcv.fin_seq")? as u32)) } else { None };
+        let fin_seq = if has(flag::HAS_FIN_SEQ) {
+            Some(rcv_nxt.add(r.i32z("rcv.fin_seq")? as u32))
+        } else {
+            None
+        };
         let fin_received = has(flag::FIN_RECEIVED);
         if fin_received && fin_seq.map(|s| s.add(1)) != Some(rcv_nxt) {
-            return Err(invalid("rcv.fin_seq", "a received FIN must sit just below RCV.NXT"));
+            return Err(invalid(
+                "rcv.fin_seq",
+                "a received FIN must sit just below RCV.NXT",
+            ));
         }
         let snd = SendSeq {
             iss,
@@ -761,12 +822,27 @@ impl<'a> Snapshot<'a> {
             wscale: snd_ws,
             smss,
         };
-        let rcv = RecvSeq { irs, nxt: rcv_nxt, wscale: rcv_ws, adv_right, fin_seq, fin_received, mss };
+        let rcv = RecvSeq {
+            irs,
+            nxt: rcv_nxt,
+            wscale: rcv_ws,
+            adv_right,
+            fin_seq,
+            fin_received,
+            mss,
+        };
 
         let srtt_us = r.var_max("rtt.srtt_us", MAX_MICROS)?;
         let rttvar_us = r.var_max("rtt.rttvar_us", MAX_MICROS)?;
         let rto_us = r.var_max("rtt.rto_us", MAX_MICROS)?;
-        let rtt = RttEstimator { srtt_us, rttvar_us, rto_us, backoff: 0, has_sample: has(flag::RTT_HAS_SAMPLE), timed: None };
+        let rtt = RttEstimator {
+            srtt_us,
+            rttvar_us,
+            rto_us,
+            backoff: 0,
+            has_sample: has(flag::RTT_HAS_SAMPLE),
+            timed: None,
+        };
         let rtt_timed = if has(flag::HAS_RTT_TIMED) {
             let end = una.add(r.i32z("rtt.timed.end")? as u32);
             Some((end, r.micros("rtt.timed.age")?))
@@ -778,7 +854,11 @@ impl<'a> Snapshot<'a> {
         if cwnd == 0 && state.is_synchronized() {
             return Err(invalid("cc.cwnd", "zero in a synchronized state"));
         }
-        let ssthresh = if has(flag::SSTHRESH_INF) { u32::MAX } else { r.u32v("cc.ssthresh")? };
+        let ssthresh = if has(flag::SSTHRESH_INF) {
+            u32::MAX
+        } else {
+            r.u32v("cc.ssthresh")?
+        };
         let mut cc = Congestion {
             cwnd,
             ssthresh,
@@ -796,10 +876,17 @@ impl<'a> Snapshot<'a> {
         for i in 0..n {
             let gap = r.u32v("sack.block.gap")?;
             let len = r.u32v("sack.block.len")?;
-            let s = prev.checked_add(gap).ok_or(invalid("sack.block.gap", "overflow"))?;
-            let e = s.checked_add(len).ok_or(invalid("sack.block.len", "overflow"))?;
+            let s = prev
+                .checked_add(gap)
+                .ok_or(invalid("sack.block.gap", "overflow"))?;
+            let e = s
+                .checked_add(len)
+                .ok_or(invalid("sack.block.len", "overflow"))?;
             if len == 0 || (i > 0 && gap == 0) || e > max_off {
-                return Err(invalid("sack.block", "blocks must be non-empty, disjoint and within [SND.UNA, SND.MAX]"));
+                return Err(invalid(
+                    "sack.block",
+                    "blocks must be non-empty, disjoint and within [SND.UNA, SND.MAX]",
+                ));
             }
             sack.add(una.add(s), una.add(e));
             prev = e;
@@ -817,7 +904,13 @@ impl<'a> Snapshot<'a> {
         } else {
             None
         };
-        let mut ack = AckState { now: has(flag::ACK_NOW), unacked_bytes, last_sent, last_ooo, dup_pending: 0 };
+        let mut ack = AckState {
+            now: has(flag::ACK_NOW),
+            unacked_bytes,
+            last_sent,
+            last_ooo,
+            dup_pending: 0,
+        };
 
         let mut timer = |bit: u32, name: &'static str| -> Result<Option<Duration>> {
             if has(bit) {
@@ -833,8 +926,16 @@ impl<'a> Snapshot<'a> {
             keepalive: timer(flag::TIMER_KEEPALIVE, "timers.keepalive")?,
             close: timer(flag::TIMER_CLOSE, "timers.close")?,
         };
-        let rst_reply = if has(flag::HAS_RST_REPLY) { Some(SeqNum(r.u32v("pending.rst_reply")?)) } else { None };
-        let pending = Pending { rst: has(flag::PENDING_RST), rst_reply, probe: has(flag::PENDING_PROBE) };
+        let rst_reply = if has(flag::HAS_RST_REPLY) {
+            Some(SeqNum(r.u32v("pending.rst_reply")?))
+        } else {
+            None
+        };
+        let pending = Pending {
+            rst: has(flag::PENDING_RST),
+            rst_reply,
+            probe: has(flag::PENDING_PROBE),
+        };
         let mut rtt = rtt;
         let mut retries = Retries::default();
         if has(flag::HAS_COUNTERS) {
@@ -845,8 +946,13 @@ impl<'a> Snapshot<'a> {
             retries.persist = r.count("retries.persist")?;
             retries.keepalive = r.count("retries.keepalive")?;
             let rt = &retries;
-            if (rtt.backoff | cc.dup_acks | ack.dup_pending | rt.rto | rt.persist | rt.keepalive) == 0 {
-                return Err(invalid("counters", "group present but all zero (non-canonical)"));
+            if (rtt.backoff | cc.dup_acks | ack.dup_pending | rt.rto | rt.persist | rt.keepalive)
+                == 0
+            {
+                return Err(invalid(
+                    "counters",
+                    "group present but all zero (non-canonical)",
+                ));
             }
         }
         let keepalive = if has(flag::HAS_KEEPALIVE) {
@@ -877,14 +983,24 @@ impl<'a> Snapshot<'a> {
         for slot in ooo_data.iter_mut().take(n) {
             let gap = r.u32v("ooo.range.gap")?;
             let len = r.u32v("ooo.range.len")?;
-            let s = prev.checked_add(gap).filter(|&s| s <= i32::MAX as u32).ok_or(invalid("ooo.range.gap", "overflow"))?;
-            let e = s.checked_add(len).filter(|&e| e <= i32::MAX as u32).ok_or(invalid("ooo.range.len", "overflow"))?;
+            let s = prev
+                .checked_add(gap)
+                .filter(|&s| s <= i32::MAX as u32)
+                .ok_or(invalid("ooo.range.gap", "overflow"))?;
+            let e = s
+                .checked_add(len)
+                .filter(|&e| e <= i32::MAX as u32)
+                .ok_or(invalid("ooo.range.len", "overflow"))?;
             if gap == 0 || len == 0 {
-                return Err(invalid("ooo.range", "ranges must be non-empty, start past RCV.NXT and not touch"));
+                return Err(invalid(
+                    "ooo.range",
+                    "ranges must be non-empty, start past RCV.NXT and not touch",
+                ));
             }
             *slot = Chunks(r.bytes(len as usize, "ooo.range.bytes")?, &[]);
             // Cannot fail: at most MAX_OOO_RANGES disjoint, sorted ranges.
-            ooo.add(s, e).map_err(|_| invalid("ooo.count", "too many ranges"))?;
+            ooo.add(s, e)
+                .map_err(|_| invalid("ooo.count", "too many ranges"))?;
             prev = e;
         }
         let app_len = r.var_max("app.len", i32::MAX as u64)? as usize;
@@ -894,21 +1010,38 @@ impl<'a> Snapshot<'a> {
         }
 
         // Cross-field invariants the state machine relies on.
-        let fin = FinState { queued: has(flag::FIN_QUEUED), sent: has(flag::FIN_SENT) };
+        let fin = FinState {
+            queued: has(flag::FIN_QUEUED),
+            sent: has(flag::FIN_SENT),
+        };
         if fin.sent && !fin.queued {
             return Err(invalid("fin", "FIN sent but never queued"));
         }
-        if fin.queued && matches!(state, State::SynSent | State::SynReceived | State::Established | State::CloseWait) {
+        if fin.queued
+            && matches!(
+                state,
+                State::SynSent | State::SynReceived | State::Established | State::CloseWait
+            )
+        {
             return Err(invalid("fin", "FIN queued in a state before CLOSE"));
         }
         if max_off as usize > tx_len + 2 {
-            return Err(invalid("snd.max-una", "more bytes in flight than in the send queue"));
+            return Err(invalid(
+                "snd.max-una",
+                "more bytes in flight than in the send queue",
+            ));
         }
         if !state.is_synchronized() && (tx_len > 0 || rx_len > 0 || n > 0) {
-            return Err(invalid("state", "queued data before the handshake completed"));
+            return Err(invalid(
+                "state",
+                "queued data before the handshake completed",
+            ));
         }
         if fin_received && n > 0 {
-            return Err(invalid("ooo.count", "out-of-order data after the peer's FIN"));
+            return Err(invalid(
+                "ooo.count",
+                "out-of-order data after the peer's FIN",
+            ));
         }
 
         Ok(Snapshot {
@@ -948,12 +1081,20 @@ impl<'a> Snapshot<'a> {
     /// Checks that this snapshot fits buffers of the given capacities.
     pub fn check_capacity(&self, tx_capacity: usize, rx_capacity: usize) -> Result<()> {
         if self.tx.len() > tx_capacity {
-            return Err(SnapshotError::QueueTooLarge { field: "tx.len", needed: self.tx.len(), capacity: tx_capacity });
+            return Err(SnapshotError::QueueTooLarge {
+                field: "tx.len",
+                needed: self.tx.len(),
+                capacity: tx_capacity,
+            });
         }
         let ooo_end = self.ooo.ranges().last().map_or(0, |r| r.1 as usize);
         let needed = self.rx.len() + ooo_end;
         if needed > rx_capacity {
-            return Err(SnapshotError::QueueTooLarge { field: "ooo.range", needed, capacity: rx_capacity });
+            return Err(SnapshotError::QueueTooLarge {
+                field: "ooo.range",
+                needed,
+                capacity: rx_capacity,
+            });
         }
         Ok(())
     }
@@ -963,7 +1104,13 @@ impl<'a> Snapshot<'a> {
     /// `rx` (emptied first; call `check_capacity` before), timers re-based on
     /// `now`, and the timestamp offset chosen so that the first TSval sent
     /// here equals the exported one.
-    pub fn restore(&self, now: Instant, cfg: &TcpConfig, mut tx: RingBuffer, mut rx: RingBuffer) -> Connection {
+    pub fn restore(
+        &self,
+        now: Instant,
+        cfg: &TcpConfig,
+        mut tx: RingBuffer,
+        mut rx: RingBuffer,
+    ) -> Connection {
         let mut params = ConnParams::from_config(cfg);
         params.keepalive = self.keepalive;
         params.mss = self.rcv.mss;
@@ -981,9 +1128,12 @@ impl<'a> Snapshot<'a> {
         let t = &self.timers;
         let now_ms = (now.as_micros() / 1000) as u32;
         let mut rtt = self.rtt;
-        rtt.timed = self
-            .rtt_timed
-            .map(|(end, age)| (end, Instant::from_micros(now.as_micros().saturating_sub(age.as_micros() as u64))));
+        rtt.timed = self.rtt_timed.map(|(end, age)| {
+            (
+                end,
+                Instant::from_micros(now.as_micros().saturating_sub(age.as_micros() as u64)),
+            )
+        });
         Connection {
             state: self.state,
             local: self.local,
@@ -992,7 +1142,10 @@ impl<'a> Snapshot<'a> {
             snd: self.snd,
             rcv: self.rcv,
             opts: self.opts,
-            ts: Timestamps { recent: self.ts_recent, offset: self.tsval.wrapping_sub(now_ms) },
+            ts: Timestamps {
+                recent: self.ts_recent,
+                offset: self.tsval.wrapping_sub(now_ms),
+            },
             rtt,
             cc: self.cc,
             sack: self.sack,
@@ -1024,22 +1177,45 @@ mod tests {
 
     #[test]
     fn varint_lengths_and_zigzag() {
-        for (v, n) in [(0u64, 1), (127, 1), (128, 2), (16383, 2), (16384, 3), (u64::from(u32::MAX), 5), (u64::MAX, 10)] {
+        for (v, n) in [
+            (0u64, 1),
+            (127, 1),
+            (128, 2),
+            (16383, 2),
+            (16384, 3),
+            (u64::from(u32::MAX), 5),
+            (u64::MAX, 10),
+        ] {
             assert_eq!(var_len(v), n, "{v}");
             let mut buf = [0u8; 10];
-            let mut w = Writer { buf: &mut buf, pos: 0 };
+            let mut w = Writer {
+                buf: &mut buf,
+                pos: 0,
+            };
             w.var(v);
             assert_eq!(w.pos, n);
-            let mut r = Reader { buf: &buf[..n], pos: 0 };
+            let mut r = Reader {
+                buf: &buf[..n],
+                pos: 0,
+            };
             assert_eq!(r.var("x").unwrap(), v);
         }
         for v in [0i32, 1, -1, 1000, -1000, i32::MAX, i32::MIN] {
             assert_eq!(unzz(zz(v) as u32), v);
         }
         // Overlong and non-canonical encodings are rejected.
-        let mut r = Reader { buf: &[0x80, 0x00], pos: 0 };
-        assert!(matches!(r.var("x"), Err(SnapshotError::Invalid { field: "x", .. })));
-        let mut r = Reader { buf: &[0xff; 11], pos: 0 };
+        let mut r = Reader {
+            buf: &[0x80, 0x00],
+            pos: 0,
+        };
+        assert!(matches!(
+            r.var("x"),
+            Err(SnapshotError::Invalid { field: "x", .. })
+        ));
+        let mut r = Reader {
+            buf: &[0xff; 11],
+            pos: 0,
+        };
         assert!(r.var("x").is_err());
     }
 }

@@ -229,7 +229,10 @@ pub struct SackBlocks {
 
 impl SackBlocks {
     pub const fn new() -> Self {
-        SackBlocks { blocks: [(SeqNum(0), SeqNum(0)); MAX_SACK_BLOCKS], len: 0 }
+        SackBlocks {
+            blocks: [(SeqNum(0), SeqNum(0)); MAX_SACK_BLOCKS],
+            len: 0,
+        }
     }
     /// Appends a block; ignored once four are held.
     pub fn push(&mut self, left: SeqNum, right: SeqNum) {
@@ -363,7 +366,10 @@ impl TcpOptions {
         }
         let s = self.sack_blocks_emitted();
         if s > 0 {
-            put(&[kind::NOP, kind::NOP, kind::SACK, (2 + 8 * s) as u8], &mut i);
+            put(
+                &[kind::NOP, kind::NOP, kind::SACK, (2 + 8 * s) as u8],
+                &mut i,
+            );
             for (l, r) in &self.sack.as_slice()[..s] {
                 put(&l.0.to_be_bytes(), &mut i);
                 put(&r.0.to_be_bytes(), &mut i);
@@ -486,7 +492,10 @@ impl<'a> TcpRepr<'a> {
     pub fn emit_header(&self, buf: &mut [u8], payload_len: usize) -> Result<usize, WireError> {
         let hl = self.header_len();
         if buf.len() < hl + payload_len {
-            return Err(WireError::BufferTooSmall { need: hl + payload_len, have: buf.len() });
+            return Err(WireError::BufferTooSmall {
+                need: hl + payload_len,
+                have: buf.len(),
+            });
         }
         let mut p = TcpPacket::new_unchecked(&mut buf[..hl + payload_len]);
         p.set_src_port(self.src_port);
@@ -573,14 +582,20 @@ mod tests {
 
     #[test]
     fn rejects_bad_lengths() {
-        assert_eq!(TcpPacket::new_checked(&[0u8; 19][..]).unwrap_err(), WireError::Truncated(19));
+        assert_eq!(
+            TcpPacket::new_checked(&[0u8; 19][..]).unwrap_err(),
+            WireError::Truncated(19)
+        );
         let mut h = [0u8; 20];
         h[12] = 0x60; // 24-byte header in a 20-byte buffer
         assert!(TcpPacket::new_checked(&h[..]).is_err());
         h[12] = 0x40; // 16 bytes: below minimum
         assert!(TcpPacket::new_checked(&h[..]).is_err());
         // Option length running past the header.
-        assert_eq!(TcpOptions::parse(&[2, 8, 0, 0]), Err(WireError::BadOption(0)));
+        assert_eq!(
+            TcpOptions::parse(&[2, 8, 0, 0]),
+            Err(WireError::BadOption(0))
+        );
         assert_eq!(TcpOptions::parse(&[1, 1, 5]), Err(WireError::BadOption(2)));
         assert_eq!(TcpOptions::parse(&[9, 0]), Err(WireError::BadOption(0)));
         // Unknown option skipped, EOL stops.

@@ -16,12 +16,28 @@ fn check_invariants(ep: &Endpoint) {
         assert!(c.snd.una <= c.snd.nxt, "una <= nxt: {}", ctx());
         assert!(c.snd.nxt <= c.snd.max, "nxt <= max: {}", ctx());
         // Everything sent and unacked is in the send queue (+ SYN/FIN).
-        assert!(c.snd.max.since(c.snd.una) as usize <= c.tx.len() + 2, "flight: {}", ctx());
-        assert!(c.rx.len() <= c.rx.capacity() && c.tx.len() <= c.tx.capacity(), "{}", ctx());
+        assert!(
+            c.snd.max.since(c.snd.una) as usize <= c.tx.len() + 2,
+            "flight: {}",
+            ctx()
+        );
+        assert!(
+            c.rx.len() <= c.rx.capacity() && c.tx.len() <= c.tx.capacity(),
+            "{}",
+            ctx()
+        );
         for &(s, e) in c.ooo.ranges() {
-            assert!(0 < s && s < e && e as usize <= c.rx.free(), "ooo range {s}..{e}: {}", ctx());
+            assert!(
+                0 < s && s < e && e as usize <= c.rx.free(),
+                "ooo range {s}..{e}: {}",
+                ctx()
+            );
         }
-        assert!(c.cc.cwnd > 0 || !c.state.is_synchronized(), "cwnd: {}", ctx());
+        assert!(
+            c.cc.cwnd > 0 || !c.state.is_synchronized(),
+            "cwnd: {}",
+            ctx()
+        );
         if c.state == State::Closed {
             assert!(c.close_reason.is_some(), "{}", ctx());
         }
@@ -33,12 +49,14 @@ fn mutate(rng: &mut Rng, seg: &mut Vec<u8>) {
         0 => {
             // Shift SEQ by a small amount (in/out of window).
             let d = rng.below(200_000) as u32;
-            let v = u32::from_be_bytes([seg[4], seg[5], seg[6], seg[7]]).wrapping_add(d.wrapping_sub(100_000));
+            let v = u32::from_be_bytes([seg[4], seg[5], seg[6], seg[7]])
+                .wrapping_add(d.wrapping_sub(100_000));
             seg[4..8].copy_from_slice(&v.to_be_bytes());
         }
         1 => {
             let d = rng.below(200_000) as u32;
-            let v = u32::from_be_bytes([seg[8], seg[9], seg[10], seg[11]]).wrapping_add(d.wrapping_sub(100_000));
+            let v = u32::from_be_bytes([seg[8], seg[9], seg[10], seg[11]])
+                .wrapping_add(d.wrapping_sub(100_000));
             seg[8..12].copy_from_slice(&v.to_be_bytes());
         }
         2 => seg[13] ^= 1 << rng.below(6), // flip a flag (FIN/SYN/RST/PSH/ACK/URG)
@@ -87,14 +105,26 @@ fn run(seed: u64, steps: usize) {
     for _ in 0..steps {
         match rng.below(14) {
             0 => {
-                if let Ok(id) = p.client.connect(p.now, SocketAddrV4::new(CLIENT_IP, 0), vip()) {
+                if let Ok(id) = p
+                    .client
+                    .connect(p.now, SocketAddrV4::new(CLIENT_IP, 0), vip())
+                {
                     clients.push(id);
                 }
             }
             1..=3 => {
-                let all: Vec<_> = clients.iter().map(|&c| (true, c)).chain(servers.iter().map(|&s| (false, s))).collect();
-                if let Some(&(is_client, id)) = all.get(rng.below(all.len().max(1) as u64) as usize) {
-                    let ep = if is_client { &mut p.client } else { &mut p.server };
+                let all: Vec<_> = clients
+                    .iter()
+                    .map(|&c| (true, c))
+                    .chain(servers.iter().map(|&s| (false, s)))
+                    .collect();
+                if let Some(&(is_client, id)) = all.get(rng.below(all.len().max(1) as u64) as usize)
+                {
+                    let ep = if is_client {
+                        &mut p.client
+                    } else {
+                        &mut p.server
+                    };
                     let n = rng.below(payload.len() as u64) as usize;
                     match rng.below(10) {
                         0..=3 => {
@@ -141,7 +171,8 @@ fn run(seed: u64, steps: usize) {
                 let len = rng.below(80) as usize;
                 let mut g = vec![0u8; len];
                 rng.fill(&mut g);
-                p.server.handle_segment(p.now, CLIENT_IP, SERVER_DATA_IP, &g);
+                p.server
+                    .handle_segment(p.now, CLIENT_IP, SERVER_DATA_IP, &g);
             }
             _ => {
                 p.step();

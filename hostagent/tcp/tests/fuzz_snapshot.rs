@@ -16,7 +16,11 @@ use common::*;
 /// Valid snapshots from live connections in assorted states.
 fn corpus() -> Vec<Vec<u8>> {
     let mut out = Vec::new();
-    let link = LinkConfig { loss: 0.05, reorder: 0.2, ..LinkConfig::default() };
+    let link = LinkConfig {
+        loss: 0.05,
+        reorder: 0.2,
+        ..LinkConfig::default()
+    };
     let mut p = Pair::new(TcpConfig::default(), TcpConfig::default(), link, 5);
     let (c, s) = p.connect();
     let mut payload = vec![0u8; 300_000];
@@ -99,7 +103,10 @@ fn exercise(rng: &mut Rng, ep: &mut Endpoint, now: Instant) {
                 r.fin = rng.chance(0.1);
                 r.rst = rng.chance(0.03);
                 if rng.chance(0.5) {
-                    r.options.timestamp = Some((c.ts.recent.wrapping_add(rng.below(100) as u32), rng.next_u64() as u32));
+                    r.options.timestamp = Some((
+                        c.ts.recent.wrapping_add(rng.below(100) as u32),
+                        rng.next_u64() as u32,
+                    ));
                 }
                 if rng.chance(0.3) {
                     let l = c.snd.una.add(rng.below(3000) as u32);
@@ -107,7 +114,9 @@ fn exercise(rng: &mut Rng, ep: &mut Endpoint, now: Instant) {
                 }
                 let data = [7u8; 700];
                 r.payload = &data[..rng.below(700) as usize];
-                let n = r.emit(&mut buf, *c.remote.ip(), Ipv4Addr::new(10, 9, 9, 9)).unwrap();
+                let n = r
+                    .emit(&mut buf, *c.remote.ip(), Ipv4Addr::new(10, 9, 9, 9))
+                    .unwrap();
                 ep.handle_segment(t, *c.remote.ip(), Ipv4Addr::new(10, 9, 9, 9), &buf[..n]);
             }
             2 => {
@@ -153,7 +162,10 @@ fn check(rng: &mut Rng, bytes: &[u8], exercise_it: bool) {
             let _ = e.to_string();
         }
     }
-    let cfg = TcpConfig { rx_buffer: 64 * 1024 + rng.below(256 * 1024) as usize, ..TcpConfig::default() };
+    let cfg = TcpConfig {
+        rx_buffer: 64 * 1024 + rng.below(256 * 1024) as usize,
+        ..TcpConfig::default()
+    };
     let mut ep = Endpoint::new(cfg);
     let now = Instant::from_micros(rng.below(1 << 40));
     match ep.import(now, bytes) {
@@ -164,7 +176,11 @@ fn check(rng: &mut Rng, bytes: &[u8], exercise_it: bool) {
             }
         }
         Err(_) => {
-            assert_eq!(ep.connection_count(), 0, "a failed import left a connection behind");
+            assert_eq!(
+                ep.connection_count(),
+                0,
+                "a failed import left a connection behind"
+            );
             assert_eq!(ep.poll_event(), None);
             assert_eq!(ep.poll_timeout(), None);
         }
@@ -179,7 +195,11 @@ fn truncated_snapshots_are_rejected() {
     for snap in corpus.iter().step_by(3) {
         assert!(Snapshot::parse_bytes(snap).is_ok());
         for n in 0..snap.len().min(400) {
-            assert!(Snapshot::parse_bytes(&snap[..n]).is_err(), "prefix {n} of {} parsed", snap.len());
+            assert!(
+                Snapshot::parse_bytes(&snap[..n]).is_err(),
+                "prefix {n} of {} parsed",
+                snap.len()
+            );
         }
         check(&mut rng, snap, true);
     }

@@ -13,20 +13,42 @@ const A: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
 const B: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 2);
 
 fn check(bytes: &[u8]) {
-    let Ok(p) = TcpPacket::new_checked(bytes) else { return };
+    let Ok(p) = TcpPacket::new_checked(bytes) else {
+        return;
+    };
     // Every accessor is safe after new_checked.
-    let _ = (p.src_port(), p.dst_port(), p.seq_number(), p.ack_number(), p.flags(), p.window());
-    let _ = (p.options(), p.payload(), p.segment_len(), p.verify_checksum(A, B), p.urgent());
-    let Ok(r) = TcpRepr::parse_bytes(bytes) else { return };
+    let _ = (
+        p.src_port(),
+        p.dst_port(),
+        p.seq_number(),
+        p.ack_number(),
+        p.flags(),
+        p.window(),
+    );
+    let _ = (
+        p.options(),
+        p.payload(),
+        p.segment_len(),
+        p.verify_checksum(A, B),
+        p.urgent(),
+    );
+    let Ok(r) = TcpRepr::parse_bytes(bytes) else {
+        return;
+    };
     let mut out = vec![0u8; r.buffer_len()];
     let n = r.emit(&mut out, A, B).expect("buffer_len is enough");
     assert_eq!(n, r.buffer_len());
     let back = TcpRepr::parse_bytes(&out[..n]).expect("our own output parses");
     // SACK blocks beyond what fits next to a timestamp are dropped on emit.
     let mut expect = r;
-    expect.options.sack.truncate(if r.options.timestamp.is_some() { 3 } else { 4 });
+    expect
+        .options
+        .sack
+        .truncate(if r.options.timestamp.is_some() { 3 } else { 4 });
     assert_eq!(back, expect);
-    assert!(TcpPacket::new_checked(&out[..n]).unwrap().verify_checksum(A, B));
+    assert!(TcpPacket::new_checked(&out[..n])
+        .unwrap()
+        .verify_checksum(A, B));
 }
 
 fn seed_segments() -> Vec<Vec<u8>> {

@@ -47,8 +47,16 @@ fn handshake_negotiates_each_option() {
         // The server's local address is the VIP, not the data address.
         assert_eq!(p.server.local_addr(s), Some(vip()));
         let d = data(300_000, 3);
-        assert_same(&transfer(&mut p, c, s, &d, true, Duration::from_secs(30)), &d, "transfer");
-        assert_same(&transfer(&mut p, c, s, &d, false, Duration::from_secs(30)), &d, "transfer");
+        assert_same(
+            &transfer(&mut p, c, s, &d, true, Duration::from_secs(30)),
+            &d,
+            "transfer",
+        );
+        assert_same(
+            &transfer(&mut p, c, s, &d, false, Duration::from_secs(30)),
+            &d,
+            "transfer",
+        );
     }
 }
 
@@ -69,8 +77,16 @@ fn large_transfer_both_ways_byte_exact() {
     let mut p = Pair::default_pair();
     let (c, s) = p.connect();
     let d = data(8 << 20, 11);
-    assert_same(&transfer(&mut p, c, s, &d, true, Duration::from_secs(60)), &d, "transfer");
-    assert_same(&transfer(&mut p, c, s, &d, false, Duration::from_secs(60)), &d, "transfer");
+    assert_same(
+        &transfer(&mut p, c, s, &d, true, Duration::from_secs(60)),
+        &d,
+        "transfer",
+    );
+    assert_same(
+        &transfer(&mut p, c, s, &d, false, Duration::from_secs(60)),
+        &d,
+        "transfer",
+    );
     assert_eq!(p.client.counters().retransmits_timeout, 0);
     assert_eq!(p.server.counters().retransmits_timeout, 0);
 }
@@ -88,8 +104,16 @@ fn large_transfer_under_loss_duplication_reordering() {
         let mut p = Pair::new(TcpConfig::default(), TcpConfig::default(), link, seed);
         let (c, s) = p.connect();
         let d = data(4 << 20, seed);
-        assert_same(&transfer(&mut p, c, s, &d, true, Duration::from_secs(600)), &d, "transfer");
-        assert_same(&transfer(&mut p, c, s, &d, false, Duration::from_secs(600)), &d, "transfer");
+        assert_same(
+            &transfer(&mut p, c, s, &d, true, Duration::from_secs(600)),
+            &d,
+            "transfer",
+        );
+        assert_same(
+            &transfer(&mut p, c, s, &d, false, Duration::from_secs(600)),
+            &d,
+            "transfer",
+        );
         let ctr = p.client.counters();
         assert!(ctr.retransmits_fast > 0, "{ctr:?}");
     }
@@ -97,12 +121,24 @@ fn large_transfer_under_loss_duplication_reordering() {
 
 #[test]
 fn lossy_transfer_without_sack_or_timestamps() {
-    let link = LinkConfig { latency: Duration::from_millis(2), loss: 0.03, ..LinkConfig::default() };
-    let cfg = TcpConfig { sack: false, timestamps: false, ..TcpConfig::default() };
+    let link = LinkConfig {
+        latency: Duration::from_millis(2),
+        loss: 0.03,
+        ..LinkConfig::default()
+    };
+    let cfg = TcpConfig {
+        sack: false,
+        timestamps: false,
+        ..TcpConfig::default()
+    };
     let mut p = Pair::new(cfg.clone(), cfg, link, 5);
     let (c, s) = p.connect();
     let d = data(1 << 20, 5);
-    assert_same(&transfer(&mut p, c, s, &d, true, Duration::from_secs(600)), &d, "transfer");
+    assert_same(
+        &transfer(&mut p, c, s, &d, true, Duration::from_secs(600)),
+        &d,
+        "transfer",
+    );
 }
 
 #[test]
@@ -118,7 +154,11 @@ fn fast_retransmit_after_three_dup_acks() {
         false
     }));
     let d = data(200_000, 9);
-    assert_same(&transfer(&mut p, c, s, &d, true, Duration::from_secs(30)), &d, "transfer");
+    assert_same(
+        &transfer(&mut p, c, s, &d, true, Duration::from_secs(30)),
+        &d,
+        "transfer",
+    );
     let ctr = p.client.counters();
     assert!(ctr.retransmits_fast >= 1, "{ctr:?}");
     assert_eq!(ctr.retransmits_timeout, 0, "{ctr:?}");
@@ -137,15 +177,25 @@ fn sack_recovers_multiple_losses_in_one_window() {
         false
     }));
     let d = data(300_000, 4);
-    assert_same(&transfer(&mut p, c, s, &d, true, Duration::from_secs(30)), &d, "transfer");
+    assert_same(
+        &transfer(&mut p, c, s, &d, true, Duration::from_secs(30)),
+        &d,
+        "transfer",
+    );
     let ctr = p.client.counters();
     assert!(ctr.retransmits_fast >= 3, "{ctr:?}");
-    assert_eq!(ctr.retransmits_timeout, 0, "SACK recovery must avoid the RTO: {ctr:?}");
+    assert_eq!(
+        ctr.retransmits_timeout, 0,
+        "SACK recovery must avoid the RTO: {ctr:?}"
+    );
 }
 
 #[test]
 fn zero_window_then_persist_probe_then_resume() {
-    let small = TcpConfig { rx_buffer: 16 * 1024, ..TcpConfig::default() };
+    let small = TcpConfig {
+        rx_buffer: 16 * 1024,
+        ..TcpConfig::default()
+    };
     let mut p = Pair::new(TcpConfig::default(), small, LinkConfig::default(), 3);
     let (c, s) = p.connect();
     let d = data(100_000, 8);
@@ -160,7 +210,11 @@ fn zero_window_then_persist_probe_then_resume() {
     let cc = p.client.connection(c).unwrap();
     assert_eq!(cc.snd.wnd, 0);
     assert_eq!(p.server.info(s).unwrap().recv_queue, 16 * 1024);
-    assert!(p.client.counters().zero_window_probes >= 3, "{:?}", p.client.counters());
+    assert!(
+        p.client.counters().zero_window_probes >= 3,
+        "{:?}",
+        p.client.counters()
+    );
     assert_eq!(p.client.state(c), Some(State::Established));
     // Reading opens the window; a window update restarts the transfer.
     let mut got = Vec::new();
@@ -186,7 +240,10 @@ fn zero_window_then_persist_probe_then_resume() {
 
 #[test]
 fn active_close_passive_close_and_time_wait_expiry() {
-    let cfg = TcpConfig { time_wait: Duration::from_secs(4), ..TcpConfig::default() };
+    let cfg = TcpConfig {
+        time_wait: Duration::from_secs(4),
+        ..TcpConfig::default()
+    };
     let mut p = Pair::new(cfg.clone(), cfg, LinkConfig::default(), 2);
     let (c, s) = p.connect();
     p.client.send(c, b"bye").unwrap();
@@ -208,13 +265,18 @@ fn active_close_passive_close_and_time_wait_expiry() {
     assert_eq!(p.client.state(c), Some(State::FinWait2));
     p.server.close(s).unwrap();
     assert_eq!(p.server.connection(s).unwrap().state, State::LastAck);
-    assert!(p.run_until(Duration::from_secs(1), |p| p.client.state(c) == Some(State::TimeWait)));
+    assert!(p.run_until(Duration::from_secs(1), |p| p.client.state(c)
+        == Some(State::TimeWait)));
     let t_wait = p.now;
     // The server side is gone once our ACK of its FIN arrives (LAST-ACK -> CLOSED).
     assert!(p.run_until(Duration::from_secs(1), |p| p.server.connection_count() == 0));
-    assert!(p.run_until(Duration::from_secs(10), |p| p.client.state(c) == Some(State::Closed)));
+    assert!(p.run_until(Duration::from_secs(10), |p| p.client.state(c)
+        == Some(State::Closed)));
     assert_eq!(p.now - t_wait, Duration::from_secs(4), "2MSL as configured");
-    assert!(events(&mut p.client).contains(&Event::Closed { id: c, reason: CloseReason::Normal }));
+    assert!(events(&mut p.client).contains(&Event::Closed {
+        id: c,
+        reason: CloseReason::Normal
+    }));
     assert_eq!(p.client.recv(c, &mut buf), Ok(0));
     p.client.close(c).unwrap();
     assert_eq!(p.client.connection_count(), 0);
@@ -222,7 +284,10 @@ fn active_close_passive_close_and_time_wait_expiry() {
 
 #[test]
 fn simultaneous_close_goes_through_closing() {
-    let cfg = TcpConfig { time_wait: Duration::from_secs(1), ..TcpConfig::default() };
+    let cfg = TcpConfig {
+        time_wait: Duration::from_secs(1),
+        ..TcpConfig::default()
+    };
     let mut p = Pair::new(cfg.clone(), cfg, LinkConfig::default(), 2);
     let (c, s) = p.connect();
     p.client.shutdown(c).unwrap();
@@ -246,8 +311,14 @@ fn abort_resets_the_peer() {
     p.client.abort(c).unwrap();
     assert_eq!(p.client.state(c), None, "handle released");
     let mut buf = [0u8; 8];
-    assert!(p.run_until(Duration::from_secs(1), |p| p.server.recv(s, &mut buf) == Err(TcpError::Reset)));
-    assert!(events(&mut p.server).contains(&Event::Closed { id: s, reason: CloseReason::Reset }));
+    assert!(
+        p.run_until(Duration::from_secs(1), |p| p.server.recv(s, &mut buf)
+            == Err(TcpError::Reset))
+    );
+    assert!(events(&mut p.server).contains(&Event::Closed {
+        id: s,
+        reason: CloseReason::Reset
+    }));
     assert_eq!(p.client.connection_count(), 0);
 }
 
@@ -259,7 +330,10 @@ fn close_with_unread_data_sends_rst() {
     assert!(p.run_until(Duration::from_secs(1), |p| p.server.is_readable(s)));
     p.server.close(s).unwrap();
     let mut buf = [0u8; 8];
-    assert!(p.run_until(Duration::from_secs(1), |p| p.client.recv(c, &mut buf) == Err(TcpError::Reset)));
+    assert!(
+        p.run_until(Duration::from_secs(1), |p| p.client.recv(c, &mut buf)
+            == Err(TcpError::Reset))
+    );
 }
 
 #[test]
@@ -267,27 +341,43 @@ fn connect_to_closed_port_is_refused() {
     let mut p = Pair::default_pair();
     let c = p
         .client
-        .connect(p.now, std::net::SocketAddrV4::new(CLIENT_IP, 0), std::net::SocketAddrV4::new(VIP, 81))
+        .connect(
+            p.now,
+            std::net::SocketAddrV4::new(CLIENT_IP, 0),
+            std::net::SocketAddrV4::new(VIP, 81),
+        )
         .unwrap();
     let mut buf = [0u8; 8];
-    assert!(p.run_until(Duration::from_secs(1), |p| p.client.recv(c, &mut buf) == Err(TcpError::Refused)));
+    assert!(
+        p.run_until(Duration::from_secs(1), |p| p.client.recv(c, &mut buf)
+            == Err(TcpError::Refused))
+    );
     assert_eq!(p.server.counters().drops.no_listener, 1);
     assert_eq!(p.server.counters().resets_sent, 1);
 }
 
 #[test]
 fn keepalive_detects_dead_peer() {
-    let ka = KeepAlive { idle: Duration::from_secs(10), interval: Duration::from_secs(2), probes: 3 };
-    let cfg = TcpConfig { keepalive: Some(ka), ..TcpConfig::default() };
+    let ka = KeepAlive {
+        idle: Duration::from_secs(10),
+        interval: Duration::from_secs(2),
+        probes: 3,
+    };
+    let cfg = TcpConfig {
+        keepalive: Some(ka),
+        ..TcpConfig::default()
+    };
     let mut p = Pair::new(cfg, TcpConfig::default(), LinkConfig::default(), 2);
     let (c, _s) = p.connect();
     // While the peer answers, keep-alives keep the connection up.
-    assert!(!p.run_until(Duration::from_secs(60), |p| p.client.state(c) != Some(State::Established)));
+    assert!(!p.run_until(Duration::from_secs(60), |p| p.client.state(c)
+        != Some(State::Established)));
     assert!(p.client.counters().keepalive_probes >= 4);
     // Peer disappears: idle 10 s... then 3 unanswered probes, 2 s apart.
     p.drop_filter = Some(Box::new(|_, _| true));
     let start = p.now;
-    assert!(p.run_until(Duration::from_secs(60), |p| p.client.state(c) == Some(State::Closed)));
+    assert!(p.run_until(Duration::from_secs(60), |p| p.client.state(c)
+        == Some(State::Closed)));
     let mut buf = [0u8; 4];
     assert_eq!(p.client.recv(c, &mut buf), Err(TcpError::TimedOut));
     let took = p.now - start;
@@ -296,22 +386,33 @@ fn keepalive_detects_dead_peer() {
 
 #[test]
 fn retransmission_gives_up_after_max_retries() {
-    let cfg = TcpConfig { max_retries: 3, ..TcpConfig::default() };
+    let cfg = TcpConfig {
+        max_retries: 3,
+        ..TcpConfig::default()
+    };
     let mut p = Pair::new(cfg, TcpConfig::default(), LinkConfig::default(), 2);
     let (c, _s) = p.connect();
     p.drop_filter = Some(Box::new(|_, _| true));
     p.client.send(c, b"lost forever").unwrap();
     let start = p.now;
-    assert!(p.run_until(Duration::from_secs(60), |p| p.client.state(c) == Some(State::Closed)));
+    assert!(p.run_until(Duration::from_secs(60), |p| p.client.state(c)
+        == Some(State::Closed)));
     // 200 + 400 + 800 + 1600 ms of backoff.
     assert_eq!(p.now - start, Duration::from_millis(3000));
-    assert!(events(&mut p.client).contains(&Event::Closed { id: c, reason: CloseReason::TimedOut }));
+    assert!(events(&mut p.client).contains(&Event::Closed {
+        id: c,
+        reason: CloseReason::TimedOut
+    }));
     assert_eq!(p.client.counters().retransmits_timeout, 3);
 }
 
 #[test]
 fn many_connections_with_loss() {
-    let link = LinkConfig { loss: 0.02, latency: Duration::from_millis(1), ..LinkConfig::default() };
+    let link = LinkConfig {
+        loss: 0.02,
+        latency: Duration::from_millis(1),
+        ..LinkConfig::default()
+    };
     let mut p = Pair::new(TcpConfig::default(), TcpConfig::default(), link, 77);
     let mut pairs = Vec::new();
     for _ in 0..20 {
@@ -319,8 +420,19 @@ fn many_connections_with_loss() {
     }
     for (i, &(c, s)) in pairs.iter().enumerate() {
         let d = data(20_000 + i * 100, i as u64);
-        assert_same(&transfer(&mut p, c, s, &d, i % 2 == 0, Duration::from_secs(60)), &d, "transfer");
+        assert_same(
+            &transfer(&mut p, c, s, &d, i % 2 == 0, Duration::from_secs(60)),
+            &d,
+            "transfer",
+        );
     }
     let states = p.server.connections_by_state();
-    assert_eq!(states.iter().find(|(s, _)| *s == State::Established).unwrap().1, 20);
+    assert_eq!(
+        states
+            .iter()
+            .find(|(s, _)| *s == State::Established)
+            .unwrap()
+            .1,
+        20
+    );
 }

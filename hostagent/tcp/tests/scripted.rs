@@ -49,7 +49,8 @@ macro_rules! send {
 /// Fires timers due at `time` ms and returns the next segment, if any.
 macro_rules! recv {
     ($s:expr, time $t:expr) => {
-        $s.poll(Instant::from_millis($t)).unwrap_or_else(|| panic!("nothing sent at {} ms", $t))
+        $s.poll(Instant::from_millis($t))
+            .unwrap_or_else(|| panic!("nothing sent at {} ms", $t))
     };
 }
 macro_rules! recv_nothing {
@@ -64,7 +65,8 @@ impl Script {
     fn inject(&mut self, now: Instant, r: &TcpRepr) {
         let mut buf = vec![0u8; 2000];
         let n = r.emit(&mut buf, CLIENT_IP, SERVER_DATA_IP).unwrap();
-        self.ep.handle_segment(now, CLIENT_IP, SERVER_DATA_IP, &buf[..n]);
+        self.ep
+            .handle_segment(now, CLIENT_IP, SERVER_DATA_IP, &buf[..n]);
     }
     fn poll(&mut self, now: Instant) -> Option<Seg> {
         if self.ep.poll_timeout().is_some_and(|t| t <= now) {
@@ -84,7 +86,13 @@ impl Script {
             fin: r.fin,
             rst: r.rst,
             window: r.window,
-            sack: r.options.sack.as_slice().iter().map(|(l, r)| (l.0, r.0)).collect(),
+            sack: r
+                .options
+                .sack
+                .as_slice()
+                .iter()
+                .map(|(l, r)| (l.0, r.0))
+                .collect(),
             tsval: r.options.timestamp.map(|t| t.0),
             payload: r.payload.to_vec(),
         })
@@ -96,7 +104,11 @@ impl Script {
 fn socket_established(cfg: TcpConfig) -> (Script, ConnId) {
     let mut ep = Endpoint::new(cfg);
     ep.listen(vip()).unwrap();
-    let mut s = Script { ep, srv_iss: 0, srv_ts: 0 };
+    let mut s = Script {
+        ep,
+        srv_iss: 0,
+        srv_ts: 0,
+    };
     send!(s, time 0, seq PEER_ISS, ack None::<u32>, syn; &[]);
     let synack = recv!(s, time 0);
     assert!(synack.syn && synack.ack == Some(PEER_ISS + 1));
@@ -109,10 +121,17 @@ fn socket_established(cfg: TcpConfig) -> (Script, ConnId) {
 
 #[test]
 fn syn_ack_is_retransmitted_with_backoff_then_given_up() {
-    let cfg = TcpConfig { synack_retries: 2, ..TcpConfig::default() };
+    let cfg = TcpConfig {
+        synack_retries: 2,
+        ..TcpConfig::default()
+    };
     let mut ep = Endpoint::new(cfg);
     ep.listen(vip()).unwrap();
-    let mut s = Script { ep, srv_iss: 0, srv_ts: 0 };
+    let mut s = Script {
+        ep,
+        srv_iss: 0,
+        srv_ts: 0,
+    };
     send!(s, time 0, seq PEER_ISS, ack None::<u32>, syn; &[]);
     let a = recv!(s, time 0);
     recv_nothing!(s, time 999);
@@ -126,7 +145,10 @@ fn syn_ack_is_retransmitted_with_backoff_then_given_up() {
 
 #[test]
 fn data_retransmission_timing_and_backoff() {
-    let (mut s, id) = socket_established(TcpConfig { timestamps: false, ..TcpConfig::default() });
+    let (mut s, id) = socket_established(TcpConfig {
+        timestamps: false,
+        ..TcpConfig::default()
+    });
     assert_eq!(s.ep.info(id).unwrap().srtt_us, 10_000);
     s.ep.send(id, b"hello").unwrap();
     let d = recv!(s, time 20);
@@ -147,9 +169,16 @@ fn data_retransmission_timing_and_backoff() {
 #[test]
 fn out_of_order_data_is_sacked_and_reassembled() {
     // The handshake needs SACK-permitted, so it is scripted here.
-    let mut ep = Endpoint::new(TcpConfig { timestamps: false, ..TcpConfig::default() });
+    let mut ep = Endpoint::new(TcpConfig {
+        timestamps: false,
+        ..TcpConfig::default()
+    });
     ep.listen(vip()).unwrap();
-    let mut s = Script { ep, srv_iss: 0, srv_ts: 0 };
+    let mut s = Script {
+        ep,
+        srv_iss: 0,
+        srv_ts: 0,
+    };
     let mut syn = TcpRepr::new(PEER_PORT, PORT, SeqNum(PEER_ISS));
     syn.syn = true;
     syn.window = 65535;
@@ -167,7 +196,11 @@ fn out_of_order_data_is_sacked_and_reassembled() {
     assert_eq!(a1.sack, vec![(base + 4, base + 8)]);
     send!(s, time 21, seq base + 12, ack Some(sa.seq + 1), ; b"MNOP");
     let a2 = recv!(s, time 21);
-    assert_eq!(a2.sack, vec![(base + 12, base + 16), (base + 4, base + 8)], "most recent block first");
+    assert_eq!(
+        a2.sack,
+        vec![(base + 12, base + 16), (base + 4, base + 8)],
+        "most recent block first"
+    );
     assert_eq!(s.ep.recv(id, &mut [0u8; 4]), Err(TcpError::WouldBlock));
     send!(s, time 22, seq base, ack Some(sa.seq + 1), ; b"ABCD");
     let a3 = recv!(s, time 22);
@@ -182,7 +215,10 @@ fn out_of_order_data_is_sacked_and_reassembled() {
 
 #[test]
 fn delayed_ack_every_second_segment_or_after_40ms() {
-    let (mut s, _id) = socket_established(TcpConfig { timestamps: false, ..TcpConfig::default() });
+    let (mut s, _id) = socket_established(TcpConfig {
+        timestamps: false,
+        ..TcpConfig::default()
+    });
     let base = PEER_ISS + 1;
     let ack = Some(s.srv_iss + 1);
     send!(s, time 20, seq base, ack ack, ; &[b'x'; 100]);
@@ -192,7 +228,11 @@ fn delayed_ack_every_second_segment_or_after_40ms() {
     send!(s, time 100, seq base + 100, ack ack, ; &full);
     recv_nothing!(s, time 100);
     send!(s, time 101, seq base + 1560, ack ack, ; &full);
-    assert_eq!(recv!(s, time 101).ack, Some(base + 3020), "second full segment: ACK now");
+    assert_eq!(
+        recv!(s, time 101).ack,
+        Some(base + 3020),
+        "second full segment: ACK now"
+    );
 }
 
 #[test]
@@ -221,7 +261,11 @@ fn rst_validation_rfc5961() {
 fn segment_for_unknown_connection_gets_rst() {
     let mut ep = Endpoint::new(TcpConfig::default());
     ep.listen(vip()).unwrap();
-    let mut s = Script { ep, srv_iss: 0, srv_ts: 0 };
+    let mut s = Script {
+        ep,
+        srv_iss: 0,
+        srv_ts: 0,
+    };
     // ACK with no connection: <SEQ=SEG.ACK><CTL=RST>.
     send!(s, time 0, seq 5, ack Some(777), ; b"data");
     let r = recv!(s, time 0);
@@ -237,7 +281,10 @@ fn segment_for_unknown_connection_gets_rst() {
 
 #[test]
 fn passive_close_from_close_wait() {
-    let (mut s, id) = socket_established(TcpConfig { timestamps: false, ..TcpConfig::default() });
+    let (mut s, id) = socket_established(TcpConfig {
+        timestamps: false,
+        ..TcpConfig::default()
+    });
     let base = PEER_ISS + 1;
     send!(s, time 20, seq base, ack Some(s.srv_iss + 1), fin; &[]);
     let a = recv!(s, time 20);
@@ -257,7 +304,11 @@ fn passive_close_from_close_wait() {
 fn handshake_negotiates_timestamps_and_scale_from_linux_style_syn() {
     let mut ep = Endpoint::new(TcpConfig::default());
     ep.listen(vip()).unwrap();
-    let mut s = Script { ep, srv_iss: 0, srv_ts: 0 };
+    let mut s = Script {
+        ep,
+        srv_iss: 0,
+        srv_ts: 0,
+    };
     let mut syn = TcpRepr::new(PEER_PORT, PORT, SeqNum(PEER_ISS));
     syn.syn = true;
     syn.window = 64240;
@@ -273,6 +324,10 @@ fn handshake_negotiates_timestamps_and_scale_from_linux_style_syn() {
     assert_eq!(r.options.mss, Some(1460));
     assert_eq!(r.options.window_scale, Some(3));
     assert!(r.options.sack_permitted);
-    assert_eq!(r.options.timestamp.map(|t| t.1), Some(4242), "TSecr echoes the SYN");
+    assert_eq!(
+        r.options.timestamp.map(|t| t.1),
+        Some(4242),
+        "TSecr echoes the SYN"
+    );
     assert_eq!(r.window, 65535, "SYN-ACK window is unscaled");
 }

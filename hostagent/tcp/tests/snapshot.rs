@@ -10,7 +10,9 @@ mod common;
 use std::net::SocketAddrV4;
 
 use capybara_tcp::snapshot::{Snapshot, SnapshotError};
-use capybara_tcp::{CloseReason, ConnId, Connection, Duration, Endpoint, Instant, State, TcpConfig, TcpError};
+use capybara_tcp::{
+    CloseReason, ConnId, Connection, Duration, Endpoint, Instant, State, TcpConfig, TcpError,
+};
 use common::*;
 
 fn data(n: usize, seed: u64) -> Vec<u8> {
@@ -49,7 +51,10 @@ fn rebased(before: &Connection, t_exp: Instant, t_imp: Instant) -> Connection {
     t.close = shift(t.close);
     want.rtt.timed = want.rtt.timed.map(|(end, sent)| {
         let age = t_exp.saturating_since(sent).as_micros() as u64;
-        (end, Instant::from_micros(t_imp.as_micros().saturating_sub(age)))
+        (
+            end,
+            Instant::from_micros(t_imp.as_micros().saturating_sub(age)),
+        )
     });
     // TSval continues from the exported one.
     let ms = (t_imp.as_micros() / 1000) as u32;
@@ -60,10 +65,29 @@ fn rebased(before: &Connection, t_exp: Instant, t_imp: Instant) -> Connection {
 /// The import equals the export after re-basing, and re-exporting the
 /// imported connection reproduces the snapshot byte for byte.
 #[track_caller]
-fn check_round_trip(before: &Connection, t_exp: Instant, after: &Connection, t_imp: Instant, snap: &[u8], app: &[u8]) {
-    assert_eq!(after, &rebased(before, t_exp, t_imp), "imported connection differs");
-    assert_eq!(ooo_bytes(after), ooo_bytes(before), "out-of-order bytes differ");
-    assert_eq!(tsval(after, t_imp), tsval(before, t_exp), "TSval must continue from the exported one");
+fn check_round_trip(
+    before: &Connection,
+    t_exp: Instant,
+    after: &Connection,
+    t_imp: Instant,
+    snap: &[u8],
+    app: &[u8],
+) {
+    assert_eq!(
+        after,
+        &rebased(before, t_exp, t_imp),
+        "imported connection differs"
+    );
+    assert_eq!(
+        ooo_bytes(after),
+        ooo_bytes(before),
+        "out-of-order bytes differ"
+    );
+    assert_eq!(
+        tsval(after, t_imp),
+        tsval(before, t_exp),
+        "TSval must continue from the exported one"
+    );
     let again = Snapshot::capture(after, t_imp, app);
     let mut buf = vec![0u8; again.buffer_len()];
     again.emit(&mut buf).unwrap();
@@ -73,11 +97,19 @@ fn check_round_trip(before: &Connection, t_exp: Instant, after: &Connection, t_i
 /// Migrates server connection `s` with a random app blob to a target whose
 /// clock differs; checks the round trip; returns the new id.
 fn migrate_checked(p: &mut Pair, s: ConnId, seed: u64) -> ConnId {
-    let before = p.server.connection(s).expect("connection to migrate").clone();
+    let before = p
+        .server
+        .connection(s)
+        .expect("connection to migrate")
+        .clone();
     let t_exp = p.srv_now();
     let app = data((seed % 300) as usize, seed);
     // Alternate target clocks ahead of and behind the origin's.
-    let target_clock = if seed % 2 == 0 { 5_000_000_000 + seed * 1_234 } else { seed * 7 };
+    let target_clock = if seed % 2 == 0 {
+        5_000_000_000 + seed * 1_234
+    } else {
+        seed * 7
+    };
     let (id, snap, got_app) = p.migrate(s, &app, target_clock);
     assert_eq!(got_app, app, "application state travels intact");
     let after = p.server.connection(id).unwrap();
@@ -86,17 +118,28 @@ fn migrate_checked(p: &mut Pair, s: ConnId, seed: u64) -> ConnId {
 }
 
 fn short_time_wait() -> TcpConfig {
-    TcpConfig { time_wait: Duration::from_secs(2), ..TcpConfig::default() }
+    TcpConfig {
+        time_wait: Duration::from_secs(2),
+        ..TcpConfig::default()
+    }
 }
 
 fn pair() -> Pair {
-    let mut p = Pair::new(TcpConfig::default(), short_time_wait(), LinkConfig::default(), 3);
+    let mut p = Pair::new(
+        TcpConfig::default(),
+        short_time_wait(),
+        LinkConfig::default(),
+        3,
+    );
     p.server_clock = 777_000_123;
     p
 }
 
 fn server_conn_in(p: &Pair, state: State) -> Option<ConnId> {
-    p.server.connections().find(|(_, c)| c.state == state).map(|(id, _)| id)
+    p.server
+        .connections()
+        .find(|(_, c)| c.state == state)
+        .map(|(id, _)| id)
 }
 
 /// Reads everything the endpoint has for `id` (until WouldBlock or EOF).
@@ -121,7 +164,10 @@ fn assert_no_resets(p: &Pair) {
 #[test]
 fn syn_sent_round_trips_and_completes() {
     let mut p = pair();
-    let c = p.client.connect(p.now, SocketAddrV4::new(CLIENT_IP, 0), vip()).unwrap();
+    let c = p
+        .client
+        .connect(p.now, SocketAddrV4::new(CLIENT_IP, 0), vip())
+        .unwrap();
     p.drive_transmit(); // SYN on the wire
     let before = p.client.connection(c).unwrap().clone();
     assert_eq!(before.state, State::SynSent);
@@ -130,7 +176,14 @@ fn syn_sent_round_trips_and_completes() {
     snap.truncate(n);
     let mut target = Endpoint::new(TcpConfig::default());
     let imp = target.import(p.now, &snap).unwrap();
-    check_round_trip(&before, p.now, target.connection(imp.id).unwrap(), p.now, &snap, b"");
+    check_round_trip(
+        &before,
+        p.now,
+        target.connection(imp.id).unwrap(),
+        p.now,
+        &snap,
+        b"",
+    );
     p.client = target;
     let c = p.client.accept().unwrap();
     let mut s = None;
@@ -139,21 +192,41 @@ fn syn_sent_round_trips_and_completes() {
         s.is_some() && p.client.state(c) == Some(State::Established)
     }));
     let d = data(50_000, 1);
-    assert_same(&transfer(&mut p, c, s.unwrap(), &d, true, Duration::from_secs(10)), &d, "after import");
+    assert_same(
+        &transfer(&mut p, c, s.unwrap(), &d, true, Duration::from_secs(10)),
+        &d,
+        "after import",
+    );
 }
 
 #[test]
 fn syn_received_round_trips_and_completes() {
     let mut p = pair();
-    let c = p.client.connect(p.now, SocketAddrV4::new(CLIENT_IP, 0), vip()).unwrap();
-    assert!(p.run_until(Duration::from_secs(1), |p| server_conn_in(p, State::SynReceived).is_some()));
+    let c = p
+        .client
+        .connect(p.now, SocketAddrV4::new(CLIENT_IP, 0), vip())
+        .unwrap();
+    assert!(p.run_until(Duration::from_secs(1), |p| server_conn_in(
+        p,
+        State::SynReceived
+    )
+    .is_some()));
     let s = server_conn_in(&p, State::SynReceived).unwrap();
     let s = migrate_checked(&mut p, s, 2);
-    assert!(p.run_until(Duration::from_secs(5), |p| p.client.state(c) == Some(State::Established)
+    assert!(p.run_until(Duration::from_secs(5), |p| p.client.state(c)
+        == Some(State::Established)
         && p.server.state(s) == Some(State::Established)));
     let d = data(100_000, 2);
-    assert_same(&transfer(&mut p, c, s, &d, true, Duration::from_secs(10)), &d, "to server");
-    assert_same(&transfer(&mut p, c, s, &d, false, Duration::from_secs(10)), &d, "to client");
+    assert_same(
+        &transfer(&mut p, c, s, &d, true, Duration::from_secs(10)),
+        &d,
+        "to server",
+    );
+    assert_same(
+        &transfer(&mut p, c, s, &d, false, Duration::from_secs(10)),
+        &d,
+        "to client",
+    );
     assert_no_resets(&p);
 }
 
@@ -192,7 +265,11 @@ fn established_with_both_queues_round_trips_and_continues() {
 /// The origin closes: FIN-WAIT-1 (FIN in flight), FIN-WAIT-2, TIME-WAIT.
 #[test]
 fn active_close_states_round_trip() {
-    for (step, want) in [(0, State::FinWait1), (1, State::FinWait2), (2, State::TimeWait)] {
+    for (step, want) in [
+        (0, State::FinWait1),
+        (1, State::FinWait2),
+        (2, State::TimeWait),
+    ] {
         let mut p = pair();
         let (c, s) = p.connect();
         let tail = data(5_000, 5);
@@ -200,26 +277,36 @@ fn active_close_states_round_trip() {
         p.server.shutdown(s).unwrap();
         p.drive_transmit();
         if step >= 1 {
-            assert!(p.run_until(Duration::from_secs(5), |p| p.server.state(s) == Some(State::FinWait2)));
+            assert!(p.run_until(Duration::from_secs(5), |p| p.server.state(s)
+                == Some(State::FinWait2)));
         }
         if step >= 2 {
             p.client.shutdown(c).unwrap();
-            assert!(p.run_until(Duration::from_secs(5), |p| p.server.state(s) == Some(State::TimeWait)));
+            assert!(p.run_until(Duration::from_secs(5), |p| p.server.state(s)
+                == Some(State::TimeWait)));
         }
         assert_eq!(p.server.state(s), Some(want));
         let s = migrate_checked(&mut p, s, 10 + step);
         let mut got = Vec::new();
         let mut shut = step >= 2;
-        assert!(p.run_until(Duration::from_secs(10), |p| {
-            let eof = drain(&mut p.client, c, &mut got);
-            if eof && !shut {
-                p.client.shutdown(c).unwrap();
-                shut = true;
-            }
-            p.client.state(c) == Some(State::Closed) && p.server.state(s) == Some(State::Closed)
-        }), "{want:?}: server {:?} client {:?}", p.server.state(s), p.client.state(c));
+        assert!(
+            p.run_until(Duration::from_secs(10), |p| {
+                let eof = drain(&mut p.client, c, &mut got);
+                if eof && !shut {
+                    p.client.shutdown(c).unwrap();
+                    shut = true;
+                }
+                p.client.state(c) == Some(State::Closed) && p.server.state(s) == Some(State::Closed)
+            }),
+            "{want:?}: server {:?} client {:?}",
+            p.server.state(s),
+            p.client.state(c)
+        );
         assert_same(&got, &tail, "data before FIN");
-        assert_eq!(p.server.connection(s).unwrap().close_reason, Some(CloseReason::Normal));
+        assert_eq!(
+            p.server.connection(s).unwrap().close_reason,
+            Some(CloseReason::Normal)
+        );
         assert_no_resets(&p);
     }
 }
@@ -236,10 +323,12 @@ fn passive_and_simultaneous_close_states_round_trip() {
         if want == State::Closing {
             p.client.shutdown(c).unwrap();
             p.server.shutdown(s).unwrap();
-            assert!(p.run_until(Duration::from_secs(5), |p| p.server.state(s) == Some(State::Closing)));
+            assert!(p.run_until(Duration::from_secs(5), |p| p.server.state(s)
+                == Some(State::Closing)));
         } else {
             p.client.shutdown(c).unwrap();
-            assert!(p.run_until(Duration::from_secs(5), |p| p.server.state(s) == Some(State::CloseWait)));
+            assert!(p.run_until(Duration::from_secs(5), |p| p.server.state(s)
+                == Some(State::CloseWait)));
             if want == State::LastAck {
                 p.server.shutdown(s).unwrap();
                 p.drive_transmit();
@@ -248,14 +337,19 @@ fn passive_and_simultaneous_close_states_round_trip() {
         assert_eq!(p.server.state(s), Some(want));
         let s = migrate_checked(&mut p, s, 20);
         let mut got = Vec::new();
-        assert!(p.run_until(Duration::from_secs(10), |p| {
-            let eof = drain(&mut p.server, s, &mut got);
-            if eof && p.server.state(s) == Some(State::CloseWait) {
-                p.server.shutdown(s).unwrap();
-            }
-            drain(&mut p.client, c, &mut Vec::new());
-            p.client.state(c) == Some(State::Closed) && p.server.state(s) == Some(State::Closed)
-        }), "{want:?}: server {:?} client {:?}", p.server.state(s), p.client.state(c));
+        assert!(
+            p.run_until(Duration::from_secs(10), |p| {
+                let eof = drain(&mut p.server, s, &mut got);
+                if eof && p.server.state(s) == Some(State::CloseWait) {
+                    p.server.shutdown(s).unwrap();
+                }
+                drain(&mut p.client, c, &mut Vec::new());
+                p.client.state(c) == Some(State::Closed) && p.server.state(s) == Some(State::Closed)
+            }),
+            "{want:?}: server {:?} client {:?}",
+            p.server.state(s),
+            p.client.state(c)
+        );
         assert_same(&got, &up, "data before the peer's FIN");
         assert_no_resets(&p);
     }
@@ -266,7 +360,8 @@ fn closed_connection_round_trips_with_its_error() {
     let mut p = pair();
     let (c, s) = p.connect();
     p.client.abort(c).unwrap();
-    assert!(p.run_until(Duration::from_secs(1), |p| p.server.state(s) == Some(State::Closed)));
+    assert!(p.run_until(Duration::from_secs(1), |p| p.server.state(s)
+        == Some(State::Closed)));
     let s = migrate_checked(&mut p, s, 30);
     assert_eq!(p.server.recv(s, &mut [0u8; 10]), Err(TcpError::Reset));
 }
@@ -277,7 +372,12 @@ fn closed_connection_round_trips_with_its_error() {
 /// every few hundred virtual milliseconds, ending with FINs both ways.
 #[test]
 fn repeated_migration_mid_transfer_is_invisible_to_the_peer() {
-    let link = LinkConfig { loss: 0.02, reorder: 0.1, duplicate: 0.01, ..LinkConfig::default() };
+    let link = LinkConfig {
+        loss: 0.02,
+        reorder: 0.1,
+        duplicate: 0.01,
+        ..LinkConfig::default()
+    };
     let mut p = Pair::new(TcpConfig::default(), short_time_wait(), link, 9);
     p.server_clock = 123_456_789;
     let (c, mut s) = p.connect();
@@ -312,11 +412,18 @@ fn repeated_migration_mid_transfer_is_invisible_to_the_peer() {
         // PAWS at the client would drop the target's segments if TSval went back.
         if let Some(cc) = p.client.connection(c) {
             if let Some(prev) = last_ts_recent {
-                assert!(cc.ts.recent.wrapping_sub(prev) as i32 >= 0, "client TS.Recent went backwards");
+                assert!(
+                    cc.ts.recent.wrapping_sub(prev) as i32 >= 0,
+                    "client TS.Recent went backwards"
+                );
             }
             last_ts_recent = Some(cc.ts.recent);
         }
-        if p.now >= next_migration && p.server.connection(s).is_some_and(|x| x.state != State::Closed) {
+        if p.now >= next_migration
+            && p.server
+                .connection(s)
+                .is_some_and(|x| x.state != State::Closed)
+        {
             let x = p.server.connection(s).unwrap();
             saw.0 |= !x.ooo.is_empty();
             saw.1 |= x.unacked() > 0;
@@ -330,12 +437,23 @@ fn repeated_migration_mid_transfer_is_invisible_to_the_peer() {
             && p.client.state(c) == Some(State::Closed)
             && p.server.state(s) == Some(State::Closed)
     });
-    assert!(done, "stalled: up {}/{} down {}/{} client {:?} server {:?}", got_up.len(), up.len(), got_down.len(),
-        down.len(), p.client.state(c), p.server.state(s));
+    assert!(
+        done,
+        "stalled: up {}/{} down {}/{} client {:?} server {:?}",
+        got_up.len(),
+        up.len(),
+        got_down.len(),
+        down.len(),
+        p.client.state(c),
+        p.server.state(s)
+    );
     assert_same(&got_up, &up, "client -> server");
     assert_same(&got_down, &down, "server -> client");
     assert!(migrations >= 5, "only {migrations} migrations");
-    assert!(saw.0 && saw.1 && saw.2, "migrations should have caught ooo/unacked/queued data: {saw:?}");
+    assert!(
+        saw.0 && saw.1 && saw.2,
+        "migrations should have caught ooo/unacked/queued data: {saw:?}"
+    );
     assert_eq!(p.client.counters().resets_received, 0);
     assert_eq!(p.server.counters().resets_sent, 0);
     assert!(p.retired.iter().all(|e| e.counters().resets_sent == 0));
@@ -360,34 +478,72 @@ fn import_errors_leave_the_endpoint_untouched() {
     p.server.send(s, &data(10_000, 1)).unwrap();
     // Too small a buffer: typed error, connection still there.
     let mut small = [0u8; 40];
-    assert!(matches!(p.server.export(p.srv_now(), s, b"", &mut small), Err(SnapshotError::BufferTooSmall { .. })));
+    assert!(matches!(
+        p.server.export(p.srv_now(), s, b"", &mut small),
+        Err(SnapshotError::BufferTooSmall { .. })
+    ));
     assert!(p.server.connection(s).is_some());
-    assert_eq!(p.server.export(p.srv_now(), ConnId(999), b"", &mut small), Err(SnapshotError::InvalidHandle));
+    assert_eq!(
+        p.server.export(p.srv_now(), ConnId(999), b"", &mut small),
+        Err(SnapshotError::InvalidHandle)
+    );
     let mut snap = Vec::new();
-    p.server.export_to_vec(p.srv_now(), s, b"app", &mut snap).unwrap();
+    p.server
+        .export_to_vec(p.srv_now(), s, b"app", &mut snap)
+        .unwrap();
 
     // A target with smaller buffers refuses; a duplicate flow is refused.
-    let mut tiny = Endpoint::new(TcpConfig { tx_buffer: 4096, ..TcpConfig::default() });
-    assert!(matches!(tiny.import(Instant::ZERO, &snap), Err(SnapshotError::QueueTooLarge { field: "tx.len", .. })));
+    let mut tiny = Endpoint::new(TcpConfig {
+        tx_buffer: 4096,
+        ..TcpConfig::default()
+    });
+    assert!(matches!(
+        tiny.import(Instant::ZERO, &snap),
+        Err(SnapshotError::QueueTooLarge {
+            field: "tx.len",
+            ..
+        })
+    ));
     assert_eq!(tiny.connection_count(), 0);
     let mut target = Endpoint::new(TcpConfig::default());
     target.import(Instant::ZERO, &snap).unwrap();
-    assert_eq!(target.import(Instant::ZERO, &snap), Err(SnapshotError::FlowExists));
+    assert_eq!(
+        target.import(Instant::ZERO, &snap),
+        Err(SnapshotError::FlowExists)
+    );
     assert_eq!(target.connection_count(), 1);
 
     // Truncation, version, trailing bytes.
     let mut fresh = Endpoint::new(TcpConfig::default());
-    assert_eq!(fresh.import(Instant::ZERO, &snap[..snap.len() - 1]), Err(SnapshotError::Truncated("app.bytes")));
-    assert_eq!(fresh.import(Instant::ZERO, &snap[..10]), Err(SnapshotError::Truncated("header")));
+    assert_eq!(
+        fresh.import(Instant::ZERO, &snap[..snap.len() - 1]),
+        Err(SnapshotError::Truncated("app.bytes"))
+    );
+    assert_eq!(
+        fresh.import(Instant::ZERO, &snap[..10]),
+        Err(SnapshotError::Truncated("header"))
+    );
     let mut v2 = snap.clone();
     v2[0] = 2;
-    assert_eq!(fresh.import(Instant::ZERO, &v2), Err(SnapshotError::Version(2)));
+    assert_eq!(
+        fresh.import(Instant::ZERO, &v2),
+        Err(SnapshotError::Version(2))
+    );
     let mut long = snap.clone();
     long.push(0);
-    assert_eq!(fresh.import(Instant::ZERO, &long), Err(SnapshotError::Trailing(1)));
+    assert_eq!(
+        fresh.import(Instant::ZERO, &long),
+        Err(SnapshotError::Trailing(1))
+    );
     let mut bad_state = snap.clone();
     bad_state[1] = 0x0c;
-    assert_eq!(fresh.import(Instant::ZERO, &bad_state), Err(SnapshotError::Invalid { field: "state", why: "unknown state" }));
+    assert_eq!(
+        fresh.import(Instant::ZERO, &bad_state),
+        Err(SnapshotError::Invalid {
+            field: "state",
+            why: "unknown state"
+        })
+    );
     assert_eq!(fresh.connection_count(), 0);
     assert_eq!(fresh.poll_timeout(), None);
 }
@@ -397,11 +553,19 @@ fn metrics_iterators_report_packets_and_queues() {
     let mut p = pair();
     let (c, s) = p.connect();
     p.client.send(c, &data(5000, 1)).unwrap();
-    assert!(p.run_until(Duration::from_secs(1), |p| p.server.load(s).unwrap().recv_queue == 5000));
+    assert!(p.run_until(Duration::from_secs(1), |p| p
+        .server
+        .load(s)
+        .unwrap()
+        .recv_queue
+        == 5000));
     let loads: Vec<_> = p.server.loads().collect();
     assert_eq!(loads.len(), 1);
     let l = loads[0];
-    assert_eq!((l.id, l.recv_queue, l.send_queue, l.owned), (s, 5000, 0, true));
+    assert_eq!(
+        (l.id, l.recv_queue, l.send_queue, l.owned),
+        (s, 5000, 0, true)
+    );
     assert!(l.segments_in >= 5 && l.segments_out >= 2, "{l:?}");
     let infos: Vec<_> = p.server.infos().collect();
     assert_eq!(infos, vec![(s, p.server.info(s).unwrap())]);

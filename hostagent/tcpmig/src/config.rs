@@ -116,7 +116,9 @@ impl EngineConfig {
     /// Checks the relations the protocol relies on.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.local_addr.is_unspecified() {
-            return Err(ConfigError::Invalid("local_addr must be this host's data address, not 0.0.0.0"));
+            return Err(ConfigError::Invalid(
+                "local_addr must be this host's data address, not 0.0.0.0",
+            ));
         }
         if max_fragment_payload(self.path_mtu) == 0 {
             return Err(ConfigError::MtuTooSmall { mtu: self.path_mtu });
@@ -134,7 +136,9 @@ impl EngineConfig {
             });
         }
         if self.max_concurrent_in == 0 || self.max_concurrent_out == 0 || self.max_records == 0 {
-            return Err(ConfigError::Invalid("concurrency limits and max_records must be positive"));
+            return Err(ConfigError::Invalid(
+                "concurrency limits and max_records must be positive",
+            ));
         }
         if self.max_tx_queue < 16 {
             return Err(ConfigError::Invalid("max_tx_queue must be at least 16"));

@@ -618,7 +618,12 @@ impl Engine {
     /// Target: a client TCP segment (IP payload) of `flow` arrived. Call it
     /// for segments of flows the stack has no connection for; segments of
     /// flows being migrated in are kept (or dropped as TCP would).
-    pub fn buffer_segment(&mut self, _now: Instant, flow: FlowKey, segment: &[u8]) -> BufferVerdict {
+    pub fn buffer_segment(
+        &mut self,
+        _now: Instant,
+        flow: FlowKey,
+        segment: &[u8],
+    ) -> BufferVerdict {
         let Some(&id) = self.by_flow_in.get(&flow) else {
             return BufferVerdict::NotMigrating;
         };
@@ -713,7 +718,12 @@ impl Engine {
     /// A TCPMig datagram (UDP payload) from `src` arrived. Invalid,
     /// unauthenticated or unexpected messages are counted and dropped; the
     /// error says why (for debug logs).
-    pub fn handle_message(&mut self, now: Instant, src: Ipv4Addr, datagram: &[u8]) -> Result<(), RxError> {
+    pub fn handle_message(
+        &mut self,
+        now: Instant,
+        src: Ipv4Addr,
+        datagram: &[u8],
+    ) -> Result<(), RxError> {
         let m = match TcpMigRepr::parse_verified(datagram, &self.key) {
             Ok(m) => m,
             Err(e) => {
@@ -739,7 +749,10 @@ impl Engine {
         // every message names a real origin and comes from a real host, so
         // no answer is ever addressed to 0.0.0.0.
         let target_optional = matches!(m.kind, Kind::Prepare | Kind::Abort);
-        if src.is_unspecified() || m.origin.is_unspecified() || (!target_optional && m.target.is_unspecified()) {
+        if src.is_unspecified()
+            || m.origin.is_unspecified()
+            || (!target_optional && m.target.is_unspecified())
+        {
             self.counters.unexpected += 1;
             return Err(RxError::Unexpected {
                 kind: m.kind,
@@ -823,7 +836,10 @@ impl Engine {
                 }
                 r.tel.wire_bytes_sent += n as u64;
                 self.counters.tx.bump(Kind::ConnState);
-                return Some(Transmit { dst: item.dst, len: n });
+                return Some(Transmit {
+                    dst: item.dst,
+                    len: n,
+                });
             }
             self.tx.pop_front();
             let mut seq = 0;
@@ -836,7 +852,9 @@ impl Engine {
                         r.queued &= !kind_bit(item.kind);
                         let ok = match item.kind {
                             Kind::Prepare => r.phase == OriginPhase::Preparing,
-                            Kind::Abort => matches!(r.phase, OriginPhase::InDoubt | OriginPhase::AbortNotify),
+                            Kind::Abort => {
+                                matches!(r.phase, OriginPhase::InDoubt | OriginPhase::AbortNotify)
+                            }
                             _ => false,
                         };
                         if ok {
@@ -851,10 +869,15 @@ impl Engine {
                     Some(Record::In(r)) => {
                         r.queued &= !kind_bit(item.kind);
                         let ok = match item.kind {
-                            Kind::PrepareAck => matches!(r.phase, TargetPhase::Buffering | TargetPhase::Importing),
+                            Kind::PrepareAck => {
+                                matches!(r.phase, TargetPhase::Buffering | TargetPhase::Importing)
+                            }
                             Kind::ConnStateAck => r.phase == TargetPhase::Committed,
                             Kind::Reject => matches!(r.phase, TargetPhase::Rejected(_)),
-                            Kind::Abort => matches!(r.phase, TargetPhase::Aborted(_) | TargetPhase::Rejected(_)),
+                            Kind::Abort => matches!(
+                                r.phase,
+                                TargetPhase::Aborted(_) | TargetPhase::Rejected(_)
+                            ),
                             _ => false,
                         };
                         if ok {
@@ -896,7 +919,10 @@ impl Engine {
                 Kind::Abort => self.counters.aborts_sent += 1,
                 _ => {}
             }
-            return Some(Transmit { dst: item.dst, len: n });
+            return Some(Transmit {
+                dst: item.dst,
+                len: n,
+            });
         }
     }
 
@@ -957,7 +983,13 @@ impl Engine {
         )
     }
 
-    fn on_prepare(&mut self, now: Instant, src: Ipv4Addr, m: &TcpMigRepr<'_>, wire: usize) -> Result<(), RxError> {
+    fn on_prepare(
+        &mut self,
+        now: Instant,
+        src: Ipv4Addr,
+        m: &TcpMigRepr<'_>,
+        wire: usize,
+    ) -> Result<(), RxError> {
         let id = m.migration_id;
         let unexpected = |why| RxError::Unexpected {
             kind: m.kind,
@@ -981,7 +1013,9 @@ impl Engine {
                 // Answer a duplicate with the decision already taken: the
                 // first answer was lost (or is late).
                 let answer = match r.phase {
-                    TargetPhase::Buffering | TargetPhase::Importing => Some((Kind::PrepareAck, Reason::None)),
+                    TargetPhase::Buffering | TargetPhase::Importing => {
+                        Some((Kind::PrepareAck, Reason::None))
+                    }
                     TargetPhase::Rejected(reason) => Some((Kind::Reject, reason)),
                     TargetPhase::Aborted(reason) => Some((Kind::Abort, reason)),
                     // Ancient duplicate: the origin already has the outcome.
@@ -993,7 +1027,9 @@ impl Engine {
                 }
                 return Ok(());
             }
-            Some(Record::Out(_)) => return Err(unexpected("PREPARE for a migration this host originates")),
+            Some(Record::Out(_)) => {
+                return Err(unexpected("PREPARE for a migration this host originates"))
+            }
             None => {}
         }
         let mut r = InMig {
@@ -1031,11 +1067,9 @@ impl Engine {
                 }
             }
             Ok(()) => {
-                let bufs = cx.pool.pop().unwrap_or_else(|| {
-InBuffers {
-                        segments: SegmentBuffer::new(cx.cfg.max_buffer_bytes, cx.cfg.buffer_segments()),
-                        reassembly: Reassembly::new(cx.cfg.max_snapshot_bytes),
-                    }
+                let bufs = cx.pool.pop().unwrap_or_else(|| InBuffers {
+                    segments: SegmentBuffer::new(cx.cfg.max_buffer_bytes, cx.cfg.buffer_segments()),
+                    reassembly: Reassembly::new(cx.cfg.max_snapshot_bytes),
                 });
                 r.bufs = Some(bufs);
                 let item = in_item(id, &r, Kind::PrepareAck, Reason::None, local);
@@ -1063,7 +1097,9 @@ InBuffers {
         if self.draining {
             return Err(Reason::Draining);
         }
-        if self.by_flow_in.len() >= self.cfg.max_concurrent_in || self.records.len() >= self.cfg.max_records {
+        if self.by_flow_in.len() >= self.cfg.max_concurrent_in
+            || self.records.len() >= self.cfg.max_records
+        {
             return Err(Reason::NoCapacity);
         }
         if let Some(hook) = self.hook.as_mut() {
@@ -1072,7 +1108,13 @@ InBuffers {
         Ok(())
     }
 
-    fn on_conn_state(&mut self, now: Instant, src: Ipv4Addr, m: &TcpMigRepr<'_>, wire: usize) -> Result<(), RxError> {
+    fn on_conn_state(
+        &mut self,
+        now: Instant,
+        src: Ipv4Addr,
+        m: &TcpMigRepr<'_>,
+        wire: usize,
+    ) -> Result<(), RxError> {
         let id = m.migration_id;
         let local = self.cfg.local_addr;
         let unexpected = |why| RxError::Unexpected {
@@ -1093,7 +1135,10 @@ InBuffers {
                         let Some(bufs) = r.bufs.as_mut() else {
                             return Err(unexpected("no reassembly buffer"));
                         };
-                        match bufs.reassembly.accept(m.frag_index, m.frag_count, m.payload) {
+                        match bufs
+                            .reassembly
+                            .accept(m.frag_index, m.frag_count, m.payload)
+                        {
                             Ok(Progress::Stored { .. }) => {}
                             Ok(Progress::Duplicate) => cx.counters.duplicates += 1,
                             Ok(Progress::Complete) => {
@@ -1129,12 +1174,16 @@ InBuffers {
                         cx.counters.duplicates += 1;
                         // `is_none_or` needs Rust 1.82; the workspace allows 1.80.
                         #[allow(clippy::unnecessary_map_or)]
-                        let due = r.last_answer.map_or(true, |t| now >= t + cx.cfg.rto_initial / 2);
+                        let due = r
+                            .last_answer
+                            .map_or(true, |t| now >= t + cx.cfg.rto_initial / 2);
                         if due {
                             r.last_answer = Some(now);
                             let (kind, reason) = match r.phase {
                                 TargetPhase::Committed => (Kind::ConnStateAck, Reason::None),
-                                TargetPhase::Aborted(x) | TargetPhase::Rejected(x) => (Kind::Abort, x),
+                                TargetPhase::Aborted(x) | TargetPhase::Rejected(x) => {
+                                    (Kind::Abort, x)
+                                }
                                 _ => unreachable!("matched above"),
                             };
                             let item = in_item(id, r, kind, reason, local);
@@ -1144,10 +1193,14 @@ InBuffers {
                 }
                 Ok(())
             }
-            Some(Record::Out(_)) => Err(unexpected("CONN_STATE for a migration this host originates")),
+            Some(Record::Out(_)) => Err(unexpected(
+                "CONN_STATE for a migration this host originates",
+            )),
             None => {
                 if src != m.origin || m.origin == local {
-                    return Err(unexpected("CONN_STATE for an unknown migration from a host that is not its origin"));
+                    return Err(unexpected(
+                        "CONN_STATE for an unknown migration from a host that is not its origin",
+                    ));
                 }
                 // We never accepted (or long forgot) it: we are not the
                 // owner, so the origin keeps the connection. One answer per
@@ -1172,7 +1225,12 @@ InBuffers {
         }
     }
 
-    fn on_prepare_ack(&mut self, now: Instant, src: Ipv4Addr, m: &TcpMigRepr<'_>) -> Result<(), RxError> {
+    fn on_prepare_ack(
+        &mut self,
+        now: Instant,
+        src: Ipv4Addr,
+        m: &TcpMigRepr<'_>,
+    ) -> Result<(), RxError> {
         let id = m.migration_id;
         let local = self.cfg.local_addr;
         let unexpected = |why| RxError::Unexpected {
@@ -1182,7 +1240,9 @@ InBuffers {
             why,
         };
         if m.origin != local || src != m.target || m.target.is_unspecified() || m.target == local {
-            return Err(unexpected("PREPARE_ACK whose origin/target do not match its path"));
+            return Err(unexpected(
+                "PREPARE_ACK whose origin/target do not match its path",
+            ));
         }
         // A PREPARE_ACK we cannot use: ask that target to let go right away
         // instead of buffering until its deadline.
@@ -1200,13 +1260,17 @@ InBuffers {
         match records.get_mut(&id) {
             Some(Record::Out(r)) => {
                 if r.flow != m.flow {
-                    return Err(unexpected("PREPARE_ACK reuses a migration id for another flow"));
+                    return Err(unexpected(
+                        "PREPARE_ACK reuses a migration id for another flow",
+                    ));
                 }
                 match r.phase {
                     OriginPhase::Preparing => {
                         if r.explicit && r.target != m.target {
                             cx.queue(let_go, None);
-                            return Err(unexpected("PREPARE_ACK from a host other than the requested target"));
+                            return Err(unexpected(
+                                "PREPARE_ACK from a host other than the requested target",
+                            ));
                         }
                         r.target = m.target;
                         r.phase = OriginPhase::Exporting;
@@ -1243,15 +1307,24 @@ InBuffers {
                     }
                 }
             }
-            Some(Record::In(_)) => Err(unexpected("PREPARE_ACK for a migration this host is the target of")),
+            Some(Record::In(_)) => Err(unexpected(
+                "PREPARE_ACK for a migration this host is the target of",
+            )),
             None => {
                 cx.queue(let_go, None);
-                Err(unexpected("PREPARE_ACK for a migration this host does not remember"))
+                Err(unexpected(
+                    "PREPARE_ACK for a migration this host does not remember",
+                ))
             }
         }
     }
 
-    fn on_reject(&mut self, now: Instant, src: Ipv4Addr, m: &TcpMigRepr<'_>) -> Result<(), RxError> {
+    fn on_reject(
+        &mut self,
+        now: Instant,
+        src: Ipv4Addr,
+        m: &TcpMigRepr<'_>,
+    ) -> Result<(), RxError> {
         let id = m.migration_id;
         let unexpected = |why| RxError::Unexpected {
             kind: m.kind,
@@ -1260,7 +1333,9 @@ InBuffers {
             why,
         };
         if m.origin != self.cfg.local_addr || src != m.target {
-            return Err(unexpected("REJECT whose origin/target do not match its path"));
+            return Err(unexpected(
+                "REJECT whose origin/target do not match its path",
+            ));
         }
         let (records, mut cx) = self.ctx_parts();
         match records.get_mut(&id) {
@@ -1279,11 +1354,18 @@ InBuffers {
                     _ => Err(unexpected("REJECT after the migration was accepted")),
                 }
             }
-            _ => Err(unexpected("REJECT for a migration this host does not originate")),
+            _ => Err(unexpected(
+                "REJECT for a migration this host does not originate",
+            )),
         }
     }
 
-    fn on_state_ack(&mut self, now: Instant, src: Ipv4Addr, m: &TcpMigRepr<'_>) -> Result<(), RxError> {
+    fn on_state_ack(
+        &mut self,
+        now: Instant,
+        src: Ipv4Addr,
+        m: &TcpMigRepr<'_>,
+    ) -> Result<(), RxError> {
         let id = m.migration_id;
         let unexpected = |why| RxError::Unexpected {
             kind: m.kind,
@@ -1293,23 +1375,32 @@ InBuffers {
         };
         let (records, mut cx) = self.ctx_parts();
         match records.get_mut(&id) {
-            Some(Record::Out(r)) if r.flow == m.flow && src == r.target && m.target == r.target => match r.phase {
-                OriginPhase::Sending | OriginPhase::InDoubt => {
-                    r.tel.state_ack_received = Some(now);
-                    origin_finish(id, r, &mut cx, now, Outcome::MigratedOut);
-                    Ok(())
+            Some(Record::Out(r)) if r.flow == m.flow && src == r.target && m.target == r.target => {
+                match r.phase {
+                    OriginPhase::Sending | OriginPhase::InDoubt => {
+                        r.tel.state_ack_received = Some(now);
+                        origin_finish(id, r, &mut cx, now, Outcome::MigratedOut);
+                        Ok(())
+                    }
+                    OriginPhase::Done => {
+                        cx.counters.duplicates += 1;
+                        Ok(())
+                    }
+                    _ => Err(unexpected("CONN_STATE_ACK before any state was sent")),
                 }
-                OriginPhase::Done => {
-                    cx.counters.duplicates += 1;
-                    Ok(())
-                }
-                _ => Err(unexpected("CONN_STATE_ACK before any state was sent")),
-            },
-            _ => Err(unexpected("CONN_STATE_ACK that matches no migration out to its sender")),
+            }
+            _ => Err(unexpected(
+                "CONN_STATE_ACK that matches no migration out to its sender",
+            )),
         }
     }
 
-    fn on_abort_decision(&mut self, now: Instant, src: Ipv4Addr, m: &TcpMigRepr<'_>) -> Result<(), RxError> {
+    fn on_abort_decision(
+        &mut self,
+        now: Instant,
+        src: Ipv4Addr,
+        m: &TcpMigRepr<'_>,
+    ) -> Result<(), RxError> {
         let id = m.migration_id;
         let unexpected = |why| RxError::Unexpected {
             kind: m.kind,
@@ -1322,10 +1413,14 @@ InBuffers {
         }
         let (records, mut cx) = self.ctx_parts();
         let Some(Record::Out(r)) = records.get_mut(&id) else {
-            return Err(unexpected("ABORT for a migration this host does not originate"));
+            return Err(unexpected(
+                "ABORT for a migration this host does not originate",
+            ));
         };
         if r.flow != m.flow || (!r.target.is_unspecified() && r.target != m.target) {
-            return Err(unexpected("ABORT from a host that is not this migration's target"));
+            return Err(unexpected(
+                "ABORT from a host that is not this migration's target",
+            ));
         }
         cx.counters.aborts_received += 1;
         match r.phase {
@@ -1353,7 +1448,12 @@ InBuffers {
         Ok(())
     }
 
-    fn on_abort_request(&mut self, now: Instant, src: Ipv4Addr, m: &TcpMigRepr<'_>) -> Result<(), RxError> {
+    fn on_abort_request(
+        &mut self,
+        now: Instant,
+        src: Ipv4Addr,
+        m: &TcpMigRepr<'_>,
+    ) -> Result<(), RxError> {
         let id = m.migration_id;
         let local = self.cfg.local_addr;
         let unexpected = |why| RxError::Unexpected {
@@ -1363,18 +1463,26 @@ InBuffers {
             why,
         };
         if src != m.origin || (!m.target.is_unspecified() && m.target != local) {
-            return Err(unexpected("ABORT request whose origin/target do not match its path"));
+            return Err(unexpected(
+                "ABORT request whose origin/target do not match its path",
+            ));
         }
         let (records, mut cx) = self.ctx_parts();
         match records.get_mut(&id) {
             Some(Record::In(r)) => {
                 if r.origin != m.origin || r.flow != m.flow {
-                    return Err(unexpected("ABORT request from a host that is not the origin"));
+                    return Err(unexpected(
+                        "ABORT request from a host that is not the origin",
+                    ));
                 }
                 cx.counters.aborts_received += 1;
                 match r.phase {
                     TargetPhase::Buffering => {
-                        let reason = if m.reason == Reason::None { Reason::Cancelled } else { m.reason };
+                        let reason = if m.reason == Reason::None {
+                            Reason::Cancelled
+                        } else {
+                            m.reason
+                        };
                         target_abort(id, r, &mut cx, now, reason, false);
                     }
                     // Commit in progress in the local stack: the answer
@@ -1393,7 +1501,9 @@ InBuffers {
                 }
                 Ok(())
             }
-            Some(Record::Out(_)) => Err(unexpected("ABORT request for a migration this host originates")),
+            Some(Record::Out(_)) => Err(unexpected(
+                "ABORT request for a migration this host originates",
+            )),
             None => {
                 cx.counters.aborts_received += 1;
                 // Never accepted (or long forgotten): not the owner.
@@ -1492,7 +1602,13 @@ fn origin_finish(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant, outcom
 /// Origin, before any CONN_STATE was sent: the target cannot commit, so
 /// the origin keeps (resumes) the connection now and tells the target to
 /// let go until it confirms (or the record expires).
-fn origin_resume_unilaterally(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant, reason: Reason) {
+fn origin_resume_unilaterally(
+    id: u64,
+    r: &mut OutMig,
+    cx: &mut Ctx<'_>,
+    now: Instant,
+    reason: Reason,
+) {
     cx.counters.resumed += 1;
     cx.event(Event::Resumed {
         id: MigrationId(id),
@@ -1504,7 +1620,13 @@ fn origin_resume_unilaterally(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: In
     r.deadline = now + cx.cfg.linger;
     r.rto = cx.cfg.rto_initial;
     r.retx_at = Some(now + r.rto);
-    let item = out_item(id, r, Kind::Abort, abort_request_dst(r, cx.cfg), cx.cfg.local_addr);
+    let item = out_item(
+        id,
+        r,
+        Kind::Abort,
+        abort_request_dst(r, cx.cfg),
+        cx.cfg.local_addr,
+    );
     cx.queue(item, Some(&mut r.queued));
 }
 
@@ -1543,7 +1665,9 @@ fn origin_timer(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant) -> bool
         let (kind, dst) = match r.phase {
             OriginPhase::Preparing => (Kind::Prepare, cx.cfg.switch_addr),
             OriginPhase::Sending => (Kind::ConnState, r.target),
-            OriginPhase::InDoubt | OriginPhase::AbortNotify => (Kind::Abort, abort_request_dst(r, cx.cfg)),
+            OriginPhase::InDoubt | OriginPhase::AbortNotify => {
+                (Kind::Abort, abort_request_dst(r, cx.cfg))
+            }
             OriginPhase::Exporting | OriginPhase::Done => {
                 r.retx_at = None;
                 return true;
@@ -1570,8 +1694,18 @@ fn origin_timer(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant) -> bool
 
 /// Target: give the migration up (never after commit). `unsolicited`
 /// decisions are repeated a few times; solicited ones answer each request.
-fn target_abort(id: u64, r: &mut InMig, cx: &mut Ctx<'_>, now: Instant, reason: Reason, unsolicited: bool) {
-    debug_assert!(matches!(r.phase, TargetPhase::Buffering | TargetPhase::Importing));
+fn target_abort(
+    id: u64,
+    r: &mut InMig,
+    cx: &mut Ctx<'_>,
+    now: Instant,
+    reason: Reason,
+    unsolicited: bool,
+) {
+    debug_assert!(matches!(
+        r.phase,
+        TargetPhase::Buffering | TargetPhase::Importing
+    ));
     r.phase = TargetPhase::Aborted(reason);
     r.deadline = Some(now + cx.cfg.linger);
     let bufs = r.bufs.take();
@@ -1605,7 +1739,9 @@ fn target_timer(id: u64, r: &mut InMig, cx: &mut Ctx<'_>, now: Instant) -> bool 
                 r.deadline = None;
                 return true;
             }
-            TargetPhase::Committed | TargetPhase::Rejected(_) | TargetPhase::Aborted(_) => return false,
+            TargetPhase::Committed | TargetPhase::Rejected(_) | TargetPhase::Aborted(_) => {
+                return false
+            }
         }
     }
     if r.retx_at.is_some_and(|t| now >= t) {
@@ -1617,7 +1753,11 @@ fn target_timer(id: u64, r: &mut InMig, cx: &mut Ctx<'_>, now: Instant) -> bool 
                 let item = in_item(id, r, Kind::Abort, reason, cx.cfg.local_addr);
                 cx.queue(item, Some(&mut r.queued));
                 r.rto = cx.backoff(r.rto);
-                r.retx_at = if r.repeats_left > 0 { Some(now + r.rto) } else { None };
+                r.retx_at = if r.repeats_left > 0 {
+                    Some(now + r.rto)
+                } else {
+                    None
+                };
             }
             _ => r.retx_at = None,
         }

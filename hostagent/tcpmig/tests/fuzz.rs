@@ -74,7 +74,9 @@ fn run(seed: u64, ops: usize) {
                     reason: Reason::from_u16(rng.below(10) as u16),
                     payload: &payload[..len],
                 };
-                let Ok(n) = repr.emit_with_mac(&mut buf, &k) else { continue };
+                let Ok(n) = repr.emit_with_mac(&mut buf, &k) else {
+                    continue;
+                };
                 let src = rng.pick(&ADDRS);
                 let _ = e.handle_message(now, src, &buf[..n]);
             }
@@ -92,7 +94,15 @@ fn run(seed: u64, ops: usize) {
                 assert!(e.handle_message(now, ORIGIN, &buf[..n]).is_err());
             }
             6 => {
-                if let Ok(id) = e.migrate_out(now, rng.pick(&flows()), if rng.below(2) == 0 { None } else { Some(ORIGIN) }) {
+                if let Ok(id) = e.migrate_out(
+                    now,
+                    rng.pick(&flows()),
+                    if rng.below(2) == 0 {
+                        None
+                    } else {
+                        Some(ORIGIN)
+                    },
+                ) {
                     ids.push(id.0);
                 }
             }
@@ -115,7 +125,11 @@ fn run(seed: u64, ops: usize) {
             }
             9 => {
                 let seg_len = rng.below(2000) as usize;
-                let _ = e.buffer_segment(now, rng.pick(&flows()), &payload[..seg_len.min(payload.len())]);
+                let _ = e.buffer_segment(
+                    now,
+                    rng.pick(&flows()),
+                    &payload[..seg_len.min(payload.len())],
+                );
             }
             _ => {
                 now += Duration::from_micros(rng.below(60_000));
@@ -132,21 +146,29 @@ fn run(seed: u64, ops: usize) {
         while let Some(t) = e.poll_transmit(now, &mut buf) {
             sent += 1;
             assert!(sent <= cfg.max_tx_queue + 200, "transmit queue unbounded");
-            let m = TcpMigRepr::parse_verified(&buf[..t.len], &k).expect("engine wrote an invalid message");
+            let m = TcpMigRepr::parse_verified(&buf[..t.len], &k)
+                .expect("engine wrote an invalid message");
             assert!(!t.dst.is_unspecified());
             if m.kind == Kind::Prepare {
                 assert_eq!(t.dst, SWITCH);
             }
         }
         while let Some(ev) = e.poll_event() {
-            if let Event::MigratedOut { id, .. } | Event::Resumed { id, .. } | Event::Lost { id, .. } = ev {
+            if let Event::MigratedOut { id, .. }
+            | Event::Resumed { id, .. }
+            | Event::Lost { id, .. } = ev
+            {
                 *outcomes.entry(id).or_default() += 1;
                 assert_eq!(outcomes[&id], 1, "two outcomes for {id}");
             }
         }
         let (o, i) = e.in_progress();
         assert!(o <= cfg.max_concurrent_out && i <= cfg.max_concurrent_in);
-        assert!(e.records() <= cfg.max_records + cfg.max_concurrent_in, "records {}", e.records());
+        assert!(
+            e.records() <= cfg.max_records + cfg.max_concurrent_in,
+            "records {}",
+            e.records()
+        );
     }
 }
 

@@ -9,7 +9,9 @@ use common::*;
 const N: usize = 3000; // snapshot bytes: 7 fragments at MTU 576
 
 fn done_out(w: &World) -> bool {
-    w.events(ORIGIN).iter().any(|e| matches!(e, Event::MigratedOut { .. }))
+    w.events(ORIGIN)
+        .iter()
+        .any(|e| matches!(e, Event::MigratedOut { .. }))
 }
 
 fn resumed(w: &World) -> Option<Reason> {
@@ -25,9 +27,20 @@ fn assert_migrated(w: &World, target: std::net::Ipv4Addr) {
     assert_eq!(w.owners(), vec![target]);
     assert!(done_out(w), "no MigratedOut: {:?}", w.events(ORIGIN));
     let t = w.hosts.iter().find(|h| h.addr == target).unwrap();
-    assert_eq!(t.stack.imported, vec![blob(N)], "snapshot not delivered intact");
+    assert_eq!(
+        t.stack.imported,
+        vec![blob(N)],
+        "snapshot not delivered intact"
+    );
     assert_eq!(t.stack.conns[&flow()].blob, blob(N));
-    assert_eq!(w.switch.entries[&flow()], Entry { owner: target, id: w.switch.entries[&flow()].id, pending: false });
+    assert_eq!(
+        w.switch.entries[&flow()],
+        Entry {
+            owner: target,
+            id: w.switch.entries[&flow()].id,
+            pending: false
+        }
+    );
 }
 
 /// Aborted: the origin still (again) owns the flow, and the switch agrees.
@@ -45,7 +58,12 @@ fn happy_path_switch_chooses_target() {
     assert_migrated(&w, TARGET);
     assert_eq!(w.max_owners_seen, 1);
     let tel = w.events(ORIGIN).iter().find_map(|e| match e {
-        Event::MigratedOut { telemetry, target, id: i, .. } => {
+        Event::MigratedOut {
+            telemetry,
+            target,
+            id: i,
+            ..
+        } => {
             assert_eq!((*target, *i), (TARGET, id));
             Some(*telemetry)
         }
@@ -61,21 +79,27 @@ fn happy_path_switch_chooses_target() {
     ] {
         assert!(t.is_some(), "{name} missing");
     }
-    assert!(tel.prepare_sent <= tel.prepare_ack_received && tel.state_sent <= tel.state_ack_received);
+    assert!(
+        tel.prepare_sent <= tel.prepare_ack_received && tel.state_sent <= tel.state_ack_received
+    );
     assert_eq!(tel.snapshot_bytes, N as u64);
     assert_eq!(tel.fragments, 7);
     assert_eq!(tel.retransmissions, 0);
     // Four hops of 5 us for PREPARE/ACK, four more for the state and its ack.
     assert_eq!(tel.total_origin(), Some(Duration::from_micros(40)));
     let tin = w.events(TARGET).iter().find_map(|e| match e {
-        Event::MigratedIn { telemetry, origin, .. } => {
+        Event::MigratedIn {
+            telemetry, origin, ..
+        } => {
             assert_eq!(*origin, ORIGIN);
             Some(*telemetry)
         }
         _ => None,
     });
     let tin = tin.unwrap();
-    assert!(tin.prepare_received.is_some() && tin.state_received.is_some() && tin.import_done.is_some());
+    assert!(
+        tin.prepare_received.is_some() && tin.state_received.is_some() && tin.import_done.is_some()
+    );
     assert!(tin.replayed.is_some());
     let o = w.hosts[0].engine.counters();
     assert_eq!(o.tx.get(Kind::Prepare), 1);
@@ -111,7 +135,10 @@ fn client_segments_during_migration_are_replayed_in_order() {
     w.run_for(Duration::from_micros(100));
     assert_eq!(w.host(TARGET).stack.strays, 0);
     let now = w.now;
-    w.origin().engine.provide_snapshot(now, id, blob(N)).unwrap();
+    w.origin()
+        .engine
+        .provide_snapshot(now, id, blob(N))
+        .unwrap();
     w.origin().stack.pending_exports.clear();
     w.flush();
     w.settle();
@@ -119,7 +146,10 @@ fn client_segments_during_migration_are_replayed_in_order() {
     assert_eq!(w.host(TARGET).stack.conns[&flow()].received, segs);
     w.client_send(b"after");
     w.run_for(Duration::from_millis(1));
-    assert_eq!(w.host(TARGET).stack.conns[&flow()].received.last().unwrap(), b"after");
+    assert_eq!(
+        w.host(TARGET).stack.conns[&flow()].received.last().unwrap(),
+        b"after"
+    );
     let c = w.host(TARGET).engine.counters();
     assert_eq!(c.segments_buffered, 5);
 }
@@ -187,7 +217,9 @@ fn reject_keeps_origin_serving() {
 #[test]
 fn policy_hook_and_capacity_rejects() {
     let mut w = World::serving(N, &[TARGET], Box::new(NoFaults));
-    w.host(TARGET).engine.set_accept_hook(Some(Box::new(|_, _| Err(Reason::Policy))));
+    w.host(TARGET)
+        .engine
+        .set_accept_hook(Some(Box::new(|_, _| Err(Reason::Policy))));
     w.migrate(None);
     w.settle();
     assert_eq!(resumed(&w), Some(Reason::Policy));
@@ -201,7 +233,14 @@ fn policy_hook_and_capacity_rejects() {
     let mut f2 = flow();
     f2.client_port += 1;
     for f in [flow(), f2] {
-        w.hosts[0].stack.conns.insert(f, Conn { state: ConnState::Active, blob: blob(N), received: vec![] });
+        w.hosts[0].stack.conns.insert(
+            f,
+            Conn {
+                state: ConnState::Active,
+                blob: blob(N),
+                received: vec![],
+            },
+        );
     }
     w.hosts[0].stack.manual_export = true;
     let now = w.now;
@@ -209,13 +248,23 @@ fn policy_hook_and_capacity_rejects() {
     w.hosts[0].engine.migrate_out(now, f2, None).unwrap();
     w.flush();
     w.run_for(Duration::from_millis(1));
-    assert!(w.events(ORIGIN).iter().any(|e| matches!(e, Event::Resumed { reason: Reason::NoCapacity, .. })));
+    assert!(w.events(ORIGIN).iter().any(|e| matches!(
+        e,
+        Event::Resumed {
+            reason: Reason::NoCapacity,
+            ..
+        }
+    )));
 }
 
 #[test]
 fn deadline_before_prepare_ack_origin_keeps_flow() {
     // PREPAREs never arrive.
-    let mut w = World::serving(N, &[TARGET], Box::new(AllOfKind(Kind::Prepare, None, Fate::DropBeforeSwitch)));
+    let mut w = World::serving(
+        N,
+        &[TARGET],
+        Box::new(AllOfKind(Kind::Prepare, None, Fate::DropBeforeSwitch)),
+    );
     w.migrate(None);
     w.settle();
     assert_eq!(resumed(&w), Some(Reason::Timeout));
@@ -224,14 +273,21 @@ fn deadline_before_prepare_ack_origin_keeps_flow() {
     // Every PREPARE_ACK passes the switch (flow redirected) but is lost:
     // the origin resumes, asks the switch to steer its ABORT to the
     // pending target, the target lets go and its decision resets the entry.
-    let mut w = World::serving(N, &[TARGET], Box::new(AllOfKind(Kind::PrepareAck, None, Fate::DropAfterSwitch)));
+    let mut w = World::serving(
+        N,
+        &[TARGET],
+        Box::new(AllOfKind(Kind::PrepareAck, None, Fate::DropAfterSwitch)),
+    );
     w.migrate(None);
     w.run_for(Duration::from_millis(49));
     assert_eq!(w.switch.route(&flow()), TARGET);
     w.settle();
     assert_eq!(resumed(&w), Some(Reason::Timeout));
     assert_origin_kept(&w);
-    assert!(w.events(TARGET).iter().any(|e| matches!(e, Event::AbortedIn { .. })));
+    assert!(w
+        .events(TARGET)
+        .iter()
+        .any(|e| matches!(e, Event::AbortedIn { .. })));
     assert!(!w.switch.entries[&flow()].pending);
 }
 
@@ -244,14 +300,22 @@ fn deadline_while_exporting_origin_keeps_flow() {
     assert_eq!(resumed(&w), Some(Reason::Timeout));
     assert_origin_kept(&w);
     let now = w.now;
-    assert!(w.origin().engine.provide_snapshot(now, id, blob(N)).is_err());
+    assert!(w
+        .origin()
+        .engine
+        .provide_snapshot(now, id, blob(N))
+        .is_err());
 }
 
 #[test]
 fn deadline_while_sending_state_asks_target_and_origin_keeps_flow() {
     // The state never gets through: the target never commits; asked, it
     // lets go and the origin resumes.
-    let mut w = World::serving(N, &[TARGET], Box::new(AllOfKind(Kind::ConnState, None, Fate::DropBeforeSwitch)));
+    let mut w = World::serving(
+        N,
+        &[TARGET],
+        Box::new(AllOfKind(Kind::ConnState, None, Fate::DropBeforeSwitch)),
+    );
     w.migrate(None);
     w.settle();
     assert_eq!(resumed(&w), Some(Reason::Timeout));
@@ -263,20 +327,34 @@ fn deadline_while_sending_state_asks_target_and_origin_keeps_flow() {
 fn deadline_after_target_committed_target_keeps_flow() {
     // The target imported but its acks are lost past the origin's deadline:
     // the origin is in doubt, asks, and learns the target owns the flow.
-    let mut w = World::serving(N, &[TARGET], Box::new(FirstK::new(Kind::ConnStateAck, 10, Fate::DropBeforeSwitch)));
+    let mut w = World::serving(
+        N,
+        &[TARGET],
+        Box::new(FirstK::new(Kind::ConnStateAck, 10, Fate::DropBeforeSwitch)),
+    );
     w.migrate(None);
     w.settle();
     assert_migrated(&w, TARGET);
-    assert!(w.hosts[0].engine.counters().aborts_sent >= 1, "origin never was in doubt");
+    assert!(
+        w.hosts[0].engine.counters().aborts_sent >= 1,
+        "origin never was in doubt"
+    );
     assert!(resumed(&w).is_none());
 }
 
 #[test]
 fn acks_lost_forever_origin_reports_lost_never_two_owners() {
-    let mut w = World::serving(N, &[TARGET], Box::new(AllOfKind(Kind::ConnStateAck, None, Fate::DropBeforeSwitch)));
+    let mut w = World::serving(
+        N,
+        &[TARGET],
+        Box::new(AllOfKind(Kind::ConnStateAck, None, Fate::DropBeforeSwitch)),
+    );
     w.migrate(None);
     w.settle();
-    assert!(w.events(ORIGIN).iter().any(|e| matches!(e, Event::Lost { .. })));
+    assert!(w
+        .events(ORIGIN)
+        .iter()
+        .any(|e| matches!(e, Event::Lost { .. })));
     w.assert_one_owner();
     assert_eq!(w.owners(), vec![TARGET]);
 }
@@ -294,12 +372,23 @@ fn import_failure_returns_flow_to_origin() {
 #[test]
 fn target_deadline_before_origin_deadline_is_also_consistent() {
     // The target gives up first while the origin is still sending.
-    let mut w = World::with_config(&[TARGET], Box::new(AllOfKind(Kind::ConnState, None, Fate::DropBeforeSwitch)), |a| {
-        let mut c = config(a);
-        c.target_deadline = Duration::from_millis(10);
-        c
-    });
-    w.hosts[0].stack.conns.insert(flow(), Conn { state: ConnState::Active, blob: blob(N), received: vec![] });
+    let mut w = World::with_config(
+        &[TARGET],
+        Box::new(AllOfKind(Kind::ConnState, None, Fate::DropBeforeSwitch)),
+        |a| {
+            let mut c = config(a);
+            c.target_deadline = Duration::from_millis(10);
+            c
+        },
+    );
+    w.hosts[0].stack.conns.insert(
+        flow(),
+        Conn {
+            state: ConnState::Active,
+            blob: blob(N),
+            received: vec![],
+        },
+    );
     w.migrate(None);
     w.settle();
     assert_eq!(resumed(&w), Some(Reason::Timeout));
@@ -318,10 +407,20 @@ fn origin_dies_mid_migration() {
     w.switch.server_dead(ORIGIN);
     w.assert_one_owner();
     assert!(w.owners().is_empty());
-    assert!(w.events(TARGET).iter().any(|e| matches!(e, Event::AbortedIn { reason: Reason::Timeout, .. })));
+    assert!(w.events(TARGET).iter().any(|e| matches!(
+        e,
+        Event::AbortedIn {
+            reason: Reason::Timeout,
+            ..
+        }
+    )));
 
     // After the state left: the target commits and owns the flow.
-    let mut w = World::serving(N, &[TARGET], Box::new(AllOfKind(Kind::ConnStateAck, None, Fate::DropBeforeSwitch)));
+    let mut w = World::serving(
+        N,
+        &[TARGET],
+        Box::new(AllOfKind(Kind::ConnStateAck, None, Fate::DropBeforeSwitch)),
+    );
     w.migrate(None);
     w.run_for(Duration::from_micros(60));
     w.kill(ORIGIN);
@@ -349,11 +448,17 @@ fn target_dies_mid_migration() {
     w.run_for(Duration::from_micros(100));
     w.kill(TARGET);
     let now = w.now;
-    w.origin().engine.provide_snapshot(now, id, blob(N)).unwrap();
+    w.origin()
+        .engine
+        .provide_snapshot(now, id, blob(N))
+        .unwrap();
     w.origin().stack.pending_exports.clear();
     w.flush();
     w.settle();
-    assert!(w.events(ORIGIN).iter().any(|e| matches!(e, Event::Lost { .. })));
+    assert!(w
+        .events(ORIGIN)
+        .iter()
+        .any(|e| matches!(e, Event::Lost { .. })));
     w.switch.server_dead(TARGET);
     w.assert_one_owner();
     assert!(w.owners().is_empty());
@@ -372,12 +477,18 @@ fn buffer_overflow_drops_beyond_the_bound_and_connection_survives() {
     w.run_for(Duration::from_micros(100));
     assert_eq!(w.host(TARGET).stack.buffer_drops, 6, "bound is 4096 bytes");
     let now = w.now;
-    w.origin().engine.provide_snapshot(now, id, blob(N)).unwrap();
+    w.origin()
+        .engine
+        .provide_snapshot(now, id, blob(N))
+        .unwrap();
     w.origin().stack.pending_exports.clear();
     w.flush();
     w.settle();
     assert_migrated(&w, TARGET);
-    assert_eq!(w.host(TARGET).stack.conns[&flow()].received, segs[..4].to_vec());
+    assert_eq!(
+        w.host(TARGET).stack.conns[&flow()].received,
+        segs[..4].to_vec()
+    );
     let c = *w.host(TARGET).engine.counters();
     assert_eq!((c.segments_buffered, c.segments_dropped), (4, 6));
 }
@@ -389,7 +500,14 @@ fn drop_mode_drops_every_segment() {
         c.buffer_mode = BufferMode::Drop;
         c
     });
-    w.hosts[0].stack.conns.insert(flow(), Conn { state: ConnState::Active, blob: blob(N), received: vec![] });
+    w.hosts[0].stack.conns.insert(
+        flow(),
+        Conn {
+            state: ConnState::Active,
+            blob: blob(N),
+            received: vec![],
+        },
+    );
     w.origin().stack.manual_export = true;
     let id = w.migrate(None);
     w.run_for(Duration::from_micros(100));
@@ -398,7 +516,10 @@ fn drop_mode_drops_every_segment() {
     }
     w.run_for(Duration::from_micros(100));
     let now = w.now;
-    w.origin().engine.provide_snapshot(now, id, blob(N)).unwrap();
+    w.origin()
+        .engine
+        .provide_snapshot(now, id, blob(N))
+        .unwrap();
     w.origin().stack.pending_exports.clear();
     w.flush();
     w.settle();
@@ -415,7 +536,10 @@ fn migrate_there_and_back() {
     assert_eq!(w.owners(), vec![TARGET]);
     // Now the target migrates the flow back to the origin.
     let now = w.now;
-    w.host(TARGET).engine.migrate_out(now, flow(), Some(ORIGIN)).unwrap();
+    w.host(TARGET)
+        .engine
+        .migrate_out(now, flow(), Some(ORIGIN))
+        .unwrap();
     w.flush();
     w.settle();
     w.assert_one_owner();
@@ -443,7 +567,11 @@ fn oversized_snapshot_is_refused_and_origin_resumes() {
     let id = w.migrate(None);
     w.run_for(Duration::from_micros(100));
     let now = w.now;
-    let err = w.origin().engine.provide_snapshot(now, id, vec![0; 64 * 1024 + 1]).unwrap_err();
+    let err = w
+        .origin()
+        .engine
+        .provide_snapshot(now, id, vec![0; 64 * 1024 + 1])
+        .unwrap_err();
     assert!(matches!(err, MigError::SnapshotTooLarge { .. }), "{err}");
     w.origin().stack.pending_exports.clear();
     w.flush();
@@ -457,14 +585,32 @@ fn api_misuse_is_a_typed_error() {
     let mut w = World::serving(N, &[TARGET], Box::new(NoFaults));
     let now = w.now;
     let e = &mut w.origin().engine;
-    assert!(matches!(e.migrate_out(now, flow(), Some(ORIGIN)), Err(MigError::TargetIsSelf(_))));
+    assert!(matches!(
+        e.migrate_out(now, flow(), Some(ORIGIN)),
+        Err(MigError::TargetIsSelf(_))
+    ));
     let id = e.migrate_out(now, flow(), None).unwrap();
-    assert!(matches!(e.migrate_out(now, flow(), None), Err(MigError::FlowBusy(_))));
-    assert!(matches!(e.provide_snapshot(now, id, vec![]), Err(MigError::WrongState { .. })));
-    assert!(matches!(e.import_done(now, id, |_| {}), Err(MigError::WrongState { .. })));
-    assert!(matches!(e.import_failed(now, MigrationId(7)), Err(MigError::UnknownMigration(_))));
+    assert!(matches!(
+        e.migrate_out(now, flow(), None),
+        Err(MigError::FlowBusy(_))
+    ));
+    assert!(matches!(
+        e.provide_snapshot(now, id, vec![]),
+        Err(MigError::WrongState { .. })
+    ));
+    assert!(matches!(
+        e.import_done(now, id, |_| {}),
+        Err(MigError::WrongState { .. })
+    ));
+    assert!(matches!(
+        e.import_failed(now, MigrationId(7)),
+        Err(MigError::UnknownMigration(_))
+    ));
     let msg = e.provide_snapshot(now, id, vec![]).unwrap_err().to_string();
-    assert!(msg.contains("preparing") && msg.contains("exporting"), "{msg}");
+    assert!(
+        msg.contains("preparing") && msg.contains("exporting"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -488,11 +634,20 @@ fn bad_mac_version_and_garbage_are_counted_and_dropped() {
     let other = MigrationKey::from_bytes(&[1; 32]).unwrap();
     let n = repr.emit_with_mac(&mut buf, &other).unwrap();
     let t = &mut w.host(TARGET).engine;
-    assert_eq!(t.handle_message(now, ORIGIN, &buf[..n]), Err(RxError::BadMac));
+    assert_eq!(
+        t.handle_message(now, ORIGIN, &buf[..n]),
+        Err(RxError::BadMac)
+    );
     let mut v = buf;
     v[2] = 9;
-    assert!(matches!(t.handle_message(now, ORIGIN, &v[..n]), Err(RxError::BadVersion(_))));
-    assert!(matches!(t.handle_message(now, ORIGIN, &buf[..10]), Err(RxError::Malformed(_))));
+    assert!(matches!(
+        t.handle_message(now, ORIGIN, &v[..n]),
+        Err(RxError::BadVersion(_))
+    ));
+    assert!(matches!(
+        t.handle_message(now, ORIGIN, &buf[..10]),
+        Err(RxError::Malformed(_))
+    ));
     let c = t.counters();
     assert_eq!((c.bad_mac, c.bad_version, c.malformed), (1, 1, 1));
     assert_eq!(t.records(), 0);

@@ -31,7 +31,9 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use capybara_hostagent::migration::{Migrator, Outcome};
 use capybara_hostagent::stack::Transports;
 use capybara_net::iface::{Interface, InterfaceConfig};
-use capybara_net::wire::{ArpOperation, ArpPacket, ArpRepr, EtherType, EthernetAddress, EthernetFrame, EthernetRepr};
+use capybara_net::wire::{
+    ArpOperation, ArpPacket, ArpRepr, EtherType, EthernetAddress, EthernetFrame, EthernetRepr,
+};
 use capybara_proto::checksum;
 use capybara_proto::tcpmig::{Kind, TcpMigRepr};
 use capybara_proto::time::{Duration, Instant};
@@ -135,10 +137,20 @@ fn ipv4_bounds(frame: &[u8]) -> Option<(usize, usize)> {
 }
 
 fn ip_src(frame: &[u8]) -> Ipv4Addr {
-    Ipv4Addr::new(frame[ETH + 12], frame[ETH + 13], frame[ETH + 14], frame[ETH + 15])
+    Ipv4Addr::new(
+        frame[ETH + 12],
+        frame[ETH + 13],
+        frame[ETH + 14],
+        frame[ETH + 15],
+    )
 }
 fn ip_dst(frame: &[u8]) -> Ipv4Addr {
-    Ipv4Addr::new(frame[ETH + 16], frame[ETH + 17], frame[ETH + 18], frame[ETH + 19])
+    Ipv4Addr::new(
+        frame[ETH + 16],
+        frame[ETH + 17],
+        frame[ETH + 18],
+        frame[ETH + 19],
+    )
 }
 fn ip_proto(frame: &[u8]) -> u8 {
     frame[ETH + 9]
@@ -179,12 +191,19 @@ fn tcp_flags(frame: &[u8]) -> Option<u8> {
 fn ports(frame: &[u8]) -> Option<(u16, u16)> {
     let (ihl, total) = ipv4_bounds(frame)?;
     let seg = &frame[ETH + ihl..ETH + total];
-    (seg.len() >= 4).then(|| (u16::from_be_bytes([seg[0], seg[1]]), u16::from_be_bytes([seg[2], seg[3]])))
+    (seg.len() >= 4).then(|| {
+        (
+            u16::from_be_bytes([seg[0], seg[1]]),
+            u16::from_be_bytes([seg[2], seg[3]]),
+        )
+    })
 }
 
 /// Rewrites the IPv4 destination and fixes the IPv4 and TCP/UDP checksums.
 pub fn rewrite_dst(frame: &mut [u8], dst: Ipv4Addr) {
-    let Some((ihl, total)) = ipv4_bounds(frame) else { return };
+    let Some((ihl, total)) = ipv4_bounds(frame) else {
+        return;
+    };
     let proto = ip_proto(frame);
     frame[ETH + 16..ETH + 20].copy_from_slice(&dst.octets());
     let src = ip_src(frame);
@@ -228,9 +247,17 @@ pub struct Faults {
 }
 
 impl Faults {
-    pub const NONE: Faults = Faults { loss: 0.0, duplicate: 0.0, reorder: 0.0 };
+    pub const NONE: Faults = Faults {
+        loss: 0.0,
+        duplicate: 0.0,
+        reorder: 0.0,
+    };
     pub fn all(p: f64) -> Faults {
-        Faults { loss: p, duplicate: p, reorder: p }
+        Faults {
+            loss: p,
+            duplicate: p,
+            reorder: p,
+        }
     }
 }
 
@@ -280,7 +307,13 @@ pub struct Link {
 
 impl Link {
     pub fn new(cfg: LinkConfig, seed: u64) -> Link {
-        Link { cfg, queue: BinaryHeap::new(), seq: 0, rng: Rng::new(seed), stats: LinkStats::default() }
+        Link {
+            cfg,
+            queue: BinaryHeap::new(),
+            seq: 0,
+            rng: Rng::new(seed),
+            stats: LinkStats::default(),
+        }
     }
 
     pub fn send(&mut self, now: Instant, frame: Vec<u8>) {
@@ -431,9 +464,14 @@ impl Switch {
     /// Takes one frame arriving on `from`; returns the frames to send and
     /// their output ports.
     pub fn process(&mut self, now: Instant, from: Port, frame: &[u8]) -> Vec<(Port, Vec<u8>)> {
-        let Ok(eth) = EthernetFrame::new_checked(frame) else { return Vec::new() };
+        let Ok(eth) = EthernetFrame::new_checked(frame) else {
+            return Vec::new();
+        };
         match eth.ethertype() {
-            EtherType::Arp => self.arp(from, eth.src_addr(), eth.payload()).into_iter().collect(),
+            EtherType::Arp => self
+                .arp(from, eth.src_addr(), eth.payload())
+                .into_iter()
+                .collect(),
             EtherType::Ipv4 => match from {
                 Port::Client => self.from_client(frame),
                 Port::Server(_) => self.from_server(now, from, frame),
@@ -442,8 +480,15 @@ impl Switch {
         }
     }
 
-    fn arp(&mut self, from: Port, src_mac: EthernetAddress, bytes: &[u8]) -> Option<(Port, Vec<u8>)> {
-        let req = ArpPacket::new_checked(bytes).and_then(|p| ArpRepr::parse(&p)).ok()?;
+    fn arp(
+        &mut self,
+        from: Port,
+        src_mac: EthernetAddress,
+        bytes: &[u8],
+    ) -> Option<(Port, Vec<u8>)> {
+        let req = ArpPacket::new_checked(bytes)
+            .and_then(|p| ArpRepr::parse(&p))
+            .ok()?;
         if req.operation != ArpOperation::Request {
             return None;
         }
@@ -463,7 +508,12 @@ impl Switch {
         };
         let mut out = vec![0u8; ETH + reply.buffer_len()];
         let mut f = EthernetFrame::new_unchecked(&mut out[..]);
-        EthernetRepr { src_addr: SWITCH_MAC, dst_addr: src_mac, ethertype: EtherType::Arp }.emit(&mut f);
+        EthernetRepr {
+            src_addr: SWITCH_MAC,
+            dst_addr: src_mac,
+            ethertype: EtherType::Arp,
+        }
+        .emit(&mut f);
         reply.emit(&mut ArpPacket::new_unchecked(f.payload_mut()));
         self.counters.arp_replies += 1;
         Some((from, out))
@@ -473,16 +523,25 @@ impl Switch {
         if ipv4_bounds(frame).is_none() {
             return Vec::new();
         }
-        if tcpmig_of(frame).is_some() || ports(frame).is_some_and(|(s, d)| s == TCPMIG_PORT || d == TCPMIG_PORT) {
+        if tcpmig_of(frame).is_some()
+            || ports(frame).is_some_and(|(s, d)| s == TCPMIG_PORT || d == TCPMIG_PORT)
+        {
             // Only servers may move connections.
             self.counters.tcpmig_from_client_dropped += 1;
             return Vec::new();
         }
-        let (Some(flags), Some((sport, dport))) = (tcp_flags(frame), ports(frame)) else { return Vec::new() };
+        let (Some(flags), Some((sport, dport))) = (tcp_flags(frame), ports(frame)) else {
+            return Vec::new();
+        };
         if ip_dst(frame) != VIP {
             return Vec::new();
         }
-        let flow = FlowKey { client_ip: ip_src(frame), client_port: sport, service_ip: VIP, service_port: dport };
+        let flow = FlowKey {
+            client_ip: ip_src(frame),
+            client_port: sport,
+            service_ip: VIP,
+            service_port: dport,
+        };
         let syn_only = flags & 0x02 != 0 && flags & 0x10 == 0;
         if syn_only && !self.flows.contains_key(&flow) {
             self.flows.insert(flow, 0);
@@ -491,7 +550,9 @@ impl Switch {
             self.counters.no_flow_dropped += 1;
             return Vec::new();
         };
-        let Some(port) = Switch::port_of(owner) else { return Vec::new() };
+        let Some(port) = Switch::port_of(owner) else {
+            return Vec::new();
+        };
         let mut out = frame.to_vec();
         rewrite_dst(&mut out, owner);
         set_macs(&mut out, SWITCH_MAC, server_mac(port));
@@ -513,7 +574,9 @@ impl Switch {
             self.counters.to_client += 1;
             return vec![(Port::Client, out)];
         }
-        let Some(m) = tcpmig_of(frame) else { return Vec::new() };
+        let Some(m) = tcpmig_of(frame) else {
+            return Vec::new();
+        };
         let (kind, id, src, dst) = (m.kind, m.migration_id, ip_src(frame), ip_dst(frame));
         if self.fault(kind, false) {
             self.mig_log.push((now, kind, id, src, dst, None));
@@ -525,12 +588,18 @@ impl Switch {
         if before != after {
             self.table_log.push((now, kind, id, before, after));
         }
-        let verdict = if verdict.is_some() && self.fault(kind, true) { None } else { verdict };
+        let verdict = if verdict.is_some() && self.fault(kind, true) {
+            None
+        } else {
+            verdict
+        };
         self.mig_log.push((now, kind, id, src, dst, verdict));
         let Some(to) = verdict else {
             return Vec::new();
         };
-        let Some(port) = Switch::port_of(to) else { return Vec::new() };
+        let Some(port) = Switch::port_of(to) else {
+            return Vec::new();
+        };
         let mut out = frame.to_vec();
         if to != dst {
             rewrite_dst(&mut out, to);
@@ -559,7 +628,8 @@ impl Switch {
                 if !m.target.is_unspecified() {
                     Some(m.target)
                 } else {
-                    let candidates: Vec<Ipv4Addr> = SERVERS.iter().copied().filter(|&s| s != src).collect();
+                    let candidates: Vec<Ipv4Addr> =
+                        SERVERS.iter().copied().filter(|&s| s != src).collect();
                     let rr = &mut self.rr;
                     Some(*self.choices.entry(id).or_insert_with(|| {
                         *rr += 1;
@@ -572,11 +642,21 @@ impl Switch {
                 let install = match e {
                     None => true,
                     Some(e) => {
-                        !e.pending && e.owner == m.origin && e.id != id && !(e.id >> 32 == id >> 32 && id < e.id)
+                        !e.pending
+                            && e.owner == m.origin
+                            && e.id != id
+                            && !(e.id >> 32 == id >> 32 && id < e.id)
                     }
                 };
                 if install {
-                    self.migration.insert(m.flow, MigEntry { owner: m.target, id, pending: true });
+                    self.migration.insert(
+                        m.flow,
+                        MigEntry {
+                            owner: m.target,
+                            id,
+                            pending: true,
+                        },
+                    );
                     Some(dst)
                 } else if e.is_some_and(|e| e.id == id && e.owner == m.target) {
                     Some(dst)
@@ -595,11 +675,22 @@ impl Switch {
             Kind::Abort if dst == m.origin => {
                 match self.migration.get_mut(&m.flow) {
                     Some(e) if e.id == id && e.owner == m.target && e.pending => {
-                        *e = MigEntry { owner: m.origin, id, pending: false };
+                        *e = MigEntry {
+                            owner: m.origin,
+                            id,
+                            pending: false,
+                        };
                     }
                     Some(_) => {}
                     None => {
-                        self.migration.insert(m.flow, MigEntry { owner: m.origin, id, pending: false });
+                        self.migration.insert(
+                            m.flow,
+                            MigEntry {
+                                owner: m.origin,
+                                id,
+                                pending: false,
+                            },
+                        );
                     }
                 }
                 Some(dst)
@@ -629,7 +720,10 @@ pub enum App {
     /// Reads (and records in [`World::server_rx`]) whatever the client
     /// sends, and independently sends `len` bytes of `stream(seed)`, then
     /// shuts down its side (possibly before the client does).
-    Source { seed: u64, len: usize },
+    Source {
+        seed: u64,
+        len: usize,
+    },
 }
 
 pub struct Server {
@@ -699,12 +793,24 @@ impl Server {
         ic.extra_addresses.push(VIP);
         let iface = Interface::new(ic).expect("server interface config");
         let mut endpoint = Endpoint::new(tcp);
-        endpoint.listen(SocketAddrV4::new(VIP, SERVICE_PORT)).expect("listen");
+        endpoint
+            .listen(SocketAddrV4::new(VIP, SERVICE_PORT))
+            .expect("listen");
         let mut tr = Transports::new(endpoint, addr);
         tr.vips.insert(SERVICE_PORT, VIP);
         let engine = Engine::new(mig, migration_key()).expect("engine config");
         tr.mig = Some(Migrator::new(engine, addr));
-        Server { index, addr, iface, tr, alive: true, app, conns: Vec::new(), app_errors: Vec::new(), exports: Vec::new() }
+        Server {
+            index,
+            addr,
+            iface,
+            tr,
+            alive: true,
+            app,
+            conns: Vec::new(),
+            app_errors: Vec::new(),
+            exports: Vec::new(),
+        }
     }
 
     pub fn migrator(&self) -> &Migrator {
@@ -727,7 +833,13 @@ impl Server {
     }
 
     /// Events, application and transmission until quiescent at `now`.
-    fn run(&mut self, now: Instant, link: &mut Link, server_rx: &mut Vec<u8>, buf: &mut [u8]) -> bool {
+    fn run(
+        &mut self,
+        now: Instant,
+        link: &mut Link,
+        server_rx: &mut Vec<u8>,
+        buf: &mut [u8],
+    ) -> bool {
         if !self.alive {
             return false;
         }
@@ -739,8 +851,11 @@ impl Server {
             let mut any = false;
             let mut woken = Vec::new();
             // Exports happen in `process_events`, on the state as it is now.
-            let before: Vec<(ConnId, Exported)> =
-                self.conns.iter().filter_map(|&id| Some((id, Exported::of(self.tr.tcp.connection(id)?)))).collect();
+            let before: Vec<(ConnId, Exported)> = self
+                .conns
+                .iter()
+                .filter_map(|&id| Some((id, Exported::of(self.tr.tcp.connection(id)?))))
+                .collect();
             let m = self.tr.mig.as_mut().expect("servers migrate");
             m.process_events(now, &mut self.tr.tcp, &mut woken);
             for (id, e) in before {
@@ -782,7 +897,9 @@ impl Server {
         let tcp = &mut self.tr.tcp;
         self.conns.retain(|&id| tcp.connection(id).is_some());
         for &id in &self.conns {
-            let Some(c) = tcp.connection(id) else { continue };
+            let Some(c) = tcp.connection(id) else {
+                continue;
+            };
             let can_send = matches!(c.state, State::Established | State::CloseWait);
             match self.app {
                 App::Echo => loop {
@@ -795,7 +912,11 @@ impl Server {
                         }
                         break;
                     }
-                    let cap = if can_send { c.tx.free().min(buf.len()) } else { 0 };
+                    let cap = if can_send {
+                        c.tx.free().min(buf.len())
+                    } else {
+                        0
+                    };
                     if cap == 0 {
                         break;
                     }
@@ -808,7 +929,11 @@ impl Server {
                         }
                         Ok(n) => {
                             let w = tcp.send(id, &buf[..n]);
-                            assert_eq!(w, Ok(n), "echo: send capacity only grows between recv and send");
+                            assert_eq!(
+                                w,
+                                Ok(n),
+                                "echo: send capacity only grows between recv and send"
+                            );
                             moved = true;
                         }
                         Err(TcpError::WouldBlock) => break,
@@ -833,7 +958,9 @@ impl Server {
                             }
                         }
                     }
-                    let Some(c) = tcp.connection(id) else { continue };
+                    let Some(c) = tcp.connection(id) else {
+                        continue;
+                    };
                     if !can_send {
                         continue;
                     }
@@ -886,13 +1013,27 @@ impl Client {
         let ic = InterfaceConfig::new(CLIENT_MAC, CLIENT, CLIENT_GW);
         let iface = Interface::new(ic).expect("client interface config");
         let tr = Transports::new(Endpoint::new(tcp), CLIENT);
-        Client { iface, tr, conn: None, to_send, sent: 0, received: Vec::new(), eof: false, error: None }
+        Client {
+            iface,
+            tr,
+            conn: None,
+            to_send,
+            sent: 0,
+            received: Vec::new(),
+            eof: false,
+            error: None,
+        }
     }
 
     pub fn flow(&self) -> Option<FlowKey> {
         let id = self.conn?;
         let local = self.tr.tcp.local_addr(id)?;
-        Some(FlowKey { client_ip: *local.ip(), client_port: local.port(), service_ip: VIP, service_port: SERVICE_PORT })
+        Some(FlowKey {
+            client_ip: *local.ip(),
+            client_port: local.port(),
+            service_ip: VIP,
+            service_port: SERVICE_PORT,
+        })
     }
 
     /// The connection failed, or both directions completed: the server's
@@ -911,7 +1052,11 @@ impl Client {
             let id = self
                 .tr
                 .tcp
-                .connect(now, SocketAddrV4::new(CLIENT, 0), SocketAddrV4::new(VIP, SERVICE_PORT))
+                .connect(
+                    now,
+                    SocketAddrV4::new(CLIENT, 0),
+                    SocketAddrV4::new(VIP, SERVICE_PORT),
+                )
                 .expect("connect");
             self.conn = Some(id);
             moved = true;
@@ -979,12 +1124,26 @@ pub struct Net {
 impl Net {
     pub fn clean() -> Net {
         let l = LinkConfig::default();
-        Net { client_up: l, client_down: l, server_up: l, server_down: l }
+        Net {
+            client_up: l,
+            client_down: l,
+            server_up: l,
+            server_down: l,
+        }
     }
     /// The same TCP and TCPMig faults on every link direction.
     pub fn faulty(tcp: Faults, tcpmig: Faults) -> Net {
-        let l = LinkConfig { tcp, tcpmig, ..LinkConfig::default() };
-        Net { client_up: l, client_down: l, server_up: l, server_down: l }
+        let l = LinkConfig {
+            tcp,
+            tcpmig,
+            ..LinkConfig::default()
+        };
+        Net {
+            client_up: l,
+            client_down: l,
+            server_up: l,
+            server_down: l,
+        }
     }
 }
 
@@ -1013,7 +1172,13 @@ pub struct Setup {
 
 impl World {
     pub fn new(setup: Setup, to_send: Vec<u8>) -> World {
-        World::with(setup, to_send, client_tcp_config(), server_tcp_config, server_mig_config)
+        World::with(
+            setup,
+            to_send,
+            client_tcp_config(),
+            server_tcp_config,
+            server_mig_config,
+        )
     }
 
     pub fn with(
@@ -1023,7 +1188,9 @@ impl World {
         server_tcp: impl Fn(usize) -> TcpConfig,
         server_mig: impl Fn(Ipv4Addr) -> EngineConfig,
     ) -> World {
-        let servers = (0..SERVERS.len()).map(|i| Server::new(i, setup.app, server_tcp(i), server_mig(SERVERS[i]))).collect();
+        let servers = (0..SERVERS.len())
+            .map(|i| Server::new(i, setup.app, server_tcp(i), server_mig(SERVERS[i])))
+            .collect();
         let s = setup.seed.wrapping_mul(0x1000_0000_01b3);
         let n = setup.net;
         World {
@@ -1031,8 +1198,16 @@ impl World {
             client: Client::new(client_tcp, to_send),
             servers,
             switch: Switch::new(),
-            up: vec![Link::new(n.client_up, s ^ 1), Link::new(n.server_up, s ^ 2), Link::new(n.server_up, s ^ 3)],
-            down: vec![Link::new(n.client_down, s ^ 4), Link::new(n.server_down, s ^ 5), Link::new(n.server_down, s ^ 6)],
+            up: vec![
+                Link::new(n.client_up, s ^ 1),
+                Link::new(n.server_up, s ^ 2),
+                Link::new(n.server_up, s ^ 3),
+            ],
+            down: vec![
+                Link::new(n.client_down, s ^ 4),
+                Link::new(n.server_down, s ^ 5),
+                Link::new(n.server_down, s ^ 6),
+            ],
             server_rx: Vec::new(),
             started: Vec::new(),
             buf: vec![0u8; FRAME],
@@ -1050,7 +1225,11 @@ impl World {
             for i in 0..self.up.len() {
                 while let Some(f) = self.up[i].pop_due(self.now) {
                     moved = true;
-                    let from = if i == 0 { Port::Client } else { Port::Server(i - 1) };
+                    let from = if i == 0 {
+                        Port::Client
+                    } else {
+                        Port::Server(i - 1)
+                    };
                     for (port, out) in self.switch.process(self.now, from, &f) {
                         let j = match port {
                             Port::Client => 0,
@@ -1073,7 +1252,12 @@ impl World {
             }
             moved |= self.client.run(self.now, &mut self.up[0], &mut self.buf);
             for (k, s) in self.servers.iter_mut().enumerate() {
-                moved |= s.run(self.now, &mut self.up[k + 1], &mut self.server_rx, &mut self.buf);
+                moved |= s.run(
+                    self.now,
+                    &mut self.up[k + 1],
+                    &mut self.server_rx,
+                    &mut self.buf,
+                );
             }
             if !moved {
                 return;
@@ -1085,7 +1269,11 @@ impl World {
     fn next_deadline(&self) -> Option<Instant> {
         let links = self.up.iter().chain(&self.down).filter_map(Link::next_time);
         let client = self.client.iface.poll_timeout(&self.client.tr);
-        let servers = self.servers.iter().filter(|s| s.alive).filter_map(|s| s.iface.poll_timeout(&s.tr));
+        let servers = self
+            .servers
+            .iter()
+            .filter(|s| s.alive)
+            .filter_map(|s| s.iface.poll_timeout(&s.tr));
         links.chain(client).chain(servers).min()
     }
 
@@ -1119,8 +1307,14 @@ impl World {
 
     /// Index of the server that serves the flow now (not frozen).
     pub fn owners(&self) -> Vec<usize> {
-        let Some(flow) = self.flow() else { return Vec::new() };
-        self.servers.iter().filter(|s| s.alive && s.owns(&flow)).map(|s| s.index).collect()
+        let Some(flow) = self.flow() else {
+            return Vec::new();
+        };
+        self.servers
+            .iter()
+            .filter(|s| s.alive && s.owns(&flow))
+            .map(|s| s.index)
+            .collect()
     }
 
     pub fn any_migrating(&self) -> bool {
@@ -1132,10 +1326,14 @@ impl World {
     pub fn migrate(&mut self, explicit: bool) -> Result<MigrationId, String> {
         let flow = self.flow().ok_or("no connection yet")?;
         let owners = self.owners();
-        let [from] = owners[..] else { return Err(format!("owners {owners:?}")) };
+        let [from] = owners[..] else {
+            return Err(format!("owners {owners:?}"));
+        };
         let to = SERVERS[1 - from];
         let now = self.now;
-        let id = self.servers[from].migrator_mut().migrate(now, flow, explicit.then_some(to))?;
+        let id = self.servers[from]
+            .migrator_mut()
+            .migrate(now, flow, explicit.then_some(to))?;
         self.started.push((now, from, id));
         // Let the PREPARE leave now.
         self.settle_instant();
@@ -1171,16 +1369,39 @@ impl World {
         let owners = self.owners();
         assert_eq!(owners.len(), 1, "owners {owners:?}; {}", self.describe());
         let owner = SERVERS[owners[0]];
-        assert_eq!(self.switch.owner(&flow), Some(owner), "switch disagrees; {}", self.describe());
+        assert_eq!(
+            self.switch.owner(&flow),
+            Some(owner),
+            "switch disagrees; {}",
+            self.describe()
+        );
         // No stale copy anywhere: the other server holds no TCP state of it.
         for s in self.servers.iter().filter(|s| s.index != owners[0]) {
-            let copies = s.tr.tcp.connections().filter(|(_, c)| c.remote.port() == flow.client_port).count();
-            assert_eq!(copies, 0, "server {} still has the connection; {}", s.index, self.describe());
+            let copies =
+                s.tr.tcp
+                    .connections()
+                    .filter(|(_, c)| c.remote.port() == flow.client_port)
+                    .count();
+            assert_eq!(
+                copies,
+                0,
+                "server {} still has the connection; {}",
+                s.index,
+                self.describe()
+            );
         }
         if let Some(e) = self.switch.migration.get(&flow) {
-            assert!(!e.pending, "entry still pending: {e:?}; {}", self.describe());
+            assert!(
+                !e.pending,
+                "entry still pending: {e:?}; {}",
+                self.describe()
+            );
         }
-        assert!(!self.any_migrating(), "migration still in progress; {}", self.describe());
+        assert!(
+            !self.any_migrating(),
+            "migration still in progress; {}",
+            self.describe()
+        );
     }
 
     /// One line of state for assertion messages.

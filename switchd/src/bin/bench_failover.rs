@@ -7,13 +7,27 @@
 //! Last line: `RESULT takeover_ms=<median> connections_lost=<sum> max_stall_ms=<median> rounds=<n>`.
 
 fn main() -> anyhow::Result<()> {
-    let n: usize = std::env::var("FAILOVER_CONNS").ok().and_then(|v| v.parse().ok()).unwrap_or(200);
-    let rounds: usize = std::env::var("FAILOVER_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    let n: usize = std::env::var("FAILOVER_CONNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let rounds: usize = std::env::var("FAILOVER_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
     // FAILOVER_MODE=lease: wait for the lease like a cross-box standby.
-    let fast = std::env::var("FAILOVER_MODE").map(|m| m != "lease").unwrap_or(true);
+    let fast = std::env::var("FAILOVER_MODE")
+        .map(|m| m != "lease")
+        .unwrap_or(true);
     let me = std::env::current_exe()?;
-    let switchd = std::env::var_os("SWITCHD_BIN").map(std::path::PathBuf::from).unwrap_or_else(|| me.with_file_name("switchd"));
-    anyhow::ensure!(switchd.exists(), "switchd binary not found at {} (set SWITCHD_BIN)", switchd.display());
+    let switchd = std::env::var_os("SWITCHD_BIN")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| me.with_file_name("switchd"));
+    anyhow::ensure!(
+        switchd.exists(),
+        "switchd binary not found at {} (set SWITCHD_BIN)",
+        switchd.display()
+    );
     let mut takeover = Vec::new();
     let mut stall = Vec::new();
     let mut lost = 0;

@@ -53,7 +53,9 @@ fn main() {
         }
         let mut failed = 0;
         for c in children {
-            let out = c.wait_with_output().unwrap_or_else(|e| fail(format!("wait: {e}")));
+            let out = c
+                .wait_with_output()
+                .unwrap_or_else(|e| fail(format!("wait: {e}")));
             if !out.status.success() {
                 failed += 1;
                 eprint!("{}", String::from_utf8_lossy(&out.stderr));
@@ -69,14 +71,18 @@ fn main() {
         usage();
     }
     let addr = args[0].clone();
-    let total: u64 = args[1].parse().unwrap_or_else(|_| fail(format!("invalid BYTES {:?}", args[1])));
+    let total: u64 = args[1]
+        .parse()
+        .unwrap_or_else(|_| fail(format!("invalid BYTES {:?}", args[1])));
     let mut seed = 1u64;
     let mut chunk = 64 * 1024usize;
     let mut timeout = 600u64;
     let mut it = args[2..].iter();
     while let Some(flag) = it.next() {
         let v = it.next().unwrap_or_else(|| usage());
-        let n: u64 = v.parse().unwrap_or_else(|_| fail(format!("invalid {flag} value {v:?}")));
+        let n: u64 = v
+            .parse()
+            .unwrap_or_else(|_| fail(format!("invalid {flag} value {v:?}")));
         match flag.as_str() {
             "--seed" => seed = n,
             "--chunk" => chunk = n.clamp(1, 1 << 24) as usize,
@@ -85,8 +91,12 @@ fn main() {
         }
     }
     let stream = TcpStream::connect(&addr).unwrap_or_else(|e| fail(format!("connect {addr}: {e}")));
-    stream.set_read_timeout(Some(Duration::from_secs(timeout))).ok();
-    stream.set_write_timeout(Some(Duration::from_secs(timeout))).ok();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(timeout)))
+        .ok();
+    stream
+        .set_write_timeout(Some(Duration::from_secs(timeout)))
+        .ok();
     let mut reader = stream.try_clone().unwrap();
     let mut writer = stream;
 
@@ -104,7 +114,9 @@ fn main() {
             }
             sent += n as u64;
         }
-        writer.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+        writer
+            .shutdown(Shutdown::Write)
+            .map_err(|e| format!("shutdown: {e}"))?;
         Ok::<_, String>((sent, hash.finalize()))
     });
 

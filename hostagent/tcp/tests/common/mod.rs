@@ -148,15 +148,29 @@ impl Pair {
     /// delivered to the target), the origin exports, the target imports.
     /// Returns the connection's id on the target (taken from `accept`), the
     /// snapshot and the application state the target received.
-    pub fn migrate(&mut self, s: ConnId, app: &[u8], target_clock: u64) -> (ConnId, Vec<u8>, Vec<u8>) {
+    pub fn migrate(
+        &mut self,
+        s: ConnId,
+        app: &[u8],
+        target_clock: u64,
+    ) -> (ConnId, Vec<u8>, Vec<u8>) {
         let mut snap = Vec::new();
-        self.server.export_to_vec(self.srv_now(), s, app, &mut snap).expect("export");
-        assert!(self.server.connection(s).is_none(), "export removes the connection");
+        self.server
+            .export_to_vec(self.srv_now(), s, app, &mut snap)
+            .expect("export");
+        assert!(
+            self.server.connection(s).is_none(),
+            "export removes the connection"
+        );
         let mut target = Endpoint::new(self.server.config().clone());
         target.listen(vip()).unwrap();
         self.server_clock = target_clock;
         let imported = target.import(self.srv_now(), &snap).expect("import");
-        assert_eq!(target.accept(), Some(imported.id), "imported connections arrive through accept");
+        assert_eq!(
+            target.accept(),
+            Some(imported.id),
+            "imported connections arrive through accept"
+        );
         let app_state = snap[imported.app_state.clone()].to_vec();
         let origin = std::mem::replace(&mut self.server, target);
         self.retired.push(origin);
@@ -164,7 +178,12 @@ impl Pair {
     }
 
     pub fn default_pair() -> Pair {
-        Pair::new(TcpConfig::default(), TcpConfig::default(), LinkConfig::default(), 1)
+        Pair::new(
+            TcpConfig::default(),
+            TcpConfig::default(),
+            LinkConfig::default(),
+            1,
+        )
     }
 
     fn enqueue(&mut self, dir: Dir, src: Ipv4Addr, dst: Ipv4Addr, bytes: &[u8]) {
@@ -184,14 +203,25 @@ impl Pair {
             self.dropped += 1;
             return;
         }
-        let copies = if self.rng.chance(self.link.duplicate) { 2 } else { 1 };
+        let copies = if self.rng.chance(self.link.duplicate) {
+            2
+        } else {
+            1
+        };
         for _ in 0..copies {
             let mut at = self.now + self.link.latency;
             if self.rng.chance(self.link.reorder) {
-                let extra = self.rng.below(self.link.reorder_extra.as_micros() as u64 + 1);
+                let extra = self
+                    .rng
+                    .below(self.link.reorder_extra.as_micros() as u64 + 1);
                 at += Duration::from_micros(extra);
             }
-            let p = InFlight { at, src, dst, bytes: bytes.to_vec() };
+            let p = InFlight {
+                at,
+                src,
+                dst,
+                bytes: bytes.to_vec(),
+            };
             let q = match dir {
                 Dir::ToServer => &mut self.to_server,
                 Dir::ToClient => &mut self.to_client,
@@ -232,7 +262,10 @@ impl Pair {
             }
             assert_eq!(t.src, VIP, "server must answer from the VIP");
             let p = wire::TcpPacket::new_checked(&buf[..t.len]).unwrap();
-            assert!(p.verify_checksum(t.src, t.dst), "server checksum must use the VIP");
+            assert!(
+                p.verify_checksum(t.src, t.dst),
+                "server checksum must use the VIP"
+            );
             let seg = buf[..t.len].to_vec();
             self.enqueue(Dir::ToClient, t.src, t.dst, &seg);
         }
@@ -289,7 +322,10 @@ impl Pair {
 
     /// Connects the client to the VIP and accepts on the server.
     pub fn connect(&mut self) -> (ConnId, ConnId) {
-        let c = self.client.connect(self.now, SocketAddrV4::new(CLIENT_IP, 0), vip()).unwrap();
+        let c = self
+            .client
+            .connect(self.now, SocketAddrV4::new(CLIENT_IP, 0), vip())
+            .unwrap();
         let mut s = None;
         let ok = self.run_until(Duration::from_secs(60), |p| {
             if s.is_none() {
@@ -297,7 +333,13 @@ impl Pair {
             }
             s.is_some() && p.client.state(c) == Some(capybara_tcp::State::Established)
         });
-        assert!(ok, "handshake did not complete: client {:?} server {:?} {:?}", self.client.counters(), self.server.counters(), self.client.connection(c).map(|x| x.state));
+        assert!(
+            ok,
+            "handshake did not complete: client {:?} server {:?} {:?}",
+            self.client.counters(),
+            self.server.counters(),
+            self.client.connection(c).map(|x| x.state)
+        );
         (c, s.unwrap())
     }
 }
@@ -309,7 +351,14 @@ pub fn events(ep: &mut Endpoint) -> Vec<Event> {
 
 /// Pumps `data` from `from_client ? client : server` to the other side and
 /// returns what the receiver read, driving the pair until all is received.
-pub fn transfer(pair: &mut Pair, c: ConnId, s: ConnId, data: &[u8], to_server: bool, limit: Duration) -> Vec<u8> {
+pub fn transfer(
+    pair: &mut Pair,
+    c: ConnId,
+    s: ConnId,
+    data: &[u8],
+    to_server: bool,
+    limit: Duration,
+) -> Vec<u8> {
     let mut sent = 0;
     let mut got = Vec::with_capacity(data.len());
     let mut buf = vec![0u8; 64 * 1024];
@@ -333,7 +382,12 @@ pub fn transfer(pair: &mut Pair, c: ConnId, s: ConnId, data: &[u8], to_server: b
         }
         got.len() >= data.len()
     });
-    assert!(ok, "transfer stalled: sent {sent}, received {} of {}", got.len(), data.len());
+    assert!(
+        ok,
+        "transfer stalled: sent {sent}, received {} of {}",
+        got.len(),
+        data.len()
+    );
     got
 }
 
@@ -341,7 +395,15 @@ pub fn transfer(pair: &mut Pair, c: ConnId, s: ConnId, data: &[u8], to_server: b
 #[track_caller]
 pub fn assert_same(got: &[u8], want: &[u8], what: &str) {
     if got != want {
-        let i = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(got.len().min(want.len()));
-        panic!("{what}: streams differ at byte {i} (got {} bytes, want {})", got.len(), want.len());
+        let i = got
+            .iter()
+            .zip(want)
+            .position(|(a, b)| a != b)
+            .unwrap_or(got.len().min(want.len()));
+        panic!(
+            "{what}: streams differ at byte {i} (got {} bytes, want {})",
+            got.len(),
+            want.len()
+        );
     }
 }

@@ -80,7 +80,12 @@ pub struct OnKind {
 }
 impl OnKind {
     pub fn new(kind: Kind, nth: usize, fate: Fate) -> Self {
-        OnKind { kind, nth, fate, seen: 0 }
+        OnKind {
+            kind,
+            nth,
+            fate,
+            seen: 0,
+        }
     }
 }
 impl FaultPlan for OnKind {
@@ -156,7 +161,12 @@ impl SwitchModel {
                 if !m.target.is_unspecified() {
                     return Some(m.target);
                 }
-                let candidates: Vec<_> = self.candidates.iter().copied().filter(|&c| c != src).collect();
+                let candidates: Vec<_> = self
+                    .candidates
+                    .iter()
+                    .copied()
+                    .filter(|&c| c != src)
+                    .collect();
                 if candidates.is_empty() {
                     return None;
                 }
@@ -180,7 +190,14 @@ impl SwitchModel {
                     }
                 };
                 if install {
-                    self.entries.insert(m.flow, Entry { owner: m.target, id, pending: true });
+                    self.entries.insert(
+                        m.flow,
+                        Entry {
+                            owner: m.target,
+                            id,
+                            pending: true,
+                        },
+                    );
                     Some(dst)
                 } else if e.is_some_and(|e| e.id == id && e.owner == m.target) {
                     Some(dst)
@@ -202,11 +219,22 @@ impl SwitchModel {
                 // a late PREPARE_ACK of this migration cannot install one.
                 match self.entries.get_mut(&m.flow) {
                     Some(e) if e.id == id && e.owner == m.target && e.pending => {
-                        *e = Entry { owner: m.origin, id, pending: false };
+                        *e = Entry {
+                            owner: m.origin,
+                            id,
+                            pending: false,
+                        };
                     }
                     Some(_) => {}
                     None => {
-                        self.entries.insert(m.flow, Entry { owner: m.origin, id, pending: false });
+                        self.entries.insert(
+                            m.flow,
+                            Entry {
+                                owner: m.origin,
+                                id,
+                                pending: false,
+                            },
+                        );
                     }
                 }
                 Some(dst)
@@ -263,7 +291,9 @@ pub struct FakeStack {
 
 impl FakeStack {
     pub fn owns(&self, flow: &FlowKey) -> bool {
-        self.conns.get(flow).is_some_and(|c| c.state == ConnState::Active)
+        self.conns
+            .get(flow)
+            .is_some_and(|c| c.state == ConnState::Active)
     }
 }
 
@@ -309,7 +339,11 @@ impl World {
         Self::with_config(targets, plan, config)
     }
 
-    pub fn with_config(targets: &[Ipv4Addr], plan: Box<dyn FaultPlan>, cfg: impl Fn(Ipv4Addr) -> EngineConfig) -> World {
+    pub fn with_config(
+        targets: &[Ipv4Addr],
+        plan: Box<dyn FaultPlan>,
+        cfg: impl Fn(Ipv4Addr) -> EngineConfig,
+    ) -> World {
         let mut hosts = Vec::new();
         for &a in std::iter::once(&ORIGIN).chain(targets) {
             hosts.push(Host {
@@ -362,7 +396,10 @@ impl World {
 
     pub fn migrate(&mut self, target: Option<Ipv4Addr>) -> MigrationId {
         let now = self.now;
-        let id = self.hosts[0].engine.migrate_out(now, flow(), target).unwrap();
+        let id = self.hosts[0]
+            .engine
+            .migrate_out(now, flow(), target)
+            .unwrap();
         self.flush();
         id
     }
@@ -423,7 +460,13 @@ impl World {
                     match fate {
                         Fate::Deliver => self.push(at, p),
                         Fate::DropBeforeSwitch => {}
-                        Fate::DropAfterSwitch => self.push(at, InFlight { fate_after: true, ..p }),
+                        Fate::DropAfterSwitch => self.push(
+                            at,
+                            InFlight {
+                                fate_after: true,
+                                ..p
+                            },
+                        ),
                         Fate::Duplicate => {
                             self.push(at, p.clone());
                             self.push(at + Duration::from_micros(1), p);
@@ -467,7 +510,12 @@ impl World {
         }
         if !h.stack.manual_export {
             for (id, flow) in std::mem::take(&mut h.stack.pending_exports) {
-                let snap = h.stack.conns.get(&flow).map(|c| c.blob.clone()).unwrap_or_default();
+                let snap = h
+                    .stack
+                    .conns
+                    .get(&flow)
+                    .map(|c| c.blob.clone())
+                    .unwrap_or_default();
                 // May fail if the migration was aborted meanwhile.
                 let _ = h.engine.provide_snapshot(now, id, snap);
                 progress = true;
@@ -491,7 +539,9 @@ impl World {
             return;
         }
         let mut replayed = Vec::new();
-        h.engine.import_done(now, id, |s| replayed.push(s.to_vec())).unwrap();
+        h.engine
+            .import_done(now, id, |s| replayed.push(s.to_vec()))
+            .unwrap();
         h.stack.imported.push(snap.clone());
         h.stack.conns.insert(
             flow,
@@ -504,7 +554,11 @@ impl World {
     }
 
     fn check_owners(&mut self) {
-        let owners = self.hosts.iter().filter(|h| h.alive && h.stack.owns(&flow())).count();
+        let owners = self
+            .hosts
+            .iter()
+            .filter(|h| h.alive && h.stack.owns(&flow()))
+            .count();
         self.max_owners_seen = self.max_owners_seen.max(owners);
         assert!(owners <= 1, "two owners at {}", self.now);
     }
@@ -528,7 +582,11 @@ impl World {
             return false;
         }
         self.now = self.now.max(t);
-        while self.net.peek().is_some_and(|Reverse((t, _, _))| *t <= self.now) {
+        while self
+            .net
+            .peek()
+            .is_some_and(|Reverse((t, _, _))| *t <= self.now)
+        {
             let Reverse((_, _, p)) = self.net.pop().unwrap();
             self.deliver(p);
         }
@@ -561,7 +619,14 @@ impl World {
                 if p.fate_after {
                     return;
                 }
-                self.push(at, InFlight { stage: Stage::ToHost, dst, ..p });
+                self.push(
+                    at,
+                    InFlight {
+                        stage: Stage::ToHost,
+                        dst,
+                        ..p
+                    },
+                );
             }
             Stage::ToHost => {
                 let Some(h) = self.hosts.iter_mut().find(|h| h.addr == p.dst && h.alive) else {
@@ -620,12 +685,23 @@ impl World {
             assert!(owners.len() <= 1, "owners {owners:?}");
         }
         if let [o] = owners[..] {
-            assert_eq!(self.switch.route(&flow()), o, "switch disagrees with owner {o}; entries {:?}", self.switch.entries);
+            assert_eq!(
+                self.switch.route(&flow()),
+                o,
+                "switch disagrees with owner {o}; entries {:?}",
+                self.switch.entries
+            );
         }
     }
 
     pub fn events(&self, a: Ipv4Addr) -> &[Event] {
-        &self.hosts.iter().find(|h| h.addr == a).unwrap().stack.events
+        &self
+            .hosts
+            .iter()
+            .find(|h| h.addr == a)
+            .unwrap()
+            .stack
+            .events
     }
 
     pub fn sent_kinds(&self, kind: Kind) -> usize {
@@ -642,7 +718,12 @@ pub struct FirstK {
 }
 impl FirstK {
     pub fn new(kind: Kind, k: usize, fate: Fate) -> Self {
-        FirstK { kind, k, fate, seen: 0 }
+        FirstK {
+            kind,
+            k,
+            fate,
+            seen: 0,
+        }
     }
 }
 impl FaultPlan for FirstK {
