@@ -10,7 +10,7 @@ export CARGO_TERM_COLOR ?= never
 CAPYBARA := target/release/capybara
 STAMP := target/.setup-done
 
-.PHONY: setup build demo demo-stop test test-rust test-lab fmt-check lab-down
+.PHONY: setup build demo demo-stop test
 
 # Installs what the project needs on a fresh Debian machine, then builds.
 # Idempotent: a second run installs nothing.
