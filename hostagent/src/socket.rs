@@ -228,6 +228,8 @@ impl TcpStream {
         match inner.transports.tcp.info(id) {
             Some(info) if info.send_queue < cap => Poll::Ready(Ok(cap - info.send_queue)),
             Some(_) => {
+                // Full: no short write happened, so ask for the wake-up.
+                let _ = inner.transports.tcp.notify_writable(id);
                 park(&mut inner, app, cx, Dir::Write);
                 Poll::Pending
             }

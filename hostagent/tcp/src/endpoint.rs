@@ -355,6 +355,15 @@ impl Endpoint {
         r
     }
 
+    /// Asks for `Event::Writable` once send-buffer space frees up, for
+    /// applications that check free space before writing (and so never make
+    /// the short write that would ask for it).
+    pub fn notify_writable(&mut self, id: ConnId) -> Result<(), TcpError> {
+        let e = self.owned_mut(id)?;
+        e.conn.want_writable = true;
+        Ok(())
+    }
+
     /// Sends FIN after the queued data; reading stays possible.
     pub fn shutdown(&mut self, id: ConnId) -> Result<(), TcpError> {
         let now = self.now;

@@ -60,7 +60,7 @@ export interface HealthApiInterface {
     metricsRequestOpts(): Promise<runtime.RequestOpts>;
 
     /**
-     * Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_control_plane_live`. 
+     * Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_api_sse_clients`, `capybara_control_plane_live`. 
      * @summary Prometheus metrics (text exposition format 0.0.4)
      * @param {*} [options] Override http request option.
      * @throws {RequiredError}
@@ -69,7 +69,7 @@ export interface HealthApiInterface {
     metricsRaw(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<string>>;
 
     /**
-     * Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_control_plane_live`. 
+     * Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_api_sse_clients`, `capybara_control_plane_live`. 
      * Prometheus metrics (text exposition format 0.0.4)
      */
     metrics(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<string>;
@@ -159,7 +159,7 @@ export class HealthApi extends runtime.BaseAPI implements HealthApiInterface {
     }
 
     /**
-     * Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_control_plane_live`. 
+     * Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_api_sse_clients`, `capybara_control_plane_live`. 
      * Prometheus metrics (text exposition format 0.0.4)
      */
     async metricsRaw(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<string>> {
@@ -174,7 +174,7 @@ export class HealthApi extends runtime.BaseAPI implements HealthApiInterface {
     }
 
     /**
-     * Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_control_plane_live`. 
+     * Unauthenticated, for scrapers. Families: `capybara_server_connections`, `capybara_server_load_pps`, `capybara_server_weight`, `capybara_server_state`, `capybara_drain_remaining_connections`, `capybara_migrations_total{outcome}`, `capybara_migration_phase_seconds{phase}` (histogram), `capybara_store_lag_seconds`, `capybara_store_up`, `capybara_api_requests_total{class}`, `capybara_api_sse_clients`, `capybara_control_plane_live`. 
      * Prometheus metrics (text exposition format 0.0.4)
      */
     async metrics(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<string> {
