@@ -18,8 +18,8 @@ status=0
 echo "== cargo test (workspace, release)"
 cargo test --release --workspace --no-fail-fast 2>&1 | tee test-output/cargo-test.log || status=1
 echo "== REST API: pytest on the generated client, schemathesis, generated-code check"
-CAPYBARA_API_BIN=target/release/capybara-api bash api/scripts/test.sh 2>&1 | tee test-output/api.log || status=1
+CAPYBARA_API_BIN="$PWD/target/release/capybara-api" bash api/scripts/test.sh 2>&1 | tee test-output/api.log || status=1
 echo "== dashboard in a real browser (playwright + chromium)"
 bash web-ui/build.sh
-CAPYBARA_API_BIN=target/release/capybara-api bash web-ui/test.sh 2>&1 | tee test-output/web-ui.log || status=1
+CAPYBARA_API_BIN="$PWD/target/release/capybara-api" bash web-ui/test.sh 2>&1 | tee test-output/web-ui.log || status=1
 exit $status
