@@ -79,6 +79,24 @@ fn park(inner: &mut Inner, app: ConnId, cx: &Context<'_>, dir: Dir) {
     }
 }
 
+/// The endpoint id behind `app`, or the poll result to return now (parked
+/// for `dir` while the connection is frozen mid-migration).
+fn live_or_park<T>(
+    inner: &mut Inner,
+    app: ConnId,
+    cx: &Context<'_>,
+    dir: Dir,
+) -> Result<ConnId, Poll<io::Result<T>>> {
+    match target(inner, app) {
+        Target::Live(id) => Ok(id),
+        Target::Frozen => {
+            park(inner, app, cx, dir);
+            Err(Poll::Pending)
+        }
+        Target::Gone(e) => Err(Poll::Ready(Err(e))),
+    }
+}
+
 /// Listens on a service address of the stack.
 pub struct TcpListener {
     stack: Stack,
@@ -216,13 +234,9 @@ impl TcpStream {
     pub fn poll_send_capacity(&self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         let app = self.id;
         let mut inner = self.stack.inner.borrow_mut();
-        let id = match target(&inner, app) {
-            Target::Live(id) => id,
-            Target::Frozen => {
-                park(&mut inner, app, cx, Dir::Write);
-                return Poll::Pending;
-            }
-            Target::Gone(e) => return Poll::Ready(Err(e)),
+        let id = match live_or_park(&mut inner, app, cx, Dir::Write) {
+            Ok(id) => id,
+            Err(p) => return p,
         };
         let cap = inner.transports.tcp.config().tx_buffer;
         match inner.transports.tcp.info(id) {
@@ -256,13 +270,9 @@ fn poll_read_inner(
     buf: &mut ReadBuf<'_>,
 ) -> Poll<io::Result<()>> {
     let mut inner = stack.inner.borrow_mut();
-    let id = match target(&inner, app) {
-        Target::Live(id) => id,
-        Target::Frozen => {
-            park(&mut inner, app, cx, Dir::Read);
-            return Poll::Pending;
-        }
-        Target::Gone(e) => return Poll::Ready(Err(e)),
+    let id = match live_or_park(&mut inner, app, cx, Dir::Read) {
+        Ok(id) => id,
+        Err(p) => return p,
     };
     match inner.transports.tcp.recv(id, buf.initialize_unfilled()) {
         Ok(n) => {
@@ -319,13 +329,9 @@ impl AsyncWrite for TcpStream {
         }
         let app = self.id;
         let mut inner = self.stack.inner.borrow_mut();
-        let id = match target(&inner, app) {
-            Target::Live(id) => id,
-            Target::Frozen => {
-                park(&mut inner, app, cx, Dir::Write);
-                return Poll::Pending;
-            }
-            Target::Gone(e) => return Poll::Ready(Err(e)),
+        let id = match live_or_park(&mut inner, app, cx, Dir::Write) {
+            Ok(id) => id,
+            Err(p) => return p,
         };
         match inner.transports.tcp.send(id, data) {
             Ok(n) if n > 0 => {
