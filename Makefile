@@ -26,8 +26,9 @@ build:
 $(STAMP):
 	@$(MAKE) --no-print-directory setup
 
-# The demo on embedded defaults: the lab (prefix demo) with switchd, three
-# hostagents, the API + dashboard on http://127.0.0.1:8080 and a skewed
+# The demo on embedded defaults: the lab (prefix demo) with the appliance
+# (`capybara run`: switchd + API + dashboard on http://127.0.0.1:8080), three
+# servers running nginx behind the hostagent sidecar, and a skewed
 # client load; Ctrl-C (or `make demo-stop`) tears it all down.
 demo: $(STAMP)
 	@bash scripts/demo.sh
@@ -45,6 +46,14 @@ demo-stop:
 test: $(STAMP)
 	@bash scripts/test.sh
 
+# The docker compose deployment end to end (needs a Docker engine; `make
+# test` runs it when `docker info` works): images built locally, compose up,
+# k6 across a REST drain, a `docker kill` of the active switchd and a
+# stopped etcd member, then compose down leaving nothing behind.
+.PHONY: test-compose
+test-compose: $(STAMP)
+	@bash tests/compose/run.sh
+
 # ---- benchmarks (last line of each: RESULT key=value ...) ----
 .PHONY: bench-stack bench-switch
 
@@ -56,10 +65,20 @@ bench-stack: $(STAMP)
 bench-switch: $(STAMP)
 	@$(CARGO) run --release -q -p capybara-switchd --bin bench-switch
 
+# Server monitor + policy engine cost with 100,000 connections (docs/POLICIES.md).
+.PHONY: bench-monitor
+bench-monitor: $(STAMP)
+	@$(CARGO) run --release -q -p capybara-hostagent --example monitor_bench
+
 .PHONY: bench-export-import
 # Connection snapshot export+import vs Linux TCP_REPAIR dump+restore.
 bench-export-import: $(STAMP)
 	@$(CARGO) run --release -q -p capybara-bench-export-import
+
+.PHONY: bench-tls-snapshot
+# TLS session snapshot export/import (keys, sequence numbers, partial record) and record seal/open throughput: docs/TLS.md.
+bench-tls-snapshot: $(STAMP)
+	@$(CARGO) run --release -q -p capybara-tls --example snapshot_bench
 
 .PHONY: bench-store
 # Batched flow writes per second and batch latency, SQLite and a real etcd.
@@ -75,3 +94,33 @@ bench-api: $(STAMP)
 # SIGKILL of the active switchd with established connections: takeover time.
 bench-failover: $(STAMP)
 	@$(CARGO) run --release -q -p capybara-switchd --bin bench-failover
+
+.PHONY: bench-maintenance
+# Drain of a Redis primary (sidecar, TLS) under GET load: 10 ms throughput bins, Capybara drain vs close-and-reconnect (root, ~1 min).
+bench-maintenance: $(STAMP)
+	@$(CARGO) build --release -q -p capybara-appliance -p capybara-hostagent -p capybara-switchd --bins
+	@$(CARGO) run --release -q -p capybara-bench-maintenance
+
+.PHONY: bench-migration
+# TCPMig end to end in the lab: latency by phase and host CPU per migration over >= 10,000 migrations (root, ~30 s; options via BENCH_ARGS).
+bench-migration: $(STAMP)
+	@$(CARGO) build --release -q -p capybara-appliance -p capybara-hostagent -p capybara-switchd --bins
+	@$(CARGO) run --release -q -p capybara-bench-migration -- $(BENCH_ARGS)
+
+# Seed 000 §8.1 experiments in the namespace lab (bench/experiments/, root):
+# each writes its plot to docs/img/ and its table to docs/BENCHMARKS.md.
+# Extra flags through EXP_ARGS, e.g. EXP_ARGS="--modes lwrr,envoy".
+.PHONY: bench-skew bench-step bench-target bench-scale
+EXPERIMENT := .venv/bin/python bench/experiments/run.py
+# p99 under skewed long-lived load: Capybara vs LWRR vs Envoy (Figure 7; ~5 min).
+bench-skew: $(STAMP)
+	@$(EXPERIMENT) skew --write-docs $(EXP_ARGS)
+# Step-function load on one server: reactive, proactive, both (Figure 8; ~1 min).
+bench-step: $(STAMP)
+	@$(EXPERIMENT) step --write-docs $(EXP_ARGS)
+# Round-robin vs least-loaded migration targets (Figure 17; ~2 min).
+bench-target: $(STAMP)
+	@$(EXPERIMENT) target --write-docs $(EXP_ARGS)
+# Peak throughput under Zipf 1.2 as servers grow (Figure 10; ~5 min).
+bench-scale: $(STAMP)
+	@$(EXPERIMENT) scale --write-docs $(EXP_ARGS)

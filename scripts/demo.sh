@@ -2,9 +2,13 @@
 # `make demo`: the appliance in the namespace lab, on embedded defaults.
 #
 #   lab (prefix demo): client c1, switch sw, servers s1..s3
-#   sw: switchd (XDP on cl1, sv1..sv3; HTTP endpoint 127.0.0.1:9102 there),
-#       capybara-api on 127.0.0.1:8080 there (--switchd http://127.0.0.1:9102)
-#   s1..s3: hostagent, HTTP on VIP 198.18.100.1:80, migration + control on
+#   sw: `capybara run` (switchd with XDP on cl1, sv1..sv3 and its HTTP
+#       endpoint on 127.0.0.1:9102 there; the REST API + dashboard on
+#       127.0.0.1:8080 there; SQLite store in the state dir)
+#   s1..s3: nginx on 127.0.0.1:8081 (the demo application, a page naming
+#       the server) behind the hostagent sidecar (app = "sidecar",
+#       protocol = "http1") on VIP 198.18.100.1:80; migration, control and
+#       the migration policies on
 #   c1: capybara-loadgen, Zipf load over long-lived connections, in rounds
 #   root namespace: a TCP relay 127.0.0.1:8080 -> the API in sw (loopback only)
 #
@@ -12,16 +16,24 @@
 # tears everything down on any exit (also on error).
 # State and logs: target/demo/ (wiped at start); the admin token is also
 # written to test-output/demo/admin-token.
+# Knobs (tests run a second demo beside a developer's): CAPYBARA_LAB_PREFIX,
+# CAPYBARA_DEMO_PORT, CAPYBARA_DEMO_DIR, CAPYBARA_DEMO_OUT,
+# CAPYBARA_DEMO_SECONDS, CAPYBARA_DEMO_ROUND, CAPYBARA_DEMO_RATE,
+# CAPYBARA_BIN_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PREFIX=${CAPYBARA_LAB_PREFIX:-demo}
-DIR=$ROOT/target/demo
-OUT=$ROOT/test-output/demo
-API_PORT=8080
+# Tests run a second demo beside a developer's: these move its state and port.
+DIR=${CAPYBARA_DEMO_DIR:-$ROOT/target/demo}
+OUT=${CAPYBARA_DEMO_OUT:-$ROOT/test-output/demo}
+API_PORT=${CAPYBARA_DEMO_PORT:-8080}
 VIP=198.18.100.1
 SERVERS=3
 ROUND=${CAPYBARA_DEMO_ROUND:-20s}
+# Requests per second of the client load (keep-alive, 100 connections).
+RATE=${CAPYBARA_DEMO_RATE:-1000}
+APP_PORT=8081
 
 # Binaries: target/release (what `make setup` builds); CAPYBARA_BIN_DIR
 # overrides, per binary, when it holds that binary.
@@ -33,13 +45,13 @@ bin() {
   fi
 }
 CAPYBARA=$(bin capybara)
-SWITCHD=$(bin switchd)
 HOSTAGENT=$(bin hostagent)
-API=$(bin capybara-api)
 LOADGEN=$(bin capybara-loadgen)
-for b in "$CAPYBARA" "$SWITCHD" "$HOSTAGENT" "$API" "$LOADGEN"; do
+for b in "$CAPYBARA" "$HOSTAGENT" "$LOADGEN"; do
   [ -x "$b" ] || { echo "demo: missing $b (run \`make setup\`)" >&2; exit 1; }
 done
+NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+[ -x "$NGINX" ] || { echo "demo: missing nginx (run \`make setup\`, or apt-get install nginx-light)" >&2; exit 1; }
 [ -f "$ROOT/web-ui/dist/index.html" ] || { echo "demo: missing web-ui/dist (run \`make setup\`)" >&2; exit 1; }
 if [ "$(id -u)" != 0 ]; then echo "demo: needs root (network namespaces, eBPF)" >&2; exit 1; fi
 
@@ -61,6 +73,9 @@ cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
   sleep 0.5
   for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  for f in "$DIR"/nginx-s*/nginx.pid; do
+    [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true
+  done
   # Also kills whatever is left inside the lab's namespaces.
   "$CAPYBARA" lab down --prefix "$PREFIX" >/dev/null 2>&1 || "$CAPYBARA" lab down --prefix "$PREFIX" || true
   rm -f "$DIR/demo.pid"
@@ -96,8 +111,22 @@ echo $$ > "$DIR/demo.pid"
 od -An -tx1 -N32 /dev/urandom | tr -d ' \n' > "$DIR/deployment.key"
 chmod 600 "$DIR/deployment.key"
 
+# One appliance config: switchd (data plane + control plane) and the API with
+# the dashboard, sharing the SQLite store in the state dir.
 {
   cat <<EOF
+state_dir = "$DIR"
+
+[store]
+sqlite = "$DIR/store.db"
+
+[api]
+listen = "127.0.0.1:$API_PORT"
+static_dir = "$ROOT/web-ui/dist"
+admin_token_file = "$OUT/admin-token"
+switchd = ["http://127.0.0.1:9102"]
+
+[switchd]
 control_listen = "198.18.1.1:7692"
 key_file = "$DIR/deployment.key"
 placement = "maglev"
@@ -107,23 +136,58 @@ heartbeat_interval_ms = 100
 dead_after_ms = 1000
 closed_linger_ms = 5000
 metrics_listen = "127.0.0.1:9102"
-store = "sqlite:$DIR/store.db"
-[ha]
+
+[switchd.ha]
 enabled = false
-[[interfaces]]
+
+[[switchd.interfaces]]
 name = "cl1"
 role = "client"
 EOF
-  for j in $(seq 1 $SERVERS); do printf '[[interfaces]]\nname = "sv%d"\nrole = "server"\n' "$j"; done
+  for j in $(seq 1 $SERVERS); do printf '\n[[switchd.interfaces]]\nname = "sv%d"\nrole = "server"\n' "$j"; done
   cat <<EOF
-[[services]]
+
+[[switchd.services]]
 name = "web"
 vip = "$VIP:80"
 pool = []
 EOF
-} > "$DIR/switchd.toml"
+} > "$DIR/capybara.toml"
+"$CAPYBARA" --check "$DIR/capybara.toml" > "$DIR/check.log" 2>&1 || { cat "$DIR/check.log" >&2; fail "invalid appliance config"; }
 
 for j in $(seq 1 $SERVERS); do
+  # The demo application: nginx on the server's loopback, a page naming it.
+  nd="$DIR/nginx-s$j"
+  mkdir -p "$nd/html" "$nd/tmp"
+  cat > "$nd/html/index.html" <<EOF
+<!doctype html>
+<title>Capybara demo: s$j</title>
+<p>Served by <b>s$j</b> (nginx behind the hostagent sidecar).</p>
+EOF
+  cat > "$nd/nginx.conf" <<EOF
+daemon off;
+user root;
+worker_processes 1;
+pid $nd/nginx.pid;
+error_log $nd/error.log warn;
+events { worker_connections 1024; }
+http {
+  access_log off;
+  client_body_temp_path $nd/tmp/body;
+  proxy_temp_path $nd/tmp/proxy;
+  fastcgi_temp_path $nd/tmp/fastcgi;
+  uwsgi_temp_path $nd/tmp/uwsgi;
+  scgi_temp_path $nd/tmp/scgi;
+  keepalive_timeout 600s;
+  keepalive_requests 100000000;
+  default_type text/html;
+  server {
+    listen 127.0.0.1:$APP_PORT;
+    root $nd/html;
+    location / { index index.html; }
+  }
+}
+EOF
   cat > "$DIR/hostagent-s$j.toml" <<EOF
 name = "s$j"
 [interface]
@@ -133,7 +197,9 @@ address = "198.18.2.$((10 + j))"
 gateway = "198.18.1.1"
 [[service]]
 listen = "$VIP:80"
-app = "http"
+app = "sidecar"
+backend = "127.0.0.1:$APP_PORT"
+protocol = "http1"
 [migration]
 key_file = "$DIR/deployment.key"
 switch = "198.18.1.1"
@@ -141,6 +207,8 @@ switch = "198.18.1.1"
 switch = "198.18.1.1:7692"
 server_id = $j
 management = "198.18.1.$((10 + j))"
+[policy]
+enabled = true
 EOF
 done
 
@@ -149,26 +217,30 @@ echo "demo: building the lab ($PREFIX: c1, sw, s1..s$SERVERS)"
 "$CAPYBARA" lab up --prefix "$PREFIX" --servers "$SERVERS" > "$DIR/lab-up.log" 2>&1 || { cat "$DIR/lab-up.log" >&2; fail "lab up failed"; }
 NS() { echo "$PREFIX-$1"; }
 
-echo "demo: starting switchd"
-ip netns exec "$(NS sw)" "$SWITCHD" --config "$DIR/switchd.toml" > "$DIR/switchd.log" 2>&1 &
-PIDS+=($!)
+echo "demo: starting nginx on s1..s$SERVERS (127.0.0.1:$APP_PORT)"
+for j in $(seq 1 $SERVERS); do
+  ip netns exec "$(NS s$j)" "$NGINX" -p "$DIR/nginx-s$j" -c "$DIR/nginx-s$j/nginx.conf" \
+    > "$DIR/nginx-s$j.log" 2>&1 &
+  PIDS+=($!)
+done
+for j in $(seq 1 $SERVERS); do
+  wait_until 30 "nginx on s$j" ip netns exec "$(NS s$j)" curl -sf -m 1 -o /dev/null "http://127.0.0.1:$APP_PORT/"
+done
 
-echo "demo: starting hostagents on s1..s$SERVERS"
+echo "demo: starting the appliance (capybara run: switchd + API + dashboard)"
+ip netns exec "$(NS sw)" "$CAPYBARA" run "$DIR/capybara.toml" > "$DIR/capybara.log" 2>&1 &
+PIDS+=($!)
+wait_until 60 "the API" ip netns exec "$(NS sw)" curl -sf -m 1 -o /dev/null "http://127.0.0.1:$API_PORT/healthz"
+
+echo "demo: starting hostagents (sidecar -> nginx) on s1..s$SERVERS"
 for j in $(seq 1 $SERVERS); do
   ip netns exec "$(NS s$j)" "$HOSTAGENT" --config "$DIR/hostagent-s$j.toml" --metrics "198.18.1.$((10 + j)):9100" \
     > "$DIR/hostagent-s$j.log" 2>&1 &
   PIDS+=($!)
 done
-registered() { for j in $(seq 1 $SERVERS); do grep -q "registered s$j" "$DIR/switchd.log" || return 1; done; }
+registered() { for j in $(seq 1 $SERVERS); do grep -q "registered s$j" "$DIR/capybara.log" || return 1; done; }
 wait_until 60 "every server to register with switchd" registered
-wait_until 60 "the VIP to answer from c1" ip netns exec "$(NS c1)" curl -s -m 1 -o /dev/null "http://$VIP/"
-
-echo "demo: starting the API"
-ip netns exec "$(NS sw)" "$API" --store "sqlite:$DIR/store.db" --listen "127.0.0.1:$API_PORT" \
-  --admin-token-file "$OUT/admin-token" --static-dir "$ROOT/web-ui/dist" --switchd "http://127.0.0.1:9102" \
-  > "$DIR/api.log" 2>&1 &
-PIDS+=($!)
-wait_until 60 "the API" ip netns exec "$(NS sw)" curl -sf -m 1 -o /dev/null "http://127.0.0.1:$API_PORT/healthz"
+wait_until 60 "the VIP to answer from c1" ip netns exec "$(NS c1)" curl -sf -m 1 -o /dev/null "http://$VIP/"
 
 python3 "$ROOT/scripts/demo-relay.py" "127.0.0.1:$API_PORT" "/run/netns/$(NS sw)" "127.0.0.1:$API_PORT" > "$DIR/relay.log" 2>&1 &
 PIDS+=($!)
@@ -176,12 +248,12 @@ wait_until 20 "the API from the host" curl -sf -m 1 -o /dev/null "http://127.0.0
 cp "$OUT/admin-token" "$DIR/admin-token"
 TOKEN=$(cat "$OUT/admin-token")
 
-echo "demo: starting the client load (Zipf over 100 long-lived connections, rounds of $ROUND)"
+echo "demo: starting the client load (Zipf over 100 long-lived connections, $RATE req/s, rounds of $ROUND)"
 (
   round=0
   while [ ! -e "$DIR/stop" ]; do
     round=$((round + 1))
-    ip netns exec "$(NS c1)" "$LOADGEN" --target "$VIP:80" --rate 400 --conns 100 --dist zipf --zipf-alpha 1.2 \
+    ip netns exec "$(NS c1)" "$LOADGEN" --target "$VIP:80" --rate "$RATE" --conns 100 --dist zipf --zipf-alpha 1.2 \
       --duration "$ROUND" --seed "$round" >> "$DIR/loadgen.log" 2>&1 || sleep 1
   done
 ) &
@@ -192,10 +264,11 @@ cat <<TXT
 Capybara demo is up.
   Dashboard:    http://127.0.0.1:$API_PORT
   Admin token:  $TOKEN
-                (also in test-output/demo/admin-token)
-  API:          curl -H "Authorization: Bearer \$(cat test-output/demo/admin-token)" http://127.0.0.1:$API_PORT/v1/servers
+                (also in $OUT/admin-token)
+  API:          curl -H "Authorization: Bearer \$(cat $OUT/admin-token)" http://127.0.0.1:$API_PORT/v1/servers
   switchd:      ip netns exec $(NS sw) curl -s 127.0.0.1:9102/status
-  Logs, state:  target/demo/
+  A server:     ip netns exec $(NS c1) curl -s http://$VIP/
+  Logs, state:  $DIR/
 Press Ctrl-C (or run \`make demo-stop\` elsewhere) to stop it and tear everything down.
 TXT
 

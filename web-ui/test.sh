@@ -2,6 +2,8 @@
 # The dashboard's tests: the generated client is current, the UI typechecks
 # and builds, and the browser tests (pytest + playwright, headless Debian
 # chromium) pass against the real capybara-api serving web-ui/dist.
+# test_lab_dashboard.py drives the same browser against a running lab (the
+# demo deployment; needs root and the release binaries of `make build`).
 # Exits non-zero on any failure. Screenshots: test-output/ui/.
 #   env: CAPYBARA_API_BIN (skip the cargo build), SKIP_CLIENT_CHECK=1, PYTEST_ARGS
 set -euo pipefail
@@ -22,5 +24,5 @@ fi
 export PYTHONDONTWRITEBYTECODE=1
 mkdir -p "$root/test-output/ui"
 # Bounded: the fixture's waits are bounded too; this is the backstop.
-timeout 300 "$root/.venv/bin/python" -m pytest -p no:cacheprovider -q \
-    "$here/tests/test_dashboard.py" ${PYTEST_ARGS:-}
+timeout 600 "$root/.venv/bin/python" -m pytest -p no:cacheprovider -q \
+    "$here/tests/test_dashboard.py" "$here/tests/test_lab_dashboard.py" ${PYTEST_ARGS:-}

@@ -16,3 +16,6 @@ cp "$API_DIR/clients/rust/.openapi-generator-ignore" "$OUT/rust/" 2>/dev/null ||
 "$GEN" generate -i "$API_DIR/openapi.yaml" -g rust -o "$OUT/rust" \
   --package-name capybara-api-client \
   --additional-properties=packageVersion=1.0.0,reqwestDefaultFeatures=,supportAsync=true,avoidBoxedModels=true >/dev/null
+# The Rust client is committed as `cargo fmt` leaves it, so that formatting
+# the workspace never touches generated code (rustfmt follows the modules).
+rustfmt --edition "$(sed -n 's/^edition = "\(.*\)"/\1/p' "$OUT/rust/Cargo.toml")" "$OUT/rust/src/lib.rs"

@@ -14,7 +14,7 @@
 //!   mode stops with `timed_out`, leaving them untouched.
 //! The switchd-backed implementation replaces all of this with live data.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -106,7 +106,7 @@ pub struct MigrationView {
     pub target: Option<u32>,
     /// in_progress | succeeded | rejected | aborted | timed_out
     pub outcome: &'static str,
-    /// manual | drain | proactive | reactive
+    /// manual | drain | proactive | reactive | churn | unknown
     pub trigger: &'static str,
     pub reason: Option<String>,
     pub started_unix_ms: u64,
@@ -239,8 +239,12 @@ impl StoreControlPlane {
     fn spawn_supervisor(self: &Arc<Self>, server: ServerId, started: u64) {
         let me = Arc::clone(self);
         let handle = tokio::spawn(async move {
+            // The server's flows at the previous step: a flow that left
+            // since is `migrated` if the store maps it to another server
+            // now, `closed` if it is gone.
+            let mut prev: Option<HashSet<FlowKey>> = None;
             loop {
-                match me.supervise_once(server, started).await {
+                match me.supervise_once(server, started, &mut prev).await {
                     Ok(true) => tokio::time::sleep(DRAIN_POLL).await,
                     Ok(false) => break,
                     Err(e) => {
@@ -262,7 +266,12 @@ impl StoreControlPlane {
 
     /// One step of a drain; `Ok(false)` when the drain is over (or was
     /// cancelled or replaced).
-    async fn supervise_once(&self, server: ServerId, started: u64) -> Result<bool, Problem> {
+    async fn supervise_once(
+        &self,
+        server: ServerId,
+        started: u64,
+        prev: &mut Option<HashSet<FlowKey>>,
+    ) -> Result<bool, Problem> {
         let Some(d) = self.store.get_drain(server).await? else {
             return Ok(false);
         };
@@ -273,9 +282,22 @@ impl StoreControlPlane {
         let remaining = flows.len() as u64;
         let mut progress = d.progress;
         progress.flows_remaining = remaining;
-        progress.flows_closed = progress
-            .flows_total
-            .saturating_sub(remaining + progress.flows_migrated);
+        let now_set: HashSet<FlowKey> = flows.iter().copied().collect();
+        if let Some(before) = prev.as_ref() {
+            for k in before.difference(&now_set) {
+                match self.store.get_flow(k).await? {
+                    Some(owner) if owner != server => progress.flows_migrated += 1,
+                    _ => progress.flows_closed += 1,
+                }
+            }
+        } else {
+            // First step of this supervisor (drain start, or the API
+            // restarted): flows that left while nobody watched are counted
+            // as closed unless the persisted progress already has them.
+            let accounted = remaining + progress.flows_migrated + progress.flows_closed;
+            progress.flows_closed += progress.flows_total.saturating_sub(accounted);
+        }
+        *prev = Some(now_set);
         let now = unix_ms_now();
         if remaining == 0 {
             self.finish(server, progress, DrainState::Completed).await?;

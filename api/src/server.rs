@@ -181,6 +181,7 @@ pub fn routes(cfg: &mut web::ServiceConfig, static_dir: Option<PathBuf>) {
             .route(web::post().to(create_token)),
     )
     .service(resource("/v1/tokens/{token_id}", "DELETE").route(web::delete().to(revoke_token)))
+    .service(resource("/v1/whoami", "GET").route(web::get().to(whoami)))
     .service(resource("/v1/events", "GET").route(web::get().to(events::stream)))
     .service(resource("/v1/audit", "GET").route(web::get().to(list_audit)))
     .service(resource("/metrics", "GET").route(web::get().to(crate::metrics::metrics)))
@@ -1066,6 +1067,12 @@ fn db_problem(e: ApiDbError) -> Problem {
             Problem::internal(other.to_string())
         }
     }
+}
+
+/// Any valid token may ask who it is (the dashboard hides what it may not do).
+async fn whoami(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
+    let who = authorize(&req, st(&data), Role::Viewer, false)?;
+    Ok(ok(&who.token))
 }
 
 async fn list_tokens(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<HttpResponse> {

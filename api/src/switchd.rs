@@ -15,11 +15,19 @@
 //!   outcome is followed from the store: `succeeded` once the mapping names
 //!   another server, `timed_out` if it has not moved within
 //!   `MIGRATION_WATCH`.
+//! - every migration the servers finish (requested here, by a drain, by the
+//!   proactive or reactive policy, by the hostagent's churn option) is
+//!   reported by the origin (and the target) to switchd in MIGRATION_REPORT
+//!   messages; a poller reads switchd's `GET /migrations?after=SEQ` every
+//!   `REPORT_POLL` and merges them into the migration log with their
+//!   trigger, outcome and phase timings (a requested migration's entry is
+//!   completed by its report). Outcome counters and per-phase histograms
+//!   for `/metrics` are cumulative, counted once per migration.
 //!
 //! An unreachable or failing switchd is a 503 problem naming the URL, never
 //! a panic.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -45,6 +53,14 @@ const MIGRATION_WATCH: Duration = Duration::from_secs(5);
 const MIGRATION_POLL: Duration = Duration::from_millis(100);
 /// Migrations kept for `recent_migrations`.
 const MIGRATION_LOG: usize = 1000;
+/// How often switchd's reported migrations are polled.
+const REPORT_POLL: Duration = Duration::from_millis(200);
+/// Reports asked for per `/migrations` request.
+const REPORT_PAGE: usize = 1000;
+/// Target reports waiting for their origin's report (by migration id).
+const PENDING_IMPORTS: usize = 4096;
+/// Requested migrations waiting for their report.
+const PENDING_MANUAL: usize = 1024;
 
 /// One server of switchd's `/status` (only the fields the API uses).
 #[derive(Debug, Clone, Deserialize)]
@@ -169,9 +185,355 @@ impl SwitchdHttp {
     }
 }
 
+/// One entry of switchd's `GET /migrations` (a server's MIGRATION_REPORT).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ReportedMigration {
+    pub seq: u64,
+    /// TCPMig migration id (origin data address << 32 | counter).
+    pub migration_id: u64,
+    /// Server that reported it.
+    pub reporter: u32,
+    /// `origin` or `target`.
+    pub role: String,
+    /// The other party's server id, when switchd knows it.
+    #[serde(default)]
+    pub peer: Option<u32>,
+    /// `CLIENT_IP:PORT`.
+    pub client: String,
+    /// `VIP:PORT`.
+    pub service: String,
+    /// migrated_out | resumed | lost | migrated_in | aborted_in | import_failed
+    pub outcome: String,
+    /// manual | drain | proactive | reactive | churn | unknown
+    pub trigger: String,
+    #[serde(default)]
+    pub reason: Option<String>,
+    pub finished_unix_ms: u64,
+    #[serde(default)]
+    pub phases: ReportedPhases,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ReportedPhases {
+    #[serde(default)]
+    pub prepare_us: Option<u64>,
+    #[serde(default)]
+    pub export_us: Option<u64>,
+    #[serde(default)]
+    pub transfer_us: Option<u64>,
+    #[serde(default)]
+    pub import_us: Option<u64>,
+    #[serde(default)]
+    pub total_us: Option<u64>,
+}
+
+/// switchd's `GET /migrations` answer.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ReportPage {
+    /// A new epoch is a new switchd process: its `seq` restarts at 1.
+    pub epoch: u32,
+    /// The `seq` of switchd's next report.
+    pub next: u64,
+    #[serde(default)]
+    pub items: Vec<ReportedMigration>,
+}
+
+/// Parses switchd's `/migrations` body.
+pub fn parse_report_page(body: &str) -> Result<ReportPage, Problem> {
+    serde_json::from_str(body).map_err(|e| {
+        Problem::unavailable(format!("switchd returned an unreadable /migrations: {e}"))
+    })
+}
+
+/// The API's outcome of a reported migration (and the reason, if any).
+fn report_outcome(r: &ReportedMigration) -> (&'static str, Option<String>) {
+    let reason = r.reason.clone();
+    match r.outcome.as_str() {
+        "migrated_out" | "migrated_in" => ("succeeded", None),
+        "resumed" => match reason.as_deref() {
+            Some("timeout") => ("timed_out", reason),
+            // The target said no (capacity, draining, policy, duplicate).
+            Some("no_capacity" | "draining" | "policy" | "duplicate_flow") => ("rejected", reason),
+            _ => ("aborted", reason),
+        },
+        "lost" => (
+            "aborted",
+            Some(format!(
+                "connection lost: the target never confirmed ({})",
+                reason.as_deref().unwrap_or("no reason given")
+            )),
+        ),
+        "import_failed" => (
+            "aborted",
+            Some("the target could not import the connection".into()),
+        ),
+        _ => ("aborted", reason),
+    }
+}
+
+fn report_trigger(t: &str) -> &'static str {
+    match t {
+        "manual" => "manual",
+        "drain" => "drain",
+        "proactive" => "proactive",
+        "reactive" => "reactive",
+        "churn" => "churn",
+        _ => "unknown",
+    }
+}
+
+fn empty_histogram() -> Histogram {
+    Histogram {
+        buckets: PHASE_BUCKETS_SECONDS.iter().map(|b| (*b, 0)).collect(),
+        sum: 0.0,
+        count: 0,
+    }
+}
+
+struct LogEntry {
+    view: MigrationView,
+    /// TCPMig id, once a report named it.
+    wire_id: Option<u64>,
+    /// An origin report filled it (a requested migration's store watch
+    /// must not overwrite it).
+    reported: bool,
+    /// Counted in `by_outcome`.
+    counted: bool,
+}
+
 struct MigrationLog {
     next_id: u64,
-    items: VecDeque<MigrationView>,
+    items: VecDeque<LogEntry>,
+    /// Cumulative (Prometheus counters never go down, whatever the log drops).
+    by_outcome: BTreeMap<&'static str, u64>,
+    phases: BTreeMap<&'static str, Histogram>,
+    /// Target reports whose origin report has not come yet:
+    /// (migration id, target, import_us).
+    pending_imports: VecDeque<(u64, u32, Option<u64>)>,
+    /// Requested migrations not reported yet: (connection, log id).
+    pending_manual: VecDeque<(String, u64)>,
+    /// switchd's epoch and the last `seq` read from it.
+    epoch: Option<u32>,
+    cursor: u64,
+}
+
+impl MigrationLog {
+    fn new() -> Self {
+        MigrationLog {
+            next_id: 1,
+            items: VecDeque::new(),
+            by_outcome: MIGRATION_OUTCOMES.iter().map(|o| (*o, 0)).collect(),
+            phases: MIGRATION_PHASES
+                .iter()
+                .map(|p| (*p, empty_histogram()))
+                .collect(),
+            pending_imports: VecDeque::new(),
+            pending_manual: VecDeque::new(),
+            epoch: None,
+            cursor: 0,
+        }
+    }
+
+    fn alloc_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    fn observe(&mut self, phase: &'static str, us: Option<u64>) {
+        let (Some(us), Some(h)) = (us, self.phases.get_mut(phase)) else {
+            return;
+        };
+        let s = us as f64 / 1e6;
+        h.sum += s;
+        h.count += 1;
+        for (b, c) in h.buckets.iter_mut() {
+            if s <= *b {
+                *c += 1;
+            }
+        }
+    }
+
+    fn count_outcome(&mut self, i: usize) {
+        let e = &mut self.items[i];
+        if e.counted || e.view.outcome == "in_progress" {
+            return;
+        }
+        e.counted = true;
+        if let Some(n) = self.by_outcome.get_mut(e.view.outcome) {
+            *n += 1;
+        }
+    }
+
+    fn index_of(&self, id: u64) -> Option<usize> {
+        self.items.iter().position(|e| e.view.id == id)
+    }
+
+    fn push(&mut self, e: LogEntry) -> usize {
+        self.items.push_back(e);
+        while self.items.len() > MIGRATION_LOG {
+            self.items.pop_front();
+        }
+        self.items.len() - 1
+    }
+
+    /// Adds or updates an entry; returns where it is.
+    fn upsert(&mut self, view: &MigrationView) -> usize {
+        match self.index_of(view.id) {
+            Some(i) => {
+                self.items[i].view = view.clone();
+                i
+            }
+            None => self.push(LogEntry {
+                view: view.clone(),
+                wire_id: None,
+                reported: false,
+                counted: false,
+            }),
+        }
+    }
+
+    /// A store watch's verdict on a requested migration, unless its report
+    /// already told the real outcome. Returns the entry to publish.
+    fn finish_watched(&mut self, view: &MigrationView) -> Option<MigrationView> {
+        if let Some(i) = self.index_of(view.id) {
+            if self.items[i].reported {
+                return None;
+            }
+        }
+        let i = self.upsert(view);
+        self.count_outcome(i);
+        Some(self.items[i].view.clone())
+    }
+
+    /// Merges one of switchd's reports; returns the entry to publish.
+    fn apply_report(&mut self, r: &ReportedMigration) -> Option<MigrationView> {
+        let connection = format!("{}-{}", r.client, r.service);
+        if r.role != "origin" {
+            // The target's side: the import phase and who the target is.
+            let i = self
+                .items
+                .iter()
+                .rposition(|e| e.wire_id == Some(r.migration_id));
+            let Some(i) = i else {
+                if self.pending_imports.len() >= PENDING_IMPORTS {
+                    self.pending_imports.pop_front();
+                }
+                self.pending_imports
+                    .push_back((r.migration_id, r.reporter, r.phases.import_us));
+                return None;
+            };
+            self.items[i].view.target = Some(r.reporter);
+            if self.items[i].view.phases.import_us.is_none() {
+                self.items[i].view.phases.import_us = r.phases.import_us;
+                self.observe("import", r.phases.import_us);
+            }
+            return Some(self.items[i].view.clone());
+        }
+        let (outcome, reason) = report_outcome(r);
+        let total = r.phases.total_us;
+        let started = r
+            .finished_unix_ms
+            .saturating_sub(total.map_or(0, |us| us / 1000));
+        let mut phases = MigrationPhases {
+            prepare_us: r.phases.prepare_us,
+            export_us: r.phases.export_us,
+            transfer_us: r.phases.transfer_us,
+            import_us: None,
+            total_us: total,
+        };
+        let mut target = r.peer;
+        if let Some(k) = self
+            .pending_imports
+            .iter()
+            .position(|(id, _, _)| *id == r.migration_id)
+        {
+            if let Some((_, t, import)) = self.pending_imports.remove(k) {
+                target = Some(t);
+                phases.import_us = import;
+            }
+        }
+        for (p, us) in [
+            ("prepare", phases.prepare_us),
+            ("export", phases.export_us),
+            ("transfer", phases.transfer_us),
+            ("import", phases.import_us),
+            ("total", phases.total_us),
+        ] {
+            self.observe(p, us);
+        }
+        // A migration requested through the API: complete its entry.
+        let requested = if r.trigger == "manual" {
+            self.pending_manual
+                .iter()
+                .position(|(c, _)| *c == connection)
+                .and_then(|k| self.pending_manual.remove(k))
+                .and_then(|(_, id)| self.index_of(id))
+        } else {
+            None
+        };
+        let i = match requested {
+            Some(i) => {
+                let v = &mut self.items[i].view;
+                v.target = target.or(v.target);
+                v.outcome = outcome;
+                v.reason = reason;
+                v.finished_unix_ms = Some(r.finished_unix_ms);
+                v.phases = phases;
+                i
+            }
+            None => {
+                let id = self.alloc_id();
+                self.push(LogEntry {
+                    view: MigrationView {
+                        id,
+                        connection,
+                        origin: r.reporter,
+                        target,
+                        outcome,
+                        trigger: report_trigger(&r.trigger),
+                        reason,
+                        started_unix_ms: started,
+                        finished_unix_ms: Some(r.finished_unix_ms),
+                        phases,
+                    },
+                    wire_id: None,
+                    reported: false,
+                    counted: false,
+                })
+            }
+        };
+        self.items[i].wire_id = Some(r.migration_id);
+        self.items[i].reported = true;
+        self.count_outcome(i);
+        Some(self.items[i].view.clone())
+    }
+
+    /// Merges a `/migrations` page; returns the entries to publish and
+    /// whether more may be waiting.
+    fn apply_page(&mut self, page: &ReportPage) -> (Vec<MigrationView>, bool) {
+        if self.epoch != Some(page.epoch) || page.next <= self.cursor {
+            // Another switchd process (takeover, restart): its seqs restart.
+            let fresh = self.epoch.is_some() && self.epoch != Some(page.epoch);
+            self.epoch = Some(page.epoch);
+            if fresh || page.next <= self.cursor {
+                self.cursor = 0;
+                return (Vec::new(), true);
+            }
+        }
+        let mut out = Vec::new();
+        for r in &page.items {
+            if r.seq <= self.cursor {
+                continue;
+            }
+            self.cursor = r.seq;
+            if let Some(v) = self.apply_report(r) {
+                out.push(v);
+            }
+        }
+        let more = page.items.len() >= REPORT_PAGE && self.cursor + 1 < page.next;
+        (out, more)
+    }
 }
 
 pub struct SwitchdControlPlane {
@@ -189,16 +551,15 @@ impl SwitchdControlPlane {
         switchd_url: &str,
     ) -> Result<Arc<Self>, Problem> {
         let (events, _) = broadcast::channel(256);
-        Ok(Arc::new(SwitchdControlPlane {
+        let cp = Arc::new(SwitchdControlPlane {
             inner,
             store,
             http: SwitchdHttp::new(switchd_url)?,
             events,
-            log: Arc::new(Mutex::new(MigrationLog {
-                next_id: 1,
-                items: VecDeque::new(),
-            })),
-        }))
+            log: Arc::new(Mutex::new(MigrationLog::new())),
+        });
+        cp.start_report_poller();
+        Ok(cp)
     }
 
     pub fn http(&self) -> &SwitchdHttp {
@@ -207,16 +568,65 @@ impl SwitchdControlPlane {
 
     fn record(&self, m: &MigrationView) {
         let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(old) = log.items.iter_mut().find(|x| x.id == m.id) {
-            *old = m.clone();
-        } else {
-            log.items.push_back(m.clone());
-            while log.items.len() > MIGRATION_LOG {
-                log.items.pop_front();
-            }
-        }
+        log.upsert(m);
         drop(log);
         let _ = self.events.send(ControlEvent::Migration(m.clone()));
+    }
+
+    /// Starts polling switchd's reported migrations (`GET /migrations`)
+    /// into the log, until the control plane is dropped. Needs a tokio
+    /// runtime (without one, e.g. in a plain unit test, nothing is polled).
+    pub fn start_report_poller(self: &Arc<Self>) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let me = Arc::downgrade(self);
+        rt.spawn(async move {
+            let mut tick = tokio::time::interval(REPORT_POLL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut failing = false;
+            loop {
+                tick.tick().await;
+                let Some(cp) = me.upgrade() else { break };
+                // Bounded: a few pages per tick, the rest next tick.
+                for _ in 0..8 {
+                    match cp.poll_reports_once().await {
+                        Ok(true) => continue,
+                        Ok(false) => {
+                            failing = false;
+                            break;
+                        }
+                        Err(e) => {
+                            if !failing {
+                                tracing::debug!(error = %e, "polling switchd's reported migrations failed; retrying");
+                            }
+                            failing = true;
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// Reads one page of switchd's reported migrations into the log and
+    /// publishes the entries it changed. `Ok(true)` when more are waiting.
+    pub async fn poll_reports_once(&self) -> Result<bool, Problem> {
+        let cursor = self.log.lock().unwrap_or_else(|p| p.into_inner()).cursor;
+        let body = self
+            .http
+            .get(&format!("/migrations?after={cursor}&limit={REPORT_PAGE}"))
+            .await?;
+        let page = parse_report_page(&body)?;
+        let (changed, more) = self
+            .log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .apply_page(&page);
+        for v in changed {
+            let _ = self.events.send(ControlEvent::Migration(v));
+        }
+        Ok(more)
     }
 
     /// Follows a requested migration in the store until the mapping moves.
@@ -252,7 +662,14 @@ impl SwitchdControlPlane {
             let now = unix_ms_now();
             v.finished_unix_ms = Some(now);
             v.phases.total_us = Some(now.saturating_sub(v.started_unix_ms) * 1000);
-            me.record(&v);
+            let publish = me
+                .log
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .finish_watched(&v);
+            if let Some(v) = publish {
+                let _ = me.events.send(ControlEvent::Migration(v));
+            }
         });
     }
 }
@@ -325,8 +742,12 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
             .await?;
         let id = {
             let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
-            let id = log.next_id;
-            log.next_id += 1;
+            let id = log.alloc_id();
+            // Its origin's report (trigger `manual`) completes this entry.
+            if log.pending_manual.len() >= PENDING_MANUAL {
+                log.pending_manual.pop_front();
+            }
+            log.pending_manual.push_back((connection_id(&conn), id));
             id
         };
         let view = MigrationView {
@@ -352,8 +773,12 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
         limit: usize,
     ) -> Result<Vec<MigrationView>, Problem> {
         let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
-        let mut v: Vec<MigrationView> =
-            log.items.iter().filter(|m| m.id > after).cloned().collect();
+        let mut v: Vec<MigrationView> = log
+            .items
+            .iter()
+            .filter(|m| m.view.id > after)
+            .map(|m| m.view.clone())
+            .collect();
         v.sort_by_key(|m| m.id);
         v.truncate(limit);
         Ok(v)
@@ -397,49 +822,11 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
     }
 
     fn migration_metrics(&self) -> MigrationMetrics {
-        let mut m = MigrationMetrics::default();
-        for o in MIGRATION_OUTCOMES {
-            m.by_outcome.insert(o, 0);
+        let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+        MigrationMetrics {
+            by_outcome: log.by_outcome.clone(),
+            phase_histograms: log.phases.clone(),
         }
-        let mut total = Histogram {
-            buckets: PHASE_BUCKETS_SECONDS.iter().map(|b| (*b, 0)).collect(),
-            sum: 0.0,
-            count: 0,
-        };
-        for x in self
-            .log
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .items
-            .iter()
-        {
-            if let Some(n) = m.by_outcome.get_mut(x.outcome) {
-                *n += 1;
-            }
-            if let Some(us) = x.phases.total_us {
-                let s = us as f64 / 1e6;
-                total.sum += s;
-                total.count += 1;
-                for (b, c) in total.buckets.iter_mut() {
-                    if s <= *b {
-                        *c += 1;
-                    }
-                }
-            }
-        }
-        for p in MIGRATION_PHASES {
-            let h = if p == "total" {
-                total.clone()
-            } else {
-                Histogram {
-                    buckets: PHASE_BUCKETS_SECONDS.iter().map(|b| (*b, 0)).collect(),
-                    sum: 0.0,
-                    count: 0,
-                }
-            };
-            m.phase_histograms.insert(p, h);
-        }
-        m
     }
 }
 
@@ -501,6 +888,144 @@ mod tests {
             migrate_path(ServerId(2), &k, Some(Ipv4Addr::new(198, 18, 2, 13))),
             "/migrate?server=2&client=198.18.0.11:40000&service=198.18.100.1:80&target=198.18.2.13"
         );
+    }
+
+    fn report_json(seq: u64, id: u64, role: &str, outcome: &str, trigger: &str) -> String {
+        format!(
+            r#"{{"seq": {seq}, "migration_id": {id}, "reporter": {rep}, "role": "{role}",
+                "peer": {peer}, "peer_addr": null, "client": "198.18.0.11:40000",
+                "service": "198.18.100.1:80", "outcome": "{outcome}", "trigger": "{trigger}",
+                "reason": {reason}, "finished_unix_ms": 10000,
+                "phases": {{"prepare_us": 40, "export_us": 9, "transfer_us": 78,
+                            "import_us": {import}, "total_us": {total}}},
+                "fragments": 1, "snapshot_bytes": 900, "segments_buffered": 0, "bytes_buffered": 0}}"#,
+            rep = if role == "origin" { 1 } else { 2 },
+            peer = if role == "origin" { 2 } else { 1 },
+            reason = if outcome == "resumed" {
+                "\"timeout\""
+            } else {
+                "null"
+            },
+            import = if role == "origin" { "null" } else { "12" },
+            total = if outcome == "resumed" { "null" } else { "2000" },
+        )
+    }
+
+    fn page(epoch: u32, next: u64, items: &[String]) -> ReportPage {
+        parse_report_page(&format!(
+            r#"{{"epoch": {epoch}, "next": {next}, "oldest": 1, "received": 0, "overwritten": 0,
+                "items": [{}]}}"#,
+            items.join(",")
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn reported_migrations_merge_into_the_log_and_metrics() {
+        let mut log = MigrationLog::new();
+        // The target's report first, then its origin's: one entry.
+        let (v, more) = log.apply_page(&page(
+            7,
+            4,
+            &[
+                report_json(1, 0xc612_020b_0000_0001, "target", "migrated_in", "unknown"),
+                report_json(2, 0xc612_020b_0000_0001, "origin", "migrated_out", "drain"),
+                report_json(3, 0xc612_020b_0000_0002, "origin", "resumed", "reactive"),
+            ],
+        ));
+        assert!(!more);
+        assert_eq!(v.len(), 2);
+        let m = &v[0];
+        assert_eq!(
+            (m.trigger, m.outcome, m.origin, m.target),
+            ("drain", "succeeded", 1, Some(2))
+        );
+        assert_eq!(m.phases.prepare_us, Some(40));
+        assert_eq!(
+            m.phases.import_us,
+            Some(12),
+            "merged from the target's report"
+        );
+        assert_eq!(m.phases.total_us, Some(2000));
+        assert_eq!(m.started_unix_ms, 9998, "finished minus the 2 ms total");
+        assert_eq!(m.connection, "198.18.0.11:40000-198.18.100.1:80");
+        let r = &v[1];
+        assert_eq!((r.trigger, r.outcome), ("reactive", "timed_out"));
+        assert_eq!(r.reason.as_deref(), Some("timeout"));
+        assert_eq!(r.phases.total_us, None);
+        assert_eq!(log.cursor, 3);
+        // The same page again (a retried poll) changes nothing.
+        let before = log.items.len();
+        log.apply_page(&page(
+            7,
+            4,
+            &[report_json(3, 2, "origin", "migrated_out", "churn")],
+        ));
+        assert_eq!(log.items.len(), before);
+        assert_eq!(log.by_outcome["succeeded"], 1);
+        assert_eq!(log.by_outcome["timed_out"], 1);
+        assert_eq!(log.phases["total"].count, 1);
+        assert_eq!(log.phases["import"].count, 1);
+        assert_eq!(log.phases["prepare"].count, 2);
+        // 40 us lands in the 50 us bucket and above, not in 10 us.
+        let prepare = &log.phases["prepare"];
+        assert_eq!(prepare.buckets[2], (1e-5, 0));
+        assert_eq!(prepare.buckets[3], (5e-5, 2));
+        // A new switchd (takeover): its seqs restart, the cursor follows.
+        let (v, more) = log.apply_page(&page(
+            8,
+            2,
+            &[report_json(1, 9, "origin", "migrated_out", "churn")],
+        ));
+        assert!(v.is_empty() && more);
+        assert_eq!(log.cursor, 0);
+        let (v, _) = log.apply_page(&page(
+            8,
+            2,
+            &[report_json(1, 9, "origin", "migrated_out", "churn")],
+        ));
+        assert_eq!(v[0].trigger, "churn");
+        assert_eq!(log.by_outcome["succeeded"], 2);
+    }
+
+    #[test]
+    fn a_requested_migration_is_completed_by_its_report() {
+        let mut log = MigrationLog::new();
+        let id = log.alloc_id();
+        let conn = "198.18.0.11:40000-198.18.100.1:80".to_string();
+        log.pending_manual.push_back((conn.clone(), id));
+        log.upsert(&MigrationView {
+            id,
+            connection: conn,
+            origin: 1,
+            target: None,
+            outcome: "in_progress",
+            trigger: "manual",
+            reason: None,
+            started_unix_ms: 9990,
+            finished_unix_ms: None,
+            phases: MigrationPhases::default(),
+        });
+        let (v, _) = log.apply_page(&page(
+            1,
+            2,
+            &[report_json(1, 5, "origin", "migrated_out", "manual")],
+        ));
+        assert_eq!(v.len(), 1);
+        assert_eq!(
+            (v[0].id, v[0].outcome, v[0].target),
+            (id, "succeeded", Some(2))
+        );
+        assert_eq!(log.items.len(), 1);
+        // The store watch finishing later does not overwrite the report.
+        let mut watched = v[0].clone();
+        watched.outcome = "timed_out";
+        watched.phases = MigrationPhases::default();
+        assert!(log.finish_watched(&watched).is_none());
+        assert_eq!(log.items[0].view.outcome, "succeeded");
+        assert_eq!(log.by_outcome["succeeded"], 1);
+        assert_eq!(log.by_outcome["timed_out"], 0);
+        assert!(parse_report_page("{}").is_err());
     }
 
     #[test]

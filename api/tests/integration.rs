@@ -214,6 +214,20 @@ async fn roles_validation_and_audit() {
     .await;
     assert_eq!((s, ct.as_str()), (422, "application/problem+json"));
     assert_eq!(v["field"], "heartbeat_interval_ms");
+    // A bound holds to the last bit: the next double above the maximum is
+    // rejected, not rounded down while parsing (found by schemathesis).
+    let (s, v, _) = call(
+        "PATCH",
+        format!("{}/v1/policy", api.url),
+        Some(&operator),
+        Some(json!({"proactive_threshold_pct": 1000.0000000000001_f64})),
+    )
+    .await;
+    assert_eq!(
+        (s, v["field"].as_str()),
+        (422, Some("proactive_threshold_pct")),
+        "{v}"
+    );
     let (s, v, _) = call(
         "POST",
         format!("{}/v1/servers/1/drain", api.url),
@@ -333,11 +347,18 @@ async fn drain_survives_api_restart_and_completes() {
         assert!(Instant::now() < deadline, "progress not updated: {d}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // The last flow moves to another server (what a migration does to the
+    // store): counted as migrated, not closed.
     api.store
-        .apply_flows(&[FlowOp::Delete { key: flow(3) }])
+        .apply_flows(&[FlowOp::Put {
+            key: flow(3),
+            server: ServerId(id as u32 + 100),
+        }])
         .await
         .unwrap();
-    wait_drain(&api, &token, id, "completed").await;
+    let d = wait_drain(&api, &token, id, "completed").await;
+    assert_eq!(d["progress"]["flows_migrated"], 1, "{d}");
+    assert_eq!(d["progress"]["flows_closed"], 2, "{d}");
     let (_, srv, _) = call(
         "GET",
         format!("{}/v1/servers/{id}", api.url),

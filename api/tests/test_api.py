@@ -276,3 +276,18 @@ def test_load_events_arrive(server, admin):
                 assert d["data_source"] == "store"
                 assert d["servers"] == [{"id": 1, "connections": 0, "load_pps": None}]
                 break
+
+
+def test_whoami_names_the_callers_token_and_role(server, admin):
+    for role in ["viewer", "operator", "admin"]:
+        secret = make_token(server, role, f"who-{role}")
+        r = requests.get(f"{server.url}/v1/whoami", headers=h(secret), timeout=5)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["name"] == f"who-{role}" and body["role"] == role and body["revoked"] is False
+        assert "secret" not in body
+    r = requests.get(f"{server.url}/v1/whoami", timeout=5)
+    assert r.status_code == 401
+    problem(r)
+    me = cc.TokensApi(admin).whoami()
+    assert me.role == "admin"

@@ -1,10 +1,17 @@
 //! `capybara`: the appliance binary.
 //!
-//! Today it builds and drives the network-namespace lab (`capybara lab ...`);
-//! the single-box appliance (switchd + api + dashboard from one config file)
-//! joins it as those components land. Every bad flag or config value ends in
-//! one line on stderr naming the value, and exit status 2.
+//! ```text
+//! capybara run CONFIG          switchd + api + dashboard from one config file
+//! capybara --config CONFIG     the same
+//! capybara --check CONFIG      validate the config (and the key file), exit
+//! capybara lab ...             the network-namespace lab
+//! capybara ctl ...             operate a running appliance through its REST API
+//! ```
+//!
+//! Every bad flag or config value ends in one line on stderr naming the
+//! value, and exit status 2.
 
+mod appliance;
 mod lab;
 
 use clap::{Args, Parser, Subcommand};
@@ -19,12 +26,24 @@ use std::process::ExitCode;
     about = "Capybara: live TCP migration load balancer"
 )]
 struct Cli {
+    /// Run the appliance from this config file (same as `capybara run CONFIG`).
+    #[arg(long, value_name = "CONFIG", conflicts_with = "check")]
+    config: Option<String>,
+    /// Validate this appliance config file (and the deployment key), then exit.
+    #[arg(long, value_name = "CONFIG")]
+    check: Option<String>,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run switchd, the REST API and the dashboard from one config file
+    /// (docs/OPERATIONS.md); SIGTERM/SIGINT stops gracefully.
+    Run {
+        /// The appliance config (TOML).
+        config: String,
+    },
     /// Build, inspect and tear down the network-namespace lab.
     Lab {
         #[command(subcommand)]
@@ -329,11 +348,44 @@ fn lab_command(cmd: LabCommand) -> Result<ExitCode, UsageError> {
     }
 }
 
+fn load_appliance(path: &str) -> Result<appliance::config::ApplianceConfig, UsageError> {
+    appliance::config::ApplianceConfig::load(std::path::Path::new(path))
+        .map_err(|e| UsageError(e.to_string()))
+}
+
+fn check_command(path: &str) -> Result<ExitCode, UsageError> {
+    let cfg = load_appliance(path)?;
+    cfg.check_files().map_err(|e| UsageError(e.to_string()))?;
+    println!("capybara: config {path} OK: {}", cfg.summary());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_command(path: &str) -> Result<ExitCode, UsageError> {
+    let cfg = load_appliance(path)?;
+    cfg.check_files().map_err(|e| UsageError(e.to_string()))?;
+    match appliance::run(cfg) {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        Err(e) => {
+            eprintln!("capybara: {e:#}");
+            Ok(ExitCode::from(1))
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Lab { command } => lab_command(command),
-        Command::Ctl { args } => {
+    let result = match (cli.command, cli.check, cli.config) {
+        (Some(_), Some(_), _) | (Some(_), _, Some(_)) => Err(UsageError(
+            "--check/--config cannot be combined with a subcommand".into(),
+        )),
+        (None, Some(path), _) => check_command(&path),
+        (None, None, Some(path)) => run_command(&path),
+        (None, None, None) => Err(UsageError(
+            "nothing to do: `capybara run CONFIG`, `capybara --check CONFIG`, `capybara lab ...` or `capybara ctl ...` (--help)".into(),
+        )),
+        (Some(Command::Run { config }), None, None) => run_command(&config),
+        (Some(Command::Lab { command }), None, None) => lab_command(command),
+        (Some(Command::Ctl { args }), None, None) => {
             let code = capybara_api::ctl::ctl_main(args);
             return ExitCode::from(u8::try_from(code).unwrap_or(1));
         }

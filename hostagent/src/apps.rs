@@ -7,6 +7,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::{Request, Response};
 use sha2::{Digest, Sha256};
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::rc::Rc;
 use tokio::io::AsyncWriteExt;
@@ -115,4 +116,279 @@ fn respond(name: &str, req: Request<hyper::body::Incoming>) -> Response<Full<Byt
         .header("content-type", "text/plain")
         .body(Full::new(body))
         .expect("static response parts are valid")
+}
+
+/// The benchmarks' emulated single-core server (`capybara-testserver`) on
+/// the user-space stack: every request of every connection of the service
+/// queues, FIFO, on one virtual core with the configured service time, and
+/// its response is written at the completion instant.
+///
+/// Unlike `capybara_testserver::serve_connection`, this server never takes
+/// a request out of the receive queue before it answers it: it *peeks* at
+/// the queue to admit requests to the core, and consumes a request's bytes
+/// and writes its response in one synchronous step. So the application
+/// holds no byte at any await point, a migration at any instant carries
+/// every unanswered request in the connection snapshot, and the target's
+/// testserver admits them to its own core. It also makes the receive queue
+/// the server's real backlog, which is what the reactive policy watches.
+pub async fn testserver(
+    listener: TcpListener,
+    stack: crate::Stack,
+    core: std::sync::Arc<capybara_testserver::Core>,
+) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("hostagent: testserver accept: {e}");
+                continue;
+            }
+        };
+        core.count_connection();
+        let (stack, core) = (stack.clone(), core.clone());
+        tokio::task::spawn_local(async move {
+            if let Err(e) = testserver_connection(&stack, &stream, &core).await {
+                if crate::socket::moved_to(&e).is_none() {
+                    eprintln!("hostagent: testserver peer={peer}: {e}");
+                }
+            }
+        });
+    }
+}
+
+/// A request admitted to the virtual core, still in the receive queue.
+struct Admitted {
+    done_ns: u64,
+    /// Bytes of the request (head and body) at the front of the queue.
+    len: usize,
+    stats: bool,
+    close: bool,
+}
+
+/// Per-connection state of the testserver: timing only, never bytes.
+struct TsConn {
+    admitted: VecDeque<Admitted>,
+    /// Receive-queue bytes covered by `admitted`.
+    parsed: usize,
+    peek: Vec<u8>,
+    sink: Vec<u8>,
+    out: Vec<u8>,
+    closing: bool,
+}
+
+enum TsStep {
+    /// Wait for data, a state change, or the next completion instant.
+    Wait {
+        due_ns: Option<u64>,
+        want_write: bool,
+    },
+    /// Finished (answered everything and the peer closed, or a close).
+    Done,
+}
+
+async fn testserver_connection(
+    stack: &crate::Stack,
+    stream: &TcpStream,
+    core: &capybara_testserver::Core,
+) -> std::io::Result<()> {
+    let mut timer = capybara_testserver::hrtime::Timer::new(core.config().precise_timers);
+    let mut st = TsConn {
+        admitted: VecDeque::with_capacity(16),
+        parsed: 0,
+        peek: vec![0u8; capybara_testserver::MAX_REQUEST_HEAD + 1],
+        sink: vec![0u8; 4096],
+        out: Vec::with_capacity(4096),
+        closing: false,
+    };
+    let app = stream.id();
+    loop {
+        let step = stack.with(|i| testserver_step(i, app, core, &mut st))?;
+        match step {
+            TsStep::Done => return Ok(()),
+            TsStep::Wait { due_ns, want_write } => {
+                let woken = WaitWake {
+                    stack,
+                    app,
+                    want_write,
+                    parked: false,
+                };
+                tokio::select! {
+                    _ = woken => {}
+                    _ = timer.sleep_until(due_ns.unwrap_or(0)), if due_ns.is_some() => {}
+                }
+            }
+        }
+    }
+}
+
+/// One synchronous step: admit the complete requests that arrived, answer
+/// those whose service completed. Runs under the stack borrow, so no
+/// migration can happen in the middle of it.
+fn testserver_step(
+    i: &mut crate::stack::Inner,
+    app: capybara_tcp::ConnId,
+    core: &capybara_testserver::Core,
+    st: &mut TsConn,
+) -> std::io::Result<TsStep> {
+    use crate::migration::HandleState;
+    let id = match i.resolve(app) {
+        HandleState::Live(id) => id,
+        HandleState::Frozen => {
+            return Ok(TsStep::Wait {
+                due_ns: None,
+                want_write: false,
+            })
+        }
+        HandleState::Moved(t) => return Err(std::io::Error::other(crate::socket::Moved(t))),
+        HandleState::Lost => return Err(std::io::ErrorKind::ConnectionReset.into()),
+    };
+    let mut moved = false;
+    let r = testserver_io(&mut i.transports.tcp, id, core, st, &mut moved);
+    if moved {
+        // Bytes consumed or queued: the driver owes a window update or data.
+        i.kick();
+    }
+    r
+}
+
+fn testserver_io(
+    tcp: &mut capybara_tcp::Endpoint,
+    id: capybara_tcp::ConnId,
+    core: &capybara_testserver::Core,
+    st: &mut TsConn,
+    moved: &mut bool,
+) -> std::io::Result<TsStep> {
+    use capybara_testserver::{hrtime::now_ns, parse_request_head};
+    let max_pipeline = core.config().max_pipeline.max(1);
+    let Some(conn) = tcp.connection(id) else {
+        return Err(std::io::ErrorKind::NotConnected.into());
+    };
+    let fin = conn.rcv.fin_received;
+    let queued_rx = conn.rx.len();
+    let now = now_ns();
+    // Admit every complete request beyond those admitted already.
+    let mut malformed = None;
+    while !st.closing && st.admitted.len() < max_pipeline {
+        let n = conn.rx.read_at(st.parsed, &mut st.peek);
+        match parse_request_head(&st.peek[..n]) {
+            Ok(Some(h)) => {
+                let len = h.head_len + h.body_len;
+                if queued_rx - st.parsed < len {
+                    break; // the body is still on its way
+                }
+                let done_ns = if h.is_stats {
+                    st.admitted.back().map_or(now, |a| a.done_ns.max(now))
+                } else {
+                    core.admit(now)
+                };
+                st.admitted.push_back(Admitted {
+                    done_ns,
+                    len,
+                    stats: h.is_stats,
+                    close: h.close,
+                });
+                st.parsed += len;
+                st.closing = h.close;
+            }
+            Ok(None) => break,
+            Err(why) => {
+                malformed = Some(why);
+                break;
+            }
+        }
+    }
+    if let Some(why) = malformed {
+        // As the kernel testserver: answer 400 and close.
+        let msg = format!(
+            "HTTP/1.1 400 Bad Request\r\ncontent-length: {}\r\nx-server: {}\r\nconnection: close\r\n\r\n{}",
+            why.len(),
+            core.config().id,
+            why
+        );
+        let _ = tcp.send(id, msg.as_bytes());
+        let _ = tcp.shutdown(id);
+        *moved = true;
+        return Ok(TsStep::Done);
+    }
+    // Answer, in order, every request whose service completed.
+    let now = now_ns();
+    let cap = tcp.config().tx_buffer;
+    while let Some(a) = st.admitted.front() {
+        if a.done_ns > now {
+            break;
+        }
+        let (len, stats, close) = (a.len, a.stats, a.close);
+        st.out.clear();
+        core.respond_into(stats, &mut st.out);
+        let queued = tcp.info(id).map_or(cap, |c| c.send_queue);
+        if cap.saturating_sub(queued) < st.out.len() {
+            let _ = tcp.notify_writable(id);
+            return Ok(TsStep::Wait {
+                due_ns: None,
+                want_write: true,
+            });
+        }
+        let mut left = len;
+        while left > 0 {
+            let k = left.min(st.sink.len());
+            match tcp.recv(id, &mut st.sink[..k]) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left -= n,
+            }
+        }
+        let written = tcp.send(id, &st.out).map_err(crate::socket::io_error)?;
+        debug_assert_eq!(written, st.out.len(), "send capacity checked above");
+        st.parsed -= len;
+        st.admitted.pop_front();
+        *moved = true;
+        if close {
+            let _ = tcp.shutdown(id);
+            return Ok(TsStep::Done);
+        }
+    }
+    if st.admitted.is_empty() && fin {
+        // The peer is done and every complete request it sent is answered.
+        let _ = tcp.shutdown(id);
+        *moved = true;
+        return Ok(TsStep::Done);
+    }
+    if tcp.is_closed(id) {
+        return Err(std::io::ErrorKind::ConnectionReset.into());
+    }
+    Ok(TsStep::Wait {
+        due_ns: st.admitted.front().map(|a| a.done_ns),
+        want_write: false,
+    })
+}
+
+/// Completes the second time it is polled: parks the connection's read
+/// (and write) waker once, so the task wakes on data, a state change of
+/// the connection (migration, close), or free send space.
+struct WaitWake<'a> {
+    stack: &'a crate::Stack,
+    app: capybara_tcp::ConnId,
+    want_write: bool,
+    parked: bool,
+}
+
+impl std::future::Future for WaitWake<'_> {
+    type Output = ();
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        if self.parked {
+            return std::task::Poll::Ready(());
+        }
+        self.parked = true;
+        let (app, want_write) = (self.app, self.want_write);
+        self.stack.with(|i| {
+            let w = i.wakers.entry(app).or_default();
+            w.read = Some(cx.waker().clone());
+            if want_write {
+                w.write = Some(cx.waker().clone());
+            }
+        });
+        std::task::Poll::Pending
+    }
 }

@@ -69,6 +69,27 @@ pub enum App {
     Echo,
     /// A small HTTP/1.1 server (hyper on the async socket API).
     Http,
+    /// The benchmarks' emulated single-core server (`capybara-testserver`):
+    /// one FIFO virtual core per service with a service time
+    /// (`service_time`, `service_dist`), `body_bytes` per response.
+    /// Migration-safe: requests stay in the receive queue until answered.
+    Testserver,
+    /// The sidecar proxy: relays to an unmodified local application
+    /// (`backend`) with a per-`protocol` connection manager, optionally
+    /// terminating TLS (`tls_cert`, `tls_key`). See docs/SIDECAR.md.
+    Sidecar,
+}
+
+/// The application protocol a sidecar service relays (docs/SIDECAR.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SidecarProtocol {
+    /// HTTP/1.1 with keep-alive and pipelining.
+    Http1,
+    /// The Redis protocol (RESP2/RESP3).
+    Resp,
+    /// Any byte stream: migrates only when idle both ways.
+    Raw,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -77,6 +98,139 @@ pub struct ServiceConfig {
     /// The service address (VIP:port) the stack listens on.
     pub listen: SocketAddrV4,
     pub app: App,
+    /// testserver: mean service time per request, with unit ("100us").
+    #[serde(default)]
+    pub service_time: Option<String>,
+    /// testserver: "fixed" (default) or "exp" (exponential).
+    #[serde(default)]
+    pub service_dist: Option<String>,
+    /// testserver: response body bytes (default 256).
+    #[serde(default)]
+    pub body_bytes: Option<usize>,
+    /// testserver: seed of the service-time generator (default 1).
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// sidecar: the local application's address (kernel loopback).
+    #[serde(default)]
+    pub backend: Option<SocketAddrV4>,
+    /// sidecar: the protocol relayed.
+    #[serde(default)]
+    pub protocol: Option<SidecarProtocol>,
+    /// sidecar: PEM certificate chain; with `tls_key`, TLS is terminated.
+    #[serde(default)]
+    pub tls_cert: Option<String>,
+    /// sidecar: PEM private key of `tls_cert`.
+    #[serde(default)]
+    pub tls_key: Option<String>,
+    /// sidecar: largest request buffered (default 1 MiB); larger ones get
+    /// an error response and the connection is closed.
+    #[serde(default)]
+    pub max_request_bytes: Option<usize>,
+}
+
+impl ServiceConfig {
+    /// The sidecar fields: required with `app = "sidecar"`, refused
+    /// otherwise. The error names the field and value.
+    pub fn check_sidecar(&self) -> Result<(), (&'static str, String, String)> {
+        let sidecar = self.app == App::Sidecar;
+        let set = |o: bool| if o { "(set)" } else { "(none)" }.to_string();
+        if !sidecar {
+            for (field, present) in [
+                ("backend", self.backend.is_some()),
+                ("protocol", self.protocol.is_some()),
+                ("tls_cert", self.tls_cert.is_some()),
+                ("tls_key", self.tls_key.is_some()),
+                ("max_request_bytes", self.max_request_bytes.is_some()),
+            ] {
+                if present {
+                    return Err((field, set(true), "only for app = \"sidecar\"".into()));
+                }
+            }
+            return Ok(());
+        }
+        let Some(b) = self.backend else {
+            return Err((
+                "backend",
+                set(false),
+                "app = \"sidecar\" needs a backend address (e.g. \"127.0.0.1:8080\")".into(),
+            ));
+        };
+        if b.port() == 0 || b.ip().is_unspecified() {
+            return Err((
+                "backend",
+                b.to_string(),
+                "needs an address and a port".into(),
+            ));
+        }
+        if self.protocol.is_none() {
+            return Err((
+                "protocol",
+                set(false),
+                "app = \"sidecar\" needs protocol = \"http1\", \"resp\" or \"raw\"".into(),
+            ));
+        }
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(_), None) => {
+                return Err(("tls_key", set(false), "tls_cert needs tls_key".into()))
+            }
+            (None, Some(_)) => {
+                return Err(("tls_cert", set(false), "tls_key needs tls_cert".into()))
+            }
+            _ => {}
+        }
+        if let Some(n) = self.max_request_bytes {
+            if !(1024..=64 << 20).contains(&n) {
+                return Err((
+                    "max_request_bytes",
+                    n.to_string(),
+                    "must be 1 KiB to 64 MiB".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The emulated server of an `app = "testserver"` service, `id` naming
+    /// it in the `x-server` header. The error names the field and value.
+    pub fn testserver(
+        &self,
+        id: &str,
+    ) -> Result<capybara_testserver::ServerConfig, (&'static str, String, String)> {
+        use capybara_testserver::{hrtime::parse_duration, ServerConfig, ServiceTime};
+        let st = self.service_time.as_deref().unwrap_or("100us");
+        let d = parse_duration(st).map_err(|e| ("service_time", st.to_string(), e))?;
+        let ns = d.as_nanos();
+        if ns == 0 || ns > 10_000_000_000 {
+            return Err((
+                "service_time",
+                st.to_string(),
+                "must be between 1ns and 10s".into(),
+            ));
+        }
+        let service = match self.service_dist.as_deref().unwrap_or("fixed") {
+            "fixed" => ServiceTime::Fixed(ns as u64),
+            "exp" | "exponential" => ServiceTime::Exponential(ns as u64),
+            other => {
+                return Err((
+                    "service_dist",
+                    other.to_string(),
+                    "expected fixed or exp".into(),
+                ))
+            }
+        };
+        let body_bytes = self.body_bytes.unwrap_or(256);
+        if body_bytes > 1 << 20 {
+            return Err(("body_bytes", body_bytes.to_string(), "at most 1 MiB".into()));
+        }
+        Ok(ServerConfig {
+            id: id.to_string(),
+            service,
+            body_bytes,
+            seed: self.seed.unwrap_or(1),
+            precise_timers: true,
+            max_pipeline: 1024,
+        })
+    }
 }
 
 /// Live migration (TCPMig). Without this section the stack serves but
@@ -102,6 +256,15 @@ pub struct MigrationConfig {
     pub churn_every_ms: u64,
     #[serde(default)]
     pub churn_to: Option<Ipv4Addr>,
+    /// A drain migrates at most this many connections at once (1 to 256),
+    /// raised only when the drain's deadline needs it (docs/OPERATIONS.md,
+    /// draining).
+    #[serde(default = "default_drain_max_in_flight")]
+    pub drain_max_in_flight: usize,
+}
+
+fn default_drain_max_in_flight() -> usize {
+    crate::drain::DEFAULT_MAX_IN_FLIGHT
 }
 
 /// Registration and heartbeats with switchd over the control channel.
@@ -122,6 +285,38 @@ fn default_weight() -> u16 {
     1
 }
 
+/// Migration policies on this server (docs/POLICIES.md). Their tunables
+/// live in the store and reach the server from switchd (POLICY messages);
+/// this section only switches them off entirely (the LWRR baseline) and
+/// sizes the server monitor.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// false: never start a migration on a policy's decision, whatever the
+    /// store says (drains and operator migrations still work).
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Sliding window of the per-connection packet rates, milliseconds.
+    #[serde(default = "default_monitor_window_ms")]
+    pub monitor_window_ms: u64,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            enabled: true,
+            monitor_window_ms: default_monitor_window_ms(),
+        }
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_monitor_window_ms() -> u64 {
+    50
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -136,11 +331,25 @@ pub struct Config {
     pub migration: Option<MigrationConfig>,
     #[serde(default)]
     pub control: Option<ControlConfig>,
+    #[serde(default)]
+    pub policy: PolicyConfig,
 }
 
 impl MigrationConfig {
     /// The deployment secret, from `key` or `key_file`.
     pub fn load_key(&self, origin: &str) -> Result<capybara_proto::MigrationKey, ConfigError> {
+        let hex = self.load_key_hex(origin)?;
+        capybara_proto::MigrationKey::from_hex(&hex).map_err(|e| ConfigError::Invalid {
+            path: origin.into(),
+            field: "migration.key".into(),
+            value: "<secret>".into(),
+            why: e.to_string(),
+        })
+    }
+
+    /// The deployment secret's hex text, from `key` or `key_file` (also
+    /// the source of the key that seals TLS state in migrations).
+    pub fn load_key_hex(&self, origin: &str) -> Result<String, ConfigError> {
         let bad = |value: String, why: String| ConfigError::Invalid {
             path: origin.into(),
             field: "migration.key".into(),
@@ -160,8 +369,7 @@ impl MigrationConfig {
                 ))
             }
         };
-        capybara_proto::MigrationKey::from_hex(&hex)
-            .map_err(|e| bad("<secret>".into(), e.to_string()))
+        Ok(hex)
     }
 }
 
@@ -277,13 +485,45 @@ impl Config {
                     "churn_every_ms needs churn_to",
                 ));
             }
+            if !(1..=crate::drain::MAX_IN_FLIGHT_LIMIT).contains(&m.drain_max_in_flight) {
+                return Err(bad(
+                    "migration.drain_max_in_flight",
+                    m.drain_max_in_flight.to_string(),
+                    "must be 1 to 256",
+                ));
+            }
         }
         if let Some(c) = &self.control {
             if c.weight == 0 {
                 return Err(bad("control.weight", "0".into(), "must be at least 1"));
             }
         }
+        if !(1..=10_000).contains(&self.policy.monitor_window_ms) {
+            return Err(bad(
+                "policy.monitor_window_ms",
+                self.policy.monitor_window_ms.to_string(),
+                "must be 1 to 10000",
+            ));
+        }
         for (i, a) in self.services.iter().enumerate() {
+            if a.app == App::Testserver {
+                if let Err((field, value, why)) = a.testserver(&self.name) {
+                    return Err(bad(&format!("service[{i}].{field}"), value, &why));
+                }
+            } else if a.service_time.is_some()
+                || a.service_dist.is_some()
+                || a.body_bytes.is_some()
+                || a.seed.is_some()
+            {
+                return Err(bad(
+                    &format!("service[{i}].app"),
+                    format!("{:?}", a.app).to_lowercase(),
+                    "service_time, service_dist, body_bytes and seed are for app = \"testserver\"",
+                ));
+            }
+            if let Err((field, value, why)) = a.check_sidecar() {
+                return Err(bad(&format!("service[{i}].{field}"), value, &why));
+            }
             if a.listen.port() == 0 {
                 return Err(bad(
                     &format!("service[{i}].listen"),

@@ -5,13 +5,22 @@
 //! every message is MAC'd with the deployment secret.
 
 use crate::config::ControlConfig;
+use crate::policy::Tunables;
 use crate::stack::Stack;
 use capybara_proto::control::{
-    ControlBody, ControlRepr, Heartbeat, Register, ServiceList, HEARTBEAT_DRAINING,
+    ControlBody, ControlRepr, Heartbeat, MigrationReport, Register, ReportList, ServiceList,
+    HEARTBEAT_DRAINING, MAX_REPORTS,
 };
 use capybara_proto::{MigrationKey, ServerId};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
+
+/// How often finished migrations are reported to the switch.
+const REPORT_EVERY: Duration = Duration::from_millis(50);
+/// MIGRATION_REPORTs sent per round at most (16 reports each): up to 2,560
+/// reports a second per server; beyond that the migrator's bounded queue
+/// drops the oldest and counts them.
+const REPORT_BATCHES: usize = 8;
 
 /// Runs forever: registration (retried every second until acknowledged),
 /// then heartbeats at the interval the switch asked for.
@@ -50,8 +59,31 @@ pub async fn run(
         .ok()
     };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    // Finished migrations go to the switch in MIGRATION_REPORTs, off the
+    // per-packet path: every REPORT_EVERY, at most REPORT_BATCHES messages.
+    let mut report_tick = tokio::time::interval(REPORT_EVERY);
+    report_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut reports: Vec<MigrationReport> = Vec::with_capacity(MAX_REPORTS);
     loop {
         tokio::select! {
+            _ = report_tick.tick(), if registered => {
+                for _ in 0..REPORT_BATCHES {
+                    reports.clear();
+                    stack.with(|i| {
+                        let now = i.clock.now();
+                        if let Some(m) = i.transports.mig.as_mut() {
+                            m.take_reports(now, MAX_REPORTS, &mut reports);
+                        }
+                    });
+                    if reports.is_empty() {
+                        break;
+                    }
+                    let body = ControlBody::MigrationReport(ReportList::Slice(&reports));
+                    if let Some(n) = send(body, &mut buf, &mut seq) {
+                        let _ = sock.send_to(&buf[..n], cfg.switch).await;
+                    }
+                }
+            }
             _ = tick.tick() => {
                 let body = if !registered {
                     ControlBody::Register(Register {
@@ -62,18 +94,22 @@ pub async fn run(
                         services: ServiceList::Slice(&services),
                     })
                 } else {
-                    let (connections, in_flight, backlog) = stack.with(|i| {
-                        let tcp = &i.transports.tcp;
-                        let backlog: u64 = tcp.infos().map(|(_, c)| c.recv_queue as u64).sum();
-                        let mig = i.transports.mig.as_ref().map_or((0, 0), |m| m.engine.in_progress());
-                        (tcp.connection_count() as u32, (mig.0 + mig.1) as u32, backlog)
+                    let (connections, in_flight, load, generation) = stack.with(|i| {
+                        let now = i.clock.now();
+                        let t = &mut i.transports;
+                        t.monitor.refresh(&t.tcp);
+                        let load = t.monitor.totals(now);
+                        let mig = t.mig.as_ref().map_or((0, 0), |m| m.engine.in_progress());
+                        let generation = t.policy.as_ref().map_or(0, |p| p.engine.generation);
+                        (t.tcp.connection_count() as u32, (mig.0 + mig.1) as u32, load, generation)
                     });
                     ControlBody::Heartbeat(Heartbeat {
                         connections,
                         migrations_in_flight: in_flight,
-                        load_pps: 0,
-                        rx_backlog_bytes: backlog,
+                        load_pps: load.pps.round() as u64,
+                        rx_backlog_bytes: load.rx_backlog_bytes,
                         flags: if draining { HEARTBEAT_DRAINING } else { 0 },
+                        policy_generation: generation,
                     })
                 };
                 if let Some(n) = send(body, &mut buf, &mut seq) {
@@ -96,18 +132,37 @@ pub async fn run(
                     }
                     ControlBody::Drain(d) => {
                         draining = d.flags & capybara_proto::control::DRAIN_CANCEL == 0;
-                        let started = stack.with(|i| drain(i, draining));
-                        eprintln!("hostagent: drain {} ({started} migrations started)", if draining { "started" } else { "cancelled" });
+                        let deadline = Duration::from_millis(u64::from(d.deadline_ms));
+                        let queued = stack.with(|i| drain(i, draining, deadline));
+                        eprintln!("hostagent: drain {} ({queued} connections queued)", if draining { "started" } else { "cancelled" });
                     }
                     ControlBody::Migrate(m) => {
                         let r = stack.with(|i| {
                             let now = i.clock.now();
-                            i.transports.mig.as_mut().map(|mg| mg.migrate(now, m.flow, m.target))
+                            let manual = capybara_proto::control::MigrationTrigger::Manual;
+                            i.transports.mig.as_mut().map(|mg| mg.migrate_as(now, m.flow, m.target, manual))
                         });
                         if let Some(Err(e)) = r {
                             eprintln!("hostagent: migrate {}: {e}", m.flow);
                         }
                         stack.with(|i| i.kick());
+                    }
+                    ControlBody::Policy(p) => {
+                        // Not replay-checked: a replayed (MAC'd, so genuine
+                        // but old) POLICY shows up as another generation in
+                        // the next heartbeat and the switch re-sends the
+                        // current one.
+                        match tunables_of(&p) {
+                            Ok(t) => stack.with(|i| {
+                                if let Some(pr) = i.transports.policy.as_mut() {
+                                    if pr.engine.generation != p.generation {
+                                        eprintln!("hostagent: policy generation {:#010x}: {t:?}", p.generation);
+                                    }
+                                    pr.engine.set_tunables(t, p.generation);
+                                }
+                            }),
+                            Err(e) => eprintln!("hostagent: POLICY from the switch refused: {e}"),
+                        }
                     }
                     ControlBody::Error(e) => eprintln!("hostagent: switch error: {}", e.text),
                     _ => {}
@@ -117,22 +172,77 @@ pub async fn run(
     }
 }
 
-/// Starts migrating every connection away and refuses new migrations in
-/// (or cancels that). Returns how many migrations were started.
-fn drain(i: &mut crate::stack::Inner, on: bool) -> usize {
+/// The tunables a POLICY message carries, validated (the error names the
+/// field and value).
+pub fn tunables_of(p: &capybara_proto::control::PolicyMsg) -> Result<Tunables, String> {
+    use capybara_proto::control::{POLICY_PROACTIVE, POLICY_REACTIVE};
+    let t = Tunables {
+        proactive_enabled: p.flags & POLICY_PROACTIVE != 0,
+        proactive_threshold_pct: f64::from(p.proactive_threshold_bp) / 100.0,
+        reactive_enabled: p.flags & POLICY_REACTIVE != 0,
+        reactive_backlog_threshold: p.reactive_backlog_packets,
+        connection_cooldown: std::time::Duration::from_millis(u64::from(p.cooldown_ms)),
+        max_migrations_per_sec: p.max_migrations_per_sec,
+        hysteresis_pct: f64::from(p.hysteresis_bp) / 100.0,
+    };
+    t.validate()?;
+    Ok(t)
+}
+
+/// Starts migrating every connection away (a bounded number at a time,
+/// `crate::drain`) and refuses new migrations in, or cancels that. Returns
+/// how many connections were queued (0 for a repeated DRAIN: the drain
+/// under way keeps going, with the new deadline).
+fn drain(i: &mut crate::stack::Inner, on: bool, deadline: Duration) -> usize {
     let now = i.clock.now();
     let Some(m) = i.transports.mig.as_mut() else {
         return 0;
     };
     m.engine.set_draining(on);
-    if !on {
-        return 0;
-    }
-    let flows: Vec<_> = m.flows().map(|(f, _)| *f).collect();
-    let started = flows
-        .iter()
-        .filter(|f| m.migrate(now, **f, None).is_ok())
-        .count();
+    let queued = if on {
+        i.transports.drain.start(now, deadline, m)
+    } else {
+        i.transports.drain.cancel(now);
+        0
+    };
     i.kick();
-    started
+    queued
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use capybara_proto::control::{PolicyMsg, POLICY_PROACTIVE};
+
+    #[test]
+    fn policy_messages_become_validated_tunables() {
+        let m = PolicyMsg {
+            generation: 9,
+            flags: POLICY_PROACTIVE,
+            proactive_threshold_bp: 1250,
+            hysteresis_bp: 300,
+            reactive_backlog_packets: 40,
+            cooldown_ms: 500,
+            max_migrations_per_sec: 100,
+        };
+        let t = tunables_of(&m).unwrap();
+        assert!(t.proactive_enabled && !t.reactive_enabled);
+        assert_eq!(t.proactive_threshold_pct, 12.5);
+        assert_eq!(t.hysteresis_pct, 3.0);
+        assert_eq!(t.reactive_backlog_threshold, 40);
+        assert_eq!(t.connection_cooldown, std::time::Duration::from_millis(500));
+        assert_eq!(t.max_migrations_per_sec, 100);
+        let bad = PolicyMsg {
+            hysteresis_bp: 2000,
+            ..m
+        };
+        assert!(tunables_of(&bad).unwrap_err().contains("hysteresis_pct"));
+        let bad = PolicyMsg {
+            max_migrations_per_sec: 0,
+            ..m
+        };
+        assert!(tunables_of(&bad)
+            .unwrap_err()
+            .contains("max_migrations_per_sec"));
+    }
 }

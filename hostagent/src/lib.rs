@@ -15,8 +15,12 @@
 pub mod apps;
 pub mod config;
 pub mod control;
+pub mod drain;
 pub mod metrics;
 pub mod migration;
+pub mod monitor;
+pub mod policy;
+pub mod sidecar;
 pub mod socket;
 pub mod stack;
 

@@ -85,6 +85,58 @@ pub fn render(stack: &Stack, name: &str) -> String {
         for (state, n) in i.transports.tcp.connections_by_state() {
             let _ = writeln!(s, "capybara_tcp_connections{{{l},state=\"{state:?}\"}} {n}");
         }
+        if let Some(m) = i.transports.mig.as_ref() {
+            let c = m.engine.counters();
+            let _ = writeln!(s, "# TYPE capybara_tcpmig_events_total counter");
+            for (what, v) in [
+                ("migrated_out", c.migrated_out),
+                ("migrated_in", c.migrated_in),
+                ("resumed", c.resumed),
+                ("lost", c.lost),
+                ("retransmissions", c.retransmissions),
+                ("duplicates", c.duplicates),
+                ("unexpected", c.unexpected),
+                ("malformed", c.malformed),
+                ("bad_mac", c.bad_mac),
+                ("rejects_sent", c.rejects_sent),
+                ("rejects_received", c.rejects_received),
+                ("aborts_sent", c.aborts_sent),
+                ("aborts_received", c.aborts_received),
+                ("segments_buffered", c.segments_buffered),
+                ("segments_dropped", c.segments_dropped),
+                ("tx_queue_full", c.tx_queue_full),
+            ] {
+                let _ = writeln!(
+                    s,
+                    "capybara_tcpmig_events_total{{{l},event=\"{what}\"}} {v}"
+                );
+            }
+            // MIGRATION_REPORTs to the switch: queued, dropped (queue full).
+            let _ = writeln!(
+                s,
+                "# TYPE capybara_migration_reports_pending gauge\ncapybara_migration_reports_pending{{{l}}} {}\n# TYPE capybara_migration_reports_dropped_total counter\ncapybara_migration_reports_dropped_total{{{l}}} {}",
+                m.reports_pending(),
+                m.reports_dropped
+            );
+            // Late segments at the origin (docs/MIGRATION.md): forwarded to
+            // the migration's target, or dropped (TTL: no loops; other:
+            // queue full, no route; frozen/gone: target not known).
+            let f = i.transports.forwarder.borrow();
+            let _ = writeln!(s, "# TYPE capybara_late_segments_total counter");
+            for (what, v) in [
+                ("forwarded", f.forwarded),
+                ("ttl_dropped", f.ttl_drops),
+                ("forward_dropped", f.other_drops),
+                ("dropped_frozen", m.dropped_frozen),
+                ("dropped_gone", m.dropped_gone),
+            ] {
+                let _ = writeln!(
+                    s,
+                    "capybara_late_segments_total{{{l},outcome=\"{what}\"}} {v}"
+                );
+            }
+        }
+        crate::policy::render_metrics(i, &l, &mut s);
         s
     })
 }

@@ -14,6 +14,9 @@
 //! - a segment for a flow being migrated in is buffered by the engine until
 //!   the import, then replayed into the imported connection.
 
+use capybara_proto::control::{
+    MigrationReport as WireReport, MigrationTrigger, ReportOutcome, PHASE_NOT_REACHED,
+};
 use capybara_proto::time::{Duration, Instant};
 use capybara_proto::FlowKey;
 use capybara_tcp::{ConnId, Endpoint};
@@ -25,6 +28,12 @@ use std::net::Ipv4Addr;
 const GONE_LINGER: Duration = Duration::from_secs(5);
 /// Migrations remembered for the API and tests.
 const RECENT: usize = 1024;
+/// Finished migrations waiting to be reported to the switch
+/// (MIGRATION_REPORT); beyond this the oldest is dropped and counted.
+const REPORT_QUEUE: usize = 1024;
+/// Triggers remembered for migrations that have not finished (a flow whose
+/// migration never started leaves its entry until the next one overwrites it).
+const TRIGGERS_MAX: usize = 65536;
 
 /// The outcome of one migration, as reported to operators.
 #[derive(Debug, Clone, Copy)]
@@ -77,6 +86,56 @@ pub struct Migrator {
     recent: VecDeque<MigrationRecord>,
     scratch: Vec<u8>,
     local: Ipv4Addr,
+    /// Applications' connection managers (`socket` module docs).
+    pub managers: crate::socket::Managers,
+    ready: Vec<(FlowKey, Option<Ipv4Addr>)>,
+    /// Handles woken by events processed inside the receive path (see
+    /// [`Migrator::handle_message`]), handed to the runtime by the next
+    /// [`Migrator::process_events`].
+    woken: Vec<ConnId>,
+    /// Records appended to `recent` so far: a cursor for readers that must
+    /// see each finished migration once (the drain, `crate::drain`).
+    pub recorded: u64,
+    /// What started the migration of each flow migrating out (for reports).
+    triggers: HashMap<FlowKey, MigrationTrigger>,
+    /// Finished migrations to report to the switch, with when they finished.
+    reports: VecDeque<(Instant, WireReport)>,
+    /// Reports dropped because the queue was full (switch unreachable).
+    pub reports_dropped: u64,
+    /// `now` of the event being processed (dates queued reports).
+    report_now: Instant,
+    /// Benchmarks: per-migration telemetry and host CPU written to a file
+    /// (`CAPYBARA_MIGRATION_TELEMETRY`); `None` (the default) costs one
+    /// branch per TCPMig message.
+    pub dump: Option<TelemetryDump>,
+    /// Client segments dropped silently because their flow was frozen
+    /// (exported, outcome unknown) / gone (migrated out recently).
+    pub dropped_frozen: u64,
+    pub dropped_gone: u64,
+    /// Target of each frozen (after PREPARE_ACK) or gone (migrated out)
+    /// flow: its late segments are forwarded there instead of dropped
+    /// (docs/MIGRATION.md "Late segments at the origin").
+    forward_to: HashMap<FlowKey, Ipv4Addr>,
+    /// Flow and target of the authenticated PREPARE_ACK being handled.
+    msg_target: Option<(FlowKey, Ipv4Addr)>,
+    /// Late segments given a [`SegmentVerdict::Forward`] (frozen / gone).
+    pub forwarded_frozen: u64,
+    pub forwarded_gone: u64,
+    /// Off: late segments are dropped as before (`CAPYBARA_FORWARD_LATE=0`).
+    pub forward_late: bool,
+}
+
+/// What to do with a TCP segment that arrived for this host
+/// ([`Migrator::segment_verdict`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegmentVerdict {
+    /// Hand it to the TCP endpoint.
+    Process,
+    /// Consumed (buffered for an import) or dropped silently.
+    Drop,
+    /// A late segment of a flow that moved to this target (its data
+    /// address): send it there, never answer it here.
+    Forward(Ipv4Addr),
 }
 
 impl Migrator {
@@ -93,6 +152,22 @@ impl Migrator {
             recent: VecDeque::with_capacity(RECENT),
             scratch: Vec::with_capacity(64 * 1024),
             local,
+            managers: Default::default(),
+            ready: Vec::new(),
+            woken: Vec::with_capacity(64),
+            recorded: 0,
+            triggers: HashMap::with_capacity(1024),
+            reports: VecDeque::with_capacity(REPORT_QUEUE),
+            reports_dropped: 0,
+            report_now: Instant::ZERO,
+            dump: TelemetryDump::from_env(local),
+            dropped_frozen: 0,
+            dropped_gone: 0,
+            forward_to: HashMap::with_capacity(1024),
+            msg_target: None,
+            forwarded_frozen: 0,
+            forwarded_gone: 0,
+            forward_late: std::env::var_os("CAPYBARA_FORWARD_LATE").map_or(true, |v| v != "0"),
         }
     }
 
@@ -100,18 +175,36 @@ impl Migrator {
     pub fn track(&mut self, flow: FlowKey, id: ConnId) {
         self.by_flow.insert(flow, id);
         self.gone_flows.remove(&flow);
+        self.forward_to.remove(&flow);
     }
 
     /// The application released the handle.
     pub fn untrack(&mut self, flow: Option<FlowKey>, id: ConnId) {
+        // After a resumed migration the endpoint id differs from the
+        // application's handle; `by_flow` holds the endpoint id. Leaving it
+        // there kept a released connection "served": the churn and the
+        // policies went on exporting it in LAST-ACK, its final ACK was
+        // dropped while frozen, and the client got a reset.
+        let endpoint_id = match self.handles.remove(&id) {
+            Some(HandleState::Live(e)) => {
+                self.aliases.remove(&e);
+                e
+            }
+            _ => id,
+        };
         if let Some(f) = flow {
-            if self.by_flow.get(&f) == Some(&id) {
-                self.by_flow.remove(&f);
+            if let Some(&cur) = self.by_flow.get(&f) {
+                if cur == id || cur == endpoint_id {
+                    self.by_flow.remove(&f);
+                }
             }
         }
-        if let Some(HandleState::Live(e)) = self.handles.remove(&id) {
-            self.aliases.remove(&e);
-        }
+        self.managers.remove(id);
+    }
+
+    /// Whether `flow` is served here (and not migrating).
+    pub fn serves(&self, flow: &FlowKey) -> bool {
+        self.by_flow.contains_key(flow)
     }
 
     /// Flows served here and not migrating (for policies and test drivers).
@@ -148,17 +241,45 @@ impl Migrator {
     }
 
     fn record(&mut self, r: MigrationRecord) {
+        self.queue_report(&r);
+        if let Some(d) = &mut self.dump {
+            d.finished.push(r);
+        }
         if self.recent.len() == RECENT {
             self.recent.pop_front();
         }
         self.recent.push_back(r);
+        self.recorded += 1;
     }
 
     /// Decides the fate of a TCP segment before the endpoint sees it.
     /// Returns true when the endpoint should process it.
     pub fn filter_segment(&mut self, now: Instant, flow: FlowKey, segment: &[u8]) -> bool {
+        let forward = std::mem::replace(&mut self.forward_late, false);
+        let v = self.segment_verdict(now, flow, segment);
+        self.forward_late = forward;
+        v == SegmentVerdict::Process
+    }
+
+    /// [`Migrator::filter_segment`] with forwarding: a segment of a frozen
+    /// flow whose target is known (its PREPARE_ACK arrived), or of a flow
+    /// migrated out less than `GONE_LINGER` ago, is to be forwarded to the
+    /// target instead of dropped (the switch sent it here before its entry
+    /// flipped; dropping it stalled the client until its RTO). Without a
+    /// known target it is dropped silently as before.
+    pub fn segment_verdict(
+        &mut self,
+        now: Instant,
+        flow: FlowKey,
+        segment: &[u8],
+    ) -> SegmentVerdict {
         if self.frozen_flows.contains_key(&flow) {
-            return false;
+            if let (true, Some(&t)) = (self.forward_late, self.forward_to.get(&flow)) {
+                self.forwarded_frozen += 1;
+                return SegmentVerdict::Forward(t);
+            }
+            self.dropped_frozen += 1;
+            return SegmentVerdict::Drop;
         }
         // The engine first: a flow that left recently may be migrating back
         // in, and its segments must be buffered for the import, not dropped
@@ -167,15 +288,21 @@ impl Migrator {
             self.engine.buffer_segment(now, flow, segment),
             BufferVerdict::NotMigrating
         ) {
-            return false;
+            return SegmentVerdict::Drop;
         }
         if let Some(until) = self.gone_flows.get(&flow) {
             if *until > now {
-                return false;
+                if let (true, Some(&t)) = (self.forward_late, self.forward_to.get(&flow)) {
+                    self.forwarded_gone += 1;
+                    return SegmentVerdict::Forward(t);
+                }
+                self.dropped_gone += 1;
+                return SegmentVerdict::Drop;
             }
             self.gone_flows.remove(&flow);
+            self.forward_to.remove(&flow);
         }
-        true
+        SegmentVerdict::Process
     }
 
     /// Starts migrating the connection of `flow` to `target` (or a target
@@ -186,17 +313,183 @@ impl Migrator {
         flow: FlowKey,
         target: Option<Ipv4Addr>,
     ) -> Result<MigrationId, String> {
-        if !self.by_flow.contains_key(&flow) {
+        let Some(&cid) = self.by_flow.get(&flow) else {
             return Err(format!("no connection {flow} served here"));
+        };
+        match self.managers.gate(now, flow, self.app_handle(cid), target) {
+            crate::socket::Gate::Go => {}
+            crate::socket::Gate::Wait => {
+                return Err(format!("{flow}: waiting for its connection manager"))
+            }
+            crate::socket::Gate::Refused => {
+                return Err(format!("{flow}: its connection manager refused"))
+            }
         }
-        self.engine
-            .migrate_out(now, flow, target)
-            .map_err(|e| e.to_string())
+        let t0 = self.dump.as_ref().map(|_| std::time::Instant::now());
+        let started = self.engine.migrate_out(now, flow, target);
+        if let (Some(d), Some(t0), Ok(id)) = (&mut self.dump, t0, &started) {
+            d.cpu(id.0).start_ns += t0.elapsed().as_nanos() as u64;
+        }
+        if started.is_err() {
+            self.managers.resume(self.app_handle(cid));
+        }
+        started.map_err(|e| e.to_string())
+    }
+
+    /// [`Migrator::migrate`], remembering what started the migration: the
+    /// origin's report to the switch names it (the API's `trigger`).
+    pub fn migrate_as(
+        &mut self,
+        now: Instant,
+        flow: FlowKey,
+        target: Option<Ipv4Addr>,
+        trigger: MigrationTrigger,
+    ) -> Result<MigrationId, String> {
+        if self.triggers.len() >= TRIGGERS_MAX && !self.triggers.contains_key(&flow) {
+            self.triggers.clear();
+        }
+        // Kept on error too: a migration its connection manager delays
+        // starts later from `process_events` under the same trigger.
+        self.triggers.insert(flow, trigger);
+        self.migrate(now, flow, target)
+    }
+
+    /// Moves up to `max` finished migrations into `out` for a
+    /// MIGRATION_REPORT, their `age_us` counted up to `now`. Off the
+    /// per-packet path (the control task calls it).
+    pub fn take_reports(&mut self, now: Instant, max: usize, out: &mut Vec<WireReport>) {
+        while out.len() < max {
+            let Some((finished, mut r)) = self.reports.pop_front() else {
+                break;
+            };
+            r.age_us = now
+                .saturating_since(finished)
+                .as_micros()
+                .min(u128::from(u32::MAX)) as u32;
+            out.push(r);
+        }
+    }
+
+    /// Finished migrations not reported yet.
+    pub fn reports_pending(&self) -> usize {
+        self.reports.len()
+    }
+
+    /// Queues the switch's report of a finished migration (bounded, no
+    /// allocation: the queue is pre-sized).
+    fn queue_report(&mut self, r: &MigrationRecord) {
+        let tel = self.engine.telemetry(r.id).copied().or(r.telemetry);
+        let (outcome, reason) = match r.outcome {
+            Outcome::MigratedOut => (ReportOutcome::MigratedOut, Reason::None),
+            Outcome::Resumed(x) => (ReportOutcome::Resumed, x),
+            Outcome::Lost(x) => (ReportOutcome::Lost, x),
+            Outcome::MigratedIn => (ReportOutcome::MigratedIn, Reason::None),
+            Outcome::AbortedIn => (ReportOutcome::AbortedIn, Reason::Unspecified),
+            Outcome::ImportFailed => (ReportOutcome::ImportFailed, Reason::ImportFailed),
+        };
+        let trigger = if outcome.is_origin() {
+            self.triggers
+                .remove(&r.flow)
+                .unwrap_or(MigrationTrigger::Unknown)
+        } else {
+            MigrationTrigger::Unknown
+        };
+        let t = tel.unwrap_or_default();
+        let report = WireReport {
+            id: r.id.0,
+            flow: r.flow,
+            peer: (!r.peer.is_unspecified()).then_some(r.peer),
+            outcome,
+            trigger,
+            reason,
+            fragments: t.fragments,
+            age_us: 0,
+            phases_us: report_phases(&t, outcome.is_origin()),
+            snapshot_bytes: t.snapshot_bytes.min(u64::from(u32::MAX)) as u32,
+            segments_buffered: t.segments_buffered,
+            bytes_buffered: t.bytes_buffered,
+        };
+        if self.reports.len() >= REPORT_QUEUE {
+            self.reports.pop_front();
+            self.reports_dropped += 1;
+        }
+        self.reports.push_back((self.report_now, report));
+    }
+
+    /// A TCPMig datagram arrived: the engine handles it, then its events are
+    /// applied at once, before the next packet of the batch. A segment that
+    /// follows an engine decision in the same batch must see its effect:
+    /// after an ABORT the flow must already be "gone" (dropped, not reset),
+    /// after a PREPARE_ACK already frozen, after the last CONN_STATE already
+    /// imported. Applying events only after the batch reset clients.
+    pub fn handle_message(
+        &mut self,
+        now: Instant,
+        src: Ipv4Addr,
+        datagram: &[u8],
+        tcp: &mut Endpoint,
+    ) -> Result<(), capybara_tcpmig::RxError> {
+        let t0 = self.dump.as_ref().map(|_| std::time::Instant::now());
+        let r = self.engine.handle_message(now, src, datagram);
+        if r.is_ok() {
+            self.msg_target = prepare_ack_target(datagram);
+        }
+        self.settle(now, tcp);
+        self.msg_target = None;
+        if let (Some(d), Some(t0)) = (&mut self.dump, t0) {
+            d.add_message(datagram, t0.elapsed().as_nanos() as u64, true);
+        }
+        r
+    }
+
+    /// The engine's next datagram (see [`Engine::poll_transmit`]), timed
+    /// for the telemetry dump when it is on.
+    pub fn poll_transmit(
+        &mut self,
+        now: Instant,
+        buf: &mut [u8],
+    ) -> Option<capybara_tcpmig::Transmit> {
+        let Some(d) = &mut self.dump else {
+            return self.engine.poll_transmit(now, buf);
+        };
+        let t0 = std::time::Instant::now();
+        let t = self.engine.poll_transmit(now, buf)?;
+        d.add_message(&buf[..t.len], t0.elapsed().as_nanos() as u64, false);
+        Some(t)
+    }
+
+    /// The engine's timers, with their events applied at once (a target
+    /// deadline abort must make the flow "gone" before its next segment).
+    pub fn handle_timeout(&mut self, now: Instant, tcp: &mut Endpoint) {
+        self.engine.handle_timeout(now);
+        self.settle(now, tcp);
+    }
+
+    fn settle(&mut self, now: Instant, tcp: &mut Endpoint) {
+        let mut woken = std::mem::take(&mut self.woken);
+        self.process_events(now, tcp, &mut woken);
+        self.woken = woken;
     }
 
     /// Handles the engine's events. `woken` collects application handles
     /// whose state changed, so that the runtime wakes their tasks.
     pub fn process_events(&mut self, now: Instant, tcp: &mut Endpoint, woken: &mut Vec<ConnId>) {
+        woken.append(&mut self.woken);
+        self.report_now = now;
+        if let Some(d) = &mut self.dump {
+            d.drops = (self.dropped_frozen, self.dropped_gone);
+            d.tick(now, &self.engine);
+        }
+        self.managers.poll_waiting(now, &mut self.ready);
+        while let Some((flow, target)) = self.ready.pop() {
+            if self.by_flow.contains_key(&flow)
+                && self.engine.migrate_out(now, flow, target).is_err()
+            {
+                if let Some(&cid) = self.by_flow.get(&flow) {
+                    self.managers.resume(self.app_handle(cid));
+                }
+            }
+        }
         while let Some(ev) = self.engine.poll_event() {
             match ev {
                 Event::ExportNow { id, flow } => {
@@ -205,16 +498,36 @@ impl Migrator {
                         let _ = self.engine.abort_out(now, id);
                         continue;
                     };
-                    let mut snap = Vec::with_capacity(tcp.snapshot_len(now, cid, 0).unwrap_or(256));
-                    match tcp.export_to_vec(now, cid, &[], &mut snap) {
+                    // Handles, managers and wake-ups are keyed by the
+                    // application's handle (it differs from the endpoint id
+                    // after a resumed migration).
+                    let handle = self.app_handle(cid);
+                    let mut app = Vec::new();
+                    if self.managers.export(handle, &mut app).is_err() {
+                        let _ = self.engine.abort_out(now, id);
+                        continue;
+                    }
+                    let mut snap =
+                        Vec::with_capacity(tcp.snapshot_len(now, cid, app.len()).unwrap_or(256));
+                    match tcp.export_to_vec(now, cid, &app, &mut snap) {
                         Ok(_) => {
                             self.by_flow.remove(&flow);
-                            self.frozen_flows.insert(flow, cid);
-                            self.handles.insert(cid, HandleState::Frozen);
+                            self.aliases.remove(&cid);
+                            self.frozen_flows.insert(flow, handle);
+                            match self.msg_target {
+                                Some((f, t)) if f == flow => {
+                                    self.forward_to.insert(flow, t);
+                                }
+                                _ => {
+                                    self.forward_to.remove(&flow);
+                                }
+                            }
+                            self.handles.insert(handle, HandleState::Frozen);
                             let _ = self.engine.provide_snapshot(now, id, snap.clone());
-                            self.exported.insert(id, (cid, flow, snap));
+                            self.exported.insert(id, (handle, flow, snap));
                         }
                         Err(_) => {
+                            self.managers.resume(handle);
                             let _ = self.engine.abort_out(now, id);
                         }
                     }
@@ -228,7 +541,9 @@ impl Migrator {
                     if let Some((cid, _, _)) = self.exported.remove(&id) {
                         self.frozen_flows.remove(&flow);
                         self.gone_flows.insert(flow, now + GONE_LINGER);
+                        self.forward_to.insert(flow, target);
                         self.handles.insert(cid, HandleState::Moved(target));
+                        self.managers.gone(cid);
                         woken.push(cid);
                     }
                     self.record(MigrationRecord {
@@ -240,8 +555,13 @@ impl Migrator {
                     });
                 }
                 Event::Resumed { id, flow, reason } => {
+                    if let Some(&cid) = self.by_flow.get(&flow) {
+                        // Given up before the export: the manager resumes.
+                        self.managers.resume(self.app_handle(cid));
+                    }
                     if let Some((cid, _, snap)) = self.exported.remove(&id) {
                         self.frozen_flows.remove(&flow);
+                        self.forward_to.remove(&flow);
                         match tcp.import(now, &snap) {
                             Ok(imp) => {
                                 self.resumed.insert(imp.id, cid);
@@ -252,6 +572,7 @@ impl Migrator {
                                 self.handles.insert(cid, HandleState::Lost);
                             }
                         }
+                        self.managers.resume(cid);
                         woken.push(cid);
                     }
                     self.record(MigrationRecord {
@@ -265,7 +586,9 @@ impl Migrator {
                 Event::Lost { id, flow, reason } => {
                     if let Some((cid, _, _)) = self.exported.remove(&id) {
                         self.frozen_flows.remove(&flow);
+                        self.forward_to.remove(&flow);
                         self.handles.insert(cid, HandleState::Lost);
+                        self.managers.gone(cid);
                         woken.push(cid);
                     }
                     self.record(MigrationRecord {
@@ -283,7 +606,18 @@ impl Migrator {
                     if let Some(s) = self.engine.snapshot(id) {
                         self.scratch.extend_from_slice(s);
                     }
-                    match tcp.import(now, &self.scratch) {
+                    let imported = tcp.import(now, &self.scratch).and_then(|imp| {
+                        let state = &self.scratch[imp.app_state.clone()];
+                        match self.managers.import(flow, imp.id, state) {
+                            Ok(()) => Ok(imp),
+                            Err(_) => {
+                                // Refused by the application: undo silently.
+                                tcp.detach(imp.id);
+                                Err(capybara_tcp::SnapshotError::InvalidHandle)
+                            }
+                        }
+                    });
+                    match imported {
                         Ok(imp) => {
                             let local = self.local;
                             let _ = self.engine.import_done(now, id, |seg| {
@@ -291,9 +625,16 @@ impl Migrator {
                             });
                             self.by_flow.insert(flow, imp.id);
                             self.gone_flows.remove(&flow);
+                            self.forward_to.remove(&flow);
                         }
                         Err(_) => {
                             let _ = self.engine.import_failed(now, id);
+                            // Like an abort: late segments (some forwarded
+                            // by the origin) are dropped, never reset.
+                            if !self.by_flow.contains_key(&flow) {
+                                self.gone_flows.insert(flow, now + GONE_LINGER);
+                                self.forward_to.remove(&flow);
+                            }
                             self.record(MigrationRecord {
                                 id,
                                 flow,
@@ -326,6 +667,7 @@ impl Migrator {
                     // kill the client's connection, which the origin serves.
                     if !self.by_flow.contains_key(&flow) {
                         self.gone_flows.insert(flow, now + GONE_LINGER);
+                        self.forward_to.remove(&flow);
                     }
                     self.record(MigrationRecord {
                         id,
@@ -337,5 +679,316 @@ impl Migrator {
                 }
             }
         }
+    }
+}
+
+/// The flow and target named by a PREPARE_ACK (call only once the engine
+/// accepted the message: it is authenticated then).
+fn prepare_ack_target(msg: &[u8]) -> Option<(FlowKey, Ipv4Addr)> {
+    use capybara_proto::tcpmig::{field, Kind};
+    if msg.len() < field::PAYLOAD || Kind::from_u8(msg[field::KIND]) != Some(Kind::PrepareAck) {
+        return None;
+    }
+    let ip = |r: std::ops::Range<usize>| {
+        Ipv4Addr::new(
+            msg[r.start],
+            msg[r.start + 1],
+            msg[r.start + 2],
+            msg[r.start + 3],
+        )
+    };
+    let port = |r: std::ops::Range<usize>| u16::from_be_bytes([msg[r.start], msg[r.start + 1]]);
+    let target = ip(field::TARGET);
+    if target.is_unspecified() {
+        return None;
+    }
+    Some((
+        FlowKey {
+            client_ip: ip(field::CLIENT_IP),
+            client_port: port(field::CLIENT_PORT),
+            service_ip: ip(field::SERVICE_IP),
+            service_port: port(field::SERVICE_PORT),
+        },
+        target,
+    ))
+}
+
+/// Benchmarks (`make bench-migration`): every finished migration as one line
+/// of `DIR/telemetry-ADDR.log` when `CAPYBARA_MIGRATION_TELEMETRY=DIR` is set
+/// in the hostagent's environment. Format (docs/BENCHMARKS.md):
+/// `clock local_us=N mono_us=N` lines relate this host's clock to
+/// CLOCK_MONOTONIC (shared by every process on the machine, so a bench can
+/// put both hosts' timestamps on one timeline), and `mig id=HEX role=out|in
+/// outcome=.. flow=.. peer=..` lines carry the [`Telemetry`] and the
+/// [`HostCpu`] of one migration on this host.
+///
+/// Off the per-packet path: lines are formatted every 100 ms and written by
+/// a thread of their own; a migration is written one flush after it
+/// finished, so that the messages it still sends (the target's
+/// CONN_STATE_ACK) are counted in its CPU time.
+pub struct TelemetryDump {
+    cpu: HashMap<u64, capybara_tcpmig::HostCpu>,
+    finished: Vec<MigrationRecord>,
+    ready: Vec<MigrationRecord>,
+    next_flush: Instant,
+    tx: std::sync::mpsc::Sender<String>,
+    /// The glue's silent drops so far (frozen, gone), on `clock` lines.
+    drops: (u64, u64),
+}
+
+impl TelemetryDump {
+    const FLUSH_EVERY: Duration = Duration::from_millis(100);
+    /// Entries of messages that belong to no live migration (duplicates
+    /// after the end) are dropped beyond this many.
+    const MAX_OPEN: usize = 4096;
+
+    fn from_env(local: Ipv4Addr) -> Option<TelemetryDump> {
+        let dir = std::env::var_os("CAPYBARA_MIGRATION_TELEMETRY")?;
+        let path = std::path::Path::new(&dir).join(format!("telemetry-{local}.log"));
+        let mut file = match std::fs::File::create(&path) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("hostagent: telemetry dump {}: {e}", path.display());
+                return None;
+            }
+        };
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        std::thread::Builder::new()
+            .name("telemetry-dump".into())
+            .spawn(move || {
+                use std::io::Write;
+                for chunk in rx {
+                    if file.write_all(chunk.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            })
+            .ok()?;
+        Some(TelemetryDump {
+            cpu: HashMap::with_capacity(256),
+            finished: Vec::with_capacity(256),
+            ready: Vec::with_capacity(256),
+            next_flush: Instant::ZERO,
+            tx,
+            drops: (0, 0),
+        })
+    }
+
+    fn cpu(&mut self, id: u64) -> &mut capybara_tcpmig::HostCpu {
+        if self.cpu.len() >= Self::MAX_OPEN && !self.cpu.contains_key(&id) {
+            self.cpu.clear();
+        }
+        self.cpu.entry(id).or_default()
+    }
+
+    /// Adds `ns` spent handling (`rx`) or encoding one TCPMig message.
+    fn add_message(&mut self, msg: &[u8], ns: u64, rx: bool) {
+        use capybara_proto::tcpmig::{field, Kind};
+        let (Some(id), Some(&kind)) = (msg.get(field::MIGRATION_ID), msg.get(field::KIND)) else {
+            return;
+        };
+        let mut b = [0u8; 8];
+        b.copy_from_slice(id);
+        let slot = capybara_tcpmig::HostCpu::slot(Kind::from_u8(kind));
+        let c = self.cpu(u64::from_be_bytes(b));
+        if rx {
+            c.rx_ns[slot] += ns;
+            c.rx_messages += 1;
+        } else {
+            c.tx_ns[slot] += ns;
+            c.tx_messages += 1;
+        }
+    }
+
+    fn tick(&mut self, now: Instant, engine: &Engine) {
+        use std::fmt::Write;
+        if now < self.next_flush {
+            return;
+        }
+        self.next_flush = now + Self::FLUSH_EVERY;
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes the timespec we own.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+        let mono = ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000;
+        let mut out = String::with_capacity(64 + self.ready.len() * 640);
+        let _ = writeln!(
+            out,
+            "clock local_us={} mono_us={mono} dropped_frozen={} dropped_gone={}",
+            now.as_micros(),
+            self.drops.0,
+            self.drops.1
+        );
+        for r in self.ready.drain(..) {
+            let tel = engine.telemetry(r.id).copied().or(r.telemetry);
+            let cpu = self.cpu.remove(&r.id.0).unwrap_or_default();
+            let role = match r.outcome {
+                Outcome::MigratedIn | Outcome::AbortedIn | Outcome::ImportFailed => "in",
+                _ => "out",
+            };
+            let _ = write!(
+                out,
+                "mig id={:016x} role={role} outcome={:?} flow={} peer={}",
+                r.id.0, r.outcome, r.flow, r.peer
+            );
+            tel.unwrap_or_default().write_kv(&mut out);
+            cpu.write_kv(&mut out);
+            out.push('\n');
+        }
+        std::mem::swap(&mut self.finished, &mut self.ready);
+        let _ = self.tx.send(out);
+    }
+}
+
+/// Phase durations of a report, in microseconds ([`PHASE_NOT_REACHED`] for
+/// a phase this host did not see), in the order of
+/// `capybara_proto::control::REPORT_PHASES`:
+/// - prepare: PREPARE sent to PREPARE_ACK received (origin);
+/// - export: PREPARE_ACK received to the snapshot handed over (origin);
+/// - transfer: first CONN_STATE burst sent to CONN_STATE_ACK (origin);
+/// - import: snapshot complete to imported and buffered segments replayed (target);
+/// - total: `migrate_out` to CONN_STATE_ACK (origin), PREPARE to import done (target).
+pub fn report_phases(t: &Telemetry, origin: bool) -> [u32; 5] {
+    let us = |from: Option<Instant>, to: Option<Instant>| match (from, to) {
+        (Some(a), Some(b)) => (b - a).as_micros().min(u128::from(PHASE_NOT_REACHED - 1)) as u32,
+        _ => PHASE_NOT_REACHED,
+    };
+    let total = if origin {
+        us(t.started, t.state_ack_received)
+    } else {
+        us(t.prepare_received, t.import_done)
+    };
+    [
+        us(t.prepare_sent, t.prepare_ack_received),
+        us(t.prepare_ack_received, t.export_done),
+        us(t.state_sent, t.state_ack_received),
+        us(t.state_received, t.replayed.or(t.import_done)),
+        total,
+    ]
+}
+
+#[cfg(test)]
+mod report_tests {
+    use super::*;
+
+    #[test]
+    fn phases_come_from_the_telemetry_timestamps() {
+        let at = Instant::from_micros;
+        let origin = Telemetry {
+            started: Some(at(100)),
+            prepare_sent: Some(at(101)),
+            prepare_ack_received: Some(at(141)),
+            export_done: Some(at(150)),
+            state_sent: Some(at(152)),
+            state_ack_received: Some(at(230)),
+            ..Default::default()
+        };
+        assert_eq!(
+            report_phases(&origin, true),
+            [40, 9, 78, PHASE_NOT_REACHED, 130]
+        );
+        let target = Telemetry {
+            prepare_received: Some(at(120)),
+            state_received: Some(at(200)),
+            import_done: Some(at(211)),
+            replayed: Some(at(212)),
+            ..Default::default()
+        };
+        let p = report_phases(&target, false);
+        assert_eq!((p[0], p[3], p[4]), (PHASE_NOT_REACHED, 12, 91));
+        // A resumed migration: only the phases reached.
+        let resumed = Telemetry {
+            started: Some(at(100)),
+            prepare_sent: Some(at(101)),
+            ..Default::default()
+        };
+        assert!(report_phases(&resumed, true)
+            .iter()
+            .all(|p| *p == PHASE_NOT_REACHED));
+    }
+}
+
+#[cfg(test)]
+mod late_segment_tests {
+    use super::*;
+    use capybara_tcpmig::{EngineConfig, MigrationKey};
+
+    fn migrator() -> Migrator {
+        let local = Ipv4Addr::new(10, 0, 0, 1);
+        let cfg = EngineConfig::new(local, Ipv4Addr::new(10, 0, 0, 254));
+        let key = MigrationKey::from_bytes(&[7; 32]).expect("key");
+        let mut m = Migrator::new(Engine::new(cfg, key).expect("engine"), local);
+        m.forward_late = true;
+        m
+    }
+
+    fn flow() -> FlowKey {
+        FlowKey {
+            client_ip: Ipv4Addr::new(10, 1, 0, 9),
+            client_port: 40000,
+            service_ip: Ipv4Addr::new(10, 9, 0, 1),
+            service_port: 80,
+        }
+    }
+
+    #[test]
+    fn late_segments_go_to_the_known_target_only() {
+        let mut m = migrator();
+        let (f, target) = (flow(), Ipv4Addr::new(10, 0, 0, 2));
+        let now = Instant::from_micros(1_000);
+        let seg = [0u8; 20];
+        assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Process);
+        // Frozen, target unknown (no PREPARE_ACK seen): dropped.
+        m.frozen_flows.insert(f, ConnId(1));
+        assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Drop);
+        assert_eq!(m.dropped_frozen, 1);
+        // Frozen after PREPARE_ACK: forwarded.
+        m.forward_to.insert(f, target);
+        assert_eq!(
+            m.segment_verdict(now, f, &seg),
+            SegmentVerdict::Forward(target)
+        );
+        // The bool form never forwards.
+        assert!(!m.filter_segment(now, f, &seg));
+        // Gone (migrated out) within GONE_LINGER: forwarded; after: served.
+        m.frozen_flows.remove(&f);
+        m.gone_flows.insert(f, now + GONE_LINGER);
+        assert_eq!(
+            m.segment_verdict(now, f, &seg),
+            SegmentVerdict::Forward(target)
+        );
+        assert_eq!((m.forwarded_frozen, m.forwarded_gone), (1, 1));
+        let later = now + GONE_LINGER + Duration::from_millis(1);
+        assert_eq!(m.segment_verdict(later, f, &seg), SegmentVerdict::Process);
+        assert!(!m.forward_to.contains_key(&f));
+        // Gone without a target (the target side after an abort): dropped.
+        m.gone_flows.insert(f, later + GONE_LINGER);
+        assert_eq!(m.segment_verdict(later, f, &seg), SegmentVerdict::Drop);
+        // Switched off: dropped as before.
+        m.forward_to.insert(f, target);
+        m.forward_late = false;
+        assert_eq!(m.segment_verdict(later, f, &seg), SegmentVerdict::Drop);
+    }
+
+    #[test]
+    fn prepare_ack_names_flow_and_target() {
+        use capybara_proto::tcpmig::{field, Kind};
+        let f = flow();
+        let mut msg = [0u8; field::PAYLOAD];
+        msg[field::KIND] = Kind::PrepareAck.to_u8();
+        msg[field::CLIENT_IP].copy_from_slice(&f.client_ip.octets());
+        msg[field::CLIENT_PORT].copy_from_slice(&f.client_port.to_be_bytes());
+        msg[field::SERVICE_IP].copy_from_slice(&f.service_ip.octets());
+        msg[field::SERVICE_PORT].copy_from_slice(&f.service_port.to_be_bytes());
+        msg[field::TARGET].copy_from_slice(&[10, 0, 0, 2]);
+        assert_eq!(
+            prepare_ack_target(&msg),
+            Some((f, Ipv4Addr::new(10, 0, 0, 2)))
+        );
+        assert_eq!(prepare_ack_target(&msg[..field::PAYLOAD - 1]), None);
+        msg[field::KIND] = Kind::Prepare.to_u8();
+        assert_eq!(prepare_ack_target(&msg), None);
     }
 }

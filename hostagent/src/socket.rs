@@ -8,13 +8,46 @@
 //! `ConnectionRefused`, use after close -> `NotConnected`. A connection that
 //! migrated to another server reports [`Moved`] (see [`moved_to`]); while
 //! its migration is in progress, calls block.
+//!
+//! # Connection managers (seed 000 §6)
+//!
+//! An application that keeps per-connection state outside the TCP queues
+//! (a partially received request, TLS record-layer state) registers a
+//! [`ConnectionManager`] on each connection ([`TcpStream::set_manager`]) and
+//! a [`StateImporter`] on its listener ([`TcpListener::set_importer`]):
+//!
+//! 1. a migration is requested (policy, drain, API): the stack calls
+//!    [`ConnectionManager::prepare`]. From that call on the application
+//!    starts no new work on the connection (it *quiesces*); when it is at a
+//!    safe point it answers `Ready` and the migration starts (PREPARE).
+//!    Until then the stack asks again on every poll, for at most
+//!    [`Managers::wait_limit`]; past it the migration is given up and
+//!    [`ConnectionManager::resume`] is called;
+//! 2. on export (phase 2) [`ConnectionManager::export_state`] appends the
+//!    state; it travels in the connection snapshot;
+//! 3. on the target, [`StateImporter::import_state`] runs before the
+//!    connection appears through `accept`; an error refuses the import and
+//!    the origin keeps serving. The accepted stream then hands the imported
+//!    value to the application ([`TcpStream::take_imported_state`]);
+//! 4. the migration did not happen: `resume`; it did (or the target host
+//!    failed): [`ConnectionManager::gone`], and socket calls report
+//!    [`Moved`].
+//!
+//! Callbacks run inside the stack's poll with the stack borrowed: they must
+//! not call socket functions (they may update their own state and wake
+//! tasks).
 
 use crate::migration::HandleState;
 use crate::stack::{Inner, Stack};
+use capybara_proto::time::{Duration, Instant};
+use capybara_proto::FlowKey;
 use capybara_tcp::{ConnId, TcpError};
+use std::any::Any;
+use std::collections::HashMap;
 use std::io;
-use std::net::SocketAddrV4;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::pin::Pin;
+use std::rc::Rc;
 use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
@@ -48,6 +81,244 @@ pub fn moved_to(e: &io::Error) -> Option<std::net::Ipv4Addr> {
         .map(|m| m.0)
 }
 
+/// A connection manager's answer to "may this connection be exported now?".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Readiness {
+    /// At a safe point: export may happen now (the manager stays quiesced
+    /// until `resume` or `gone`).
+    Ready,
+    /// Quiescing: ask again later.
+    NotYet,
+    /// This connection cannot migrate (e.g. a protocol mode the manager
+    /// cannot serialize); the migration is given up at once.
+    Never,
+}
+
+/// Per-connection application state that migrates with the connection.
+pub trait ConnectionManager {
+    /// A migration was requested: stop starting new work and say whether
+    /// the connection is at a safe point. Called again until `Ready`.
+    fn prepare(&mut self) -> Readiness;
+    /// Appends the connection's application state (phase 2). An error
+    /// gives the migration up (the origin keeps serving; `resume` follows).
+    fn export_state(&mut self, out: &mut Vec<u8>) -> Result<(), String>;
+    /// The migration will not happen: continue serving normally.
+    fn resume(&mut self);
+    /// The connection left this host (migrated out, or lost with a failed
+    /// target): release resources; socket calls report it.
+    fn gone(&mut self) {}
+}
+
+/// Rebuilds a migrated-in connection's application state on the target,
+/// before the connection appears through `accept`.
+pub trait StateImporter {
+    /// `state` is what the origin's manager exported (empty if it had
+    /// none). The value returned is handed to the application with the
+    /// accepted stream; an error refuses the migration.
+    fn import_state(&self, flow: FlowKey, state: &[u8]) -> Result<Box<dyn Any>, String>;
+}
+
+/// What the stack does with a requested migration (see [`Managers`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    /// No manager, or it is ready: migrate now.
+    Go,
+    /// Waiting for the manager (already or newly).
+    Wait,
+    /// The manager refused.
+    Refused,
+}
+
+struct Waiting {
+    flow: FlowKey,
+    app: ConnId,
+    target: Option<Ipv4Addr>,
+    deadline: Instant,
+}
+
+/// The connection managers and importers of one host (kept by the
+/// `Migrator`), and the migrations waiting for a manager to be ready.
+pub struct Managers {
+    conns: HashMap<ConnId, Box<dyn ConnectionManager>>,
+    importers: HashMap<u16, Rc<dyn StateImporter>>,
+    imported: HashMap<ConnId, Box<dyn Any>>,
+    waiting: Vec<Waiting>,
+    /// How long a migration waits for its manager to reach a safe point.
+    pub wait_limit: Duration,
+    /// Migrations given up because the manager was not ready in time.
+    pub wait_timeouts: u64,
+    next_check: Option<Instant>,
+    /// Migrations started after waiting for the manager.
+    pub waited: u64,
+}
+
+impl Default for Managers {
+    fn default() -> Self {
+        Managers {
+            conns: HashMap::new(),
+            importers: HashMap::new(),
+            imported: HashMap::new(),
+            waiting: Vec::new(),
+            wait_limit: Duration::from_millis(100),
+            wait_timeouts: 0,
+            next_check: None,
+            waited: 0,
+        }
+    }
+}
+
+impl Managers {
+    pub fn set(&mut self, app: ConnId, m: Box<dyn ConnectionManager>) {
+        self.conns.insert(app, m);
+    }
+
+    pub fn set_importer(&mut self, port: u16, i: Rc<dyn StateImporter>) {
+        self.importers.insert(port, i);
+    }
+
+    pub fn remove_importer(&mut self, port: u16) {
+        self.importers.remove(&port);
+    }
+
+    /// The application released the handle.
+    pub fn remove(&mut self, app: ConnId) {
+        self.conns.remove(&app);
+        self.waiting.retain(|w| w.app != app);
+    }
+
+    /// A migration of `flow` (application handle `app`) was requested.
+    pub fn gate(
+        &mut self,
+        now: Instant,
+        flow: FlowKey,
+        app: ConnId,
+        target: Option<Ipv4Addr>,
+    ) -> Gate {
+        if self.waiting.iter().any(|w| w.flow == flow) {
+            return Gate::Wait;
+        }
+        let Some(m) = self.conns.get_mut(&app) else {
+            return Gate::Go;
+        };
+        match m.prepare() {
+            Readiness::Ready => Gate::Go,
+            Readiness::Never => {
+                m.resume();
+                Gate::Refused
+            }
+            Readiness::NotYet => {
+                self.waiting.push(Waiting {
+                    flow,
+                    app,
+                    target,
+                    deadline: now + self.wait_limit,
+                });
+                self.next_check = Some(now + Duration::from_millis(1));
+                Gate::Wait
+            }
+        }
+    }
+
+    /// Whether a migration of `flow` waits for its manager's safe point.
+    pub fn is_waiting(&self, flow: &FlowKey) -> bool {
+        self.waiting.iter().any(|w| w.flow == *flow)
+    }
+
+    /// Migrations whose manager became ready since the last call, appended
+    /// to `ready` as (flow, target). Expired waits are given up (`resume`).
+    pub fn poll_waiting(&mut self, now: Instant, ready: &mut Vec<(FlowKey, Option<Ipv4Addr>)>) {
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let w = &self.waiting[i];
+            let verdict = match self.conns.get_mut(&w.app) {
+                None => Some(Readiness::Never),
+                Some(m) => match m.prepare() {
+                    Readiness::NotYet if now >= w.deadline => {
+                        self.wait_timeouts += 1;
+                        m.resume();
+                        Some(Readiness::Never)
+                    }
+                    Readiness::NotYet => None,
+                    Readiness::Never => {
+                        m.resume();
+                        Some(Readiness::Never)
+                    }
+                    Readiness::Ready => Some(Readiness::Ready),
+                },
+            };
+            match verdict {
+                None => i += 1,
+                Some(r) => {
+                    let w = self.waiting.swap_remove(i);
+                    if r == Readiness::Ready {
+                        self.waited += 1;
+                        ready.push((w.flow, w.target));
+                    }
+                }
+            }
+        }
+        // Managers become ready on their own schedule (a response lands, a
+        // relay goes idle): check often while any migration waits.
+        self.next_check = (!self.waiting.is_empty()).then(|| now + Duration::from_millis(1));
+    }
+
+    /// When the stack should poll again for waiting migrations.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.next_check
+    }
+
+    /// Phase 2 export: the manager's state appended to `out` (nothing
+    /// without a manager). An error gives the migration up.
+    pub fn export(&mut self, app: ConnId, out: &mut Vec<u8>) -> Result<(), String> {
+        let Some(m) = self.conns.get_mut(&app) else {
+            return Ok(());
+        };
+        match m.prepare() {
+            Readiness::Ready => m.export_state(out),
+            r => {
+                m.resume();
+                Err(format!("connection manager not ready at export ({r:?})"))
+            }
+        }
+    }
+
+    /// The migration did not happen.
+    pub fn resume(&mut self, app: ConnId) {
+        if let Some(m) = self.conns.get_mut(&app) {
+            m.resume();
+        }
+    }
+
+    /// The connection left this host.
+    pub fn gone(&mut self, app: ConnId) {
+        if let Some(mut m) = self.conns.remove(&app) {
+            m.gone();
+        }
+    }
+
+    /// Target: rebuilds the application state of the connection just
+    /// imported as endpoint id `id` on service port `port`.
+    pub fn import(&mut self, flow: FlowKey, id: ConnId, state: &[u8]) -> Result<(), String> {
+        match self.importers.get(&flow.service_port) {
+            Some(i) => {
+                let v = i.import_state(flow, state)?;
+                self.imported.insert(id, v);
+                Ok(())
+            }
+            None if state.is_empty() => Ok(()),
+            None => Err(format!(
+                "{} bytes of application state but no importer on port {}",
+                state.len(),
+                flow.service_port
+            )),
+        }
+    }
+
+    fn take_imported(&mut self, id: ConnId) -> Option<Box<dyn Any>> {
+        self.imported.remove(&id)
+    }
+}
+
 /// Where an application handle's calls go now.
 enum Target {
     Live(ConnId),
@@ -60,7 +331,7 @@ fn target(inner: &Inner, app: ConnId) -> Target {
     match inner.resolve(app) {
         HandleState::Live(id) => Target::Live(id),
         HandleState::Frozen => Target::Frozen,
-        HandleState::Moved(t) => Target::Gone(io::Error::new(io::ErrorKind::Other, Moved(t))),
+        HandleState::Moved(t) => Target::Gone(io::Error::other(Moved(t))),
         HandleState::Lost => Target::Gone(io_error(TcpError::Reset)),
     }
 }
@@ -119,6 +390,17 @@ impl TcpListener {
         self.local
     }
 
+    /// Registers the importer of migrated-in connections' application state
+    /// for this listener's port (no-op without migration).
+    pub fn set_importer(&self, importer: Rc<dyn StateImporter>) {
+        let port = self.local.port();
+        self.stack.with(|i| {
+            if let Some(m) = &mut i.transports.mig {
+                m.managers.set_importer(port, importer);
+            }
+        });
+    }
+
     /// Waits for the next established connection (new, or migrated in).
     pub async fn accept(&self) -> io::Result<(TcpStream, SocketAddrV4)> {
         std::future::poll_fn(|cx| self.poll_accept(cx)).await
@@ -130,11 +412,17 @@ impl TcpListener {
         if let Some(id) = inner.accepted.get_mut(&port).and_then(|q| q.pop_front()) {
             inner.wakers.insert(id, Default::default());
             let peer = inner.transports.tcp.remote_addr(id).unwrap_or(self.local);
+            let imported = inner
+                .transports
+                .mig
+                .as_mut()
+                .and_then(|m| m.managers.take_imported(id));
             drop(inner);
             return Poll::Ready(Ok((
                 TcpStream {
                     stack: self.stack.clone(),
                     id,
+                    imported,
                 },
                 peer,
             )));
@@ -150,6 +438,9 @@ impl Drop for TcpListener {
         self.stack.with(|i| {
             i.transports.tcp.unlisten(port);
             i.accept_wakers.remove(&port);
+            if let Some(m) = &mut i.transports.mig {
+                m.managers.remove_importer(port);
+            }
         });
     }
 }
@@ -159,12 +450,35 @@ impl Drop for TcpListener {
 pub struct TcpStream {
     stack: Stack,
     id: ConnId,
+    imported: Option<Box<dyn Any>>,
 }
 
 impl TcpStream {
     /// The application's handle of this connection.
     pub fn id(&self) -> ConnId {
         self.id
+    }
+
+    /// Registers this connection's manager (replacing any earlier one). A
+    /// no-op on a stack without migration.
+    pub fn set_manager(&self, manager: Box<dyn ConnectionManager>) {
+        let app = self.id;
+        self.stack.with(|i| {
+            if let Some(m) = &mut i.transports.mig {
+                m.managers.set(app, manager);
+            }
+        });
+    }
+
+    /// For a migrated-in connection, what the listener's [`StateImporter`]
+    /// built from the origin's state (once; `None` for new connections).
+    pub fn take_imported_state(&mut self) -> Option<Box<dyn Any>> {
+        self.imported.take()
+    }
+
+    /// The stack this connection lives on.
+    pub fn stack(&self) -> &Stack {
+        &self.stack
     }
 
     fn live<R>(&self, f: impl FnOnce(&mut Inner, ConnId) -> io::Result<R>) -> io::Result<R> {
@@ -274,7 +588,17 @@ fn poll_read_inner(
         Ok(id) => id,
         Err(p) => return p,
     };
-    match inner.transports.tcp.recv(id, buf.initialize_unfilled()) {
+    // Zero only what this read can fill: `initialize_unfilled` would
+    // memset the caller's whole spare buffer (8 KiB+ for hyper) every read.
+    // At least one byte (so that EOF and errors still surface), at most what
+    // the buffer has room for.
+    let queued = inner.transports.tcp.load(id).map_or(0, |l| l.recv_queue);
+    let want = queued.max(1).min(buf.remaining());
+    match inner
+        .transports
+        .tcp
+        .recv(id, buf.initialize_unfilled_to(want))
+    {
         Ok(n) => {
             buf.advance(n);
             if n > 0 {
@@ -302,6 +626,9 @@ impl Drop for TcpStream {
             }
         } else if let Some(m) = &mut inner.transports.mig {
             m.untrack(None, app);
+        }
+        if let Some(m) = &mut inner.transports.mig {
+            m.managers.remove(app);
         }
         inner.wakers.remove(&app);
         inner.kick();

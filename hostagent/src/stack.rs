@@ -11,8 +11,8 @@
 //! futures on TCP events, and socket calls that produce output wake the
 //! driver.
 
-use crate::migration::{HandleState, Migrator};
-use capybara_net::device::{Device, PollMode};
+use crate::migration::{HandleState, Migrator, SegmentVerdict};
+use capybara_net::device::{Device, DeviceError, PollMode};
 use capybara_net::driver::{self, Clock};
 use capybara_net::iface::{Interface, Ipv4Out, Transport};
 use capybara_proto::checksum;
@@ -41,6 +41,15 @@ pub struct Transports {
     pub local: Ipv4Addr,
     /// UDP datagrams dropped: malformed, bad checksum, or no handler.
     pub udp_drops: u64,
+    /// The server monitor (always on: heartbeats report its totals).
+    pub monitor: crate::monitor::Monitor,
+    /// The migration policies (with migration, unless switched off).
+    pub policy: Option<crate::policy::PolicyRuntime>,
+    /// The drain of this server (a bounded number of migrations at once).
+    pub drain: crate::drain::Drainer,
+    /// Late segments forwarded to a migration's target (shared with the
+    /// runtime's device wrapper, which copies and sends the frames).
+    pub forwarder: Rc<RefCell<Forwarder>>,
 }
 
 impl Transports {
@@ -51,6 +60,10 @@ impl Transports {
             vips: HashMap::new(),
             local,
             udp_drops: 0,
+            monitor: crate::monitor::Monitor::new(capybara_proto::time::Duration::from_millis(50)),
+            policy: None,
+            drain: Default::default(),
+            forwarder: Rc::new(RefCell::new(Forwarder::new(FORWARD_SLOTS))),
         }
     }
 
@@ -83,9 +96,15 @@ impl Transports {
         let port = u16::from_be_bytes([h[2], h[3]]);
         match (&mut self.mig, port) {
             (Some(m), capybara_proto::ports::TCPMIG) => {
-                // Invalid or unauthenticated messages are counted by the engine.
-                let _ = m.engine.handle_message(now, src, &dgram[UDP_HEADER..len]);
+                // Invalid or unauthenticated messages are counted by the
+                // engine; its events apply before the next packet.
+                let _ = m.handle_message(now, src, &dgram[UDP_HEADER..len], &mut self.tcp);
             }
+            (_, capybara_proto::ports::LOAD) => match &mut self.policy {
+                // Malformed or stale notifications are counted by the policy.
+                Some(p) => p.on_load_datagram(now, &dgram[UDP_HEADER..len]),
+                None => self.udp_drops += 1,
+            },
             _ => self.udp_drops += 1,
         }
     }
@@ -102,10 +121,20 @@ impl Transport for Transports {
     ) {
         match protocol {
             IPPROTO_TCP => {
-                if self.mig.is_some() {
-                    if let Some(flow) = self.flow_of(src, dst, payload) {
-                        let m = self.mig.as_mut().expect("checked above");
-                        if !m.filter_segment(now, flow, payload) {
+                // One flow key per segment, for the monitor and the migrator.
+                let flow = self.flow_of(src, dst, payload);
+                if let Some(flow) = &flow {
+                    let data = crate::monitor::tcp_payload_len(payload);
+                    self.monitor.on_segment(now, flow, data);
+                }
+                if let (Some(m), Some(flow)) = (self.mig.as_mut(), flow) {
+                    match m.segment_verdict(now, flow, payload) {
+                        SegmentVerdict::Process => {}
+                        SegmentVerdict::Drop => return,
+                        SegmentVerdict::Forward(target) => {
+                            // The device wrapper copies the frame being
+                            // received once this call returns.
+                            self.forwarder.borrow_mut().pending = Some(target);
                             return;
                         }
                     }
@@ -122,7 +151,7 @@ impl Transport for Transports {
         // microsecond they wait is a microsecond of buffered client traffic.
         if let Some(m) = &mut self.mig {
             if buf.len() > UDP_HEADER {
-                if let Some(t) = m.engine.poll_transmit(now, &mut buf[UDP_HEADER..]) {
+                if let Some(t) = m.poll_transmit(now, &mut buf[UDP_HEADER..]) {
                     let len = UDP_HEADER + t.len;
                     let port = capybara_proto::ports::TCPMIG.to_be_bytes();
                     buf[0..2].copy_from_slice(&port);
@@ -153,7 +182,17 @@ impl Transport for Transports {
 
     fn poll_timeout(&self) -> Option<Instant> {
         let tcp = self.tcp.poll_timeout();
-        let mig = self.mig.as_ref().and_then(|m| m.engine.poll_timeout());
+        let mig = self.mig.as_ref().and_then(|m| {
+            // Migrations waiting for a connection manager are re-checked too.
+            match (m.engine.poll_timeout(), m.managers.poll_timeout()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            }
+        });
+        let mig = match (mig, self.drain.poll_timeout()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         match (tcp, mig) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -163,7 +202,7 @@ impl Transport for Transports {
     fn handle_timeout(&mut self, now: Instant) {
         self.tcp.handle_timeout(now);
         if let Some(m) = &mut self.mig {
-            m.engine.handle_timeout(now);
+            m.handle_timeout(now, &mut self.tcp);
         }
     }
 }
@@ -191,6 +230,7 @@ pub struct Inner {
     pub(crate) driver_waker: Option<Waker>,
     pub(crate) device_error: Option<String>,
     woken: Vec<ConnId>,
+    forwarder: Rc<RefCell<Forwarder>>,
 }
 
 impl Inner {
@@ -207,10 +247,22 @@ impl Inner {
     pub(crate) fn poll_once(&mut self) -> bool {
         let now = self.clock.now();
         self.needs_poll = false;
+        // Late segments leave through the gateway, like TCPMig messages.
+        let gateway = self.iface.config().gateway;
+        let mut device = ForwardingDevice {
+            dev: &mut *self.device,
+            fwd: &self.forwarder,
+            mac: self.iface.mac().0,
+            hop: NextHop {
+                gateway_mac: self.iface.neighbor(gateway).map(|m| m.0),
+                gateway,
+                on_link: self.iface.config().on_link,
+            },
+        };
         let r = match driver::poll(
             now,
             &mut self.iface,
-            &mut *self.device,
+            &mut device,
             &mut self.transports,
             self.batch,
         ) {
@@ -229,7 +281,13 @@ impl Inner {
             }
             if let Some(m) = &mut self.transports.mig {
                 let mut woken = std::mem::take(&mut self.woken);
+                let waited = m.managers.waited;
                 m.process_events(now, &mut self.transports.tcp, &mut woken);
+                // A migration whose connection manager just became ready
+                // queued its PREPARE: poll again now to send it, instead
+                // of at the next packet or timer (an idle gap of up to the
+                // engine's 1 ms retransmission timer per migration).
+                any |= m.managers.waited != waited;
                 for id in woken.drain(..) {
                     any = true;
                     self.wake_all(id);
@@ -241,7 +299,24 @@ impl Inner {
             }
             events = true;
         }
-        r.received > 0 || r.transmitted > 0 || events
+        if let (Some(p), Some(m)) = (&mut self.transports.policy, &mut self.transports.mig) {
+            if p.due(now) {
+                self.transports.monitor.refresh(&self.transports.tcp);
+                if p.run(now, &self.transports.monitor, m) > 0 {
+                    events = true;
+                }
+            }
+        }
+        if let Some(m) = &mut self.transports.mig {
+            // The drain starts its next migrations as soon as earlier ones
+            // finish (one branch when no drain is active).
+            if self.transports.drain.poll(now, m) {
+                events = true;
+            }
+        }
+        // Forwarded frames beyond this batch go out in the next round.
+        let forwarding = self.forwarder.borrow().queued > 0;
+        r.received > 0 || r.transmitted > 0 || events || forwarding
     }
 
     fn wake_all(&mut self, app_id: ConnId) {
@@ -276,14 +351,26 @@ impl Inner {
         match ev {
             Event::Accepted(_) => {
                 while let Some(id) = self.transports.tcp.accept() {
+                    let now = self.clock.now();
                     if let Some(m) = &mut self.transports.mig {
                         if let Some(app) = m.take_resumed(id) {
+                            if let Some(flow) = self.transports.tcp.flow_key(id) {
+                                self.transports.monitor.bind(now, flow, id, false);
+                            }
                             self.wake_all(app);
                             continue;
                         }
                         if let Some(flow) = self.transports.tcp.flow_key(id) {
+                            // Imported connections are served before accept.
+                            let migrated_in = m.serves(&flow);
+                            self.transports.monitor.bind(now, flow, id, migrated_in);
+                            if let (true, Some(p)) = (migrated_in, &mut self.transports.policy) {
+                                p.engine.note_moved(now, flow);
+                            }
                             m.track(flow, id);
                         }
+                    } else if let Some(flow) = self.transports.tcp.flow_key(id) {
+                        self.transports.monitor.bind(now, flow, id, false);
                     }
                     let port = self.transports.tcp.local_addr(id).map_or(0, |a| a.port());
                     self.accepted.entry(port).or_default().push_back(id);
@@ -326,6 +413,7 @@ impl Stack {
         device: Box<dyn Device>,
         mode: PollMode,
     ) -> Stack {
+        let forwarder = transports.forwarder.clone();
         Stack {
             inner: Rc::new(RefCell::new(Inner {
                 iface,
@@ -341,6 +429,7 @@ impl Stack {
                 driver_waker: None,
                 device_error: None,
                 woken: Vec::with_capacity(64),
+                forwarder,
             })),
         }
     }
@@ -449,5 +538,286 @@ impl std::future::Future for WaitKick<'_> {
             inner.driver_waker = Some(cx.waker().clone());
             std::task::Poll::Pending
         }
+    }
+}
+
+/// Frames the forwarder holds at once (beyond: dropped and counted).
+const FORWARD_SLOTS: usize = 32;
+/// Bytes of one slot: a full 1500-byte IP packet and its Ethernet header.
+const FORWARD_SLOT_LEN: usize = 1536;
+const ETH_HEADER: usize = 14;
+
+/// Late segments at the origin (docs/MIGRATION.md): the frames of segments
+/// [`SegmentVerdict::Forward`]ed, rewritten for the migration's target and
+/// queued for the next transmit batch. Slots are allocated once; the
+/// per-packet path copies one frame and allocates nothing.
+pub struct Forwarder {
+    /// Set by [`Transports::handle_ipv4`] for the frame being received.
+    pending: Option<Ipv4Addr>,
+    frames: Vec<u8>,
+    lens: Vec<usize>,
+    head: usize,
+    queued: usize,
+    /// Segments sent on to a target.
+    pub forwarded: u64,
+    /// Not forwarded because their TTL would expire (a forwarding loop).
+    pub ttl_drops: u64,
+    /// Not forwarded: queue full, too long, malformed, or no gateway MAC.
+    pub other_drops: u64,
+}
+
+impl Forwarder {
+    fn new(slots: usize) -> Forwarder {
+        Forwarder {
+            pending: None,
+            frames: vec![0; slots * FORWARD_SLOT_LEN],
+            lens: vec![0; slots],
+            head: 0,
+            queued: 0,
+            forwarded: 0,
+            ttl_drops: 0,
+            other_drops: 0,
+        }
+    }
+
+    /// Copies `frame` (Ethernet + IPv4 + TCP, addressed to us) into a slot,
+    /// rewritten for `target`: IPv4 destination (IP and TCP checksums
+    /// updated incrementally), TTL decremented, Ethernet `src`/`dst`.
+    fn push(&mut self, frame: &[u8], target: Ipv4Addr, src: [u8; 6], dst: Option<[u8; 6]>) {
+        let Some(dst) = dst else {
+            self.other_drops += 1;
+            return;
+        };
+        let ip = match frame.get(ETH_HEADER..) {
+            Some(ip) if ip.len() >= 20 && ip[0] >> 4 == 4 => ip,
+            _ => {
+                self.other_drops += 1;
+                return;
+            }
+        };
+        let ihl = usize::from(ip[0] & 0x0f) * 4;
+        let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+        if ihl < 20 || total < ihl + 20 || total > ip.len() || ETH_HEADER + total > FORWARD_SLOT_LEN
+        {
+            self.other_drops += 1;
+            return;
+        }
+        if ip[8] <= 1 {
+            self.ttl_drops += 1;
+            return;
+        }
+        if self.queued == self.lens.len() {
+            self.other_drops += 1;
+            return;
+        }
+        let slot = (self.head + self.queued) % self.lens.len();
+        let len = ETH_HEADER + total;
+        let out = &mut self.frames[slot * FORWARD_SLOT_LEN..slot * FORWARD_SLOT_LEN + len];
+        out.copy_from_slice(&frame[..len]);
+        out[0..6].copy_from_slice(&dst);
+        out[6..12].copy_from_slice(&src);
+        let h = &mut out[ETH_HEADER..];
+        let old_dst = u32::from_be_bytes([h[16], h[17], h[18], h[19]]);
+        let new_dst = u32::from(target);
+        // TTL (high byte of the TTL/protocol word) and destination.
+        let old_word = u16::from_be_bytes([h[8], h[9]]);
+        h[8] -= 1;
+        let new_word = u16::from_be_bytes([h[8], h[9]]);
+        let mut ip_sum = u16::from_be_bytes([h[10], h[11]]);
+        ip_sum = checksum::update16(ip_sum, old_word, new_word);
+        ip_sum = checksum::update32(ip_sum, old_dst, new_dst);
+        h[10..12].copy_from_slice(&ip_sum.to_be_bytes());
+        h[16..20].copy_from_slice(&target.octets());
+        // The TCP checksum covers the destination through the pseudo-header.
+        let tcp = &mut h[ihl..];
+        let tcp_sum = u16::from_be_bytes([tcp[16], tcp[17]]);
+        let tcp_sum = checksum::update32(tcp_sum, old_dst, new_dst);
+        tcp[16..18].copy_from_slice(&tcp_sum.to_be_bytes());
+        self.lens[slot] = len;
+        self.queued += 1;
+        self.forwarded += 1;
+    }
+
+    /// Moves the oldest queued frame into `buf`.
+    fn pop_into(&mut self, buf: &mut [u8]) -> Option<usize> {
+        if self.queued == 0 {
+            return None;
+        }
+        let slot = self.head;
+        let len = self.lens[slot];
+        let out = buf.get_mut(..len)?;
+        out.copy_from_slice(&self.frames[slot * FORWARD_SLOT_LEN..slot * FORWARD_SLOT_LEN + len]);
+        self.head = (self.head + 1) % self.lens.len();
+        self.queued -= 1;
+        Some(len)
+    }
+}
+
+/// The device as the driver sees it in [`Inner::poll_once`]: after each
+/// received frame, copies it to the forwarder if the transports asked for
+/// it; forwarded frames go first in the transmit batch (no extra syscall).
+struct ForwardingDevice<'a> {
+    dev: &'a mut dyn Device,
+    fwd: &'a RefCell<Forwarder>,
+    mac: [u8; 6],
+    hop: NextHop,
+}
+
+/// What the interface's routing says about forwarded frames (copied before
+/// the driver borrows the interface).
+#[derive(Clone, Copy)]
+struct NextHop {
+    gateway_mac: Option<[u8; 6]>,
+    gateway: Ipv4Addr,
+    on_link: Option<(Ipv4Addr, u8)>,
+}
+
+impl NextHop {
+    /// The Ethernet destination toward `target`: the gateway (the switch),
+    /// as for TCPMig messages; an on-link target is not forwarded.
+    fn mac_for(&self, target: Ipv4Addr) -> Option<[u8; 6]> {
+        let on_link = match self.on_link {
+            Some((_, 0)) => true,
+            Some((net, len)) => {
+                let mask = u32::MAX << (32 - u32::from(len.min(32)));
+                u32::from(target) & mask == u32::from(net) & mask
+            }
+            None => false,
+        };
+        if on_link && target != self.gateway {
+            return None;
+        }
+        self.gateway_mac
+    }
+}
+
+impl Device for ForwardingDevice<'_> {
+    fn receive(&mut self, max: usize, f: &mut dyn FnMut(&[u8])) -> Result<usize, DeviceError> {
+        let (fwd, mac, hop) = (self.fwd, self.mac, self.hop);
+        self.dev.receive(max, &mut |frame| {
+            f(frame);
+            let mut q = fwd.borrow_mut();
+            if let Some(target) = q.pending.take() {
+                q.push(frame, target, mac, hop.mac_for(target));
+            }
+        })
+    }
+
+    fn transmit(
+        &mut self,
+        max: usize,
+        f: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+    ) -> Result<usize, DeviceError> {
+        let fwd = self.fwd;
+        self.dev.transmit(max, &mut |buf| {
+            let popped = fwd.borrow_mut().pop_into(buf);
+            popped.or_else(|| f(buf))
+        })
+    }
+
+    fn wait(&mut self, timeout: Option<capybara_proto::time::Duration>) -> Result<(), DeviceError> {
+        self.dev.wait(timeout)
+    }
+
+    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.dev.raw_fd()
+    }
+
+    fn mac(&self) -> Option<capybara_net::wire::EthernetAddress> {
+        self.dev.mac()
+    }
+
+    fn max_frame_len(&self) -> usize {
+        self.dev.max_frame_len()
+    }
+}
+
+#[cfg(test)]
+mod forward_tests {
+    use super::*;
+
+    /// An Ethernet + IPv4 + TCP frame from `src` to `dst`, checksums valid.
+    fn frame(src: Ipv4Addr, dst: Ipv4Addr, ttl: u8) -> Vec<u8> {
+        let payload = b"late";
+        let total = 20 + 20 + payload.len();
+        let mut f = vec![0u8; ETH_HEADER + total];
+        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        let ip = &mut f[ETH_HEADER..];
+        ip[0] = 0x45;
+        ip[2..4].copy_from_slice(&(total as u16).to_be_bytes());
+        ip[8] = ttl;
+        ip[9] = IPPROTO_TCP;
+        ip[12..16].copy_from_slice(&src.octets());
+        ip[16..20].copy_from_slice(&dst.octets());
+        let sum = checksum::checksum(&ip[..20]);
+        ip[10..12].copy_from_slice(&sum.to_be_bytes());
+        let tcp = &mut ip[20..];
+        tcp[0..2].copy_from_slice(&40000u16.to_be_bytes());
+        tcp[2..4].copy_from_slice(&80u16.to_be_bytes());
+        tcp[12] = 5 << 4;
+        tcp[13] = 0x18;
+        tcp[20..].copy_from_slice(payload);
+        let sum = checksum::transport(src, dst, IPPROTO_TCP, tcp);
+        tcp[16..18].copy_from_slice(&sum.to_be_bytes());
+        f
+    }
+
+    #[test]
+    fn forwarded_frame_is_rewritten_with_valid_checksums() {
+        let (client, origin, target) = (
+            Ipv4Addr::new(10, 1, 0, 9),
+            Ipv4Addr::new(10, 0, 0, 1),
+            Ipv4Addr::new(10, 0, 0, 2),
+        );
+        let mut fw = Forwarder::new(2);
+        let mut input = frame(client, origin, 63);
+        input.extend_from_slice(&[0; 6]); // link padding is not forwarded
+        fw.push(&input, target, [2; 6], Some([4; 6]));
+        let mut buf = [0u8; 2048];
+        let n = fw.pop_into(&mut buf).expect("queued");
+        let out = &buf[..n];
+        assert_eq!(n, input.len() - 6);
+        assert_eq!((&out[0..6], &out[6..12]), (&[4u8; 6][..], &[2u8; 6][..]));
+        let ip = &out[ETH_HEADER..];
+        assert_eq!(ip[8], 62);
+        assert_eq!(&ip[16..20], &target.octets());
+        assert_eq!(checksum::checksum(&ip[..20]), 0);
+        assert_eq!(
+            checksum::transport(client, target, IPPROTO_TCP, &ip[20..]),
+            0
+        );
+        assert_eq!(fw.forwarded, 1);
+        assert!(fw.pop_into(&mut buf).is_none());
+    }
+
+    #[test]
+    fn ttl_queue_and_route_bound_forwarding() {
+        let (client, origin, target) = (
+            Ipv4Addr::new(10, 1, 0, 9),
+            Ipv4Addr::new(10, 0, 0, 1),
+            Ipv4Addr::new(10, 0, 0, 2),
+        );
+        let mut fw = Forwarder::new(2);
+        fw.push(&frame(client, origin, 1), target, [2; 6], Some([4; 6]));
+        assert_eq!((fw.ttl_drops, fw.queued), (1, 0));
+        fw.push(&frame(client, origin, 64), target, [2; 6], None);
+        assert_eq!(fw.other_drops, 1);
+        for _ in 0..3 {
+            fw.push(&frame(client, origin, 64), target, [2; 6], Some([4; 6]));
+        }
+        assert_eq!((fw.queued, fw.forwarded, fw.other_drops), (2, 2, 2));
+        fw.push(&[0u8; 20], target, [2; 6], Some([4; 6]));
+        assert_eq!(fw.other_drops, 3);
+        let hop = NextHop {
+            gateway_mac: Some([4; 6]),
+            gateway: Ipv4Addr::new(10, 0, 0, 254),
+            on_link: None,
+        };
+        assert_eq!(hop.mac_for(target), Some([4; 6]));
+        let on_link = NextHop {
+            on_link: Some((Ipv4Addr::new(10, 0, 0, 0), 24)),
+            ..hop
+        };
+        assert_eq!(on_link.mac_for(target), None);
     }
 }

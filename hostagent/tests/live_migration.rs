@@ -462,6 +462,69 @@ fn back_and_forth_every_millisecond_multi_mib() {
     }
 }
 
+/// Regression (1,000-connection lab run, 2026-11-22): connections migrated
+/// while closing. Deterministic sweep over both directions of FIN (echo:
+/// the client closes first, the server follows from CLOSE-WAIT through
+/// LAST-ACK; source: the server closes first and sits in FIN-WAIT-1/2 while
+/// the client still sends), a migration at each closing state and then
+/// back-to-back ones, with TCP and TCPMig loss: every stream finishes
+/// byte-exact, nobody is reset, one owner remains.
+#[test]
+fn migration_in_every_closing_state_both_fin_directions_with_loss() {
+    let loss = |l: f64| Faults {
+        loss: l,
+        duplicate: 0.01,
+        reorder: 0.05,
+    };
+    let mut exported = std::collections::BTreeSet::new();
+    for seed in 0..12u64 {
+        for (source, triggers) in [
+            // Client FIN first: migrate right after it, then in CLOSE-WAIT
+            // (the echo still drains), then again as soon as possible
+            // (LAST-ACK when the echo has closed).
+            (
+                None,
+                vec![
+                    (Trigger::ClientFin, true),
+                    (Trigger::ServerCloseWait, false),
+                    (Trigger::AfterIdle(0), true),
+                    (Trigger::AfterIdle(50), false),
+                ],
+            ),
+            // Server FIN first: a short server stream, a long client one.
+            (
+                Some(20_000),
+                vec![
+                    (Trigger::ServerFinWait1, true),
+                    (Trigger::ClientRx(1000), true),
+                    (Trigger::AfterIdle(0), false),
+                    (Trigger::AfterIdle(100), true),
+                    (Trigger::ClientFin, false),
+                    (Trigger::AfterIdle(0), true),
+                ],
+            ),
+        ] {
+            let w = run_scenario(&Scenario {
+                seed,
+                source,
+                up: 150_000,
+                server_tx: 16 * 1024,
+                tcp: loss(0.02),
+                mig: loss(0.1),
+                reorder_delay_us: 500,
+                mig_reorder_delay_us: 50,
+                triggers,
+            });
+            for e in w.servers.iter().flat_map(|s| s.exports.iter()) {
+                exported.insert(format!("{:?}", e.state));
+            }
+        }
+    }
+    for st in ["CloseWait", "LastAck", "FinWait1", "FinWait2"] {
+        assert!(exported.contains(st), "no export in {st}: {exported:?}");
+    }
+}
+
 // ------------------------------------------------------------------ property
 
 #[derive(Debug, Clone, Copy)]
@@ -474,6 +537,9 @@ enum Trigger {
     ClientFin,
     /// When the serving connection has the client's FIN (CLOSE-WAIT).
     ServerCloseWait,
+    /// When the serving connection has sent its FIN and it is not yet
+    /// acknowledged (FIN-WAIT-1).
+    ServerFinWait1,
     /// This long after no migration is in progress any more.
     AfterIdle(u32),
 }
@@ -570,12 +636,10 @@ fn run_scenario(sc: &Scenario) -> World {
                 idle
             }
             Trigger::ServerCloseWait => w.run_until(LIMIT, |w| {
-                w.client.done()
-                    || w.servers.iter().any(|s| {
-                        s.conns
-                            .iter()
-                            .any(|&id| s.tr.tcp.state(id) == Some(capybara_tcp::State::CloseWait))
-                    })
+                w.client.done() || w.serving_in(capybara_tcp::State::CloseWait)
+            }),
+            Trigger::ServerFinWait1 => w.run_until(LIMIT, |w| {
+                w.client.done() || w.serving_in(capybara_tcp::State::FinWait1)
             }),
         };
         assert!(ok, "stalled; {}", w.describe());
@@ -780,4 +844,60 @@ fn stale_prepare_ack_from_two_migrations_ago() {
             .map(|&(us, e)| (Trigger::AfterIdle(us), e))
             .collect(),
     });
+}
+
+/// Regression (stuck-after-migration, bench-skew): the origin's migrations
+/// of one connection abort twice in a row, then one completes. Each resume
+/// re-imports the connection under a new endpoint id; the application's
+/// handle must follow it every time. When the second export froze the
+/// endpoint id instead of the handle, the handle kept pointing at an
+/// exported endpoint: the application lost the connection while the stack
+/// went on acknowledging the client's requests, which never got a response
+/// (7 long-lived connections timed out in `run.py skew`).
+#[test]
+fn app_handle_follows_the_connection_across_repeated_resumes() {
+    use capybara_hostagent::migration::HandleState;
+    let mut w = World::new(setup(11, App::Echo, Net::clean()), stream(11, 300_000));
+    run_to_rx(&mut w, 20_000);
+    let app = w.servers[0].conns[0];
+    for round in 0..2usize {
+        w.switch.drops.push(KindDrop {
+            kind: Kind::ConnState,
+            after_switch: false,
+            remaining: u32::MAX,
+        });
+        w.migrate(true).expect("migrate");
+        assert!(
+            w.run_until(LIMIT, |w| !w.any_migrating()),
+            "round {round}: {}",
+            w.describe()
+        );
+        w.switch.drops.clear();
+        match w.servers[0].migrator().handle(app) {
+            HandleState::Live(e) => assert!(
+                w.servers[0].tr.tcp.connection(e).is_some(),
+                "round {round}: handle {app:?} points at {e:?}, which the origin no longer holds; {}",
+                w.describe()
+            ),
+            other => panic!("round {round}: handle {app:?} is {other:?}; {}", w.describe()),
+        }
+        run_to_rx(&mut w, 20_000 * (round + 2));
+    }
+    w.migrate(true).expect("migrate");
+    assert!(w.finish(LIMIT), "{}", w.describe());
+    assert_stream_exact(&w);
+    w.assert_single_owner();
+    assert_eq!(w.owners(), vec![1], "{}", w.describe());
+    assert_eq!(
+        count(&w, |o| matches!(o, Outcome::Resumed(_))),
+        2,
+        "{}",
+        w.describe()
+    );
+    assert_eq!(
+        w.servers[0].migrator().handle(app),
+        HandleState::Moved(w.servers[1].addr),
+        "{}",
+        w.describe()
+    );
 }

@@ -176,6 +176,8 @@ _Static_assert(sizeof(struct load_notification) == LOAD_LEN, "load_notification 
 #define CONTROL_KIND_MIGRATE 5
 #define CONTROL_KIND_ERROR 6
 #define CONTROL_KIND_SET_OWNER 7
+#define CONTROL_KIND_POLICY 8
+#define CONTROL_KIND_MIGRATION_REPORT 9
 
 #define CONTROL_OFF_MAGIC 0
 #define CONTROL_OFF_VERSION 2

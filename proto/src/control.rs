@@ -14,7 +14,8 @@
 //! - after [`ControlPacket::new_checked`] the buffer is exactly header +
 //!   body + MAC, magic/version/kind are known; no accessor panics;
 //! - [`ControlRepr::parse`] checks each body's exact length and content
-//!   (service count vs length, UTF-8 of error text) and borrows variable
+//!   (service count vs length, UTF-8 of error text, report count vs length
+//!   and each report's outcome and trigger codes) and borrows variable
 //!   parts from the datagram: parsing allocates nothing;
 //! - parsing does not verify the MAC; [`ControlRepr::parse_verified`] does.
 
@@ -34,6 +35,15 @@ pub const MIN_LEN: usize = HEADER_LEN + MAC_LEN;
 pub const MAX_SERVICES: usize = 128;
 /// Longest ERROR text, in bytes.
 pub const MAX_ERROR_TEXT: usize = 512;
+/// Most reports one MIGRATION_REPORT may carry (20 + 4 + 16 * 72 + 16 =
+/// 1,192 bytes of UDP payload: one Ethernet frame).
+pub const MAX_REPORTS: usize = 16;
+/// A phase duration that was not reached (wire value of
+/// [`MigrationReport::phases_us`] entries).
+pub const PHASE_NOT_REACHED: u32 = u32::MAX;
+/// Phases of [`MigrationReport::phases_us`], in wire order (the API's
+/// `MIGRATION_PHASES`).
+pub const REPORT_PHASES: [&str; 5] = ["prepare", "export", "transfer", "import", "total"];
 
 /// Byte ranges of the header fields and of each body (body offsets are
 /// relative to the start of the body).
@@ -83,6 +93,23 @@ pub mod field {
         pub const LOAD_PPS: Field = 8..16;
         pub const RX_BACKLOG_BYTES: Field = 16..24;
         pub const FLAGS: Field = 24..28;
+        /// Generation of the POLICY the server applies (0: none yet).
+        /// Reserved (sent 0) before POLICY existed, so old servers report 0.
+        pub const POLICY_GENERATION: Field = 28..32;
+        pub const LEN: usize = 32;
+    }
+
+    /// POLICY body (switch -> server): the hostagent-side tunables.
+    pub mod policy {
+        use super::Field;
+        pub const GENERATION: Field = 0..4;
+        pub const FLAGS: Field = 4..8;
+        /// Percent times 100 (basis points).
+        pub const PROACTIVE_THRESHOLD_BP: Field = 8..12;
+        pub const HYSTERESIS_BP: Field = 12..16;
+        pub const REACTIVE_BACKLOG_PACKETS: Field = 16..20;
+        pub const COOLDOWN_MS: Field = 20..24;
+        pub const MAX_MIGRATIONS_PER_SEC: Field = 24..28;
         pub const RESERVED: Field = 28..32;
         pub const LEN: usize = 32;
     }
@@ -117,6 +144,37 @@ pub mod field {
         pub const LEN: usize = 16;
     }
 
+    /// MIGRATION_REPORT body (server -> switch): a count, then `count`
+    /// fixed-size reports (offsets below are relative to one report).
+    pub mod migration_report {
+        use super::Field;
+        pub const COUNT: Field = 0..2;
+        pub const RESERVED: Field = 2..4;
+        pub const REPORTS: usize = 4;
+        pub const REPORT_LEN: usize = 72;
+        pub const MIGRATION_ID: Field = 0..8;
+        pub const CLIENT_IP: Field = 8..12;
+        pub const CLIENT_PORT: Field = 12..14;
+        pub const SERVICE_PORT: Field = 14..16;
+        pub const SERVICE_IP: Field = 16..20;
+        /// Target (origin reports) or origin (target reports) data address; 0: unknown.
+        pub const PEER: Field = 20..24;
+        pub const OUTCOME: usize = 24;
+        pub const TRIGGER: usize = 25;
+        pub const RESERVED_1: Field = 26..28;
+        /// TCPMig reason code (0: none).
+        pub const REASON: Field = 28..30;
+        pub const FRAGMENTS: Field = 30..32;
+        /// Microseconds from the end of the migration to the emission of
+        /// this message (the receiver dates the report with its own clock).
+        pub const AGE_US: Field = 32..36;
+        /// Five u32 durations in microseconds, [`super::super::REPORT_PHASES`] order.
+        pub const PHASES_US: Field = 36..56;
+        pub const SNAPSHOT_BYTES: Field = 56..60;
+        pub const SEGMENTS_BUFFERED: Field = 60..64;
+        pub const BYTES_BUFFERED: Field = 64..72;
+    }
+
     /// ERROR body (either direction).
     pub mod error {
         use super::Field;
@@ -132,6 +190,10 @@ pub mod field {
 pub const HEARTBEAT_DRAINING: u32 = 1 << 0;
 /// DRAIN flag: cancel a drain in progress (undrain).
 pub const DRAIN_CANCEL: u32 = 1 << 0;
+/// POLICY flag: the proactive policy is on.
+pub const POLICY_PROACTIVE: u32 = 1 << 0;
+/// POLICY flag: the reactive policy is on.
+pub const POLICY_REACTIVE: u32 = 1 << 1;
 
 /// Control message kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -143,6 +205,8 @@ pub enum ControlKind {
     Migrate,
     Error,
     SetOwner,
+    Policy,
+    MigrationReport,
 }
 
 impl ControlKind {
@@ -155,6 +219,8 @@ impl ControlKind {
             ControlKind::Migrate => 5,
             ControlKind::Error => 6,
             ControlKind::SetOwner => 7,
+            ControlKind::Policy => 8,
+            ControlKind::MigrationReport => 9,
         }
     }
     pub const fn from_u8(v: u8) -> Option<Self> {
@@ -166,6 +232,8 @@ impl ControlKind {
             5 => ControlKind::Migrate,
             6 => ControlKind::Error,
             7 => ControlKind::SetOwner,
+            8 => ControlKind::Policy,
+            9 => ControlKind::MigrationReport,
             _ => return None,
         })
     }
@@ -181,6 +249,8 @@ impl std::fmt::Display for ControlKind {
             ControlKind::Migrate => "MIGRATE",
             ControlKind::Error => "ERROR",
             ControlKind::SetOwner => "SET_OWNER",
+            ControlKind::Policy => "POLICY",
+            ControlKind::MigrationReport => "MIGRATION_REPORT",
         })
     }
 }
@@ -210,6 +280,14 @@ pub enum ControlError {
     ErrorTextTooLong { len: usize },
     #[error("ERROR text is not UTF-8 (valid up to byte {valid_up_to})")]
     ErrorTextNotUtf8 { valid_up_to: usize },
+    #[error("MIGRATION_REPORT carries {count} reports, at most {MAX_REPORTS}")]
+    TooManyReports { count: usize },
+    #[error("MIGRATION_REPORT report {index}: unknown {field} code {code}")]
+    BadReport {
+        index: usize,
+        field: &'static str,
+        code: u8,
+    },
     #[error("control message MAC verification failed")]
     BadMac,
     #[error("control buffer too small to emit: {len} bytes, need {needed}")]
@@ -410,6 +488,31 @@ pub struct Heartbeat {
     pub rx_backlog_bytes: u64,
     /// [`HEARTBEAT_DRAINING`], other bits reserved (sent 0, ignored).
     pub flags: u32,
+    /// Generation of the POLICY the server applies (0: none yet); the
+    /// switch re-sends POLICY while it differs from the current one.
+    pub policy_generation: u32,
+}
+
+/// POLICY: the migration-policy tunables a server applies (switch ->
+/// server), from the store's `Policy`. Sent when the policy changes and
+/// whenever a heartbeat reports another generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicyMsg {
+    /// Identifies the values (a hash of them, never 0), so that a standby
+    /// that takes over agrees with the servers on what they apply.
+    pub generation: u32,
+    /// [`POLICY_PROACTIVE`], [`POLICY_REACTIVE`]; other bits reserved.
+    pub flags: u32,
+    /// Proactive threshold above the pool average, basis points (1000 = 10 %).
+    pub proactive_threshold_bp: u32,
+    /// Hysteresis, basis points below the threshold.
+    pub hysteresis_bp: u32,
+    /// Reactive threshold: total receive-queue backlog, packets.
+    pub reactive_backlog_packets: u32,
+    /// Per-connection cooldown after a move, milliseconds.
+    pub cooldown_ms: u32,
+    /// Cap on migrations a server starts per second.
+    pub max_migrations_per_sec: u32,
 }
 
 /// DRAIN: migrate every connection away (switch -> server).
@@ -497,6 +600,251 @@ pub struct ErrorMsg<'a> {
     pub text: &'a str,
 }
 
+/// How a migration a server reports ended, as that server saw it. Origin
+/// reports carry the first three, target reports the last three.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReportOutcome {
+    /// 1 (origin): the target imported the connection.
+    MigratedOut,
+    /// 2 (origin): the migration did not happen; the origin kept serving.
+    Resumed,
+    /// 3 (origin): state sent, outcome never learnt; the connection was closed.
+    Lost,
+    /// 4 (target): imported and serving.
+    MigratedIn,
+    /// 5 (target): aborted before the import.
+    AbortedIn,
+    /// 6 (target): the snapshot could not be imported.
+    ImportFailed,
+}
+
+impl ReportOutcome {
+    pub const fn to_u8(self) -> u8 {
+        match self {
+            ReportOutcome::MigratedOut => 1,
+            ReportOutcome::Resumed => 2,
+            ReportOutcome::Lost => 3,
+            ReportOutcome::MigratedIn => 4,
+            ReportOutcome::AbortedIn => 5,
+            ReportOutcome::ImportFailed => 6,
+        }
+    }
+    pub const fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => ReportOutcome::MigratedOut,
+            2 => ReportOutcome::Resumed,
+            3 => ReportOutcome::Lost,
+            4 => ReportOutcome::MigratedIn,
+            5 => ReportOutcome::AbortedIn,
+            6 => ReportOutcome::ImportFailed,
+            _ => return None,
+        })
+    }
+    /// Whether the reporting server was the origin.
+    pub const fn is_origin(self) -> bool {
+        matches!(
+            self,
+            ReportOutcome::MigratedOut | ReportOutcome::Resumed | ReportOutcome::Lost
+        )
+    }
+    pub const fn name(self) -> &'static str {
+        match self {
+            ReportOutcome::MigratedOut => "migrated_out",
+            ReportOutcome::Resumed => "resumed",
+            ReportOutcome::Lost => "lost",
+            ReportOutcome::MigratedIn => "migrated_in",
+            ReportOutcome::AbortedIn => "aborted_in",
+            ReportOutcome::ImportFailed => "import_failed",
+        }
+    }
+}
+
+/// What started a migration (known to the origin only; target reports say
+/// [`MigrationTrigger::Unknown`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MigrationTrigger {
+    /// 0: not known to the reporter.
+    Unknown,
+    /// 1: a MIGRATE from the switch (an operator's request).
+    Manual,
+    /// 2: a DRAIN.
+    Drain,
+    /// 3: the proactive policy (load above the pool average).
+    Proactive,
+    /// 4: the reactive policy (receive-queue backlog).
+    Reactive,
+    /// 5: the hostagent's churn option (benchmarks and tests).
+    Churn,
+}
+
+impl MigrationTrigger {
+    pub const fn to_u8(self) -> u8 {
+        match self {
+            MigrationTrigger::Unknown => 0,
+            MigrationTrigger::Manual => 1,
+            MigrationTrigger::Drain => 2,
+            MigrationTrigger::Proactive => 3,
+            MigrationTrigger::Reactive => 4,
+            MigrationTrigger::Churn => 5,
+        }
+    }
+    pub const fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            0 => MigrationTrigger::Unknown,
+            1 => MigrationTrigger::Manual,
+            2 => MigrationTrigger::Drain,
+            3 => MigrationTrigger::Proactive,
+            4 => MigrationTrigger::Reactive,
+            5 => MigrationTrigger::Churn,
+            _ => return None,
+        })
+    }
+    pub const fn name(self) -> &'static str {
+        match self {
+            MigrationTrigger::Unknown => "unknown",
+            MigrationTrigger::Manual => "manual",
+            MigrationTrigger::Drain => "drain",
+            MigrationTrigger::Proactive => "proactive",
+            MigrationTrigger::Reactive => "reactive",
+            MigrationTrigger::Churn => "churn",
+        }
+    }
+}
+
+/// One finished migration as one server saw it (a MIGRATION_REPORT entry).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigrationReport {
+    /// The TCPMig migration id (origin data address, per-origin counter).
+    pub id: u64,
+    pub flow: FlowKey,
+    /// The other party's data address (target for an origin report, origin
+    /// for a target report), when known.
+    pub peer: Option<Ipv4Addr>,
+    pub outcome: ReportOutcome,
+    pub trigger: MigrationTrigger,
+    /// Why it did not succeed ([`crate::tcpmig::Reason::None`] if it did).
+    pub reason: crate::tcpmig::Reason,
+    /// CONN_STATE fragments per copy of the snapshot.
+    pub fragments: u16,
+    /// Microseconds between the end of the migration and the message.
+    pub age_us: u32,
+    /// Phase durations in microseconds ([`REPORT_PHASES`] order);
+    /// [`PHASE_NOT_REACHED`] for a phase this server did not see.
+    pub phases_us: [u32; 5],
+    pub snapshot_bytes: u32,
+    pub segments_buffered: u32,
+    pub bytes_buffered: u64,
+}
+
+impl MigrationReport {
+    /// Phase `i` ([`REPORT_PHASES`] order), `None` when not reached.
+    pub fn phase_us(&self, i: usize) -> Option<u32> {
+        self.phases_us
+            .get(i)
+            .copied()
+            .filter(|v| *v != PHASE_NOT_REACHED)
+    }
+
+    fn read(c: &[u8]) -> Result<Self, (&'static str, u8)> {
+        use field::migration_report as f;
+        let outcome = ReportOutcome::from_u8(c[f::OUTCOME]).ok_or(("outcome", c[f::OUTCOME]))?;
+        let trigger = MigrationTrigger::from_u8(c[f::TRIGGER]).ok_or(("trigger", c[f::TRIGGER]))?;
+        let peer = Ipv4Addr::from(rd32(c, f::PEER));
+        let mut phases_us = [0u32; 5];
+        for (p, b) in phases_us.iter_mut().zip(c[f::PHASES_US].chunks_exact(4)) {
+            *p = rd32(b, 0..4);
+        }
+        Ok(MigrationReport {
+            id: rd64(c, f::MIGRATION_ID),
+            flow: FlowKey {
+                client_ip: Ipv4Addr::from(rd32(c, f::CLIENT_IP)),
+                client_port: rd16(c, f::CLIENT_PORT),
+                service_ip: Ipv4Addr::from(rd32(c, f::SERVICE_IP)),
+                service_port: rd16(c, f::SERVICE_PORT),
+            },
+            peer: (!peer.is_unspecified()).then_some(peer),
+            outcome,
+            trigger,
+            reason: crate::tcpmig::Reason::from_u16(rd16(c, f::REASON)),
+            fragments: rd16(c, f::FRAGMENTS),
+            age_us: rd32(c, f::AGE_US),
+            phases_us,
+            snapshot_bytes: rd32(c, f::SNAPSHOT_BYTES),
+            segments_buffered: rd32(c, f::SEGMENTS_BUFFERED),
+            bytes_buffered: rd64(c, f::BYTES_BUFFERED),
+        })
+    }
+
+    fn write(&self, c: &mut [u8]) {
+        use field::migration_report as f;
+        c[f::MIGRATION_ID].copy_from_slice(&self.id.to_be_bytes());
+        c[f::CLIENT_IP].copy_from_slice(&self.flow.client_ip.octets());
+        c[f::CLIENT_PORT].copy_from_slice(&self.flow.client_port.to_be_bytes());
+        c[f::SERVICE_PORT].copy_from_slice(&self.flow.service_port.to_be_bytes());
+        c[f::SERVICE_IP].copy_from_slice(&self.flow.service_ip.octets());
+        let peer = self.peer.unwrap_or(Ipv4Addr::UNSPECIFIED);
+        c[f::PEER].copy_from_slice(&peer.octets());
+        c[f::OUTCOME] = self.outcome.to_u8();
+        c[f::TRIGGER] = self.trigger.to_u8();
+        c[f::REASON].copy_from_slice(&self.reason.to_u16().to_be_bytes());
+        c[f::FRAGMENTS].copy_from_slice(&self.fragments.to_be_bytes());
+        c[f::AGE_US].copy_from_slice(&self.age_us.to_be_bytes());
+        for (b, p) in c[f::PHASES_US].chunks_exact_mut(4).zip(self.phases_us) {
+            b.copy_from_slice(&p.to_be_bytes());
+        }
+        c[f::SNAPSHOT_BYTES].copy_from_slice(&self.snapshot_bytes.to_be_bytes());
+        c[f::SEGMENTS_BUFFERED].copy_from_slice(&self.segments_buffered.to_be_bytes());
+        c[f::BYTES_BUFFERED].copy_from_slice(&self.bytes_buffered.to_be_bytes());
+    }
+}
+
+/// The reports of a MIGRATION_REPORT: the validated wire bytes of a parsed
+/// message or a slice to emit; both iterate the same way and compare equal
+/// by content.
+#[derive(Clone, Copy)]
+pub enum ReportList<'a> {
+    /// `n * REPORT_LEN` bytes, every report checked by [`ControlRepr::parse`].
+    Wire(&'a [u8]),
+    /// Reports to emit.
+    Slice(&'a [MigrationReport]),
+}
+
+impl<'a> ReportList<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            ReportList::Wire(b) => b.len() / field::migration_report::REPORT_LEN,
+            ReportList::Slice(s) => s.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn iter(&self) -> impl Iterator<Item = MigrationReport> + 'a {
+        let (wire, slice): (&'a [u8], &'a [MigrationReport]) = match *self {
+            ReportList::Wire(b) => (b, &[]),
+            ReportList::Slice(s) => (&[], s),
+        };
+        // Wire reports were validated by `parse`: `read` cannot fail here
+        // (a failure would only skip the report, never panic).
+        wire.chunks_exact(field::migration_report::REPORT_LEN)
+            .filter_map(|c| MigrationReport::read(c).ok())
+            .chain(slice.iter().copied())
+    }
+}
+
+impl PartialEq for ReportList<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.len() == other.len() && self.iter().eq(other.iter())
+    }
+}
+impl Eq for ReportList<'_> {}
+
+impl std::fmt::Debug for ReportList<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
 /// The body of a control message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ControlBody<'a> {
@@ -507,6 +855,9 @@ pub enum ControlBody<'a> {
     Migrate(Migrate),
     Error(ErrorMsg<'a>),
     SetOwner(SetOwner),
+    Policy(PolicyMsg),
+    /// Finished migrations (server -> switch), at most [`MAX_REPORTS`].
+    MigrationReport(ReportList<'a>),
 }
 
 impl ControlBody<'_> {
@@ -519,6 +870,8 @@ impl ControlBody<'_> {
             ControlBody::Migrate(_) => ControlKind::Migrate,
             ControlBody::Error(_) => ControlKind::Error,
             ControlBody::SetOwner(_) => ControlKind::SetOwner,
+            ControlBody::Policy(_) => ControlKind::Policy,
+            ControlBody::MigrationReport(_) => ControlKind::MigrationReport,
         }
     }
 
@@ -533,6 +886,10 @@ impl ControlBody<'_> {
             ControlBody::Migrate(_) => field::migrate::LEN,
             ControlBody::Error(e) => field::error::TEXT + e.text.len(),
             ControlBody::SetOwner(_) => field::set_owner::LEN,
+            ControlBody::Policy(_) => field::policy::LEN,
+            ControlBody::MigrationReport(r) => {
+                field::migration_report::REPORTS + r.len() * field::migration_report::REPORT_LEN
+            }
         }
     }
 }
@@ -568,110 +925,147 @@ impl<'a> ControlRepr<'a> {
                 })
             }
         };
-        let parsed = match kind {
-            ControlKind::Register => {
-                use field::register as f;
-                if body.len() < f::SERVICES {
-                    return Err(ControlError::BadBodyLength {
-                        kind,
-                        len: body.len(),
-                        expected: f::SERVICES,
-                    });
+        let parsed =
+            match kind {
+                ControlKind::Register => {
+                    use field::register as f;
+                    if body.len() < f::SERVICES {
+                        return Err(ControlError::BadBodyLength {
+                            kind,
+                            len: body.len(),
+                            expected: f::SERVICES,
+                        });
+                    }
+                    let count = usize::from(rd16(body, f::SERVICE_COUNT));
+                    if count > MAX_SERVICES {
+                        return Err(ControlError::TooManyServices { count });
+                    }
+                    exact(f::SERVICES + count * f::SERVICE_LEN)?;
+                    ControlBody::Register(Register {
+                        mgmt_addr: Ipv4Addr::from(rd32(body, f::MGMT_ADDR)),
+                        data_addr: Ipv4Addr::from(rd32(body, f::DATA_ADDR)),
+                        data_mac: rd(body, f::DATA_MAC),
+                        weight: rd16(body, f::WEIGHT),
+                        services: ServiceList::Wire(&body[f::SERVICES..]),
+                    })
                 }
-                let count = usize::from(rd16(body, f::SERVICE_COUNT));
-                if count > MAX_SERVICES {
-                    return Err(ControlError::TooManyServices { count });
+                ControlKind::RegisterAck => {
+                    use field::register_ack as f;
+                    exact(f::LEN)?;
+                    ControlBody::RegisterAck(RegisterAck {
+                        switch_epoch: rd32(body, f::SWITCH_EPOCH),
+                        load_interval_us: rd32(body, f::LOAD_INTERVAL_US),
+                        heartbeat_interval_ms: rd32(body, f::HEARTBEAT_INTERVAL_MS),
+                        dead_after_ms: rd32(body, f::DEAD_AFTER_MS),
+                    })
                 }
-                exact(f::SERVICES + count * f::SERVICE_LEN)?;
-                ControlBody::Register(Register {
-                    mgmt_addr: Ipv4Addr::from(rd32(body, f::MGMT_ADDR)),
-                    data_addr: Ipv4Addr::from(rd32(body, f::DATA_ADDR)),
-                    data_mac: rd(body, f::DATA_MAC),
-                    weight: rd16(body, f::WEIGHT),
-                    services: ServiceList::Wire(&body[f::SERVICES..]),
-                })
-            }
-            ControlKind::RegisterAck => {
-                use field::register_ack as f;
-                exact(f::LEN)?;
-                ControlBody::RegisterAck(RegisterAck {
-                    switch_epoch: rd32(body, f::SWITCH_EPOCH),
-                    load_interval_us: rd32(body, f::LOAD_INTERVAL_US),
-                    heartbeat_interval_ms: rd32(body, f::HEARTBEAT_INTERVAL_MS),
-                    dead_after_ms: rd32(body, f::DEAD_AFTER_MS),
-                })
-            }
-            ControlKind::Heartbeat => {
-                use field::heartbeat as f;
-                exact(f::LEN)?;
-                ControlBody::Heartbeat(Heartbeat {
-                    connections: rd32(body, f::CONNECTIONS),
-                    migrations_in_flight: rd32(body, f::MIGRATIONS_IN_FLIGHT),
-                    load_pps: rd64(body, f::LOAD_PPS),
-                    rx_backlog_bytes: rd64(body, f::RX_BACKLOG_BYTES),
-                    flags: rd32(body, f::FLAGS),
-                })
-            }
-            ControlKind::Drain => {
-                use field::drain as f;
-                exact(f::LEN)?;
-                ControlBody::Drain(Drain {
-                    deadline_ms: rd32(body, f::DEADLINE_MS),
-                    flags: rd32(body, f::FLAGS),
-                })
-            }
-            ControlKind::Migrate => {
-                use field::migrate as f;
-                exact(f::LEN)?;
-                let target = Ipv4Addr::from(rd32(body, f::TARGET));
-                ControlBody::Migrate(Migrate {
-                    flow: FlowKey {
-                        client_ip: Ipv4Addr::from(rd32(body, f::CLIENT_IP)),
-                        client_port: rd16(body, f::CLIENT_PORT),
-                        service_ip: Ipv4Addr::from(rd32(body, f::SERVICE_IP)),
-                        service_port: rd16(body, f::SERVICE_PORT),
-                    },
-                    target: (!target.is_unspecified()).then_some(target),
-                })
-            }
-            ControlKind::SetOwner => {
-                use field::set_owner as f;
-                exact(f::LEN)?;
-                ControlBody::SetOwner(SetOwner {
-                    flow: FlowKey {
-                        client_ip: Ipv4Addr::from(rd32(body, f::CLIENT_IP)),
-                        client_port: rd16(body, f::CLIENT_PORT),
-                        service_ip: Ipv4Addr::from(rd32(body, f::SERVICE_IP)),
-                        service_port: rd16(body, f::SERVICE_PORT),
-                    },
-                    owner: Ipv4Addr::from(rd32(body, f::OWNER)),
-                })
-            }
-            ControlKind::Error => {
-                use field::error as f;
-                if body.len() < f::TEXT {
-                    return Err(ControlError::BadBodyLength {
-                        kind,
-                        len: body.len(),
-                        expected: f::TEXT,
-                    });
+                ControlKind::Heartbeat => {
+                    use field::heartbeat as f;
+                    exact(f::LEN)?;
+                    ControlBody::Heartbeat(Heartbeat {
+                        connections: rd32(body, f::CONNECTIONS),
+                        migrations_in_flight: rd32(body, f::MIGRATIONS_IN_FLIGHT),
+                        load_pps: rd64(body, f::LOAD_PPS),
+                        rx_backlog_bytes: rd64(body, f::RX_BACKLOG_BYTES),
+                        flags: rd32(body, f::FLAGS),
+                        policy_generation: rd32(body, f::POLICY_GENERATION),
+                    })
                 }
-                let text = &body[f::TEXT..];
-                if text.len() > MAX_ERROR_TEXT {
-                    return Err(ControlError::ErrorTextTooLong { len: text.len() });
+                ControlKind::Drain => {
+                    use field::drain as f;
+                    exact(f::LEN)?;
+                    ControlBody::Drain(Drain {
+                        deadline_ms: rd32(body, f::DEADLINE_MS),
+                        flags: rd32(body, f::FLAGS),
+                    })
                 }
-                let text =
-                    std::str::from_utf8(text).map_err(|e| ControlError::ErrorTextNotUtf8 {
-                        valid_up_to: e.valid_up_to(),
-                    })?;
-                ControlBody::Error(ErrorMsg {
-                    code: ErrorCode::from_u16(rd16(body, f::CODE)),
-                    ref_kind: body[f::REF_KIND],
-                    ref_seq: rd64(body, f::REF_SEQ),
-                    text,
-                })
-            }
-        };
+                ControlKind::Migrate => {
+                    use field::migrate as f;
+                    exact(f::LEN)?;
+                    let target = Ipv4Addr::from(rd32(body, f::TARGET));
+                    ControlBody::Migrate(Migrate {
+                        flow: FlowKey {
+                            client_ip: Ipv4Addr::from(rd32(body, f::CLIENT_IP)),
+                            client_port: rd16(body, f::CLIENT_PORT),
+                            service_ip: Ipv4Addr::from(rd32(body, f::SERVICE_IP)),
+                            service_port: rd16(body, f::SERVICE_PORT),
+                        },
+                        target: (!target.is_unspecified()).then_some(target),
+                    })
+                }
+                ControlKind::Policy => {
+                    use field::policy as f;
+                    exact(f::LEN)?;
+                    ControlBody::Policy(PolicyMsg {
+                        generation: rd32(body, f::GENERATION),
+                        flags: rd32(body, f::FLAGS),
+                        proactive_threshold_bp: rd32(body, f::PROACTIVE_THRESHOLD_BP),
+                        hysteresis_bp: rd32(body, f::HYSTERESIS_BP),
+                        reactive_backlog_packets: rd32(body, f::REACTIVE_BACKLOG_PACKETS),
+                        cooldown_ms: rd32(body, f::COOLDOWN_MS),
+                        max_migrations_per_sec: rd32(body, f::MAX_MIGRATIONS_PER_SEC),
+                    })
+                }
+                ControlKind::SetOwner => {
+                    use field::set_owner as f;
+                    exact(f::LEN)?;
+                    ControlBody::SetOwner(SetOwner {
+                        flow: FlowKey {
+                            client_ip: Ipv4Addr::from(rd32(body, f::CLIENT_IP)),
+                            client_port: rd16(body, f::CLIENT_PORT),
+                            service_ip: Ipv4Addr::from(rd32(body, f::SERVICE_IP)),
+                            service_port: rd16(body, f::SERVICE_PORT),
+                        },
+                        owner: Ipv4Addr::from(rd32(body, f::OWNER)),
+                    })
+                }
+                ControlKind::MigrationReport => {
+                    use field::migration_report as f;
+                    if body.len() < f::REPORTS {
+                        return Err(ControlError::BadBodyLength {
+                            kind,
+                            len: body.len(),
+                            expected: f::REPORTS,
+                        });
+                    }
+                    let count = usize::from(rd16(body, f::COUNT));
+                    if count > MAX_REPORTS {
+                        return Err(ControlError::TooManyReports { count });
+                    }
+                    exact(f::REPORTS + count * f::REPORT_LEN)?;
+                    let reports = &body[f::REPORTS..];
+                    for (index, c) in reports.chunks_exact(f::REPORT_LEN).enumerate() {
+                        MigrationReport::read(c).map_err(|(field, code)| {
+                            ControlError::BadReport { index, field, code }
+                        })?;
+                    }
+                    ControlBody::MigrationReport(ReportList::Wire(reports))
+                }
+                ControlKind::Error => {
+                    use field::error as f;
+                    if body.len() < f::TEXT {
+                        return Err(ControlError::BadBodyLength {
+                            kind,
+                            len: body.len(),
+                            expected: f::TEXT,
+                        });
+                    }
+                    let text = &body[f::TEXT..];
+                    if text.len() > MAX_ERROR_TEXT {
+                        return Err(ControlError::ErrorTextTooLong { len: text.len() });
+                    }
+                    let text =
+                        std::str::from_utf8(text).map_err(|e| ControlError::ErrorTextNotUtf8 {
+                            valid_up_to: e.valid_up_to(),
+                        })?;
+                    ControlBody::Error(ErrorMsg {
+                        code: ErrorCode::from_u16(rd16(body, f::CODE)),
+                        ref_kind: body[f::REF_KIND],
+                        ref_seq: rd64(body, f::REF_SEQ),
+                        text,
+                    })
+                }
+            };
         Ok(ControlRepr {
             server_id: p.server_id(),
             seq: p.seq(),
@@ -700,6 +1094,9 @@ impl<'a> ControlRepr<'a> {
             ControlBody::Error(e) if e.text.len() > MAX_ERROR_TEXT => {
                 return Err(ControlError::ErrorTextTooLong { len: e.text.len() });
             }
+            ControlBody::MigrationReport(r) if r.len() > MAX_REPORTS => {
+                return Err(ControlError::TooManyReports { count: r.len() });
+            }
             _ => {}
         }
         let n = self.buffer_len();
@@ -716,7 +1113,7 @@ impl<'a> ControlRepr<'a> {
         b[field::KIND] = self.body.kind().to_u8();
         b[field::SERVER_ID].copy_from_slice(&self.server_id.0.to_be_bytes());
         b[field::SEQ].copy_from_slice(&self.seq.to_be_bytes());
-        // Bounded by MAX_SERVICES / MAX_ERROR_TEXT above: fits in u16.
+        // Bounded by MAX_SERVICES / MAX_ERROR_TEXT / MAX_REPORTS above: fits in u16.
         b[field::BODY_LEN].copy_from_slice(&(self.body.len() as u16).to_be_bytes());
         let body = &mut b[field::BODY..n - MAC_LEN];
         match &self.body {
@@ -751,6 +1148,20 @@ impl<'a> ControlRepr<'a> {
                 body[f::LOAD_PPS].copy_from_slice(&h.load_pps.to_be_bytes());
                 body[f::RX_BACKLOG_BYTES].copy_from_slice(&h.rx_backlog_bytes.to_be_bytes());
                 body[f::FLAGS].copy_from_slice(&h.flags.to_be_bytes());
+                body[f::POLICY_GENERATION].copy_from_slice(&h.policy_generation.to_be_bytes());
+            }
+            ControlBody::Policy(p) => {
+                use field::policy as f;
+                body[f::GENERATION].copy_from_slice(&p.generation.to_be_bytes());
+                body[f::FLAGS].copy_from_slice(&p.flags.to_be_bytes());
+                body[f::PROACTIVE_THRESHOLD_BP]
+                    .copy_from_slice(&p.proactive_threshold_bp.to_be_bytes());
+                body[f::HYSTERESIS_BP].copy_from_slice(&p.hysteresis_bp.to_be_bytes());
+                body[f::REACTIVE_BACKLOG_PACKETS]
+                    .copy_from_slice(&p.reactive_backlog_packets.to_be_bytes());
+                body[f::COOLDOWN_MS].copy_from_slice(&p.cooldown_ms.to_be_bytes());
+                body[f::MAX_MIGRATIONS_PER_SEC]
+                    .copy_from_slice(&p.max_migrations_per_sec.to_be_bytes());
             }
             ControlBody::Drain(d) => {
                 use field::drain as f;
@@ -773,6 +1184,16 @@ impl<'a> ControlRepr<'a> {
                 body[f::SERVICE_PORT].copy_from_slice(&o.flow.service_port.to_be_bytes());
                 body[f::SERVICE_IP].copy_from_slice(&o.flow.service_ip.octets());
                 body[f::OWNER].copy_from_slice(&o.owner.octets());
+            }
+            ControlBody::MigrationReport(r) => {
+                use field::migration_report as f;
+                body[f::COUNT].copy_from_slice(&(r.len() as u16).to_be_bytes());
+                for (chunk, rep) in body[f::REPORTS..]
+                    .chunks_exact_mut(f::REPORT_LEN)
+                    .zip(r.iter())
+                {
+                    rep.write(chunk);
+                }
             }
             ControlBody::Error(e) => {
                 use field::error as f;
@@ -827,7 +1248,18 @@ mod tests {
             service_ip: Ipv4Addr::new(198, 18, 100, 1),
             service_port: 80,
         };
+        let reports = [sample_report(flow), {
+            let mut r = sample_report(flow);
+            r.outcome = ReportOutcome::Resumed;
+            r.trigger = MigrationTrigger::Reactive;
+            r.reason = crate::tcpmig::Reason::Timeout;
+            r.peer = None;
+            r.phases_us[3] = PHASE_NOT_REACHED;
+            r
+        }];
         let bodies = [
+            ControlBody::MigrationReport(ReportList::Slice(&reports)),
+            ControlBody::MigrationReport(ReportList::Slice(&[])),
             ControlBody::Register(Register {
                 mgmt_addr: Ipv4Addr::new(198, 18, 1, 10),
                 data_addr: Ipv4Addr::new(198, 18, 2, 10),
@@ -847,6 +1279,16 @@ mod tests {
                 load_pps: 1 << 40,
                 rx_backlog_bytes: 77,
                 flags: HEARTBEAT_DRAINING,
+                policy_generation: 0xdead_beef,
+            }),
+            ControlBody::Policy(PolicyMsg {
+                generation: 7,
+                flags: POLICY_PROACTIVE | POLICY_REACTIVE,
+                proactive_threshold_bp: 1000,
+                hysteresis_bp: 200,
+                reactive_backlog_packets: 20,
+                cooldown_ms: 1000,
+                max_migrations_per_sec: 1000,
             }),
             ControlBody::Drain(Drain {
                 deadline_ms: 30_000,
@@ -875,6 +1317,100 @@ mod tests {
                 body,
             });
         }
+    }
+
+    fn sample_report(flow: FlowKey) -> MigrationReport {
+        MigrationReport {
+            id: 0xc612_020b_0000_0007,
+            flow,
+            peer: Some(Ipv4Addr::new(198, 18, 2, 12)),
+            outcome: ReportOutcome::MigratedOut,
+            trigger: MigrationTrigger::Drain,
+            reason: crate::tcpmig::Reason::None,
+            fragments: 2,
+            age_us: 1500,
+            phases_us: [40, 7, 55, PHASE_NOT_REACHED, 120],
+            snapshot_bytes: 2900,
+            segments_buffered: 3,
+            bytes_buffered: 4096,
+        }
+    }
+
+    #[test]
+    fn migration_reports_are_validated() {
+        let flow = FlowKey {
+            client_ip: Ipv4Addr::new(198, 18, 0, 10),
+            client_port: 5555,
+            service_ip: Ipv4Addr::new(198, 18, 100, 1),
+            service_port: 80,
+        };
+        let reports = [sample_report(flow); 2];
+        let repr = ControlRepr {
+            server_id: ServerId(2),
+            seq: 9,
+            body: ControlBody::MigrationReport(ReportList::Slice(&reports)),
+        };
+        let mut buf = [0u8; 2048];
+        let n = repr.emit(&mut buf).unwrap();
+        assert_eq!(n, HEADER_LEN + 4 + 2 * 72 + MAC_LEN);
+        let ControlBody::MigrationReport(list) = ControlRepr::parse(&buf[..n]).unwrap().body else {
+            panic!("not a report");
+        };
+        let got: Vec<MigrationReport> = list.iter().collect();
+        assert_eq!(got, reports);
+        assert_eq!(got[0].phase_us(3), None);
+        assert_eq!(got[0].phase_us(4), Some(120));
+        // An unknown trigger in the second report.
+        let mut bad = buf;
+        let off = HEADER_LEN + field::migration_report::REPORTS + 72;
+        bad[off + field::migration_report::TRIGGER] = 77;
+        assert_eq!(
+            ControlRepr::parse(&bad[..n]),
+            Err(ControlError::BadReport {
+                index: 1,
+                field: "trigger",
+                code: 77
+            })
+        );
+        let mut bad = buf;
+        bad[off + field::migration_report::OUTCOME] = 0;
+        assert!(matches!(
+            ControlRepr::parse(&bad[..n]),
+            Err(ControlError::BadReport {
+                field: "outcome",
+                ..
+            })
+        ));
+        // Count and length disagree.
+        let mut bad = buf;
+        bad[HEADER_LEN + 1] = 3;
+        assert!(matches!(
+            ControlRepr::parse(&bad[..n]),
+            Err(ControlError::BadBodyLength { .. })
+        ));
+        bad[HEADER_LEN + 1] = (MAX_REPORTS + 1) as u8;
+        assert_eq!(
+            ControlRepr::parse(&bad[..n]),
+            Err(ControlError::TooManyReports {
+                count: MAX_REPORTS + 1
+            })
+        );
+        let many = [sample_report(flow); MAX_REPORTS + 1];
+        let too_many = ControlRepr {
+            body: ControlBody::MigrationReport(ReportList::Slice(&many)),
+            ..repr
+        };
+        assert!(matches!(
+            too_many.emit(&mut buf),
+            Err(ControlError::TooManyReports { .. })
+        ));
+        // A full message fits one Ethernet frame.
+        let full = [sample_report(flow); MAX_REPORTS];
+        let full = ControlRepr {
+            body: ControlBody::MigrationReport(ReportList::Slice(&full)),
+            ..repr
+        };
+        assert!(full.buffer_len() <= 1472, "{}", full.buffer_len());
     }
 
     #[test]

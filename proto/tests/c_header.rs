@@ -143,6 +143,21 @@ const CONTROL_KINDS: &[(&str, &str, control::ControlKind)] = &[
         "CONTROL_KIND_ERROR",
         control::ControlKind::Error,
     ),
+    (
+        "ckind_set_owner",
+        "CONTROL_KIND_SET_OWNER",
+        control::ControlKind::SetOwner,
+    ),
+    (
+        "ckind_policy",
+        "CONTROL_KIND_POLICY",
+        control::ControlKind::Policy,
+    ),
+    (
+        "ckind_migration_report",
+        "CONTROL_KIND_MIGRATION_REPORT",
+        control::ControlKind::MigrationReport,
+    ),
 ];
 
 /// (C struct, C field, OFF macro, Rust byte range of the field).

@@ -269,7 +269,10 @@ fn control_valid_round_trips_and_mutations() {
         for _ in 0..rng.below(60) {
             text.push(['a', 'é', '→', ' ', '0', '🦫'][rng.below(6)]);
         }
-        let body = match rng.below(7) {
+        let reports: Vec<control::MigrationReport> = (0..rng.below(control::MAX_REPORTS + 1))
+            .map(|_| random_report(&mut rng))
+            .collect();
+        let body = match rng.below(9) {
             0 => ControlBody::Register(control::Register {
                 mgmt_addr: rng.ip(),
                 data_addr: rng.ip(),
@@ -296,6 +299,7 @@ fn control_valid_round_trips_and_mutations() {
                 load_pps: rng.next(),
                 rx_backlog_bytes: rng.next(),
                 flags: rng.next() as u32,
+                policy_generation: rng.next() as u32,
             }),
             3 => ControlBody::Drain(control::Drain {
                 deadline_ms: rng.next() as u32,
@@ -311,6 +315,16 @@ fn control_valid_round_trips_and_mutations() {
                 flow: random_flow(&mut rng),
                 owner: rng.ip(),
             }),
+            6 => ControlBody::Policy(control::PolicyMsg {
+                generation: rng.next() as u32,
+                flags: rng.next() as u32,
+                proactive_threshold_bp: rng.next() as u32,
+                hysteresis_bp: rng.next() as u32,
+                reactive_backlog_packets: rng.next() as u32,
+                cooldown_ms: rng.next() as u32,
+                max_migrations_per_sec: rng.next() as u32,
+            }),
+            7 => ControlBody::MigrationReport(control::ReportList::Slice(&reports)),
             _ => ControlBody::Error(control::ErrorMsg {
                 code: control::ErrorCode::from_u16(rng.u16()),
                 ref_kind: rng.byte(),
@@ -328,6 +342,33 @@ fn control_valid_round_trips_and_mutations() {
         let mut m = out[..n].to_vec();
         mutate(&mut rng, &mut m);
         check_control(&m);
+    }
+}
+
+fn random_report(rng: &mut Rng) -> control::MigrationReport {
+    let mut phases_us = [0u32; 5];
+    for p in &mut phases_us {
+        *p = if rng.chance(4) {
+            control::PHASE_NOT_REACHED
+        } else {
+            rng.next() as u32
+        };
+    }
+    control::MigrationReport {
+        id: rng.next(),
+        flow: random_flow(rng),
+        peer: rng
+            .chance(2)
+            .then(|| Ipv4Addr::from(1 + rng.below(u32::MAX as usize - 1) as u32)),
+        outcome: control::ReportOutcome::from_u8(1 + rng.below(6) as u8).unwrap(),
+        trigger: control::MigrationTrigger::from_u8(rng.below(6) as u8).unwrap(),
+        reason: Reason::from_u16(rng.u16()),
+        fragments: rng.u16(),
+        age_us: rng.next() as u32,
+        phases_us,
+        snapshot_bytes: rng.next() as u32,
+        segments_buffered: rng.next() as u32,
+        bytes_buffered: rng.next(),
     }
 }
 

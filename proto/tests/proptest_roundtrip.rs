@@ -92,7 +92,7 @@ proptest! {
     fn control_fixed_bodies_round_trip(
         server in any::<u32>(), seq in any::<u64>(), a in any::<u32>(), b in any::<u32>(),
         c in any::<u64>(), d in any::<u64>(), flow in flow(), target in proptest::option::of(1u32..),
-        which in 0usize..6, code in any::<u16>(), ref_kind in any::<u8>(), text in "\\PC{0,100}",
+        which in 0usize..7, code in any::<u16>(), ref_kind in any::<u8>(), text in "\\PC{0,100}",
     ) {
         let body = match which {
             0 => ControlBody::RegisterAck(control::RegisterAck {
@@ -100,10 +100,15 @@ proptest! {
             }),
             1 => ControlBody::Heartbeat(control::Heartbeat {
                 connections: a, migrations_in_flight: b, load_pps: c, rx_backlog_bytes: d, flags: a ^ b,
+                policy_generation: a.rotate_left(3),
             }),
             2 => ControlBody::Drain(control::Drain { deadline_ms: a, flags: b }),
             3 => ControlBody::Migrate(control::Migrate { flow, target: target.map(Ipv4Addr::from) }),
             4 => ControlBody::SetOwner(control::SetOwner { flow, owner: Ipv4Addr::from(a) }),
+            5 => ControlBody::Policy(control::PolicyMsg {
+                generation: a, flags: b, proactive_threshold_bp: c as u32, hysteresis_bp: (c >> 32) as u32,
+                reactive_backlog_packets: d as u32, cooldown_ms: (d >> 32) as u32, max_migrations_per_sec: a ^ b,
+            }),
             _ => ControlBody::Error(control::ErrorMsg {
                 code: ErrorCode::from_u16(code), ref_kind, ref_seq: c, text: &text,
             }),

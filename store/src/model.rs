@@ -84,6 +84,11 @@ pub struct Server {
     pub weight: u32,
     pub registered_unix_ms: u64,
     pub updated_unix_ms: u64,
+    /// The MAC address of the data interface as switchd learned it from
+    /// the server's REGISTER ("aa:bb:cc:dd:ee:ff"), so that a standby
+    /// switch can forward to the server before it registers again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_mac: Option<String>,
 }
 
 impl Server {
@@ -103,6 +108,7 @@ impl Server {
             weight: 100,
             registered_unix_ms: now,
             updated_unix_ms: now,
+            data_mac: None,
         }
     }
 }

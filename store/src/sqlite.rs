@@ -169,6 +169,14 @@ fn migrate(conn: &mut Connection, path: &str, from: i64, to: i64) -> Result<()> 
     let tx = conn
         .transaction_with_behavior(TransactionBehavior::Exclusive)
         .map_err(|e| corrupt_or(path, "begin migration", e))?;
+    // Another process (switchd and the api open one file) may have migrated
+    // the schema between the caller's read and this exclusive lock.
+    let from: i64 = tx
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .map_err(|e| corrupt_or(path, "read user_version", e))?;
+    if from >= to {
+        return Ok(());
+    }
     for v in from..to {
         let sql = MIGRATIONS[v as usize];
         tx.execute_batch(sql)

@@ -65,8 +65,15 @@
 #define CAPY_PLACE_RING 1   /* new flows take the next slot of the LWRR ring    */
 
 /* capy_flow.flags */
-#define CAPY_FLOW_MIGRATED 0x1 /* a migration-table entry exists or existed    */
-#define CAPY_FLOW_CLOSING 0x2  /* FIN seen from the client; closed event sent  */
+#define CAPY_FLOW_MIGRATED 0x1   /* a migration-table entry exists or existed   */
+#define CAPY_FLOW_CLOSING 0x2    /* FIN seen both ways; closed event sent       */
+#define CAPY_FLOW_FIN_CLIENT 0x4 /* FIN seen from the client                    */
+#define CAPY_FLOW_FIN_SERVER 0x8 /* FIN seen from the server (response side)    */
+/* The client sent a non-SYN segment (its handshake ACK or later): the flow is
+ * no longer embryonic. Flows without it (a SYN seen, nothing after: scans,
+ * SYN floods, clients that gave up) are reaped by the control plane's
+ * embryonic scan once older than embryonic_timeout_ms. */
+#define CAPY_FLOW_ESTABLISHED 0x10
 
 /* capy_migration.pending */
 #define CAPY_MIG_FINAL 0
@@ -137,9 +144,11 @@ struct capy_flow_key {
 
 /* Flow-table value: where the connection was placed at SYN time. */
 struct capy_flow {
-	__u32 server;  /* original server index (placement)         */
-	__u16 service; /* service index, for per-service accounting */
-	__u16 flags;   /* CAPY_FLOW_*                                */
+	__u32 server;      /* original server index (placement)         */
+	__u16 service;     /* service index, for per-service accounting */
+	__u16 flags;       /* CAPY_FLOW_*                                */
+	__u64 created_ns;  /* bpf_ktime_get_ns() (CLOCK_MONOTONIC) when the
+			    * entry was made; ages embryonic flows      */
 };
 
 /* Migration-table value (docs/MIGRATION.md, "What the switch must do").

@@ -152,6 +152,23 @@ static __always_inline int usable_owner(const struct capy_server *srv)
 /* Client -> VIP (TCP)                                                      */
 /* ------------------------------------------------------------------------ */
 
+/* A FIN seen one way (`side` = CAPY_FLOW_FIN_CLIENT or _SERVER). The flow
+ * closes only when both directions have sent their FIN: after the client's
+ * FIN alone the server may stream for a long time (a half-closed echo or
+ * download), and reaping a migrated flow's entry then would steer the
+ * client's ACKs to the flow's original server, which resets them. */
+static __always_inline void note_fin(const struct capy_flow_key *key, struct capy_flow *flow, __u16 side,
+				     __u32 server)
+{
+	flow->flags |= side;
+	if ((flow->flags & (CAPY_FLOW_FIN_CLIENT | CAPY_FLOW_FIN_SERVER)) ==
+		    (CAPY_FLOW_FIN_CLIENT | CAPY_FLOW_FIN_SERVER) &&
+	    !(flow->flags & CAPY_FLOW_CLOSING)) {
+		flow->flags |= CAPY_FLOW_CLOSING;
+		emit_event(key, CAPY_EV_CLOSED, server, server);
+	}
+}
+
 static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *ip,
 				      struct tcphdr *tcp, const struct capy_service *svc)
 {
@@ -168,6 +185,36 @@ static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, st
 	struct capy_server *srv;
 
 	mig = bpf_map_lookup_elem(&migrations, &key);
+	if (mig && syn_only) {
+		/* A SYN reusing the 4-tuple of a closed (CLOSING) flow starts a new
+		 * connection: the migration entry is the old connection's. Following
+		 * it kept the flow CLOSING, and the control plane's reaper then
+		 * removed the new connection's entries closed_linger after the old
+		 * close, silently dropping the client from then on. The new flow
+		 * gets its own entry (flags 0) on the old connection's last owner
+		 * while it is live (the old origin still drops the tuple's segments
+		 * as "gone" for a few seconds); otherwise it is placed anew. */
+		flow = bpf_map_lookup_elem(&flows, &key);
+		if (flow && (flow->flags & CAPY_FLOW_CLOSING)) {
+			__u32 last = mig->server;
+
+			bpf_map_delete_elem(&migrations, &key);
+			mig = NULL;
+			srv = bpf_map_lookup_elem(&servers, &last);
+			if (srv && srv->state == CAPY_SERVER_LIVE) {
+				struct capy_flow nf = { .server = last,
+							.service = (__u16)svc->index,
+							.flags = 0,
+							.created_ns = bpf_ktime_get_ns() };
+
+				bpf_map_update_elem(&flows, &key, &nf, BPF_ANY);
+				emit_event(&key, CAPY_EV_NEW, last, last);
+				server = last;
+				reason = CAPY_STAT_FWD_NEW_FLOW;
+				goto rewrite;
+			}
+		}
+	}
 	if (mig) {
 		server = mig->server;
 		reason = CAPY_STAT_FWD_MIGRATED;
@@ -178,10 +225,8 @@ static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, st
 			bpf_map_delete_elem(&flows, &key);
 		} else if (tcp->fin) {
 			flow = bpf_map_lookup_elem(&flows, &key);
-			if (flow && !(flow->flags & CAPY_FLOW_CLOSING)) {
-				flow->flags |= CAPY_FLOW_CLOSING;
-				emit_event(&key, CAPY_EV_CLOSED, server, server);
-			}
+			if (flow)
+				note_fin(&key, flow, CAPY_FLOW_FIN_CLIENT, server);
 			/* The migration entry stays until the last ACK is through;
 			 * the control plane reaps it after the CLOSED event. */
 		}
@@ -192,12 +237,15 @@ static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, st
 	if (flow && !(syn_only && (flow->flags & CAPY_FLOW_CLOSING))) {
 		server = flow->server;
 		reason = CAPY_STAT_FWD_ESTABLISHED;
+		/* The client's first non-SYN segment (its handshake ACK): no
+		 * longer embryonic. Written once, not per packet. */
+		if (!syn_only && !(flow->flags & CAPY_FLOW_ESTABLISHED))
+			flow->flags |= CAPY_FLOW_ESTABLISHED;
 		if (tcp->rst) {
 			emit_event(&key, CAPY_EV_CLOSED, server, server);
 			bpf_map_delete_elem(&flows, &key);
-		} else if (tcp->fin && !(flow->flags & CAPY_FLOW_CLOSING)) {
-			flow->flags |= CAPY_FLOW_CLOSING;
-			emit_event(&key, CAPY_EV_CLOSED, server, server);
+		} else if (tcp->fin) {
+			note_fin(&key, flow, CAPY_FLOW_FIN_CLIENT, server);
 		}
 		goto forward;
 	}
@@ -225,7 +273,12 @@ static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, st
 	if (!srv || srv->state != CAPY_SERVER_LIVE)
 		return verdict(CAPY_STAT_DROP_NO_SERVER, XDP_DROP);
 	{
-		struct capy_flow nf = { .server = server, .service = (__u16)svc->index, .flags = 0 };
+		/* A recovered flow (non-SYN without entry) already carries the
+		 * client's non-SYN segment: established. */
+		struct capy_flow nf = { .server = server,
+					.service = (__u16)svc->index,
+					.flags = syn_only ? 0 : CAPY_FLOW_ESTABLISHED,
+					.created_ns = bpf_ktime_get_ns() };
 
 		bpf_map_update_elem(&flows, &key, &nf, BPF_ANY);
 		emit_event(&key, CAPY_EV_NEW, server, server);
@@ -556,6 +609,26 @@ static __always_inline int handle_tcpmig(struct xdp_md *ctx, struct ethhdr *eth,
 /* Entry point                                                              */
 /* ------------------------------------------------------------------------ */
 
+/* A server's FIN (source = VIP:port, destination = the client). */
+static __always_inline void note_server_fin(const struct iphdr *ip, const struct tcphdr *tcp)
+{
+	struct capy_flow_key key = {
+		.client_ip = ip->daddr,
+		.service_ip = ip->saddr,
+		.client_port = tcp->dest,
+		.service_port = tcp->source,
+	};
+	struct capy_migration *mig;
+	struct capy_flow *flow = bpf_map_lookup_elem(&flows, &key);
+	__u32 server;
+
+	if (!flow)
+		return;
+	mig = bpf_map_lookup_elem(&migrations, &key);
+	server = mig ? mig->server : flow->server;
+	note_fin(&key, flow, CAPY_FLOW_FIN_SERVER, server);
+}
+
 SEC("xdp")
 int capy_switch(struct xdp_md *ctx)
 {
@@ -592,9 +665,14 @@ int capy_switch(struct xdp_md *ctx)
 		struct capy_service_key sk = { .proto = IPPROTO_TCP };
 		struct capy_service *svc;
 
-		/* Server responses (from the VIP) need no rewrite: kernel routes. */
-		if (ifc->role != CAPY_IFACE_CLIENT)
+		/* Server responses (from the VIP) need no rewrite: kernel routes.
+		 * Only their FIN is noted (one lookup per FIN, none otherwise). */
+		if (ifc->role != CAPY_IFACE_CLIENT) {
+			if ((void *)(tcp + 1) <= data_end && tcp->fin &&
+			    !(ip->frag_off & bpf_htons(IP_FRAG_MASK)))
+				note_server_fin(ip, tcp);
 			return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);
+		}
 		if (ip->frag_off & bpf_htons(IP_FRAG_MASK)) {
 			/* Without ports a fragment cannot be matched to a flow; the
 			 * kernel owns the VIP and would answer it with a reset. */

@@ -32,6 +32,10 @@ pub const PLACE_RING: u32 = 1;
 
 pub const FLOW_MIGRATED: u16 = 0x1;
 pub const FLOW_CLOSING: u16 = 0x2;
+pub const FLOW_FIN_CLIENT: u16 = 0x4;
+pub const FLOW_FIN_SERVER: u16 = 0x8;
+/// The client sent a non-SYN segment: no longer embryonic.
+pub const FLOW_ESTABLISHED: u16 = 0x10;
 
 pub const MIG_FINAL: u8 = 0;
 pub const MIG_PENDING: u8 = 1;
@@ -166,6 +170,9 @@ pub struct CFlow {
     pub server: u32,
     pub service: u16,
     pub flags: u16,
+    /// CLOCK_MONOTONIC ns when the data plane made the entry (0: made by
+    /// the control plane, e.g. restored from the store).
+    pub created_ns: u64,
 }
 unsafe impl Pod for CFlow {}
 

@@ -16,7 +16,45 @@ use libbpf_rs::{
 };
 
 use crate::abi::*;
-use crate::dataplane::{check_range, DataPlane, DataPlaneError, FlowEvent, Result};
+use crate::dataplane::{check_range, DataPlane, DataPlaneError, FlowEvent, FlowScanCursor, Result};
+
+/// An XDP attachment: a bpf_link either way, so it dies with the process
+/// (what the HA fast takeover relies on) and detaches when dropped. Held
+/// only to be dropped.
+#[allow(dead_code)]
+enum XdpLink {
+    Native(Link),
+    /// Generic mode: libbpf has no attach-with-flags for XDP links, so the
+    /// link is created with `bpf_link_create` and held as its fd.
+    Generic(std::os::fd::OwnedFd),
+}
+
+fn attach_xdp_generic(p: &libbpf_rs::ProgramMut<'_>, ifindex: u32) -> Result<std::os::fd::OwnedFd> {
+    use libbpf_rs::libbpf_sys;
+    use std::os::fd::{AsFd, AsRawFd, FromRawFd};
+    let opts = libbpf_sys::bpf_link_create_opts {
+        sz: std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _,
+        flags: libbpf_sys::XDP_FLAGS_SKB_MODE,
+        ..Default::default()
+    };
+    // SAFETY: valid program fd and options struct; the returned fd is ours.
+    let fd = unsafe {
+        libbpf_sys::bpf_link_create(
+            p.as_fd().as_raw_fd(),
+            ifindex as i32,
+            libbpf_sys::BPF_XDP,
+            &opts,
+        )
+    };
+    if fd < 0 {
+        return Err(DataPlaneError::Load(format!(
+            "attach generic XDP to ifindex {ifindex}: {}",
+            std::io::Error::from_raw_os_error(-fd)
+        )));
+    }
+    // SAFETY: `fd` is a fresh descriptor owned by nobody else.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
 
 /// The compiled XDP object.
 pub static SWITCH_BPF_OBJ: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/switch.bpf.o"));
@@ -95,7 +133,9 @@ pub struct BpfDataPlane {
     pending: Arc<Mutex<Vec<FlowEvent>>>,
     _event_map: Box<MapHandle>,
     maps: Maps,
-    links: Vec<(u32, Link)>,
+    links: Vec<(u32, XdpLink)>,
+    /// Attach in generic (SKB) mode ([`Self::set_generic_xdp`]).
+    generic_xdp: bool,
     live_servers: BTreeSet<u32>,
     obj: Object,
 }
@@ -172,6 +212,7 @@ impl BpfDataPlane {
             _event_map: event_map,
             maps,
             links: Vec::new(),
+            generic_xdp: false,
             live_servers: BTreeSet::new(),
             obj,
         })
@@ -190,11 +231,23 @@ impl BpfDataPlane {
     /// it, generic otherwise). Detached when `self` is dropped or by
     /// [`Self::detach_all`].
     pub fn attach(&mut self, ifindex: u32) -> Result<()> {
+        if self.generic_xdp {
+            let fd = self.with_prog(|p| attach_xdp_generic(p, ifindex))??;
+            self.links.push((ifindex, XdpLink::Generic(fd)));
+            return Ok(());
+        }
         let link = self
             .with_prog(|p| p.attach_xdp(ifindex as i32))?
             .map_err(|e| DataPlaneError::Load(format!("attach XDP to ifindex {ifindex}: {e}")))?;
-        self.links.push((ifindex, link));
+        self.links.push((ifindex, XdpLink::Native(link)));
         Ok(())
+    }
+
+    /// Makes later [`Self::attach`] calls use generic (SKB) XDP: slower,
+    /// but XDP_REDIRECT then works into any device, e.g. a veth whose peer
+    /// (outside our namespace, on a docker bridge) runs no XDP program.
+    pub fn set_generic_xdp(&mut self, on: bool) {
+        self.generic_xdp = on;
     }
 
     pub fn detach_all(&mut self) {
@@ -504,6 +557,82 @@ impl DataPlane for BpfDataPlane {
             }
         }
         Ok(removed)
+    }
+    fn scan_flows(
+        &mut self,
+        cursor: &mut FlowScanCursor,
+        budget: usize,
+        out: &mut Vec<(CFlowKey, CFlow)>,
+    ) -> Result<bool> {
+        use libbpf_rs::libbpf_sys;
+        use std::os::fd::{AsFd, AsRawFd};
+        // BPF_MAP_LOOKUP_BATCH with the kernel's token (a hash bucket
+        // index for hash maps) carried across calls: one syscall per
+        // chunk, resumable whatever changed in between.
+        const CHUNK: usize = 4096;
+        let ksz = std::mem::size_of::<CFlowKey>();
+        let vsz = std::mem::size_of::<CFlow>();
+        let fd = self.maps.flows.as_fd().as_raw_fd();
+        let mut keys = vec![0u8; CHUNK * ksz];
+        let mut vals = vec![0u8; CHUNK * vsz];
+        let mut taken = 0usize;
+        let opts = libbpf_sys::bpf_map_batch_opts {
+            sz: std::mem::size_of::<libbpf_sys::bpf_map_batch_opts>() as _,
+            elem_flags: 0,
+            flags: 0,
+        };
+        // Bounded by `budget` (at least one chunk) or the end of the table.
+        loop {
+            let mut in_batch: u32 = cursor.pos.unwrap_or(0) as u32;
+            let mut out_batch: u32 = 0;
+            // Whole chunks: a smaller count could be below one bucket's
+            // length, which the kernel refuses (ENOSPC).
+            let mut count: u32 = CHUNK as u32;
+            // SAFETY: the buffers hold `count` keys and values of the map's
+            // sizes; the batch tokens are u32 as the kernel expects for hash
+            // maps; `in_batch` is NULL at the start of a pass.
+            let rc = unsafe {
+                libbpf_sys::bpf_map_lookup_batch(
+                    fd,
+                    if cursor.pos.is_some() {
+                        &mut in_batch as *mut u32 as *mut _
+                    } else {
+                        std::ptr::null_mut()
+                    },
+                    &mut out_batch as *mut u32 as *mut _,
+                    keys.as_mut_ptr() as *mut _,
+                    vals.as_mut_ptr() as *mut _,
+                    &mut count,
+                    &opts,
+                )
+            };
+            let n = (count as usize).min(CHUNK);
+            for i in 0..n {
+                if let (Some(k), Some(v)) = (
+                    CFlowKey::from_bytes(&keys[i * ksz..]),
+                    CFlow::from_bytes(&vals[i * vsz..]),
+                ) {
+                    out.push((k, v));
+                }
+            }
+            taken += n;
+            if rc == -libc::ENOENT {
+                cursor.pos = None;
+                return Ok(true);
+            }
+            if rc < 0 {
+                cursor.pos = None;
+                return Err(DataPlaneError::Map {
+                    map: "flows",
+                    op: "lookup_batch",
+                    detail: std::io::Error::from_raw_os_error(-rc).to_string(),
+                });
+            }
+            cursor.pos = Some(u64::from(out_batch));
+            if taken >= budget {
+                return Ok(false);
+            }
+        }
     }
     fn drain_events(&mut self, out: &mut Vec<FlowEvent>) -> Result<usize> {
         self.ringbuf

@@ -11,6 +11,7 @@
 //! heartbeat_interval_ms = 100
 //! dead_after_ms = 500
 //! closed_linger_ms = 5000
+//! embryonic_timeout_ms = 10000         # SYN seen, never established: reaped after this
 //! metrics_listen = "127.0.0.1:9102"
 //! store = "sqlite:/var/lib/capybara/store.db"   # or "etcd:http://a:2379,http://b:2379"
 //!
@@ -53,7 +54,8 @@ pub enum ConfigError {
     },
 }
 
-fn invalid(
+/// A `ConfigError::Invalid` naming the field, the value and what is wrong.
+pub fn invalid(
     field: impl Into<String>,
     value: impl std::fmt::Display,
     reason: impl Into<String>,
@@ -157,12 +159,20 @@ pub struct RawConfig {
     pub dead_after_ms: u64,
     #[serde(default = "d_linger")]
     pub closed_linger_ms: u64,
+    /// A flow that saw a SYN and no further client segment is removed (flow
+    /// entry and store mapping) once this old.
+    #[serde(default = "d_embryonic")]
+    pub embryonic_timeout_ms: u64,
     #[serde(default = "d_metrics")]
     pub metrics_listen: String,
     #[serde(default)]
     pub store: Option<String>,
     #[serde(default = "d_max_flows")]
     pub max_flows: u32,
+    /// `native` (default) or `generic` (SKB mode: needed where redirected
+    /// frames must leave through veths whose peers run no XDP, e.g. docker).
+    #[serde(default = "d_xdp_mode")]
+    pub xdp_mode: String,
     #[serde(default)]
     pub interfaces: Vec<InterfaceConfig>,
     #[serde(default)]
@@ -189,8 +199,14 @@ fn d_dead_after() -> u64 {
 fn d_linger() -> u64 {
     5000
 }
+fn d_embryonic() -> u64 {
+    10_000
+}
 fn d_metrics() -> String {
     "127.0.0.1:9102".into()
+}
+fn d_xdp_mode() -> String {
+    "native".into()
 }
 fn d_max_flows() -> u32 {
     crate::abi::MAX_FLOWS
@@ -281,9 +297,12 @@ pub struct Config {
     pub heartbeat_interval: Duration,
     pub dead_after: Duration,
     pub closed_linger: Duration,
+    pub embryonic_timeout: Duration,
     pub metrics_listen: SocketAddr,
     pub store: Option<StoreSpec>,
     pub max_flows: u32,
+    /// Attach the XDP program in generic (SKB) mode.
+    pub xdp_generic: bool,
     pub interfaces: Vec<InterfaceConfig>,
     pub services: Vec<Service>,
     pub ha: HaConfig,
@@ -389,6 +408,15 @@ impl Config {
                 "closed_linger_ms",
                 raw.closed_linger_ms,
                 "must be at most 3600000",
+            ));
+        }
+        // At least 1 s: a client's first SYN retransmission comes after 1 s,
+        // and a handshake slower than that must not lose its entry.
+        if !(1000..=600_000).contains(&raw.embryonic_timeout_ms) {
+            return Err(invalid(
+                "embryonic_timeout_ms",
+                raw.embryonic_timeout_ms,
+                "must be 1000..=600000",
             ));
         }
         let metrics_listen: SocketAddr = raw.metrics_listen.parse().map_err(|_| {
@@ -574,6 +602,17 @@ impl Config {
                 ));
             }
         }
+        let xdp_generic = match raw.xdp_mode.as_str() {
+            "native" => false,
+            "generic" => true,
+            other => {
+                return Err(invalid(
+                    "xdp_mode",
+                    format!("{other:?}"),
+                    "expected \"native\" or \"generic\"",
+                ))
+            }
+        };
         Ok(Config {
             control_listen,
             key_file: raw.key_file,
@@ -583,9 +622,11 @@ impl Config {
             heartbeat_interval: Duration::from_millis(raw.heartbeat_interval_ms),
             dead_after: Duration::from_millis(raw.dead_after_ms),
             closed_linger: Duration::from_millis(raw.closed_linger_ms),
+            embryonic_timeout: Duration::from_millis(raw.embryonic_timeout_ms),
             metrics_listen,
             store,
             max_flows: raw.max_flows,
+            xdp_generic,
             interfaces: raw.interfaces,
             services,
             ha: raw.ha,
@@ -642,6 +683,7 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
         assert_eq!(c.placement, Placement::Maglev);
         assert_eq!(c.services[0].pool[1].weight, 1);
         assert_eq!(c.store, Some(StoreSpec::Sqlite("/tmp/s.db".into())));
+        assert_eq!(c.embryonic_timeout, Duration::from_secs(10));
     }
 
     #[test]
@@ -673,6 +715,18 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
         assert!(e.contains("no interface with role Server"), "{e}");
         let e = err(&format!("{OK}\nbogus = 1\n"));
         assert!(e.contains("bogus"), "{e}");
+        let e = err(&OK.replace("key_file", "embryonic_timeout_ms = 999\nkey_file"));
+        assert!(
+            e.contains("`embryonic_timeout_ms`")
+                && e.contains("999")
+                && e.contains("1000..=600000"),
+            "{e}"
+        );
+        let e = err(&OK.replace("key_file", "embryonic_timeout_ms = 600001\nkey_file"));
+        assert!(e.contains("`embryonic_timeout_ms`"), "{e}");
+        let c = Config::from_toml(&OK.replace("key_file", "embryonic_timeout_ms = 2500\nkey_file"))
+            .unwrap();
+        assert_eq!(c.embryonic_timeout, Duration::from_millis(2500));
         let e = err(&OK.replace("key_file", "dead_after_ms = 50\nkey_file"));
         assert!(e.contains("dead_after_ms") && e.contains("50"), "{e}");
         assert_eq!(

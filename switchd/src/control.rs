@@ -54,8 +54,15 @@ pub struct Server {
     pub last_heartbeat: Instant,
     /// Packets in the last pool-monitor interval.
     pub load: u64,
+    /// Packets per second, exponentially smoothed over [`LOAD_SMOOTHING`]:
+    /// what least-loaded target selection ranks by (one interval holds a
+    /// handful of packets, too noisy to rank on).
+    pub load_pps: f64,
     last_counter: u64,
 }
+
+/// Time constant of the smoothed server loads.
+pub const LOAD_SMOOTHING: std::time::Duration = std::time::Duration::from_millis(20);
 
 #[derive(Debug, Clone)]
 pub struct Service {
@@ -166,6 +173,7 @@ pub struct ControlPlane<D: DataPlane> {
     closing: VecDeque<(Instant, CFlowKey)>,
     /// Entries removed by the closed-flow reaper so far.
     pub reaped_total: u64,
+    last_tick: Option<Instant>,
 }
 
 impl<D: DataPlane> ControlPlane<D> {
@@ -178,11 +186,54 @@ impl<D: DataPlane> ControlPlane<D> {
             events: Vec::new(),
             closing: VecDeque::new(),
             reaped_total: 0,
+            last_tick: None,
         }
+    }
+
+    pub fn target_policy(&self) -> TargetPolicy {
+        self.cfg.target_policy
+    }
+
+    /// Switches PREPARE steering at run time (the store's policy changed).
+    pub fn set_target_policy(&mut self, policy: TargetPolicy) -> Result<()> {
+        if self.cfg.target_policy != policy {
+            self.cfg.target_policy = policy;
+            self.push(false)?;
+        }
+        Ok(())
     }
 
     pub fn services(&self) -> &[Service] {
         &self.services
+    }
+
+    /// Switches how service `index` places new connections (the store's
+    /// policy changed). Established flows keep their server: they are in
+    /// the flow table. Maglev tables and LWRR rings are kept for every
+    /// service whatever it uses, so this only flips the data plane's
+    /// selector. Unknown index: nothing to do.
+    pub fn set_placement(&mut self, index: u32, placement: Placement) -> Result<()> {
+        let Some(s) = self.services.iter_mut().find(|s| s.index == index) else {
+            return Ok(());
+        };
+        if s.placement == placement {
+            return Ok(());
+        }
+        s.placement = placement;
+        let key = CServiceKey::tcp(s.vip, s.port);
+        self.dp.set_service(
+            key,
+            CService {
+                index,
+                placement: match placement {
+                    Placement::Maglev => PLACE_MAGLEV,
+                    Placement::Lwrr => PLACE_RING,
+                },
+            },
+        )?;
+        // LWRR rings follow the load of every interval once one service
+        // uses them (see `tick`): bring them up to date now.
+        self.push(false)
     }
 
     /// Flows waiting for the closed-flow reaper.
@@ -343,6 +394,7 @@ impl<D: DataPlane> ControlPlane<D> {
             liveness: Liveness::Live,
             last_heartbeat: now,
             load: 0,
+            load_pps: 0.0,
             last_counter: self.servers.get(&id).map(|s| s.last_counter).unwrap_or(0),
         };
         let weight = s.weight;
@@ -459,7 +511,10 @@ impl<D: DataPlane> ControlPlane<D> {
                     CFlow {
                         server: s.index,
                         service: svc.index as u16,
-                        flags: 0,
+                        // The store does not say whether the connection
+                        // completed its handshake: never reap it as embryonic.
+                        flags: FLOW_ESTABLISHED,
+                        created_ns: 0,
                     },
                 )),
                 _ => skipped += 1,
@@ -628,10 +683,24 @@ impl<D: DataPlane> ControlPlane<D> {
         }
         // Pool monitor: counters are monotonic; the load is the delta.
         let counters = self.dp.server_packets()?;
+        // The first interval starts at the control plane's time zero.
+        let (dt, alpha) = match self.last_tick {
+            Some(t) => {
+                let dt = now.saturating_since(t);
+                let a = 1.0 - (-dt.as_secs_f64() / LOAD_SMOOTHING.as_secs_f64()).exp();
+                (dt, a)
+            }
+            None => (now.saturating_since(Instant::ZERO), 1.0),
+        };
+        self.last_tick = Some(now);
         for s in self.servers.values_mut() {
             let c = counters.get(s.index as usize).copied().unwrap_or(0);
             s.load = c.saturating_sub(s.last_counter);
             s.last_counter = c;
+            if dt > std::time::Duration::ZERO {
+                let pps = s.load as f64 / dt.as_secs_f64();
+                s.load_pps += alpha * (pps - s.load_pps);
+            }
         }
         let counted: Vec<&Server> = self
             .servers
@@ -642,7 +711,11 @@ impl<D: DataPlane> ControlPlane<D> {
         let least = self
             .live()
             .into_iter()
-            .min_by_key(|s| (s.load, s.index))
+            .min_by(|a, b| {
+                a.load_pps
+                    .total_cmp(&b.load_pps)
+                    .then(a.index.cmp(&b.index))
+            })
             .map(|s| s.data_ip)
             .unwrap_or(Ipv4Addr::UNSPECIFIED);
         let live_servers = counted.len() as u32;
@@ -726,6 +799,152 @@ impl<D: DataPlane> ControlPlane<D> {
     }
 }
 
+/// One finished migration as a server reported it (MIGRATION_REPORT), kept
+/// by the switch for the API: server ids resolved, dated with the switch's
+/// wall clock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReportedMigration {
+    /// Switch-local, increasing from 1 (the `after` cursor of `/migrations`).
+    pub seq: u64,
+    /// The server that sent the report (origin or target, per the outcome).
+    pub reporter: ServerId,
+    /// The other party, when its data address is a registered server.
+    pub peer: Option<ServerId>,
+    pub report: capybara_proto::control::MigrationReport,
+    /// The end of the migration: receipt time minus the report's age.
+    pub finished_unix_ms: u64,
+}
+
+/// The switch's bounded ring of reported migrations, served as `GET
+/// /migrations?after=SEQ&limit=N`. Pushing overwrites the oldest entry when
+/// full (counted); readers that fall behind see a gap in `seq`.
+#[derive(Debug, Clone)]
+pub struct MigrationRing {
+    items: VecDeque<ReportedMigration>,
+    cap: usize,
+    next_seq: u64,
+    /// Reports accepted into the ring.
+    pub received: u64,
+    /// Entries pushed out of a full ring.
+    pub overwritten: u64,
+}
+
+/// Entries a switch keeps by default (about 0.5 MB).
+pub const MIGRATION_RING: usize = 4096;
+/// Most entries one `/migrations` answer lists.
+pub const MIGRATION_PAGE_MAX: usize = 1000;
+
+impl Default for MigrationRing {
+    fn default() -> Self {
+        MigrationRing::new(MIGRATION_RING)
+    }
+}
+
+impl MigrationRing {
+    pub fn new(cap: usize) -> Self {
+        let cap = cap.max(1);
+        MigrationRing {
+            items: VecDeque::with_capacity(cap),
+            cap,
+            next_seq: 1,
+            received: 0,
+            overwritten: 0,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+    /// The `seq` the next entry will get.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// Adds one report; returns its `seq`.
+    pub fn push(
+        &mut self,
+        reporter: ServerId,
+        peer: Option<ServerId>,
+        report: capybara_proto::control::MigrationReport,
+        finished_unix_ms: u64,
+    ) -> u64 {
+        if self.items.len() >= self.cap {
+            self.items.pop_front();
+            self.overwritten += 1;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.received += 1;
+        self.items.push_back(ReportedMigration {
+            seq,
+            reporter,
+            peer,
+            report,
+            finished_unix_ms,
+        });
+        seq
+    }
+
+    /// Entries with `seq > after`, oldest first, at most `limit`.
+    pub fn after(&self, after: u64, limit: usize) -> impl Iterator<Item = &ReportedMigration> {
+        // Seqs are consecutive in the ring: skip straight to the first wanted.
+        let first = self.items.front().map_or(0, |m| m.seq);
+        let skip = after.saturating_add(1).saturating_sub(first);
+        self.items
+            .iter()
+            .skip(usize::try_from(skip).unwrap_or(usize::MAX))
+            .take(limit)
+    }
+
+    /// The `/migrations` answer: `{"epoch", "next", "oldest", "received",
+    /// "overwritten", "items": [...]}` (docs/SWITCHD.md).
+    pub fn page_json(&self, epoch: u32, after: u64, limit: usize) -> serde_json::Value {
+        use capybara_proto::control::REPORT_PHASES;
+        let items: Vec<serde_json::Value> = self
+            .after(after, limit.min(MIGRATION_PAGE_MAX))
+            .map(|m| {
+                let r = &m.report;
+                let phases: serde_json::Map<String, serde_json::Value> = REPORT_PHASES
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| (format!("{p}_us"), serde_json::json!(r.phase_us(i))))
+                    .collect();
+                serde_json::json!({
+                    "seq": m.seq,
+                    "migration_id": r.id,
+                    "reporter": m.reporter.0,
+                    "role": if r.outcome.is_origin() { "origin" } else { "target" },
+                    "peer": m.peer.map(|p| p.0),
+                    "peer_addr": r.peer.map(|a| a.to_string()),
+                    "client": format!("{}:{}", r.flow.client_ip, r.flow.client_port),
+                    "service": format!("{}:{}", r.flow.service_ip, r.flow.service_port),
+                    "outcome": r.outcome.name(),
+                    "trigger": r.trigger.name(),
+                    "reason": (r.reason != capybara_proto::tcpmig::Reason::None)
+                        .then(|| r.reason.to_string()),
+                    "finished_unix_ms": m.finished_unix_ms,
+                    "phases": phases,
+                    "fragments": r.fragments,
+                    "snapshot_bytes": r.snapshot_bytes,
+                    "segments_buffered": r.segments_buffered,
+                    "bytes_buffered": r.bytes_buffered,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "epoch": epoch,
+            "next": self.next_seq,
+            "oldest": self.items.front().map_or(self.next_seq, |m| m.seq),
+            "received": self.received,
+            "overwritten": self.overwritten,
+            "items": items,
+        })
+    }
+}
+
 /// LWRR placement ring: weights scaled down by measured load per weight
 /// unit (busier servers get fewer new flows), interleaved by smooth
 /// weighted round robin so consecutive SYNs spread out.
@@ -773,7 +992,11 @@ pub fn target_ring(live: &[Server], policy: TargetPolicy) -> CRing {
         }
         TargetPolicy::LeastLoaded => {
             let mut v: Vec<&Server> = live.iter().collect();
-            v.sort_by_key(|s| (s.load, s.index));
+            v.sort_by(|a, b| {
+                a.load_pps
+                    .total_cmp(&b.load_pps)
+                    .then(a.index.cmp(&b.index))
+            });
             let idx: Vec<u32> = v.iter().take(2).map(|s| s.index).collect();
             CRing::from_slice(RING_FIRST, &idx)
         }
@@ -932,6 +1155,7 @@ mod tests {
             liveness: Liveness::Live,
             last_heartbeat: Instant::ZERO,
             load,
+            load_pps: load as f64 * 1000.0,
             last_counter: 0,
         };
         let count = |r: &[u32], i: u32| r.iter().filter(|v| **v == i).count();
@@ -1068,6 +1292,63 @@ mod tests {
     }
 
     #[test]
+    fn migration_ring_is_bounded_and_pages_by_seq() {
+        use capybara_proto::control::{
+            MigrationReport, MigrationTrigger, ReportOutcome, PHASE_NOT_REACHED,
+        };
+        let report = |port: u16| MigrationReport {
+            id: 7,
+            flow: FlowKey {
+                client_ip: Ipv4Addr::new(198, 18, 0, 11),
+                client_port: port,
+                service_ip: VIP,
+                service_port: 80,
+            },
+            peer: Some(Ipv4Addr::new(198, 18, 2, 12)),
+            outcome: ReportOutcome::MigratedOut,
+            trigger: MigrationTrigger::Churn,
+            reason: capybara_proto::tcpmig::Reason::None,
+            fragments: 1,
+            age_us: 0,
+            phases_us: [10, 2, 30, PHASE_NOT_REACHED, 50],
+            snapshot_bytes: 900,
+            segments_buffered: 0,
+            bytes_buffered: 0,
+        };
+        let mut ring = MigrationRing::new(3);
+        for port in 1..=5 {
+            ring.push(
+                ServerId(1),
+                Some(ServerId(2)),
+                report(port),
+                1000 + u64::from(port),
+            );
+        }
+        assert_eq!((ring.len(), ring.overwritten, ring.received), (3, 2, 5));
+        let seqs = |after, limit| ring.after(after, limit).map(|m| m.seq).collect::<Vec<_>>();
+        assert_eq!(seqs(0, 10), vec![3, 4, 5], "oldest kept first");
+        assert_eq!(seqs(3, 10), vec![4, 5]);
+        assert_eq!(seqs(4, 1), vec![5]);
+        assert!(seqs(5, 10).is_empty() && seqs(u64::MAX, 10).is_empty());
+        let page = ring.page_json(9, 3, 1);
+        assert_eq!(page["next"], 6);
+        assert_eq!(page["oldest"], 3);
+        let item = &page["items"][0];
+        assert_eq!(item["seq"], 4);
+        assert_eq!(item["client"], "198.18.0.11:4");
+        assert_eq!(
+            (item["role"].as_str(), item["trigger"].as_str()),
+            (Some("origin"), Some("churn"))
+        );
+        assert_eq!(item["phases"]["prepare_us"], 10);
+        assert!(item["phases"]["import_us"].is_null());
+        assert_eq!(
+            (item["peer"].as_u64(), item["reporter"].as_u64()),
+            (Some(2), Some(1))
+        );
+    }
+
+    #[test]
     fn round_robin_target_ring_is_live_only() {
         let mut c = cp(TargetPolicy::RoundRobin);
         for t in 1..=4u64 {
@@ -1077,5 +1358,19 @@ mod tests {
         }
         assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[1]);
         assert!(c.heartbeat(Instant::ZERO, ServerId(9)).is_err());
+    }
+
+    #[test]
+    fn placement_switches_at_run_time() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let key = CServiceKey::tcp(VIP, 80);
+        assert_eq!(c.dp.services[&key].placement, PLACE_MAGLEV);
+        c.set_placement(0, Placement::Lwrr).unwrap();
+        assert_eq!(c.dp.services[&key].placement, PLACE_RING);
+        assert_eq!(c.services()[0].placement, Placement::Lwrr);
+        assert!(!c.dp.rings[&(0, RING_PLACEMENT)].as_slice().is_empty());
+        c.set_placement(0, Placement::Maglev).unwrap();
+        assert_eq!(c.dp.services[&key].placement, PLACE_MAGLEV);
+        c.set_placement(7, Placement::Lwrr).unwrap(); // no such service
     }
 }

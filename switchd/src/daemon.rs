@@ -58,6 +58,24 @@ fn install_signal_handlers() {
     }
 }
 
+/// For embedders (the `capybara` appliance runs [`run`] on a thread): installs
+/// the SIGTERM/SIGINT handlers that [`run`] installs, before anything else
+/// starts, so that an early signal is a graceful stop.
+pub fn install_shutdown_signals() {
+    install_signal_handlers();
+}
+
+/// True once SIGTERM/SIGINT arrived or [`request_shutdown`] was called.
+pub fn shutdown_requested() -> bool {
+    SHUTDOWN.load(Ordering::SeqCst)
+}
+
+/// Makes a running [`run`] stop as on SIGTERM (detach, flush flow
+/// mappings, resign the lease).
+pub fn request_shutdown() {
+    SHUTDOWN.store(true, Ordering::SeqCst);
+}
+
 /// Operator requests from the HTTP endpoint to the control thread.
 #[derive(Debug)]
 pub enum Command {
@@ -78,6 +96,10 @@ pub enum Command {
 struct Published {
     status: String,
     metrics: String,
+    /// Migrations the servers reported (MIGRATION_REPORT), for `GET /migrations`.
+    migrations: crate::control::MigrationRing,
+    /// The switch epoch (`/migrations` names it: a new epoch restarts `seq`).
+    epoch: u32,
 }
 
 /// Per-server facts the data plane does not hold.
@@ -92,6 +114,47 @@ struct Peer {
     draining_acked: bool,
     /// A DRAIN still to (re)send: (deadline_ms, cancel, retries left).
     pending_drain: Option<(u32, bool, u32)>,
+    /// POLICY generation the server reports applying.
+    policy_generation: u32,
+}
+
+/// The hostagent-side tunables of a policy as a POLICY message; the
+/// generation is a hash of the values (never 0), so two switches holding the
+/// same policy send the same generation.
+pub fn policy_message(p: &capybara_store::Policy) -> ctl::PolicyMsg {
+    let mut m = ctl::PolicyMsg {
+        generation: 0,
+        flags: if p.proactive_enabled {
+            ctl::POLICY_PROACTIVE
+        } else {
+            0
+        } | if p.reactive_enabled {
+            ctl::POLICY_REACTIVE
+        } else {
+            0
+        },
+        proactive_threshold_bp: (p.proactive_threshold_pct * 100.0).round() as u32,
+        hysteresis_bp: (p.hysteresis_pct * 100.0).round() as u32,
+        reactive_backlog_packets: p.reactive_backlog_threshold,
+        cooldown_ms: p.connection_cooldown_ms.min(u64::from(u32::MAX)) as u32,
+        max_migrations_per_sec: p.max_migrations_per_sec_per_server,
+    };
+    // FNV-1a over the values.
+    let mut h: u32 = 0x811c_9dc5;
+    for v in [
+        m.flags,
+        m.proactive_threshold_bp,
+        m.hysteresis_bp,
+        m.reactive_backlog_packets,
+        m.cooldown_ms,
+        m.max_migrations_per_sec,
+    ] {
+        for b in v.to_be_bytes() {
+            h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
+        }
+    }
+    m.generation = h.max(1);
+    m
 }
 
 fn clock(start: StdInstant) -> Instant {
@@ -127,11 +190,12 @@ pub fn run(cfg: Config) -> anyhow::Result<()> {
     let (cmd_tx, cmd_rx) = mpsc::channel();
     start_http(cfg.metrics_listen, published.clone(), cmd_tx)?;
 
-    let dp = BpfDataPlane::load(BpfOptions {
+    let mut dp = BpfDataPlane::load(BpfOptions {
         max_flows: cfg.max_flows,
         ..Default::default()
     })
     .context("loading the XDP data plane (needs root / CAP_BPF)")?;
+    dp.set_generic_xdp(cfg.xdp_generic);
     let mut sw = Switch::new(
         cfg,
         key,
@@ -185,6 +249,30 @@ struct Switch {
     garp_sent: u64,
     campaign_pending: Arc<AtomicBool>,
     won_lease: Arc<Mutex<Option<LeaderLease>>>,
+    /// The migration policy in force (the store's, or defaults with the
+    /// config's target selection and interval when there is no store).
+    policy: capybara_store::Policy,
+    /// Its hostagent-side tunables as sent in POLICY messages.
+    policy_msg: ctl::PolicyMsg,
+    /// Written by the store poller, taken by the control thread.
+    policy_slot: Arc<Mutex<Option<capybara_store::Policy>>>,
+    policy_changes: u64,
+    policy_sent: u64,
+    policy_rejected: u64,
+    /// Reaps flows that saw a SYN and nothing after (docs/SWITCHD.md).
+    embryonic: crate::embryonic::EmbryonicReaper,
+    /// HA fencing: the term of the last lease this switchd held (`None`
+    /// after a fast takeover until it wins one). A leader with a higher term
+    /// is newer: then, and only then, this switchd steps down.
+    held_term: Option<u64>,
+    /// Lease id of the last NotLeader answer (with `lease_lost`).
+    lost_lease_id: Arc<std::sync::atomic::AtomicI64>,
+    /// Set by the background campaign when a newer leader holds the lease.
+    newer_leader: Arc<Mutex<Option<capybara_store::LeaderInfo>>>,
+    /// Flow updates held while serving without the lease (not written).
+    held: crate::persist::HeldUpdates,
+    lease_losses: u64,
+    lease_regained: u64,
 }
 
 impl Switch {
@@ -240,12 +328,34 @@ impl Switch {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
         let epoch = (now_s.as_secs() as u32) ^ (std::process::id() << 16) ^ now_s.subsec_nanos();
+        let initial = capybara_store::Policy {
+            target_selection: match cfg.target_policy {
+                crate::control::TargetPolicy::RoundRobin => {
+                    capybara_store::TargetSelection::RoundRobin
+                }
+                crate::control::TargetPolicy::LeastLoaded => {
+                    capybara_store::TargetSelection::LeastLoaded
+                }
+            },
+            load_notification_interval_us: cfg.load_interval.as_micros() as u64,
+            // What runs until the store is read: the config's placement (a
+            // stored one that differs then applies, as target selection does).
+            placement: match cfg.placement {
+                crate::control::Placement::Maglev => capybara_store::Placement::Maglev,
+                crate::control::Placement::Lwrr => capybara_store::Placement::Lwrr,
+            },
+            ..Default::default()
+        };
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let candidate = cfg
             .ha
             .candidate
             .clone()
             .unwrap_or_else(|| format!("{}-{}", host.trim(), std::process::id()));
+        // 4,096 entries (one syscall) per 25 ms step: a full 2M-entry table
+        // in ~13 s; a step that reaps all it reads costs ~3 syscalls per
+        // entry (~10 ms), so pool-monitor ticks are delayed, not skipped.
+        let embryonic = crate::embryonic::EmbryonicReaper::new(cfg.embryonic_timeout, 4096);
         Ok(Switch {
             cfg,
             key,
@@ -279,11 +389,30 @@ impl Switch {
             garp_sent: 0,
             campaign_pending: Arc::new(AtomicBool::new(false)),
             won_lease: Arc::new(Mutex::new(None)),
+            policy: initial.clone(),
+            policy_msg: policy_message(&initial),
+            policy_slot: Arc::new(Mutex::new(None)),
+            policy_changes: 0,
+            policy_sent: 0,
+            policy_rejected: 0,
+            embryonic,
+            held_term: None,
+            lost_lease_id: Arc::new(std::sync::atomic::AtomicI64::new(0)),
+            newer_leader: Arc::new(Mutex::new(None)),
+            held: crate::persist::HeldUpdates::new(1 << 20),
+            lease_losses: 0,
+            lease_regained: 0,
         })
     }
 
     fn now(&self) -> Instant {
         clock(self.start)
+    }
+
+    /// HA: this switchd lost the lease it held and has not won it back, so
+    /// it must not write to the store (a newer leader may be writing).
+    fn writes_fenced(&self) -> bool {
+        self.cfg.ha.enabled && self.lease.is_none() && self.held_term.is_some()
     }
 
     fn main(&mut self) -> anyhow::Result<()> {
@@ -409,6 +538,7 @@ impl Switch {
                         "switchd: won election {:?} (term {})",
                         lease.info.election, lease.info.term
                     );
+                    self.held_term = Some(lease.info.term);
                     self.lease = Some(lease);
                     return Ok(true);
                 }
@@ -454,25 +584,47 @@ impl Switch {
         self.campaign_pending.store(true, Ordering::SeqCst);
         let slot = self.won_lease.clone();
         let pending = self.campaign_pending.clone();
+        let (held_term, newer) = (self.held_term, self.newer_leader.clone());
         let (election, candidate, ttl) = (
             self.cfg.ha.election.clone(),
             self.candidate.clone(),
             Duration::from_millis(self.cfg.ha.lease_ttl_ms),
         );
         self.rt.spawn(async move {
-            if let Ok(Ok(Some(lease))) = tokio::time::timeout(
+            match tokio::time::timeout(
                 Duration::from_secs(2),
                 store.campaign(&election, &candidate, ttl),
             )
             .await
             {
-                eprintln!(
-                    "switchd: won election {:?} (term {}) after the fast takeover",
-                    lease.info.election, lease.info.term
-                );
-                if let Ok(mut s) = slot.lock() {
-                    *s = Some(lease);
+                Ok(Ok(Some(lease))) => {
+                    eprintln!(
+                        "switchd: won election {:?} (term {})",
+                        lease.info.election, lease.info.term
+                    );
+                    if let Ok(mut s) = slot.lock() {
+                        *s = Some(lease);
+                    }
                 }
+                Ok(Ok(None)) => {
+                    // Someone holds it. Fencing by term: only a leader newer
+                    // than our last lease makes us step down. After a fast
+                    // takeover (no lease held yet) the holder is the dead
+                    // predecessor, whose lease expires. Our own name is an
+                    // orphan lease of a campaign that timed out: it expires.
+                    if let (Some(t), Ok(Ok(Some(l)))) = (
+                        held_term,
+                        tokio::time::timeout(Duration::from_secs(2), store.leader(&election)).await,
+                    ) {
+                        if l.term > t && l.candidate != candidate {
+                            if let Ok(mut n) = newer.lock() {
+                                *n = Some(l);
+                            }
+                        }
+                    }
+                }
+                Ok(Err(e)) => eprintln!("switchd: campaign: {e}"),
+                Err(_) => eprintln!("switchd: campaign timed out"),
             }
             pending.store(false, Ordering::SeqCst);
         });
@@ -509,10 +661,15 @@ impl Switch {
             {
                 continue;
             }
+            // Records written before `data_mac` existed carried it in the name.
             let Some(mac) = s
-                .name
-                .split_whitespace()
-                .find_map(|t| t.strip_prefix("data_mac="))
+                .data_mac
+                .as_deref()
+                .or_else(|| {
+                    s.name
+                        .split_whitespace()
+                        .find_map(|t| t.strip_prefix("data_mac="))
+                })
                 .and_then(sys::parse_mac)
             else {
                 eprintln!("switchd: stored server {} has no data_mac in its record; waiting for its REGISTER", s.id);
@@ -577,19 +734,43 @@ impl Switch {
         load_sock.set_nonblocking(true)?;
         sock.set_nonblocking(true)?;
         self.warm.clear();
-        let interval = self.cfg.load_interval;
-        let mut next_tick = self.now() + interval;
+        self.start_policy_poller();
+        let mut next_tick = self.now() + self.cfg.load_interval;
         let mut next_flush = self.now();
         let mut next_status = self.now();
         let mut next_count = self.now();
         let mut next_renew = self.now();
+        let mut next_embryonic = self.now();
         let mut buf = vec![0u8; 2048];
         // Bounded by SHUTDOWN; each iteration waits at most one interval.
         while !SHUTDOWN.load(Ordering::SeqCst) {
-            if self.lease_lost.load(Ordering::SeqCst) {
-                anyhow::bail!("lost the leader lease: stepping down (detaching) so that the new leader owns the interfaces");
+            // A late answer about an earlier lease (renewals overlap) is not
+            // about the one held now.
+            let lost_id = self.lost_lease_id.load(Ordering::SeqCst);
+            if self.lease_lost.swap(false, Ordering::SeqCst)
+                && self.lease.as_ref().map(|l| l.info.lease_id) == Some(lost_id)
+            {
+                // Expired (a store outage longer than the TTL) or taken
+                // over. Keep forwarding and placing: the data plane stays
+                // up; win the lease back unless a newer leader holds it
+                // (the campaign below finds out). Store writes wait.
+                self.lease = None;
+                self.lease_losses += 1;
+                eprintln!("switchd: lost the leader lease; serving on, flow writes held, campaigning to win it back");
+            }
+            if let Some(l) = self.newer_leader.lock().ok().and_then(|mut l| l.take()) {
+                // Nothing more from us reaches the store: held updates are
+                // dropped and the writer is not flushed on the way out.
+                self.held.updates.clear();
+                self.sink = None;
+                anyhow::bail!(
+                    "{:?} holds the leader lease with term {} (ours was {:?}): stepping down (detaching) so that the new leader owns the interfaces",
+                    l.candidate, l.term, self.held_term
+                );
             }
             let now = self.now();
+            self.take_policy(&sock);
+            let interval = self.cfg.load_interval;
             if now >= next_tick {
                 self.ticks += 1;
                 let reports = self.cp.tick(now)?;
@@ -622,13 +803,31 @@ impl Switch {
                 }
             }
             if now >= next_flush {
-                if let Some(sink) = self.sink.as_mut() {
+                if self.writes_fenced() {
+                    self.cp.flush_events(now, &mut self.held)?;
+                } else if let Some(sink) = self.sink.as_mut() {
                     self.cp.flush_events(now, sink)?;
                 } else {
                     let mut devnull = crate::control::VecSink::default();
                     self.cp.flush_events(now, &mut devnull)?;
                 }
                 next_flush = now + Duration::from_millis(2);
+            }
+            if now >= next_embryonic {
+                let ns = crate::embryonic::monotonic_ns();
+                let fenced = self.writes_fenced();
+                let r = match self.sink.as_mut() {
+                    _ if fenced => self.embryonic.step(&mut self.cp.dp, ns, &mut self.held),
+                    Some(sink) => self.embryonic.step(&mut self.cp.dp, ns, sink),
+                    None => {
+                        let mut devnull = crate::control::VecSink::default();
+                        self.embryonic.step(&mut self.cp.dp, ns, &mut devnull)
+                    }
+                };
+                if let Err(e) = r {
+                    eprintln!("switchd: embryonic flow scan: {e}");
+                }
+                next_embryonic = now + Duration::from_millis(25);
             }
             if now >= next_count {
                 self.flow_counts = self.cp.dp.table_sizes()?;
@@ -641,7 +840,15 @@ impl Switch {
             if self.cfg.ha.enabled && self.lease.is_none() && now >= next_renew {
                 let won = self.won_lease.lock().ok().and_then(|mut l| l.take());
                 if let Some(l) = won {
+                    if self.held_term.is_some() {
+                        self.lease_regained += 1;
+                        eprintln!("switchd: won the leader lease back (term {})", l.info.term);
+                    }
+                    self.held_term = Some(l.info.term);
                     self.lease = Some(l);
+                    if let Some(sink) = self.sink.as_mut() {
+                        self.held.replay(sink);
+                    }
                 } else {
                     self.campaign_in_background();
                     next_renew = now + Duration::from_millis(100);
@@ -698,7 +905,7 @@ impl Switch {
     }
 
     fn store_state(&self, id: ServerId, state: ServerState) {
-        if let Some(store) = self.store.clone() {
+        if let Some(store) = self.store.clone().filter(|_| !self.writes_fenced()) {
             self.rt.spawn(async move {
                 if let Err(e) = store.set_server_state(id, state).await {
                     eprintln!("switchd: store: server {id} -> {state:?}: {e}");
@@ -712,10 +919,12 @@ impl Switch {
             return;
         };
         let lost = self.lease_lost.clone();
+        let lost_id = self.lost_lease_id.clone();
         self.rt.spawn(async move {
             match tokio::time::timeout(lease.ttl / 2, store.keep_alive(&lease)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(capybara_store::StoreError::NotLeader { .. })) => {
+                    lost_id.store(lease.info.lease_id, Ordering::SeqCst);
                     lost.store(true, Ordering::SeqCst)
                 }
                 Ok(Err(e)) => eprintln!("switchd: lease keep-alive: {e}"),
@@ -867,13 +1076,10 @@ impl Switch {
                     sys::format_mac(&r.data_mac),
                     r.weight
                 );
-                if let Some(store) = self.store.clone() {
-                    let mut rec = capybara_store::Server::new(
-                        id,
-                        format!("s{} data_mac={}", id.0, sys::format_mac(&r.data_mac)),
-                        from,
-                        r.data_addr,
-                    );
+                if let Some(store) = self.store.clone().filter(|_| !self.writes_fenced()) {
+                    let mut rec =
+                        capybara_store::Server::new(id, format!("s{}", id.0), from, r.data_addr);
+                    rec.data_mac = Some(sys::format_mac(&r.data_mac));
                     rec.weight = u32::from(r.weight).max(1);
                     self.rt.spawn(async move {
                         if let Err(e) = store.put_server(&rec).await {
@@ -900,6 +1106,7 @@ impl Switch {
                     );
                 }
                 let mut resend = None;
+                let stale_policy = h.policy_generation != self.policy_msg.generation;
                 if let Some(p) = self.peers.get_mut(&id) {
                     p.last_seq = repr.seq;
                     p.mgmt = from;
@@ -907,6 +1114,7 @@ impl Switch {
                     p.migrations_in_flight = h.migrations_in_flight;
                     p.load_pps = h.load_pps;
                     p.rx_backlog_bytes = h.rx_backlog_bytes;
+                    p.policy_generation = h.policy_generation;
                     p.draining_acked = h.flags & ctl::HEARTBEAT_DRAINING != 0;
                     if let Some((deadline, cancel, left)) = p.pending_drain {
                         if p.draining_acked != cancel || left == 0 {
@@ -920,6 +1128,11 @@ impl Switch {
                 if let Some((deadline_ms, cancel)) = resend {
                     let flags = if cancel { ctl::DRAIN_CANCEL } else { 0 };
                     return self.reply(id, ControlBody::Drain(ctl::Drain { deadline_ms, flags }));
+                }
+                if stale_policy {
+                    // Lost, replayed, or from before a takeover: resend.
+                    self.policy_sent += 1;
+                    return self.reply(id, ControlBody::Policy(self.policy_msg));
                 }
                 None
             }
@@ -947,6 +1160,13 @@ impl Switch {
                     }
                 }
             }
+            ControlBody::MigrationReport(list) => {
+                if let Some(p) = self.peers.get_mut(&id) {
+                    p.last_seq = repr.seq;
+                }
+                self.take_reports(id, list);
+                None
+            }
             ControlBody::Error(e) => {
                 if let Some(p) = self.peers.get_mut(&id) {
                     p.last_seq = repr.seq;
@@ -958,8 +1178,130 @@ impl Switch {
                 None
             }
             // Switch -> server kinds arriving at the switch.
-            ControlBody::RegisterAck(_) | ControlBody::Drain(_) | ControlBody::Migrate(_) => {
-                self.drop_msg("unexpected_kind")
+            ControlBody::RegisterAck(_)
+            | ControlBody::Drain(_)
+            | ControlBody::Migrate(_)
+            | ControlBody::Policy(_) => self.drop_msg("unexpected_kind"),
+        }
+    }
+
+    /// MIGRATION_REPORT from `id`: each report goes to the ring `GET
+    /// /migrations` serves. An origin report must come from the origin its
+    /// migration id names (the id's high 32 bits are the origin's data
+    /// address); others are counted (`report_mismatch`) and dropped.
+    fn take_reports(&mut self, id: ServerId, list: ctl::ReportList<'_>) {
+        let reporter_addr = self.cp.server(id).map(|s| s.data_ip);
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let mut mismatched = 0u64;
+        let Ok(mut pb) = self.published.lock() else {
+            return;
+        };
+        for r in list.iter() {
+            let origin_addr = Ipv4Addr::from((r.id >> 32) as u32);
+            if r.outcome.is_origin() && reporter_addr != Some(origin_addr) {
+                mismatched += 1;
+                continue;
+            }
+            let peer = r.peer.and_then(|a| self.cp.server_by_addr(a)).map(|s| s.id);
+            let finished = now_ms.saturating_sub(u64::from(r.age_us) / 1000);
+            pb.migrations.push(id, peer, r, finished);
+        }
+        drop(pb);
+        if mismatched > 0 {
+            *self.drops.entry("report_mismatch").or_default() += mismatched;
+        }
+    }
+
+    /// Polls the store's policy every 250 ms on the store runtime (a
+    /// change applies within a second, never waiting on the control thread).
+    fn start_policy_poller(&mut self) {
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        let slot = self.policy_slot.clone();
+        self.rt.spawn(async move {
+            let mut last: Option<capybara_store::Policy> = None;
+            while !SHUTDOWN.load(Ordering::SeqCst) {
+                match tokio::time::timeout(Duration::from_secs(2), store.get_policy()).await {
+                    Ok(Ok(p)) if last.as_ref() != Some(&p) => {
+                        last = Some(p.clone());
+                        if let Ok(mut s) = slot.lock() {
+                            *s = Some(p);
+                        }
+                    }
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => eprintln!("switchd: store: reading the policy: {e}"),
+                    Err(_) => eprintln!("switchd: store: reading the policy timed out"),
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        });
+    }
+
+    /// Applies a policy the poller read: target selection and the
+    /// load-notification interval here, the rest on every server (POLICY).
+    fn take_policy(&mut self, sock: &UdpSocket) {
+        let Some(p) = self.policy_slot.try_lock().ok().and_then(|mut s| s.take()) else {
+            return;
+        };
+        if p == self.policy {
+            return;
+        }
+        if let Err(e) = p.validate() {
+            self.policy_rejected += 1;
+            eprintln!("switchd: stored policy ignored: {e}");
+            return;
+        }
+        let tp = match p.target_selection {
+            capybara_store::TargetSelection::RoundRobin => crate::control::TargetPolicy::RoundRobin,
+            capybara_store::TargetSelection::LeastLoaded => {
+                crate::control::TargetPolicy::LeastLoaded
+            }
+        };
+        if let Err(e) = self.cp.set_target_policy(tp) {
+            eprintln!("switchd: target selection {tp:?}: {e}");
+        }
+        // Placement of new connections: the store's value applies to every
+        // service that follows the global `placement` of the config (a
+        // service whose config names another placement keeps it).
+        let placement = match p.placement {
+            capybara_store::Placement::Maglev => crate::control::Placement::Maglev,
+            capybara_store::Placement::Lwrr => crate::control::Placement::Lwrr,
+        };
+        let follow: Vec<u32> = self
+            .cp
+            .services()
+            .iter()
+            .zip(&self.cfg.services)
+            .filter(|(_, c)| c.placement == self.cfg.placement)
+            .map(|(s, _)| s.index)
+            .collect();
+        for index in follow {
+            if let Err(e) = self.cp.set_placement(index, placement) {
+                eprintln!("switchd: placement {placement:?} of service {index}: {e}");
+            }
+        }
+        self.cfg.load_interval = Duration::from_micros(p.load_notification_interval_us);
+        let msg = policy_message(&p);
+        self.policy = p;
+        self.policy_changes += 1;
+        if msg != self.policy_msg {
+            self.policy_msg = msg;
+            eprintln!(
+                "switchd: policy generation {:#010x}: {msg:?}",
+                msg.generation
+            );
+            let peers: Vec<(ServerId, SocketAddr)> =
+                self.peers.iter().map(|(id, p)| (*id, p.mgmt)).collect();
+            for (id, mgmt) in peers {
+                if let Some(m) = self.reply(id, ControlBody::Policy(msg)) {
+                    if sock.send_to(&m, mgmt).is_ok() {
+                        self.policy_sent += 1;
+                    }
+                }
             }
         }
     }
@@ -1031,6 +1373,7 @@ impl Switch {
                     "migrations_in_flight": p.map(|p| p.migrations_in_flight),
                     "rx_backlog_bytes": p.map(|p| p.rx_backlog_bytes),
                     "draining_acked": p.map(|p| p.draining_acked),
+                    "policy_generation": p.map(|p| p.policy_generation),
                 })
             })
             .collect();
@@ -1052,6 +1395,24 @@ impl Switch {
             .as_ref()
             .map(|s| s.metrics.clone())
             .unwrap_or_default();
+        // Built apart: one json! with everything exceeds the macro's recursion limit.
+        let embryonic_status = json!({
+            "timeout_ms": self.embryonic.timeout.as_millis() as u64,
+            "scanned_total": self.embryonic.metrics.scanned_total,
+            "reaped_total": self.embryonic.metrics.reaped_total,
+            "spared_total": self.embryonic.metrics.spared_total,
+            "passes_total": self.embryonic.metrics.passes_total,
+            "embryonic_last_pass": self.embryonic.metrics.embryonic_last_pass,
+        });
+        let lease_status = json!({
+            "held": self.lease.is_some(),
+            "last_term": self.held_term,
+            "losses": self.lease_losses,
+            "regained": self.lease_regained,
+            "writes_fenced": self.writes_fenced(),
+            "held_updates": self.held.updates.len(),
+            "held_updates_dropped": self.held.dropped,
+        });
         let status = json!({
             "role": self.role,
             "candidate": self.candidate,
@@ -1076,6 +1437,16 @@ impl Switch {
             "ticks": self.ticks,
             "tick_overruns": self.tick_overruns,
             "load_notifications_sent": self.load_sent,
+            "policy": {
+                "generation": self.policy_msg.generation,
+                "target_selection": format!("{:?}", self.cp.target_policy()).to_lowercase(),
+                "load_interval_us": self.cfg.load_interval.as_micros() as u64,
+                "proactive_enabled": self.policy.proactive_enabled,
+                "proactive_threshold_pct": self.policy.proactive_threshold_pct,
+                "reactive_enabled": self.policy.reactive_enabled,
+                "reactive_backlog_threshold": self.policy.reactive_backlog_threshold,
+                "changes": self.policy_changes, "sent": self.policy_sent, "rejected": self.policy_rejected,
+            },
             "store": writer.as_ref().map(|m| json!({
                 "backlog": m.backlog, "written_total": m.written_total, "batches_total": m.batches_total,
                 "batch_size_buckets": m.batch_size_buckets, "overflow_total": m.overflow_total,
@@ -1085,6 +1456,9 @@ impl Switch {
                 "sink_batches": sinkm.batches, "sink_max_batch": sinkm.max_batch,
             })),
         });
+        let mut status = status;
+        status["embryonic"] = embryonic_status;
+        status["lease"] = lease_status;
         let mut m = String::new();
         let p = "capybara_switchd";
         m += &format!("{p}_role{{role=\"{}\"}} 1\n", self.role);
@@ -1111,12 +1485,25 @@ impl Switch {
             self.tick_overruns, self.load_sent
         );
         m += &format!("{p}_reaped_total {}\n", self.cp.reaped_total);
+        m += &format!(
+            "{p}_embryonic_reaped_total {}\n{p}_embryonic_scanned_total {}\n{p}_embryonic_scan_passes_total {}\n{p}_embryonic_flows {}\n",
+            self.embryonic.metrics.reaped_total,
+            self.embryonic.metrics.scanned_total,
+            self.embryonic.metrics.passes_total,
+            self.embryonic.metrics.embryonic_last_pass
+        );
         if let Some(w) = &writer {
             m += &w.to_prometheus();
         }
         if let Ok(mut pb) = self.published.lock() {
             pb.status = serde_json::to_string_pretty(&status).unwrap_or_default();
             pb.metrics = m;
+            pb.epoch = self.epoch;
+            let ring = format!(
+                "{p}_migration_reports_total {}\n{p}_migration_reports_overwritten_total {}\n",
+                pb.migrations.received, pb.migrations.overwritten
+            );
+            pb.metrics += &ring;
         }
     }
 
@@ -1162,6 +1549,7 @@ fn new_peer(mgmt: SocketAddr) -> Peer {
         rx_backlog_bytes: 0,
         draining_acked: false,
         pending_drain: None,
+        policy_generation: 0,
     }
 }
 
@@ -1174,6 +1562,8 @@ fn kind_name(k: ControlKind) -> &'static str {
         ControlKind::Migrate => "migrate",
         ControlKind::Error => "error",
         ControlKind::SetOwner => "set_owner",
+        ControlKind::Policy => "policy",
+        ControlKind::MigrationReport => "migration_report",
     }
 }
 
@@ -1237,6 +1627,28 @@ fn route(
             "text/plain; version=0.0.4",
             get(|p| p.metrics.clone()),
         ),
+        ("GET", "/migrations") => {
+            // /migrations[?after=SEQ][&limit=N]: reported migrations, oldest first.
+            let arg = |k: &str| {
+                query
+                    .split('&')
+                    .find_map(|kv| kv.strip_prefix(k).and_then(|v| v.strip_prefix('=')))
+            };
+            let after = arg("after").map(|v| v.parse::<u64>()).unwrap_or(Ok(0));
+            let limit = arg("limit").map(|v| v.parse::<usize>()).unwrap_or(Ok(100));
+            let (Ok(after), Ok(limit)) = (after, limit) else {
+                return (
+                    "400 Bad Request",
+                    "text/plain",
+                    "need after=SEQ and limit=N as unsigned integers\n".into(),
+                );
+            };
+            let body = published
+                .lock()
+                .map(|p| p.migrations.page_json(p.epoch, after, limit).to_string())
+                .unwrap_or_default();
+            ("200 OK", "application/json", body)
+        }
         ("POST", "/migrate") => {
             // /migrate?server=ID&client=IP:PORT&service=VIP:PORT[&target=IP]
             let arg = |k: &str| {
@@ -1321,7 +1733,7 @@ fn route(
         _ => (
             "404 Not Found",
             "text/plain",
-            "GET /status, GET /metrics, POST /servers/<id>/drain|undrain, POST /migrate\n".into(),
+            "GET /status, GET /metrics, GET /migrations, POST /servers/<id>/drain|undrain, POST /migrate\n".into(),
         ),
     }
 }
@@ -1350,13 +1762,49 @@ mod tests {
     use super::*;
 
     #[test]
+    fn policy_messages_carry_the_store_values_under_a_value_hash() {
+        let p = capybara_store::Policy::default();
+        let m = policy_message(&p);
+        assert_eq!(m.flags, ctl::POLICY_PROACTIVE | ctl::POLICY_REACTIVE);
+        assert_eq!((m.proactive_threshold_bp, m.hysteresis_bp), (1000, 200));
+        assert_eq!((m.reactive_backlog_packets, m.cooldown_ms), (20, 1000));
+        assert_eq!(m.max_migrations_per_sec, 1000);
+        assert_ne!(m.generation, 0);
+        // Same values, same generation (an active and a standby agree);
+        // switchd-only fields do not change it; any server-side value does.
+        let mut q = p.clone();
+        q.load_notification_interval_us = 500;
+        assert_eq!(policy_message(&q).generation, m.generation);
+        q.proactive_enabled = false;
+        let off = policy_message(&q);
+        assert_eq!(off.flags, ctl::POLICY_REACTIVE);
+        assert_ne!(off.generation, m.generation);
+        q.proactive_enabled = true;
+        q.proactive_threshold_pct = 12.5;
+        assert_eq!(policy_message(&q).proactive_threshold_bp, 1250);
+        assert_ne!(policy_message(&q).generation, m.generation);
+    }
+
+    #[test]
     fn http_routes_parse_requests_and_refuse_bad_ones() {
         let published = Mutex::new(Published {
             status: "{}".into(),
             metrics: "m 1\n".into(),
+            ..Default::default()
         });
         let (tx, rx) = mpsc::channel();
         assert_eq!(route("GET", "/status", &published, &tx).0, "200 OK");
+        let page = route("GET", "/migrations?after=0&limit=5", &published, &tx);
+        assert_eq!(page.0, "200 OK");
+        let v: serde_json::Value = serde_json::from_str(&page.2).unwrap();
+        assert_eq!(
+            (v["next"].as_u64(), v["items"].as_array().map(|a| a.len())),
+            (Some(1), Some(0))
+        );
+        assert_eq!(
+            route("GET", "/migrations?after=x", &published, &tx).0,
+            "400 Bad Request"
+        );
         assert_eq!(route("GET", "/metrics", &published, &tx).2, "m 1\n");
         assert_eq!(route("GET", "/nope", &published, &tx).0, "404 Not Found");
         assert_eq!(

@@ -39,6 +39,15 @@ pub(crate) fn check_range(what: &'static str, value: u32, max: u32) -> Result<()
 /// A flow event from the data plane (decoded `struct capy_flow_event`).
 pub type FlowEvent = CFlowEvent;
 
+/// Where an incremental walk of the flow table stands
+/// ([`DataPlane::scan_flows`]). A fresh cursor starts at the beginning.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FlowScanCursor {
+    /// Backend-specific position (the kernel's batch token for the BPF
+    /// maps, an index for the in-memory backend); `None`: start of a pass.
+    pub(crate) pos: Option<u64>,
+}
+
 pub trait DataPlane {
     fn set_config(&mut self, cfg: CConfig) -> Result<()>;
     fn set_iface(&mut self, ifindex: u32, iface: CIface) -> Result<()>;
@@ -78,6 +87,17 @@ pub trait DataPlane {
     fn remove_flows_of(&mut self, server: u32) -> Result<Vec<CFlowKey>>;
     /// Moves pending flow events into `out`; never blocks.
     fn drain_events(&mut self, out: &mut Vec<FlowEvent>) -> Result<usize>;
+    /// Appends up to about `budget` flow-table entries to `out`, continuing
+    /// where `cursor` stopped (a bounded step of an incremental walk; the
+    /// table may change meanwhile, so an entry can be missed or seen twice
+    /// in one pass). Returns true when the pass reached the end (the cursor
+    /// is then back at the start).
+    fn scan_flows(
+        &mut self,
+        cursor: &mut FlowScanCursor,
+        budget: usize,
+        out: &mut Vec<(CFlowKey, CFlow)>,
+    ) -> Result<bool>;
 }
 
 /// In-memory data plane: the maps as hash maps, plus hooks for tests to
@@ -122,6 +142,7 @@ impl MemDataPlane {
                 server,
                 service,
                 flags: 0,
+                created_ns: 0,
             },
         );
         self.events.push_back(CFlowEvent {
@@ -276,5 +297,24 @@ impl DataPlane for MemDataPlane {
         let n = self.events.len();
         out.extend(self.events.drain(..));
         Ok(n)
+    }
+    fn scan_flows(
+        &mut self,
+        cursor: &mut FlowScanCursor,
+        budget: usize,
+        out: &mut Vec<(CFlowKey, CFlow)>,
+    ) -> Result<bool> {
+        // Key order, so that a position survives inserts and deletes.
+        let mut keys: Vec<CFlowKey> = self.flows.keys().copied().collect();
+        keys.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+        let start = (cursor.pos.unwrap_or(0) as usize).min(keys.len());
+        let end = start.saturating_add(budget.max(1)).min(keys.len());
+        out.extend(keys[start..end].iter().map(|k| (*k, self.flows[k])));
+        if end >= keys.len() {
+            cursor.pos = None;
+            return Ok(true);
+        }
+        cursor.pos = Some(end as u64);
+        Ok(false)
     }
 }

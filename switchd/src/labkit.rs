@@ -387,6 +387,7 @@ impl Lab {
                         load_pps: 0,
                         rx_backlog_bytes: 0,
                         flags: 0,
+                        policy_generation: 0,
                     }),
                 };
                 let mut b = vec![0u8; hb.buffer_len()];

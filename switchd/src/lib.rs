@@ -14,6 +14,7 @@ pub mod config;
 pub mod control;
 pub mod daemon;
 pub mod dataplane;
+pub mod embryonic;
 pub mod labkit;
 pub mod maglev;
 pub mod persist;

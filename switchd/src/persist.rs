@@ -76,6 +76,49 @@ impl FlowEventSink for StoreSink {
     }
 }
 
+/// Flow updates held back while this switchd serves without holding the
+/// leader lease (HA: it lost the lease in a store outage and is trying to
+/// win it back): writing them could overwrite what a newer leader wrote.
+/// Replayed into the store sink when the lease is won back, dropped when
+/// the switchd steps down. Bounded: beyond `cap` the oldest are dropped and
+/// counted (a standby then recovers those flows by Maglev).
+#[derive(Debug, Default)]
+pub struct HeldUpdates {
+    pub updates: std::collections::VecDeque<FlowUpdate>,
+    pub cap: usize,
+    pub dropped: u64,
+}
+
+impl HeldUpdates {
+    pub fn new(cap: usize) -> Self {
+        HeldUpdates {
+            updates: Default::default(),
+            cap: cap.max(1),
+            dropped: 0,
+        }
+    }
+    /// Hands everything held to `sink` in batches of 4,096.
+    pub fn replay(&mut self, sink: &mut dyn FlowEventSink) -> usize {
+        let all: Vec<FlowUpdate> = self.updates.drain(..).collect();
+        for chunk in all.chunks(4096) {
+            sink.write_batch(chunk);
+        }
+        all.len()
+    }
+}
+
+impl FlowEventSink for HeldUpdates {
+    fn write_batch(&mut self, events: &[FlowUpdate]) {
+        for u in events {
+            if self.updates.len() >= self.cap {
+                self.updates.pop_front();
+                self.dropped += 1;
+            }
+            self.updates.push_back(*u);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,6 +128,26 @@ mod tests {
     use capybara_store::{FlowWriterConfig, SqliteConfig, SqliteStore, Store};
     use std::net::Ipv4Addr;
     use std::time::Duration;
+
+    #[test]
+    fn held_updates_are_bounded_and_replayed_in_order() {
+        let u = |port: u16| FlowUpdate {
+            event: CFlowEvent {
+                kind: EV_NEW,
+                ..Default::default()
+            },
+            key: key(port),
+            owner: Some(ServerId(1)),
+        };
+        let mut h = HeldUpdates::new(3);
+        h.write_batch(&[u(1), u(2)]);
+        h.write_batch(&[u(3), u(4)]);
+        assert_eq!(h.dropped, 1);
+        let mut out = crate::control::VecSink::default();
+        assert_eq!(h.replay(&mut out), 3);
+        assert!(h.updates.is_empty());
+        assert_eq!(out.0.len(), 3);
+    }
 
     fn key(port: u16) -> FlowKey {
         FlowKey {

@@ -18,7 +18,7 @@ const PROBE: &str = r#"
 #define C(c) printf("const %s %llu\n", #c, (unsigned long long)(c));
 int main(void) {
   S(capy_flow_key) O(capy_flow_key, client_ip) O(capy_flow_key, service_ip) O(capy_flow_key, client_port) O(capy_flow_key, service_port)
-  S(capy_flow) O(capy_flow, server) O(capy_flow, service) O(capy_flow, flags)
+  S(capy_flow) O(capy_flow, server) O(capy_flow, service) O(capy_flow, flags) O(capy_flow, created_ns)
   S(capy_migration) O(capy_migration, server) O(capy_migration, pending) O(capy_migration, pad) O(capy_migration, migration_id)
   S(capy_server) O(capy_server, data_ip) O(capy_server, ifindex) O(capy_server, mac) O(capy_server, src_mac) O(capy_server, state) O(capy_server, flags) O(capy_server, weight)
   S(capy_service_key) O(capy_service_key, vip) O(capy_service_key, port) O(capy_service_key, proto)
@@ -31,7 +31,7 @@ int main(void) {
   C(CAPY_MAX_SERVERS) C(CAPY_MAX_SERVICES) C(CAPY_MAGLEV_SIZE) C(CAPY_MAX_FLOWS) C(CAPY_MAX_MIGRATIONS) C(CAPY_RING_SIZE) C(CAPY_MAX_IFACES) C(CAPY_HASH_SEED)
   C(CAPY_SERVER_EMPTY) C(CAPY_SERVER_LIVE) C(CAPY_SERVER_DRAINING) C(CAPY_SERVER_DEAD)
   C(CAPY_IFACE_CLIENT) C(CAPY_IFACE_SERVER) C(CAPY_PLACE_MAGLEV) C(CAPY_PLACE_RING)
-  C(CAPY_FLOW_MIGRATED) C(CAPY_FLOW_CLOSING) C(CAPY_EV_NEW) C(CAPY_EV_MIGRATED) C(CAPY_EV_RETURNED) C(CAPY_EV_CLOSED)
+  C(CAPY_FLOW_MIGRATED) C(CAPY_FLOW_CLOSING) C(CAPY_FLOW_ESTABLISHED) C(CAPY_EV_NEW) C(CAPY_EV_MIGRATED) C(CAPY_EV_RETURNED) C(CAPY_EV_CLOSED)
   C(CAPY_RING_PLACEMENT) C(CAPY_RING_TARGET) C(CAPY_RING_KINDS) C(CAPY_RING_ROTATE) C(CAPY_RING_FIRST)
   C(CAPY_STAT_MAX) C(CAPY_STAT_FWD_MIGRATED) C(CAPY_STAT_DROP_TCPMIG_FROM_CLIENT) C(CAPY_STAT_EVENT_LOST)
   C(CAPY_STAT_DROP_PREPARE_ACK_STALE) C(CAPY_STAT_DROP_ABORT_UNMATCHED) C(CAPY_MIG_FINAL) C(CAPY_MIG_PENDING) C(CAPY_PREPARE_MEMORY)
@@ -86,7 +86,7 @@ fn c_structs_match_rust() {
         CFlowKey,
         [client_ip, service_ip, client_port, service_port]
     );
-    s!("capy_flow", CFlow, [server, service, flags]);
+    s!("capy_flow", CFlow, [server, service, flags, created_ns]);
     s!(
         "capy_migration",
         CMigration,
@@ -127,6 +127,7 @@ fn c_structs_match_rust() {
         ("CAPY_PLACE_RING", PLACE_RING as u64),
         ("CAPY_FLOW_MIGRATED", FLOW_MIGRATED as u64),
         ("CAPY_FLOW_CLOSING", FLOW_CLOSING as u64),
+        ("CAPY_FLOW_ESTABLISHED", FLOW_ESTABLISHED as u64),
         ("CAPY_EV_NEW", EV_NEW as u64),
         ("CAPY_EV_MIGRATED", EV_MIGRATED as u64),
         ("CAPY_EV_RETURNED", EV_RETURNED as u64),

@@ -8,282 +8,9 @@
 //! Needs root (CAP_BPF, CAP_NET_ADMIN); runs inside its own network
 //! namespace with dummy interfaces.
 
-use std::net::Ipv4Addr;
+mod support;
 
-use capybara_proto::tcpmig::{Kind, Reason, TcpMigRepr};
-use capybara_proto::FlowKey;
-use capybara_switchd::abi::*;
-use capybara_switchd::bpf::{BpfDataPlane, BpfOptions, XDP_DROP, XDP_PASS, XDP_REDIRECT};
-use capybara_switchd::dataplane::DataPlane;
-use capybara_switchd::maglev::{self, Backend};
-use capybara_switchd::netns::TestNetns;
-use capybara_switchd::packet::*;
-
-const CL_MAC: Mac = [0x02, 0, 0, 0, 0, 0xc1]; // switch, client side
-const SV_MAC: Mac = [0x02, 0, 0, 0, 0, 0x51]; // switch, server side
-const CLIENT_MAC: Mac = [0x02, 0, 0, 0, 0x0c, 0x01];
-const VIP: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 1);
-const VIP_RING: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 2);
-const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 11);
-const SWITCH_SV: Ipv4Addr = Ipv4Addr::new(198, 18, 1, 1);
-
-fn server_ip(i: u32) -> Ipv4Addr {
-    Ipv4Addr::new(198, 18, 2, 11 + i as u8)
-}
-fn server_mac(i: u32) -> Mac {
-    [0x02, 0, 0, 0, 0x5e, i as u8]
-}
-
-struct Lab {
-    _ns: TestNetns,
-    dp: BpfDataPlane,
-    cl: u32,
-    sv: u32,
-    maglev: Vec<u32>,
-}
-
-fn setup() -> Lab {
-    let ns = TestNetns::enter(&["cl0", "sv0"]).expect("netns (needs root)");
-    let cl = ns.ifindex("cl0").unwrap();
-    let sv = ns.ifindex("sv0").unwrap();
-    let mut dp = BpfDataPlane::load(BpfOptions::small()).expect("load XDP program (needs root)");
-    dp.set_config(CConfig::new(SWITCH_SV)).unwrap();
-    dp.set_iface(
-        cl,
-        CIface {
-            role: IFACE_CLIENT,
-            mac: CL_MAC,
-            pad: 0,
-        },
-    )
-    .unwrap();
-    dp.set_iface(
-        sv,
-        CIface {
-            role: IFACE_SERVER,
-            mac: SV_MAC,
-            pad: 0,
-        },
-    )
-    .unwrap();
-    dp.add_tx_port(sv).unwrap();
-    // s0, s1 live; s2 draining; s3 dead.
-    for (i, state) in [SERVER_LIVE, SERVER_LIVE, SERVER_DRAINING, SERVER_DEAD]
-        .into_iter()
-        .enumerate()
-    {
-        let mut s = CServer {
-            ifindex: sv,
-            mac: server_mac(i as u32),
-            src_mac: SV_MAC,
-            state,
-            weight: 1,
-            ..Default::default()
-        };
-        s.set_data_addr(server_ip(i as u32));
-        dp.set_server(i as u32, s).unwrap();
-    }
-    let table = maglev::build_table(
-        &[
-            Backend {
-                id: 10,
-                index: 0,
-                weight: 1,
-            },
-            Backend {
-                id: 11,
-                index: 1,
-                weight: 1,
-            },
-        ],
-        MAGLEV_SIZE,
-    );
-    let delta = maglev::diff(&[NO_SERVER; 0], &table);
-    dp.set_service(
-        CServiceKey::tcp(VIP, 80),
-        CService {
-            index: 0,
-            placement: PLACE_MAGLEV,
-        },
-    )
-    .unwrap();
-    dp.write_maglev(0, &delta).unwrap();
-    dp.write_ring(0, RING_TARGET, &CRing::from_slice(RING_ROTATE, &[0, 1]))
-        .unwrap();
-    dp.set_service(
-        CServiceKey::tcp(VIP_RING, 80),
-        CService {
-            index: 1,
-            placement: PLACE_RING,
-        },
-    )
-    .unwrap();
-    dp.write_ring(1, RING_PLACEMENT, &CRing::from_slice(RING_ROTATE, &[1]))
-        .unwrap();
-    Lab {
-        _ns: ns,
-        dp,
-        cl,
-        sv,
-        maglev: table,
-    }
-}
-
-fn client_tcp(dst: Ipv4Addr, sport: u16, flags: u8) -> Vec<u8> {
-    tcp_frame(CL_MAC, CLIENT_MAC, CLIENT, sport, dst, 80, flags, b"")
-}
-
-/// What the switch must emit for a client packet sent to server `s`.
-fn to_server_tcp(s: u32, sport: u16, flags: u8) -> Vec<u8> {
-    // Built from scratch (full checksums), so it also checks the program's
-    // incremental checksum updates.
-    tcp_frame(
-        server_mac(s),
-        SV_MAC,
-        CLIENT,
-        sport,
-        server_ip(s),
-        80,
-        flags,
-        b"",
-    )
-}
-
-fn tcpmig(kind: Kind, sport_flow: u16, origin: u32, target: Option<u32>) -> Vec<u8> {
-    mig(kind, 0x1122_3344_5566_7788, sport_flow, origin, target)
-}
-
-/// Migration id `n` of origin server `s`: data address << 32 | counter.
-fn mid(s: u32, n: u32) -> u64 {
-    (u64::from(u32::from(server_ip(s))) << 32) | u64::from(n)
-}
-
-fn mig(
-    kind: Kind,
-    migration_id: u64,
-    sport_flow: u16,
-    origin: u32,
-    target: Option<u32>,
-) -> Vec<u8> {
-    let repr = TcpMigRepr {
-        kind,
-        migration_id,
-        flow: FlowKey {
-            client_ip: CLIENT,
-            client_port: sport_flow,
-            service_ip: VIP,
-            service_port: 80,
-        },
-        origin: server_ip(origin),
-        target: target.map(server_ip).unwrap_or(Ipv4Addr::UNSPECIFIED),
-        seq: 1,
-        frag_index: 0,
-        frag_count: 1,
-        reason: if kind == Kind::Abort {
-            Reason::Timeout
-        } else {
-            Reason::None
-        },
-        payload: b"",
-    };
-    let mut buf = vec![0u8; repr.buffer_len()];
-    repr.emit(&mut buf).unwrap();
-    buf
-}
-
-fn udp_from(src: Ipv4Addr, dst: Ipv4Addr, payload: &[u8]) -> Vec<u8> {
-    udp_frame(
-        SV_MAC,
-        [0x02, 0, 0, 0, 0x5e, 0xee],
-        src,
-        7690,
-        dst,
-        7690,
-        payload,
-    )
-}
-fn udp_to_server(s: u32, src: Ipv4Addr, payload: &[u8]) -> Vec<u8> {
-    udp_frame(
-        server_mac(s),
-        SV_MAC,
-        src,
-        7690,
-        server_ip(s),
-        7690,
-        payload,
-    )
-}
-/// What the switch emits for a datagram from server `src` to server `dst`
-/// forwarded as is (only the Ethernet addresses change).
-fn direct(src: u32, dst: u32, payload: &[u8]) -> Vec<u8> {
-    udp_to_server(dst, server_ip(src), payload)
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Side {
-    Client,
-    Server,
-    Unknown,
-}
-
-struct Case {
-    desc: &'static str,
-    side: Side,
-    input: Vec<u8>,
-    verdict: u32,
-    /// None: the packet must leave unchanged.
-    output: Option<Vec<u8>>,
-    reason: &'static str,
-}
-
-fn run(lab: &mut Lab, cases: Vec<Case>) {
-    for c in cases {
-        let before = lab.dp.stats().unwrap();
-        let ingress = match c.side {
-            Side::Client => lab.cl,
-            Side::Server => lab.sv,
-            Side::Unknown => 0,
-        };
-        let r = lab
-            .dp
-            .test_run(&c.input, ingress, 1)
-            .unwrap_or_else(|e| panic!("{}: {e}", c.desc));
-        assert_eq!(r.verdict, c.verdict, "{}: verdict", c.desc);
-        let expected = c.output.as_ref().unwrap_or(&c.input);
-        assert_eq!(hex(&r.packet), hex(expected), "{}: output packet", c.desc);
-        let after = lab.dp.stats().unwrap();
-        let idx = stat(c.reason);
-        assert_eq!(
-            after[idx],
-            before[idx] + 1,
-            "{}: reason {} not counted",
-            c.desc,
-            c.reason
-        );
-        let total_b: u64 = before.iter().sum::<u64>() - before[stat("event_lost")];
-        let total_a: u64 = after.iter().sum::<u64>() - after[stat("event_lost")];
-        assert_eq!(
-            total_a,
-            total_b + 1,
-            "{}: exactly one verdict counter",
-            c.desc
-        );
-    }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn maglev_server(lab: &Lab, sport: u16, vip: Ipv4Addr) -> u32 {
-    let k = FlowKey {
-        client_ip: CLIENT,
-        client_port: sport,
-        service_ip: vip,
-        service_port: 80,
-    };
-    lab.maglev[(maglev::flow_hash(&k) % MAGLEV_SIZE) as usize]
-}
+use support::*;
 
 #[test]
 fn flows_and_migrations() {
@@ -291,12 +18,7 @@ fn flows_and_migrations() {
     let sport = 40000;
     let owner = maglev_server(&lab, sport, VIP);
     let other = 1 - owner;
-    let key = CFlowKey::from(FlowKey {
-        client_ip: CLIENT,
-        client_port: sport,
-        service_ip: VIP,
-        service_port: 80,
-    });
+    let key = flow_key(sport);
     let (m1, m2) = (mid(owner, 1), mid(other, 1));
 
     run(
@@ -550,7 +272,15 @@ fn flows_and_migrations() {
                 reason: "drop_tcpmig_unknown",
             },
             Case {
-                desc: "client FIN is forwarded and marks the flow closing",
+                desc: "server FIN (from the VIP) passes to the kernel and is noted",
+                side: Side::Server,
+                input: server_tcp(owner, sport, TCP_ACK | TCP_FIN),
+                verdict: XDP_PASS,
+                output: None,
+                reason: "pass_not_service",
+            },
+            Case {
+                desc: "client FIN after the server's is forwarded and closes the flow",
                 side: Side::Client,
                 input: client_tcp(VIP, sport, TCP_ACK | TCP_FIN),
                 verdict: XDP_REDIRECT,
@@ -578,16 +308,7 @@ fn flows_and_migrations() {
                 side: Side::Client,
                 input: client_tcp(VIP_RING, 41000, TCP_SYN),
                 verdict: XDP_REDIRECT,
-                output: Some(tcp_frame(
-                    server_mac(1),
-                    SV_MAC,
-                    CLIENT,
-                    41000,
-                    server_ip(1),
-                    80,
-                    TCP_SYN,
-                    b"",
-                )),
+                output: Some(to_server_tcp(1, 41000, TCP_SYN)),
                 reason: "fwd_new_flow",
             },
             Case {
@@ -628,6 +349,59 @@ fn flows_and_migrations() {
     );
 }
 
+/// A flow closes (CLOSED event, reaped after the linger) only when FINs
+/// have passed both ways: after the client's FIN alone a half-closed
+/// connection may stream for seconds, and reaping its migration entry then
+/// sent the client's ACKs to the wrong server (1,000-connection lab test).
+#[test]
+fn client_fin_alone_does_not_close_the_flow() {
+    let mut lab = setup();
+    let sport = 40500;
+    let owner = maglev_server(&lab, sport, VIP);
+    let key = flow_key(sport);
+    let closed = |lab: &mut Lab| {
+        let mut evs = Vec::new();
+        lab.dp.drain_events(&mut evs).unwrap();
+        evs.iter()
+            .filter(|e| e.key == key && e.kind == EV_CLOSED)
+            .count()
+    };
+    run(
+        &mut lab,
+        vec![
+            Case {
+                desc: "SYN places the flow",
+                side: Side::Client,
+                input: client_tcp(VIP, sport, TCP_SYN),
+                verdict: XDP_REDIRECT,
+                output: Some(to_server_tcp(owner, sport, TCP_SYN)),
+                reason: "fwd_new_flow",
+            },
+            Case {
+                desc: "client FIN: half-closed, still open",
+                side: Side::Client,
+                input: client_tcp(VIP, sport, TCP_ACK | TCP_FIN),
+                verdict: XDP_REDIRECT,
+                output: Some(to_server_tcp(owner, sport, TCP_ACK | TCP_FIN)),
+                reason: "fwd_established",
+            },
+        ],
+    );
+    assert_eq!(closed(&mut lab), 0, "client FIN alone closed the flow");
+    run(
+        &mut lab,
+        vec![Case {
+            desc: "server FIN completes the close",
+            side: Side::Server,
+            input: server_tcp(owner, sport, TCP_ACK | TCP_FIN),
+            verdict: XDP_PASS,
+            output: None,
+            reason: "pass_not_service",
+        }],
+    );
+    assert_eq!(closed(&mut lab), 1, "FINs both ways must close the flow");
+}
+
 /// docs/MIGRATION.md "What the switch must do": the {owner, id, pending}
 /// rules of the migration table, one case per rule, in the order a flow
 /// that migrates away, back and away again would meet them.
@@ -637,12 +411,7 @@ fn migration_table_rules() {
     let sport = 44000;
     let a = maglev_server(&lab, sport, VIP);
     let b = 1 - a;
-    let key = CFlowKey::from(FlowKey {
-        client_ip: CLIENT,
-        client_port: sport,
-        service_ip: VIP,
-        service_port: 80,
-    });
+    let key = flow_key(sport);
     let (a1, a2, a3, a4, a9, b1) = (
         mid(a, 1),
         mid(a, 2),
@@ -975,12 +744,7 @@ fn abort_decision_without_entry_leaves_a_tombstone() {
     let sport = 44100;
     let a = maglev_server(&lab, sport, VIP);
     let b = 1 - a;
-    let key = CFlowKey::from(FlowKey {
-        client_ip: CLIENT,
-        client_port: sport,
-        service_ip: VIP,
-        service_port: 80,
-    });
+    let key = flow_key(sport);
     let id = mid(a, 5);
     let abort = mig(Kind::Abort, id, sport, a, Some(b));
     let ack = mig(Kind::PrepareAck, id, sport, a, Some(b));
@@ -1054,12 +818,7 @@ fn abort_decision_without_entry_leaves_a_tombstone() {
     let other = (44101..45000)
         .find(|p| maglev_server(&lab, *p, VIP) == b)
         .unwrap();
-    let okey = CFlowKey::from(FlowKey {
-        client_ip: CLIENT,
-        client_port: other,
-        service_ip: VIP,
-        service_port: 80,
-    });
+    let okey = flow_key(other);
     lab.dp
         .insert_flow(
             okey,
@@ -1067,6 +826,7 @@ fn abort_decision_without_entry_leaves_a_tombstone() {
                 server: b,
                 service: 0,
                 flags: 0,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -1150,12 +910,7 @@ fn prepare_retransmissions_keep_their_target() {
 #[test]
 fn owners_and_malformed_packets() {
     let mut lab = setup();
-    let dead_key = CFlowKey::from(FlowKey {
-        client_ip: CLIENT,
-        client_port: 42000,
-        service_ip: VIP,
-        service_port: 80,
-    });
+    let dead_key = flow_key(42000);
     lab.dp
         .insert_flow(
             dead_key,
@@ -1163,15 +918,11 @@ fn owners_and_malformed_packets() {
                 server: 3,
                 service: 0,
                 flags: 0,
+                ..Default::default()
             },
         )
         .unwrap();
-    let drain_key = CFlowKey::from(FlowKey {
-        client_ip: CLIENT,
-        client_port: 42001,
-        service_ip: VIP,
-        service_port: 80,
-    });
+    let drain_key = flow_key(42001);
     lab.dp
         .insert_flow(
             drain_key,
@@ -1179,6 +930,7 @@ fn owners_and_malformed_packets() {
                 server: 2,
                 service: 0,
                 flags: 0,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -1359,14 +1111,7 @@ fn owners_and_malformed_packets() {
 #[test]
 fn remove_flows_of_dead_server_on_bpf_maps() {
     let mut lab = setup();
-    let k = |p: u16| {
-        CFlowKey::from(FlowKey {
-            client_ip: CLIENT,
-            client_port: p,
-            service_ip: VIP,
-            service_port: 80,
-        })
-    };
+    let k = |p: u16| flow_key(p);
     // 2,000 flows on s0 and s1 (well below the small LRU's capacity, so
     // none is evicted), two of them migrated.
     for p in 0..2000u16 {
@@ -1377,6 +1122,7 @@ fn remove_flows_of_dead_server_on_bpf_maps() {
                     server: (p % 2) as u32,
                     service: 0,
                     flags: 0,
+                    ..Default::default()
                 },
             )
             .unwrap();
@@ -1404,4 +1150,369 @@ fn remove_flows_of_dead_server_on_bpf_maps() {
     assert!(
         lab.dp.lookup_flow(k(3)).unwrap().is_none() && lab.dp.lookup_flow(k(2)).unwrap().is_some()
     );
+}
+
+/// Regression (stuck-after-migration, bench-skew): a connection migrates,
+/// closes (FINs both ways: the flow is CLOSING, its entries linger), and a
+/// new connection reuses the 4-tuple at once. Its SYN must get a flow entry
+/// of its own (on the old connection's last owner, which is live), not just
+/// follow the old connection's migration entry: that kept the flow
+/// CLOSING, and the control plane's reaper removed the new connection's
+/// entries `closed_linger` later, dropping every further client segment
+/// (`drop_no_flow`) while the connection was in use.
+#[test]
+fn syn_reusing_a_closed_migrated_tuple_gets_its_own_flow() {
+    let mut lab = setup();
+    let sport = 40123;
+    let owner = maglev_server(&lab, sport, VIP);
+    let other = 1 - owner;
+    let key = flow_key(sport);
+    let m1 = mid(owner, 7);
+    let server_fin = server_tcp(other, sport, TCP_ACK | TCP_FIN);
+    run(
+        &mut lab,
+        vec![
+            Case {
+                desc: "first connection: SYN placed by Maglev",
+                side: Side::Client,
+                input: client_tcp(VIP, sport, TCP_SYN),
+                verdict: XDP_REDIRECT,
+                output: Some(to_server_tcp(owner, sport, TCP_SYN)),
+                reason: "fwd_new_flow",
+            },
+            Case {
+                desc: "PREPARE-ACK installs the migration entry toward the target",
+                side: Side::Server,
+                input: udp_from(
+                    server_ip(other),
+                    server_ip(owner),
+                    &mig(Kind::PrepareAck, m1, sport, owner, Some(other)),
+                ),
+                verdict: XDP_REDIRECT,
+                output: Some(udp_to_server(
+                    owner,
+                    server_ip(other),
+                    &mig(Kind::PrepareAck, m1, sport, owner, Some(other)),
+                )),
+                reason: "fwd_prepare_ack",
+            },
+            Case {
+                desc: "CONN_STATE_ACK makes it final",
+                side: Side::Server,
+                input: udp_from(
+                    server_ip(other),
+                    server_ip(owner),
+                    &mig(Kind::ConnStateAck, m1, sport, owner, Some(other)),
+                ),
+                verdict: XDP_REDIRECT,
+                output: Some(direct(
+                    other,
+                    owner,
+                    &mig(Kind::ConnStateAck, m1, sport, owner, Some(other)),
+                )),
+                reason: "fwd_tcpmig",
+            },
+            Case {
+                desc: "the target's FIN is noted",
+                side: Side::Server,
+                input: server_fin.clone(),
+                verdict: XDP_PASS,
+                output: None,
+                reason: "pass_not_service",
+            },
+            Case {
+                desc: "the client's FIN closes the flow (CLOSING)",
+                side: Side::Client,
+                input: client_tcp(VIP, sport, TCP_ACK | TCP_FIN),
+                verdict: XDP_REDIRECT,
+                output: Some(to_server_tcp(other, sport, TCP_ACK | TCP_FIN)),
+                reason: "fwd_migrated",
+            },
+        ],
+    );
+    let flags = lab.dp.lookup_flow(key).unwrap().map(|f| f.flags);
+    assert_eq!(
+        flags.map(|f| f & FLOW_CLOSING),
+        Some(FLOW_CLOSING),
+        "flags {flags:?}"
+    );
+    run(
+        &mut lab,
+        vec![
+            Case {
+                desc: "a SYN reusing the closed tuple is a new flow on the last owner",
+                side: Side::Client,
+                input: client_tcp(VIP, sport, TCP_SYN),
+                verdict: XDP_REDIRECT,
+                output: Some(to_server_tcp(other, sport, TCP_SYN)),
+                reason: "fwd_new_flow",
+            },
+            Case {
+                desc: "the new connection's ACK follows its own flow entry",
+                side: Side::Client,
+                input: client_tcp(VIP, sport, TCP_ACK),
+                verdict: XDP_REDIRECT,
+                output: Some(to_server_tcp(other, sport, TCP_ACK)),
+                reason: "fwd_established",
+            },
+        ],
+    );
+    assert_eq!(lab.dp.lookup_migration(key).unwrap(), None);
+    let flow = lab.dp.lookup_flow(key).unwrap().expect("new flow entry");
+    assert_eq!(
+        (flow.server, flow.flags & FLOW_CLOSING),
+        (other, 0),
+        "the reaper must not take the new connection's entry"
+    );
+}
+
+/// Embryonic flows (a SYN, nothing after) are reaped once older than the
+/// timeout, with their store mappings; flows that carried a client non-SYN
+/// segment, migrated flows, half-closed flows, young SYNs and entries
+/// restored from the store are never touched. Real program, real maps,
+/// real SQLite store behind the real batching writer.
+#[test]
+fn embryonic_flows_are_reaped_with_their_store_mappings() {
+    use capybara_proto::ServerId;
+    use capybara_store::{FlowWriter, FlowWriterConfig, SqliteConfig, SqliteStore, Store};
+    use capybara_switchd::control::{FlowEventSink, FlowUpdate};
+    use capybara_switchd::embryonic::{monotonic_ns, EmbryonicReaper};
+    use capybara_switchd::persist::StoreSink;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let mut lab = setup();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = std::env::temp_dir().join(format!("capy-switchgc-embryonic-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let store: Arc<dyn Store> = Arc::new(
+        rt.block_on(SqliteStore::open(SqliteConfig::at(dir.join("s.db"))))
+            .unwrap(),
+    );
+    let writer = {
+        let _g = rt.enter();
+        Arc::new(FlowWriter::spawn(
+            store.clone(),
+            FlowWriterConfig::default(),
+        ))
+    };
+    let mut sink = StoreSink::new(writer.clone());
+    let fk = |sport: u16| FlowKey {
+        client_ip: CLIENT,
+        client_port: sport,
+        service_ip: VIP,
+        service_port: 80,
+    };
+    let ck = |sport: u16| CFlowKey::from(fk(sport));
+    let (est, syn_only, retried, half_closed) = (45001u16, 45002u16, 45003u16, 45004u16);
+
+    let before = monotonic_ns();
+    let mut cases = Vec::new();
+    for sport in [est, syn_only, retried, half_closed] {
+        cases.push(Case {
+            desc: "SYN placed",
+            side: Side::Client,
+            input: client_tcp(VIP, sport, TCP_SYN),
+            verdict: XDP_REDIRECT,
+            output: Some(to_server_tcp(
+                maglev_server(&lab, sport, VIP),
+                sport,
+                TCP_SYN,
+            )),
+            reason: "fwd_new_flow",
+        });
+    }
+    for (sport, flags, desc) in [
+        (retried, TCP_SYN, "a retransmitted SYN does not establish"),
+        (est, TCP_ACK, "the handshake ACK establishes"),
+        (half_closed, TCP_ACK | TCP_FIN, "a FIN establishes too"),
+    ] {
+        cases.push(Case {
+            desc,
+            side: Side::Client,
+            input: client_tcp(VIP, sport, flags),
+            verdict: XDP_REDIRECT,
+            output: Some(to_server_tcp(maglev_server(&lab, sport, VIP), sport, flags)),
+            reason: "fwd_established",
+        });
+    }
+    // A non-SYN without entry (switch restart, LRU eviction) is recovered
+    // as an established flow: it is a live connection.
+    let recovered = 45005u16;
+    cases.push(Case {
+        desc: "a recovered flow is established",
+        side: Side::Client,
+        input: client_tcp(VIP, recovered, TCP_ACK),
+        verdict: XDP_REDIRECT,
+        output: Some(to_server_tcp(
+            maglev_server(&lab, recovered, VIP),
+            recovered,
+            TCP_ACK,
+        )),
+        reason: "fwd_recovered",
+    });
+    run(&mut lab, cases);
+    let after = monotonic_ns();
+    let flow = |lab: &mut Lab, sport| lab.dp.lookup_flow(ck(sport)).unwrap();
+    let f = flow(&mut lab, syn_only).expect("SYN-only flow");
+    assert_eq!(f.flags & FLOW_ESTABLISHED, 0);
+    assert!(
+        (before..=after).contains(&f.created_ns),
+        "created_ns {} is CLOCK_MONOTONIC ({before}..={after})",
+        f.created_ns
+    );
+    for sport in [est, half_closed, recovered] {
+        let f = flow(&mut lab, sport).unwrap();
+        assert_eq!(
+            f.flags & FLOW_ESTABLISHED,
+            FLOW_ESTABLISHED,
+            "{sport}: {f:?}"
+        );
+    }
+    assert_eq!(flow(&mut lab, retried).unwrap().flags & FLOW_ESTABLISHED, 0);
+
+    // A SYN-only flow that a migration entry points at (never the case for
+    // a real embryonic flow, but the reaper must check) and a flow restored
+    // from the store (created by the control plane, created_ns 0).
+    let (with_mig, restored) = (45006u16, 45007u16);
+    lab.dp
+        .insert_flow(
+            ck(with_mig),
+            CFlow {
+                server: 0,
+                service: 0,
+                flags: 0,
+                created_ns: before,
+            },
+        )
+        .unwrap();
+    lab.dp
+        .insert_migration(ck(with_mig), CMigration::owner(1, 1))
+        .unwrap();
+    lab.dp
+        .insert_flow(
+            ck(restored),
+            CFlow {
+                server: 0,
+                service: 0,
+                flags: 0,
+                created_ns: 0,
+            },
+        )
+        .unwrap();
+
+    // The data plane's NEW events become store mappings.
+    let mut evs = Vec::new();
+    lab.dp.drain_events(&mut evs).unwrap();
+    let updates: Vec<FlowUpdate> = evs
+        .iter()
+        .map(|e| FlowUpdate {
+            event: *e,
+            key: FlowKey::from(e.key),
+            owner: Some(ServerId(e.server + 1)),
+        })
+        .collect();
+    assert_eq!(updates.len(), 5, "four SYNs and one recovery");
+    sink.write_batch(&updates);
+    rt.block_on(writer.flush(Duration::from_secs(5))).unwrap();
+    assert!(rt
+        .block_on(store.get_flow(&fk(syn_only)))
+        .unwrap()
+        .is_some());
+
+    // Too young: nothing goes.
+    let mut reaper = EmbryonicReaper::new(Duration::from_secs(10), 16_384);
+    assert_eq!(
+        reaper.step(&mut lab.dp, monotonic_ns(), &mut sink).unwrap(),
+        0
+    );
+    assert_eq!(
+        reaper.metrics.passes_total, 1,
+        "one step covers a small table"
+    );
+    assert_eq!(
+        reaper.metrics.embryonic_last_pass, 4,
+        "syn_only, retried, with_mig, restored"
+    );
+    // 11 s later (the clock is passed in): the two SYN-only flows go.
+    let later = after + 11_000_000_000;
+    assert_eq!(reaper.step(&mut lab.dp, later, &mut sink).unwrap(), 2);
+    assert_eq!(
+        reaper.metrics.spared_total, 1,
+        "the one with a migration entry"
+    );
+    for sport in [syn_only, retried] {
+        assert_eq!(flow(&mut lab, sport), None, "{sport} reaped");
+    }
+    for sport in [est, half_closed, recovered, with_mig, restored] {
+        assert!(flow(&mut lab, sport).is_some(), "{sport} kept");
+    }
+    rt.block_on(writer.flush(Duration::from_secs(5))).unwrap();
+    for sport in [syn_only, retried] {
+        assert_eq!(
+            rt.block_on(store.get_flow(&fk(sport))).unwrap(),
+            None,
+            "{sport}"
+        );
+    }
+    for sport in [est, half_closed, recovered] {
+        assert!(
+            rt.block_on(store.get_flow(&fk(sport))).unwrap().is_some(),
+            "{sport}"
+        );
+    }
+
+    // A reaped client that tries again gets a fresh flow.
+    let again = maglev_server(&lab, syn_only, VIP);
+    run(
+        &mut lab,
+        vec![Case {
+            desc: "a SYN after the reap is placed again",
+            side: Side::Client,
+            input: client_tcp(VIP, syn_only, TCP_SYN),
+            verdict: XDP_REDIRECT,
+            output: Some(to_server_tcp(again, syn_only, TCP_SYN)),
+            reason: "fwd_new_flow",
+        }],
+    );
+
+    // A flood: 1,500 old SYN-only entries among 500 established ones, in
+    // one bounded step per 4,096 entries.
+    let k = |p: u16| CFlowKey::from(fk(20_000 + p));
+    let keys: Vec<CFlowKey> = (0..2000u16).map(k).collect();
+    let vals: Vec<CFlow> = (0..2000u16)
+        .map(|p| CFlow {
+            server: u32::from(p % 2),
+            service: 0,
+            flags: if p % 4 == 0 { FLOW_ESTABLISHED } else { 0 },
+            created_ns: 1,
+        })
+        .collect();
+    lab.dp.insert_flows_batch(&keys, &vals).unwrap();
+    let reaped_before = reaper.metrics.reaped_total;
+    let passes = reaper.metrics.passes_total;
+    let mut steps = 0;
+    // Old enough for the flood's entries only (created at 1 ns), not for
+    // the flows made above (created at `before` or later).
+    let flood_clock = before + 10_000_000_000 - 1;
+    while reaper.metrics.passes_total == passes {
+        reaper.step(&mut lab.dp, flood_clock, &mut sink).unwrap();
+        steps += 1;
+        assert!(steps < 10, "the pass must end");
+    }
+    assert_eq!(reaper.metrics.reaped_total - reaped_before, 1500);
+    for p in 0..2000u16 {
+        assert_eq!(
+            lab.dp.lookup_flow(k(p)).unwrap().is_some(),
+            p % 4 == 0,
+            "flow {p}"
+        );
+    }
+    rt.block_on(writer.close(Duration::from_secs(5))).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
 }

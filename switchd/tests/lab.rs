@@ -230,6 +230,7 @@ fn placement_liveness_and_persistence() {
                 load_pps: 0,
                 rx_backlog_bytes: 0,
                 flags: 0,
+                policy_generation: 0,
             }),
         };
         let key = capybara_proto::MigrationKey::from_hex(labkit::KEY_HEX).unwrap();

@@ -123,6 +123,35 @@ impl Lab {
         pid
     }
 
+    /// Server `j`'s hostagent metrics (Prometheus text, from its management
+    /// address 198.18.1.(10+j):9100); empty if the page cannot be fetched.
+    pub fn server_metrics(&self, j: u32) -> String {
+        let url = format!("http://198.18.1.{}:9100/metrics", 10 + j);
+        let out = self.run(
+            &format!("s{j}"),
+            "curl",
+            &["-s", "-m", "2", &url],
+            Duration::from_secs(5),
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Panics unless every server in `servers` reports zero TCP resets sent.
+    pub fn assert_no_resets(&self, servers: impl IntoIterator<Item = u32>) {
+        for j in servers {
+            let sent = metric_sum(
+                &self.server_metrics(j),
+                "capybara_tcp_resets_sent_total",
+                "",
+            );
+            assert_eq!(
+                sent,
+                Some(0.0),
+                "server s{j} sent resets (or its metrics are unreachable)"
+            );
+        }
+    }
+
     /// Waits until `cond` holds, polling every 20 ms, up to `limit`.
     pub fn wait_for(&self, what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
         let start = Instant::now();
@@ -146,6 +175,254 @@ impl Drop for Lab {
             .args(["lab", "down", "--prefix", &self.prefix])
             .output();
     }
+}
+
+/// The sum of metric `name` over its label sets that contain `label` (all of
+/// them when `label` is empty) in a Prometheus text page; `None` if absent.
+pub fn metric_sum(text: &str, name: &str, label: &str) -> Option<f64> {
+    let mut found = None;
+    for l in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((k, v)) = l.rsplit_once(' ') else {
+            continue;
+        };
+        let labels = match k.strip_prefix(name) {
+            Some("") => "",
+            Some(rest) if rest.starts_with('{') => rest,
+            _ => continue,
+        };
+        if labels.contains(label) {
+            if let Ok(v) = v.parse::<f64>() {
+                *found.get_or_insert(0.0) += v;
+            }
+        }
+    }
+    found
+}
+
+/// Switches the load-balancing policies off in a hostagent config (for
+/// tests where only the test itself may decide what migrates).
+pub fn disable_policies(cfg: &std::path::Path) {
+    let mut text = std::fs::read_to_string(cfg).expect("read hostagent config");
+    text.push_str("[policy]\nenabled = false\n");
+    std::fs::write(cfg, text).expect("write hostagent config");
+}
+
+/// An appliance config (`capybara run`) for a lab: the lab's switchd
+/// settings under `[switchd]` (the store named once, the default SQLite in
+/// `dir`), the API on `api_listen` inside the switch namespace, the admin
+/// token written to `dir/admin-token`.
+pub fn appliance_config(
+    dir: &std::path::Path,
+    servers: u32,
+    key: &std::path::Path,
+    api_listen: &str,
+) -> PathBuf {
+    let sw = switchd_config(dir, servers, key);
+    let sw = std::fs::read_to_string(sw).expect("read switchd config");
+    let mut t = format!(
+        "state_dir = \"{}\"\n[api]\nlisten = \"{api_listen}\"\nadmin_token_file = \"{}\"\n[switchd]\n",
+        dir.display(),
+        dir.join("admin-token").display()
+    );
+    for line in sw.lines() {
+        if line.starts_with("store =") {
+            continue;
+        }
+        let line = match line {
+            "[ha]" => "[switchd.ha]",
+            "[[interfaces]]" => "[[switchd.interfaces]]",
+            "[[services]]" => "[[switchd.services]]",
+            l => l,
+        };
+        t.push_str(line);
+        t.push('\n');
+    }
+    let path = dir.join("capybara.toml");
+    std::fs::write(&path, t).expect("write appliance config");
+    path
+}
+
+impl Lab {
+    /// A REST call with `curl` inside the switch namespace to `base` +
+    /// `path`, with a bearer token and an optional JSON body: (status, body);
+    /// status 0 when there was no answer.
+    pub fn api_call(
+        &self,
+        base: &str,
+        token: &str,
+        method: &str,
+        path: &str,
+        json: Option<&str>,
+    ) -> (u16, String) {
+        let auth = format!("Authorization: Bearer {token}");
+        let url = format!("{base}{path}");
+        let mut args = vec![
+            "-s",
+            "-m",
+            "5",
+            "-X",
+            method,
+            "-H",
+            &auth,
+            "-w",
+            "\n%{http_code}",
+        ];
+        if let Some(j) = json {
+            args.extend(["-H", "Content-Type: application/json", "-d", j]);
+        }
+        args.push(&url);
+        let out = self.run("sw", "curl", &args, Duration::from_secs(10));
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    }
+}
+
+/// A Python client in the client namespace `c1` holding established echo
+/// connections to the service 198.18.100.1:7: one checked round trip on
+/// each when it starts, then another on each for every
+/// [`EchoHolder::round_trip`]. Killed when dropped.
+pub struct EchoHolder {
+    child: Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+    /// The client's local ports, one per connection.
+    pub ports: Vec<u16>,
+}
+
+const ECHO_HOLDER: &str = r#"
+import socket, sys
+n = int(sys.argv[1])
+socks = [socket.create_connection(("198.18.100.1", 7), timeout=20) for _ in range(n)]
+def roundtrip(tag):
+    for i, s in enumerate(socks):
+        msg = ("%s-%d;" % (tag, i)).encode() * 50
+        s.sendall(msg)
+        got = b""
+        while len(got) < len(msg):
+            c = s.recv(65536)
+            if not c:
+                sys.exit("connection %d closed by the peer" % i)
+            got += c
+        if got != msg:
+            sys.exit("connection %d: echo differs" % i)
+roundtrip("before")
+for s in socks:
+    print(s.getsockname()[1])
+print("ready", flush=True)
+k = 0
+for line in sys.stdin:
+    k += 1
+    roundtrip("round%d" % k)
+    print("ok", flush=True)
+"#;
+
+impl EchoHolder {
+    /// Opens `n` connections (each echoes once) and returns when all are up.
+    pub fn start(lab: &Lab, n: usize) -> EchoHolder {
+        let mut child = lab
+            .command("c1", "python3")
+            .args(["-c", ECHO_HOLDER, &n.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start the echo client");
+        let mut h = EchoHolder {
+            stdin: child.stdin.take().unwrap(),
+            stdout: std::io::BufReader::new(child.stdout.take().unwrap()),
+            child,
+            ports: Vec::new(),
+        };
+        loop {
+            let l = h.line();
+            if l == "ready" {
+                break;
+            }
+            assert!(!l.is_empty(), "the echo client stopped before it was ready");
+            h.ports.push(l.parse::<u16>().expect("a port"));
+        }
+        assert_eq!(h.ports.len(), n);
+        h
+    }
+
+    /// Another round trip over every connection: the client's answer,
+    /// `ok` when every echo came back byte-exact.
+    pub fn round_trip(&mut self) -> String {
+        use std::io::Write;
+        writeln!(self.stdin, "go").expect("signal the echo client");
+        self.line()
+    }
+
+    fn line(&mut self) -> String {
+        use std::io::BufRead;
+        let mut l = String::new();
+        self.stdout
+            .read_line(&mut l)
+            .expect("read the echo client's output");
+        l.trim().to_string()
+    }
+}
+
+impl Drop for EchoHolder {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Lines of a child's output, read by a thread (for waiting with a limit).
+pub fn stdout_lines(out: impl std::io::Read + Send + 'static) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in std::io::BufReader::new(out).lines() {
+            let Ok(l) = l else { break };
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits up to `limit` for a line of a load client starting with `prefix`
+/// (other lines are echoed to stderr); gives up early when `stop` is set.
+pub fn expect_line(
+    rx: &std::sync::mpsc::Receiver<String>,
+    prefix: &str,
+    limit: Duration,
+    stop: &std::sync::atomic::AtomicBool,
+) -> Result<String, String> {
+    use std::sync::mpsc::RecvTimeoutError;
+    let end = Instant::now() + limit;
+    loop {
+        if stop.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("interrupted".into());
+        }
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!(
+                "the load client did not say {prefix:?} within {limit:?}"
+            ));
+        }
+        match rx.recv_timeout(left.min(Duration::from_millis(100))) {
+            Ok(l) if l.starts_with(prefix) => return Ok(l),
+            Ok(l) => eprintln!("client: {l}"),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(format!("the load client exited before saying {prefix:?}"))
+            }
+        }
+    }
+}
+
+/// Sends one line to a load client's stdin.
+pub fn send_line(to: &mut std::process::ChildStdin, line: &str) -> Result<(), String> {
+    use std::io::Write;
+    writeln!(to, "{line}")
+        .and_then(|_| to.flush())
+        .map_err(|e| format!("to the load client: {e}"))
 }
 
 /// Runs `cmd`, killing it if it outlives `limit`.

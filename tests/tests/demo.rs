@@ -1,16 +1,16 @@
 //! `make demo` end to end (root; release binaries, or `CAPYBARA_BIN_DIR`):
-//! runs `scripts/demo.sh` with `CAPYBARA_DEMO_SECONDS`, checks the API and
-//! the dashboard from the host at http://127.0.0.1:8080, migrates one live
-//! connection through the API (switchd-backed control plane), then stops
-//! the demo and checks that nothing of the lab remains.
+//! runs `scripts/demo.sh` beside any developer demo (its own lab prefix,
+//! API port and state/output dirs through the `CAPYBARA_*` knobs), checks
+//! the dashboard and the API from the host, that the servers carry the
+//! client load and that the policies migrate connections without anyone
+//! asking, then stops the demo (SIGTERM, as `make demo-stop` does) and
+//! checks that nothing of it remains: no namespace, no process.
 
 use capybara_systests::{bin, output_dir};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-const API: &str = "http://127.0.0.1:8080";
-const PREFIX: &str = "demo";
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -28,7 +28,13 @@ fn curl(args: &[&str]) -> (u16, String) {
     (code.trim().parse().unwrap_or(0), body.to_string())
 }
 
-fn demo_namespaces() -> Vec<String> {
+/// A loopback port nobody listens on right now.
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    l.local_addr().unwrap().port()
+}
+
+fn namespaces(prefix: &str) -> Vec<String> {
     let out = Command::new("ip")
         .args(["netns", "list"])
         .output()
@@ -36,36 +42,87 @@ fn demo_namespaces() -> Vec<String> {
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| l.split_whitespace().next())
-        .filter(|n| n.starts_with(&format!("{PREFIX}-")))
+        .filter(|n| n.starts_with(&format!("{prefix}-")))
         .map(str::to_string)
         .collect()
+}
+
+/// Processes of the demo: inside one of its namespaces, or naming its
+/// state dir or namespaces on their command line (the relay, the script).
+fn demo_processes(prefix: &str, dir: &Path) -> BTreeSet<u32> {
+    let inodes: BTreeSet<u64> = namespaces(prefix)
+        .iter()
+        .filter_map(|n| {
+            use std::os::unix::fs::MetadataExt;
+            Some(std::fs::metadata(format!("/run/netns/{n}")).ok()?.ino())
+        })
+        .collect();
+    let me = std::process::id();
+    let dir = dir.display().to_string();
+    let ns_arg = format!("/run/netns/{prefix}-");
+    let mut pids = BTreeSet::new();
+    for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let in_ns = std::fs::read_link(format!("/proc/{pid}/ns/net"))
+            .ok()
+            .and_then(|l| {
+                let l = l.to_string_lossy().to_string();
+                l.trim_start_matches("net:[")
+                    .trim_end_matches(']')
+                    .parse::<u64>()
+                    .ok()
+            })
+            .is_some_and(|ino| inodes.contains(&ino));
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline"))
+            .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+            .unwrap_or_default();
+        if in_ns || cmd.contains(&dir) || cmd.contains(&ns_arg) {
+            pids.insert(pid);
+        }
+    }
+    pids
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie has no cmdline left; it is gone for our purposes.
+    std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty())
 }
 
 /// The running demo script; stopped (SIGTERM, then its own teardown) on drop.
 struct Demo {
     child: Option<Child>,
+    prefix: String,
 }
 
 impl Demo {
-    fn start(log: &Path, seconds: u64) -> Demo {
+    fn start(log: &Path, prefix: &str, port: u16, dir: &Path, out: &Path, seconds: u64) -> Demo {
         let f = std::fs::File::create(log).expect("create demo log");
         let mut c = Command::new("bash");
         c.arg("scripts/demo.sh")
             .current_dir(root())
             .env("CAPYBARA_DEMO_SECONDS", seconds.to_string())
-            .env("CAPYBARA_LAB_PREFIX", PREFIX)
+            .env("CAPYBARA_LAB_PREFIX", prefix)
+            .env("CAPYBARA_DEMO_PORT", port.to_string())
+            .env("CAPYBARA_DEMO_DIR", dir)
+            .env("CAPYBARA_DEMO_OUT", out)
             .stdin(Stdio::null())
             .stdout(f.try_clone().unwrap())
             .stderr(f);
         // The script looks for binaries in CAPYBARA_BIN_DIR first, then
         // target/release: point it where this test found them.
         if std::env::var_os("CAPYBARA_BIN_DIR").is_none() {
-            if let Some(dir) = bin("capybara-api").parent() {
+            if let Some(dir) = bin("capybara").parent() {
                 c.env("CAPYBARA_BIN_DIR", dir);
             }
         }
         Demo {
             child: Some(c.spawn().expect("start scripts/demo.sh")),
+            prefix: prefix.to_string(),
         }
     }
 
@@ -99,7 +156,7 @@ impl Drop for Demo {
         if self.child.is_some() {
             self.stop();
             let _ = Command::new(bin("capybara"))
-                .args(["lab", "down", "--prefix", PREFIX])
+                .args(["lab", "down", "--prefix", &self.prefix])
                 .output();
         }
     }
@@ -128,25 +185,14 @@ fn wait_for(
     }
 }
 
-/// First `"id":"..."` string value in a JSON text (connection ids are
-/// `IP:PORT-VIP:PORT`).
-fn first_connection_id(json: &str) -> Option<String> {
-    let rest = &json[json.find("\"id\":\"")? + 6..];
-    Some(rest[..rest.find('"')?].to_string())
-}
-
-fn migrations_seen(demo_dir: &Path) -> (usize, u64) {
-    let mut logged = 0;
-    for j in 1..=3 {
-        let log = std::fs::read_to_string(demo_dir.join(format!("hostagent-s{j}.log")))
-            .unwrap_or_default();
-        logged += log.lines().filter(|l| l.contains(" migrated to ")).count();
-    }
+/// PREPARE-ACKs switchd forwarded (each one installs a migration-table
+/// entry: a migration that reached its second phase).
+fn prepare_acks(prefix: &str) -> u64 {
     let out = Command::new("ip")
         .args([
             "netns",
             "exec",
-            &format!("{PREFIX}-sw"),
+            &format!("{prefix}-sw"),
             "curl",
             "-s",
             "-m",
@@ -154,37 +200,52 @@ fn migrations_seen(demo_dir: &Path) -> (usize, u64) {
             "http://127.0.0.1:9102/metrics",
         ])
         .output();
-    let acks = out
-        .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+    out.map(|o| String::from_utf8_lossy(&o.stdout).to_string())
         .unwrap_or_default()
         .lines()
         .filter(|l| l.contains("reason=\"fwd_prepare_ack\""))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum();
-    (logged, acks)
+        .sum()
+}
+
+/// (server name, connections) of every server in a /v1/servers body.
+fn servers_connections(body: &str) -> Vec<(String, u64)> {
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+    let list = v
+        .get("servers")
+        .or(v.get("items"))
+        .and_then(|l| l.as_array().cloned())
+        .or_else(|| v.as_array().cloned())
+        .unwrap_or_default();
+    list.iter()
+        .map(|s| {
+            (
+                s.get("name")
+                    .and_then(|n| n.as_str())
+                    .unwrap_or("?")
+                    .to_string(),
+                s.pointer("/stats/connections")
+                    .and_then(|c| c.as_u64())
+                    .unwrap_or(0),
+            )
+        })
+        .collect()
 }
 
 #[test]
-fn demo_serves_the_api_and_migrates_a_connection_then_tears_down() {
+fn demo_serves_the_dashboard_rebalances_and_tears_down() {
     let out = output_dir("demo_test");
     let log = out.join("demo.log");
-    let seconds = std::env::var("CAPYBARA_DEMO_SECONDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(60);
-    let mut demo = Demo::start(&log, seconds);
+    let dir = out.join("state");
+    let demo_out = out.join("out");
+    let prefix = format!("dm{}", std::process::id() % 100_000);
+    let port = free_port();
+    let api = format!("http://127.0.0.1:{port}");
+    let mut demo = Demo::start(&log, &prefix, port, &dir, &demo_out, 110);
 
     wait_for(
-        "the API's /healthz on the host",
-        Duration::from_secs(180),
-        &mut demo,
-        &log,
-        || curl(&[&format!("{API}/healthz")]).0 == 200,
-    );
-    // The banner comes right after the API answers from the host.
-    wait_for(
         "the demo's banner",
-        Duration::from_secs(60),
+        Duration::from_secs(90),
         &mut demo,
         &log,
         || {
@@ -193,12 +254,11 @@ fn demo_serves_the_api_and_migrates_a_connection_then_tears_down() {
                 .contains("Press Ctrl-C")
         },
     );
-    let token = std::fs::read_to_string(root().join("test-output/demo/admin-token"))
-        .expect("admin token file");
+    let token = std::fs::read_to_string(demo_out.join("admin-token")).expect("admin token file");
     let auth = format!("Authorization: Bearer {}", token.trim());
     let demo_log = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(
-        demo_log.contains("http://127.0.0.1:8080"),
+        demo_log.contains(&api),
         "no dashboard URL printed:\n{demo_log}"
     );
     assert!(
@@ -206,16 +266,8 @@ fn demo_serves_the_api_and_migrates_a_connection_then_tears_down() {
         "the admin token was not printed:\n{demo_log}"
     );
 
-    let (code, health) = curl(&[&format!("{API}/healthz")]);
-    assert_eq!(code, 200);
-    assert!(health.contains("\"control_plane\":\"switchd\""), "{health}");
-
-    let (code, servers) = curl(&["-H", &auth, &format!("{API}/v1/servers")]);
-    assert_eq!(code, 200, "{servers}");
-    assert_eq!(servers.matches("\"mgmt_addr\"").count(), 3, "{servers}");
-    assert!(servers.contains("\"data_source\":\"switchd\""), "{servers}");
-
-    let (code, index) = curl(&[&format!("{API}/")]);
+    // The dashboard.
+    let (code, index) = curl(&[&format!("{api}/")]);
     assert_eq!(code, 200);
     let expected = std::fs::read_to_string(root().join("web-ui/dist/index.html"))
         .expect("web-ui/dist/index.html");
@@ -224,67 +276,96 @@ fn demo_serves_the_api_and_migrates_a_connection_then_tears_down() {
         expected.trim(),
         "/ is not the dashboard's index.html"
     );
+    let (code, health) = curl(&[&format!("{api}/healthz")]);
+    assert_eq!(code, 200, "{health}");
+    assert!(health.contains("\"control_plane\":\"switchd\""), "{health}");
 
-    // A live connection of the client load, migrated through the API.
-    let mut conn = None;
+    // The API: three servers, all carrying client connections.
+    let mut servers = String::new();
     wait_for(
-        "a connection listed by the API",
-        Duration::from_secs(60),
+        "3 servers with connections in /v1/servers",
+        Duration::from_secs(30),
         &mut demo,
         &log,
         || {
-            let (code, body) = curl(&["-H", &auth, &format!("{API}/v1/connections?limit=5")]);
-            conn = if code == 200 {
-                first_connection_id(&body)
-            } else {
-                None
-            };
-            conn.is_some()
+            let (code, body) = curl(&["-H", &auth, &format!("{api}/v1/servers")]);
+            servers = body;
+            let conns = servers_connections(&servers);
+            code == 200 && conns.len() == 3 && conns.iter().all(|(_, c)| *c > 0)
         },
     );
-    let conn = conn.unwrap();
-    let demo_dir = root().join("target/demo");
-    let before = migrations_seen(&demo_dir);
-    let (code, body) = curl(&[
-        "-X",
-        "POST",
-        "-H",
-        &auth,
-        &format!("{API}/v1/connections/{conn}/migrate"),
-    ]);
-    assert_eq!(code, 202, "migrate {conn}: {body}");
-    assert!(body.contains("\"trigger\":\"manual\""), "{body}");
-    let mut after = before;
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(20) {
-        after = migrations_seen(&demo_dir);
-        if after.0 > before.0 || after.1 > before.1 {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(250));
-    }
-    assert!(
-        after.0 > before.0 || after.1 > before.1,
-        "no migration of {conn} seen (hostagent ' migrated to ' lines {before:?} -> {after:?} [lines, fwd_prepare_ack])"
-    );
-    let (_, migrations) = curl(&["-H", &auth, &format!("{API}/v1/migrations")]);
+    assert!(servers.contains("\"data_source\":\"switchd\""), "{servers}");
     println!(
-        "migrated {conn}: hostagent log lines {} -> {}, fwd_prepare_ack {} -> {}",
-        before.0, after.0, before.1, after.1
+        "connections per server: {:?}",
+        servers_connections(&servers)
     );
-    println!("GET /v1/migrations: {migrations}");
 
+    // The demo application answers through the VIP (nginx behind the sidecar).
+    let page = Command::new("ip")
+        .args(["netns", "exec", &format!("{prefix}-c1")])
+        .args(["curl", "-s", "-m", "5", "http://198.18.100.1/"])
+        .output()
+        .expect("curl the VIP");
+    let page = String::from_utf8_lossy(&page.stdout);
+    assert!(
+        page.contains("nginx behind the hostagent sidecar"),
+        "{page}"
+    );
+
+    // The policies migrate connections on their own.
+    let before = prepare_acks(&prefix);
+    let mut after = before;
+    wait_for(
+        "policy migrations (switchd's fwd_prepare_ack counter)",
+        Duration::from_secs(40),
+        &mut demo,
+        &log,
+        || {
+            after = prepare_acks(&prefix);
+            after > before
+        },
+    );
+    // ... and the operators see them: the servers report every finished
+    // migration (MIGRATION_REPORT), the API lists it with its trigger.
+    let mut migrations = String::new();
+    wait_for(
+        "policy migrations listed in GET /v1/migrations",
+        Duration::from_secs(20),
+        &mut demo,
+        &log,
+        || {
+            let (code, body) = curl(&["-H", &auth, &format!("{api}/v1/migrations?limit=1000")]);
+            migrations = body;
+            code == 200
+                && (migrations.contains("\"trigger\":\"proactive\"")
+                    || migrations.contains("\"trigger\":\"reactive\""))
+        },
+    );
+    assert!(migrations.contains("\"total_us\":"), "{migrations}");
+    println!("fwd_prepare_ack {before} -> {after}");
+    println!(
+        "GET /v1/migrations: {}",
+        &migrations[..migrations.len().min(600)]
+    );
+
+    let pids = demo_processes(&prefix, &dir);
+    assert!(!pids.is_empty(), "no demo process found");
     let status = demo.stop().expect("demo was running");
     println!("demo exited with {status:?}");
     assert!(
-        demo_namespaces().is_empty(),
+        namespaces(&prefix).is_empty(),
         "namespaces left behind: {:?}",
-        demo_namespaces()
+        namespaces(&prefix)
+    );
+    let left: Vec<u32> = pids.iter().copied().filter(|p| alive(*p)).collect();
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+    assert!(
+        demo_processes(&prefix, &dir).is_empty(),
+        "processes left behind"
     );
     assert_ne!(
-        curl(&[&format!("{API}/healthz")]).0,
+        curl(&[&format!("{api}/healthz")]).0,
         200,
         "the API still answers after the demo stopped"
     );
-    let _ = std::fs::copy(&log, out.join("demo.log.final"));
 }

@@ -137,25 +137,65 @@ fn echo_is_byte_exact_under_one_and_five_percent_loss() {
     let dir = output_dir("stack_interop_loss");
     let mut lab = Lab::up("sl", 1);
     start_stack(&mut lab, &dir, "");
+    // Loss in both directions, as on a lossy wire: on what the client
+    // receives (its eth0 ingress) and on what the client sends, where it
+    // enters the switch (the switch's cl1 ingress). Not on the server's
+    // eth0: the stack's AF_PACKET socket copies frames before tc ingress
+    // runs (and its own TCX program drops them first), so an injector
+    // there sees nothing and the client's data would cross loss-free.
+    let injectors = [("c1", "eth0"), ("sw", "cl1")];
+    let fault = |node: &str, iface: &str, args: &[&str]| {
+        let o = std::process::Command::new(bin("capybara"))
+            .args([
+                "lab",
+                "fault",
+                "--prefix",
+                &lab.prefix,
+                node,
+                "--iface",
+                iface,
+            ])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
     for (i, loss) in ["1%", "5%"].iter().enumerate() {
-        // Loss in both directions: on what the client receives and on what
-        // the stack receives.
-        for node in ["c1", "s1"] {
-            let o = std::process::Command::new(bin("capybara"))
-                .args([
-                    "lab",
-                    "fault",
-                    "--prefix",
-                    &lab.prefix,
-                    node,
-                    "--drop",
-                    loss,
-                ])
-                .output()
-                .unwrap();
-            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        for (node, iface) in injectors {
+            fault(node, iface, &["--drop", loss]);
         }
-        echo(&lab, 100 << 20, 10 + i as u64, Duration::from_secs(300));
+        // Correctness under loss is the assertion here; throughput under
+        // loss is not a pass/fail criterion (100 MiB at 5% takes minutes
+        // on the shared 2-core lab), so the bound only catches a hang.
+        let start = std::time::Instant::now();
+        echo(&lab, 100 << 20, 10 + i as u64, Duration::from_secs(900));
+        // Printed (visible with --nocapture) and kept in the output
+        // directory: docs/BENCHMARKS.md quotes these times.
+        let line = format!(
+            "100 MiB echo at {loss} loss: {:.1} s\n",
+            start.elapsed().as_secs_f64()
+        );
+        eprint!("{line}");
+        // Each injector really dropped packets (`seen=.. dropped=N ..`).
+        for (node, iface) in injectors {
+            let stats = fault(node, iface, &["--stats"]);
+            let dropped = stats
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("dropped="))
+                .and_then(|n| n.parse::<u64>().ok());
+            assert!(
+                dropped.is_some_and(|n| n > 0),
+                "no loss injected on {node}/{iface}: {stats}"
+            );
+        }
+        use std::io::Write;
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("times.txt"))
+            .and_then(|mut f| f.write_all(line.as_bytes()))
+            .unwrap();
     }
 }
 

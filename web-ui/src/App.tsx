@@ -1,6 +1,6 @@
 import { useCallback, useEffect, useMemo, useReducer, useState } from 'react';
 import { clearToken, makeClients, problemText, storedToken, storeToken, takeLogoutReason, toProblem } from './api';
-import type { Clients } from './api';
+import type { Clients, Role } from './api';
 import { useEventStream } from './events';
 import { initialState, reducer } from './state';
 import type { Action, State } from './state';
@@ -50,6 +50,8 @@ export interface PageProps {
   state: State;
   dispatch: (a: Action) => void;
   clients: Clients;
+  /** The signed-in token's role (null until /v1/whoami answers). */
+  role: Role | null;
 }
 
 function Dashboard({ token, onLogout }: { token: string; onLogout: (message?: string) => void }) {
@@ -58,6 +60,7 @@ function Dashboard({ token, onLogout }: { token: string; onLogout: (message?: st
   const [error, setError] = useState<string | null>(null);
   // Completed re-lists (exposed for tests as `data-syncs`).
   const [syncs, setSyncs] = useState(0);
+  const [me, setMe] = useState<{ name: string; role: Role } | null>(null);
 
   const clients = useMemo(
     () => makeClients(token, (msg) => onLogout(`Signed out: ${msg}`)),
@@ -92,9 +95,16 @@ function Dashboard({ token, onLogout }: { token: string; onLogout: (message?: st
     clients.servers.listServers().catch(() => undefined);
   }, [clients]);
 
+  useEffect(() => {
+    clients.tokens
+      .whoami()
+      .then((t) => setMe({ name: t.name, role: t.role as Role }))
+      .catch(() => undefined); // a 401 signs out through the middleware
+  }, [clients]);
+
   useEventStream(token, { dispatch, resync, probe });
 
-  const props: PageProps = { state, dispatch, clients };
+  const props: PageProps = { state, dispatch, clients, role: me?.role ?? null };
   return (
     <div className="app">
       <header className="topbar">
@@ -117,6 +127,11 @@ function Dashboard({ token, onLogout }: { token: string; onLogout: (message?: st
         {state.dataSource && (
           <span className="datasource" data-testid="data-source" title="Where live data comes from">
             data: {state.dataSource}
+          </span>
+        )}
+        {me && (
+          <span className="whoami" data-testid="whoami" data-role={me.role} title="The signed-in token">
+            {me.name} ({me.role})
           </span>
         )}
         <button className="link" data-testid="logout" onClick={() => onLogout()}>

@@ -7,6 +7,7 @@ import {
   ResponseError,
   ServersApi,
   ServicesApi,
+  TokensApi,
   FetchError,
   Middleware,
 } from './generated';
@@ -51,6 +52,15 @@ export interface Clients {
   services: ServicesApi;
   policy: PolicyApi;
   migrations: MigrationsApi;
+  tokens: TokensApi;
+}
+
+/** What a role may do (api/openapi.yaml: viewer < operator < admin). */
+export type Role = 'viewer' | 'operator' | 'admin';
+const RANK: Record<Role, number> = { viewer: 0, operator: 1, admin: 2 };
+/** `role` may perform operations that need `min`; unknown (still loading) may not. */
+export function allows(role: Role | null, min: Role): boolean {
+  return role !== null && RANK[role] >= RANK[min];
 }
 
 /**
@@ -73,6 +83,7 @@ export function makeClients(token: string, onUnauthorized: (message: string) => 
     services: new ServicesApi(config),
     policy: new PolicyApi(config),
     migrations: new MigrationsApi(config),
+    tokens: new TokensApi(config),
   };
 }
 

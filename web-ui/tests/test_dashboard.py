@@ -10,6 +10,8 @@ load chart and the migration feed.
 """
 import re
 
+import requests
+
 from playwright.sync_api import Page, expect
 
 from conftest import VIP, PORT, Api
@@ -218,16 +220,25 @@ def test_live_updates_without_reload(page: Page, api: Api, shot):
     shot(page, "14-live-policy")
 
 
-def test_viewer_sees_the_refusal(page: Page, api: Api, shot):
-    """A viewer token can look but not drain: the API's 403 problem is shown on the card."""
+def test_viewer_sees_no_operator_controls(page: Page, api: Api, shot):
+    """A viewer token can look but not operate: the dashboard asks /v1/whoami,
+    shows the role and offers no drain, weight or policy save; the API itself
+    still refuses a viewer's drain with a 403 problem."""
     created = api.req("POST", "/v1/tokens", 201, json={"name": "ui-viewer", "role": "viewer"})
     login(page, api, created["secret"])
-    page.get_by_test_id("drain-button-1").click()
-    page.get_by_test_id("drain-confirm-1").click()
-    expect(page.get_by_test_id("server-error-1")).to_contain_text("403")
+    expect(page.get_by_test_id("whoami")).to_have_attribute("data-role", "viewer")
+    expect(page.get_by_test_id("whoami")).to_contain_text("ui-viewer")
     expect(page.get_by_test_id("server-state-1")).to_have_text("active")
+    expect(page.get_by_test_id("drain-button-1")).to_have_count(0)
+    page.get_by_test_id("nav-policy").click()
+    expect(page.get_by_test_id("policy-save")).to_be_disabled()
+    page.get_by_test_id("nav-services").click()
+    expect(page.get_by_test_id("service-new")).to_have_count(0)
+    r = requests.post(api.url + "/v1/servers/1/drain", json={},
+                      headers={"Authorization": f"Bearer {created['secret']}"}, timeout=5)
+    assert r.status_code == 403
     assert api.get("/v1/servers/1")["state"] == "active"
-    shot(page, "15-viewer-forbidden")
+    shot(page, "15-viewer-read-only")
 
 
 def test_revoked_token_returns_to_login(page: Page, api: Api, shot):

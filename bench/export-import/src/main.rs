@@ -14,14 +14,23 @@
 //!   repair mode, options, queues, window, repair off). The restored socket
 //!   is the next iteration's source. Needs CAP_NET_ADMIN.
 //!
-//! Last line: `RESULT ours_p50_ns=.. ours_p99_ns=.. linux_p50_ns=.. linux_p99_ns=.. speedup_p50=..`.
-//! Usage: `capybara-bench-export-import [--iterations N] [--queue-bytes N]`.
+//! Also measured, ours only: the empty established connection (76-byte
+//! snapshot, the paper's "default TCP state") and the copy floor, the time
+//! the four queue copies alone take (no encoding can go below it), both
+//! done as the snapshot code does them (`copy_queue_bytes`, 2 KiB pieces)
+//! and as one libc memcpy per queue.
+//!
+//! Last line: `RESULT ours_p50_ns=.. ours_p99_ns=.. linux_p50_ns=.. linux_p99_ns=.. speedup_p50=..
+//! ours_empty_p50_ns=.. copy_floor_ns=.. memcpy_floor_ns=..`.
+//! Usage: `capybara-bench-export-import [--iterations N] [--queue-bytes N]
+//! [--ours-only]` (`--ours-only`: the main case of ours alone, for profilers).
 
 use std::hint::black_box;
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Instant as WallInstant;
 
-use capybara_tcp::{ConnId, Duration, Endpoint, Instant, State, TcpConfig};
+use capybara_tcp::snapshot::copy_queue_bytes;
+use capybara_tcp::{ConnId, Duration, Endpoint, Instant, Snapshot, State, TcpConfig};
 
 const BATCH: usize = 16;
 
@@ -97,6 +106,7 @@ struct Ours {
     snapshot_len: usize,
     empty_len: usize,
     export_only: Vec<u64>,
+    parse_only: Vec<u64>,
 }
 
 fn bench_ours(iterations: usize, q: usize) -> Ours {
@@ -152,14 +162,67 @@ fn bench_ours(iterations: usize, q: usize) -> Ours {
         drain(&mut a, now);
         drain(&mut b, now);
     }
+    // Parse alone (validation, no endpoint), same batching as above.
+    let n = a.export(now, id, &app, &mut buf).unwrap();
+    let mut parse_only = Vec::with_capacity(2000);
+    for _ in 0..2000 {
+        let t0 = WallInstant::now();
+        for _ in 0..BATCH {
+            black_box(Snapshot::parse_bytes(black_box(&buf[..n])).is_ok());
+        }
+        parse_only.push(t0.elapsed().as_nanos() as u64 / BATCH as u64);
+    }
     samples.sort_unstable();
     export_only.sort_unstable();
+    parse_only.sort_unstable();
     Ours {
         samples,
         snapshot_len,
         empty_len,
         export_only,
+        parse_only,
     }
+}
+
+/// The part of an export+import no encoding can avoid: copying both
+/// queues out of the origin's rings into the snapshot and back into the
+/// target's rings (4 x `q` bytes, the snapshot's queue bytes at the same
+/// unaligned offsets as in the real run). Same batching as `bench_ours`.
+/// `pieces`: copy as the snapshot code does (`copy_queue_bytes`, 2 KiB
+/// pieces); otherwise one `copy_from_slice` (libc memcpy) per queue.
+fn copy_floor(iterations: usize, q: usize, at: usize, pieces: bool) -> u64 {
+    let mut rings = [
+        vec![1u8; q.max(1)],
+        vec![2u8; q.max(1)],
+        vec![0u8; q.max(1)],
+        vec![0u8; q.max(1)],
+    ];
+    let mut snap = vec![0u8; at + 2 * q + 16];
+    let batches = iterations.div_ceil(BATCH);
+    let mut samples = Vec::with_capacity(batches);
+    for _ in 0..batches {
+        let t0 = WallInstant::now();
+        for _ in 0..BATCH {
+            let (from, to) = rings.split_at_mut(2);
+            let copy = |d: &mut [u8], s: &[u8]| {
+                if pieces {
+                    copy_queue_bytes(d, s)
+                } else {
+                    d.copy_from_slice(s)
+                }
+            };
+            copy(&mut snap[at..at + q], &from[0][..q]);
+            copy(&mut snap[at + q + 2..at + 2 * q + 2], &from[1][..q]);
+            copy(&mut to[0][..q], &snap[at..at + q]);
+            copy(&mut to[1][..q], &snap[at + q + 2..at + 2 * q + 2]);
+            rings.swap(0, 2);
+            rings.swap(1, 3);
+            black_box(&mut snap);
+        }
+        samples.push(t0.elapsed().as_nanos() as u64 / BATCH as u64);
+    }
+    samples.sort_unstable();
+    percentile(&samples, 0.5)
 }
 
 // ---------------------------------------------------------------- linux
@@ -589,6 +652,7 @@ fn bench_linux(iterations: usize, q: usize) -> std::io::Result<Linux> {
 fn main() {
     let mut iterations = 10_000usize;
     let mut q = 4096usize;
+    let mut ours_only = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -604,8 +668,9 @@ fn main() {
                     .and_then(|v| v.parse().ok())
                     .expect("--queue-bytes N")
             }
+            "--ours-only" => ours_only = true,
             _ => {
-                eprintln!("usage: capybara-bench-export-import [--iterations N] [--queue-bytes N]");
+                eprintln!("usage: capybara-bench-export-import [--iterations N] [--queue-bytes N] [--ours-only]");
                 std::process::exit(2);
             }
         }
@@ -613,6 +678,22 @@ fn main() {
     let ours = bench_ours(iterations.max(10_000) * 4, q);
     let o50 = percentile(&ours.samples, 0.50);
     let o99 = percentile(&ours.samples, 0.99);
+    if ours_only {
+        // For profilers: the main case alone, no RESULT line.
+        println!(
+            "ours: export+import p50 {o50} ns, p99 {o99} ns, snapshot {} B; export alone p50 {} ns; parse alone p50 {} ns",
+            ours.snapshot_len,
+            percentile(&ours.export_only, 0.5),
+            percentile(&ours.parse_only, 0.5)
+        );
+        return;
+    }
+    let empty = bench_ours(iterations.max(10_000) * 4, 0);
+    let e50 = percentile(&empty.samples, 0.50);
+    // The send queue's bytes start after the TCP state fields.
+    let at = ours.snapshot_len - 2 * q - 4;
+    let floor = copy_floor(iterations.max(10_000) * 4, q, at, true);
+    let memcpy_floor = copy_floor(iterations.max(10_000) * 4, q, at, false);
     println!(
         "ours: {} iterations in batches of {BATCH}; snapshot {} B ({} B TCP state + 2 x {q} B queues), empty established {} B",
         ours.samples.len() * BATCH,
@@ -621,9 +702,14 @@ fn main() {
         ours.empty_len
     );
     println!(
-        "ours: export+import p50 {o50} ns, p99 {o99} ns, max {} ns; export alone p50 {} ns (single-shot, incl. ~25 ns timer)",
+        "ours: export+import p50 {o50} ns, p99 {o99} ns, max {} ns; export alone p50 {} ns (single-shot, incl. ~25 ns timer); parse alone p50 {} ns",
         ours.samples.last().unwrap(),
-        percentile(&ours.export_only, 0.5)
+        percentile(&ours.export_only, 0.5),
+        percentile(&ours.parse_only, 0.5)
+    );
+    println!(
+        "ours: empty established connection ({} B snapshot) export+import p50 {e50} ns; copy floor (4 x {q} B, ring -> snapshot -> ring) p50 {floor} ns in 2 KiB pieces as the snapshot code copies, {memcpy_floor} ns as one memcpy each",
+        empty.snapshot_len
     );
     let (l50, l99) = match bench_linux(iterations, q) {
         Ok(l) => {
@@ -651,5 +737,5 @@ fn main() {
     } else {
         0.0
     };
-    println!("RESULT ours_p50_ns={o50} ours_p99_ns={o99} linux_p50_ns={l50} linux_p99_ns={l99} speedup_p50={speedup:.1}");
+    println!("RESULT ours_p50_ns={o50} ours_p99_ns={o99} linux_p50_ns={l50} linux_p99_ns={l99} speedup_p50={speedup:.1} ours_empty_p50_ns={e50} copy_floor_ns={floor} memcpy_floor_ns={memcpy_floor}");
 }

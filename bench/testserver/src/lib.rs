@@ -171,6 +171,24 @@ impl Core {
         done
     }
 
+    /// Appends the response to one request (`GET /stats` or any other) to
+    /// `out` and counts it as served: for servers that keep request bytes in
+    /// the transport until they answer (Capybara's stack app, which must
+    /// never hold bytes a migration could lose).
+    pub fn respond_into(&self, stats: bool, out: &mut Vec<u8>) {
+        let kind = if stats {
+            Pending::Stats
+        } else {
+            Pending::Normal
+        };
+        push_response(self, kind, out);
+    }
+
+    /// Counts a connection served (`/stats` reports the total).
+    pub fn count_connection(&self) {
+        self.connections.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn stats(&self) -> CoreStats {
         let now = now_ns();
         let (free_at, busy, admitted) = {

@@ -11,6 +11,7 @@ use capybara_hostagent::stack::Transports;
 use capybara_hostagent::{apps, control, metrics, Stack, TcpListener};
 use capybara_net::device::{Device, PollMode};
 use capybara_net::iface::{Interface, InterfaceConfig};
+use capybara_proto::control::MigrationTrigger;
 use capybara_tcp::{Endpoint, TcpConfig};
 use capybara_tcpmig::{BufferMode, Engine, EngineConfig};
 use std::process::ExitCode;
@@ -73,10 +74,21 @@ fn main() -> ExitCode {
 fn open_device(cfg: &Config) -> Result<Box<dyn Device>, String> {
     match cfg.interface.backend {
         Backend::AfPacket => {
-            let c = capybara_net::device::af_packet::AfPacketConfig::new(&cfg.interface.name);
-            capybara_net::device::af_packet::AfPacket::open(&c)
-                .map(|d| Box::new(d) as Box<dyn Device>)
-                .map_err(|e| e.to_string())
+            let mut c = capybara_net::device::af_packet::AfPacketConfig::new(&cfg.interface.name);
+            // The kernel skips the frames of every address the stack owns
+            // (after the AF_PACKET tap copied them): see docs/HOSTAGENT.md.
+            c.kernel_drop.push(cfg.stack.address);
+            for s in &cfg.services {
+                if !c.kernel_drop.contains(s.listen.ip()) && !s.listen.ip().is_unspecified() {
+                    c.kernel_drop.push(*s.listen.ip());
+                }
+            }
+            let d =
+                capybara_net::device::af_packet::AfPacket::open(&c).map_err(|e| e.to_string())?;
+            if let Some(e) = d.kernel_drop_error() {
+                eprintln!("hostagent: the kernel keeps processing the stack's frames: {e}");
+            }
+            Ok(Box::new(d) as Box<dyn Device>)
         }
         #[cfg(feature = "dpdk")]
         Backend::Dpdk => {
@@ -131,8 +143,22 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
         }
         let engine = Engine::new(ec, k.clone()).map_err(|e| format!("migration: {e}"))?;
         transports.mig = Some(Migrator::new(engine, cfg.stack.address));
+        transports.drain = capybara_hostagent::drain::Drainer::new(m.drain_max_in_flight);
         key = Some(k);
+        if cfg.policy.enabled {
+            // Tunables start at the store's defaults; switchd's POLICY
+            // replaces them once registered.
+            let mut p = capybara_hostagent::policy::PolicyRuntime::new(Default::default());
+            p.server_id = cfg
+                .control
+                .as_ref()
+                .map(|c| capybara_proto::ServerId(c.server_id));
+            transports.policy = Some(p);
+        }
     }
+    transports.monitor = capybara_hostagent::monitor::Monitor::new(
+        std::time::Duration::from_millis(cfg.policy.monitor_window_ms),
+    );
     let stack = Stack::new(iface, transports, device, mode);
     let name: Rc<str> = Rc::from(cfg.name.as_str());
 
@@ -148,6 +174,27 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
             match s.app {
                 App::Echo => tokio::task::spawn_local(apps::echo(l)),
                 App::Http => tokio::task::spawn_local(apps::http(l, name.clone())),
+                App::Testserver => {
+                    let ts = s
+                        .testserver(&cfg.name)
+                        .map_err(|(f, v, why)| format!("service {}: {f} = {v}: {why}", s.listen))?;
+                    capybara_testserver::hrtime::set_fine_timer_slack();
+                    let core = capybara_testserver::Core::new(ts);
+                    tokio::task::spawn_local(apps::testserver(l, stack.clone(), core))
+                }
+                App::Sidecar => {
+                    let mut svc = capybara_hostagent::sidecar::Service::from_config(s)
+                        .map_err(|e| format!("service {}: {e}", s.listen))?;
+                    if svc.tls.is_some() {
+                        if let Some(m) = &cfg.migration {
+                            let hex = m.load_key_hex("config").map_err(|e| e.to_string())?;
+                            let seal = capybara_tls::SealKey::from_hex(&hex)
+                                .map_err(|e| format!("migration.key: {e}"))?;
+                            svc.seal = Some(std::sync::Arc::new(seal));
+                        }
+                    }
+                    tokio::task::spawn_local(capybara_hostagent::sidecar::serve(l, Rc::new(svc)))
+                }
             };
         }
         if let (Some(c), Some(k)) = (cfg.control.clone(), key.clone()) {
@@ -189,21 +236,54 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
     })
 }
 
+/// At most this many churn migrations out in flight: starting hundreds of
+/// snapshot transfers (each up to both TCP buffers) at once only makes them
+/// miss their deadline and abort; a bounded batch per tick finishes.
+const CHURN_IN_FLIGHT: usize = 32;
+
 /// Benchmarks and tests: every `every_ms`, start migrating each connection
-/// served here (and not already migrating) to `to`.
+/// served here (and not already migrating) to `to`, up to
+/// `CHURN_IN_FLIGHT` at a time, those that completed fewest migrations
+/// first (so that every connection gets its turn, not the same few back and
+/// forth). Only completed migrations count: a connection whose migration
+/// resumed here stays at the front and is retried at the next tick.
 async fn churn(stack: Stack, every_ms: u64, to: Option<std::net::Ipv4Addr>) {
+    use capybara_hostagent::migration::Outcome;
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(every_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut flows = Vec::new();
+    let mut moved: std::collections::HashMap<capybara_proto::FlowKey, u32> =
+        std::collections::HashMap::new();
+    let mut counted: std::collections::HashSet<capybara_tcpmig::MigrationId> =
+        std::collections::HashSet::new();
     loop {
         tick.tick().await;
         stack.with(|i| {
             let now = i.clock.now();
             if let Some(m) = i.transports.mig.as_mut() {
+                for r in m.recent() {
+                    if matches!(r.outcome, Outcome::MigratedIn | Outcome::MigratedOut)
+                        && counted.insert(r.id)
+                    {
+                        *moved.entry(r.flow).or_default() += 1;
+                    }
+                }
                 flows.clear();
                 flows.extend(m.flows().map(|(f, _)| *f));
+                flows.sort_by_key(|f| moved.get(f).copied().unwrap_or(0));
+                if moved.len() > 1 << 20 {
+                    moved.clear();
+                }
+                if counted.len() > 1 << 16 {
+                    // Older records left the migrator's recent list long ago.
+                    counted.clear();
+                    counted.extend(m.recent().map(|r| r.id));
+                }
                 for f in &flows {
-                    let _ = m.migrate(now, *f, to);
+                    if m.engine.in_progress().0 >= CHURN_IN_FLIGHT {
+                        break;
+                    }
+                    let _ = m.migrate_as(now, *f, to, MigrationTrigger::Churn);
                 }
             }
             i.kick();

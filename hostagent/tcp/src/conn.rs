@@ -7,9 +7,18 @@
 //! and compared field by field.
 //!
 //! RFC map: 9293 (state machine, segment arrival), 6298 (RTO), 5681/6582
-//! (NewReno), 2018/6675 (SACK, pipe-based recovery, "lite"), 7323 (window
-//! scale, timestamps, PAWS), 5961 (RST/SYN/ACK validation), 1122 (delayed
-//! ACK, SWS avoidance, keep-alive), 6528 (ISN, in `isn.rs`).
+//! (NewReno), 3042 (limited transmit), 2018/6675 (SACK; IsLost, SetPipe and
+//! NextSeg rule 1), 8985 §7 (tail loss probe), 7323 (window scale,
+//! timestamps, PAWS), 5961 (RST/SYN/ACK validation), 1122 (delayed ACK, SWS
+//! avoidance, keep-alive), 6528 (ISN, in `isn.rs`).
+//!
+//! Loss recovery with SACK, beyond RFC 6675 (see `LossHints`): any ACK with
+//! new SACK information counts, also one riding on data; a retransmission
+//! is presumed lost once data sent after it is SACKed; a recovery without
+//! progress for a probe timeout presumes every un-SACKed byte lost instead
+//! of waiting for the RTO; an RTO keeps the scoreboard (forgotten on a
+//! second timeout in a row, in case the peer reneged) and resends only the
+//! holes, in slow start.
 
 use std::net::SocketAddrV4;
 
@@ -241,6 +250,52 @@ pub struct Congestion {
     pub rexmit_next: SeqNum,
 }
 
+/// Loss-detection hints beyond RFC 6675's scoreboard: when un-SACKed data
+/// is presumed lost without DupThresh evidence, when a retransmission is
+/// itself lost, and the probe timer that keeps a stalled recovery or a lost
+/// tail from waiting for the RTO.
+///
+/// Soft state: a connection snapshot does not carry it (an imported
+/// connection starts without hints and at worst waits for its RTO once), so
+/// it takes no part in `Connection` equality.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LossHints {
+    /// Un-SACKed bytes below this are presumed lost: SND.MAX when an RTO or
+    /// a probe found the flight unanswered (everything sent before had the
+    /// time to be acknowledged), or the highest SACK when a tail probe's
+    /// answer revealed holes.
+    pub lost_mark: Option<SeqNum>,
+    /// SND.MAX when the latest hole retransmission left. A SACK above it
+    /// covers data sent after every retransmission of the round, so any of
+    /// them still unacknowledged was lost too (the receiver sees segments
+    /// in sending order): the round starts over without waiting for the RTO.
+    pub rxt_mark: Option<SeqNum>,
+    /// Probe timer (tail loss probe, RFC 8985 §7; in recovery: no progress
+    /// for a probe timeout restarts the retransmission of every hole).
+    pub probe: Option<Instant>,
+    /// Probes sent since the last ACK that made progress.
+    pub probes: u32,
+    /// Send a tail loss probe at the next opportunity.
+    pub tlp_pending: bool,
+    /// The recovery in progress follows an RTO: cwnd grows by slow start.
+    pub after_rto: bool,
+}
+
+impl PartialEq for LossHints {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+impl Eq for LossHints {}
+
+/// Probes without progress before the RTO is left to act alone.
+const MAX_PROBES: u32 = 1;
+/// Floor of the probe timeout: scheduling jitter on a loaded host must not
+/// look like loss.
+const MIN_PROBE_US: u64 = 10_000;
+/// RFC 6675 DupThresh.
+const DUP_THRESH: u32 = 3;
+
 /// Our FIN.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct FinState {
@@ -334,6 +389,7 @@ pub struct Connection {
     pub rtt: RttEstimator,
     pub cc: Congestion,
     pub sack: Scoreboard,
+    pub loss: LossHints,
     /// Send queue: bytes from SND.UNA (unacked, then unsent).
     pub tx: RingBuffer,
     /// Receive queue: in-order unread bytes, out-of-order bytes in its free space.
@@ -373,6 +429,8 @@ enum SendKind {
     Fast,
     /// SACK hole retransmission during recovery.
     Hole,
+    /// Tail loss probe resending the last segment (RFC 8985 §7.3).
+    Probe,
 }
 
 impl Connection {
@@ -433,6 +491,7 @@ impl Connection {
                 rexmit_next: iss,
             },
             sack: Scoreboard::default(),
+            loss: LossHints::default(),
             tx: RingBuffer::new(cfg.tx_buffer),
             rx: RingBuffer::new(cfg.rx_buffer),
             ooo: Assembler::default(),
@@ -537,6 +596,99 @@ impl Connection {
         self.flight()
     }
 
+    /// A sequence mark still meaningful: inside (SND.UNA, SND.MAX].
+    fn live_mark(&self, m: Option<SeqNum>) -> Option<SeqNum> {
+        m.filter(|&m| m > self.snd.una && m <= self.snd.max)
+    }
+
+    /// Un-SACKed bytes below the returned sequence are presumed lost:
+    /// RFC 6675 IsLost (more than (DupThresh - 1) * SMSS bytes SACKed above),
+    /// or everything below a timer's or a probe's mark.
+    fn lost_edge(&self) -> SeqNum {
+        let limit = (DUP_THRESH - 1) * self.smss();
+        let mut above = 0u32;
+        let mut edge = self.snd.una;
+        for &(l, r) in self.sack.blocks().iter().rev() {
+            above = above.saturating_add(r.since(l));
+            if above > limit {
+                edge = l;
+                break;
+            }
+        }
+        match self.live_mark(self.loss.lost_mark) {
+            Some(m) if m > edge => m,
+            _ => edge,
+        }
+    }
+
+    /// RFC 6675 SetPipe: bytes in flight = sent - SACKed - presumed lost
+    /// + retransmitted (below HighRxt) and not SACKed since.
+    fn pipe(&self) -> u32 {
+        let una = self.snd.una;
+        let max = self.snd.max;
+        let edge = self.lost_edge().max(una).min(max);
+        let sacked = self.sack.sacked_in(una, max);
+        let lost = edge
+            .since(una)
+            .saturating_sub(self.sack.sacked_in(una, edge));
+        let hr = self.cc.rexmit_next.max(una).min(edge);
+        let resent = hr.since(una).saturating_sub(self.sack.sacked_in(una, hr));
+        max.since(una)
+            .saturating_sub(sacked)
+            .saturating_sub(lost)
+            .saturating_add(resent)
+    }
+
+    /// Probe timeout (RFC 8985 §7.2): two smoothed RTTs, more for a single
+    /// segment (the peer may delay its ACK). None before the first RTT
+    /// sample, or after MAX_PROBES unanswered probes.
+    fn probe_timeout(&self) -> Option<Duration> {
+        if !self.rtt.has_sample || self.loss.probes >= MAX_PROBES {
+            return None;
+        }
+        let mut us = (2 * self.rtt.srtt_us).max(MIN_PROBE_US);
+        if self.flight() <= self.smss() {
+            let delack = self.params.delayed_ack.as_micros() as u64;
+            us = us.max(self.rtt.srtt_us + delack + MIN_PROBE_US);
+        }
+        Some(Duration::from_micros(us << self.loss.probes))
+    }
+
+    /// (Re)arms the probe timer while data is outstanding, when it fires
+    /// before the RTO would.
+    fn arm_probe(&mut self, now: Instant) {
+        self.loss.probe = None;
+        if self.snd.max == self.snd.una || !self.state.can_send() {
+            return;
+        }
+        if let Some(pto) = self.probe_timeout() {
+            let at = now + pto;
+            if self.timers.retransmit.map_or(true, |rto| at < rto) {
+                self.loss.probe = Some(at);
+            }
+        }
+    }
+
+    /// Enters loss recovery (RFC 6675 §5 / RFC 6582 §3.2 step 2).
+    fn enter_fast_recovery(&mut self) {
+        let smss = self.smss();
+        let flight = self.flight();
+        let sack = self.opts.sack;
+        let cc = &mut self.cc;
+        cc.ssthresh = (flight / 2).max(2 * smss);
+        cc.recover = self.snd.max;
+        cc.in_recovery = true;
+        cc.fast_retransmit = true;
+        cc.rexmit_next = self.snd.una;
+        cc.cwnd = if sack {
+            cc.ssthresh
+        } else {
+            cc.ssthresh + 3 * smss
+        };
+        self.loss.rxt_mark = None;
+        self.loss.after_rto = false;
+    }
+
     fn last_activity(&mut self, now: Instant) {
         self.retries.keepalive = 0;
         if let Some(ka) = self.params.keepalive {
@@ -550,6 +702,7 @@ impl Connection {
         self.state = State::Closed;
         self.close_reason = Some(reason);
         self.timers = Timers::default();
+        self.loss = LossHints::default();
         self.pending.probe = false;
         self.ack.now = false;
         self.events.closed = true;
@@ -559,6 +712,7 @@ impl Connection {
 
     fn enter_time_wait(&mut self, now: Instant) {
         self.state = State::TimeWait;
+        self.loss = LossHints::default();
         self.timers = Timers {
             close: Some(now + self.params.time_wait),
             ..Timers::default()
@@ -863,6 +1017,7 @@ impl Connection {
             }
         }
 
+        let progress = new_sack || ack > self.snd.una;
         if ack > self.snd.una {
             let acked = ack.since(self.snd.una);
             let data = (acked as usize).min(self.tx.len());
@@ -888,14 +1043,15 @@ impl Connection {
                 self.events.writable = true;
             }
         } else if ack == self.snd.una
-            && seg.payload.is_empty()
-            && !seg.fin
             && self.snd.max > self.snd.una
-            && (wnd == self.snd.wnd || new_sack)
+            && (new_sack || (seg.payload.is_empty() && !seg.fin && wnd == self.snd.wnd))
         {
-            // RFC 5681 §2 duplicate ACK.
+            // RFC 5681 §2 duplicate ACK; with SACK, RFC 6675 §2 counts any
+            // ACK carrying new SACK information, also one riding on data
+            // (an echo or request-response peer acknowledges that way).
             self.on_dup_ack(smss);
         }
+        self.detect_loss(now, new_sack, progress);
 
         // RFC 9293 window update rule: SND.WL1 < SEG.SEQ or (= and SND.WL2 =< SEG.ACK).
         if self.snd.wl1 < seg.seq || (self.snd.wl1 == seg.seq && self.snd.wl2 <= ack) {
@@ -909,22 +1065,36 @@ impl Connection {
 
     /// Congestion response to an ACK of new data.
     fn on_new_ack(&mut self, acked: u32, ack: SeqNum, flight_before: u32, smss: u32) {
+        let sack = self.opts.sack;
+        let after_rto = self.loss.after_rto;
         let cc = &mut self.cc;
         cc.dup_acks = 0;
         if cc.in_recovery {
             if ack >= cc.recover {
-                // RFC 6582 §3.2 step 3 (full ACK): deflate to min(ssthresh, FlightSize + SMSS).
-                let flight = flight_before.saturating_sub(acked);
-                cc.cwnd = cc.ssthresh.min(flight.max(smss) + smss);
+                if !after_rto {
+                    // RFC 6582 §3.2 step 3 (full ACK): deflate to
+                    // min(ssthresh, FlightSize + SMSS).
+                    let flight = flight_before.saturating_sub(acked);
+                    cc.cwnd = cc.ssthresh.min(flight.max(smss) + smss);
+                }
+                // After an RTO cwnd keeps what slow start reached.
                 cc.in_recovery = false;
                 cc.fast_retransmit = false;
-            } else {
-                // RFC 6582 step 4 (partial ACK): resend the first unacked segment
-                // and deflate by the amount acked.
+                self.loss.lost_mark = None;
+                self.loss.rxt_mark = None;
+                self.loss.after_rto = false;
+            } else if !sack {
+                // RFC 6582 step 4 (partial ACK): resend the first unacked
+                // segment and deflate by the amount acked.
                 cc.fast_retransmit = true;
                 cc.rexmit_next = cc.rexmit_next.max(ack);
-                if !self.opts.sack {
-                    cc.cwnd = cc.cwnd.saturating_sub(acked).saturating_add(smss).max(smss);
+                cc.cwnd = cc.cwnd.saturating_sub(acked).saturating_add(smss).max(smss);
+            } else {
+                // RFC 6675: NextSeg picks the next hole; HighRxt never lags
+                // SND.UNA. After an RTO the window grows by slow start.
+                cc.rexmit_next = cc.rexmit_next.max(ack);
+                if after_rto && cc.cwnd < cc.ssthresh {
+                    cc.cwnd = cc.cwnd.saturating_add(acked.min(2 * smss));
                 }
             }
         } else if cc.cwnd < cc.ssthresh {
@@ -941,32 +1111,56 @@ impl Connection {
     }
 
     fn on_dup_ack(&mut self, smss: u32) {
-        let flight = self.flight();
-        let una = self.snd.una;
-        let max = self.snd.max;
         let sack = self.opts.sack;
         let cc = &mut self.cc;
         cc.dup_acks = cc.dup_acks.saturating_add(1);
-        if cc.in_recovery {
-            // RFC 6582 step 3/RFC 5681 §3.2 step 4: inflate per extra dup ACK
-            // (the SACK variant uses the pipe estimate instead).
-            if !sack {
-                cc.cwnd = cc.cwnd.saturating_add(smss);
-            }
-            return;
+        if cc.in_recovery && !sack {
+            // RFC 6582 step 3/RFC 5681 §3.2 step 4: inflate per extra dup
+            // ACK (the SACK variant uses the pipe estimate instead).
+            cc.cwnd = cc.cwnd.saturating_add(smss);
         }
-        // RFC 6582 §3.2 step 2: enter only if SND.UNA is past the last recovery point.
-        if cc.dup_acks == 3 && una > cc.recover.sub(1) {
-            cc.ssthresh = (flight / 2).max(2 * smss);
-            cc.recover = max;
-            cc.in_recovery = true;
-            cc.fast_retransmit = true;
-            cc.rexmit_next = una;
-            cc.cwnd = if sack {
-                cc.ssthresh
-            } else {
-                cc.ssthresh + 3 * smss
-            };
+    }
+
+    /// After every acceptable ACK: recovery entry (duplicate ACKs, RFC 6675
+    /// IsLost, a probe's answer) and lost retransmissions; an ACK that made
+    /// progress (new data acknowledged or SACKed) re-arms the probe timer.
+    fn detect_loss(&mut self, now: Instant, new_sack: bool, progress: bool) {
+        let una = self.snd.una;
+        if self.live_mark(self.loss.lost_mark).is_none() {
+            self.loss.lost_mark = None;
+        }
+        if !self.cc.in_recovery && self.snd.max > una {
+            // RFC 6582 §3.2 step 2: only past the last recovery point.
+            let fresh = una > self.cc.recover.sub(1);
+            let sack = self.opts.sack;
+            let probed = self.loss.probes > 0 && new_sack;
+            let lost = sack && self.lost_edge() > una;
+            if fresh && (self.cc.dup_acks >= DUP_THRESH || lost || probed) {
+                self.enter_fast_recovery();
+                if probed {
+                    // A probe sent a probe timeout after the rest arrived
+                    // while the rest did not: presume the holes lost.
+                    self.loss.lost_mark = self.sack.highest();
+                }
+            }
+        } else if self.cc.in_recovery && self.opts.sack && new_sack {
+            // A retransmission is lost when data sent after it was SACKed
+            // while it was not acknowledged: retransmit the holes again.
+            let resent = self.cc.rexmit_next.max(una);
+            if let (Some(mark), Some(hi)) =
+                (self.live_mark(self.loss.rxt_mark), self.sack.highest())
+            {
+                if hi > mark && self.sack.next_hole(una).0 < resent {
+                    self.cc.rexmit_next = una;
+                    self.loss.lost_mark = Some(mark);
+                    self.loss.rxt_mark = None;
+                }
+            }
+        }
+        if progress {
+            self.loss.probes = 0;
+            self.loss.tlp_pending = false;
+            self.arm_probe(now);
         }
     }
 
@@ -1078,10 +1272,17 @@ impl Connection {
     /// Earliest timer deadline.
     pub fn next_deadline(&self) -> Option<Instant> {
         let t = &self.timers;
-        [t.retransmit, t.persist, t.delayed_ack, t.keepalive, t.close]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            t.retransmit,
+            t.persist,
+            t.delayed_ack,
+            t.keepalive,
+            t.close,
+            self.loss.probe,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Fires every timer whose deadline is at or before `now`.
@@ -1094,10 +1295,15 @@ impl Connection {
         }
         if due(self.timers.retransmit) {
             self.timers.retransmit = None;
+            self.loss.probe = None;
             self.on_retransmit_timeout(ctr);
             if self.state == State::Closed {
                 return;
             }
+        }
+        if due(self.loss.probe) {
+            self.loss.probe = None;
+            self.on_probe_timeout(now);
         }
         if due(self.timers.persist) {
             self.timers.persist = None;
@@ -1162,22 +1368,71 @@ impl Connection {
                 }
                 let smss = self.smss();
                 let flight = self.flight();
+                let first = self.retries.rto == 1;
                 let cc = &mut self.cc;
-                cc.ssthresh = (flight / 2).max(2 * smss);
+                // RFC 5681 §3.1 (5.5 of RFC 6298): ssthresh from the flight,
+                // once per loss episode (not again on a backed-off timeout,
+                // nor over a fast recovery that already reduced it).
+                if first && !cc.in_recovery {
+                    cc.ssthresh = (flight / 2).max(2 * smss);
+                }
                 cc.cwnd = smss;
-                cc.in_recovery = false;
-                cc.fast_retransmit = false;
                 cc.dup_acks = 0;
                 cc.ca_acked = 0;
                 cc.recover = self.snd.max;
-                // SACK information may be reneged (RFC 2018 §8): start over.
-                self.sack.clear();
-                self.snd.nxt = self.snd.una;
+                cc.fast_retransmit = false;
+                if self.opts.sack {
+                    // RFC 6675 §5.1: everything not SACKed is presumed lost
+                    // and resent in order as slow start allows, skipping
+                    // what the peer holds. SACK information may be reneged
+                    // (RFC 2018 §8): a second timeout in a row forgets it.
+                    if !first {
+                        self.sack.clear();
+                    }
+                    cc.in_recovery = true;
+                    cc.rexmit_next = self.snd.una;
+                    self.loss.lost_mark = Some(self.snd.max);
+                    self.loss.rxt_mark = None;
+                    self.loss.after_rto = true;
+                } else {
+                    // Go-back-N from SND.UNA.
+                    cc.in_recovery = false;
+                    self.sack.clear();
+                    self.snd.nxt = self.snd.una;
+                }
+                // Probes stay spent until an ACK makes progress, so a dead
+                // peer meets the RTO schedule alone.
+                self.loss.tlp_pending = false;
                 self.rtt.backoff += 1;
                 self.rtt.timed = None;
                 ctr.retransmits_timeout += 1;
             }
         }
+    }
+
+    /// The probe timer fired: no ACK made progress for a probe timeout.
+    fn on_probe_timeout(&mut self, now: Instant) {
+        if self.snd.max == self.snd.una || !self.state.can_send() {
+            return;
+        }
+        self.loss.probes += 1;
+        if self.cc.in_recovery && self.opts.sack {
+            // The recovery stalled (a retransmission or its ACK was lost):
+            // everything not SACKed is presumed lost, the first hole goes
+            // out at once and the rest as the pipe allows.
+            self.loss.lost_mark = Some(self.snd.max);
+            self.loss.rxt_mark = None;
+            self.cc.rexmit_next = self.snd.una;
+            self.cc.fast_retransmit = true;
+        } else {
+            // RFC 8985 §7: a tail loss probe draws an ACK whose SACK
+            // information reveals the losses.
+            self.loss.tlp_pending = true;
+        }
+        // Unlike RFC 8985 §7.3 the RTO is not pushed back: a probe fires
+        // well before it (the probe timer is only armed when it does), and
+        // a dead peer is then given up on the RTO schedule alone.
+        self.arm_probe(now);
     }
 
     // ---------------------------------------------------------------- output
@@ -1209,10 +1464,26 @@ impl Connection {
             let (s, e) = ranges[i];
             b.push(base.add(s), base.add(e));
         }
-        for (i, &(s, e)) in ranges.iter().enumerate() {
-            if Some(i) != recent {
-                b.push(base.add(s), base.add(e));
-            }
+        // The other blocks in order; when they do not all fit (3 blocks
+        // beside timestamps, 4 without), each segment starts the list at a
+        // different one, so every block keeps being reported even when the
+        // ACKs that carried it are lost (RFC 2018 §4 asks for repeating
+        // blocks already reported; a sender whose scoreboard misses one
+        // would resend data we hold).
+        let room = if self.opts.timestamps { 3 } else { 4 };
+        let others = ranges.len() - usize::from(recent.is_some());
+        let first = if others > room - b.len() {
+            (self.stats.segments_out % others as u64) as usize
+        } else {
+            0
+        };
+        let order = ranges
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| Some(i) != recent)
+            .map(|(_, r)| r);
+        for &(s, e) in order.clone().skip(first).chain(order.take(first)) {
+            b.push(base.add(s), base.add(e));
         }
         b
     }
@@ -1268,8 +1539,10 @@ impl Connection {
         let data_end = una.add(self.tx.len() as u32);
         let fin_at = |end: SeqNum| self.fin.queued && end == data_end;
 
-        // Fast retransmit (RFC 5681 §3.2 step 2 / RFC 6582 partial ACK).
-        if self.cc.fast_retransmit && self.snd.max > una {
+        let sack = self.opts.sack;
+        // NewReno fast retransmit (RFC 5681 §3.2 step 2 / RFC 6582 partial
+        // ACK) of the segment at SND.UNA, whatever the window.
+        if !sack && self.cc.fast_retransmit && self.snd.max > una {
             let len = data_end.since(una).min(smss);
             let fin = fin_at(una.add(len)) && self.fin.sent;
             if len > 0 || fin {
@@ -1277,24 +1550,53 @@ impl Connection {
             }
         }
 
-        let mut pipe = self.snd.nxt.since(una);
-        if self.cc.in_recovery && self.opts.sack {
-            // RFC 6675 pipe, simplified: bytes above the highest SACK are in
-            // flight, holes below it are lost unless already retransmitted.
-            let hi = self.sack.highest().map_or(una, |h| h.max(una));
-            let resent_to = self.cc.rexmit_next.max(una).min(hi);
-            pipe =
-                self.snd.max.since(hi) + resent_to.since(una) - self.sack.sacked_in(una, resent_to);
-            if pipe >= self.cc.cwnd {
-                return None;
-            }
-            let (start, hole_end) = self.sack.next_hole(self.cc.rexmit_next.max(una));
-            if start < hi {
-                let lim = hole_end.map_or(hi, |e| e.min(hi));
-                let len = lim.since(start).min(data_end.since(start)).min(smss);
-                if len > 0 {
-                    return Some((start, len, false, SendKind::Hole));
+        let pipe = if sack {
+            self.pipe()
+        } else {
+            self.snd.nxt.since(una)
+        };
+        if sack && self.cc.in_recovery {
+            // RFC 6675 NextSeg rule 1: the first un-SACKed byte above
+            // HighRxt that is presumed lost. The first one after entering
+            // recovery (or a probe) goes out whatever the pipe.
+            let edge = self.lost_edge();
+            let force = self.cc.fast_retransmit;
+            if force || self.cc.cwnd.saturating_sub(pipe) >= smss {
+                let (start, hole_end) = self.sack.next_hole(self.cc.rexmit_next.max(una));
+                // Entered on duplicate ACKs without SACK evidence: the first
+                // hole counts as lost all the same (RFC 6675 §5 step 4.3).
+                let edge = if force {
+                    edge.max(start.add(smss)).min(self.snd.max)
+                } else {
+                    edge
+                };
+                if start < edge {
+                    let lim = hole_end.map_or(edge, |e| e.min(edge));
+                    let len = lim.since(start).min(data_end.since(start)).min(smss);
+                    let fin = self.fin.sent && fin_at(start.add(len));
+                    if len > 0 || fin {
+                        return Some((start, len, fin, SendKind::Hole));
+                    }
                 }
+            }
+        }
+
+        if self.loss.tlp_pending && self.snd.max > una && self.snd.nxt == self.snd.max {
+            // RFC 8985 §7.3: the probe is new data if the peer's window
+            // allows, else the last segment sent again.
+            let wnd_end = una.add(self.snd.wnd);
+            let start = self.snd.max;
+            let len = data_end.since(start).min(smss).min(wnd_end.since(start));
+            if start <= data_end && len > 0 {
+                let fin = fin_at(start.add(len)) && len == data_end.since(start);
+                return Some((start, len, fin, SendKind::New));
+            }
+            let last_end = self.snd.max.min(data_end);
+            let len = last_end.since(una).min(smss);
+            let start = last_end.sub(len);
+            let fin = self.fin.sent && fin_at(last_end);
+            if len > 0 || fin {
+                return Some((start, len, fin, SendKind::Probe));
             }
         }
 
@@ -1302,7 +1604,14 @@ impl Connection {
         let resend = start < self.snd.max;
         let wnd_end = una.add(self.snd.wnd);
         let avail = data_end.since(start);
-        let cwnd_room = self.cc.cwnd.saturating_sub(pipe);
+        // RFC 3042 limited transmit: each of the first two duplicate ACKs
+        // lets one more new segment out.
+        let limited = if !self.cc.in_recovery && !resend {
+            self.cc.dup_acks.min(DUP_THRESH - 1) * smss
+        } else {
+            0
+        };
+        let cwnd_room = (self.cc.cwnd + limited).saturating_sub(pipe);
         let wnd_room = wnd_end.since(start);
         let len = avail.min(smss).min(cwnd_room).min(wnd_room);
         // RFC 1122 §4.2.3.4 sender SWS avoidance: no runt while more data is
@@ -1415,6 +1724,10 @@ impl Connection {
             crate::wire::TcpPacket::new_unchecked(&mut buf[..total])
                 .fill_checksum(*self.local.ip(), *self.remote.ip());
             let end = start.add(len + u32::from(fin));
+            if kind != SendKind::New {
+                // Karn: an ACK covering retransmitted data gives no sample.
+                self.rtt.timed = None;
+            }
             match kind {
                 SendKind::Fast => {
                     self.cc.fast_retransmit = false;
@@ -1423,11 +1736,19 @@ impl Connection {
                     self.stats.retransmits += 1;
                 }
                 SendKind::Hole => {
+                    self.cc.fast_retransmit = false;
                     self.cc.rexmit_next = end;
+                    self.loss.rxt_mark = Some(self.snd.max.max(end));
+                    ctr.retransmits_fast += 1;
+                    self.stats.retransmits += 1;
+                }
+                SendKind::Probe => {
+                    self.loss.tlp_pending = false;
                     ctr.retransmits_fast += 1;
                     self.stats.retransmits += 1;
                 }
                 SendKind::Resend | SendKind::New => {
+                    self.loss.tlp_pending = false;
                     self.snd.nxt = self.snd.nxt.max(end);
                     if kind == SendKind::Resend {
                         self.stats.retransmits += 1;
@@ -1444,6 +1765,9 @@ impl Connection {
             }
             if self.timers.retransmit.is_none() {
                 self.timers.retransmit = Some(now + self.rtt.rto(&self.params));
+            }
+            if self.loss.probe.is_none() {
+                self.arm_probe(now);
             }
             self.timers.persist = None;
             self.on_ack_sent(wf);

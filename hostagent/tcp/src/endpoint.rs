@@ -45,7 +45,7 @@ use crate::counters::Counters;
 use crate::error::{CloseReason, TcpError};
 use crate::isn::IsnGenerator;
 use crate::seq::SeqNum;
-use crate::snapshot::{var_len, Snapshot, SnapshotError};
+use crate::snapshot::{self, var_len, Snapshot, SnapshotError};
 use crate::wire::{TcpPacket, TcpRepr};
 
 /// Handle of a connection; never reused within an endpoint.
@@ -128,9 +128,10 @@ pub struct Imported {
     pub app_state: Range<usize>,
 }
 
-/// Hasher for `ConnId`s: they are sequential numbers this endpoint hands
-/// out (never chosen by a peer), so a multiplicative hash is safe and much
-/// cheaper than SipHash. Flow keys, which peers choose, keep SipHash.
+/// Hasher for `ConnId`s and listener ports: ids are sequential numbers this
+/// endpoint hands out and listener ports come from configuration (a peer can
+/// look a port up but never insert one), so a multiplicative hash is safe
+/// and much cheaper than SipHash. Flow keys, which peers choose, keep SipHash.
 #[derive(Default)]
 struct IdHasher(u64);
 
@@ -146,16 +147,31 @@ impl Hasher for IdHasher {
     fn write_u64(&mut self, v: u64) {
         self.0 = v.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     }
+    fn write_u16(&mut self, v: u16) {
+        self.write_u64(u64::from(v));
+    }
 }
 
 type IdMap<V> = HashMap<ConnId, V, BuildHasherDefault<IdHasher>>;
 
 /// Lookup key: what identifies a connection whatever its IPv4 destination.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Key {
     remote_ip: Ipv4Addr,
     remote_port: u16,
     local_port: u16,
+}
+
+/// One 8-byte write: SipHash then runs one block instead of buffering three
+/// short writes (the flow map is hashed on every segment and migration).
+impl std::hash::Hash for Key {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(
+            u64::from(u32::from(self.remote_ip)) << 32
+                | u64::from(self.remote_port) << 16
+                | u64::from(self.local_port),
+        );
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -207,7 +223,7 @@ pub struct Endpoint {
     isn: IsnGenerator,
     conns: IdMap<Entry>,
     flows: HashMap<Key, ConnId>,
-    listeners: HashMap<u16, Listener>,
+    listeners: HashMap<u16, Listener, BuildHasherDefault<IdHasher>>,
     accept_queue: VecDeque<ConnId>,
     events: VecDeque<Event>,
     ready: VecDeque<ConnId>,
@@ -231,7 +247,7 @@ impl Endpoint {
             cfg,
             conns: IdMap::with_capacity_and_hasher(1024, Default::default()),
             flows: HashMap::with_capacity(1024),
-            listeners: HashMap::new(),
+            listeners: HashMap::default(),
             accept_queue: VecDeque::with_capacity(256),
             events: VecDeque::with_capacity(1024),
             ready: VecDeque::with_capacity(1024),
@@ -491,7 +507,7 @@ impl Endpoint {
     pub fn snapshot_len(&self, now: Instant, id: ConnId, app_len: usize) -> Option<usize> {
         let c = &self.conns.get(&id)?.conn;
         // The application bytes only count by length.
-        let n = Snapshot::capture(c, now, &[]).buffer_len();
+        let n = snapshot::connection_len(c, now, &[]);
         Some(n - 1 + var_len(app_len as u64) + app_len)
     }
 
@@ -509,7 +525,8 @@ impl Endpoint {
         out: &mut [u8],
     ) -> Result<usize, SnapshotError> {
         let e = self.conns.get(&id).ok_or(SnapshotError::InvalidHandle)?;
-        let n = Snapshot::capture(&e.conn, now, app_state).emit(out)?;
+        // Straight from the connection into `out` (no `Snapshot` copy).
+        let n = snapshot::emit_connection(&e.conn, now, app_state, out)?;
         self.finish_export(id);
         Ok(n)
     }
@@ -523,10 +540,10 @@ impl Endpoint {
         out: &mut Vec<u8>,
     ) -> Result<usize, SnapshotError> {
         let e = self.conns.get(&id).ok_or(SnapshotError::InvalidHandle)?;
-        let snap = Snapshot::capture(&e.conn, now, app_state);
         let start = out.len();
-        out.resize(start + snap.buffer_len(), 0);
-        let n = snap.emit(&mut out[start..])?;
+        out.resize(start + snapshot::connection_len(&e.conn, now, app_state), 0);
+        // Sized exactly above: no second size check.
+        let n = snapshot::write_connection(&e.conn, now, app_state, &mut out[start..]);
         self.finish_export(id);
         Ok(n)
     }
@@ -547,7 +564,12 @@ impl Endpoint {
     /// nothing while the buffer pool has a spare pair (see
     /// `set_spare_buffers`).
     pub fn import(&mut self, now: Instant, bytes: &[u8]) -> Result<Imported, SnapshotError> {
-        let snap = Snapshot::parse_bytes(bytes)?;
+        // Borrowed out of the `Result`: `?` would move the whole snapshot.
+        let parsed = Snapshot::parse_bytes(bytes);
+        let snap = match &parsed {
+            Ok(snap) => snap,
+            Err(e) => return Err(*e),
+        };
         snap.check_capacity(self.cfg.tx_buffer, self.cfg.rx_buffer)?;
         let key = Key {
             remote_ip: *snap.remote.ip(),
@@ -568,7 +590,8 @@ impl Endpoint {
         let conn = snap.restore(now, &self.cfg, tx, rx);
         let app_start = snap.app.as_ptr() as usize - bytes.as_ptr() as usize;
         let app_state = app_start..app_start + snap.app.len();
-        let id = self.attach(conn).map_err(|_| SnapshotError::FlowExists)?;
+        // The flow was checked free above.
+        let id = self.attach_unchecked(conn);
         Ok(Imported { id, app_state })
     }
 
@@ -603,6 +626,11 @@ impl Endpoint {
         if self.flows.contains_key(&key_of(&conn)) {
             return Err(TcpError::AddrInUse);
         }
+        Ok(self.attach_unchecked(conn))
+    }
+
+    /// `attach` of a connection whose flow is known to be free.
+    fn attach_unchecked(&mut self, conn: Connection) -> ConnId {
         let port = conn.local.port();
         let id = self.insert(conn, Some(port), Stage::Queued);
         self.accept_queue.push_back(id);
@@ -611,7 +639,7 @@ impl Endpoint {
             l.queued += 1;
         }
         self.sync(id);
-        Ok(id)
+        id
     }
 
     pub fn poll_event(&mut self) -> Option<Event> {

@@ -15,7 +15,10 @@
 //! Snapshots are untrusted bytes (they arrive over the network, MAC'd but
 //! produced by another host's software). Queue and application bytes are
 //! borrowed, not copied: parsing allocates nothing, and `emit` writes into a
-//! caller-provided buffer.
+//! caller-provided buffer. `Endpoint::export` writes straight from the live
+//! connection (`emit_connection`, through the same `Parts` writer as
+//! `Snapshot::emit`, so both give the same bytes): each queue byte is copied
+//! once on export (ring -> buffer) and once on import (buffer -> ring).
 //!
 //! Time: absolute instants never travel. Timers travel as the time remaining
 //! at export, the timed RTT segment as its age, and timestamps as the TSval
@@ -43,6 +46,22 @@ use crate::seq::SeqNum;
 /// Format version this build writes and reads.
 pub const VERSION: u8 = 1;
 
+/// Queue bytes are copied in pieces of at most this many bytes. glibc's
+/// `memcpy` switches to `rep movsb` at 2112 bytes on this project's AMD EPYC
+/// hosts (`ld.so --list-diagnostics`: rep_movsb_threshold=0x840), which
+/// measured ~40% slower there than its vector loop for 4 KiB copies
+/// (`bench/export-import`, copy floor 276 vs 167 ns); pieces below the
+/// threshold keep every copy on the vector loop.
+pub const COPY_PIECE: usize = 2048;
+
+/// Copies `src` into `dst` (same length) in `COPY_PIECE` pieces.
+#[inline]
+pub fn copy_queue_bytes(dst: &mut [u8], src: &[u8]) {
+    for (d, s) in dst.chunks_mut(COPY_PIECE).zip(src.chunks(COPY_PIECE)) {
+        d.copy_from_slice(s);
+    }
+}
+
 /// Length of the fixed header.
 pub const HEADER_LEN: usize = field::VAR;
 
@@ -54,6 +73,17 @@ pub const MAX_MICROS: u64 = 1 << 40;
 pub const MAX_COUNT: u32 = 1 << 16;
 /// Largest per-connection statistics counter accepted.
 pub const MAX_STAT: u64 = 1 << 62;
+
+/// Most varints a snapshot holds, field by field as in docs/SNAPSHOT.md:
+/// 24 for #1-#23 (#17 has two), two per SACK block (#24), 27 for #25-#35
+/// (#27 has two, #28 up to five timers, #30 six counters, #31 three
+/// keep-alive values, #32 five statistics), two per out-of-order range
+/// (#36) and one for #37. A test pins it; `max_len` relies on its part
+/// outside the two lists, `FIXED_VARINTS`.
+#[cfg(test)]
+const MAX_VARINTS: usize = FIXED_VARINTS + 2 * MAX_SCOREBOARD + 2 * MAX_OOO_RANGES;
+/// Most varints outside the two lists (SACK blocks, out-of-order ranges).
+const FIXED_VARINTS: usize = 24 + 27 + 1;
 
 /// Byte ranges of the fixed header (big-endian integers).
 pub mod field {
@@ -239,9 +269,32 @@ pub struct TimerSnapshot {
     pub close: Option<Duration>,
 }
 
+impl Chunks<'_> {
+    /// Same bytes, wherever the ring split them.
+    fn same_bytes(&self, o: &Chunks<'_>) -> bool {
+        self.len() == o.len() && self.0.iter().chain(self.1).eq(o.0.iter().chain(o.1))
+    }
+}
+
+/// Where a snapshot's out-of-order bytes are, without copying them: still
+/// in the exporting connection's receive ring, or in the snapshot bytes
+/// being parsed. [`Snapshot::ooo_chunk`] reads range `i`.
+#[derive(Debug, Clone, Copy)]
+pub enum OooData<'a> {
+    /// Range `(s, e)` of `Snapshot::ooo` lies at ring offset `base + s`.
+    Ring { ring: &'a RingBuffer, base: usize },
+    /// Range `i` starts at byte `at[i]` of `bytes` (checked by `parse`).
+    Wire {
+        bytes: &'a [u8],
+        at: [u32; MAX_OOO_RANGES],
+    },
+}
+
 /// The parsed representation of a connection snapshot. Sequence-space
 /// structs are the connection's own; time-dependent fields are relative.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Queue bytes are borrowed (from the connection's rings or from the
+/// snapshot bytes), never copied into it.
+#[derive(Debug, Clone)]
 pub struct Snapshot<'a> {
     pub state: State,
     pub close_reason: Option<CloseReason>,
@@ -273,11 +326,85 @@ pub struct Snapshot<'a> {
     pub rx: Chunks<'a>,
     /// Out-of-order intervals (offsets from RCV.NXT) ...
     pub ooo: Assembler,
-    /// ... and their bytes, one entry per interval.
-    pub ooo_data: [Chunks<'a>; MAX_OOO_RANGES],
+    /// ... and where their bytes are (see `ooo_chunk`).
+    pub ooo_data: OooData<'a>,
     /// Opaque application state (connection manager, seed 000 §6).
     pub app: &'a [u8],
 }
+
+/// Equal when every field and every queued byte is (wherever the bytes
+/// live and however a ring split them).
+impl PartialEq for Snapshot<'_> {
+    fn eq(&self, o: &Self) -> bool {
+        // Destructured so that a new field cannot be forgotten here.
+        let Snapshot {
+            state,
+            close_reason,
+            local,
+            remote,
+            snd,
+            rcv,
+            opts,
+            tsval,
+            ts_recent,
+            rtt,
+            rtt_timed,
+            cc,
+            sack,
+            fin,
+            ack,
+            timers,
+            pending,
+            retries,
+            want_writable,
+            keepalive,
+            stats,
+            tx,
+            rx,
+            ooo,
+            ooo_data: _,
+            app,
+        } = self;
+        (
+            state,
+            close_reason,
+            local,
+            remote,
+            snd,
+            rcv,
+            opts,
+            tsval,
+            ts_recent,
+        ) == (
+            &o.state,
+            &o.close_reason,
+            &o.local,
+            &o.remote,
+            &o.snd,
+            &o.rcv,
+            &o.opts,
+            &o.tsval,
+            &o.ts_recent,
+        ) && (rtt, rtt_timed, cc, sack, fin, ack, timers, pending, retries)
+            == (
+                &o.rtt,
+                &o.rtt_timed,
+                &o.cc,
+                &o.sack,
+                &o.fin,
+                &o.ack,
+                &o.timers,
+                &o.pending,
+                &o.retries,
+            )
+            && (want_writable, keepalive, stats, ooo, app)
+                == (&o.want_writable, &o.keepalive, &o.stats, &o.ooo, &o.app)
+            && tx.same_bytes(&o.tx)
+            && rx.same_bytes(&o.rx)
+            && (0..ooo.ranges().len()).all(|i| self.ooo_chunk(i).same_bytes(&o.ooo_chunk(i)))
+    }
+}
+impl Eq for Snapshot<'_> {}
 
 // ------------------------------------------------------------------ varints
 
@@ -299,6 +426,16 @@ fn unzz(v: u32) -> i32 {
     ((v >> 1) as i32) ^ -((v & 1) as i32)
 }
 
+/// Packs the low 7 bits of each of the 8 little-endian bytes of `x` into a
+/// 56-bit value (LEB128 groups, continuation bits ignored).
+#[inline(always)]
+fn compact7(x: u64) -> u64 {
+    let x = x & 0x7f7f_7f7f_7f7f_7f7f;
+    let x = (x & 0x007f_007f_007f_007f) | ((x >> 1) & 0x3f80_3f80_3f80_3f80);
+    let x = (x & 0x0000_3fff_0000_3fff) | ((x >> 2) & 0x0fff_c000_0fff_c000);
+    (x & 0x0000_0000_0fff_ffff) | ((x >> 4) & 0x00ff_ffff_f000_0000)
+}
+
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -307,8 +444,28 @@ struct Reader<'a> {
 impl<'a> Reader<'a> {
     #[inline(always)]
     fn var(&mut self, f: &'static str) -> Result<u64> {
-        // Fast path: most fields fit in one byte.
-        if let Some(&b) = self.buf.get(self.pos) {
+        let rest = self.buf.get(self.pos..).unwrap_or(&[]);
+        // Up to 8 bytes (56 bits) decoded from one load, without a loop.
+        if let Some(word) = rest.first_chunk::<8>() {
+            let x = u64::from_le_bytes(*word);
+            // Most fields fit in one byte.
+            if x & 0x80 == 0 {
+                self.pos += 1;
+                return Ok(x & 0x7f);
+            }
+            let stops = !x & 0x8080_8080_8080_8080;
+            if stops != 0 {
+                // Length 2..=8: the byte holding the first clear high bit.
+                let bits = (stops.trailing_zeros() + 1) as usize; // 8 * len
+                let x = x & (u64::MAX >> (64 - bits));
+                // Canonical: the last group is not zero.
+                if x >> (bits - 8) == 0 {
+                    return Err(invalid(f, "non-canonical varint"));
+                }
+                self.pos += bits >> 3;
+                return Ok(compact7(x));
+            }
+        } else if let Some(&b) = rest.first() {
             if b < 0x80 {
                 self.pos += 1;
                 return Ok(u64::from(b));
@@ -358,6 +515,15 @@ impl<'a> Reader<'a> {
     #[inline]
     fn micros(&mut self, f: &'static str) -> Result<Duration> {
         Ok(Duration::from_micros(self.var_max(f, MAX_MICROS)?))
+    }
+    /// A duration present only when its flag is set.
+    #[inline(always)]
+    fn opt_micros(&mut self, present: bool, f: &'static str) -> Result<Option<Duration>> {
+        if present {
+            Ok(Some(self.micros(f)?))
+        } else {
+            Ok(None)
+        }
     }
     #[inline]
     fn count(&mut self, f: &'static str) -> Result<u32> {
@@ -412,8 +578,18 @@ struct Writer<'a> {
 }
 
 impl Writer<'_> {
+    #[inline(always)]
+    fn var(&mut self, v: u64) {
+        // Most fields fit in one byte: one bounds check, one store.
+        if v < 0x80 {
+            self.buf[self.pos] = v as u8;
+            self.pos += 1;
+        } else {
+            self.var_long(v);
+        }
+    }
     #[inline]
-    fn var(&mut self, mut v: u64) {
+    fn var_long(&mut self, mut v: u64) {
         while v >= 0x80 {
             self.buf[self.pos] = (v as u8) | 0x80;
             self.pos += 1;
@@ -424,7 +600,7 @@ impl Writer<'_> {
     }
     #[inline]
     fn bytes(&mut self, b: &[u8]) {
-        self.buf[self.pos..self.pos + b.len()].copy_from_slice(b);
+        copy_queue_bytes(&mut self.buf[self.pos..self.pos + b.len()], b);
         self.pos += b.len();
     }
 }
@@ -467,51 +643,80 @@ fn reason_from(c: u8) -> Option<Option<CloseReason>> {
     })
 }
 
-/// Remaining time of a timer at `now` (zero when already due).
-fn remaining(t: Option<Instant>, now: Instant) -> Option<Duration> {
-    t.map(|t| {
-        t.saturating_since(now)
-            .min(Duration::from_micros(MAX_MICROS))
-    })
+/// What `emit` reads, by reference: a snapshot's fields, or a live
+/// connection's in place (export copies no state into an intermediate
+/// `Snapshot`, only the few values re-based on the clock at export).
+struct Parts<'s> {
+    state: State,
+    close_reason: Option<CloseReason>,
+    local: SocketAddrV4,
+    remote: SocketAddrV4,
+    snd: &'s SendSeq,
+    rcv: &'s RecvSeq,
+    opts: Negotiated,
+    tsval: u32,
+    ts_recent: u32,
+    /// Only the estimator values and backoff are read (not `timed`).
+    rtt: &'s RttEstimator,
+    rtt_timed: Option<(SeqNum, Duration)>,
+    cc: &'s Congestion,
+    sack: &'s Scoreboard,
+    fin: FinState,
+    ack: &'s AckState,
+    timers: TimerSnapshot,
+    pending: &'s Pending,
+    retries: &'s Retries,
+    want_writable: bool,
+    keepalive: Option<KeepAlive>,
+    stats: &'s ConnStats,
+    tx: Chunks<'s>,
+    rx: Chunks<'s>,
+    ooo: &'s Assembler,
+    ooo_data: OooData<'s>,
+    app: &'s [u8],
 }
 
-impl<'a> Snapshot<'a> {
-    /// Captures `conn` at `now` (borrowing its queues) with `app` as the
-    /// application state.
-    pub fn capture(conn: &'a Connection, now: Instant, app: &'a [u8]) -> Snapshot<'a> {
-        let mut ooo_data = [Chunks::default(); MAX_OOO_RANGES];
-        let base = conn.rx.len();
-        for (slot, &(s, e)) in ooo_data.iter_mut().zip(conn.ooo.ranges()) {
-            let (a, b) = conn.rx.slices(base + s as usize, (e - s) as usize);
-            *slot = Chunks(a, b);
+/// The bytes of out-of-order range `i` of `ooo` (empty past the last range).
+fn ooo_chunk<'s>(ooo: &Assembler, data: OooData<'s>, i: usize) -> Chunks<'s> {
+    let Some(&(s, e)) = ooo.ranges().get(i) else {
+        return Chunks::default();
+    };
+    let len = (e - s) as usize;
+    match data {
+        OooData::Ring { ring, base } => {
+            let (a, b) = ring.slices(base + s as usize, len);
+            Chunks(a, b)
         }
+        OooData::Wire { bytes, at } => {
+            let at = at[i] as usize;
+            Chunks(bytes.get(at..at + len).unwrap_or(&[]), &[])
+        }
+    }
+}
+
+impl<'s> Parts<'s> {
+    /// `conn` at `now`, as `Snapshot::capture` sees it, without copying it.
+    #[inline]
+    fn of_connection(conn: &'s Connection, now: Instant, app: &'s [u8]) -> Parts<'s> {
         let (ta, tb) = conn.tx.slices(0, conn.tx.len());
         let (ra, rb) = conn.rx.slices(0, conn.rx.len());
-        let mut rtt = conn.rtt;
-        rtt.timed = None;
         let t = &conn.timers;
-        Snapshot {
+        Parts {
             state: conn.state,
             close_reason: conn.close_reason,
             local: conn.local,
             remote: conn.remote,
-            snd: conn.snd,
-            rcv: conn.rcv,
+            snd: &conn.snd,
+            rcv: &conn.rcv,
             opts: conn.opts,
             tsval: conn.ts_now(now),
             ts_recent: conn.ts.recent,
-            rtt,
-            rtt_timed: conn.rtt.timed.map(|(end, sent)| {
-                (
-                    end,
-                    now.saturating_since(sent)
-                        .min(Duration::from_micros(MAX_MICROS)),
-                )
-            }),
-            cc: conn.cc,
-            sack: conn.sack,
+            rtt: &conn.rtt,
+            rtt_timed: rtt_age(conn, now),
+            cc: &conn.cc,
+            sack: &conn.sack,
             fin: conn.fin,
-            ack: conn.ack,
+            ack: &conn.ack,
             timers: TimerSnapshot {
                 retransmit: remaining(t.retransmit, now),
                 persist: remaining(t.persist, now),
@@ -519,15 +724,18 @@ impl<'a> Snapshot<'a> {
                 keepalive: remaining(t.keepalive, now),
                 close: remaining(t.close, now),
             },
-            pending: conn.pending,
-            retries: conn.retries,
+            pending: &conn.pending,
+            retries: &conn.retries,
             want_writable: conn.want_writable,
             keepalive: conn.params.keepalive,
-            stats: conn.stats,
+            stats: &conn.stats,
             tx: Chunks(ta, tb),
             rx: Chunks(ra, rb),
-            ooo: conn.ooo,
-            ooo_data,
+            ooo: &conn.ooo,
+            ooo_data: OooData::Ring {
+                ring: &conn.rx,
+                base: conn.rx.len(),
+            },
             app,
         }
     }
@@ -671,9 +879,10 @@ impl<'a> Snapshot<'a> {
         let ranges = self.ooo.ranges();
         out.var(ranges.len() as u64);
         let mut prev = 0u32;
-        for (&(s, e), d) in ranges.iter().zip(&self.ooo_data) {
+        for (i, &(s, e)) in ranges.iter().enumerate() {
             out.var(u64::from(s - prev));
             out.var(u64::from(e - s));
+            let d = self.ooo_chunk(i);
             out.raw(d.0);
             out.raw(d.1);
             prev = e;
@@ -683,41 +892,221 @@ impl<'a> Snapshot<'a> {
     }
 
     /// Bytes `emit` writes.
-    pub fn buffer_len(&self) -> usize {
+    fn buffer_len(&self) -> usize {
         let mut c = Counter(HEADER_LEN);
         self.walk(&mut c);
         c.0
     }
 
-    /// Writes the snapshot into `buf`; returns the bytes written.
-    pub fn emit(&self, buf: &mut [u8]) -> Result<usize> {
-        let needed = self.buffer_len();
-        if buf.len() < needed {
-            return Err(SnapshotError::BufferTooSmall {
-                needed,
-                available: buf.len(),
-            });
+    fn ooo_chunk(&self, i: usize) -> Chunks<'s> {
+        ooo_chunk(self.ooo, self.ooo_data, i)
+    }
+
+    /// Queue, out-of-order and application bytes (the raw runs of `walk`).
+    fn raw_len(&self) -> usize {
+        let ooo: usize = self
+            .ooo
+            .ranges()
+            .iter()
+            .map(|&(s, e)| (e - s) as usize)
+            .sum();
+        self.tx.len() + self.rx.len() + ooo + self.app.len()
+    }
+
+    /// An upper bound of `buffer_len` that costs no walk: every varint
+    /// present at its longest (10 bytes), the lists at their actual length.
+    fn max_len(&self) -> usize {
+        let lists = 2 * (self.sack.blocks().len() + self.ooo.ranges().len());
+        HEADER_LEN + (FIXED_VARINTS + lists) * 10 + self.raw_len()
+    }
+
+    /// Writes the snapshot into `buf`; returns the bytes written. Only the
+    /// first (returned) bytes of `buf` are written.
+    fn emit(&self, buf: &mut [u8]) -> Result<usize> {
+        // A buffer of `max_len` bytes needs no exact sizing walk first.
+        if buf.len() < self.max_len() {
+            let needed = self.buffer_len();
+            if buf.len() < needed {
+                return Err(SnapshotError::BufferTooSmall {
+                    needed,
+                    available: buf.len(),
+                });
+            }
         }
+        Ok(self.write(buf))
+    }
+
+    /// `emit` into a buffer known to hold `buffer_len()` bytes.
+    fn write(&self, buf: &mut [u8]) -> usize {
         let flags = self.flags();
-        buf[field::VERSION] = VERSION;
-        buf[field::STATE] = state_code(self.state) | (reason_code(self.close_reason) << 4);
-        buf[field::FLAGS].copy_from_slice(&flags.to_be_bytes());
-        buf[field::LOCAL_IP].copy_from_slice(&self.local.ip().octets());
-        buf[field::LOCAL_PORT].copy_from_slice(&self.local.port().to_be_bytes());
-        buf[field::REMOTE_IP].copy_from_slice(&self.remote.ip().octets());
-        buf[field::REMOTE_PORT].copy_from_slice(&self.remote.port().to_be_bytes());
-        buf[field::SND_UNA].copy_from_slice(&self.snd.una.0.to_be_bytes());
-        buf[field::RCV_NXT].copy_from_slice(&self.rcv.nxt.0.to_be_bytes());
-        buf[field::TSVAL].copy_from_slice(&self.tsval.to_be_bytes());
-        buf[field::TS_RECENT].copy_from_slice(&self.ts_recent.to_be_bytes());
+        let h = &mut buf[..HEADER_LEN];
+        h[field::VERSION] = VERSION;
+        h[field::STATE] = state_code(self.state) | (reason_code(self.close_reason) << 4);
+        h[field::FLAGS].copy_from_slice(&flags.to_be_bytes());
+        h[field::LOCAL_IP].copy_from_slice(&self.local.ip().octets());
+        h[field::LOCAL_PORT].copy_from_slice(&self.local.port().to_be_bytes());
+        h[field::REMOTE_IP].copy_from_slice(&self.remote.ip().octets());
+        h[field::REMOTE_PORT].copy_from_slice(&self.remote.port().to_be_bytes());
+        h[field::SND_UNA].copy_from_slice(&self.snd.una.0.to_be_bytes());
+        h[field::RCV_NXT].copy_from_slice(&self.rcv.nxt.0.to_be_bytes());
+        h[field::TSVAL].copy_from_slice(&self.tsval.to_be_bytes());
+        h[field::TS_RECENT].copy_from_slice(&self.ts_recent.to_be_bytes());
         let mut w = Writer {
-            buf: &mut buf[..needed],
+            buf,
             pos: HEADER_LEN,
         };
         self.walk(&mut w);
-        let pos = w.pos;
-        debug_assert_eq!(pos, needed);
-        Ok(pos)
+        w.pos
+    }
+}
+
+/// The timed RTT segment's end and age at `now`.
+fn rtt_age(conn: &Connection, now: Instant) -> Option<(SeqNum, Duration)> {
+    conn.rtt.timed.map(|(end, sent)| {
+        (
+            end,
+            now.saturating_since(sent)
+                .min(Duration::from_micros(MAX_MICROS)),
+        )
+    })
+}
+
+/// Export: writes `conn`'s snapshot at `now` straight from the connection
+/// into `buf` (queue bytes copied once, from the rings into `buf`; no
+/// `Snapshot` in between). Same bytes as `Snapshot::capture(..).emit(..)`.
+pub(crate) fn emit_connection(
+    conn: &Connection,
+    now: Instant,
+    app: &[u8],
+    buf: &mut [u8],
+) -> Result<usize> {
+    Parts::of_connection(conn, now, app).emit(buf)
+}
+
+/// Exact length `emit_connection` writes.
+pub(crate) fn connection_len(conn: &Connection, now: Instant, app: &[u8]) -> usize {
+    Parts::of_connection(conn, now, app).buffer_len()
+}
+
+/// `emit_connection` into a buffer known to hold `connection_len` bytes.
+pub(crate) fn write_connection(
+    conn: &Connection,
+    now: Instant,
+    app: &[u8],
+    buf: &mut [u8],
+) -> usize {
+    Parts::of_connection(conn, now, app).write(buf)
+}
+
+/// Remaining time of a timer at `now` (zero when already due).
+fn remaining(t: Option<Instant>, now: Instant) -> Option<Duration> {
+    t.map(|t| {
+        t.saturating_since(now)
+            .min(Duration::from_micros(MAX_MICROS))
+    })
+}
+
+impl<'a> Snapshot<'a> {
+    /// Captures `conn` at `now` (borrowing its queues) with `app` as the
+    /// application state.
+    pub fn capture(conn: &'a Connection, now: Instant, app: &'a [u8]) -> Snapshot<'a> {
+        let ooo_data = OooData::Ring {
+            ring: &conn.rx,
+            base: conn.rx.len(),
+        };
+        let (ta, tb) = conn.tx.slices(0, conn.tx.len());
+        let (ra, rb) = conn.rx.slices(0, conn.rx.len());
+        let mut rtt = conn.rtt;
+        rtt.timed = None;
+        let t = &conn.timers;
+        Snapshot {
+            state: conn.state,
+            close_reason: conn.close_reason,
+            local: conn.local,
+            remote: conn.remote,
+            snd: conn.snd,
+            rcv: conn.rcv,
+            opts: conn.opts,
+            tsval: conn.ts_now(now),
+            ts_recent: conn.ts.recent,
+            rtt,
+            rtt_timed: rtt_age(conn, now),
+            cc: conn.cc,
+            sack: conn.sack,
+            fin: conn.fin,
+            ack: conn.ack,
+            timers: TimerSnapshot {
+                retransmit: remaining(t.retransmit, now),
+                persist: remaining(t.persist, now),
+                delayed_ack: remaining(t.delayed_ack, now),
+                keepalive: remaining(t.keepalive, now),
+                close: remaining(t.close, now),
+            },
+            pending: conn.pending,
+            retries: conn.retries,
+            want_writable: conn.want_writable,
+            keepalive: conn.params.keepalive,
+            stats: conn.stats,
+            tx: Chunks(ta, tb),
+            rx: Chunks(ra, rb),
+            ooo: conn.ooo,
+            ooo_data,
+            app,
+        }
+    }
+
+    /// The bytes of out-of-order range `i` (empty past the last range).
+    pub fn ooo_chunk(&self, i: usize) -> Chunks<'a> {
+        ooo_chunk(&self.ooo, self.ooo_data, i)
+    }
+
+    /// What `emit` reads, by reference.
+    fn parts(&self) -> Parts<'_> {
+        Parts {
+            state: self.state,
+            close_reason: self.close_reason,
+            local: self.local,
+            remote: self.remote,
+            snd: &self.snd,
+            rcv: &self.rcv,
+            opts: self.opts,
+            tsval: self.tsval,
+            ts_recent: self.ts_recent,
+            rtt: &self.rtt,
+            rtt_timed: self.rtt_timed,
+            cc: &self.cc,
+            sack: &self.sack,
+            fin: self.fin,
+            ack: &self.ack,
+            timers: self.timers,
+            pending: &self.pending,
+            retries: &self.retries,
+            want_writable: self.want_writable,
+            keepalive: self.keepalive,
+            stats: &self.stats,
+            tx: self.tx,
+            rx: self.rx,
+            ooo: &self.ooo,
+            ooo_data: self.ooo_data,
+            app: self.app,
+        }
+    }
+
+    /// Bytes `emit` writes.
+    pub fn buffer_len(&self) -> usize {
+        self.parts().buffer_len()
+    }
+
+    /// An upper bound of `buffer_len` that costs no walk: every varint
+    /// present at its longest (10 bytes), the lists at their actual length.
+    pub fn max_len(&self) -> usize {
+        self.parts().max_len()
+    }
+
+    /// Writes the snapshot into `buf`; returns the bytes written. Only the
+    /// first (returned) bytes of `buf` are written.
+    pub fn emit(&self, buf: &mut [u8]) -> Result<usize> {
+        self.parts().emit(buf)
     }
 
     /// Parses and validates a snapshot. Queue and application bytes borrow
@@ -729,6 +1118,9 @@ impl<'a> Snapshot<'a> {
     /// `SnapshotView::new_checked` + `parse` in one call.
     pub fn parse_bytes(bytes: &'a [u8]) -> Result<Snapshot<'a>> {
         let view = SnapshotView::new_checked(bytes)?;
+        if bytes.len() > u32::MAX as usize {
+            return Err(invalid("snapshot", "longer than 4 GiB"));
+        }
         let sb = view.state_byte();
         let state = match sb & 0x0f {
             0 => State::Closed,
@@ -912,19 +1304,12 @@ impl<'a> Snapshot<'a> {
             dup_pending: 0,
         };
 
-        let mut timer = |bit: u32, name: &'static str| -> Result<Option<Duration>> {
-            if has(bit) {
-                Ok(Some(r.micros(name)?))
-            } else {
-                Ok(None)
-            }
-        };
         let timers = TimerSnapshot {
-            retransmit: timer(flag::TIMER_RETRANSMIT, "timers.retransmit")?,
-            persist: timer(flag::TIMER_PERSIST, "timers.persist")?,
-            delayed_ack: timer(flag::TIMER_DELAYED_ACK, "timers.delayed_ack")?,
-            keepalive: timer(flag::TIMER_KEEPALIVE, "timers.keepalive")?,
-            close: timer(flag::TIMER_CLOSE, "timers.close")?,
+            retransmit: r.opt_micros(has(flag::TIMER_RETRANSMIT), "timers.retransmit")?,
+            persist: r.opt_micros(has(flag::TIMER_PERSIST), "timers.persist")?,
+            delayed_ack: r.opt_micros(has(flag::TIMER_DELAYED_ACK), "timers.delayed_ack")?,
+            keepalive: r.opt_micros(has(flag::TIMER_KEEPALIVE), "timers.keepalive")?,
+            close: r.opt_micros(has(flag::TIMER_CLOSE), "timers.close")?,
         };
         let rst_reply = if has(flag::HAS_RST_REPLY) {
             Some(SeqNum(r.u32v("pending.rst_reply")?))
@@ -978,9 +1363,9 @@ impl<'a> Snapshot<'a> {
         let rx = Chunks(r.bytes(rx_len, "rx.bytes")?, &[]);
         let n = r.var_max("ooo.count", MAX_OOO_RANGES as u64)? as usize;
         let mut ooo = Assembler::default();
-        let mut ooo_data = [Chunks::default(); MAX_OOO_RANGES];
+        let mut at = [0u32; MAX_OOO_RANGES];
         let mut prev = 0u32;
-        for slot in ooo_data.iter_mut().take(n) {
+        for slot in at.iter_mut().take(n) {
             let gap = r.u32v("ooo.range.gap")?;
             let len = r.u32v("ooo.range.len")?;
             let s = prev
@@ -997,7 +1382,9 @@ impl<'a> Snapshot<'a> {
                     "ranges must be non-empty, start past RCV.NXT and not touch",
                 ));
             }
-            *slot = Chunks(r.bytes(len as usize, "ooo.range.bytes")?, &[]);
+            // Fits: snapshots longer than u32::MAX were refused above.
+            *slot = r.pos as u32;
+            r.bytes(len as usize, "ooo.range.bytes")?;
             // Cannot fail: at most MAX_OOO_RANGES disjoint, sorted ranges.
             ooo.add(s, e)
                 .map_err(|_| invalid("ooo.count", "too many ranges"))?;
@@ -1073,7 +1460,7 @@ impl<'a> Snapshot<'a> {
             tx,
             rx,
             ooo,
-            ooo_data,
+            ooo_data: OooData::Wire { bytes, at },
             app,
         })
     }
@@ -1114,13 +1501,27 @@ impl<'a> Snapshot<'a> {
         let mut params = ConnParams::from_config(cfg);
         params.keepalive = self.keepalive;
         params.mss = self.rcv.mss;
+        // Straight from the snapshot bytes into the rings, in `COPY_PIECE`s.
         tx.clear();
-        tx.enqueue(self.tx.0);
-        tx.enqueue(self.tx.1);
+        for c in self
+            .tx
+            .0
+            .chunks(COPY_PIECE)
+            .chain(self.tx.1.chunks(COPY_PIECE))
+        {
+            tx.enqueue(c);
+        }
         rx.clear();
-        rx.enqueue(self.rx.0);
-        rx.enqueue(self.rx.1);
-        for (&(s, _), d) in self.ooo.ranges().iter().zip(&self.ooo_data) {
+        for c in self
+            .rx
+            .0
+            .chunks(COPY_PIECE)
+            .chain(self.rx.1.chunks(COPY_PIECE))
+        {
+            rx.enqueue(c);
+        }
+        for (i, &(s, _)) in self.ooo.ranges().iter().enumerate() {
+            let d = self.ooo_chunk(i);
             let n = rx.write_unallocated(s as usize, d.0);
             rx.write_unallocated(s as usize + n, d.1);
         }
@@ -1149,6 +1550,8 @@ impl<'a> Snapshot<'a> {
             rtt,
             cc: self.cc,
             sack: self.sack,
+            // Soft loss-recovery hints do not travel (conn.rs `LossHints`).
+            loss: Default::default(),
             tx,
             rx,
             ooo: self.ooo,
@@ -1199,7 +1602,39 @@ mod tests {
                 pos: 0,
             };
             assert_eq!(r.var("x").unwrap(), v);
+            // The one-load path (at least 8 bytes left), with junk after.
+            let mut padded = [0xffu8; 20];
+            padded[..n].copy_from_slice(&buf[..n]);
+            let mut r = Reader {
+                buf: &padded,
+                pos: 0,
+            };
+            assert_eq!(r.var("x").unwrap(), v);
+            assert_eq!(r.pos, n);
         }
+        // Every length from 1 to 10 bytes, through both paths.
+        for bits in 0..64 {
+            let v = (1u64 << bits) | (0x5555_5555_5555_5555 & ((1u64 << bits) - 1));
+            let mut buf = [0u8; 20];
+            let mut w = Writer {
+                buf: &mut buf,
+                pos: 0,
+            };
+            w.var(v);
+            let n = w.pos;
+            for b in [&buf[..n], &buf[..]] {
+                let mut r = Reader { buf: b, pos: 0 };
+                assert_eq!((r.var("x").unwrap(), r.pos), (v, n), "{v:#x}");
+            }
+        }
+        let mut r = Reader {
+            buf: &[0x80, 0x80, 0x00, 1, 2, 3, 4, 5, 6],
+            pos: 0,
+        };
+        assert!(matches!(
+            r.var("x"),
+            Err(SnapshotError::Invalid { field: "x", .. })
+        ));
         for v in [0i32, 1, -1, 1000, -1000, i32::MAX, i32::MIN] {
             assert_eq!(unzz(zz(v) as u32), v);
         }
@@ -1217,5 +1652,65 @@ mod tests {
             pos: 0,
         };
         assert!(r.var("x").is_err());
+    }
+
+    /// Counts varints and checks `max_len` against the exact length.
+    struct VarCount(usize);
+    impl Sink for VarCount {
+        fn var(&mut self, _: u64) {
+            self.0 += 1;
+        }
+        fn raw(&mut self, _: &[u8]) {}
+    }
+
+    #[test]
+    fn max_varints_is_the_most_a_snapshot_holds() {
+        use crate::endpoint::Endpoint;
+        let mut ep = Endpoint::new(TcpConfig::default());
+        let now = Instant::from_millis(5);
+        let id = ep
+            .connect(
+                now,
+                SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 1000),
+                SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 2), 80),
+            )
+            .unwrap();
+        let conn = ep.connection(id).unwrap();
+        let mut snap = Snapshot::capture(conn, now, &[]);
+        assert_eq!(Snapshot::capture(conn, now, &[]).max_len(), snap.max_len());
+        // Every optional field present, every list full.
+        let una = snap.snd.una;
+        snap.rcv.fin_seq = Some(snap.rcv.nxt);
+        snap.rtt_timed = Some((una, Duration::from_micros(1)));
+        snap.cc.ssthresh = 7;
+        for i in 0..MAX_SCOREBOARD as u32 {
+            snap.sack.add(una.add(10 * i + 1), una.add(10 * i + 2));
+        }
+        snap.ack.last_ooo = Some((snap.rcv.nxt, snap.rcv.nxt.add(1)));
+        let d = Some(Duration::from_micros(u64::MAX >> 2));
+        snap.timers = TimerSnapshot {
+            retransmit: d,
+            persist: d,
+            delayed_ack: d,
+            keepalive: d,
+            close: d,
+        };
+        snap.pending.rst_reply = Some(una);
+        snap.retries.rto = 1;
+        snap.keepalive = Some(KeepAlive {
+            idle: Duration::from_secs(1),
+            interval: Duration::from_secs(1),
+            probes: 1,
+        });
+        for i in 0..MAX_OOO_RANGES as u32 {
+            snap.ooo.add(10 * i + 1, 10 * i + 2).unwrap();
+        }
+        snap.stats.bytes_acked = u64::MAX;
+        let mut n = VarCount(0);
+        snap.parts().walk(&mut n);
+        assert_eq!(snap.sack.blocks().len(), MAX_SCOREBOARD);
+        assert_eq!(snap.ooo.ranges().len(), MAX_OOO_RANGES);
+        assert_eq!(n.0, MAX_VARINTS);
+        assert!(snap.buffer_len() <= snap.max_len());
     }
 }

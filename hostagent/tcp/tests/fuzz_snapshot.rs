@@ -9,7 +9,7 @@ mod common;
 
 use std::net::Ipv4Addr;
 
-use capybara_tcp::snapshot::Snapshot;
+use capybara_tcp::snapshot::{Snapshot, SnapshotError};
 use capybara_tcp::{Duration, Endpoint, Instant, SeqNum, TcpConfig, TcpRepr};
 use common::*;
 
@@ -157,6 +157,18 @@ fn check(rng: &mut Rng, bytes: &[u8], exercise_it: bool) {
             let mut again = vec![0u8; snap.buffer_len()];
             assert_eq!(snap.emit(&mut again).unwrap(), bytes.len());
             assert_eq!(again, bytes, "parse -> emit is not the identity");
+            // The no-walk bound holds, and emitting into it (no sizing
+            // walk) writes the same bytes; one byte short is an error.
+            assert!(snap.buffer_len() <= snap.max_len());
+            let mut roomy = vec![0u8; snap.max_len()];
+            assert_eq!(snap.emit(&mut roomy).unwrap(), bytes.len());
+            assert_eq!(&roomy[..bytes.len()], bytes);
+            assert!(matches!(
+                snap.emit(&mut again[..bytes.len() - 1]),
+                Err(SnapshotError::BufferTooSmall { .. })
+            ));
+            // Equality sees the same state whichever bytes back it.
+            assert_eq!(Snapshot::parse_bytes(&roomy[..bytes.len()]).unwrap(), snap);
         }
         Err(e) => {
             let _ = e.to_string();
@@ -171,6 +183,22 @@ fn check(rng: &mut Rng, bytes: &[u8], exercise_it: bool) {
     match ep.import(now, bytes) {
         Ok(imp) => {
             assert!(imp.app_state.end <= bytes.len());
+            // Re-export at the same instant (straight from the connection
+            // into the buffer) reproduces the snapshot, unless the timed
+            // segment's age was clamped at this host's clock zero.
+            let snap = Snapshot::parse_bytes(bytes).unwrap();
+            let clamped = snap
+                .rtt_timed
+                .is_some_and(|(_, age)| age.as_micros() as u64 > now.as_micros());
+            let app = &bytes[imp.app_state.clone()];
+            let mut out = vec![0u8; bytes.len() + 64];
+            let n = ep.export(now, imp.id, app, &mut out).unwrap();
+            if !clamped {
+                assert_eq!(&out[..n], bytes, "import -> export is not the identity");
+            }
+            let imp = ep.import(now, &out[..n]).expect("our own export imports");
+            assert_eq!(ep.connection_count(), 1);
+            let _ = imp;
             if exercise_it {
                 exercise(rng, &mut ep, now);
             }

@@ -154,6 +154,10 @@ fn data_retransmission_timing_and_backoff() {
     let d = recv!(s, time 20);
     assert_eq!(d.payload, b"hello");
     assert_eq!(d.seq, s.srv_iss + 1);
+    // One tail loss probe (RFC 8985): 2 SRTT, but at least SRTT + the
+    // delayed-ACK time + 10 ms for a single segment.
+    recv_nothing!(s, time 79);
+    assert_eq!(recv!(s, time 80), d, "tail loss probe");
     recv_nothing!(s, time 219);
     assert_eq!(recv!(s, time 220), d, "RTO = max(200 ms, srtt + 4 rttvar)");
     recv_nothing!(s, time 619);
@@ -294,6 +298,8 @@ fn passive_close_from_close_wait() {
     s.ep.close(id).unwrap();
     let f = recv!(s, time 30);
     assert!(f.fin && f.seq == s.srv_iss + 1);
+    recv_nothing!(s, time 89);
+    assert_eq!(recv!(s, time 90), f, "tail loss probe");
     recv_nothing!(s, time 229);
     assert_eq!(recv!(s, time 230), f, "FIN retransmitted after RTO");
     send!(s, time 240, seq base + 1, ack Some(s.srv_iss + 2), ; &[]);
@@ -330,4 +336,231 @@ fn handshake_negotiates_timestamps_and_scale_from_linux_style_syn() {
         "TSecr echoes the SYN"
     );
     assert_eq!(r.window, 65535, "SYN-ACK window is unscaled");
+}
+
+// ------------------------------------------------------------ loss recovery
+
+const MSS: u32 = 1460;
+
+impl Script {
+    /// Every segment the server sends at `time` ms.
+    fn poll_all(&mut self, t: u64) -> Vec<Seg> {
+        std::iter::from_fn(|| self.poll(Instant::from_millis(t))).collect()
+    }
+    /// The data segments the server sends at `time` ms (see `data_of`).
+    fn sent_data(&mut self, t: u64) -> Vec<(u32, usize)> {
+        let segs = self.poll_all(t);
+        data_of(self, &segs)
+    }
+}
+
+/// Data segments (payload or FIN) among `segs`, as (offset from the server's
+/// first data byte, length).
+fn data_of(s: &Script, segs: &[Seg]) -> Vec<(u32, usize)> {
+    segs.iter()
+        .filter(|g| !g.payload.is_empty() || g.fin)
+        .map(|g| (g.seq.wrapping_sub(s.srv_iss + 1), g.payload.len()))
+        .collect()
+}
+
+/// A server connection in ESTABLISHED with MSS 1460 and SACK permitted or
+/// not (no timestamps, no window scaling: the peer offers 65535 bytes),
+/// SRTT 10 ms.
+fn socket_established_mss(sack: bool) -> (Script, ConnId) {
+    let mut ep = Endpoint::new(TcpConfig {
+        timestamps: false,
+        ..TcpConfig::default()
+    });
+    ep.listen(vip()).unwrap();
+    let mut s = Script {
+        ep,
+        srv_iss: 0,
+        srv_ts: 0,
+    };
+    let mut syn = TcpRepr::new(PEER_PORT, PORT, SeqNum(PEER_ISS));
+    syn.syn = true;
+    syn.window = 65535;
+    syn.options.sack_permitted = sack;
+    syn.options.mss = Some(MSS as u16);
+    s.inject(Instant::ZERO, &syn);
+    let sa = recv!(s, time 0);
+    s.srv_iss = sa.seq;
+    send!(s, time 10, seq PEER_ISS + 1, ack Some(sa.seq + 1), ; &[]);
+    let id = s.ep.accept().unwrap();
+    (s, id)
+}
+
+fn socket_established_sack() -> (Script, ConnId) {
+    socket_established_mss(true)
+}
+
+/// Server sequence number of data offset `off`.
+fn srv(s: &Script, off: u32) -> u32 {
+    s.srv_iss.wrapping_add(1).wrapping_add(off)
+}
+
+#[test]
+fn sack_on_data_segments_starts_recovery_and_a_lost_retransmission_is_resent_without_rto() {
+    let (mut s, id) = socket_established_sack();
+    let data = vec![7u8; 20 * MSS as usize];
+    assert_eq!(s.ep.send(id, &data), Ok(data.len()));
+    // Initial window: 10 segments.
+    let first = s.poll_all(20);
+    assert_eq!(data_of(&s, &first).len(), 10);
+    // Segment 0 is lost. The peer (an echo) acknowledges with data: each of
+    // its segments carries ACK = SND.UNA and a growing SACK block. None of
+    // them is a duplicate ACK in the RFC 5681 sense.
+    let mut pseq = PEER_ISS + 1;
+    let una = Some(srv(&s, 0));
+    for k in 1..=3u32 {
+        send!(s, time 30, seq pseq, ack una, sack = [(srv(&s, MSS), srv(&s, (k + 1) * MSS))]; b"echo");
+        pseq += 4;
+    }
+    // Three segments SACKed above it: segment 0 is lost (RFC 6675 IsLost).
+    let out = s.poll_all(30);
+    assert_eq!(
+        data_of(&s, &out),
+        vec![(0, MSS as usize)],
+        "one retransmission"
+    );
+    let c = s.ep.connection(id).unwrap();
+    assert!(c.cc.in_recovery);
+    assert_eq!(c.cc.ssthresh, 5 * MSS, "half the flight");
+    assert_eq!(c.rtt.timed, None, "Karn: no sample across a retransmission");
+    // The retransmission is lost too. The rest of the flight is SACKed:
+    // the pipe empties and new data goes out (sent after the retransmission).
+    send!(s, time 40, seq pseq, ack una, sack = [(srv(&s, MSS), srv(&s, 10 * MSS))]; b"echo");
+    pseq += 4;
+    let out = s.poll_all(40);
+    let new: Vec<_> = data_of(&s, &out);
+    assert_eq!(new.first(), Some(&(10 * MSS, MSS as usize)), "{new:?}");
+    assert!(new.iter().all(|&(o, _)| o >= 10 * MSS), "{new:?}");
+    // New data sent after the retransmission arrives while segment 0 does
+    // not: the retransmission was lost, resend it now (no RTO, no probe).
+    send!(s, time 41, seq pseq, ack una, sack = [(srv(&s, MSS), srv(&s, 11 * MSS))]; b"echo");
+    let out = s.poll_all(41);
+    assert_eq!(
+        data_of(&s, &out).first(),
+        Some(&(0, MSS as usize)),
+        "lost retransmission resent at once"
+    );
+    assert_eq!(s.ep.counters().retransmits_timeout, 0);
+    // Segment 0 arrives: the ACK covers everything sent before recovery
+    // began; recovery ends with cwnd <= ssthresh (RFC 6582 full ACK).
+    let all = srv(&s, 11 * MSS);
+    send!(s, time 45, seq pseq + 4, ack Some(all), ; &[]);
+    let c = s.ep.connection(id).unwrap();
+    assert!(!c.cc.in_recovery);
+    assert!(c.cc.cwnd <= c.cc.ssthresh, "{:?}", c.cc);
+}
+
+#[test]
+fn rto_keeps_the_scoreboard_and_resends_only_the_holes() {
+    let (mut s, id) = socket_established_sack();
+    let data = vec![9u8; 10 * MSS as usize];
+    assert_eq!(s.ep.send(id, &data), Ok(data.len()));
+    assert_eq!(s.sent_data(20).len(), 10);
+    // Only segments 6 and 7 arrive: two segments SACKed is below DupThresh.
+    let una = Some(srv(&s, 0));
+    send!(s, time 30, seq PEER_ISS + 1, ack una, sack = [(srv(&s, 6 * MSS), srv(&s, 8 * MSS))]; &[]);
+    assert!(s.poll_all(30).is_empty());
+    // The tail loss probe (2 SRTT after the last progress) resends the last
+    // segment; it is lost as well.
+    recv_nothing!(s, time 49);
+    assert_eq!(s.sent_data(50), vec![(9 * MSS, MSS as usize)]);
+    // RTO (200 ms after the last send of new data): everything not SACKed
+    // is lost; slow start from one segment resends the holes in order.
+    recv_nothing!(s, time 219);
+    assert_eq!(s.sent_data(220), vec![(0, MSS as usize)]);
+    assert_eq!(s.ep.counters().retransmits_timeout, 1);
+    let mut resent = vec![0u32];
+    let mut t = 220;
+    let mut acked = MSS;
+    while acked < 10 * MSS {
+        t += 10;
+        let sack = [(srv(&s, 6 * MSS), srv(&s, 8 * MSS))];
+        if acked < 6 * MSS {
+            send!(s, time t, seq PEER_ISS + 1, ack Some(srv(&s, acked)), sack = sack; &[]);
+        } else {
+            send!(s, time t, seq PEER_ISS + 1, ack Some(srv(&s, acked)), ; &[]);
+        }
+        let out = s.sent_data(t);
+        assert!(!out.is_empty(), "stalled at {acked}");
+        for (o, len) in out {
+            resent.push(o / MSS);
+            acked = acked.max(o + len as u32);
+        }
+    }
+    assert!(
+        !resent.contains(&6) && !resent.contains(&7),
+        "SACKed segments resent: {resent:?}"
+    );
+    assert_eq!(resent, vec![0, 1, 2, 3, 4, 5, 8, 9]);
+    assert_eq!(s.ep.counters().retransmits_timeout, 1);
+}
+
+#[test]
+fn limited_transmit_sends_one_new_segment_per_early_duplicate_ack() {
+    // No SACK: plain RFC 5681 duplicate ACKs.
+    let (mut s, id) = socket_established_mss(false);
+    let data = vec![1u8; 20 * MSS as usize];
+    s.ep.send(id, &data).unwrap();
+    assert_eq!(s.sent_data(20).len(), 10);
+    let una = Some(srv(&s, 0));
+    send!(s, time 30, seq PEER_ISS + 1, ack una, ; &[]);
+    assert_eq!(s.sent_data(30), vec![(10 * MSS, MSS as usize)]);
+    send!(s, time 31, seq PEER_ISS + 1, ack una, ; &[]);
+    assert_eq!(s.sent_data(31), vec![(11 * MSS, MSS as usize)]);
+    // The third duplicate ACK: fast retransmit of SND.UNA.
+    send!(s, time 32, seq PEER_ISS + 1, ack una, ; &[]);
+    assert_eq!(s.sent_data(32).first(), Some(&(0, MSS as usize)));
+    assert_eq!(s.ep.counters().retransmits_fast, 1);
+}
+
+#[test]
+fn stalled_recovery_is_restarted_by_the_probe_timer_not_the_rto() {
+    let (mut s, id) = socket_established_sack();
+    // Exactly ten segments: nothing new can follow the retransmission.
+    let data = vec![3u8; 10 * MSS as usize];
+    s.ep.send(id, &data).unwrap();
+    assert_eq!(s.sent_data(20).len(), 10);
+    let una = Some(srv(&s, 0));
+    send!(s, time 30, seq PEER_ISS + 1, ack una, sack = [(srv(&s, MSS), srv(&s, 10 * MSS))]; &[]);
+    assert_eq!(s.sent_data(30), vec![(0, MSS as usize)]);
+    // That retransmission is lost and nothing else is in flight: after a
+    // probe timeout (2 SRTT) without progress it goes out again.
+    recv_nothing!(s, time 49);
+    assert_eq!(s.sent_data(50), vec![(0, MSS as usize)]);
+    send!(s, time 55, seq PEER_ISS + 1, ack Some(srv(&s, 10 * MSS)), ; &[]);
+    assert_eq!(s.ep.counters().retransmits_timeout, 0);
+    assert_eq!(s.ep.connection(id).unwrap().timers.retransmit, None);
+}
+
+#[test]
+fn sack_blocks_that_do_not_fit_are_rotated_so_each_keeps_being_reported() {
+    let (mut s, _id) = socket_established_sack();
+    let base = PEER_ISS + 1;
+    let ack = Some(s.srv_iss + 1);
+    // Six out-of-order blocks (every other 10-byte chunk after a hole):
+    // the most recent plus five others, of which three fit beside it.
+    for k in 0..6u32 {
+        send!(s, time 20 + u64::from(k), seq base + 10 + 20 * k, ack ack, ; &[b'z'; 10]);
+        let _ = s.poll_all(20 + u64::from(k));
+    }
+    let newest = (base + 110, base + 120);
+    let mut seen = std::collections::BTreeSet::new();
+    for t in 30..36u64 {
+        // A duplicate of the newest block makes it the most recent again.
+        send!(s, time t, seq newest.0, ack ack, ; &[b'z'; 10]);
+        let segs = s.poll_all(t);
+        let a = segs.last().expect("an immediate ACK");
+        assert_eq!(a.ack, Some(base));
+        assert_eq!(a.sack.len(), 4, "{:?}", a.sack);
+        assert_eq!(a.sack[0], newest, "the most recent block first");
+        seen.extend(a.sack[1..].iter().copied());
+    }
+    let all: std::collections::BTreeSet<_> = (0..5u32)
+        .map(|k| (base + 10 + 20 * k, base + 20 + 20 * k))
+        .collect();
+    assert_eq!(seen, all, "every older block reported again");
 }

@@ -92,6 +92,20 @@ fn check_round_trip(
     let mut buf = vec![0u8; again.buffer_len()];
     again.emit(&mut buf).unwrap();
     assert_eq!(buf, snap, "re-export differs from the original snapshot");
+    // The parsed snapshot (queue bytes in the wire buffer) equals the
+    // captured ones (queue bytes in the rings), out-of-order bytes included.
+    let parsed = Snapshot::parse_bytes(snap).unwrap();
+    assert_eq!(parsed, Snapshot::capture(before, t_exp, app));
+    assert_eq!(parsed, again);
+    for i in 0..parsed.ooo.ranges().len() {
+        let (w, r) = (parsed.ooo_chunk(i), again.ooo_chunk(i));
+        assert_eq!([w.0, w.1].concat(), [r.0, r.1].concat(), "ooo range {i}");
+    }
+    assert!(parsed.buffer_len() <= parsed.max_len());
+    assert!(matches!(
+        parsed.emit(&mut buf[..snap.len() - 1]),
+        Err(SnapshotError::BufferTooSmall { .. })
+    ));
 }
 
 /// Migrates server connection `s` with a random app blob to a target whose

@@ -3,7 +3,7 @@
 //!
 //! Invariant checked by [`EngineConfig::validate`]: the target keeps its
 //! record of a committed migration (`linger`) longer than an origin can stay
-//! in doubt about it (`migration_deadline + in_doubt_limit`), so that an
+//! in doubt about it (`migration_deadline_max + in_doubt_limit`), so that an
 //! ABORT request from an in-doubt origin is always answered with the true
 //! outcome, never with "unknown migration".
 
@@ -37,12 +37,25 @@ pub struct EngineConfig {
     pub rto_initial: Duration,
     /// Backoff doubles the timeout up to this value.
     pub rto_max: Duration,
-    /// Origin: time from `migrate_out` until the migration is given up.
+    /// Origin: time from `migrate_out` until the migration is given up,
+    /// for an empty snapshot; larger snapshots get `deadline_per_mib` more.
     pub migration_deadline: Duration,
-    /// Target: time from PREPARE until an incomplete migration in is given
-    /// up. Longer than `migration_deadline` so that normally the origin
-    /// decides first (either order is safe).
+    /// Origin: extra deadline per MiB of snapshot, granted when the snapshot
+    /// is provided. A connection with full queues takes longer to send than
+    /// an idle one; with one fixed deadline, under load, exactly the
+    /// connections with the most data in flight always resumed.
+    pub deadline_per_mib: Duration,
+    /// Origin: hard cap of the deadline, from `migrate_out`, whatever the
+    /// snapshot size (bounds how long a connection stays frozen).
+    pub migration_deadline_max: Duration,
+    /// Target: time from PREPARE, and from each new CONN_STATE fragment
+    /// (progress), until an incomplete migration in is given up. Longer
+    /// than `migration_deadline` so that normally the origin decides first
+    /// (either order is safe).
     pub target_deadline: Duration,
+    /// Target: hard cap of the progress-extended deadline, from PREPARE.
+    /// Longer than `migration_deadline_max` for the same reason.
+    pub target_deadline_max: Duration,
     /// Origin: how long it keeps asking an unresponsive target for the
     /// outcome after the state was sent, before reporting the connection
     /// lost (only happens when the target host failed).
@@ -88,7 +101,10 @@ impl EngineConfig {
             rto_initial: Duration::from_millis(1),
             rto_max: Duration::from_millis(16),
             migration_deadline: Duration::from_millis(50),
+            deadline_per_mib: Duration::from_millis(200),
+            migration_deadline_max: Duration::from_millis(250),
             target_deadline: Duration::from_millis(100),
+            target_deadline_max: Duration::from_millis(300),
             in_doubt_limit: Duration::from_secs(2),
             linger: Duration::from_secs(3),
             abort_repeats: 3,
@@ -113,6 +129,23 @@ impl EngineConfig {
         }
     }
 
+    /// Latest origin deadline any migration can get (the size-scaled one
+    /// is capped by `migration_deadline_max`).
+    pub fn longest_deadline(&self) -> Duration {
+        self.migration_deadline.max(self.migration_deadline_max)
+    }
+
+    /// Origin deadline of a migration whose snapshot has `snapshot_bytes`,
+    /// counted from `migrate_out`.
+    pub fn deadline_for(&self, snapshot_bytes: usize) -> Duration {
+        let mib = snapshot_bytes as f64 / (1024.0 * 1024.0);
+        let extra = Duration::try_from_secs_f64(self.deadline_per_mib.as_secs_f64() * mib)
+            .unwrap_or(Duration::MAX);
+        self.migration_deadline
+            .saturating_add(extra)
+            .min(self.longest_deadline())
+    }
+
     /// Checks the relations the protocol relies on.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.local_addr.is_unspecified() {
@@ -129,10 +162,17 @@ impl EngineConfig {
         if self.migration_deadline.is_zero() || self.target_deadline.is_zero() {
             return Err(ConfigError::Invalid("deadlines must be positive"));
         }
-        if self.linger <= self.migration_deadline + self.in_doubt_limit {
+        if self.migration_deadline_max < self.migration_deadline
+            || self.target_deadline_max < self.target_deadline
+        {
+            return Err(ConfigError::Invalid(
+                "need migration_deadline <= migration_deadline_max and target_deadline <= target_deadline_max",
+            ));
+        }
+        if self.linger <= self.longest_deadline() + self.in_doubt_limit {
             return Err(ConfigError::LingerTooShort {
                 linger: self.linger,
-                needed: self.migration_deadline + self.in_doubt_limit,
+                needed: self.longest_deadline() + self.in_doubt_limit,
             });
         }
         if self.max_concurrent_in == 0 || self.max_concurrent_out == 0 || self.max_records == 0 {

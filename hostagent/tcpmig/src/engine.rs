@@ -557,6 +557,12 @@ impl Engine {
         };
         match count {
             Ok(count) => {
+                // The deadline grows with the snapshot (hard-capped): a
+                // full-queue connection must not lose to a fixed deadline.
+                let started = r.tel.started.unwrap_or(now);
+                r.deadline = r
+                    .deadline
+                    .max(started + cx.cfg.deadline_for(snapshot.len()));
                 r.tel.export_done = Some(now);
                 r.tel.snapshot_bytes = snapshot.len() as u64;
                 r.tel.fragments = count;
@@ -833,6 +839,12 @@ impl Engine {
                     if r.tel.state_sent.is_none() {
                         r.tel.state_sent = Some(now);
                     }
+                    // The retransmission timeout runs from the last fragment
+                    // of the burst, not from its first: a snapshot of
+                    // hundreds of fragments can take longer than one RTO to
+                    // leave, and resending it all before the target could
+                    // answer only doubles the load that delayed it.
+                    r.retx_at = Some(now + r.rto);
                 }
                 r.tel.wire_bytes_sent += n as u64;
                 self.counters.tx.bump(Kind::ConnState);
@@ -1139,7 +1151,13 @@ impl Engine {
                             .reassembly
                             .accept(m.frag_index, m.frag_count, m.payload)
                         {
-                            Ok(Progress::Stored { .. }) => {}
+                            Ok(Progress::Stored { .. }) => {
+                                // Progress: the snapshot is arriving, give
+                                // it `target_deadline` more (hard-capped).
+                                let cap = r.tel.started.unwrap_or(now) + cx.cfg.target_deadline_max;
+                                let next = (now + cx.cfg.target_deadline).min(cap);
+                                r.deadline = r.deadline.map(|d| d.max(next));
+                            }
                             Ok(Progress::Duplicate) => cx.counters.duplicates += 1,
                             Ok(Progress::Complete) => {
                                 r.phase = TargetPhase::Importing;
@@ -1674,10 +1692,14 @@ fn origin_timer(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant) -> bool
             }
         };
         if kind == Kind::ConnState {
-            // No per-fragment acks in v1: resend the whole snapshot.
-            if r.queued & kind_bit(Kind::ConnState) == 0 {
-                r.cursor = 0;
+            if r.queued & kind_bit(Kind::ConnState) != 0 {
+                // The burst is still leaving: nothing to resend yet; the
+                // timer restarts from its last fragment (`poll_transmit`).
+                r.retx_at = Some(now + r.rto);
+                return true;
             }
+            // No per-fragment acks in v1: resend the whole snapshot.
+            r.cursor = 0;
             cx.counters.retransmissions += u64::from(r.frag_count);
             r.tel.retransmissions += u32::from(r.frag_count);
         } else {

@@ -43,6 +43,7 @@ pub use engine::{
     TargetPhase, Transmit,
 };
 pub use error::{MigError, RxError};
+pub use telemetry::HostCpu;
 pub use telemetry::Telemetry;
 
 /// Identifies one migration on the wire and in the API. The high 32 bits

@@ -832,6 +832,35 @@ impl Server {
         self.engine().in_progress() != (0, 0)
     }
 
+    /// The connection states the application serves now (to notice exports).
+    fn conn_states(&self) -> Vec<(ConnId, Exported)> {
+        self.conns
+            .iter()
+            .filter_map(|&id| Some((id, Exported::of(self.tr.tcp.connection(id)?))))
+            .collect()
+    }
+
+    /// Records the connections of `before` that an export removed.
+    fn note_exports(&mut self, before: Vec<(ConnId, Exported)>) {
+        for (id, e) in before {
+            if self.tr.tcp.connection(id).is_none() {
+                self.exports.push(e);
+            }
+        }
+    }
+
+    /// One frame in. A TCPMig message may export a connection right here
+    /// (the stack applies migration events before the next packet).
+    fn receive(&mut self, now: Instant, frame: &[u8]) {
+        let before = if tcpmig_of(frame).is_some() {
+            self.conn_states()
+        } else {
+            Vec::new()
+        };
+        self.iface.receive(now, frame, &mut self.tr);
+        self.note_exports(before);
+    }
+
     /// Events, application and transmission until quiescent at `now`.
     fn run(
         &mut self,
@@ -845,24 +874,18 @@ impl Server {
         }
         let mut moved = false;
         if self.iface.poll_timeout(&self.tr).is_some_and(|t| t <= now) {
+            let before = self.conn_states();
             self.iface.handle_timeout(now, &mut self.tr);
+            self.note_exports(before);
         }
         for _ in 0..64 {
             let mut any = false;
             let mut woken = Vec::new();
             // Exports happen in `process_events`, on the state as it is now.
-            let before: Vec<(ConnId, Exported)> = self
-                .conns
-                .iter()
-                .filter_map(|&id| Some((id, Exported::of(self.tr.tcp.connection(id)?))))
-                .collect();
+            let before = self.conn_states();
             let m = self.tr.mig.as_mut().expect("servers migrate");
             m.process_events(now, &mut self.tr.tcp, &mut woken);
-            for (id, e) in before {
-                if self.tr.tcp.connection(id).is_none() {
-                    self.exports.push(e);
-                }
-            }
+            self.note_exports(before);
             any |= !woken.is_empty();
             while let Some(ev) = self.tr.tcp.poll_event() {
                 any = true;
@@ -1245,8 +1268,7 @@ impl World {
                     if i == 0 {
                         self.client.iface.receive(self.now, &f, &mut self.client.tr);
                     } else if self.servers[i - 1].alive {
-                        let s = &mut self.servers[i - 1];
-                        s.iface.receive(self.now, &f, &mut s.tr);
+                        self.servers[i - 1].receive(self.now, &f);
                     }
                 }
             }
@@ -1319,6 +1341,13 @@ impl World {
 
     pub fn any_migrating(&self) -> bool {
         self.servers.iter().any(|s| s.alive && s.migrating())
+    }
+
+    /// Whether a live server serves a connection in `state`.
+    pub fn serving_in(&self, state: capybara_tcp::State) -> bool {
+        self.servers
+            .iter()
+            .any(|s| s.alive && s.conns.iter().any(|&id| s.tr.tcp.state(id) == Some(state)))
     }
 
     /// Starts migrating the flow from its current owner to the other server

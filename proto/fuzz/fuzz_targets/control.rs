@@ -1,5 +1,8 @@
 //! Control-channel parser: no panic; accepted input re-emits to bytes that
-//! parse to the same Repr (reserved fields are normalised to zero).
+//! parse to the same Repr (reserved fields are normalised to zero). Covers
+//! every kind, MIGRATION_REPORT's report list included (its reports are
+//! validated in `parse` and re-read by `ReportList::iter`, exercised here
+//! through the Repr comparison).
 #![no_main]
 
 use capybara_proto::control::ControlRepr;

@@ -106,6 +106,7 @@ fn main() -> anyhow::Result<()> {
             server: i % SERVERS,
             service: 0,
             flags: 0,
+            ..Default::default()
         })
         .collect();
     dp.insert_flows_batch(&keys, &vals)?;
@@ -131,6 +132,7 @@ fn main() -> anyhow::Result<()> {
             server: 3,
             service: 1,
             flags: 0,
+            ..Default::default()
         },
     )?;
     let migrated = FlowKey {
@@ -145,6 +147,7 @@ fn main() -> anyhow::Result<()> {
             server: 2,
             service: 1,
             flags: FLOW_MIGRATED,
+            ..Default::default()
         },
     )?;
     dp.insert_migration(migrated.into(), CMigration::owner(5, 1))?;

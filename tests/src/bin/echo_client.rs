@@ -1,9 +1,12 @@
-//! `capybara-echo-client ADDR BYTES [--seed N] [--chunk N] [--timeout-s N]`:
+//! `capybara-echo-client ADDR BYTES [--seed N] [--chunk N] [--timeout-s N] [--pace-ms N]`:
 //! streams BYTES of seeded pseudo-random data to an echo service while
 //! reading the echo back concurrently, and checks that what came back is
 //! byte-for-byte what was sent (SHA-256 of both streams, plus a position of
 //! the first difference). Prints one line `sent=.. received=.. sha256=..
 //! ok=true|false` and exits 1 on any mismatch, reset or timeout.
+//! `--pace-ms N` waits N ms after each chunk, so that a stream stays in use
+//! for a known time (many connections then overlap even while a parent
+//! with `--connections` is still starting them).
 
 use rand::{rngs::SmallRng, RngCore, SeedableRng};
 use sha2::{Digest, Sha256};
@@ -65,7 +68,7 @@ fn main() {
         std::process::exit(if failed == 0 { 0 } else { 1 });
     }
     let usage = || -> ! {
-        fail("usage: capybara-echo-client ADDR BYTES [--seed N] [--chunk N] [--timeout-s N]".into())
+        fail("usage: capybara-echo-client ADDR BYTES [--seed N] [--chunk N] [--timeout-s N] [--pace-ms N]".into())
     };
     if args.len() < 2 {
         usage();
@@ -77,6 +80,7 @@ fn main() {
     let mut seed = 1u64;
     let mut chunk = 64 * 1024usize;
     let mut timeout = 600u64;
+    let mut pace_ms = 0u64;
     let mut it = args[2..].iter();
     while let Some(flag) = it.next() {
         let v = it.next().unwrap_or_else(|| usage());
@@ -87,6 +91,7 @@ fn main() {
             "--seed" => seed = n,
             "--chunk" => chunk = n.clamp(1, 1 << 24) as usize,
             "--timeout-s" => timeout = n,
+            "--pace-ms" => pace_ms = n.min(60_000),
             _ => usage(),
         }
     }
@@ -113,6 +118,9 @@ fn main() {
                 return Err(format!("write after {sent} bytes: {e}"));
             }
             sent += n as u64;
+            if pace_ms > 0 && sent < total {
+                std::thread::sleep(Duration::from_millis(pace_ms));
+            }
         }
         writer
             .shutdown(Shutdown::Write)

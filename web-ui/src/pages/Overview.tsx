@@ -1,14 +1,14 @@
 import { useEffect, useMemo, useState } from 'react';
 import type { Drain, DrainMode, Migration, Server } from '../generated';
 import type { PageProps } from '../App';
-import { problemText, toProblem } from '../api';
+import { allows, problemText, toProblem } from '../api';
 import type { Clients } from '../api';
 import { LineChart } from '../components/LineChart';
 import type { Series } from '../components/LineChart';
 import { colorFor, fmtDuration, fmtPps, fmtTime, fmtUs } from '../format';
 
 /** Per-server load and connections over time, server cards, the migration feed. */
-export function Overview({ state, dispatch, clients }: PageProps) {
+export function Overview({ state, dispatch, clients, role }: PageProps) {
   const servers = useMemo(() => Object.values(state.servers).sort((a, b) => a.id - b.id), [state.servers]);
 
   const loadSeries: Series[] = useMemo(
@@ -55,7 +55,7 @@ export function Overview({ state, dispatch, clients }: PageProps) {
         {servers.length === 0 && <p className="muted">No server is registered.</p>}
         <div className="cards" data-testid="server-cards">
           {servers.map((s) => (
-            <ServerCard key={s.id} server={s} clients={clients} onServer={(srv) => dispatch({ type: 'server', id: srv.id, server: srv })} onDrain={(d) => dispatch({ type: 'drain', drain: d })} />
+            <ServerCard key={s.id} server={s} clients={clients} operate={allows(role, 'operator')} onServer={(srv) => dispatch({ type: 'server', id: srv.id, server: srv })} onDrain={(d) => dispatch({ type: 'drain', drain: d })} />
           ))}
         </div>
       </section>
@@ -80,11 +80,14 @@ function useNow(periodMs: number): number {
 function ServerCard({
   server: s,
   clients,
+  operate,
   onServer,
   onDrain,
 }: {
   server: Server;
   clients: Clients;
+  /** The token may drain and re-weight (operator or admin). */
+  operate: boolean;
   onServer: (s: Server) => void;
   onDrain: (d: Drain) => void;
 }) {
@@ -138,8 +141,8 @@ function ServerCard({
     });
 
   const drainRunning = s.drain?.state === 'running';
-  const canDrain = s.state === 'active' && !drainRunning;
-  const canUndrain = s.state === 'draining' || s.state === 'drained' || drainRunning;
+  const canDrain = operate && s.state === 'active' && !drainRunning;
+  const canUndrain = operate && (s.state === 'draining' || s.state === 'drained' || drainRunning);
 
   return (
     <div className={`card state-${s.state}`} data-testid={`server-card-${s.id}`} data-server-name={s.name} data-state={s.state}>
@@ -163,6 +166,7 @@ function ServerCard({
           <input
             className="weight"
             value={weight}
+            readOnly={!operate}
             onChange={(e) => {
               setWeight(e.target.value);
               setWeightDirty(true);

@@ -4,7 +4,7 @@ import type { Policy, PolicyPatch } from '../generated';
 import { POLICY_SCHEMA } from '../generated/policySchema';
 import type { PolicyFieldSchema } from '../generated/policySchema';
 import type { PageProps } from '../App';
-import { problemText, toProblem } from '../api';
+import { allows, problemText, toProblem } from '../api';
 
 type Form = Record<string, string | boolean>;
 type Errors = Record<string, string>;
@@ -95,7 +95,8 @@ function fieldOfProblem(field: string | undefined): string | null {
 }
 
 /** Every migration and placement tunable, validated like the spec says. */
-export function PolicyPage({ state, clients, dispatch }: PageProps) {
+export function PolicyPage({ state, clients, dispatch, role }: PageProps) {
+  const operate = allows(role, 'operator');
   const policy = state.policy;
   const [form, setForm] = useState<Form | null>(policy ? toForm(policy) : null);
   const [dirty, setDirty] = useState<Set<string>>(new Set());
@@ -244,7 +245,7 @@ export function PolicyPage({ state, clients, dispatch }: PageProps) {
         })}
       </div>
       <div className="actions">
-        <button type="submit" disabled={busy} data-testid="policy-save">
+        <button type="submit" disabled={busy || !operate} title={operate ? undefined : 'Needs an operator token'} data-testid="policy-save">
           {busy ? 'Saving…' : `Save${dirty.size ? ` (${dirty.size})` : ''}`}
         </button>
         <button type="button" className="link" onClick={reset} disabled={busy || dirty.size === 0} data-testid="policy-reset">

@@ -2,7 +2,7 @@ import { useMemo, useState } from 'react';
 import type { FormEvent } from 'react';
 import type { Server, Service } from '../generated';
 import type { PageProps } from '../App';
-import { problemText, toProblem } from '../api';
+import { allows, problemText, toProblem } from '../api';
 
 const NAME = /^[A-Za-z0-9_.-]{1,64}$/;
 const IPV4 = /^(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(\.(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3}$/;
@@ -24,7 +24,8 @@ function checkDraft(d: Draft, isNew: boolean): Record<string, string> {
 }
 
 /** Services: VIP:port and the pool of servers behind each. */
-export function ServicesPage({ state, clients, dispatch }: PageProps) {
+export function ServicesPage({ state, clients, dispatch, role }: PageProps) {
+  const admin = allows(role, 'admin');
   const services = useMemo(() => Object.values(state.services).sort((a, b) => a.name.localeCompare(b.name)), [state.services]);
   const servers = useMemo(() => Object.values(state.servers).sort((a, b) => a.id - b.id), [state.servers]);
   const [editing, setEditing] = useState<string | null>(null); // service name, or '' for a new one
@@ -78,8 +79,10 @@ export function ServicesPage({ state, clients, dispatch }: PageProps) {
                   <Pool pool={svc.pool} servers={state.servers} />
                 </td>
                 <td className="actions">
+                  {admin && <>
                   <button className="small" onClick={() => setEditing(svc.name)} data-testid={`service-edit-${svc.name}`}>Edit</button>
                   <button className="small danger" onClick={() => remove(svc.name)} data-testid={`service-delete-${svc.name}`}>Delete</button>
+                  </>}
                 </td>
               </tr>
             ),
@@ -88,7 +91,7 @@ export function ServicesPage({ state, clients, dispatch }: PageProps) {
       </table>
       {editing === '' ? (
         <ServiceForm servers={servers} clients={clients} onDone={(s) => { if (s) dispatch({ type: 'service', name: s.name, service: s }); setEditing(null); }} />
-      ) : (
+      ) : admin && (
         <div className="actions">
           <button onClick={() => setEditing('')} data-testid="service-new">New service…</button>
         </div>

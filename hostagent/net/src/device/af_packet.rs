@@ -16,13 +16,18 @@
 //!
 //! The kernel still sees every frame too (AF_PACKET taps, it does not
 //! steal): the stack's data address must not be one the kernel owns, or the
-//! kernel would answer and reset the stack's connections.
+//! kernel would answer and reset the stack's connections. With
+//! `kernel_drop` set, a tc ingress program (`kernel_drop.rs`) drops the
+//! stack's frames right after the tap has copied them into the ring, so the
+//! kernel's IPv4 input path never runs for them.
 
+use super::kernel_drop::KernelDrop;
 use super::{Device, DeviceError};
 use crate::wire::EthernetAddress;
 use capybara_proto::time::Duration;
 use std::ffi::CString;
 use std::io;
+use std::net::Ipv4Addr;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -86,6 +91,11 @@ pub struct AfPacketConfig {
     pub rx_frames: u32,
     pub tx_frames: u32,
     pub qdisc_bypass: bool,
+    /// IPv4 addresses the stack owns whose frames the kernel should not
+    /// process after the tap (see `kernel_drop.rs`); empty: off. If the
+    /// program cannot be attached (old kernel, no CAP_BPF) the device still
+    /// opens and `kernel_drop_error` says why.
+    pub kernel_drop: Vec<Ipv4Addr>,
 }
 
 impl AfPacketConfig {
@@ -96,6 +106,7 @@ impl AfPacketConfig {
             rx_frames: 512,
             tx_frames: 512,
             qdisc_bypass: true,
+            kernel_drop: Vec::new(),
         }
     }
 }
@@ -146,6 +157,7 @@ pub struct AfPacket {
     mac: EthernetAddress,
     ignore_outgoing: bool,
     stats: AfPacketStats,
+    kernel_drop: Result<Option<KernelDrop>, String>,
 }
 
 // The mapping and descriptor are owned exclusively by this value.
@@ -297,6 +309,7 @@ impl AfPacket {
             mac: EthernetAddress::ZERO,
             ignore_outgoing,
             stats: AfPacketStats::default(),
+            kernel_drop: Ok(None),
         };
         guard.0 = -1; // `dev` owns the fd now (its Drop unmaps and closes)
 
@@ -320,7 +333,26 @@ impl AfPacket {
         if r != 0 {
             return Err(io_err("bind", name));
         }
+        if !config.kernel_drop.is_empty() {
+            dev.kernel_drop = KernelDrop::attach(name, ifindex, &config.kernel_drop)
+                .map(Some)
+                .map_err(|e| e.to_string());
+        }
         Ok(dev)
+    }
+
+    /// The addresses whose frames the kernel skips, if the drop program is
+    /// attached.
+    pub fn kernel_drop(&self) -> Option<&[Ipv4Addr]> {
+        match &self.kernel_drop {
+            Ok(Some(k)) => Some(k.addresses()),
+            _ => None,
+        }
+    }
+
+    /// Why the requested kernel-drop program could not be attached.
+    pub fn kernel_drop_error(&self) -> Option<&str> {
+        self.kernel_drop.as_ref().err().map(String::as_str)
     }
 
     pub fn interface(&self) -> &str {

@@ -16,6 +16,7 @@
 pub mod af_packet;
 #[cfg(feature = "dpdk")]
 pub mod dpdk;
+pub mod kernel_drop;
 pub mod memory;
 
 use crate::wire::EthernetAddress;

@@ -24,6 +24,11 @@ import {
     ProblemToJSON,
 } from '../models/Problem';
 import {
+    type Token,
+    TokenFromJSON,
+    TokenToJSON,
+} from '../models/Token';
+import {
     type TokenList,
     TokenListFromJSON,
     TokenListToJSON,
@@ -122,6 +127,28 @@ export interface TokensApiInterface {
      * Revoke a token (admin)
      */
     revokeToken(requestParameters: RevokeTokenRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<void>;
+
+    /**
+     * Creates request options for whoami without sending the request
+     * @throws {RequiredError}
+     * @memberof TokensApiInterface
+     */
+    whoamiRequestOpts(): Promise<runtime.RequestOpts>;
+
+    /**
+     * Lets a client (the dashboard, `capybara ctl`) learn which operations its token may perform without trying them. 
+     * @summary The token making this request and its role (any role)
+     * @param {*} [options] Override http request option.
+     * @throws {RequiredError}
+     * @memberof TokensApiInterface
+     */
+    whoamiRaw(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Token>>;
+
+    /**
+     * Lets a client (the dashboard, `capybara ctl`) learn which operations its token may perform without trying them. 
+     * The token making this request and its role (any role)
+     */
+    whoami(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Token>;
 
 }
 
@@ -282,6 +309,53 @@ export class TokensApi extends runtime.BaseAPI implements TokensApiInterface {
      */
     async revokeToken(requestParameters: RevokeTokenRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<void> {
         await this.revokeTokenRaw(requestParameters, initOverrides);
+    }
+
+    /**
+     * Creates request options for whoami without sending the request
+     */
+    async whoamiRequestOpts(): Promise<runtime.RequestOpts> {
+        const queryParameters: any = {};
+
+        const headerParameters: runtime.HTTPHeaders = {};
+
+        if (this.configuration && this.configuration.accessToken) {
+            const token = this.configuration.accessToken;
+            const tokenString = await token("bearerAuth", []);
+
+            if (tokenString) {
+                headerParameters["Authorization"] = `Bearer ${tokenString}`;
+            }
+        }
+
+        let urlPath = `/v1/whoami`;
+
+        return {
+            path: urlPath,
+            method: 'GET',
+            headers: headerParameters,
+            query: queryParameters,
+        };
+    }
+
+    /**
+     * Lets a client (the dashboard, `capybara ctl`) learn which operations its token may perform without trying them. 
+     * The token making this request and its role (any role)
+     */
+    async whoamiRaw(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Token>> {
+        const requestOptions = await this.whoamiRequestOpts();
+        const response = await this.request(requestOptions, initOverrides);
+
+        return new runtime.JSONApiResponse(response, (jsonValue) => TokenFromJSON(jsonValue));
+    }
+
+    /**
+     * Lets a client (the dashboard, `capybara ctl`) learn which operations its token may perform without trying them. 
+     * The token making this request and its role (any role)
+     */
+    async whoami(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Token> {
+        const response = await this.whoamiRaw(initOverrides);
+        return await response.value();
     }
 
 }

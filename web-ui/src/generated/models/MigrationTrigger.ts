@@ -14,6 +14,10 @@
 
 
 /**
+ * What started the migration: `manual` (POST /v1/connections/{id}/migrate),
+ * `drain`, the `proactive` or `reactive` policy, `churn` (the hostagent's
+ * benchmark option that migrates connections periodically), `unknown`
+ * (only the target reported it).
  * 
  * @export
  */
@@ -22,6 +26,8 @@ export const MigrationTrigger = {
     drain: 'drain',
     proactive: 'proactive',
     reactive: 'reactive',
+    churn: 'churn',
+    unknown: 'unknown',
 } as const;
 export type MigrationTrigger = typeof MigrationTrigger[keyof typeof MigrationTrigger];
 

@@ -20,7 +20,7 @@ from typing_extensions import Self
 
 class MigrationTrigger(str, Enum):
     """
-    MigrationTrigger
+    What started the migration: `manual` (POST /v1/connections/{id}/migrate), `drain`, the `proactive` or `reactive` policy, `churn` (the hostagent's benchmark option that migrates connections periodically), `unknown` (only the target reported it). 
     """
 
     """
@@ -30,6 +30,8 @@ class MigrationTrigger(str, Enum):
     DRAIN = 'drain'
     PROACTIVE = 'proactive'
     REACTIVE = 'reactive'
+    CHURN = 'churn'
+    UNKNOWN = 'unknown'
 
     @classmethod
     def from_json(cls, json_str: str) -> Self:

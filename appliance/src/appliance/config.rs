@@ -1,0 +1,455 @@
+//! The appliance's one configuration file: switchd, the API (+ dashboard)
+//! and the store, validated together. Every error names the field, e.g.
+//! `config field `switchd.services[0].vip` = ...` or `config field
+//! `api.listen` = "x": expected IP:port`.
+//!
+//! ```toml
+//! [store]                          # optional: SQLite at state_dir/store.db
+//! sqlite = "/var/lib/capybara/store.db"
+//! # etcd = ["http://etcd1:2379", "http://etcd2:2379", "http://etcd3:2379"]
+//!
+//! [api]                            # optional: no section, no API
+//! listen = "0.0.0.0:8080"
+//! static_dir = "/usr/share/capybara/web-ui"   # the dashboard
+//! admin_token_file = "/var/lib/capybara/admin-token"
+//! # db = "/var/lib/capybara/api.db"          # tokens (default: state_dir/api.db)
+//! # switchd = ["http://127.0.0.1:9102", "http://127.0.0.1:9103"]
+//!
+//! [switchd]                        # optional: no section, no data plane
+//! control_listen = "198.18.1.1:7692"
+//! key_file = "/etc/capybara/deployment.key"
+//! # ... every field of switchd.toml (docs/SWITCHD.md) except `store`
+//! ```
+//!
+//! Invariants: the store is named once (`[store]`), and switchd gets it from
+//! there; at least one of `[api]`, `[switchd]` is present.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use capybara_store::{EtcdConfig, SqliteConfig, StoreConfig};
+use capybara_switchd::config::{Config as SwitchdConfig, ConfigError, RawConfig};
+use serde::Deserialize;
+
+/// Where state goes when a path is not configured.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/capybara";
+
+use capybara_switchd::config::invalid;
+/// The appliance reports config errors exactly like switchd does (fields of
+/// the `[switchd]` section are prefixed `switchd.`).
+pub use capybara_switchd::config::ConfigError as ApplianceConfigError;
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawStore {
+    sqlite: Option<PathBuf>,
+    etcd: Option<Vec<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawApi {
+    #[serde(default = "d_listen")]
+    listen: String,
+    static_dir: Option<PathBuf>,
+    admin_token_file: Option<PathBuf>,
+    db: Option<PathBuf>,
+    #[serde(default = "d_workers")]
+    workers: usize,
+    switchd: Option<Vec<String>>,
+}
+
+fn d_listen() -> String {
+    "127.0.0.1:8080".into()
+}
+fn d_workers() -> usize {
+    2
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAppliance {
+    state_dir: Option<PathBuf>,
+    #[serde(default)]
+    store: RawStore,
+    api: Option<RawApi>,
+    switchd: Option<toml::Table>,
+}
+
+/// The store both components use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreChoice {
+    Sqlite(PathBuf),
+    Etcd(Vec<String>),
+}
+
+impl StoreChoice {
+    /// switchd's `store` string.
+    fn switchd_spec(&self) -> String {
+        match self {
+            StoreChoice::Sqlite(p) => format!("sqlite:{}", p.display()),
+            StoreChoice::Etcd(eps) => format!("etcd:{}", eps.join(",")),
+        }
+    }
+
+    pub fn store_config(&self) -> StoreConfig {
+        match self {
+            StoreChoice::Sqlite(p) => StoreConfig::Sqlite(SqliteConfig::at(p.clone())),
+            StoreChoice::Etcd(eps) => StoreConfig::Etcd(EtcdConfig {
+                endpoints: eps.clone(),
+                ..EtcdConfig::default()
+            }),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ApiSettings {
+    pub listen: SocketAddr,
+    pub static_dir: Option<PathBuf>,
+    pub admin_token_file: Option<PathBuf>,
+    pub db: PathBuf,
+    pub workers: usize,
+    /// switchd HTTP endpoints; with several, calls go to the active one.
+    pub switchd: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ApplianceConfig {
+    pub state_dir: PathBuf,
+    pub store: StoreChoice,
+    pub api: Option<ApiSettings>,
+    pub switchd: Option<SwitchdConfig>,
+}
+
+impl ApplianceConfig {
+    pub fn load(path: &Path) -> Result<Self, ApplianceConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|err| ApplianceConfigError::Read {
+            path: path.display().to_string(),
+            err,
+        })?;
+        Self::from_toml(&text).map_err(|e| match e {
+            ApplianceConfigError::Parse { err, .. } => ApplianceConfigError::Parse {
+                path: path.display().to_string(),
+                err,
+            },
+            e => e,
+        })
+    }
+
+    pub fn from_toml(text: &str) -> Result<Self, ApplianceConfigError> {
+        let raw: RawAppliance = toml::from_str(text).map_err(|e| ApplianceConfigError::Parse {
+            path: String::new(),
+            err: e.to_string().trim_end().replace('\n', " "),
+        })?;
+        Self::validate(raw)
+    }
+
+    fn validate(raw: RawAppliance) -> Result<Self, ApplianceConfigError> {
+        let state_dir = raw
+            .state_dir
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIR));
+        if !state_dir.is_absolute() {
+            return Err(invalid(
+                "state_dir",
+                format!("{:?}", state_dir.display().to_string()),
+                "must be an absolute path",
+            ));
+        }
+        let store = match (raw.store.sqlite, raw.store.etcd) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    "store",
+                    "sqlite and etcd",
+                    "choose one backend: `sqlite = PATH` or `etcd = [URL, ...]`",
+                ))
+            }
+            (_, Some(eps)) => {
+                if eps.is_empty() {
+                    return Err(invalid("store.etcd", "[]", "needs at least one endpoint"));
+                }
+                for (i, ep) in eps.iter().enumerate() {
+                    let ok = ep
+                        .strip_prefix("http://")
+                        .or_else(|| ep.strip_prefix("https://"))
+                        .is_some_and(|hp| !hp.is_empty() && !hp.contains([',', ' ', '/']));
+                    if !ok {
+                        return Err(invalid(
+                            format!("store.etcd[{i}]"),
+                            format!("{ep:?}"),
+                            "expected http://HOST:PORT",
+                        ));
+                    }
+                }
+                StoreChoice::Etcd(eps)
+            }
+            (Some(p), None) => {
+                if !p.is_absolute() {
+                    return Err(invalid(
+                        "store.sqlite",
+                        format!("{:?}", p.display().to_string()),
+                        "must be an absolute path",
+                    ));
+                }
+                StoreChoice::Sqlite(p)
+            }
+            (None, None) => StoreChoice::Sqlite(state_dir.join("store.db")),
+        };
+
+        let switchd = match raw.switchd {
+            None => None,
+            Some(mut table) => {
+                if let Some(v) = table.get("store") {
+                    return Err(invalid(
+                        "switchd.store",
+                        v,
+                        "set the store once, in the [store] section",
+                    ));
+                }
+                table.insert("store".into(), toml::Value::String(store.switchd_spec()));
+                let raw_sw: RawConfig =
+                    toml::Value::Table(table)
+                        .try_into()
+                        .map_err(|e: toml::de::Error| ApplianceConfigError::Parse {
+                            path: String::new(),
+                            err: format!(
+                                "in [switchd]: {}",
+                                e.to_string().trim_end().replace('\n', " ")
+                            ),
+                        })?;
+                Some(SwitchdConfig::validate(raw_sw).map_err(|e| match e {
+                    ConfigError::Invalid {
+                        field,
+                        value,
+                        reason,
+                    } => invalid(format!("switchd.{field}"), value, reason),
+                    other => ApplianceConfigError::Parse {
+                        path: String::new(),
+                        err: format!("in [switchd]: {other}"),
+                    },
+                })?)
+            }
+        };
+
+        let api = match raw.api {
+            None => None,
+            Some(a) => {
+                let listen: SocketAddr = a.listen.parse().map_err(|_| {
+                    invalid("api.listen", format!("{:?}", a.listen), "expected IP:port")
+                })?;
+                if !(1..=64).contains(&a.workers) {
+                    return Err(invalid("api.workers", a.workers, "must be 1..=64"));
+                }
+                let switchd_urls = match a.switchd {
+                    Some(urls) => {
+                        for (i, u) in urls.iter().enumerate() {
+                            if !u.starts_with("http://") || u.len() <= "http://".len() {
+                                return Err(invalid(
+                                    format!("api.switchd[{i}]"),
+                                    format!("{u:?}"),
+                                    "expected http://HOST:PORT",
+                                ));
+                            }
+                        }
+                        urls
+                    }
+                    // The switchd of this process, when there is one.
+                    None => switchd
+                        .as_ref()
+                        .map(|s| {
+                            let mut addr = s.metrics_listen;
+                            if addr.ip().is_unspecified() {
+                                addr.set_ip([127, 0, 0, 1].into());
+                            }
+                            vec![format!("http://{addr}")]
+                        })
+                        .unwrap_or_default(),
+                };
+                if let Some(dir) = &a.static_dir {
+                    if !dir.join("index.html").is_file() {
+                        return Err(invalid(
+                            "api.static_dir",
+                            format!("{:?}", dir.display().to_string()),
+                            "no index.html there (build the dashboard: bash web-ui/build.sh)",
+                        ));
+                    }
+                }
+                Some(ApiSettings {
+                    listen,
+                    static_dir: a.static_dir,
+                    admin_token_file: a.admin_token_file,
+                    db: a.db.unwrap_or_else(|| state_dir.join("api.db")),
+                    workers: a.workers,
+                    switchd: switchd_urls,
+                })
+            }
+        };
+        if api.is_none() && switchd.is_none() {
+            return Err(invalid(
+                "api, switchd",
+                "(both absent)",
+                "configure at least one of the [api] and [switchd] sections",
+            ));
+        }
+        Ok(ApplianceConfig {
+            state_dir,
+            store,
+            api,
+            switchd,
+        })
+    }
+
+    /// What `--check` also verifies beyond the file itself: the deployment
+    /// key is readable and valid.
+    pub fn check_files(&self) -> Result<(), ApplianceConfigError> {
+        if let Some(sw) = &self.switchd {
+            sw.load_key().map_err(|e| match e {
+                ConfigError::Invalid {
+                    field,
+                    value,
+                    reason,
+                } => invalid(format!("switchd.{field}"), value, reason),
+                other => invalid(
+                    "switchd.key_file",
+                    format!("{:?}", sw.key_file.display().to_string()),
+                    other.to_string(),
+                ),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// One line for `--check` and the start banner.
+    pub fn summary(&self) -> String {
+        let store = match &self.store {
+            StoreChoice::Sqlite(p) => format!("sqlite {}", p.display()),
+            StoreChoice::Etcd(eps) => format!("etcd {}", eps.join(",")),
+        };
+        let sw = match &self.switchd {
+            Some(s) => format!(
+                "switchd on {} interface(s), {} service(s), HA {}",
+                s.interfaces.len(),
+                s.services.len(),
+                if s.ha.enabled { "on" } else { "off" }
+            ),
+            None => "no switchd".into(),
+        };
+        let api = match &self.api {
+            Some(a) => format!(
+                "api on {}{}",
+                a.listen,
+                if a.static_dir.is_some() {
+                    " with dashboard"
+                } else {
+                    ""
+                }
+            ),
+            None => "no api".into(),
+        };
+        format!("{sw}; {api}; store {store}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SWITCHD: &str = r#"
+[switchd]
+control_listen = "198.18.1.1:7692"
+key_file = "/tmp/k"
+[[switchd.interfaces]]
+name = "cl1"
+role = "client"
+[[switchd.interfaces]]
+name = "sv1"
+role = "server"
+[[switchd.services]]
+name = "web"
+vip = "198.18.100.1:80"
+pool = []
+"#;
+
+    fn err(text: &str) -> String {
+        ApplianceConfig::from_toml(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults_to_sqlite_in_the_state_dir_and_the_local_switchd() {
+        let c = ApplianceConfig::from_toml(&format!("[api]\n{SWITCHD}")).unwrap();
+        assert_eq!(
+            c.store,
+            StoreChoice::Sqlite(PathBuf::from("/var/lib/capybara/store.db"))
+        );
+        let sw = c.switchd.unwrap();
+        assert_eq!(
+            sw.store,
+            Some(capybara_switchd::config::StoreSpec::Sqlite(
+                "/var/lib/capybara/store.db".into()
+            ))
+        );
+        let api = c.api.unwrap();
+        assert_eq!(api.switchd, vec!["http://127.0.0.1:9102".to_string()]);
+        assert_eq!(api.db, PathBuf::from("/var/lib/capybara/api.db"));
+    }
+
+    #[test]
+    fn etcd_endpoints_reach_switchd() {
+        let c = ApplianceConfig::from_toml(&format!(
+            "[store]\netcd = [\"http://e1:2379\", \"http://e2:2379\"]\n{SWITCHD}"
+        ))
+        .unwrap();
+        assert!(c.api.is_none());
+        assert!(matches!(
+            c.switchd.unwrap().store,
+            Some(capybara_switchd::config::StoreSpec::Etcd(ref e)) if e.len() == 2
+        ));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = err("[api]\nlisten = \"nope\"\n");
+        assert!(e.contains("`api.listen`") && e.contains("nope"), "{e}");
+        let e = err(&SWITCHD.replace("198.18.100.1:80", "198.18.100.1"));
+        assert!(e.contains("switchd.services[0].vip"), "{e}");
+        let e = err(&SWITCHD.replace("[switchd]\n", "[switchd]\nstore = \"sqlite:/x\"\n"));
+        assert!(e.contains("`switchd.store`"), "{e}");
+        let e = err("[store]\netcd = [\"e1:2379\"]\n[api]\n");
+        assert!(e.contains("`store.etcd[0]`"), "{e}");
+        let e = err("[store]\nsqlite = \"/a\"\netcd = [\"http://e:1\"]\n[api]\n");
+        assert!(e.contains("`store`"), "{e}");
+        let e = err("state_dir = \"/x\"\n");
+        assert!(e.contains("at least one"), "{e}");
+        let e = err("[api]\nlisten = \"127.0.0.1:1\"\nbogus = 1\n");
+        assert!(e.contains("bogus"), "{e}");
+        let e = err("[api]\nstatic_dir = \"/nonexistent-capybara\"\n");
+        assert!(e.contains("`api.static_dir`"), "{e}");
+        let e = err(&SWITCHD.replace("[switchd]\n", "[switchd]\nxdp_mode = \"turbo\"\n"));
+        assert!(e.contains("`switchd.xdp_mode`"), "{e}");
+        let e = err(&format!("{SWITCHD}colour = 1\n"));
+        assert!(e.contains("[switchd]") && e.contains("colour"), "{e}");
+    }
+
+    /// The example shipped with the docker deployment stays valid.
+    #[test]
+    fn docker_configs_are_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docker/config");
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "toml") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                // static_dir exists only inside the image.
+                let text = text
+                    .lines()
+                    .filter(|l| !l.trim_start().starts_with("static_dir"))
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                ApplianceConfig::from_toml(&text)
+                    .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            }
+        }
+    }
+}

@@ -1,0 +1,1037 @@
+//! The migration policies (seed 000 §5), sans-IO: the engine takes load
+//! notifications from the switch, a snapshot of the server monitor, the
+//! tunables and the current time, and answers which connections to migrate.
+//! It never reads a clock, a socket, or the stack; the runtime starts the
+//! migrations it orders through the `Migrator` (target: the switch picks,
+//! round robin or least-loaded, per the store's `target_selection`).
+//!
+//! - **Proactive** (§5.1): own load above the pool average by more than
+//!   `proactive_threshold_pct` percent starts shedding the excess
+//!   (own − average); shedding stops once the load is below the threshold
+//!   minus `hysteresis_pct`. Loads are the switch's per-interval packet
+//!   counts, smoothed with an exponential moving average
+//!   ([`LOAD_SMOOTHING`], longer at low rates: [`SMOOTHING_PACKETS`]); load ordered away is subtracted from the own load
+//!   until the switch's counts show it (it decays with the same time
+//!   constant), so one imbalance is not shed twice.
+//! - **Reactive** (§5.2): total receive-queue backlog (packets) above
+//!   `reactive_backlog_threshold` sheds the excess backlog. Backlog of
+//!   connections already ordered away is not counted again.
+//! - **Selection**: the fewest connections whose load (pps, or backlog
+//!   packets) covers the excess without overshooting it by more than
+//!   [`OVERSHOOT`], largest first, smaller queues first among similar loads;
+//!   if none fits, the single smallest connection that covers it (proactive:
+//!   only if it is less than twice the excess, so a move never makes the
+//!   imbalance worse).
+//! - **Anti-thrash**: a connection moved (out, or in by migration) is not
+//!   moved again within `connection_cooldown_ms`; orders are capped at
+//!   `max_migrations_per_sec` (token bucket, burst a tenth of a second's
+//!   worth, at most [`MAX_ORDERS_PER_DECISION`] per decision); hysteresis as
+//!   above.
+
+use crate::monitor::{ConnSample, FlowHasher, ServerLoad};
+use capybara_proto::load::LoadRepr;
+use capybara_proto::time::{Duration, Instant};
+use capybara_proto::FlowKey;
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+
+/// Shortest time constant of the load averages (switch counts arrive every
+/// ~1 ms and hold a handful of packets each: far too noisy to act on raw).
+pub const LOAD_SMOOTHING: Duration = Duration::from_millis(20);
+/// The averages span at least this many packets of the pool average, so
+/// that Poisson noise (1/sqrt(n), ~3 %) stays well below a 10 % threshold
+/// at low rates; capped at [`MAX_SMOOTHING`].
+pub const SMOOTHING_PACKETS: f64 = 1000.0;
+pub const MAX_SMOOTHING: Duration = Duration::from_millis(500);
+/// A selection may exceed the excess by this fraction of it.
+pub const OVERSHOOT: f64 = 0.10;
+/// Most migrations one decision orders.
+pub const MAX_ORDERS_PER_DECISION: usize = 64;
+/// Load notifications older than this are not acted on (switch gone).
+pub const STALE_LOAD: Duration = Duration::from_millis(200);
+/// How long an ordered migration's backlog is assumed to be on its way out.
+pub const IN_FLIGHT: Duration = Duration::from_millis(200);
+
+/// The runtime-tunable knobs (their source of truth is the store's
+/// `Policy`; switchd forwards them in POLICY messages).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tunables {
+    pub proactive_enabled: bool,
+    pub proactive_threshold_pct: f64,
+    pub reactive_enabled: bool,
+    pub reactive_backlog_threshold: u32,
+    pub connection_cooldown: Duration,
+    pub max_migrations_per_sec: u32,
+    pub hysteresis_pct: f64,
+}
+
+impl Default for Tunables {
+    /// The store's defaults (seed 000 §8.1: 10 %, 20 packets).
+    fn default() -> Self {
+        Tunables {
+            proactive_enabled: true,
+            proactive_threshold_pct: 10.0,
+            reactive_enabled: true,
+            reactive_backlog_threshold: 20,
+            connection_cooldown: Duration::from_millis(1_000),
+            max_migrations_per_sec: 1_000,
+            hysteresis_pct: 2.0,
+        }
+    }
+}
+
+impl Tunables {
+    /// Checks the values (the same rules as the store's `Policy`); the
+    /// error names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        let t = self;
+        if !(t.proactive_threshold_pct > 0.0 && t.proactive_threshold_pct <= 1000.0) {
+            return Err(format!(
+                "proactive_threshold_pct = {}: must be in (0, 1000]",
+                t.proactive_threshold_pct
+            ));
+        }
+        if !(t.hysteresis_pct >= 0.0 && t.hysteresis_pct < t.proactive_threshold_pct) {
+            return Err(format!(
+                "hysteresis_pct = {}: must be in [0, proactive_threshold_pct)",
+                t.hysteresis_pct
+            ));
+        }
+        if t.reactive_backlog_threshold == 0 {
+            return Err("reactive_backlog_threshold = 0: must be at least 1".into());
+        }
+        if t.max_migrations_per_sec == 0 {
+            return Err("max_migrations_per_sec = 0: must be at least 1".into());
+        }
+        if t.connection_cooldown > Duration::from_secs(3600) {
+            return Err(format!(
+                "connection_cooldown = {:?}: at most 1 hour",
+                t.connection_cooldown
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why a migration was ordered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    Proactive,
+    Reactive,
+}
+
+/// A migration to start (target: the switch picks).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Order {
+    pub flow: FlowKey,
+    pub reason: Reason,
+    pub pps: f64,
+    pub rq_packets: u32,
+}
+
+/// Counters for metrics and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PolicyStats {
+    pub notifications: u64,
+    pub stale_notifications: u64,
+    pub decisions: u64,
+    pub proactive_orders: u64,
+    pub reactive_orders: u64,
+    /// Decisions that wanted to order more than the rate cap allowed.
+    pub rate_limited: u64,
+}
+
+type FlowMap<V> = HashMap<FlowKey, V, BuildHasherDefault<FlowHasher>>;
+
+pub struct PolicyEngine {
+    tunables: Tunables,
+    /// Which POLICY generation the tunables came from (0: defaults).
+    pub generation: u32,
+    epoch: Option<u32>,
+    last_seq: u64,
+    own_pps: f64,
+    avg_pps: f64,
+    live_servers: u32,
+    load_at: Option<Instant>,
+    shed_credit: f64,
+    shed_at: Instant,
+    shedding: bool,
+    tokens: f64,
+    refill_at: Option<Instant>,
+    moved: FlowMap<Instant>,
+    pruned_at: Instant,
+    scratch: Vec<ConnSample>,
+    pub stats: PolicyStats,
+}
+
+impl PolicyEngine {
+    pub fn new(tunables: Tunables) -> PolicyEngine {
+        PolicyEngine {
+            tunables,
+            generation: 0,
+            epoch: None,
+            last_seq: 0,
+            own_pps: 0.0,
+            avg_pps: 0.0,
+            live_servers: 0,
+            load_at: None,
+            shed_credit: 0.0,
+            shed_at: Instant::ZERO,
+            shedding: false,
+            tokens: 0.0,
+            refill_at: None,
+            moved: FlowMap::default(),
+            pruned_at: Instant::ZERO,
+            scratch: Vec::new(),
+            stats: PolicyStats::default(),
+        }
+    }
+
+    pub fn tunables(&self) -> &Tunables {
+        &self.tunables
+    }
+
+    /// New tunables (already validated), from POLICY generation `generation`.
+    pub fn set_tunables(&mut self, tunables: Tunables, generation: u32) {
+        self.tunables = tunables;
+        self.generation = generation;
+        if !tunables.proactive_enabled {
+            self.shedding = false;
+        }
+    }
+
+    /// Whether the proactive policy is shedding now (hysteresis state).
+    pub fn shedding(&self) -> bool {
+        self.shedding
+    }
+
+    /// Smoothed own load and pool average, packets per second.
+    pub fn loads(&self) -> (f64, f64) {
+        (self.own_pps, self.avg_pps)
+    }
+
+    /// A LOAD-NOTIFICATION from the switch. Returns false for a stale or
+    /// reordered one (ignored).
+    pub fn on_load(&mut self, now: Instant, n: &LoadRepr) -> bool {
+        if self.epoch != Some(n.epoch) {
+            // A restarted switch or a standby that took over: new sequence.
+            self.epoch = Some(n.epoch);
+            self.last_seq = 0;
+        }
+        if n.sequence <= self.last_seq || n.interval_us == 0 {
+            self.stats.stale_notifications += 1;
+            return false;
+        }
+        self.last_seq = n.sequence;
+        self.stats.notifications += 1;
+        let scale = 1e6 / f64::from(n.interval_us);
+        let own = n.own_load as f64 * scale;
+        let avg = if n.live_servers == 0 {
+            0.0
+        } else {
+            n.pool_load as f64 / f64::from(n.live_servers) * scale
+        };
+        self.live_servers = n.live_servers;
+        match self.load_at {
+            Some(_) => {
+                let a = 1.0 - (-(f64::from(n.interval_us)) / self.tau_us()).exp();
+                self.own_pps += a * (own - self.own_pps);
+                self.avg_pps += a * (avg - self.avg_pps);
+            }
+            None => {
+                self.own_pps = own;
+                self.avg_pps = avg;
+            }
+        }
+        self.load_at = Some(now);
+        true
+    }
+
+    /// Time constant of the averages now, microseconds: [`LOAD_SMOOTHING`],
+    /// longer at low rates (see [`SMOOTHING_PACKETS`]).
+    fn tau_us(&self) -> f64 {
+        let by_packets = SMOOTHING_PACKETS / self.avg_pps.max(1.0) * 1e6;
+        by_packets.clamp(
+            LOAD_SMOOTHING.as_micros() as f64,
+            MAX_SMOOTHING.as_micros() as f64,
+        )
+    }
+
+    /// A connection arrived here by migration, or left: it is not moved
+    /// (again) within the cooldown.
+    pub fn note_moved(&mut self, now: Instant, flow: FlowKey) {
+        self.moved.insert(flow, now);
+    }
+
+    fn in_cooldown(&self, now: Instant, c: &ConnSample) -> bool {
+        let cd = self.tunables.connection_cooldown;
+        if c.migrated_in && c.age < cd {
+            return true;
+        }
+        self.moved
+            .get(&c.flow)
+            .is_some_and(|t| now.saturating_since(*t) < cd.max(IN_FLIGHT))
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let rate = f64::from(self.tunables.max_migrations_per_sec);
+        let burst = (rate / 10.0).max(1.0);
+        match self.refill_at {
+            None => self.tokens = burst,
+            Some(t) => {
+                let dt = now.saturating_since(t).as_secs_f64();
+                self.tokens = (self.tokens + dt * rate).min(burst);
+            }
+        }
+        self.refill_at = Some(now);
+    }
+
+    /// The proactive excess to shed (pps), updating the hysteresis state.
+    fn proactive_excess(&mut self, now: Instant) -> f64 {
+        let t = self.tunables;
+        let fresh = self
+            .load_at
+            .is_some_and(|at| now.saturating_since(at) <= STALE_LOAD);
+        if !t.proactive_enabled || !fresh || self.live_servers < 2 || self.avg_pps <= 0.0 {
+            self.shedding = false;
+            return 0.0;
+        }
+        let decay =
+            (-(now.saturating_since(self.shed_at).as_micros() as f64) / self.tau_us()).exp();
+        let own = self.own_pps - self.shed_credit * decay;
+        let upper = self.avg_pps * (1.0 + t.proactive_threshold_pct / 100.0);
+        let lower = self.avg_pps * (1.0 + (t.proactive_threshold_pct - t.hysteresis_pct) / 100.0);
+        if own > upper {
+            self.shedding = true;
+        } else if own < lower {
+            self.shedding = false;
+        }
+        if self.shedding {
+            (own - self.avg_pps).max(0.0)
+        } else {
+            0.0
+        }
+    }
+
+    /// One decision: appends the migrations to start to `out`.
+    pub fn decide<I>(&mut self, now: Instant, server: &ServerLoad, conns: I, out: &mut Vec<Order>)
+    where
+        I: IntoIterator<Item = ConnSample>,
+    {
+        self.stats.decisions += 1;
+        self.refill(now);
+        if now.saturating_since(self.pruned_at) > Duration::from_secs(1) {
+            let keep = self.tunables.connection_cooldown.max(IN_FLIGHT);
+            self.moved.retain(|_, t| now.saturating_since(*t) < keep);
+            self.pruned_at = now;
+        }
+        let excess_pps = self.proactive_excess(now);
+        let t = self.tunables;
+        let reactive_on = t.reactive_enabled
+            && server.rx_backlog_packets > u64::from(t.reactive_backlog_threshold);
+        if excess_pps <= 0.0 && !reactive_on {
+            return;
+        }
+        let mut cands = std::mem::take(&mut self.scratch);
+        cands.clear();
+        let mut leaving_rq = 0u64;
+        for c in conns {
+            if self.in_cooldown(now, &c) {
+                // Not counted: backlog ordered away and still in flight,
+                // and backlog that arrived with a connection migrated in
+                // during its cooldown (the origin's backlog: counting it
+                // made the target shed other connections for it, and
+                // queues travelled back and forth between two servers,
+                // tests/tests/policy_lab.rs).
+                let leaving = self
+                    .moved
+                    .get(&c.flow)
+                    .is_some_and(|at| now.saturating_since(*at) < IN_FLIGHT);
+                let imported = c.migrated_in && c.age < self.tunables.connection_cooldown;
+                if leaving || imported {
+                    leaving_rq += u64::from(c.rq_packets);
+                }
+                continue;
+            }
+            cands.push(c);
+        }
+        let mut budget = (self.tokens.floor() as usize).min(MAX_ORDERS_PER_DECISION);
+        let start = out.len();
+        let mut shed_pps = 0.0;
+        if reactive_on {
+            let backlog = server.rx_backlog_packets.saturating_sub(leaving_rq);
+            let excess = backlog.saturating_sub(u64::from(t.reactive_backlog_threshold)) as f64;
+            if excess > 0.0 {
+                let before = out.len();
+                select(
+                    &cands,
+                    |c| f64::from(c.rq_packets),
+                    excess,
+                    None,
+                    &mut budget,
+                    Reason::Reactive,
+                    out,
+                );
+                self.stats.reactive_orders += (out.len() - before) as u64;
+                shed_pps += out[before..].iter().map(|o| o.pps).sum::<f64>();
+            }
+        }
+        let excess_pps = excess_pps - shed_pps;
+        if excess_pps > 0.0 {
+            let before = out.len();
+            cands.retain(|c| !out[start..].iter().any(|o| o.flow == c.flow));
+            select(
+                &cands,
+                |c| c.pps,
+                excess_pps,
+                Some(2.0 * excess_pps),
+                &mut budget,
+                Reason::Proactive,
+                out,
+            );
+            self.stats.proactive_orders += (out.len() - before) as u64;
+            shed_pps += out[before..].iter().map(|o| o.pps).sum::<f64>();
+        }
+        if budget == 0 && self.tokens < MAX_ORDERS_PER_DECISION as f64 {
+            self.stats.rate_limited += 1;
+        }
+        let ordered = out.len() - start;
+        self.tokens -= ordered as f64;
+        for o in &out[start..] {
+            self.moved.insert(o.flow, now);
+        }
+        if shed_pps > 0.0 {
+            let decay =
+                (-(now.saturating_since(self.shed_at).as_micros() as f64) / self.tau_us()).exp();
+            self.shed_credit = self.shed_credit * decay + shed_pps;
+            self.shed_at = now;
+        }
+        cands.clear();
+        self.scratch = cands;
+    }
+}
+
+/// The policy engine wired to a server: LOAD-NOTIFICATION datagrams in,
+/// migrations out through the `Migrator`. The runtime calls [`Self::due`]
+/// after each poll and [`Self::run`] when it says so: on every accepted
+/// notification, and at least every [`LOCAL_CHECK`] for the reactive
+/// policy, which needs no notification.
+pub struct PolicyRuntime {
+    pub engine: PolicyEngine,
+    /// The server id notifications must carry (None: not checked).
+    pub server_id: Option<capybara_proto::ServerId>,
+    pending: bool,
+    next_check: Instant,
+    orders: Vec<Order>,
+    /// Datagrams on port 7691 that did not parse, or were for another id.
+    pub malformed_notifications: u64,
+    pub misaddressed_notifications: u64,
+    /// Orders the Migrator started, and those it refused (the connection
+    /// closed meanwhile, is already migrating, or its manager said no).
+    pub started: u64,
+    pub refused: u64,
+    pub last_orders: Vec<Order>,
+}
+
+/// Reactive checks happen at least this often.
+pub const LOCAL_CHECK: Duration = Duration::from_millis(1);
+
+impl PolicyRuntime {
+    pub fn new(tunables: Tunables) -> PolicyRuntime {
+        PolicyRuntime {
+            engine: PolicyEngine::new(tunables),
+            server_id: None,
+            pending: false,
+            next_check: Instant::ZERO,
+            orders: Vec::with_capacity(MAX_ORDERS_PER_DECISION),
+            malformed_notifications: 0,
+            misaddressed_notifications: 0,
+            started: 0,
+            refused: 0,
+            last_orders: Vec::new(),
+        }
+    }
+
+    /// A UDP payload that arrived on port 7691.
+    pub fn on_load_datagram(&mut self, now: Instant, bytes: &[u8]) {
+        match LoadRepr::parse_bytes(bytes) {
+            Ok(n) if self.server_id.is_some_and(|id| id != n.server_id) => {
+                self.misaddressed_notifications += 1;
+            }
+            Ok(n) => {
+                if self.engine.on_load(now, &n) {
+                    self.pending = true;
+                }
+            }
+            Err(_) => self.malformed_notifications += 1,
+        }
+    }
+
+    pub fn due(&self, now: Instant) -> bool {
+        self.pending || now >= self.next_check
+    }
+
+    /// One decision on the monitor's (refreshed) state; starts the ordered
+    /// migrations. Returns how many started.
+    pub fn run(
+        &mut self,
+        now: Instant,
+        monitor: &crate::monitor::Monitor,
+        mig: &mut crate::migration::Migrator,
+    ) -> usize {
+        self.pending = false;
+        self.next_check = now + LOCAL_CHECK;
+        let totals = monitor.totals(now);
+        self.orders.clear();
+        self.engine
+            .decide(now, &totals, monitor.connections(now), &mut self.orders);
+        let mut started = 0;
+        for o in &self.orders {
+            let trigger = match o.reason {
+                Reason::Proactive => capybara_proto::control::MigrationTrigger::Proactive,
+                Reason::Reactive => capybara_proto::control::MigrationTrigger::Reactive,
+            };
+            match mig.migrate_as(now, o.flow, None, trigger) {
+                Ok(_) => started += 1,
+                Err(_) => self.refused += 1,
+            }
+        }
+        self.started += started as u64;
+        if !self.orders.is_empty() {
+            self.last_orders.clear();
+            self.last_orders.extend_from_slice(&self.orders);
+        }
+        started
+    }
+}
+
+/// Server-monitor and policy metrics (Prometheus text) for `/metrics`.
+pub fn render_metrics(i: &mut crate::stack::Inner, labels: &str, s: &mut String) {
+    use std::fmt::Write;
+    let now = i.clock.now();
+    let t = &mut i.transports;
+    t.monitor.refresh(&t.tcp);
+    let m = t.monitor.totals(now);
+    let l = labels;
+    let _ = writeln!(
+        s,
+        "# TYPE capybara_monitor_load_pps gauge\ncapybara_monitor_load_pps{{{l}}} {:.0}",
+        m.pps
+    );
+    let _ = writeln!(
+        s,
+        "# TYPE capybara_monitor_rx_backlog_packets gauge\ncapybara_monitor_rx_backlog_packets{{{l}}} {}",
+        m.rx_backlog_packets
+    );
+    let _ = writeln!(
+        s,
+        "# TYPE capybara_monitor_rx_backlog_bytes gauge\ncapybara_monitor_rx_backlog_bytes{{{l}}} {}",
+        m.rx_backlog_bytes
+    );
+    let _ = writeln!(
+        s,
+        "# TYPE capybara_monitor_tx_queue_bytes gauge\ncapybara_monitor_tx_queue_bytes{{{l}}} {}",
+        m.tx_queue_bytes
+    );
+    let Some(p) = &t.policy else {
+        let _ = writeln!(
+            s,
+            "# TYPE capybara_policy_enabled gauge\ncapybara_policy_enabled{{{l}}} 0"
+        );
+        return;
+    };
+    let st = p.engine.stats;
+    let tun = p.engine.tunables();
+    let (own, avg) = p.engine.loads();
+    for (name, kind, v) in [
+        ("capybara_policy_enabled", "gauge", 1.0),
+        (
+            "capybara_policy_generation",
+            "gauge",
+            f64::from(p.engine.generation),
+        ),
+        (
+            "capybara_policy_shedding",
+            "gauge",
+            f64::from(u8::from(p.engine.shedding())),
+        ),
+        (
+            "capybara_policy_proactive_enabled",
+            "gauge",
+            f64::from(u8::from(tun.proactive_enabled)),
+        ),
+        (
+            "capybara_policy_reactive_enabled",
+            "gauge",
+            f64::from(u8::from(tun.reactive_enabled)),
+        ),
+        ("capybara_policy_own_load_pps", "gauge", own.round()),
+        ("capybara_policy_pool_average_pps", "gauge", avg.round()),
+        (
+            "capybara_policy_notifications_total",
+            "counter",
+            st.notifications as f64,
+        ),
+        (
+            "capybara_policy_stale_notifications_total",
+            "counter",
+            st.stale_notifications as f64,
+        ),
+        (
+            "capybara_policy_malformed_notifications_total",
+            "counter",
+            p.malformed_notifications as f64,
+        ),
+        (
+            "capybara_policy_decisions_total",
+            "counter",
+            st.decisions as f64,
+        ),
+        (
+            "capybara_policy_rate_limited_total",
+            "counter",
+            st.rate_limited as f64,
+        ),
+        (
+            "capybara_policy_migrations_started_total",
+            "counter",
+            p.started as f64,
+        ),
+        (
+            "capybara_policy_migrations_refused_total",
+            "counter",
+            p.refused as f64,
+        ),
+    ] {
+        let _ = writeln!(s, "# TYPE {name} {kind}\n{name}{{{l}}} {v}");
+    }
+    let _ = writeln!(s, "# TYPE capybara_policy_orders_total counter");
+    for (reason, v) in [
+        ("proactive", st.proactive_orders),
+        ("reactive", st.reactive_orders),
+    ] {
+        let _ = writeln!(
+            s,
+            "capybara_policy_orders_total{{{l},reason=\"{reason}\"}} {v}"
+        );
+    }
+}
+
+/// Picks the fewest connections whose `value` covers `target` (see the
+/// module docs), consuming `budget`.
+fn select(
+    cands: &[ConnSample],
+    value: impl Fn(&ConnSample) -> f64,
+    target: f64,
+    fallback_below: Option<f64>,
+    budget: &mut usize,
+    reason: Reason,
+    out: &mut Vec<Order>,
+) {
+    if *budget == 0 || target <= 0.0 {
+        return;
+    }
+    let tol = (target * OVERSHOOT).max(f64::EPSILON);
+    let limit = target + tol;
+    let band = (target * 0.05).max(1e-9);
+    let queue = |c: &ConnSample| u64::from(c.rq_bytes) + u64::from(c.tq_bytes);
+    let mut fits: Vec<&ConnSample> = cands
+        .iter()
+        .filter(|c| value(c) > 0.0 && value(c) <= limit)
+        .collect();
+    // Largest first; among loads within 5 % of the excess, smaller queues.
+    let rank = |a: &&ConnSample, b: &&ConnSample| {
+        let (ba, bb) = ((value(a) / band).floor(), (value(b) / band).floor());
+        bb.total_cmp(&ba)
+            .then(queue(a).cmp(&queue(b)))
+            .then(value(b).total_cmp(&value(a)))
+    };
+    // Only the head of that order can be taken (the budget bounds the
+    // picks): partition it out in O(n) and sort just the head.
+    let head = (*budget * 8 + 64).min(fits.len());
+    if head < fits.len() {
+        fits.select_nth_unstable_by(head, rank);
+        fits.truncate(head);
+    }
+    fits.sort_by(rank);
+    let mut remaining = target;
+    let mut taken = 0;
+    for c in fits {
+        if *budget == 0 || remaining <= tol {
+            break;
+        }
+        let v = value(c);
+        if v <= remaining + tol {
+            out.push(order(c, reason));
+            remaining -= v;
+            *budget -= 1;
+            taken += 1;
+        }
+    }
+    if taken == 0 && *budget > 0 {
+        // Nothing fits: the smallest single connection that covers it.
+        let cover = cands
+            .iter()
+            .filter(|c| {
+                let v = value(c);
+                v > limit && fallback_below.is_none_or(|m| v < m)
+            })
+            .min_by(|a, b| value(a).total_cmp(&value(b)).then(queue(a).cmp(&queue(b))));
+        if let Some(c) = cover {
+            out.push(order(c, reason));
+            *budget -= 1;
+        }
+    }
+}
+
+fn order(c: &ConnSample, reason: Reason) -> Order {
+    Order {
+        flow: c.flow,
+        reason,
+        pps: c.pps,
+        rq_packets: c.rq_packets,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use capybara_proto::ServerId;
+    use proptest::prelude::*;
+    use std::net::Ipv4Addr;
+
+    fn flow(port: u16) -> FlowKey {
+        FlowKey {
+            client_ip: Ipv4Addr::new(198, 18, 0, 11),
+            client_port: port,
+            service_ip: Ipv4Addr::new(198, 18, 100, 1),
+            service_port: 80,
+        }
+    }
+
+    fn conn(port: u16, pps: f64, rq: u32) -> ConnSample {
+        ConnSample {
+            flow: flow(port),
+            pps,
+            rq_packets: rq,
+            rq_bytes: rq * 100,
+            tq_bytes: 0,
+            age: Duration::from_secs(10),
+            migrated_in: false,
+        }
+    }
+
+    fn note(seq: u64, own: u64, pool: u64, live: u32) -> LoadRepr {
+        LoadRepr {
+            epoch: 1,
+            sequence: seq,
+            interval_us: 1000,
+            server_id: ServerId(1),
+            own_load: own,
+            pool_load: pool,
+            live_servers: live,
+            least_loaded: Ipv4Addr::new(198, 18, 2, 12),
+        }
+    }
+
+    fn t(ms: u64) -> Instant {
+        Instant::from_millis(1_000 + ms)
+    }
+
+    /// Feeds `n` notifications, one per ms, ending at `t(end)`.
+    fn feed(e: &mut PolicyEngine, seq: &mut u64, end: u64, n: u64, own: u64, pool: u64, live: u32) {
+        for k in 0..n {
+            *seq += 1;
+            e.on_load(t(end + k - n + 1), &note(*seq, own, pool, live));
+        }
+    }
+
+    #[test]
+    fn balanced_pool_orders_nothing() {
+        let mut e = PolicyEngine::new(Tunables::default());
+        let mut seq = 0;
+        feed(&mut e, &mut seq, 100, 100, 10, 20, 2);
+        let conns: Vec<_> = (0..10).map(|i| conn(i, 1000.0, 0)).collect();
+        let mut out = Vec::new();
+        e.decide(t(100), &ServerLoad::default(), conns, &mut out);
+        assert!(out.is_empty());
+        assert!(!e.shedding());
+    }
+
+    #[test]
+    fn proactive_sheds_the_excess_with_few_connections() {
+        let mut e = PolicyEngine::new(Tunables::default());
+        let mut seq = 0;
+        // Own 15 of 20 packets per ms over two servers: average 10 kpps,
+        // own 15 kpps, excess 5 kpps.
+        feed(&mut e, &mut seq, 200, 200, 15, 20, 2);
+        let mut conns = vec![conn(1, 5_000.0, 3), conn(2, 5_000.0, 0)];
+        conns.extend((10..20).map(|i| conn(i, 500.0, 0)));
+        let mut out = Vec::new();
+        e.decide(t(200), &ServerLoad::default(), conns.clone(), &mut out);
+        assert_eq!(out.len(), 1, "{out:?}");
+        // The one with the smaller queue among equals.
+        assert_eq!(out[0].flow, flow(2));
+        assert_eq!(out[0].reason, Reason::Proactive);
+        // Right after, the ordered load counts as gone: nothing more.
+        let mut again = Vec::new();
+        e.decide(t(201), &ServerLoad::default(), conns, &mut again);
+        assert!(again.is_empty(), "{again:?}");
+    }
+
+    #[test]
+    fn proactive_never_picks_a_connection_larger_than_twice_the_excess() {
+        let mut e = PolicyEngine::new(Tunables::default());
+        let mut seq = 0;
+        feed(&mut e, &mut seq, 200, 200, 12, 20, 2); // excess 2 kpps (20 %)
+        let conns = vec![conn(1, 9_000.0, 0), conn(2, 3_000.0, 0)];
+        let mut out = Vec::new();
+        e.decide(t(200), &ServerLoad::default(), conns, &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].flow, flow(2)); // 3 kpps covers 2 kpps, < 4 kpps
+        let mut e = PolicyEngine::new(Tunables::default());
+        feed(&mut e, &mut seq, 200, 200, 12, 20, 2);
+        let mut out = Vec::new();
+        e.decide(
+            t(200),
+            &ServerLoad::default(),
+            vec![conn(1, 9_000.0, 0)],
+            &mut out,
+        );
+        assert!(out.is_empty(), "moving 9 kpps would make it worse");
+    }
+
+    #[test]
+    fn hysteresis_keeps_shedding_until_below_the_lower_bound() {
+        let tun = Tunables {
+            hysteresis_pct: 5.0,
+            ..Tunables::default()
+        };
+        let mut e = PolicyEngine::new(tun);
+        let mut seq = 0;
+        feed(&mut e, &mut seq, 300, 300, 120, 200, 2); // +20 %
+        let mut out = Vec::new();
+        e.decide(t(300), &ServerLoad::default(), Vec::new(), &mut out);
+        assert!(e.shedding());
+        // 108 % of average: below 110 % but above 105 %: still shedding.
+        feed(&mut e, &mut seq, 600, 300, 108, 200, 2);
+        e.decide(t(600), &ServerLoad::default(), Vec::new(), &mut out);
+        assert!(e.shedding());
+        feed(&mut e, &mut seq, 900, 300, 103, 200, 2);
+        e.decide(t(900), &ServerLoad::default(), Vec::new(), &mut out);
+        assert!(!e.shedding());
+    }
+
+    #[test]
+    fn reactive_sheds_backlog_and_respects_the_threshold() {
+        let mut e = PolicyEngine::new(Tunables {
+            proactive_enabled: false,
+            ..Tunables::default()
+        });
+        let server = ServerLoad {
+            rx_backlog_packets: 30,
+            ..Default::default()
+        };
+        let conns = vec![conn(1, 100.0, 4), conn(2, 100.0, 10), conn(3, 100.0, 16)];
+        let mut out = Vec::new();
+        e.decide(t(0), &server, conns.clone(), &mut out);
+        // Excess 10: the connection with 10 queued packets.
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].flow, flow(2));
+        assert_eq!(out[0].reason, Reason::Reactive);
+        // Its backlog is on its way out: the next decision does not count it.
+        let mut again = Vec::new();
+        e.decide(t(1), &server, conns, &mut again);
+        assert!(again.is_empty(), "{again:?}");
+        // At or below the threshold: nothing.
+        let mut e = PolicyEngine::new(Tunables::default());
+        let server = ServerLoad {
+            rx_backlog_packets: 20,
+            ..Default::default()
+        };
+        e.decide(t(0), &server, vec![conn(1, 1.0, 20)], &mut out);
+        assert_eq!(out.len(), 1);
+    }
+
+    #[test]
+    fn backlog_imported_by_a_migration_is_not_shed_again() {
+        let mut e = PolicyEngine::new(Tunables {
+            proactive_enabled: false,
+            ..Tunables::default()
+        });
+        let server = ServerLoad {
+            rx_backlog_packets: 40,
+            ..Default::default()
+        };
+        // 30 of the 40 queued packets came with a connection migrated in
+        // 100 ms ago: 10 of our own, under the threshold of 20.
+        let mut imported = conn(1, 100.0, 30);
+        imported.migrated_in = true;
+        imported.age = Duration::from_millis(100);
+        let conns = vec![imported, conn(2, 100.0, 6), conn(3, 100.0, 4)];
+        let mut out = Vec::new();
+        e.decide(t(0), &server, conns.clone(), &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        // After its cooldown it counts (and may move) like any other.
+        let mut settled = conns;
+        settled[0].age = Duration::from_secs(2);
+        e.decide(t(1), &server, settled, &mut out);
+        assert!(!out.is_empty());
+    }
+
+    #[test]
+    fn reactive_moves_a_single_hoarding_connection() {
+        let mut e = PolicyEngine::new(Tunables::default());
+        let server = ServerLoad {
+            rx_backlog_packets: 40,
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        e.decide(t(0), &server, vec![conn(1, 100.0, 40)], &mut out);
+        assert_eq!(out.len(), 1);
+    }
+
+    #[test]
+    fn cooldown_and_migrated_in_connections_stay() {
+        let mut e = PolicyEngine::new(Tunables::default());
+        let server = ServerLoad {
+            rx_backlog_packets: 100,
+            ..Default::default()
+        };
+        let mut fresh = conn(2, 1.0, 50);
+        fresh.migrated_in = true;
+        fresh.age = Duration::from_millis(10);
+        e.note_moved(t(0), flow(1));
+        let mut out = Vec::new();
+        e.decide(t(500), &server, vec![conn(1, 1.0, 50), fresh], &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        e.decide(t(1_600), &server, vec![conn(1, 1.0, 50)], &mut out);
+        assert_eq!(out.len(), 1);
+    }
+
+    #[test]
+    fn rate_cap_limits_orders() {
+        let mut e = PolicyEngine::new(Tunables {
+            max_migrations_per_sec: 20, // burst 2
+            ..Tunables::default()
+        });
+        let server = ServerLoad {
+            rx_backlog_packets: 1_000,
+            ..Default::default()
+        };
+        let conns: Vec<_> = (0..100).map(|i| conn(i, 1.0, 10)).collect();
+        let mut out = Vec::new();
+        e.decide(t(0), &server, conns.clone(), &mut out);
+        assert_eq!(out.len(), 2);
+        out.clear();
+        e.decide(t(1), &server, conns.clone(), &mut out);
+        assert!(out.is_empty());
+        e.decide(t(101), &server, conns, &mut out);
+        assert_eq!(out.len(), 2);
+        assert!(e.stats.rate_limited > 0);
+    }
+
+    #[test]
+    fn stale_and_reordered_notifications_are_ignored() {
+        let mut e = PolicyEngine::new(Tunables::default());
+        assert!(e.on_load(t(0), &note(5, 15, 20, 2)));
+        assert!(!e.on_load(t(1), &note(5, 15, 20, 2)));
+        assert!(!e.on_load(t(1), &note(4, 15, 20, 2)));
+        let mut other = note(1, 15, 20, 2);
+        other.epoch = 2;
+        assert!(e.on_load(t(2), &other), "a new epoch restarts the sequence");
+        // No notification for a while: proactive does nothing.
+        let mut out = Vec::new();
+        e.decide(
+            t(500),
+            &ServerLoad::default(),
+            vec![conn(1, 5_000.0, 0)],
+            &mut out,
+        );
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn disabled_policies_order_nothing() {
+        let mut e = PolicyEngine::new(Tunables {
+            proactive_enabled: false,
+            reactive_enabled: false,
+            ..Tunables::default()
+        });
+        let mut seq = 0;
+        feed(&mut e, &mut seq, 100, 100, 30, 40, 2);
+        let server = ServerLoad {
+            rx_backlog_packets: 1_000,
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        e.decide(t(100), &server, vec![conn(1, 5.0, 500)], &mut out);
+        assert!(out.is_empty());
+    }
+
+    proptest! {
+        #[test]
+        fn decisions_respect_every_bound(
+            loads in proptest::collection::vec((0u32..20_000, 0u32..64, any::<bool>(), 0u64..3_000), 0..200),
+            own in 0u64..200, others in 0u64..400, live in 1u32..6,
+            backlog in 0u64..2_000, rate in 1u32..200, thr in 1u32..50,
+            cooled in proptest::collection::vec(0usize..200, 0..20),
+        ) {
+            let tun = Tunables {
+                max_migrations_per_sec: rate,
+                proactive_threshold_pct: f64::from(thr),
+                hysteresis_pct: f64::from(thr) / 4.0,
+                ..Tunables::default()
+            };
+            let mut e = PolicyEngine::new(tun);
+            let mut seq = 0;
+            feed(&mut e, &mut seq, 100, 100, own, own + others, live);
+            let conns: Vec<ConnSample> = loads
+                .iter()
+                .enumerate()
+                .map(|(i, (pps, rq, mi, age))| ConnSample {
+                    flow: flow(i as u16),
+                    pps: f64::from(*pps),
+                    rq_packets: *rq,
+                    rq_bytes: rq * 80,
+                    tq_bytes: 0,
+                    age: Duration::from_millis(*age),
+                    migrated_in: *mi,
+                })
+                .collect();
+            for &c in &cooled {
+                e.note_moved(t(50), flow(c as u16));
+            }
+            let server = ServerLoad { rx_backlog_packets: backlog, ..Default::default() };
+            let mut out = Vec::new();
+            e.decide(t(100), &server, conns.clone(), &mut out);
+            // Rate cap: the burst is a tenth of a second's worth.
+            let burst = (f64::from(rate) / 10.0).max(1.0).floor() as usize;
+            prop_assert!(out.len() <= burst.min(MAX_ORDERS_PER_DECISION));
+            let mut seen = std::collections::HashSet::new();
+            let mut proactive_pps = 0.0;
+            for o in &out {
+                prop_assert!(seen.insert(o.flow), "a connection ordered twice");
+                let c = conns.iter().find(|c| c.flow == o.flow).unwrap();
+                prop_assert!(!cooled.contains(&(c.flow.client_port as usize)));
+                prop_assert!(!(c.migrated_in && c.age < tun.connection_cooldown));
+                if o.reason == Reason::Proactive {
+                    proactive_pps += o.pps;
+                }
+            }
+            // Proactive never sheds more than twice the excess.
+            let (own_s, avg_s) = e.loads();
+            prop_assert!(proactive_pps <= 2.0 * (own_s - avg_s).max(0.0) + 1e-6);
+            // Below the thresholds, nothing at all.
+            if backlog <= 20 && own_s <= avg_s * (1.0 + f64::from(thr) / 100.0) {
+                prop_assert!(out.is_empty());
+            }
+            // The same state right after orders nothing for the same flows.
+            let mut again = Vec::new();
+            e.decide(t(101), &server, conns, &mut again);
+            for o in &again {
+                prop_assert!(!out.iter().any(|p| p.flow == o.flow));
+            }
+        }
+    }
+}

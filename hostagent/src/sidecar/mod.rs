@@ -1,0 +1,931 @@
+//! The sidecar proxy: unmodified applications behind a migratable stack.
+//!
+//! Each client connection terminates in the user-space stack (and, with a
+//! certificate, in a TLS session of `capybara-tls`); the sidecar relays it
+//! to the local application over a kernel loopback connection, one loopback
+//! connection per client connection. A per-protocol connection manager
+//! (`http1`, `resp`, `raw`) knows where requests and responses end, so a
+//! connection can migrate without the application noticing:
+//!
+//! - to migrate, the manager stops handing requests to the application
+//!   (quiesce) and waits until every forwarded request has been answered
+//!   and the answer handed to the stack's send queue; then it exports;
+//! - requests not forwarded yet travel as they are: unread ones in the TCP
+//!   receive queue, read ones (complete or partial) in the manager's state;
+//!   a response already queued travels in the TCP send queue and the target
+//!   retransmits it if needed. So pipelined requests are answered exactly
+//!   once and in order;
+//! - the target opens its own loopback connection to its local application
+//!   when the connection is imported, and continues;
+//! - `raw` has no request boundaries: it migrates only when the relay holds
+//!   no byte and nothing moved either way for [`RAW_IDLE`];
+//! - TLS: the session's record-layer state (keys, sequence numbers, a
+//!   partially received record, undelivered plaintext) travels in the
+//!   manager's state, so the connection moves at any byte of the encrypted
+//!   stream with no new handshake.
+//!
+//! The relay never holds application bytes across a migration: it reads
+//! from the application only what the send queue can take right now.
+//! Failures of the application (refused, died mid-request) and client
+//! errors (malformed or oversized requests) produce a protocol error
+//! response or a clean close, never a hang. docs/SIDECAR.md has the whole
+//! picture.
+
+pub mod http1;
+pub mod raw;
+pub mod resp;
+pub mod state;
+
+use crate::config::SidecarProtocol;
+use crate::socket::{
+    moved_to, ConnectionManager, Readiness, StateImporter, TcpListener, TcpStream,
+};
+use capybara_proto::FlowKey;
+use capybara_tls::{TlsConfig, TlsServer};
+use state::ConnState;
+use std::any::Any;
+use std::cell::RefCell;
+use std::future::poll_fn;
+use std::io;
+use std::net::SocketAddrV4;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// A raw relay is migratable after this long without a byte either way.
+pub const RAW_IDLE: Duration = Duration::from_millis(20);
+/// How long the sidecar waits for the application to accept a connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// After the sidecar closes its side, how long it waits for the client's.
+const CLOSE_LINGER: Duration = Duration::from_secs(5);
+const RELAY_CHUNK: usize = 64 * 1024;
+/// Largest plaintext per TLS record write (one record).
+const TLS_CHUNK: usize = 16 * 1024;
+
+/// One sidecar service (a `[[service]]` with `app = "sidecar"`).
+pub struct Service {
+    pub listen: SocketAddrV4,
+    pub backend: SocketAddrV4,
+    pub protocol: SidecarProtocol,
+    pub max_request: usize,
+    pub tls: Option<TlsConfig>,
+    /// Seals the TLS session state (keys, sequence numbers) that travels in
+    /// a migration, with a key derived from the deployment secret: without
+    /// it a TLS connection does not migrate (docs/TLS.md, sealed snapshots).
+    pub seal: Option<std::sync::Arc<capybara_tls::SealKey>>,
+}
+
+impl Service {
+    pub fn from_config(s: &crate::config::ServiceConfig) -> Result<Service, String> {
+        s.check_sidecar()
+            .map_err(|(f, v, why)| format!("{f} = {v}: {why}"))?;
+        let tls = match (&s.tls_cert, &s.tls_key) {
+            (Some(c), Some(k)) => Some(
+                TlsConfig::from_pem_files(c, k)
+                    .map_err(|e| format!("service {}: {e}", s.listen))?,
+            ),
+            _ => None,
+        };
+        Ok(Service {
+            listen: s.listen,
+            backend: s.backend.ok_or("sidecar needs a backend")?,
+            protocol: s.protocol.ok_or("sidecar needs a protocol")?,
+            max_request: s.max_request_bytes.unwrap_or(1 << 20),
+            tls,
+            seal: None,
+        })
+    }
+}
+
+/// Accepts connections (new and migrated in) and relays each one.
+pub async fn serve(listener: TcpListener, svc: Rc<Service>) {
+    listener.set_importer(Rc::new(Importer { svc: svc.clone() }));
+    loop {
+        let (mut stream, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("hostagent: sidecar accept: {e}");
+                continue;
+            }
+        };
+        let imported = stream
+            .take_imported_state()
+            .and_then(|b| b.downcast::<Imported>().ok())
+            .map(|b| *b);
+        tokio::task::spawn_local(run_connection(stream, peer, svc.clone(), imported));
+    }
+}
+
+/// A migrated-in connection's state, rebuilt before accept.
+struct Imported {
+    inbuf: Vec<u8>,
+    db: Option<u32>,
+    tls: Option<TlsServer>,
+}
+
+struct Importer {
+    svc: Rc<Service>,
+}
+
+impl StateImporter for Importer {
+    fn import_state(&self, _flow: FlowKey, bytes: &[u8]) -> Result<Box<dyn Any>, String> {
+        if bytes.is_empty() {
+            // Exported before the sidecar saw it (still in the accept
+            // queue): it starts like a new connection, unless TLS is on and
+            // the handshake must then happen here.
+            return Ok(Box::new(Imported {
+                inbuf: Vec::new(),
+                db: None,
+                tls: match &self.svc.tls {
+                    Some(c) => Some(TlsServer::new(c).map_err(|e| e.to_string())?),
+                    None => None,
+                },
+            }));
+        }
+        let st = ConnState::parse(bytes).map_err(|e| e.to_string())?;
+        if st.protocol != self.svc.protocol {
+            return Err(format!(
+                "state of a {:?} connection, this service relays {:?}",
+                st.protocol, self.svc.protocol
+            ));
+        }
+        if st.tls.is_some() != self.svc.tls.is_some() {
+            return Err("TLS state does not match this service's TLS setting".into());
+        }
+        let tls = match st.tls {
+            Some(t) => {
+                let seal = self.svc.seal.as_deref().ok_or(
+                    "TLS state arrived but this server has no migration secret to open it",
+                )?;
+                Some(TlsServer::import_sealed(seal, t).map_err(|e| format!("TLS state: {e}"))?)
+            }
+            None => None,
+        };
+        Ok(Box::new(Imported {
+            inbuf: st.inbuf.to_vec(),
+            db: st.db,
+            tls,
+        }))
+    }
+}
+
+/// Protocol-specific state of one relayed connection.
+enum Proto {
+    Http(http1::ResponseTracker),
+    Resp(resp::RespConn),
+    Raw(raw::RawConn),
+}
+
+/// What the relay task and the connection manager share.
+struct Shared {
+    proto: Proto,
+    /// Client bytes (plaintext) read and not yet forwarded: at most one
+    /// partial request, plus complete ones while quiesced.
+    inbuf: Vec<u8>,
+    /// Bytes of complete requests being written to the application.
+    to_app: Vec<u8>,
+    /// Bytes for the client not yet in the send queue (TLS records, the
+    /// sidecar's own error responses).
+    to_client: Vec<u8>,
+    tls: Option<TlsServer>,
+    /// Asked to migrate: forward nothing new.
+    quiesced: bool,
+    /// Connecting to the application, or setting its connection up.
+    connecting: bool,
+    /// Closing or failed: not worth migrating.
+    closing: bool,
+    /// Why this connection cannot migrate at all (protocol modes the
+    /// manager cannot carry: upgrades, subscriptions, ...).
+    pinned: Option<&'static str>,
+    gone: bool,
+    waker: Option<Waker>,
+    /// The last export cut a TLS record (for the logs and tests).
+    mid_record: std::cell::Cell<bool>,
+    /// The application connection's descriptor, to check that it has
+    /// nothing unread before declaring a safe point.
+    app_fd: Option<std::os::fd::RawFd>,
+    /// The service's key for sealing exported TLS state.
+    seal: Option<std::sync::Arc<capybara_tls::SealKey>>,
+}
+
+/// Whether the application has sent bytes (or its end) that the relay has
+/// not read yet: the relay task may not have run since they arrived.
+fn app_has_unread(fd: std::os::fd::RawFd) -> bool {
+    let mut b = [0u8; 1];
+    // SAFETY: `fd` is the open socket of the relay's application
+    // connection (cleared before that connection is dropped); the buffer
+    // is valid for one byte.
+    let n = unsafe {
+        libc::recv(
+            fd,
+            b.as_mut_ptr().cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    n >= 0
+}
+
+impl Shared {
+    fn wake(&mut self) {
+        if let Some(w) = self.waker.take() {
+            w.wake();
+        }
+    }
+
+    fn readiness(&self) -> Readiness {
+        if self.pinned.is_some() || self.closing {
+            return Readiness::Never;
+        }
+        if self.connecting || !self.to_app.is_empty() || !self.to_client.is_empty() {
+            return Readiness::NotYet;
+        }
+        if self.app_fd.is_some_and(app_has_unread) {
+            return Readiness::NotYet;
+        }
+        if let Some(t) = &self.tls {
+            if !t.can_export() || t.ciphertext_pending() > 0 {
+                return Readiness::NotYet;
+            }
+        }
+        let idle = match &self.proto {
+            Proto::Http(t) => t.outstanding() == 0 && t.at_boundary(),
+            Proto::Resp(r) => r.idle(),
+            Proto::Raw(r) => r.idle(RAW_IDLE),
+        };
+        if idle {
+            Readiness::Ready
+        } else {
+            Readiness::NotYet
+        }
+    }
+
+    fn export(&self, out: &mut Vec<u8>) -> Result<(), String> {
+        let mut tls = Vec::new();
+        if let Some(t) = &self.tls {
+            let seal = self
+                .seal
+                .as_deref()
+                .ok_or("TLS export: no migration secret to seal the TLS state with")?;
+            t.export_sealed(seal, rand::random::<[u8; 12]>(), &mut tls)
+                .map_err(|e| format!("TLS export: {e}"))?;
+            self.mid_record.set(t.partial_record_len() > 0);
+        }
+        let st = ConnState {
+            protocol: match self.proto {
+                Proto::Http(_) => SidecarProtocol::Http1,
+                Proto::Resp(_) => SidecarProtocol::Resp,
+                Proto::Raw(_) => SidecarProtocol::Raw,
+            },
+            inbuf: &self.inbuf,
+            db: match &self.proto {
+                Proto::Resp(r) => r.db,
+                _ => None,
+            },
+            tls: self.tls.as_ref().map(|_| &tls[..]),
+        };
+        st.emit(out);
+        Ok(())
+    }
+}
+
+struct Manager(Rc<RefCell<Shared>>);
+
+impl ConnectionManager for Manager {
+    fn prepare(&mut self) -> Readiness {
+        let mut sh = self.0.borrow_mut();
+        sh.quiesced = true;
+        sh.readiness()
+    }
+
+    fn export_state(&mut self, out: &mut Vec<u8>) -> Result<(), String> {
+        self.0.borrow().export(out)
+    }
+
+    fn resume(&mut self) {
+        let mut sh = self.0.borrow_mut();
+        sh.quiesced = false;
+        sh.wake();
+    }
+
+    fn gone(&mut self) {
+        let mut sh = self.0.borrow_mut();
+        sh.gone = true;
+        sh.wake();
+    }
+}
+
+/// How a relayed connection ended.
+enum End {
+    Moved(String),
+    Closed,
+    Error(String),
+}
+
+fn end_of(e: io::Error) -> End {
+    match moved_to(&e) {
+        Some(t) => End::Moved(t.to_string()),
+        None => End::Error(e.to_string()),
+    }
+}
+
+async fn run_connection(
+    client: TcpStream,
+    peer: SocketAddrV4,
+    svc: Rc<Service>,
+    imported: Option<Imported>,
+) {
+    let migrated_in = imported.is_some();
+    let (inbuf, db, tls) = match imported {
+        Some(i) => (i.inbuf, i.db, i.tls),
+        None => {
+            let tls = match &svc.tls {
+                Some(c) => match TlsServer::new(c) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        println!("sidecar peer={peer} error=tls setup: {e}");
+                        return;
+                    }
+                },
+                None => None,
+            };
+            (Vec::new(), None, tls)
+        }
+    };
+    let proto = match svc.protocol {
+        SidecarProtocol::Http1 => Proto::Http(http1::ResponseTracker::default()),
+        SidecarProtocol::Resp => Proto::Resp(resp::RespConn::new(db)),
+        SidecarProtocol::Raw => Proto::Raw(raw::RawConn::new()),
+    };
+    let handshaking = tls.as_ref().is_some_and(|t| t.is_handshaking());
+    let sh = Rc::new(RefCell::new(Shared {
+        proto,
+        inbuf,
+        to_app: Vec::new(),
+        to_client: Vec::new(),
+        tls,
+        quiesced: false,
+        connecting: true,
+        closing: false,
+        pinned: None,
+        gone: false,
+        waker: None,
+        mid_record: Default::default(),
+        app_fd: None,
+        seal: svc.seal.clone(),
+    }));
+    // Registered before the first byte is read, so that no migration can
+    // export state the manager does not know about.
+    client.set_manager(Box::new(Manager(sh.clone())));
+
+    let app = connect_app(&svc, db).await;
+    let app = match app {
+        Ok(a) => Some(a),
+        Err(e) => {
+            println!("sidecar peer={peer} backend={} error={e}", svc.backend);
+            None
+        }
+    };
+    {
+        use std::os::fd::AsRawFd;
+        let mut s = sh.borrow_mut();
+        s.connecting = false;
+        s.app_fd = app.as_ref().map(|a| a.as_raw_fd());
+    }
+    let mut relay = Relay {
+        client,
+        app,
+        sh: sh.clone(),
+        svc: svc.clone(),
+        buf: vec![0; RELAY_CHUNK].into_boxed_slice(),
+        client_eof: false,
+        app_eof: false,
+        app_shut: false,
+        fatal: None,
+        fatal_sent: false,
+        client_shut: false,
+        handshaking,
+        peer,
+        requests: 0,
+    };
+    if relay.app.is_none() {
+        relay.backend_failed("refused or unreachable");
+    }
+    let end = poll_fn(|cx| relay.poll(cx)).await;
+    let end = match end {
+        End::Closed if relay.client_shut => {
+            // Our side is closed; wait (bounded) for the client's, so that
+            // closing never resets the client.
+            let _ = tokio::time::timeout(CLOSE_LINGER, relay.drain_client()).await;
+            End::Closed
+        }
+        e => e,
+    };
+    if let (End::Moved(_), Some(app)) = (&end, &relay.app) {
+        // Anything the application sends now has nowhere to go: say so
+        // (the raw manager's idle heuristic can be wrong; framed ones not).
+        let mut probe = [0u8; 1];
+        if let Ok(n @ 1..) = app.try_read(&mut probe) {
+            println!(
+                "sidecar peer={peer} lost: the application sent {n}+ byte(s) after the connection migrated"
+            );
+        }
+    }
+    sh.borrow_mut().app_fd = None;
+    let requests = relay.requests;
+    let mut tag = if migrated_in { " migrated_in=true" } else { "" }.to_string();
+    if sh.borrow().mid_record.get() {
+        tag.push_str(" mid_record=true");
+    }
+    match end {
+        End::Moved(t) => println!("sidecar peer={peer} requests={requests}{tag} migrated to {t}"),
+        End::Closed => println!("sidecar peer={peer} requests={requests}{tag} closed"),
+        End::Error(e) => println!("sidecar peer={peer} requests={requests}{tag} error={e}"),
+    }
+}
+
+/// Opens the loopback connection to the application and restores the
+/// connection-scoped settings the manager carries (RESP: the database).
+async fn connect_app(svc: &Service, db: Option<u32>) -> io::Result<tokio::net::TcpStream> {
+    let mut app = tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        tokio::net::TcpStream::connect(std::net::SocketAddr::V4(svc.backend)),
+    )
+    .await
+    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
+    let _ = app.set_nodelay(true);
+    if let Some(db) = db.filter(|&d| d != 0) {
+        resp::select_db(&mut app, db).await?;
+    }
+    Ok(app)
+}
+
+struct Relay {
+    client: TcpStream,
+    app: Option<tokio::net::TcpStream>,
+    sh: Rc<RefCell<Shared>>,
+    svc: Rc<Service>,
+    buf: Box<[u8]>,
+    client_eof: bool,
+    app_eof: bool,
+    app_shut: bool,
+    /// An error response to send once earlier responses are out, then close.
+    fatal: Option<Vec<u8>>,
+    fatal_sent: bool,
+    client_shut: bool,
+    handshaking: bool,
+    peer: SocketAddrV4,
+    requests: u64,
+}
+
+impl Relay {
+    fn backend_failed(&mut self, why: &str) {
+        let msg = format!("application at {} {why}", self.svc.backend);
+        let mut sh = self.sh.borrow_mut();
+        sh.closing = true;
+        self.fatal = match sh.proto {
+            Proto::Http(_) => Some(http1::error_response(
+                502,
+                "Bad Gateway",
+                &format!("sidecar: {msg}\n"),
+            )),
+            Proto::Resp(_) => Some(format!("-ERR sidecar: {msg}\r\n").into_bytes()),
+            Proto::Raw(_) => Some(Vec::new()),
+        };
+    }
+
+    /// Runs every direction as far as it goes; `Pending` once nothing can
+    /// move (with a waker registered on everything that could).
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<End> {
+        for _ in 0..32 {
+            match self.step(cx) {
+                Ok(true) => continue,
+                Ok(false) => return Poll::Pending,
+                Err(end) => return Poll::Ready(end),
+            }
+        }
+        // Still moving: let the driver and the other connections run.
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+
+    fn step(&mut self, cx: &mut Context<'_>) -> Result<bool, End> {
+        let sh_rc = self.sh.clone();
+        let mut guard = sh_rc.borrow_mut();
+        let sh: &mut Shared = &mut guard;
+        if sh.gone {
+            return Err(End::Moved("another server".into()));
+        }
+        if !sh.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            sh.waker = Some(cx.waker().clone());
+        }
+        let mut progress = false;
+
+        // 1. Bytes the sidecar itself owes the client go first.
+        if !sh.to_client.is_empty() {
+            match self.client.poll_send_capacity(cx) {
+                Poll::Ready(Ok(cap)) => {
+                    let n = cap.min(sh.to_client.len());
+                    let w = self.client.try_write(&sh.to_client[..n]).map_err(end_of)?;
+                    sh.to_client.drain(..w);
+                    progress |= w > 0;
+                }
+                Poll::Ready(Err(e)) => return Err(end_of(e)),
+                Poll::Pending => {}
+            }
+        }
+
+        // 2. Application -> client, no more than the send queue takes now.
+        if sh.to_client.is_empty() && !self.app_eof && self.app.is_some() {
+            match self.client.poll_send_capacity(cx) {
+                Poll::Ready(Ok(cap)) => {
+                    let want = if sh.tls.is_some() {
+                        cap.min(TLS_CHUNK)
+                    } else {
+                        cap.min(self.buf.len())
+                    };
+                    let app = self.app.as_mut().expect("checked above");
+                    let mut rb = ReadBuf::new(&mut self.buf[..want]);
+                    match Pin::new(app).poll_read(cx, &mut rb) {
+                        Poll::Ready(Ok(())) => {
+                            let n = rb.filled().len();
+                            progress = true;
+                            if n == 0 {
+                                self.app_eof = true;
+                                self.on_app_eof(sh);
+                            } else {
+                                self.relay_from_app(sh, n)?;
+                            }
+                        }
+                        Poll::Ready(Err(_)) => {
+                            progress = true;
+                            self.app_eof = true;
+                            self.on_app_eof(sh);
+                        }
+                        Poll::Pending => {}
+                    }
+                }
+                Poll::Ready(Err(e)) => return Err(end_of(e)),
+                Poll::Pending => {}
+            }
+        }
+
+        // 3. Client -> sidecar: read only while forwarding is allowed.
+        if !sh.quiesced
+            && !self.client_eof
+            && self.fatal.is_none()
+            && sh.inbuf.len() <= self.svc.max_request
+        {
+            match self.client.poll_read_some(cx, &mut self.buf) {
+                Poll::Ready(Ok(0)) => {
+                    progress = true;
+                    self.client_eof = true;
+                    sh.closing = true;
+                }
+                Poll::Ready(Ok(n)) => {
+                    progress = true;
+                    self.take_from_client(sh, n);
+                }
+                Poll::Ready(Err(e)) => return Err(end_of(e)),
+                Poll::Pending => {}
+            }
+        }
+
+        // 4. Frame complete requests and hand them to the application.
+        if !sh.quiesced && self.fatal.is_none() && sh.to_app.is_empty() {
+            progress |= self.frame_requests(sh);
+        }
+        if !sh.to_app.is_empty() {
+            if let Some(app) = self.app.as_mut() {
+                match Pin::new(app).poll_write(cx, &sh.to_app) {
+                    Poll::Ready(Ok(n)) => {
+                        sh.to_app.drain(..n);
+                        progress |= n > 0;
+                        if let Proto::Raw(r) = &mut sh.proto {
+                            r.touch();
+                        }
+                    }
+                    Poll::Ready(Err(_)) => {
+                        progress = true;
+                        sh.to_app.clear();
+                        self.app_eof = true;
+                        self.on_app_eof(sh);
+                    }
+                    Poll::Pending => {}
+                }
+            }
+        }
+
+        // 5. The client finished sending: pass the end on once every
+        //    complete request is with the application.
+        if self.client_eof && !self.app_shut && sh.to_app.is_empty() && self.fatal.is_none() {
+            if let Some(app) = self.app.as_mut() {
+                if Pin::new(app).poll_shutdown(cx).is_ready() {
+                    self.app_shut = true;
+                    progress = true;
+                }
+            } else {
+                self.app_shut = true;
+            }
+        }
+
+        // 6. A fatal error: answer it after the responses before it.
+        if let Some(msg) = &self.fatal {
+            if !self.fatal_sent
+                && sh.to_client.is_empty()
+                && (self.outstanding(sh) == 0 || self.app_eof)
+            {
+                let msg = msg.clone();
+                self.fatal_sent = true;
+                progress = true;
+                self.queue_for_client(sh, &msg);
+                if let Some(t) = &mut sh.tls {
+                    t.send_close_notify();
+                    t.take_ciphertext_to_send(&mut sh.to_client);
+                }
+            }
+        }
+
+        // 7. Close the client side once nothing more can come.
+        let app_done = self.app_eof || self.app.is_none();
+        let finished = (app_done && (self.fatal.is_none() || self.fatal_sent))
+            || (self.fatal_sent && self.fatal.is_some());
+        if finished && sh.to_client.is_empty() && !self.client_shut {
+            if let Some(t) = &mut sh.tls {
+                if !t.close_sent() {
+                    t.send_close_notify();
+                    t.take_ciphertext_to_send(&mut sh.to_client);
+                    return Ok(true);
+                }
+            }
+            self.client_shut = true;
+            sh.closing = true;
+            return match self.client.shutdown_write() {
+                Ok(()) => Err(End::Closed),
+                Err(e) => Err(end_of(e)),
+            };
+        }
+        if self.client_eof && app_done && sh.to_client.is_empty() && self.client_shut {
+            return Err(End::Closed);
+        }
+        Ok(progress)
+    }
+
+    fn outstanding(&self, sh: &Shared) -> usize {
+        match &sh.proto {
+            Proto::Http(t) => t.outstanding(),
+            Proto::Resp(r) => r.outstanding,
+            Proto::Raw(_) => 0,
+        }
+    }
+
+    /// Queues bytes for the client (through TLS when on).
+    fn queue_for_client(&mut self, sh: &mut Shared, data: &[u8]) {
+        let Shared { tls, to_client, .. } = sh;
+        match tls {
+            Some(t) => {
+                if t.write_plaintext(data).is_ok() {
+                    t.take_ciphertext_to_send(to_client);
+                }
+            }
+            None => to_client.extend_from_slice(data),
+        }
+    }
+
+    /// `n` bytes from the application are in `self.buf`.
+    fn relay_from_app(&mut self, sh: &mut Shared, n: usize) -> Result<(), End> {
+        let data = &self.buf[..n];
+        let observed = match &mut sh.proto {
+            Proto::Http(t) => t.observe(data).map(|_| ()),
+            Proto::Resp(r) => r.observe(data),
+            Proto::Raw(r) => {
+                r.touch();
+                Ok(())
+            }
+        };
+        if let Err(e) = observed {
+            // Output the manager cannot frame: relay it, never migrate.
+            if sh.pinned.is_none() {
+                println!(
+                    "sidecar peer={} application output not framed: {e}",
+                    self.peer
+                );
+            }
+            sh.pinned = Some("application output not framed");
+        }
+        if let Proto::Http(t) = &sh.proto {
+            if t.upgraded {
+                sh.pinned = Some("protocol upgraded");
+            }
+        }
+        if sh.tls.is_some() {
+            let Shared { tls, to_client, .. } = sh;
+            let t = tls.as_mut().expect("checked");
+            t.write_plaintext(data)
+                .map_err(|e| End::Error(format!("tls: {e}")))?;
+            t.take_ciphertext_to_send(to_client);
+            let w = self.client.try_write(to_client).map_err(end_of)?;
+            to_client.drain(..w);
+        } else {
+            let w = self.client.try_write(data).map_err(end_of)?;
+            if w < n {
+                sh.to_client.extend_from_slice(&data[w..]);
+            }
+        }
+        Ok(())
+    }
+
+    /// `n` bytes from the client are in `self.buf`.
+    fn take_from_client(&mut self, sh: &mut Shared, n: usize) {
+        let Shared {
+            tls,
+            inbuf,
+            to_client,
+            closing,
+            proto,
+            ..
+        } = sh;
+        match tls {
+            None => inbuf.extend_from_slice(&self.buf[..n]),
+            Some(t) => {
+                let fed = t.feed_ciphertext(&self.buf[..n]);
+                t.take_ciphertext_to_send(to_client);
+                if let Err(e) = fed {
+                    println!("sidecar peer={} tls error={e}", self.peer);
+                    self.fatal = Some(Vec::new());
+                    self.fatal_sent = true;
+                    *closing = true;
+                    return;
+                }
+                if self.handshaking && !t.is_handshaking() {
+                    self.handshaking = false;
+                    println!("sidecar peer={} tls handshake complete", self.peer);
+                }
+                let mut chunk = [0u8; 4096];
+                loop {
+                    let k = t.read_plaintext(&mut chunk);
+                    if k == 0 {
+                        break;
+                    }
+                    inbuf.extend_from_slice(&chunk[..k]);
+                }
+                if t.peer_closed() {
+                    self.client_eof = true;
+                    *closing = true;
+                }
+            }
+        }
+        if let Proto::Raw(r) = proto {
+            r.touch();
+        }
+    }
+
+    /// Moves complete requests from `inbuf` to `to_app`. Returns whether
+    /// anything moved.
+    fn frame_requests(&mut self, sh: &mut Shared) -> bool {
+        let max = self.svc.max_request;
+        let mut off = 0;
+        let mut forwarded = 0;
+        let Shared {
+            proto,
+            inbuf,
+            to_app,
+            pinned,
+            ..
+        } = sh;
+        loop {
+            let rest = &inbuf[off..];
+            if rest.is_empty() {
+                break;
+            }
+            if self.app.is_none() {
+                // Refused backend: the error answers the first request.
+                break;
+            }
+            let framed: Result<Option<usize>, Vec<u8>> = match proto {
+                Proto::Raw(_) => Ok(Some(rest.len())),
+                Proto::Http(t) => match http1::parse_request(rest, max) {
+                    Ok(Some(r)) => {
+                        t.expect(r.head_method);
+                        if r.upgrade {
+                            *pinned = Some("upgrade requested");
+                        }
+                        Ok(Some(r.len))
+                    }
+                    Ok(None) => Ok(None),
+                    Err(e) => Err(e.response()),
+                },
+                Proto::Resp(r) => match resp::parse_command(rest, max) {
+                    Ok(Some(c)) => {
+                        if let Some(why) = r.forwarded(&c) {
+                            *pinned = Some(why);
+                        }
+                        Ok(Some(c.len))
+                    }
+                    Ok(None) => Ok(None),
+                    Err(e) => Err(e.reply()),
+                },
+            };
+            match framed {
+                Ok(Some(len)) => {
+                    to_app.extend_from_slice(&rest[..len]);
+                    off += len;
+                    forwarded += 1;
+                }
+                Ok(None) => break,
+                Err(response) => {
+                    println!("sidecar peer={} bad request: closing", self.peer);
+                    self.fatal = Some(response);
+                    off = inbuf.len();
+                    break;
+                }
+            }
+        }
+        inbuf.drain(..off);
+        if !matches!(proto, Proto::Raw(_)) {
+            self.requests += forwarded;
+        }
+        if self.app.is_none() && !inbuf.is_empty() && !self.fatal_sent {
+            // The backend failed: the error answers the first request.
+            inbuf.clear();
+        }
+        off > 0
+    }
+
+    fn on_app_eof(&mut self, sh: &mut Shared) {
+        sh.closing = true;
+        let unanswered = match &mut sh.proto {
+            Proto::Http(t) => {
+                t.app_closed();
+                t.outstanding() > 0 && t.at_boundary()
+            }
+            Proto::Resp(r) => r.outstanding > 0 && r.at_boundary(),
+            Proto::Raw(_) => false,
+        };
+        if unanswered && self.fatal.is_none() {
+            let msg = format!("application at {} closed the connection", self.svc.backend);
+            self.fatal = Some(match sh.proto {
+                Proto::Http(_) => {
+                    http1::error_response(502, "Bad Gateway", &format!("sidecar: {msg}\n"))
+                }
+                _ => format!("-ERR sidecar: {msg}\r\n").into_bytes(),
+            });
+        } else if self.fatal.is_none() {
+            // Nothing owed: close after what was relayed.
+            self.fatal = None;
+        }
+    }
+
+    /// After our FIN: read and discard until the client's.
+    async fn drain_client(&mut self) {
+        loop {
+            let n = poll_fn(|cx| self.client.poll_read_some(cx, &mut self.buf)).await;
+            match n {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    const BASE: &str = "[interface]\nname = \"eth0\"\n[stack]\naddress = \"198.18.2.11\"\ngateway = \"198.18.1.1\"\n[[service]]\nlisten = \"198.18.100.1:80\"\n";
+
+    fn check(service: &str) -> Result<(), String> {
+        let text = format!("{BASE}{service}");
+        let c = Config::parse("t.toml", &text).map_err(|e| e.to_string())?;
+        c.validate("t.toml").map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn sidecar_config_is_validated_field_by_field() {
+        check("app = \"sidecar\"\nbackend = \"127.0.0.1:8080\"\nprotocol = \"http1\"\n").unwrap();
+        let e = check("app = \"sidecar\"\nprotocol = \"http1\"\n").unwrap_err();
+        assert!(e.contains("service[0].backend"), "{e}");
+        let e = check("app = \"sidecar\"\nbackend = \"127.0.0.1:8080\"\n").unwrap_err();
+        assert!(e.contains("service[0].protocol"), "{e}");
+        let e = check("app = \"sidecar\"\nbackend = \"127.0.0.1:8080\"\nprotocol = \"ftp\"\n")
+            .unwrap_err();
+        assert!(e.contains("ftp"), "{e}");
+        let e = check(
+            "app = \"sidecar\"\nbackend = \"127.0.0.1:8080\"\nprotocol = \"resp\"\ntls_cert = \"c.pem\"\n",
+        )
+        .unwrap_err();
+        assert!(e.contains("service[0].tls_key"), "{e}");
+        let e = check("app = \"echo\"\nbackend = \"127.0.0.1:8080\"\n").unwrap_err();
+        assert!(
+            e.contains("service[0].backend") && e.contains("sidecar"),
+            "{e}"
+        );
+        let e = check(
+            "app = \"sidecar\"\nbackend = \"127.0.0.1:8080\"\nprotocol = \"raw\"\nmax_request_bytes = 10\n",
+        )
+        .unwrap_err();
+        assert!(e.contains("service[0].max_request_bytes = 10"), "{e}");
+    }
+}

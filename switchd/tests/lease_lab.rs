@@ -1,0 +1,283 @@
+//! HA lease robustness in the namespace lab (root, an etcd binary and the
+//! `capybara` binary for `lab up`; skipped otherwise), with the real etcd
+//! the store tests start, inside the switch namespace:
+//!
+//! - the store goes away (etcd stopped, then restarted) while the only
+//!   switchd is active: it keeps forwarding existing flows and placing new
+//!   ones, and holds the lease again afterwards;
+//! - the lease expires under it (the process frozen past the TTL) with no
+//!   standby: it wins the lease back with a newer term and serves on;
+//! - a standby wins the lease while the active is frozen: on waking, the
+//!   active sees a newer term and steps down (detaches, exits), and the
+//!   standby takes over; every connection survives.
+
+use std::time::{Duration, Instant};
+
+use capybara_switchd::labkit::{self, Lab};
+
+fn skip() -> bool {
+    if !labkit::is_root() {
+        eprintln!("skipped: needs root (network namespaces, XDP)");
+        return true;
+    }
+    if !labkit::capybara_bin().exists() {
+        eprintln!(
+            "skipped: {} missing (build the appliance or set CAPYBARA_BIN)",
+            labkit::capybara_bin().display()
+        );
+        return true;
+    }
+    if !std::path::Path::new("/usr/bin/etcd").exists() && std::env::var_os("ETCD_BIN").is_none() {
+        eprintln!("skipped: no etcd binary");
+        return true;
+    }
+    false
+}
+
+fn switchd_bin() -> std::path::PathBuf {
+    env!("CARGO_BIN_EXE_switchd").into()
+}
+
+enum EtcdCmd {
+    Stop,
+    Restart(std::sync::mpsc::Sender<anyhow::Result<()>>),
+}
+
+/// A one-member etcd owned by a thread inside the lab's switch namespace
+/// (members are started from there, so they listen in it), stoppable and
+/// restartable on the same data directory.
+struct NsEtcd {
+    endpoint: String,
+    cmds: Option<std::sync::mpsc::Sender<EtcdCmd>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl NsEtcd {
+    fn start(ns: &str) -> anyhow::Result<NsEtcd> {
+        use std::os::fd::AsRawFd;
+        let path = format!("/run/netns/{ns}");
+        let (tx, rx) = std::sync::mpsc::channel::<anyhow::Result<String>>();
+        let (cmd_tx, cmd_rx) = std::sync::mpsc::channel::<EtcdCmd>();
+        let thread = std::thread::spawn(move || {
+            let run = || -> anyhow::Result<capybara_store::testing::EtcdCluster> {
+                let f = std::fs::File::open(&path)?;
+                // SAFETY: plain syscall on a valid fd; this thread only.
+                anyhow::ensure!(
+                    unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } == 0,
+                    "setns {path}"
+                );
+                Ok(capybara_store::testing::EtcdCluster::start(1)?)
+            };
+            match run() {
+                Ok(mut c) => {
+                    let _ = tx.send(Ok(c.endpoints().join(",")));
+                    // Ends when the test drops the sender.
+                    while let Ok(cmd) = cmd_rx.recv() {
+                        match cmd {
+                            EtcdCmd::Stop => c.stop_member(0),
+                            EtcdCmd::Restart(done) => {
+                                let r = c.restart_member(0).map_err(anyhow::Error::from).and_then(
+                                    |_| {
+                                        c.wait_healthy(0, Duration::from_secs(20))
+                                            .map_err(anyhow::Error::from)
+                                    },
+                                );
+                                let _ = done.send(r);
+                            }
+                        }
+                    }
+                    drop(c);
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                }
+            }
+        });
+        let endpoint = rx.recv_timeout(Duration::from_secs(30))??;
+        Ok(NsEtcd {
+            endpoint,
+            cmds: Some(cmd_tx),
+            thread: Some(thread),
+        })
+    }
+    fn stop(&self) {
+        if let Some(c) = &self.cmds {
+            let _ = c.send(EtcdCmd::Stop);
+        }
+    }
+    fn restart(&self) -> anyhow::Result<()> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.cmds
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("etcd thread gone"))?
+            .send(EtcdCmd::Restart(tx))?;
+        rx.recv_timeout(Duration::from_secs(30))?
+    }
+}
+
+impl Drop for NsEtcd {
+    fn drop(&mut self) {
+        drop(self.cmds.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn fail(lab: &Lab, e: anyhow::Error) -> ! {
+    panic!(
+        "{e}\n--- a.log\n{}\n--- b.log\n{}",
+        lab.log("a.log"),
+        lab.log("b.log")
+    )
+}
+
+/// Echo on every held connection (each knows its server).
+fn ping_all(held: &mut [(u16, u32, Option<std::net::TcpStream>)], tag: &str) -> usize {
+    let mut lost = 0;
+    for (port, s, c) in held.iter_mut() {
+        if let Err(e) = labkit::ping(c.as_mut().expect("kept"), *s, tag) {
+            eprintln!("{tag}: connection from port {port} to s{s} lost: {e}");
+            lost += 1;
+        }
+    }
+    lost
+}
+
+#[test]
+fn active_survives_store_outage_and_lease_expiry_and_yields_only_to_a_newer_leader() {
+    if skip() {
+        return;
+    }
+    let mut lab = Lab::up("sgc", 2).expect("lab up");
+    let etcd = NsEtcd::start(&lab.ns("sw")).expect("etcd in the switch namespace");
+    lab.store = Some(format!("etcd:{}", etcd.endpoint));
+    let ha = "[ha]\nenabled = true\nlease_ttl_ms = 1000\nflow_sync_interval_ms = 200\nfast_takeover = false\n";
+    let a = lab.switchd_config("a", 2, &[1, 1], 9102, ha).unwrap();
+    let b = lab.switchd_config("b", 2, &[1, 1], 9103, ha).unwrap();
+    // The test freezes the active for a few seconds: its servers must not
+    // be declared dead meanwhile (that is not what is tested here).
+    for p in [&a, &b] {
+        let t = std::fs::read_to_string(p).unwrap();
+        std::fs::write(p, t.replace("dead_after_ms = 500", "dead_after_ms = 10000")).unwrap();
+    }
+    let ia = lab.start_switchd(&switchd_bin(), &a, "a.log").unwrap();
+    let (st, _) = lab
+        .wait_status(
+            9102,
+            Duration::from_secs(15),
+            "active with the lease",
+            |s| s["role"] == "active" && s["lease"]["held"] == true,
+        )
+        .unwrap_or_else(|e| fail(&lab, e));
+    let term0 = st["lease_term"].as_u64().expect("term");
+    let _agents: Vec<labkit::ServerAgent> = (1..=2)
+        .map(|j| lab.register_server(j, 1))
+        .collect::<anyhow::Result<_>>()
+        .unwrap_or_else(|e| fail(&lab, e));
+    let mut held = lab.connect_many(20, true).unwrap_or_else(|e| fail(&lab, e));
+    assert_eq!(ping_all(&mut held, "before"), 0);
+
+    // 1. The store goes away for 3 s (three lease TTLs), then comes back.
+    etcd.stop();
+    std::thread::sleep(Duration::from_secs(3));
+    let st = lab.status(9102).unwrap_or_else(|e| fail(&lab, e));
+    assert_eq!(st["role"], "active", "stepped down in a store outage: {st}");
+    assert!(
+        !st["attached_ifindexes"].as_array().unwrap().is_empty(),
+        "detached in a store outage"
+    );
+    assert_eq!(ping_all(&mut held, "outage"), 0, "existing flows forwarded");
+    let fresh = lab
+        .connect_many(10, false)
+        .unwrap_or_else(|e| fail(&lab, e));
+    assert_eq!(fresh.len(), 10, "new connections placed during the outage");
+    etcd.restart().expect("etcd restart");
+    lab.wait_status(
+        9102,
+        Duration::from_secs(20),
+        "lease held after the outage",
+        |s| s["lease"]["held"] == true && s["role"] == "active",
+    )
+    .unwrap_or_else(|e| fail(&lab, e));
+    assert!(
+        lab.wait(ia, Duration::from_millis(10)).is_none(),
+        "a exited"
+    );
+
+    // 2. The lease expires under a frozen active (no standby): it wins it
+    // back with a newer term instead of stepping down.
+    lab.kill(ia, libc::SIGSTOP);
+    std::thread::sleep(Duration::from_millis(3500));
+    lab.kill(ia, libc::SIGCONT);
+    let (st, _) = lab
+        .wait_status(9102, Duration::from_secs(15), "lease won back", |s| {
+            s["lease"]["regained"].as_u64().unwrap_or(0) >= 1 && s["lease"]["held"] == true
+        })
+        .unwrap_or_else(|e| fail(&lab, e));
+    let term1 = st["lease_term"].as_u64().expect("term");
+    assert!(term1 > term0, "terms {term0} -> {term1}");
+    assert_eq!(st["role"], "active");
+    assert!(
+        lab.wait(ia, Duration::from_millis(10)).is_none(),
+        "a exited"
+    );
+    assert_eq!(ping_all(&mut held, "regained"), 0);
+    // The writer flushed what was held meanwhile.
+    assert_eq!(st["lease"]["writes_fenced"], false);
+
+    // 3. A standby wins the lease while the active is frozen: the active,
+    // on waking, sees the newer term and steps down; the standby serves.
+    lab.start_switchd(&switchd_bin(), &b, "b.log").unwrap();
+    lab.wait_status(9103, Duration::from_secs(15), "b standby and warm", |s| {
+        s["role"] == "standby" && s["warm_flows"].as_u64().unwrap_or(0) >= 20
+    })
+    .unwrap_or_else(|e| fail(&lab, e));
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        lab.status(9103).unwrap()["role"],
+        "standby",
+        "b must wait while a holds the lease"
+    );
+    lab.kill(ia, libc::SIGSTOP);
+    let t = Instant::now();
+    // Bounded: 15 s.
+    while !lab.log("b.log").contains("won election") {
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "b never won: {}",
+            lab.log("b.log")
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    lab.kill(ia, libc::SIGCONT);
+    let exited = lab.wait(ia, Duration::from_secs(5));
+    assert!(
+        exited.is_some(),
+        "a did not step down: {}",
+        lab.log("a.log")
+    );
+    assert!(
+        lab.log("a.log").contains("stepping down"),
+        "{}",
+        lab.log("a.log")
+    );
+    let (st, _) = lab
+        .wait_status(9103, Duration::from_secs(15), "b active", |s| {
+            s["role"] == "active" && s["lease"]["held"] == true
+        })
+        .unwrap_or_else(|e| fail(&lab, e));
+    let term2 = st["lease_term"].as_u64().expect("term");
+    assert!(term2 > term1, "terms {term1} -> {term2}");
+    assert_eq!(ping_all(&mut held, "after step-down"), 0);
+    eprintln!(
+        "RESULT terms {term0} -> {term1} (won back) -> {term2} (standby); a: {}",
+        lab.log("a.log")
+            .lines()
+            .filter(|l| l.contains("leader lease") || l.contains("stepping down"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    drop(lab);
+    drop(etcd);
+}

@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# `make test-compose`: the docker compose deployment (docker/compose.yml),
+# end to end, with real containers:
+#   1. build the base image (once) and capybara:local; `compose up`
+#   2. k6 sends traffic to the service address while server 1 is drained
+#      through the REST API: the drain completes, zero failed k6 requests
+#   3. k6 again while the active switchd gets `docker kill`: the standby
+#      takes over (its takeover time is printed), zero failed requests
+#   4. k6 again while one etcd member is stopped: nothing visible changes
+#      (zero failed requests, the API answers, the same switchd is active)
+#   5. `compose down -v` (always, also on failure) leaves no container,
+#      network or volume of the project behind
+# Prints `N passed, N failed` at the end; exit status 1 on any failure.
+#
+# Environment: CAPYBARA_BIN_DIR / CARGO_TARGET_DIR (binaries, see
+# build-image.sh), COMPOSE_K6_SECONDS (default 30), COMPOSE_API_PORT
+# (default 18080), COMPOSE_PROJECT (default cpbcompose).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+PROJECT=${COMPOSE_PROJECT:-cpbcompose}
+API_PORT=${COMPOSE_API_PORT:-18080}
+K6_SECONDS=${COMPOSE_K6_SECONDS:-30}
+OUT=$ROOT/test-output/compose
+mkdir -p "$OUT"
+rm -f "$OUT"/*.log "$OUT"/*.json
+
+if docker compose version >/dev/null 2>&1; then
+  COMPOSE=(docker compose)
+elif command -v docker-compose >/dev/null; then
+  COMPOSE=(docker-compose)
+else
+  echo "compose: neither \`docker compose\` nor docker-compose found" >&2
+  exit 1
+fi
+export CAPYBARA_KEY CAPYBARA_API_PORT=$API_PORT
+CAPYBARA_KEY=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')
+dc() { "${COMPOSE[@]}" -p "$PROJECT" -f "$ROOT/docker/compose.yml" "$@"; }
+cname() { docker ps -aq --filter "label=com.docker.compose.project=$PROJECT" --filter "label=com.docker.compose.service=$1" | head -1; }
+
+passed=0
+failed=0
+ok() { echo "compose: PASS $*"; passed=$((passed + 1)); }
+bad() { echo "compose: FAIL $*"; failed=$((failed + 1)); }
+
+teardown() {
+  local rc=$?
+  trap - EXIT
+  echo "compose: collecting logs into $OUT and tearing down"
+  for s in $(dc ps --services 2>/dev/null); do
+    c=$(cname "$s")
+    [ -n "$c" ] && docker logs "$c" > "$OUT/$s.log" 2>&1 || true
+  done
+  dc down -v --remove-orphans > "$OUT/down.log" 2>&1 || { cat "$OUT/down.log"; }
+  local left
+  left=$( (docker ps -aq --filter "label=com.docker.compose.project=$PROJECT"
+           docker network ls -q --filter "label=com.docker.compose.project=$PROJECT"
+           docker volume ls -q --filter "label=com.docker.compose.project=$PROJECT") | wc -l)
+  if [ "$left" = 0 ]; then ok "compose down left no container, network or volume"; else bad "compose down left $left object(s) behind"; rc=1; fi
+  echo "$passed passed, $failed failed"
+  [ "$failed" = 0 ] || rc=1
+  exit "$rc"
+}
+
+fail_now() { bad "$*"; exit 1; }
+
+# wait_until SECONDS WHAT COMMAND...: polls every 0.5 s.
+wait_until() {
+  local limit=$1 what=$2; shift 2
+  local end=$((SECONDS + limit))
+  until "$@" >/dev/null 2>&1; do
+    [ $SECONDS -lt $end ] || fail_now "timed out after ${limit}s waiting for $what"
+    sleep 0.5
+  done
+}
+
+# wait_until_quiet SECONDS COMMAND...: like wait_until, but returns 1 instead of failing.
+wait_until_quiet() {
+  local end=$((SECONDS + $1)); shift
+  until "$@" >/dev/null 2>&1; do
+    [ $SECONDS -lt $end ] || return 1
+    sleep 0.5
+  done
+}
+
+echo "compose: building images"
+bash tests/compose/build-image.sh
+
+# Leftovers of an interrupted run of this project.
+dc down -v --remove-orphans >/dev/null 2>&1 || true
+trap teardown EXIT
+
+echo "compose: up (project $PROJECT)"
+start=$SECONDS
+dc up -d > "$OUT/up.log" 2>&1 || { cat "$OUT/up.log"; fail_now "compose up failed"; }
+
+all_healthy() {
+  local s c h
+  for s in etcd1 etcd2 etcd3 switch-net switchd-a switchd-b api s1 s2 s3 k6; do
+    c=$(cname "$s"); [ -n "$c" ] || return 1
+    h=$(docker inspect -f '{{.State.Health.Status}}' "$c" 2>/dev/null) || return 1
+    [ "$h" = healthy ] || return 1
+  done
+}
+wait_until 120 "every container to be healthy" all_healthy
+ok "compose up: every container healthy after $((SECONDS - start)) s"
+
+API=http://127.0.0.1:$API_PORT
+TOKEN=$(docker exec "$(cname api)" cat /var/lib/capybara/admin-token)
+api_get() { curl -sf -m 5 -H "Authorization: Bearer $TOKEN" "$API$1"; }
+ctl() { docker exec "$(cname api)" capybara ctl --api http://127.0.0.1:8080 --token "$TOKEN" "$@"; }
+
+# The switchd HTTP endpoints live in switch-net's namespace (server side).
+sw_status() { docker exec "$(cname switch-net)" curl -sf -m 2 "http://172.28.20.10:$1/status"; }
+role_of() { sw_status "$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["role"])' 2>/dev/null || echo down; }
+active_port() { for p in 9102 9103; do [ "$(role_of $p)" = active ] && { echo $p; return 0; }; done; return 1; }
+servers_up() { [ "$(api_get /v1/servers | python3 -c 'import json,sys; d=json.load(sys.stdin); d=d.get("items", d) if isinstance(d, dict) else d; print(sum(1 for s in d if s.get("state") == "active"))')" = 3 ]; }
+wait_until 60 "three active servers in the API" servers_up
+wait_until 30 "the service address to answer from the client" docker exec "$(cname k6)" curl -sf -m 2 -o /dev/null http://172.28.100.1/
+ok "three servers registered, the service answers"
+
+# k6_run NAME: runs the steady load for K6_SECONDS in the background; sets K6_PID.
+k6_run() {
+  docker exec -i -e DURATION="${K6_SECONDS}s" -e VUS=20 "$(cname k6)" \
+    k6 run --quiet --no-color --summary-export "/tmp/$1.json" - < tests/compose/steady.js > "$OUT/k6-$1.log" 2>&1 &
+  K6_PID=$!
+}
+# k6_check NAME WHAT: waits for the run; passes when k6 succeeded with zero failed requests.
+k6_check() {
+  local rc=0
+  wait "$K6_PID" || rc=$?
+  docker exec "$(cname k6)" cat "/tmp/$1.json" > "$OUT/k6-$1.json" 2>/dev/null || true
+  local line
+  line=$(python3 - "$OUT/k6-$1.json" <<'PY' 2>/dev/null || echo "no k6 summary"
+import json, sys
+m = json.load(open(sys.argv[1]))["metrics"]
+reqs = int(m["http_reqs"]["count"])
+failed = int(m["http_req_failed"].get("passes", 0))
+d = m["http_req_duration"]
+print(f"requests={reqs} failed={failed} p99_ms={d['p(99)']:.1f} max_ms={d['max']:.1f}")
+PY
+)
+  echo "compose: k6 $1: $line (exit $rc)"
+  if [ "$rc" = 0 ] && [[ "$line" == *" failed=0 "* ]]; then ok "$2: $line"; else bad "$2: $line, k6 exit $rc (log $OUT/k6-$1.log)"; fi
+}
+
+# ---- 2. drain through the REST API under load ---------------------------
+echo "compose: drain of server 1 under load"
+k6_run drain
+sleep 5
+drain_rc=0
+ctl drain 1 --deadline 20s --wait > "$OUT/drain.log" 2>&1 || drain_rc=$?
+tail -2 "$OUT/drain.log"
+if [ "$drain_rc" = 0 ]; then ok "REST drain of server 1 completed"; else bad "drain exit status $drain_rc (log $OUT/drain.log)"; fi
+k6_check drain "k6 across the drain"
+ctl undrain 1 > "$OUT/undrain.log" 2>&1 || bad "undrain of server 1 (log $OUT/undrain.log)"
+
+# ---- 3. docker kill of the active switchd --------------------------------
+echo "compose: docker kill of the active switchd under load"
+port=$(active_port) || fail_now "no active switchd"
+if [ "$port" = 9102 ]; then victim=switchd-a standby=9103; else victim=switchd-b standby=9102; fi
+k6_run failover
+sleep 5
+docker kill "$(cname "$victim")" >/dev/null
+wait_until 30 "the standby to become active" test "$(role_of "$standby")" = active
+takeover=$(sw_status "$standby" | python3 -c 'import json,sys; print("%.1f" % json.load(sys.stdin)["takeover_ms"])')
+echo "compose: takeover by the standby after docker kill of $victim: takeover_ms=$takeover"
+ok "standby took over (takeover_ms=$takeover)"
+k6_check failover "k6 across the switchd kill"
+# The API follows the new active switchd: live server stats come from it.
+live_stats() { api_get /v1/servers | grep -q '"data_source":"switchd"'; }
+if wait_until_quiet 10 live_stats; then ok "API serves live stats from the new active switchd"; else bad "API has no live stats after the takeover"; fi
+
+# ---- 4. one etcd member stopped ------------------------------------------
+echo "compose: stopping etcd member e2 under load"
+k6_run etcd
+sleep 3
+docker stop -t 5 "$(cname etcd2)" >/dev/null
+sleep 5
+if api_get /v1/servers >/dev/null; then ok "API answers with an etcd member down"; else bad "API does not answer with an etcd member down"; fi
+if [ "$(role_of "$standby")" = active ]; then ok "the same switchd stays active with an etcd member down"; else bad "switchd role changed with an etcd member down"; fi
+k6_check etcd "k6 across the etcd member stop"
+
+exit 0

@@ -1,0 +1,242 @@
+//! The operators' migration feed (issue #9) end to end (root; release
+//! binaries, or `CAPYBARA_BIN_DIR`): `capybara run` (switchd + API) in the
+//! lab, two hostagents, a real Linux client holding established echo
+//! connections. Server 1's churn option migrates everything it serves to
+//! server 2; one connection is also migrated through the API. Nobody asks
+//! the API about the churn, yet `GET /v1/migrations` lists those migrations
+//! (trigger `churn`, outcome `succeeded`, phase timings from both hosts),
+//! the requested one is completed by its origin's report (trigger
+//! `manual`, phases), and `/metrics` counts them in the outcome counter and
+//! the per-phase histograms. The connections keep working byte-exact.
+//!
+//! Path under test: hostagent MIGRATION_REPORT -> switchd ring ->
+//! `GET /migrations` -> the API's poller -> log, SSE, metrics.
+
+use capybara_systests::{bin, deployment_key, hostagent_migrating_config, output_dir, Lab};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+const SERVERS: u32 = 2;
+const CONNS: usize = 8;
+const API: &str = "http://127.0.0.1:18082";
+const CLIENT_IP: &str = "198.18.0.11";
+
+fn appliance_config(dir: &Path, key: &Path) -> PathBuf {
+    capybara_systests::appliance_config(dir, SERVERS, key, "127.0.0.1:18082")
+}
+
+/// `curl` inside the switch namespace: (status, body).
+fn api(lab: &Lab, token: &str, method: &str, path: &str, json: Option<&str>) -> (u16, String) {
+    lab.api_call(API, token, method, path, json)
+}
+
+/// The `items` of a `GET /v1/migrations` body.
+fn items(body: &str) -> Vec<serde_json::Value> {
+    serde_json::from_str::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("items").and_then(|i| i.as_array().cloned()))
+        .unwrap_or_default()
+}
+
+fn phase(m: &serde_json::Value, p: &str) -> Option<u64> {
+    m["phases"][p].as_u64()
+}
+
+/// A Prometheus sample's value (exact label set).
+fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
+#[test]
+fn churn_and_requested_migrations_reach_the_api_with_phase_timings() {
+    let dir = output_dir("migration_feed");
+    let mut lab = Lab::up("mf", SERVERS);
+    let key = deployment_key(&dir);
+    let config = appliance_config(&dir, &key);
+    let log = dir.join("capybara.log");
+    lab.spawn_logged(
+        "sw",
+        bin("capybara"),
+        &["run", config.to_str().unwrap()],
+        &log,
+    );
+    // Server 1 moves everything it serves to server 2 every 300 ms.
+    for j in 1..=SERVERS {
+        let churn = (j == 1).then_some((300, 2));
+        let cfg = hostagent_migrating_config(&dir, j, &key, churn);
+        let metrics = format!("198.18.1.{}:9100", 10 + j);
+        lab.spawn_logged(
+            &format!("s{j}"),
+            bin("hostagent"),
+            &["--config", cfg.to_str().unwrap(), "--metrics", &metrics],
+            &dir.join(format!("hostagent-s{j}.log")),
+        );
+    }
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    lab.wait_for("every server to register", Duration::from_secs(30), || {
+        let l = read_log();
+        (1..=SERVERS).all(|j| l.contains(&format!("registered s{j}")))
+    });
+    lab.wait_for("the API", Duration::from_secs(30), || {
+        api(&lab, "", "GET", "/healthz", None).0 == 200
+    });
+    let token = std::fs::read_to_string(dir.join("admin-token"))
+        .expect("admin token file")
+        .trim()
+        .to_string();
+
+    let mut holder = capybara_systests::EchoHolder::start(&lab, CONNS);
+
+    // Churn migrations, listed without anyone asking the API for them.
+    let mut listed = Vec::new();
+    lab.wait_for(
+        "churn migrations with phase timings in GET /v1/migrations",
+        Duration::from_secs(30),
+        || {
+            let (code, body) = api(&lab, &token, "GET", "/v1/migrations?limit=1000", None);
+            listed = items(&body);
+            code == 200
+                && listed.iter().any(|m| {
+                    m["trigger"] == "churn"
+                        && m["outcome"] == "succeeded"
+                        && phase(m, "import_us").is_some()
+                })
+        },
+    );
+    let churned: Vec<&serde_json::Value> = listed
+        .iter()
+        .filter(|m| m["trigger"] == "churn" && m["outcome"] == "succeeded")
+        .collect();
+    println!(
+        "{} migrations listed, {} churn successes; first: {}",
+        listed.len(),
+        churned.len(),
+        churned[0]
+    );
+    for m in &churned {
+        assert_eq!(
+            (m["origin"].as_u64(), m["target"].as_u64()),
+            (Some(1), Some(2)),
+            "{m}"
+        );
+        for p in ["prepare_us", "export_us", "transfer_us", "total_us"] {
+            assert!(phase(m, p).is_some(), "{p} missing: {m}");
+        }
+        let conn = m["connection"].as_str().unwrap_or("");
+        assert!(
+            conn.starts_with(&format!("{CLIENT_IP}:")) && conn.ends_with("-198.18.100.1:7"),
+            "{m}"
+        );
+        // The total covers the origin's phases.
+        let total = phase(m, "total_us").unwrap();
+        assert!(total >= phase(m, "prepare_us").unwrap(), "{m}");
+        assert!(
+            m["finished_unix_ms"].as_u64() >= m["started_unix_ms"].as_u64(),
+            "{m}"
+        );
+    }
+    assert_eq!(
+        holder.round_trip(),
+        "ok",
+        "echo round trip over every connection"
+    );
+
+    // A migration requested through the API is completed by its report.
+    // Churn empties server 1: take a connection on server 2 back to 1.
+    let (_, conns) = api(
+        &lab,
+        &token,
+        "GET",
+        "/v1/connections?server=2&limit=100",
+        None,
+    );
+    let conns: serde_json::Value = serde_json::from_str(&conns).expect("connections JSON");
+    let conn = conns["items"]
+        .as_array()
+        .and_then(|a| a.first())
+        .and_then(|c| c["id"].as_str())
+        .expect("a connection on server 2")
+        .to_string();
+    let (code, body) = api(
+        &lab,
+        &token,
+        "POST",
+        &format!("/v1/connections/{conn}/migrate"),
+        Some("{\"target\": 1}"),
+    );
+    assert!(code == 200 || code == 202, "migrate: {code} {body}");
+    let requested: serde_json::Value = serde_json::from_str(&body).expect("migration JSON");
+    let id = requested["id"].as_u64().expect("migration id");
+    let mut manual = serde_json::Value::Null;
+    lab.wait_for(
+        "the requested migration completed with phase timings",
+        Duration::from_secs(15),
+        || {
+            let (_, body) = api(
+                &lab,
+                &token,
+                "GET",
+                &format!("/v1/migrations?after={}&limit=1000", id - 1),
+                None,
+            );
+            manual = items(&body)
+                .into_iter()
+                .find(|m| m["id"].as_u64() == Some(id))
+                .unwrap_or_default();
+            manual["outcome"] == "succeeded" && phase(&manual, "prepare_us").is_some()
+        },
+    );
+    println!("requested: {manual}");
+    assert_eq!(manual["trigger"], "manual");
+    assert_eq!(manual["connection"], conn.as_str());
+    assert_eq!(
+        (manual["origin"].as_u64(), manual["target"].as_u64()),
+        (Some(2), Some(1))
+    );
+
+    // /metrics: outcome counter and per-phase histograms.
+    let (code, metrics) = api(&lab, "", "GET", "/metrics", None);
+    assert_eq!(code, 200);
+    let succeeded = sample(&metrics, "capybara_migrations_total{outcome=\"succeeded\"}");
+    assert!(
+        succeeded.unwrap_or(0.0) >= churned.len() as f64,
+        "{succeeded:?}"
+    );
+    for p in ["prepare", "export", "transfer", "import", "total"] {
+        let n = sample(
+            &metrics,
+            &format!("capybara_migration_phase_seconds_count{{phase=\"{p}\"}}"),
+        );
+        assert!(n.unwrap_or(0.0) >= 1.0, "phase {p}: {n:?}");
+    }
+    let fast = sample(
+        &metrics,
+        "capybara_migration_phase_seconds_bucket{phase=\"total\",le=\"0.1\"}",
+    );
+    println!("total <= 100 ms: {fast:?} of {succeeded:?} succeeded");
+
+    // switchd's own view: reports received, none rejected.
+    let status = lab.run(
+        "sw",
+        "curl",
+        &["-s", "-m", "5", "http://127.0.0.1:9102/migrations?limit=1"],
+        Duration::from_secs(10),
+    );
+    let page: serde_json::Value =
+        serde_json::from_slice(&status.stdout).expect("switchd /migrations JSON");
+    assert!(page["received"].as_u64().unwrap_or(0) >= 2, "{page}");
+
+    assert_eq!(
+        holder.round_trip(),
+        "ok",
+        "echo round trip over every connection"
+    );
+    lab.assert_no_resets(1..=SERVERS);
+    drop(holder);
+}

@@ -1,0 +1,209 @@
+"""The dashboard in a real headless browser against a running lab: the demo
+deployment (scripts/demo.sh: switchd's XDP data plane, three hostagents,
+capybara-api wired to switchd, a skewed client load from the client
+namespace), on its own lab prefix, state directory and port so that it does
+not collide with a developer's `make demo`.
+
+An operator's session, step by step, with a screenshot of each step under
+test-output/ui/lab-*.png: log in, see three servers with live load, drain one
+and watch its connection count reach zero while the chart keeps updating,
+undrain it, change a policy threshold and see it reach the data plane.
+
+Needs root (namespaces, eBPF) and the release binaries (`make build`).
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from playwright.sync_api import Page, expect
+
+from conftest import REPO, SCREENSHOTS
+
+START_TIMEOUT_S = 120
+
+
+class DemoLab:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.prefix = f"ui{os.getpid() % 100000}"
+        self.port = 18000 + os.getpid() % 1000
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.out = tmp / "out"
+        self.state = tmp / "state"
+        self.log = open(tmp / "demo.log", "w")
+        env = dict(os.environ)
+        env.update(
+            CAPYBARA_LAB_PREFIX=self.prefix,
+            CAPYBARA_DEMO_PORT=str(self.port),
+            CAPYBARA_DEMO_DIR=str(self.state),
+            CAPYBARA_DEMO_OUT=str(self.out),
+            # A backstop: the demo stops itself even if this process dies.
+            CAPYBARA_DEMO_SECONDS="600",
+        )
+        self.proc = subprocess.Popen(
+            ["bash", str(REPO / "scripts" / "demo.sh")],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        token_file = self.out / "admin-token"
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the demo exited ({self.proc.returncode}): {self.tail()}")
+            if token_file.exists() and self._healthy():
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the demo did not come up in {START_TIMEOUT_S}s: {self.tail()}")
+            time.sleep(0.5)
+        self.token = token_file.read_text().strip()
+        self.http = requests.Session()
+        self.http.headers["Authorization"] = f"Bearer {self.token}"
+
+    def _healthy(self) -> bool:
+        try:
+            return requests.get(self.url + "/healthz", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def tail(self) -> str:
+        self.log.flush()
+        return (self.tmp / "demo.log").read_text()[-3000:]
+
+    def get(self, path: str):
+        r = self.http.get(self.url + path, timeout=10)
+        assert r.status_code == 200, f"GET {path}: {r.status_code} {r.text}"
+        return r.json()
+
+    def switchd_status(self) -> dict:
+        out = subprocess.run(
+            ["ip", "netns", "exec", f"{self.prefix}-sw", "curl", "-sf", "-m", "2", "http://127.0.0.1:9102/status"],
+            capture_output=True, text=True, timeout=10,
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        # The demo tears its lab down; make sure, whatever happened.
+        subprocess.run([str(REPO / "target" / "release" / "capybara"), "lab", "down", "--prefix", self.prefix],
+                       capture_output=True, timeout=60)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("the lab needs root (network namespaces, eBPF)")
+    d = DemoLab(tmp_path_factory.mktemp("demo-lab"))
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def login(page: Page, lab: DemoLab):
+    page.goto(lab.url + "/")
+    page.get_by_test_id("login-token").fill(lab.token)
+    page.get_by_test_id("login-submit").click()
+    expect(page.get_by_test_id("stream-status")).to_have_attribute("data-status", "live")
+
+
+def wait_for(what: str, check, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = check()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.25)
+
+
+def count(page: Page, test_id: str) -> int:
+    text = page.get_by_test_id(test_id).inner_text().strip()
+    return int(text) if text.isdigit() else -1
+
+
+def chart_points(page: Page) -> int:
+    return int(page.get_by_test_id("chart-connections").get_attribute("data-points") or 0)
+
+
+def test_operator_drains_and_undrains_a_server_in_a_running_lab(page: Page, lab: DemoLab, shot):
+    page.set_default_timeout(30_000)
+    login(page, lab)
+    expect(page.get_by_test_id("whoami")).to_have_attribute("data-role", "admin")
+
+    # Three servers, each serving connections, with live load numbers.
+    for sid in (1, 2, 3):
+        expect(page.get_by_test_id(f"server-state-{sid}")).to_have_text("active")
+    wait_for("every server to carry connections",
+             lambda: all(count(page, f"server-connections-{sid}") > 0 for sid in (1, 2, 3)), 60)
+    def live_load(sid: int) -> bool:
+        text = page.get_by_test_id(f"server-load-{sid}").inner_text()
+        return re.match(r"^[0-9.]+ [kM]?pps$", text) is not None and not text.startswith("0 ")
+    wait_for("live load on every server", lambda: all(live_load(sid) for sid in (1, 2, 3)), 60)
+    servers = lab.get("/v1/servers")["items"]
+    assert all((s["stats"]["load_pps"] or 0) > 0 for s in servers), servers
+    shot(page, "lab-01-three-servers-live")
+
+    # Drain server 1: its connections migrate away, the count reaches zero.
+    before = count(page, "server-connections-1")
+    points_before = chart_points(page)
+    page.get_by_test_id("drain-button-1").click()
+    page.get_by_test_id("drain-deadline-1").fill("60")
+    page.get_by_test_id("drain-mode-1").select_option("migrate")
+    page.get_by_test_id("drain-confirm-1").click()
+    expect(page.get_by_test_id("server-state-1")).to_have_text(re.compile("draining|drained"))
+    shot(page, "lab-02-draining")
+    expect(page.get_by_test_id("server-state-1")).to_have_text("drained", timeout=60_000)
+    expect(page.get_by_test_id("server-connections-1")).to_have_text("0")
+    drain = lab.get("/v1/servers/1/drain")
+    assert drain["state"] == "completed", drain
+    # The other servers took the connections; the chart kept updating.
+    wait_for("the chart to gain points", lambda: chart_points(page) > points_before, 10)
+    others = count(page, "server-connections-2") + count(page, "server-connections-3")
+    assert others > 0, f"server 1 had {before} connections; where did they go?"
+    shot(page, "lab-03-drained")
+
+    # Undrain: the server is active again and gets new connections.
+    page.get_by_test_id("undrain-button-1").click()
+    expect(page.get_by_test_id("server-state-1")).to_have_text("active")
+    wait_for("server 1 to get connections again", lambda: count(page, "server-connections-1") > 0, 60)
+    shot(page, "lab-04-undrained")
+
+
+def test_policy_change_reaches_the_data_plane(page: Page, lab: DemoLab, shot):
+    page.set_default_timeout(30_000)
+    login(page, lab)
+    before = lab.get("/v1/policy")["proactive_threshold_pct"]
+    want = 25.0 if before != 25.0 else 30.0
+    page.get_by_test_id("nav-policy").click()
+    field = page.get_by_test_id("policy-field-proactive_threshold_pct")
+    field.fill(str(int(want)))
+    page.get_by_test_id("policy-save").click()
+    wait_for("the API to hold the new threshold",
+             lambda: lab.get("/v1/policy")["proactive_threshold_pct"] == want, 10)
+    # Taking effect: switchd (which pushes the tunables to every hostagent)
+    # runs with the new value within a second or two.
+    wait_for("switchd to run with the new threshold",
+             lambda: (lab.switchd_status().get("policy") or {}).get("proactive_threshold_pct") == want, 10)
+
+    # ... and every hostagent acknowledges the new policy generation in its
+    # heartbeats (switchd pushes the tunables; servers apply them).
+    def servers_applied():
+        st = lab.switchd_status()
+        gen = st["policy"]["generation"]
+        return len(st["servers"]) == 3 and all(s.get("policy_generation") == gen for s in st["servers"])
+    wait_for("every server to apply the new policy", servers_applied, 10)
+    shot(page, "lab-05-policy-applied")
