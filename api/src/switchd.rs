@@ -393,6 +393,26 @@ impl MigrationLog {
         }
     }
 
+    /// Logs a requested migration (given its id) before it is sent; its
+    /// origin's report (trigger `manual`) will complete this entry.
+    fn begin_request(&mut self, view: &mut MigrationView) {
+        view.id = self.alloc_id();
+        if self.pending_manual.len() >= PENDING_MANUAL {
+            self.pending_manual.pop_front();
+        }
+        self.pending_manual
+            .push_back((view.connection.clone(), view.id));
+        self.upsert(view);
+    }
+
+    /// Drops a requested migration that was never started.
+    fn forget_request(&mut self, id: u64) {
+        self.pending_manual.retain(|(_, i)| *i != id);
+        if let Some(i) = self.index_of(id) {
+            self.items.remove(i);
+        }
+    }
+
     /// A store watch's verdict on a requested migration, unless its report
     /// already told the real outcome. Returns the entry to publish.
     fn finish_watched(&mut self, view: &MigrationView) -> Option<MigrationView> {
@@ -566,13 +586,6 @@ impl SwitchdControlPlane {
         &self.http
     }
 
-    fn record(&self, m: &MigrationView) {
-        let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
-        log.upsert(m);
-        drop(log);
-        let _ = self.events.send(ControlEvent::Migration(m.clone()));
-    }
-
     /// Starts polling switchd's reported migrations (`GET /migrations`)
     /// into the log, until the control plane is dropped. Needs a tokio
     /// runtime (without one, e.g. in a plain unit test, nothing is polled).
@@ -737,21 +750,11 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
                 Some(ts.data_addr)
             }
         };
-        self.http
-            .post(&migrate_path(owner, &conn, target_ip))
-            .await?;
-        let id = {
-            let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
-            let id = log.alloc_id();
-            // Its origin's report (trigger `manual`) completes this entry.
-            if log.pending_manual.len() >= PENDING_MANUAL {
-                log.pending_manual.pop_front();
-            }
-            log.pending_manual.push_back((connection_id(&conn), id));
-            id
-        };
-        let view = MigrationView {
-            id,
+        // The entry exists before the request is sent: the origin may
+        // report the migration (trigger `manual`) within a millisecond, and
+        // that report must complete this entry, not become another one.
+        let mut view = MigrationView {
+            id: 0,
             connection: connection_id(&conn),
             origin: owner.0,
             target: target.map(|t| t.0),
@@ -762,9 +765,27 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
             finished_unix_ms: None,
             phases: MigrationPhases::default(),
         };
-        self.record(&view);
-        self.watch(conn, owner, view.clone());
-        Ok(view)
+        self.log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .begin_request(&mut view);
+        if let Err(p) = self.http.post(&migrate_path(owner, &conn, target_ip)).await {
+            // Not started: leave no entry behind.
+            self.log
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .forget_request(view.id);
+            return Err(p);
+        }
+        // Publish what the log holds now (a report may have completed it).
+        let current = {
+            let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+            log.index_of(view.id).map(|i| log.items[i].view.clone())
+        };
+        let current = current.unwrap_or_else(|| view.clone());
+        let _ = self.events.send(ControlEvent::Migration(current.clone()));
+        self.watch(conn, owner, view);
+        Ok(current)
     }
 
     async fn recent_migrations(
@@ -991,11 +1012,9 @@ mod tests {
     #[test]
     fn a_requested_migration_is_completed_by_its_report() {
         let mut log = MigrationLog::new();
-        let id = log.alloc_id();
         let conn = "198.18.0.11:40000-198.18.100.1:80".to_string();
-        log.pending_manual.push_back((conn.clone(), id));
-        log.upsert(&MigrationView {
-            id,
+        let mut requested = MigrationView {
+            id: 0,
             connection: conn,
             origin: 1,
             target: None,
@@ -1005,7 +1024,16 @@ mod tests {
             started_unix_ms: 9990,
             finished_unix_ms: None,
             phases: MigrationPhases::default(),
-        });
+        };
+        // Logged before the request is sent, so a report that comes back
+        // before the API answers still completes this entry.
+        log.begin_request(&mut requested);
+        let id = requested.id;
+        // A request switchd refused leaves nothing behind.
+        let mut refused = requested.clone();
+        log.begin_request(&mut refused);
+        log.forget_request(refused.id);
+        assert_eq!(log.pending_manual.len(), 1);
         let (v, _) = log.apply_page(&page(
             1,
             2,
