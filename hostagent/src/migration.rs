@@ -196,6 +196,8 @@ impl Migrator {
             if let Some(&cur) = self.by_flow.get(&f) {
                 if cur == id || cur == endpoint_id {
                     self.by_flow.remove(&f);
+                    // Closed here: its ownership epoch (TCPMig v2) goes too.
+                    self.engine.forget_flow(&f);
                 }
             }
         }

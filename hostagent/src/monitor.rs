@@ -101,6 +101,8 @@ struct Slot {
     pps: Window,
     data_segments: u64,
     data_bytes: u64,
+    /// `data_bytes` at the last re-read (what arrived since is new).
+    seen_bytes: u64,
     rq_bytes: u32,
     rq_packets: u32,
     tq_bytes: u32,
@@ -134,6 +136,14 @@ pub struct ServerLoad {
     pub rx_backlog_packets: u64,
     pub rx_backlog_bytes: u64,
     pub tx_queue_bytes: u64,
+    /// Since the monitor started: data packets received on watched
+    /// connections, and the application's consumption of receive queues in
+    /// packets (bytes consumed over the mean data-segment payload). Backlog
+    /// that arrived with a migrated-in connection is neither (the policy
+    /// tells a server that drains its backlog from one that cannot keep
+    /// up by their rates).
+    pub rx_arrived_packets: u64,
+    pub rx_drained_packets: u64,
 }
 
 /// Counters of the monitor's own work.
@@ -208,6 +218,12 @@ pub struct Monitor {
     rx_backlog_packets: u64,
     rx_backlog_bytes: u64,
     tx_queue_bytes: u64,
+    /// Data segments and payload bytes received on watched connections,
+    /// and receive-queue bytes the application consumed (see
+    /// [`ServerLoad::rx_drained_packets`]).
+    data_segments: u64,
+    data_bytes: u64,
+    drained_bytes: u64,
     pub stats: MonitorStats,
 }
 
@@ -232,6 +248,9 @@ impl Monitor {
             rx_backlog_packets: 0,
             rx_backlog_bytes: 0,
             tx_queue_bytes: 0,
+            data_segments: 0,
+            data_bytes: 0,
+            drained_bytes: 0,
             stats: MonitorStats::default(),
         }
     }
@@ -270,6 +289,7 @@ impl Monitor {
             pps: Window::default(),
             data_segments: 0,
             data_bytes: 0,
+            seen_bytes: 0,
             rq_bytes: 0,
             rq_packets: 0,
             tq_bytes: 0,
@@ -314,6 +334,8 @@ impl Monitor {
         if payload > 0 {
             s.data_segments += 1;
             s.data_bytes += payload as u64;
+            self.data_segments += 1;
+            self.data_bytes += payload as u64;
         }
         if s.dirty_epoch != self.dirty_epoch {
             s.dirty_epoch = self.dirty_epoch;
@@ -360,6 +382,13 @@ impl Monitor {
         self.rx_backlog_packets =
             self.rx_backlog_packets - u64::from(s.rq_packets) + u64::from(rqp);
         self.tx_queue_bytes = self.tx_queue_bytes - u64::from(s.tq_bytes) + u64::from(tq);
+        // Consumed since the last re-read: what was queued plus what
+        // arrived, less what is queued now. A migrated-in connection's
+        // first re-read finds its imported queue (nothing arrived): no
+        // consumption, and its queue is the baseline from then on.
+        let arrived = s.data_bytes - s.seen_bytes;
+        s.seen_bytes = s.data_bytes;
+        self.drained_bytes += (u64::from(s.rq_bytes) + arrived).saturating_sub(u64::from(rq));
         s.rq_bytes = rq;
         s.rq_packets = rqp;
         s.tq_bytes = tq;
@@ -431,6 +460,13 @@ impl Monitor {
             rx_backlog_packets: self.rx_backlog_packets,
             rx_backlog_bytes: self.rx_backlog_bytes,
             tx_queue_bytes: self.tx_queue_bytes,
+            rx_arrived_packets: self.data_segments,
+            rx_drained_packets: if self.data_bytes == 0 {
+                0
+            } else {
+                (self.drained_bytes as f64 * self.data_segments as f64 / self.data_bytes as f64)
+                    as u64
+            },
         }
     }
 
@@ -617,6 +653,33 @@ mod tests {
         m.refresh(&server);
         assert_eq!(m.totals(t0).rx_backlog_bytes, 400);
         assert_eq!((m.stats.passes, m.stats.last_pass_refreshes), (1, 1));
+    }
+
+    #[test]
+    fn arrivals_and_drain_count_own_traffic_not_imported_queues() {
+        let (mut server, conns) = endpoints(2, 100);
+        let mut m = Monitor::new(Duration::from_millis(20));
+        let t0 = Instant::from_millis(2);
+        // conns[0]: 100 bytes arrived as one 100-byte segment. conns[1]:
+        // its 100 bytes came with it (migrated in): not an arrival.
+        m.bind(t0, conns[0].1, conns[0].0, false);
+        m.on_segment(t0, &conns[0].1, 100);
+        m.bind(t0, conns[1].1, conns[1].0, true);
+        m.on_segment(t0, &conns[1].1, 0);
+        m.refresh(&server);
+        let l = m.totals(t0);
+        assert_eq!((l.rx_arrived_packets, l.rx_drained_packets), (1, 0));
+        assert_eq!(l.rx_backlog_packets, 2);
+        // The application reads both queues: two packets drained.
+        let mut buf = [0u8; 100];
+        for (id, f) in &conns {
+            assert_eq!(server.recv(*id, &mut buf).unwrap(), 100);
+            m.on_segment(t0, f, 0); // lists the slot (an ack, say)
+        }
+        m.refresh(&server);
+        let l = m.totals(t0);
+        assert_eq!((l.rx_arrived_packets, l.rx_drained_packets), (1, 2));
+        assert_eq!(l.rx_backlog_packets, 0);
     }
 
     #[test]

@@ -51,6 +51,13 @@ pub const MAX_ORDERS_PER_DECISION: usize = 64;
 pub const STALE_LOAD: Duration = Duration::from_millis(200);
 /// How long an ordered migration's backlog is assumed to be on its way out.
 pub const IN_FLIGHT: Duration = Duration::from_millis(200);
+/// Time constant of the reactive policy's arrival and drain rates (and of
+/// the decay of the rate it ordered away): long enough that a 1 ms count
+/// of a few packets does not look like overload.
+pub const REACTIVE_TREND: Duration = Duration::from_millis(100);
+/// Backlog a server drains by itself within this, at its current arrival
+/// and drain rates, is not shed.
+pub const DRAIN_HORIZON: Duration = Duration::from_secs(1);
 
 /// The runtime-tunable knobs (their source of truth is the store's
 /// `Policy`; switchd forwards them in POLICY messages).
@@ -161,6 +168,16 @@ pub struct PolicyEngine {
     moved: FlowMap<Instant>,
     pruned_at: Instant,
     scratch: Vec<ConnSample>,
+    /// The monitor's arrival and drain counters at the last decision.
+    rx_prev: Option<(Instant, u64, u64)>,
+    /// Data packets per second arriving and drained by the application,
+    /// smoothed over [`REACTIVE_TREND`].
+    arrival_pps: f64,
+    drain_pps: f64,
+    /// Rate (segments/s) the reactive policy ordered away, decaying with
+    /// [`REACTIVE_TREND`] as the rates above catch up with it.
+    reactive_credit: f64,
+    reactive_at: Instant,
     pub stats: PolicyStats,
 }
 
@@ -183,6 +200,11 @@ impl PolicyEngine {
             moved: FlowMap::default(),
             pruned_at: Instant::ZERO,
             scratch: Vec::new(),
+            rx_prev: None,
+            arrival_pps: 0.0,
+            drain_pps: 0.0,
+            reactive_credit: 0.0,
+            reactive_at: Instant::ZERO,
             stats: PolicyStats::default(),
         }
     }
@@ -208,6 +230,31 @@ impl PolicyEngine {
     /// Smoothed own load and pool average, packets per second.
     pub fn loads(&self) -> (f64, f64) {
         (self.own_pps, self.avg_pps)
+    }
+
+    /// Smoothed data packets per second arriving on the receive queues and
+    /// drained from them by the application (reactive policy).
+    pub fn rx_rates(&self) -> (f64, f64) {
+        (self.arrival_pps, self.drain_pps)
+    }
+
+    /// Updates the arrival and drain rates from the monitor's counters.
+    fn update_rx_rates(&mut self, now: Instant, server: &ServerLoad) {
+        let (arrived, drained) = (server.rx_arrived_packets, server.rx_drained_packets);
+        let Some((at, a0, d0)) = self.rx_prev else {
+            self.rx_prev = Some((now, arrived, drained));
+            return;
+        };
+        let dt = now.saturating_since(at).as_micros() as f64;
+        if dt <= 0.0 {
+            return;
+        }
+        let a = 1.0 - (-dt / REACTIVE_TREND.as_micros() as f64).exp();
+        let arrival = arrived.saturating_sub(a0) as f64 * 1e6 / dt;
+        let drain = drained.saturating_sub(d0) as f64 * 1e6 / dt;
+        self.arrival_pps += a * (arrival - self.arrival_pps);
+        self.drain_pps += a * (drain - self.drain_pps);
+        self.rx_prev = Some((now, arrived, drained));
     }
 
     /// A LOAD-NOTIFICATION from the switch. Returns false for a stale or
@@ -313,6 +360,15 @@ impl PolicyEngine {
         }
     }
 
+    /// Whether the switch's fresh counts say this server is no busier than
+    /// the pool average: shedding rate would then only move the overload.
+    fn pool_as_busy(&self, now: Instant) -> bool {
+        let fresh = self
+            .load_at
+            .is_some_and(|at| now.saturating_since(at) <= STALE_LOAD);
+        fresh && self.live_servers >= 2 && self.own_pps <= self.avg_pps
+    }
+
     /// One decision: appends the migrations to start to `out`.
     pub fn decide<I>(&mut self, now: Instant, server: &ServerLoad, conns: I, out: &mut Vec<Order>)
     where
@@ -325,6 +381,7 @@ impl PolicyEngine {
             self.moved.retain(|_, t| now.saturating_since(*t) < keep);
             self.pruned_at = now;
         }
+        self.update_rx_rates(now, server);
         let excess_pps = self.proactive_excess(now);
         let t = self.tunables;
         let reactive_on = t.reactive_enabled
@@ -360,18 +417,61 @@ impl PolicyEngine {
         let mut shed_pps = 0.0;
         if reactive_on {
             let backlog = server.rx_backlog_packets.saturating_sub(leaving_rq);
-            let excess = backlog.saturating_sub(u64::from(t.reactive_backlog_threshold)) as f64;
-            if excess > 0.0 {
+            let over = backlog.saturating_sub(u64::from(t.reactive_backlog_threshold)) as f64;
+            if over > 0.0 {
                 let before = out.len();
-                select(
-                    &cands,
-                    |c| f64::from(c.rq_packets),
-                    excess,
-                    None,
-                    &mut budget,
-                    Reason::Reactive,
-                    out,
-                );
+                // Overloaded (own arrivals outpace the drain): shed the rate
+                // the server cannot drain, less what it already ordered
+                // away. Draining: shed only the backlog it would not drain
+                // within the horizon. So a backlog that arrived with
+                // migrated connections, or that the server is working off,
+                // is not shed again (it made queues travel back and forth
+                // between servers, tests/tests/policy_lab.rs).
+                let decay = (-(now.saturating_since(self.reactive_at).as_micros() as f64)
+                    / REACTIVE_TREND.as_micros() as f64)
+                    .exp();
+                // Connections' rates count every segment (acks too).
+                let per_data = if self.arrival_pps > 0.0 && server.pps > self.arrival_pps {
+                    server.pps / self.arrival_pps
+                } else {
+                    1.0
+                };
+                // The growth once the rate already ordered away shows.
+                let growth =
+                    self.arrival_pps - self.drain_pps - self.reactive_credit * decay / per_data;
+                if growth > 0.0 {
+                    let excess = growth * per_data;
+                    if excess > 0.0 && !self.pool_as_busy(now) {
+                        select(
+                            &cands,
+                            |c| c.pps,
+                            excess,
+                            None,
+                            &mut budget,
+                            Reason::Reactive,
+                            out,
+                        );
+                    }
+                    let ordered: f64 = out[before..].iter().map(|o| o.pps).sum();
+                    if ordered > 0.0 {
+                        self.reactive_credit = self.reactive_credit * decay + ordered;
+                        self.reactive_at = now;
+                    }
+                } else {
+                    let drainable = -growth * DRAIN_HORIZON.as_secs_f64();
+                    let excess = over - drainable;
+                    if excess > 0.0 {
+                        select(
+                            &cands,
+                            |c| f64::from(c.rq_packets),
+                            excess,
+                            None,
+                            &mut budget,
+                            Reason::Reactive,
+                            out,
+                        );
+                    }
+                }
                 self.stats.reactive_orders += (out.len() - before) as u64;
                 shed_pps += out[before..].iter().map(|o| o.pps).sum::<f64>();
             }
@@ -543,6 +643,7 @@ pub fn render_metrics(i: &mut crate::stack::Inner, labels: &str, s: &mut String)
     let st = p.engine.stats;
     let tun = p.engine.tunables();
     let (own, avg) = p.engine.loads();
+    let (arrival, drain) = p.engine.rx_rates();
     for (name, kind, v) in [
         ("capybara_policy_enabled", "gauge", 1.0),
         (
@@ -566,6 +667,8 @@ pub fn render_metrics(i: &mut crate::stack::Inner, labels: &str, s: &mut String)
             f64::from(u8::from(tun.reactive_enabled)),
         ),
         ("capybara_policy_own_load_pps", "gauge", own.round()),
+        ("capybara_policy_rx_arrival_pps", "gauge", arrival.round()),
+        ("capybara_policy_rx_drain_pps", "gauge", drain.round()),
         ("capybara_policy_pool_average_pps", "gauge", avg.round()),
         (
             "capybara_policy_notifications_total",
@@ -877,6 +980,99 @@ mod tests {
         settled[0].age = Duration::from_secs(2);
         e.decide(t(1), &server, settled, &mut out);
         assert!(!out.is_empty());
+    }
+
+    /// Decisions every ms for `ms` ms starting at `t(from)`: the receive
+    /// queues are fed by the connections not ordered away (their packet
+    /// rates) and drained at `drain` packets per second (counters in
+    /// `*n`), with `backlog` queued; returns the orders.
+    fn run_rates(
+        e: &mut PolicyEngine,
+        (from, ms): (u64, u64),
+        n: &mut (f64, f64),
+        drain: f64,
+        backlog: u64,
+        conns: &[ConnSample],
+    ) -> Vec<Order> {
+        let mut out: Vec<Order> = Vec::new();
+        for k in 0..ms {
+            let live: Vec<ConnSample> = conns
+                .iter()
+                .filter(|c| !out.iter().any(|o| o.flow == c.flow))
+                .copied()
+                .collect();
+            let arrive: f64 = live.iter().map(|c| c.pps).sum();
+            n.0 += arrive / 1000.0;
+            n.1 += drain / 1000.0;
+            let server = ServerLoad {
+                pps: arrive,
+                rx_backlog_packets: backlog,
+                rx_arrived_packets: n.0 as u64,
+                rx_drained_packets: n.1 as u64,
+                ..Default::default()
+            };
+            e.decide(t(from + k), &server, live, &mut out);
+        }
+        out
+    }
+
+    fn reactive_only() -> PolicyEngine {
+        PolicyEngine::new(Tunables {
+            proactive_enabled: false,
+            ..Tunables::default()
+        })
+    }
+
+    #[test]
+    fn reactive_does_not_shed_a_backlog_the_server_drains() {
+        let mut e = reactive_only();
+        // 60 packets queued (over the threshold of 20), but the server
+        // drains 5,000/s while 2,000/s arrive: it works the backlog off
+        // within the horizon. Nothing moves.
+        let conns: Vec<_> = (0..10).map(|i| conn(i, 200.0, 6)).collect();
+        let mut n = (0.0, 0.0);
+        assert!(run_rates(&mut e, (0, 300), &mut n, 5_000.0, 10, &conns).is_empty());
+        let out = run_rates(&mut e, (300, 500), &mut n, 5_000.0, 60, &conns);
+        assert!(out.is_empty(), "{out:?}");
+        let (arrival, drain) = e.rx_rates();
+        assert!(
+            (arrival - 2_000.0).abs() < 50.0 && (drain - 5_000.0).abs() < 50.0,
+            "{arrival} {drain}"
+        );
+        // A backlog it would not work off within the horizon: the excess
+        // beyond what it drains (3,000 packets in a second) moves.
+        let out = run_rates(&mut e, (800, 1), &mut n, 5_000.0, 3_080, &conns);
+        assert!(!out.is_empty());
+    }
+
+    #[test]
+    fn reactive_sheds_the_rate_an_overloaded_server_cannot_drain_once() {
+        let mut e = reactive_only();
+        // 6,000/s arrive on 10 connections of 600/s, 5,000/s drain: the
+        // server must shed 1,000/s, two connections, and no more.
+        let conns: Vec<_> = (0..10).map(|i| conn(i, 600.0, 8)).collect();
+        let mut n = (0.0, 0.0);
+        assert!(run_rates(&mut e, (0, 300), &mut n, 5_000.0, 10, &conns).is_empty());
+        let out = run_rates(&mut e, (300, 1_500), &mut n, 5_000.0, 80, &conns);
+        assert_eq!(out.len(), 2, "{out:?}");
+        assert!(out.iter().all(|o| o.reason == Reason::Reactive));
+    }
+
+    #[test]
+    fn reactive_sheds_no_rate_when_the_pool_is_as_busy() {
+        let mut e = reactive_only();
+        let mut seq = 0;
+        // Own load equal to the pool average: every server is overloaded,
+        // moving connections would only move the overload.
+        let conns: Vec<_> = (0..10).map(|i| conn(i, 600.0, 8)).collect();
+        let mut n = (0.0, 0.0);
+        let mut out = Vec::new();
+        for k in 1..=600 {
+            feed(&mut e, &mut seq, k, 1, 6, 12, 2);
+            let backlog = if k <= 300 { 10 } else { 80 };
+            out.extend(run_rates(&mut e, (k, 1), &mut n, 5_000.0, backlog, &conns));
+        }
+        assert!(out.is_empty(), "{out:?}");
     }
 
     #[test]

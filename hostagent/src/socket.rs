@@ -28,7 +28,12 @@
 //! 3. on the target, [`StateImporter::import_state`] runs before the
 //!    connection appears through `accept`; an error refuses the import and
 //!    the origin keeps serving. The accepted stream then hands the imported
-//!    value to the application ([`TcpStream::take_imported_state`]);
+//!    value to the application ([`TcpStream::take_imported_state`]).
+//!    Until the application registers the connection's manager, a further
+//!    migration exports the state bytes the connection arrived with, as
+//!    they are (it may still sit in the accept queue, or its task may not
+//!    have run yet: the state must not be lost). So an application
+//!    registers the manager before it reads from the stream;
 //! 4. the migration did not happen: `resume`; it did (or the target host
 //!    failed): [`ConnectionManager::gone`], and socket calls report
 //!    [`Moved`].
@@ -142,6 +147,11 @@ pub struct Managers {
     conns: HashMap<ConnId, Box<dyn ConnectionManager>>,
     importers: HashMap<u16, Rc<dyn StateImporter>>,
     imported: HashMap<ConnId, Box<dyn Any>>,
+    /// The state bytes each migrated-in connection arrived with, kept until
+    /// the application registers the connection's manager: a migration in
+    /// between (the connection still in the accept queue, or accepted and
+    /// its task not run yet) must carry them on unchanged, not lose them.
+    unclaimed: HashMap<ConnId, Vec<u8>>,
     waiting: Vec<Waiting>,
     /// How long a migration waits for its manager to reach a safe point.
     pub wait_limit: Duration,
@@ -158,6 +168,7 @@ impl Default for Managers {
             conns: HashMap::new(),
             importers: HashMap::new(),
             imported: HashMap::new(),
+            unclaimed: HashMap::new(),
             waiting: Vec::new(),
             wait_limit: Duration::from_millis(100),
             wait_timeouts: 0,
@@ -169,6 +180,8 @@ impl Default for Managers {
 
 impl Managers {
     pub fn set(&mut self, app: ConnId, m: Box<dyn ConnectionManager>) {
+        // From now on the manager exports the connection's state.
+        self.unclaimed.remove(&app);
         self.conns.insert(app, m);
     }
 
@@ -183,6 +196,8 @@ impl Managers {
     /// The application released the handle.
     pub fn remove(&mut self, app: ConnId) {
         self.conns.remove(&app);
+        self.unclaimed.remove(&app);
+        self.imported.remove(&app);
         self.waiting.retain(|w| w.app != app);
     }
 
@@ -267,10 +282,15 @@ impl Managers {
         self.next_check
     }
 
-    /// Phase 2 export: the manager's state appended to `out` (nothing
-    /// without a manager). An error gives the migration up.
+    /// Phase 2 export: the manager's state appended to `out`. Without a
+    /// manager: the state the connection was imported with, if the
+    /// application has not taken it over yet (nothing was read since), else
+    /// nothing. An error gives the migration up.
     pub fn export(&mut self, app: ConnId, out: &mut Vec<u8>) -> Result<(), String> {
         let Some(m) = self.conns.get_mut(&app) else {
+            if let Some(state) = self.unclaimed.get(&app) {
+                out.extend_from_slice(state);
+            }
             return Ok(());
         };
         match m.prepare() {
@@ -291,6 +311,7 @@ impl Managers {
 
     /// The connection left this host.
     pub fn gone(&mut self, app: ConnId) {
+        self.unclaimed.remove(&app);
         if let Some(mut m) = self.conns.remove(&app) {
             m.gone();
         }
@@ -303,6 +324,9 @@ impl Managers {
             Some(i) => {
                 let v = i.import_state(flow, state)?;
                 self.imported.insert(id, v);
+                if !state.is_empty() {
+                    self.unclaimed.insert(id, state.to_vec());
+                }
                 Ok(())
             }
             None if state.is_empty() => Ok(()),

@@ -150,6 +150,7 @@ fn tcpmig_from_the_client_side_is_dropped() {
         frag_index: 0,
         frag_count: 1,
         reason: Reason::None,
+        epoch: 0,
         payload: &[],
     };
     let mut dgram = vec![0u8; 8 + m.buffer_len()];
@@ -791,20 +792,58 @@ proptest! {
     }
 }
 
-/// KNOWN BUG (docs/MIGRATION.md "Residual risk", understated there): a
-/// duplicate PREPARE_ACK of migration M (origin B -> target A) delayed
-/// past two later migrations (A -> B by a *different* origin, then B -> A
-/// and A -> B again) arrives when the entry is {owner B, id from origin A,
-/// final}: the switch's rules cannot compare ids of different origins, so
-/// it installs {A, M, pending}; a delayed CONN_STATE_ACK(M) then makes it
-/// final. The flow is steered to A, which no longer has it: the client is
-/// blackholed, then reset. It takes a reordering delay longer than two
-/// migrations (here 21 ms; back-to-back migrations can take ~100 us each),
-/// not "seconds". Ignored until the switch rule changes (e.g. PREPARE
-/// carries the id of the migration that gave the origin the flow, and the
-/// switch installs only if it equals the entry's id).
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 64,
+        max_shrink_iters: 200,
+        failure_persistence: Some(Box::new(proptest::test_runner::FileFailurePersistence::WithSource("regressions"))),
+        .. ProptestConfig::default()
+    })]
+
+    /// TCPMig v2 ownership epochs: the flow goes back and forth between the
+    /// two servers many times (each migration as soon as the previous one
+    /// let go, origin and target alternating), while TCPMig frames are
+    /// duplicated and held back for longer than several migrations take,
+    /// so stale PREPARE_ACKs, CONN_STATE_ACKs and ABORTs of earlier
+    /// migrations (by either origin) reach the switch in every order. The
+    /// client sees a byte-exact stream and never a reset, and exactly one
+    /// server owns the flow with the switch agreeing.
+    #[test]
+    fn back_and_forth_with_delayed_and_duplicated_control_messages(
+        seed in any::<u64>(),
+        source in prop::option::of(50_000usize..300_000),
+        up in 0usize..150_000,
+        // TCP loss stretches the stream (retransmission timeouts) over
+        // many migrations.
+        tcp_loss in 0.01..0.05f64,
+        mig_loss in 0.0..0.1f64,
+        mig_duplicate in 0.02..0.3f64,
+        mig_reorder in 0.05..0.4f64,
+        mig_reorder_delay_us in 2_000u64..60_000,
+        gaps in prop::collection::vec((0u32..400, any::<bool>()), 6..16),
+    ) {
+        let triggers = gaps.into_iter().map(|(us, explicit)| (Trigger::AfterIdle(us), explicit)).collect();
+        let tcp = Faults { loss: tcp_loss, duplicate: 0.02, reorder: 0.0 };
+        let mig = Faults { loss: mig_loss, duplicate: mig_duplicate, reorder: mig_reorder };
+        let _ = run_scenario(&Scenario {
+            seed, source, up, server_tx: 256 * 1024, tcp, mig,
+            reorder_delay_us: 100, mig_reorder_delay_us, triggers,
+        });
+    }
+}
+
+/// Regression (TCPMig v1 bug, fixed by the v2 ownership epoch; see
+/// docs/MIGRATION.md "Ownership epochs"): a duplicate PREPARE_ACK of
+/// migration M (origin B -> target A) delayed past two later migrations
+/// (A -> B by a *different* origin, then B -> A and A -> B again) arrived
+/// when the entry was {owner B, id from origin A, final}: the v1 switch
+/// rules could not compare ids of different origins, so it installed
+/// {A, M, pending}; a delayed CONN_STATE_ACK(M) then made it final and the
+/// flow was steered to A, which no longer had it (client blackholed, then
+/// reset). The reordering delay needed was only that of two migrations
+/// (here 21 ms). Now M's PREPARE_ACK names the epoch B had then, which the
+/// entry has moved on from, and the switch drops it.
 #[test]
-#[ignore = "known bug: stale PREPARE_ACK from two migrations ago redirects the flow (see doc comment)"]
 fn stale_prepare_ack_from_two_migrations_ago() {
     let gaps = [
         (80, false),

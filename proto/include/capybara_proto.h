@@ -43,7 +43,8 @@
 /* ------------------------------------------------------------------------ */
 
 #define TCPMIG_MAGIC 0xCA9B
-#define TCPMIG_VERSION 1
+/* 2: the 8-byte ownership epoch follows `reason` (v1 headers were 44 bytes). */
+#define TCPMIG_VERSION 2
 
 /* kind */
 #define TCPMIG_KIND_PREPARE 1
@@ -67,7 +68,7 @@
 #define TCPMIG_REASON_UNSPECIFIED 0xFFFF
 
 /* Lengths. A datagram is header + payload_len bytes of payload + MAC. */
-#define TCPMIG_HDR_LEN 44
+#define TCPMIG_HDR_LEN 52
 #define TCPMIG_MAC_LEN 16
 #define TCPMIG_MIN_LEN (TCPMIG_HDR_LEN + TCPMIG_MAC_LEN)
 
@@ -87,10 +88,11 @@
 #define TCPMIG_OFF_FRAG_COUNT 38
 #define TCPMIG_OFF_PAYLOAD_LEN 40
 #define TCPMIG_OFF_REASON 42
-#define TCPMIG_OFF_PAYLOAD 44
+#define TCPMIG_OFF_EPOCH 44
+#define TCPMIG_OFF_PAYLOAD 52
 
 /*
- * The 44-byte TCPMig header. The switch reads it (kind, flow, target) but
+ * The 52-byte TCPMig header (v2). The switch reads it (kind, flow, target) but
  * NEVER writes it: the MAC covers header + payload and the switch has no key.
  * For PREPARE it rewrites only the IP/UDP destination and Ethernet addresses;
  * on PREPARE_ACK (target -> origin) it installs the migration-table entry
@@ -113,6 +115,10 @@ struct tcpmig_hdr {
 	__be16 frag_count;   /* CONN_STATE fragment count (1 otherwise)         */
 	__be16 payload_len;  /* bytes of payload after this header              */
 	__be16 reason;       /* TCPMIG_REASON_* for REJECT/ABORT, 0 otherwise   */
+	__be64 epoch;        /* v2: id of the migration that gave the origin the
+	                      * flow (0: its placement); the switch installs a
+	                      * PREPARE_ACK over a final entry only if the entry's
+	                      * id equals it (or is an older id of the origin)   */
 } __attribute__((packed));
 
 _Static_assert(sizeof(struct tcpmig_hdr) == TCPMIG_HDR_LEN, "tcpmig_hdr size");

@@ -381,12 +381,12 @@ mod tests {
 
     #[test]
     fn mtu_arithmetic() {
-        assert_eq!(max_fragment_payload(1500), 1500 - 28 - 44 - 16);
-        assert_eq!(max_fragment_payload(88), 0);
+        assert_eq!(max_fragment_payload(1500), 1500 - 28 - 52 - 16);
+        assert_eq!(max_fragment_payload(96), 0);
         assert_eq!(max_fragment_payload(1 << 20), 65535);
         assert_eq!(
-            split(&[1, 2, 3], 88).unwrap_err(),
-            SplitError::MtuTooSmall { mtu: 88 }
+            split(&[1, 2, 3], 96).unwrap_err(),
+            SplitError::MtuTooSmall { mtu: 96 }
         );
         assert_eq!(
             split_chunks(&[0; 70000], 1).unwrap_err(),
@@ -403,8 +403,8 @@ mod tests {
         let f: Vec<_> = split(&s, 1500).unwrap().collect();
         assert_eq!(f.len(), 3);
         assert!(f.iter().all(|x| x.count == 3 && !x.payload.is_empty()));
-        assert_eq!(f[0].payload.len(), 1412);
-        assert_eq!(f[2].payload.len(), 3000 - 2 * 1412);
+        assert_eq!(f[0].payload.len(), 1404);
+        assert_eq!(f[2].payload.len(), 3000 - 2 * 1404);
         let empty: Vec<_> = split(&[], 1500).unwrap().collect();
         assert_eq!(
             empty,

@@ -1,7 +1,7 @@
-//! TCPMig, the connection-migration protocol, version 1 (UDP port 7690).
+//! TCPMig, the connection-migration protocol, version 2 (UDP port 7690).
 //!
 //! Wire layout (all integers big-endian; docs/TCPMIG.md has the full table):
-//! a 44-byte header, `payload_len` bytes of payload, then a 16-byte
+//! a 52-byte header, `payload_len` bytes of payload, then a 16-byte
 //! truncated HMAC-SHA256 over header + payload. The C mirror is
 //! `proto/include/capybara_proto.h` (`struct tcpmig_hdr`), checked against
 //! [`field`] by `tests/c_header.rs`.
@@ -17,6 +17,12 @@
 //!   act on a message call [`TcpMigPacket::verify_mac`] (or
 //!   [`TcpMigRepr::parse_verified`]) first;
 //! - nothing here allocates.
+//!
+//! Version 2 adds the 8-byte ownership `epoch` after `reason` (the id of
+//! the migration that gave the origin the flow, 0 for its placement), so
+//! that the switch can tell a stale PREPARE_ACK from a current one
+//! (docs/MIGRATION.md). Version 1 datagrams are refused with
+//! [`TcpMigError::UnsupportedVersion`] before any other field is read.
 
 use std::net::Ipv4Addr;
 
@@ -27,8 +33,8 @@ use crate::mac::{MigrationKey, MAC_LEN};
 
 /// First two bytes of every TCPMig datagram.
 pub const MAGIC: u16 = 0xCA9B;
-/// The only version this code speaks.
-pub const VERSION: u8 = 1;
+/// The only version this code speaks (v1 had no `epoch` field).
+pub const VERSION: u8 = 2;
 /// Header length (the payload starts here).
 pub const HEADER_LEN: usize = field::PAYLOAD;
 /// Smallest valid datagram: header, empty payload, MAC.
@@ -56,8 +62,10 @@ pub mod field {
     pub const FRAG_COUNT: Field = 38..40;
     pub const PAYLOAD_LEN: Field = 40..42;
     pub const REASON: Field = 42..44;
+    /// v2: ownership epoch of the origin (see [`super::TcpMigRepr::epoch`]).
+    pub const EPOCH: Field = 44..52;
     /// Start of the payload (= header length).
-    pub const PAYLOAD: usize = 44;
+    pub const PAYLOAD: usize = 52;
 }
 
 /// Message kind.
@@ -256,6 +264,13 @@ fn be16(b: &[u8], r: field::Field) -> u16 {
 }
 
 #[inline]
+fn be64(b: &[u8], r: field::Field) -> u64 {
+    let mut v = [0u8; 8];
+    v.copy_from_slice(&b[r]);
+    u64::from_be_bytes(v)
+}
+
+#[inline]
 fn be32(b: &[u8], r: field::Field) -> u32 {
     u32::from_be_bytes([b[r.start], b[r.start + 1], b[r.start + 2], b[r.start + 3]])
 }
@@ -330,10 +345,11 @@ impl<T: AsRef<[u8]>> TcpMigPacket<T> {
         Kind::from_u8(self.buffer.as_ref()[field::KIND])
     }
     pub fn migration_id(&self) -> u64 {
-        let b = self.buffer.as_ref();
-        let mut id = [0u8; 8];
-        id.copy_from_slice(&b[field::MIGRATION_ID]);
-        u64::from_be_bytes(id)
+        be64(self.buffer.as_ref(), field::MIGRATION_ID)
+    }
+    /// The ownership epoch (v2).
+    pub fn epoch(&self) -> u64 {
+        be64(self.buffer.as_ref(), field::EPOCH)
     }
     pub fn flow(&self) -> FlowKey {
         let b = self.buffer.as_ref();
@@ -411,6 +427,9 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> TcpMigPacket<T> {
     pub fn set_migration_id(&mut self, v: u64) {
         self.buffer.as_mut()[field::MIGRATION_ID].copy_from_slice(&v.to_be_bytes())
     }
+    pub fn set_epoch(&mut self, v: u64) {
+        self.buffer.as_mut()[field::EPOCH].copy_from_slice(&v.to_be_bytes())
+    }
     pub fn set_flow(&mut self, f: FlowKey) {
         self.put32(field::CLIENT_IP, u32::from(f.client_ip));
         self.put16(field::CLIENT_PORT, f.client_port);
@@ -470,6 +489,12 @@ pub struct TcpMigRepr<'a> {
     pub frag_count: u16,
     /// REJECT/ABORT reason, [`Reason::None`] otherwise.
     pub reason: Reason,
+    /// Ownership epoch (v2): the id of the migration that gave the origin
+    /// the flow, 0 if the origin has it from its placement. Set by the
+    /// origin in every message of a migration and echoed by the target;
+    /// the switch installs a PREPARE_ACK over a final entry only if the
+    /// entry's id is this epoch (or an older id of the same origin).
+    pub epoch: u64,
     /// CONN_STATE: a snapshot fragment. REJECT/ABORT: optional UTF-8
     /// diagnostic. Other kinds: empty in v1 (receivers ignore it).
     pub payload: &'a [u8],
@@ -509,6 +534,7 @@ impl<'a> TcpMigRepr<'a> {
             frag_index,
             frag_count,
             reason: p.reason(),
+            epoch: p.epoch(),
             payload: &bytes[field::PAYLOAD..end],
         })
     }
@@ -562,6 +588,7 @@ impl<'a> TcpMigRepr<'a> {
         // Checked above: fits in u16.
         p.set_payload_len(self.payload.len() as u16);
         p.set_reason(self.reason);
+        p.set_epoch(self.epoch);
         p.payload_mut().copy_from_slice(self.payload);
         let b = p.into_inner();
         b[n - MAC_LEN..].fill(0);
@@ -600,22 +627,65 @@ mod tests {
             frag_index: 0,
             frag_count: 1,
             reason: Reason::None,
+            epoch: 0xC612_020B_0000_0003,
             payload: &[],
         }
     }
 
     #[test]
     fn golden_prepare_bytes() {
-        let mut buf = [0u8; 60];
-        assert_eq!(prepare().emit(&mut buf).unwrap(), 60);
-        let expected_header: [u8; 44] = [
-            0xCA, 0x9B, 1, 1, 1, 2, 3, 4, 5, 6, 7, 8, // magic, version, kind, id
+        let mut buf = [0u8; 68];
+        assert_eq!(prepare().emit(&mut buf).unwrap(), 68);
+        let expected_header: [u8; 52] = [
+            0xCA, 0x9B, 2, 1, 1, 2, 3, 4, 5, 6, 7, 8, // magic, version, kind, id
             198, 18, 0, 10, 0x9c, 0x40, 0, 80, // client ip, client port, service port
             198, 18, 100, 1, 198, 18, 2, 10, 0, 0, 0, 0, // vip, origin, target
             0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, // seq, frag idx/count, len, reason
+            198, 18, 2, 11, 0, 0, 0, 3, // epoch (migration 3 of 198.18.2.11)
         ];
-        assert_eq!(&buf[..44], &expected_header);
-        assert_eq!(&buf[44..], &[0u8; 16]);
+        assert_eq!(&buf[..52], &expected_header);
+        assert_eq!(&buf[52..], &[0u8; 16]);
+    }
+
+    #[test]
+    fn version_1_is_refused_before_its_layout_is_read() {
+        let mut buf = [0u8; 68];
+        prepare().emit_with_mac(&mut buf, &key()).unwrap();
+        // A v1 PREPARE: 44-byte header, no epoch, 60 bytes in all.
+        let mut v1 = [0u8; 60];
+        v1[..44].copy_from_slice(&buf[..44]);
+        v1[2] = 1;
+        assert_eq!(
+            TcpMigPacket::new_checked(&v1[..]).unwrap_err(),
+            TcpMigError::UnsupportedVersion { found: 1 }
+        );
+        assert_eq!(
+            TcpMigRepr::parse_verified(&v1[..], &key()).unwrap_err(),
+            TcpMigError::UnsupportedVersion { found: 1 }
+        );
+        assert_eq!(
+            TcpMigError::UnsupportedVersion { found: 1 }.to_string(),
+            "unsupported TCPMig version 1 (this node speaks 2)"
+        );
+    }
+
+    #[test]
+    fn mac_covers_the_epoch() {
+        let mut buf = [0u8; 68];
+        let n = prepare().emit_with_mac(&mut buf, &key()).unwrap();
+        assert_eq!(
+            TcpMigRepr::parse_verified(&buf[..n], &key()).unwrap().epoch,
+            prepare().epoch
+        );
+        for i in field::EPOCH {
+            let mut b = buf;
+            b[i] ^= 0x80;
+            assert_eq!(
+                TcpMigRepr::parse_verified(&b[..n], &key()),
+                Err(TcpMigError::BadMac),
+                "epoch byte {i}"
+            );
+        }
     }
 
     #[test]
@@ -632,7 +702,7 @@ mod tests {
         };
         let mut buf = [0u8; 200];
         let n = repr.emit_with_mac(&mut buf, &key()).unwrap();
-        assert_eq!(n, 160);
+        assert_eq!(n, 168);
         let parsed = TcpMigRepr::parse_verified(&buf[..n], &key()).unwrap();
         assert_eq!(parsed, repr);
         let other = MigrationKey::from_bytes(&[8u8; 32]).unwrap();
@@ -649,21 +719,21 @@ mod tests {
 
     #[test]
     fn errors_are_distinct_and_ordered() {
-        let mut buf = [0u8; 60];
+        let mut buf = [0u8; 68];
         prepare().emit(&mut buf).unwrap();
         assert_eq!(
-            TcpMigPacket::new_checked(&buf[..43]).unwrap_err(),
+            TcpMigPacket::new_checked(&buf[..51]).unwrap_err(),
             TcpMigError::Truncated {
-                len: 43,
+                len: 51,
                 min: MIN_LEN
             }
         );
         let mut v = buf;
-        v[2] = 2;
+        v[2] = 3;
         v[3] = 99; // version is checked before kind
         assert_eq!(
             TcpMigPacket::new_checked(&v[..]).unwrap_err(),
-            TcpMigError::UnsupportedVersion { found: 2 }
+            TcpMigError::UnsupportedVersion { found: 3 }
         );
         let mut k = buf;
         k[3] = 7;
@@ -678,10 +748,10 @@ mod tests {
             Err(TcpMigError::BadMagic { .. })
         ));
         assert_eq!(
-            TcpMigPacket::new_checked(&buf[..59]).unwrap_err(),
+            TcpMigPacket::new_checked(&buf[..67]).unwrap_err(),
             TcpMigError::LengthMismatch {
-                len: 59,
-                expected: 60,
+                len: 67,
+                expected: 68,
                 payload_len: 0
             }
         );

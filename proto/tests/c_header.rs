@@ -230,6 +230,7 @@ fn fields() -> Vec<(
             t::PAYLOAD_LEN,
         ),
         ("tcpmig_hdr", "reason", "TCPMIG_OFF_REASON", t::REASON),
+        ("tcpmig_hdr", "epoch", "TCPMIG_OFF_EPOCH", t::EPOCH),
     ];
     use load::field as l;
     v.extend([

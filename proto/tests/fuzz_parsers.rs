@@ -128,6 +128,7 @@ fn random_tcpmig<'a>(rng: &mut Rng, payload: &'a [u8]) -> TcpMigRepr<'a> {
         frag_index: rng.below(frag_count as usize) as u16,
         frag_count,
         reason: Reason::from_u16(rng.u16()),
+        epoch: rng.next(),
         payload,
     }
 }
@@ -149,6 +150,7 @@ fn check_tcpmig(bytes: &[u8]) {
             p.frag_index(),
             p.frag_count(),
             p.reason(),
+            p.epoch(),
             p.payload(),
             p.mac(),
         );
@@ -195,7 +197,8 @@ fn random_bytes_never_panic() {
         if buf.len() >= 4 && rng.chance(2) {
             let magic = [0xCA9Bu16, 0xCA9C, 0xCA9D][rng.below(3)];
             buf[..2].copy_from_slice(&magic.to_be_bytes());
-            buf[2] = 1;
+            // TCPMig is at version 2 (v1 is refused); the others at 1.
+            buf[2] = if magic == 0xCA9B { 2 } else { 1 };
         }
         check_tcpmig(&buf);
         check_load(&buf);

@@ -96,6 +96,25 @@ pub enum StoreError {
     Internal(String),
 }
 
+/// The `NotLeader` of a fenced write refused because `fence` no longer
+/// holds its election (`holder`: who does, if anyone).
+pub(crate) fn fenced_out(
+    fence: &crate::model::LeaderInfo,
+    holder: Option<&crate::model::LeaderInfo>,
+) -> StoreError {
+    let now = match holder {
+        Some(h) => format!("{:?} holds it with term {}", h.candidate, h.term),
+        None => "no live leader".into(),
+    };
+    StoreError::NotLeader {
+        election: fence.election.clone(),
+        reason: format!(
+            "write refused: lease {} (term {}) of {:?} no longer holds the election ({now})",
+            fence.lease_id, fence.term, fence.candidate
+        ),
+    }
+}
+
 impl StoreError {
     pub(crate) fn sqlite(op: &'static str) -> impl FnOnce(rusqlite::Error) -> StoreError {
         move |source| StoreError::Sqlite { op, source }

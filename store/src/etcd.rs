@@ -39,7 +39,7 @@ use etcd_client::{
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{self, decode, encode, FlowValue};
-use crate::error::{Result, StoreError};
+use crate::error::{fenced_out, Result, StoreError};
 use crate::model::*;
 use crate::{lease_ttl_secs, Store, WatchStream};
 
@@ -464,6 +464,69 @@ impl EtcdStore {
         }))
     }
 
+    /// Flow writes in transactions of at most `max_txn_ops`. With a fence,
+    /// every transaction also compares the leader key's lease and create
+    /// revision (the term) with the fence: a lease that expired (the key is
+    /// gone) or a key re-created by another candidate fails the compare and
+    /// nothing of that transaction is written.
+    async fn write_flows(&self, ops: &[FlowOp], fence: Option<&LeaderInfo>) -> Result<()> {
+        // etcd refuses a transaction that touches a key twice.
+        let ops = last_op_per_flow(ops);
+        let guard: Vec<Compare> = match fence {
+            Some(f) => {
+                let key = self.full(&codec::leader_key(&f.election));
+                vec![
+                    Compare::lease(key.clone(), CompareOp::Equal, f.lease_id),
+                    Compare::create_revision(
+                        key,
+                        CompareOp::Equal,
+                        i64::try_from(f.term).unwrap_or(i64::MAX),
+                    ),
+                ]
+            }
+            None => Vec::new(),
+        };
+        // A fenced empty batch still checks the fence (one empty chunk).
+        let empty: [FlowOp; 0] = [];
+        let chunks: Vec<&[FlowOp]> = if ops.is_empty() && fence.is_some() {
+            vec![&empty[..]]
+        } else {
+            ops.chunks(self.config.max_txn_ops.max(1)).collect()
+        };
+        for chunk in chunks {
+            let txn_ops: Vec<TxnOp> = chunk
+                .iter()
+                .map(|op| match op {
+                    FlowOp::Put { key, server } => TxnOp::put(
+                        self.full(&codec::flow_key(key)),
+                        encode(&FlowValue { server: server.0 }),
+                        None::<PutOptions>,
+                    ),
+                    FlowOp::Delete { key } => TxnOp::delete(self.full(&codec::flow_key(key)), None),
+                })
+                .collect();
+            let txn = Txn::new().when(guard.clone()).and_then(txn_ops);
+            let resp = self
+                .retry("apply_flows", |mut c| {
+                    let t = txn.clone();
+                    async move { c.txn(t).await }
+                })
+                .await?;
+            if let (Some(f), false) = (fence, resp.succeeded()) {
+                // Best effort: name the holder; the refusal stands either way.
+                let holder = match self
+                    .get_kv("apply_flows", &codec::leader_key(&f.election))
+                    .await
+                {
+                    Ok(Some(kv)) => self.decode_leader(&f.election, &kv).ok(),
+                    _ => None,
+                };
+                return Err(fenced_out(f, holder.as_ref()));
+            }
+        }
+        Ok(())
+    }
+
     /// Writes a raw value at a logical key, bypassing encoding. For tests of
     /// malformed keys and values only.
     #[doc(hidden)]
@@ -583,28 +646,11 @@ impl Store for EtcdStore {
     }
 
     async fn apply_flows(&self, ops: &[FlowOp]) -> Result<()> {
-        // etcd refuses a transaction that touches a key twice.
-        let ops = last_op_per_flow(ops);
-        for chunk in ops.chunks(self.config.max_txn_ops.max(1)) {
-            let txn_ops: Vec<TxnOp> = chunk
-                .iter()
-                .map(|op| match op {
-                    FlowOp::Put { key, server } => TxnOp::put(
-                        self.full(&codec::flow_key(key)),
-                        encode(&FlowValue { server: server.0 }),
-                        None::<PutOptions>,
-                    ),
-                    FlowOp::Delete { key } => TxnOp::delete(self.full(&codec::flow_key(key)), None),
-                })
-                .collect();
-            let txn = Txn::new().and_then(txn_ops);
-            self.retry("apply_flows", |mut c| {
-                let t = txn.clone();
-                async move { c.txn(t).await }
-            })
-            .await?;
-        }
-        Ok(())
+        self.write_flows(ops, None).await
+    }
+
+    async fn apply_flows_fenced(&self, ops: &[FlowOp], fence: &LeaderInfo) -> Result<()> {
+        self.write_flows(ops, Some(fence)).await
     }
 
     async fn get_flow(&self, key: &FlowKey) -> Result<Option<ServerId>> {

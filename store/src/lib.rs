@@ -13,6 +13,8 @@
 //!   yield a `StoreError` naming the key, file or field;
 //! - `apply_flows` is all-or-nothing per call on SQLite and per chunk of
 //!   `max_txn_ops` on etcd; within a batch the last operation on a flow wins;
+//! - `apply_flows_fenced` writes only while the given leadership holds,
+//!   checked in the same transaction, so a deposed leader cannot write;
 //! - a watch delivers every change made after `watch` returned, in order,
 //!   or ends with `WatchLagged` so the consumer can re-list.
 
@@ -37,7 +39,9 @@ pub use error::{PolicyError, Result, StoreError};
 pub use etcd::{EtcdConfig, EtcdStore};
 pub use model::*;
 pub use sqlite::{SqliteConfig, SqliteStore};
-pub use writer::{FlowWriter, FlowWriterConfig, FlowWriterMetrics, Overflow, OverflowReason};
+pub use writer::{
+    FlowWriter, FlowWriterConfig, FlowWriterMetrics, Overflow, OverflowReason, WriteFence,
+};
 
 /// A stream of changes. Ends with an error item if the watch broke
 /// (`WatchLagged`, backend gone); the consumer re-lists and watches again.
@@ -79,6 +83,14 @@ pub trait Store: Send + Sync + 'static {
     // ----- flow-to-server mappings
     /// Applies a batch of puts and deletes; the last operation on a flow wins.
     async fn apply_flows(&self, ops: &[FlowOp]) -> Result<()>;
+    /// `apply_flows` fenced by leadership: each transaction (all of it on
+    /// SQLite, each chunk of `max_txn_ops` on etcd) is written only if
+    /// `fence` (the `info` of a won `campaign`) still holds its election,
+    /// checked atomically with the writes: same lease, not expired, not
+    /// taken over. Otherwise nothing of that transaction is written and the
+    /// answer is `NotLeader`, naming the lease and the current holder. An
+    /// empty batch only checks the fence.
+    async fn apply_flows_fenced(&self, ops: &[FlowOp], fence: &LeaderInfo) -> Result<()>;
     async fn get_flow(&self, key: &FlowKey) -> Result<Option<ServerId>>;
     /// Flows owned by `server`, ordered by key.
     async fn list_flows_by_server(&self, server: ServerId) -> Result<Vec<FlowKey>>;

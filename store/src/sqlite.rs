@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, Notify};
 
 use crate::codec::{self, decode, encode};
-use crate::error::{Result, StoreError};
+use crate::error::{fenced_out, Result, StoreError};
 use crate::model::*;
 use crate::{lease_ttl_secs, Store, WatchStream};
 
@@ -424,6 +424,47 @@ impl SqliteStore {
             StoreError::Sqlite { op, source } => corrupt_or(&self.inner.path, op, source),
             other => other,
         })
+    }
+
+    /// One `BEGIN IMMEDIATE` transaction of flow writes. With a fence, the
+    /// lease row is checked inside it: the write lock serializes it against
+    /// `campaign`, so no other candidate can win between check and commit.
+    async fn write_flows(&self, ops: Vec<FlowOp>, fence: Option<LeaderInfo>) -> Result<()> {
+        // Flows are not watched: no change-log rows and no poller wake-up.
+        self.run("apply_flows", move |conn| {
+            let op = "apply_flows";
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(StoreError::sqlite(op))?;
+            if let Some(f) = &fence {
+                let holder = read_leader(&tx, &f.election, unix_ms_now() as i64).map_err(StoreError::sqlite(op))?;
+                if !holder.as_ref().is_some_and(|h| h.lease_id == f.lease_id && h.candidate == f.candidate) {
+                    return Err(fenced_out(f, holder.as_ref()));
+                }
+            }
+            {
+                let mut put = tx
+                    .prepare_cached(
+                        "INSERT INTO flows (client_ip, client_port, service_ip, service_port, server) VALUES (?1, ?2, ?3, ?4, ?5)
+                         ON CONFLICT (client_ip, client_port, service_ip, service_port) DO UPDATE SET server = excluded.server",
+                    )
+                    .map_err(StoreError::sqlite(op))?;
+                let mut del = tx
+                    .prepare_cached("DELETE FROM flows WHERE client_ip = ?1 AND client_port = ?2 AND service_ip = ?3 AND service_port = ?4")
+                    .map_err(StoreError::sqlite(op))?;
+                for o in &ops {
+                    match o {
+                        FlowOp::Put { key, server } => {
+                            let [a, b, c, d] = flow_params(key);
+                            put.execute(params![a, b, c, d, i64::from(server.0)]).map_err(StoreError::sqlite(op))?;
+                        }
+                        FlowOp::Delete { key } => {
+                            del.execute(flow_params(key)).map_err(StoreError::sqlite(op))?;
+                        }
+                    }
+                }
+            }
+            tx.commit().map_err(StoreError::sqlite(op))
+        })
+        .await
     }
 
     /// Runs `f` in an IMMEDIATE transaction and wakes the local watch poller.
@@ -896,36 +937,11 @@ impl Store for SqliteStore {
         if ops.is_empty() {
             return Ok(());
         }
-        let ops = ops.to_vec();
-        // Flows are not watched: no change-log rows and no poller wake-up.
-        self.run("apply_flows", move |conn| {
-            let op = "apply_flows";
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(StoreError::sqlite(op))?;
-            {
-                let mut put = tx
-                    .prepare_cached(
-                        "INSERT INTO flows (client_ip, client_port, service_ip, service_port, server) VALUES (?1, ?2, ?3, ?4, ?5)
-                         ON CONFLICT (client_ip, client_port, service_ip, service_port) DO UPDATE SET server = excluded.server",
-                    )
-                    .map_err(StoreError::sqlite(op))?;
-                let mut del = tx
-                    .prepare_cached("DELETE FROM flows WHERE client_ip = ?1 AND client_port = ?2 AND service_ip = ?3 AND service_port = ?4")
-                    .map_err(StoreError::sqlite(op))?;
-                for o in &ops {
-                    match o {
-                        FlowOp::Put { key, server } => {
-                            let [a, b, c, d] = flow_params(key);
-                            put.execute(params![a, b, c, d, i64::from(server.0)]).map_err(StoreError::sqlite(op))?;
-                        }
-                        FlowOp::Delete { key } => {
-                            del.execute(flow_params(key)).map_err(StoreError::sqlite(op))?;
-                        }
-                    }
-                }
-            }
-            tx.commit().map_err(StoreError::sqlite(op))
-        })
-        .await
+        self.write_flows(ops.to_vec(), None).await
+    }
+
+    async fn apply_flows_fenced(&self, ops: &[FlowOp], fence: &LeaderInfo) -> Result<()> {
+        self.write_flows(ops.to_vec(), Some(fence.clone())).await
     }
 
     async fn get_flow(&self, key: &FlowKey) -> Result<Option<ServerId>> {

@@ -9,19 +9,71 @@
 //! `try_push` is eventually written in order, unless the writer is closed
 //! with a deadline that passes first (then `close` says how many were left).
 //! Metrics expose backlog, batches, batch sizes, overflow, last error and lag.
+//!
+//! A fenced writer (`spawn_fenced`, switchd HA) writes with
+//! `Store::apply_flows_fenced` under the lease in its [`WriteFence`]: with no
+//! lease set it writes nothing and waits; a batch the store refuses
+//! (`NotLeader`: the lease lapsed or was taken over) is kept, reported
+//! through the fence (`take_refused`) and retried only once the owner sets a
+//! lease again. Closed without a lease, it drops what is left and `close`
+//! says how many: a deposed leader never writes.
 
 // `u64::is_multiple_of` needs Rust 1.87; the workspace supports 1.80.
 #![allow(clippy::manual_is_multiple_of)]
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::model::FlowOp;
-use crate::Store;
+use crate::model::{FlowOp, LeaderInfo};
+use crate::{Store, StoreError};
+
+/// The leadership a fenced [`FlowWriter`] writes under, shared by the lease
+/// owner and the writer. The owner `set`s the lease it won and clears it
+/// (`set(None)`) when it loses it; the writer reports the lease of a write
+/// the store refused, which the owner collects with `take_refused`.
+#[derive(Debug, Default)]
+pub struct WriteFence {
+    current: Mutex<Option<LeaderInfo>>,
+    generation: AtomicU64,
+    /// Lease id of the last refused write not yet taken (0: none).
+    refused: AtomicI64,
+}
+
+impl WriteFence {
+    pub fn new() -> Arc<Self> {
+        Arc::new(WriteFence::default())
+    }
+
+    /// Writes go under `lease` from now on (`None`: nothing is written).
+    pub fn set(&self, lease: Option<&LeaderInfo>) {
+        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = lease.cloned();
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn current(&self) -> Option<LeaderInfo> {
+        self.current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The lease id of a write the store refused (`NotLeader`) since the
+    /// last call, if any.
+    pub fn take_refused(&self) -> Option<i64> {
+        match self.refused.swap(0, Ordering::AcqRel) {
+            0 => None,
+            id => Some(id),
+        }
+    }
+
+    fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct FlowWriterConfig {
@@ -84,6 +136,13 @@ struct Counters {
     max_flush_us: AtomicU64,
     /// Age of the oldest operation of the last written batch, microseconds.
     last_lag_us: AtomicU64,
+    /// Batches the store refused because the fence's lease no longer holds.
+    fenced: AtomicU64,
+    /// Operations dropped on close because no lease was held.
+    abandoned: AtomicU64,
+    /// Fenced writer waiting for a lease (none set, or the set one refused).
+    waiting_for_lease: AtomicU64,
+    close_requested: AtomicBool,
     last_error: Mutex<Option<String>>,
     /// Enqueue time of the first operation of the batch being written.
     oldest_pending: Mutex<Option<Instant>>,
@@ -110,6 +169,12 @@ pub struct FlowWriterMetrics {
     pub lag: Duration,
     pub last_batch_lag: Duration,
     pub last_error: Option<String>,
+    /// Fenced writer: batches refused because the lease no longer held.
+    pub fenced_total: u64,
+    /// Fenced writer: operations dropped at close for want of a lease.
+    pub abandoned_total: u64,
+    /// Fenced writer: holding its batch until a lease is set.
+    pub waiting_for_lease: bool,
 }
 
 impl FlowWriterMetrics {
@@ -125,6 +190,12 @@ impl FlowWriterMetrics {
         line("overflow_total", self.overflow_total.to_string());
         line("flush_errors_total", self.flush_errors_total.to_string());
         line("retrying", u8::from(self.retrying).to_string());
+        line("fenced_total", self.fenced_total.to_string());
+        line("abandoned_total", self.abandoned_total.to_string());
+        line(
+            "waiting_for_lease",
+            u8::from(self.waiting_for_lease).to_string(),
+        );
         line("lag_seconds", format!("{:.6}", self.lag.as_secs_f64()));
         line(
             "last_flush_seconds",
@@ -166,6 +237,25 @@ pub struct FlowWriter {
 impl FlowWriter {
     /// Starts the background flusher on the current tokio runtime.
     pub fn spawn(store: Arc<dyn Store>, config: FlowWriterConfig) -> Self {
+        Self::start(store, config, None)
+    }
+
+    /// Like `spawn`, but every batch is written with
+    /// `Store::apply_flows_fenced` under the lease in `fence` (see the
+    /// module documentation).
+    pub fn spawn_fenced(
+        store: Arc<dyn Store>,
+        config: FlowWriterConfig,
+        fence: Arc<WriteFence>,
+    ) -> Self {
+        Self::start(store, config, Some(fence))
+    }
+
+    fn start(
+        store: Arc<dyn Store>,
+        config: FlowWriterConfig,
+        fence: Option<Arc<WriteFence>>,
+    ) -> Self {
         let capacity = config.capacity.max(1);
         let (tx, rx) = mpsc::channel(capacity);
         let counters = Arc::new(Counters::default());
@@ -173,6 +263,7 @@ impl FlowWriter {
         let task = tokio::spawn(flusher(
             store,
             config,
+            fence,
             rx,
             counters.clone(),
             shutdown.clone(),
@@ -253,6 +344,9 @@ impl FlowWriter {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
+            fenced_total: c.fenced.load(Ordering::Relaxed),
+            abandoned_total: c.abandoned.load(Ordering::Relaxed),
+            waiting_for_lease: c.waiting_for_lease.load(Ordering::Relaxed) != 0,
         }
     }
 
@@ -276,8 +370,10 @@ impl FlowWriter {
     }
 
     /// Stops accepting, writes what is queued (retrying until `deadline`),
-    /// then stops the flusher. Reports how many operations were left.
+    /// then stops the flusher. Reports how many operations were left (a
+    /// fenced writer without a lease drops them at once).
     pub async fn close(&self, deadline: Duration) -> Result<(), Unflushed> {
+        self.counters.close_requested.store(true, Ordering::Release);
         self.shutdown.notify_one();
         let task = self.task.lock().unwrap_or_else(|p| p.into_inner()).take();
         let start = Instant::now();
@@ -292,6 +388,14 @@ impl FlowWriter {
                 });
             }
         }
+        let m = self.metrics();
+        if m.abandoned_total > 0 {
+            return Err(Unflushed {
+                unwritten: m.abandoned_total,
+                waited: start.elapsed(),
+                last_error: m.last_error,
+            });
+        }
         Ok(())
     }
 }
@@ -299,6 +403,7 @@ impl FlowWriter {
 impl Drop for FlowWriter {
     fn drop(&mut self) {
         // The flusher writes what is queued, then ends.
+        self.counters.close_requested.store(true, Ordering::Release);
         self.shutdown.notify_one();
     }
 }
@@ -310,9 +415,37 @@ fn bucket(n: usize) -> usize {
         .unwrap_or(BATCH_SIZE_BUCKETS.len() - 1)
 }
 
+/// Drops the batch and everything still queued (a fenced writer closed
+/// without a lease); counts them.
+fn abandon(batch: &[FlowOp], rx: &mut mpsc::Receiver<(FlowOp, Instant)>, c: &Counters) {
+    rx.close();
+    let mut n = batch.len() as u64;
+    // Bounded: the queue is closed, so it only empties.
+    while rx.try_recv().is_ok() {
+        n += 1;
+    }
+    c.abandoned.fetch_add(n, Ordering::Relaxed);
+    c.backlog.fetch_sub(n, Ordering::AcqRel);
+    *c.oldest_pending.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    tracing::warn!(
+        abandoned = n,
+        "flow writer closed without the leader lease: unwritten flow operations dropped"
+    );
+}
+
+/// Waits until the fence changes (from `generation`) or close is requested.
+async fn wait_for_fence(fence: &WriteFence, generation: u64, c: &Counters) {
+    c.waiting_for_lease.store(1, Ordering::Relaxed);
+    // Bounded by a fence change or close; sleeps 5 ms per round.
+    while fence.generation() == generation && !c.close_requested.load(Ordering::Acquire) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 async fn flusher(
     store: Arc<dyn Store>,
     config: FlowWriterConfig,
+    fence: Option<Arc<WriteFence>>,
     mut rx: mpsc::Receiver<(FlowOp, Instant)>,
     c: Arc<Counters>,
     shutdown: Arc<tokio::sync::Notify>,
@@ -360,18 +493,54 @@ async fn flusher(
         // Each iteration sleeps at least `backoff`, so the loop cannot spin.
         loop {
             attempt += 1;
+            // Fenced: the lease to write under, read after its generation
+            // so that a change in between is seen by `wait_for_fence`.
+            let (generation, lease) = match &fence {
+                Some(f) => (f.generation(), f.current()),
+                None => (0, None),
+            };
+            if let (Some(f), None) = (&fence, &lease) {
+                if c.close_requested.load(Ordering::Acquire) {
+                    abandon(&batch, &mut rx, &c);
+                    return;
+                }
+                wait_for_fence(f, generation, &c).await;
+                continue;
+            }
             let t0 = Instant::now();
-            let res =
-                match tokio::time::timeout(config.flush_timeout, store.apply_flows(&batch)).await {
-                    Ok(r) => r.map_err(|e| e.to_string()),
-                    Err(_) => Err(format!(
-                        "apply_flows timed out after {:?}",
-                        config.flush_timeout
-                    )),
-                };
+            let write = async {
+                match &lease {
+                    Some(l) => store.apply_flows_fenced(&batch, l).await,
+                    None => store.apply_flows(&batch).await,
+                }
+            };
+            let res = match tokio::time::timeout(config.flush_timeout, write).await {
+                Ok(r) => r,
+                Err(_) => Err(StoreError::Timeout {
+                    op: "apply_flows",
+                    after: config.flush_timeout,
+                }),
+            };
             let took = t0.elapsed();
             match res {
+                Err(e @ StoreError::NotLeader { .. }) if fence.is_some() && lease.is_some() => {
+                    // A deposed leader: keep the batch, tell the owner, and
+                    // write nothing until it sets a lease again.
+                    let (Some(f), Some(l)) = (fence.as_ref(), lease.as_ref()) else {
+                        continue;
+                    };
+                    c.fenced.fetch_add(1, Ordering::Relaxed);
+                    f.refused.store(l.lease_id, Ordering::Release);
+                    tracing::warn!(error = %e, batch = batch.len(), "flow writer: the store refused a fenced write; holding it until a lease is set");
+                    *c.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                    if c.close_requested.load(Ordering::Acquire) {
+                        abandon(&batch, &mut rx, &c);
+                        return;
+                    }
+                    wait_for_fence(f, generation, &c).await;
+                }
                 Ok(()) => {
+                    c.waiting_for_lease.store(0, Ordering::Relaxed);
                     let n = batch.len() as u64;
                     c.last_flush_us
                         .store(took.as_micros() as u64, Ordering::Relaxed);
@@ -395,6 +564,7 @@ async fn flusher(
                     break;
                 }
                 Err(e) => {
+                    let e = e.to_string();
                     c.flush_errors.fetch_add(1, Ordering::Relaxed);
                     c.retrying.store(1, Ordering::Relaxed);
                     let backlog = c.backlog.load(Ordering::Relaxed);

@@ -718,6 +718,179 @@ mod cases {
         }
     }
 
+    /// `apply_flows_fenced` writes only while the fence's lease holds the
+    /// election: refused (nothing written, `NotLeader` naming the holder)
+    /// after a resign and takeover, after a plain expiry, and for a lease
+    /// that never held it; a fenced batch larger than one etcd transaction
+    /// is written in fenced chunks.
+    pub async fn fenced_flow_writes_follow_leadership(f: &Fixture) {
+        let put = |i: u32, s: u32| FlowOp::Put {
+            key: flow(i),
+            server: ServerId(s),
+        };
+        let a = f
+            .store
+            .campaign("fence", "switch-a", Duration::from_secs(5))
+            .await
+            .unwrap()
+            .unwrap();
+        f.store
+            .apply_flows_fenced(&[put(1, 1)], &a.info)
+            .await
+            .unwrap();
+        f.store.apply_flows_fenced(&[], &a.info).await.unwrap();
+        let big: Vec<FlowOp> = (100..2600).map(|i| put(i, 2)).collect();
+        f.second.apply_flows_fenced(&big, &a.info).await.unwrap();
+        assert_eq!(f.second.count_flows().await.unwrap(), 2501);
+        // A lease that never held the election.
+        let forged = LeaderInfo {
+            lease_id: a.info.lease_id + 7,
+            ..a.info.clone()
+        };
+        let e = f
+            .store
+            .apply_flows_fenced(&[put(2, 1)], &forged)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, StoreError::NotLeader { .. }), "{e}");
+
+        // Deposed: a resigns, b wins; a's writes are refused, b's land.
+        f.store.resign(&a).await.unwrap();
+        let b = f
+            .second
+            .campaign("fence", "switch-b", Duration::from_secs(5))
+            .await
+            .unwrap()
+            .unwrap();
+        let e = f
+            .store
+            .apply_flows_fenced(&[put(1, 9), put(3, 9)], &a.info)
+            .await
+            .unwrap_err();
+        match &e {
+            StoreError::NotLeader { election, reason } => {
+                assert_eq!(election, "fence");
+                assert!(reason.contains("switch-b"), "names the holder: {reason}");
+            }
+            other => panic!("{other}"),
+        }
+        assert_eq!(
+            f.second.get_flow(&flow(1)).await.unwrap(),
+            Some(ServerId(1))
+        );
+        assert_eq!(f.second.get_flow(&flow(3)).await.unwrap(), None);
+        assert!(f.store.apply_flows_fenced(&[], &a.info).await.is_err());
+        f.second
+            .apply_flows_fenced(&[put(3, 3)], &b.info)
+            .await
+            .unwrap();
+        assert_eq!(f.store.get_flow(&flow(3)).await.unwrap(), Some(ServerId(3)));
+        // Plain apply_flows is not fenced (the API's own writes).
+        f.store.apply_flows(&[put(4, 4)]).await.unwrap();
+        f.second.resign(&b).await.unwrap();
+
+        // Expiry with nobody taking over also fences the old lease out.
+        let c = f
+            .store
+            .campaign("fence-expiry", "switch-c", Duration::from_secs(1))
+            .await
+            .unwrap()
+            .unwrap();
+        f.store
+            .apply_flows_fenced(&[put(5, 5)], &c.info)
+            .await
+            .unwrap();
+        eventually(Duration::from_secs(8), "lease expiry fences", || async {
+            match f.store.apply_flows_fenced(&[], &c.info).await {
+                Err(StoreError::NotLeader { .. }) => Some(()),
+                Err(e) => panic!("{e}"),
+                Ok(()) => None,
+            }
+        })
+        .await;
+        let e = f
+            .store
+            .apply_flows_fenced(&[put(6, 6)], &c.info)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("no live leader"), "{e}");
+        assert_eq!(f.second.get_flow(&flow(6)).await.unwrap(), None);
+    }
+
+    /// A fenced `FlowWriter` writes nothing without a lease, writes what it
+    /// held once one is set, keeps a batch the store refuses (reporting the
+    /// lease through the fence) and, closed without a lease, drops the rest
+    /// and says so.
+    pub async fn fenced_flow_writer_stops_when_deposed(f: &Fixture) {
+        let fence = WriteFence::new();
+        let writer = FlowWriter::spawn_fenced(
+            f.store.clone(),
+            FlowWriterConfig {
+                linger: Duration::from_millis(1),
+                ..Default::default()
+            },
+            fence.clone(),
+        );
+        let put = |i: u32| FlowOp::Put {
+            key: flow(i),
+            server: ServerId(1),
+        };
+        writer.try_push(put(1)).unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(f.second.get_flow(&flow(1)).await.unwrap(), None);
+        let m = writer.metrics();
+        assert!(m.waiting_for_lease && m.backlog == 1, "{m:?}");
+
+        let a = f
+            .store
+            .campaign("wf", "switch-a", Duration::from_secs(5))
+            .await
+            .unwrap()
+            .unwrap();
+        fence.set(Some(&a.info));
+        writer.flush(WAIT).await.unwrap();
+        assert_eq!(
+            f.second.get_flow(&flow(1)).await.unwrap(),
+            Some(ServerId(1))
+        );
+        assert!(!writer.metrics().waiting_for_lease);
+
+        // Deposed behind the writer's back: the next batch is refused.
+        f.store.resign(&a).await.unwrap();
+        let b = f
+            .second
+            .campaign("wf", "switch-b", Duration::from_secs(5))
+            .await
+            .unwrap()
+            .unwrap();
+        writer.try_push(put(2)).unwrap();
+        let refused = eventually(WAIT, "refusal reported", || async { fence.take_refused() }).await;
+        assert_eq!(refused, a.info.lease_id);
+        let m = writer.metrics();
+        assert!(m.fenced_total >= 1 && m.waiting_for_lease, "{m:?}");
+        assert!(
+            m.last_error.as_deref().unwrap_or("").contains("switch-b"),
+            "{m:?}"
+        );
+        assert!(m
+            .to_prometheus()
+            .contains("capybara_store_flow_writer_waiting_for_lease 1"));
+        // Still refused while the owner has not set a new lease.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(f.second.get_flow(&flow(2)).await.unwrap(), None);
+
+        fence.set(None);
+        writer.try_push(put(3)).unwrap();
+        let e = writer.close(WAIT).await.unwrap_err();
+        assert_eq!(e.unwritten, 2, "{e}");
+        assert_eq!(writer.metrics().abandoned_total, 2);
+        assert_eq!(writer.metrics().backlog, 0);
+        for i in [2, 3] {
+            assert_eq!(f.second.get_flow(&flow(i)).await.unwrap(), None);
+        }
+        f.second.resign(&b).await.unwrap();
+    }
+
     pub async fn flow_writer_persists_everything(f: &Fixture) {
         let writer = FlowWriter::spawn(
             f.store.clone(),
@@ -798,4 +971,6 @@ conformance!(
     keep_alive_holds_leadership,
     leader_watch_sees_change_and_expiry,
     flow_writer_persists_everything,
+    fenced_flow_writes_follow_leadership,
+    fenced_flow_writer_stops_when_deposed,
 );

@@ -345,6 +345,22 @@ static __always_inline __u64 mig_id(const struct tcpmig_hdr *m)
 	return bpf_be64_to_cpu(m->migration_id);
 }
 
+/* TCPMig v2: migration `id` from `origin` with ownership epoch `epoch` (the
+ * id of the migration that gave the origin the flow, 0 for its placement)
+ * may take over a flow whose entry is `e`: the entry is final, on the
+ * origin, of another migration, and its id is the epoch or an older id of
+ * the origin itself (its own aborted migrations since). A PREPARE_ACK
+ * delayed past later migrations of the flow names an epoch the entry has
+ * moved on from. */
+static __always_inline int mig_supersedes(const struct capy_migration *e, __u32 origin, __u64 id,
+					  __u64 epoch)
+{
+	__u64 oid = e->migration_id;
+
+	return !e->pending && e->server == origin && oid != id &&
+	       (oid == epoch || ((oid >> 32) == (id >> 32) && oid < id));
+}
+
 static __always_inline struct capy_flow_key mig_flow_key(const struct tcpmig_hdr *m)
 {
 	struct capy_flow_key key = {
@@ -426,9 +442,9 @@ static __always_inline int handle_prepare(struct ethhdr *eth, struct iphdr *ip, 
 
 /* PREPARE_ACK(M, origin o, target t): the target reserved its buffers; from
  * now on the client's segments must reach t (it buffers them). Installs
- * {t, M, pending} iff there is no entry, or the entry is final, owned by o,
- * of another migration, and not older than M from the same origin (ids of
- * one origin increase). A duplicate of the installing ACK is forwarded;
+ * {t, M, pending} iff there is no entry (and o is the placement), or
+ * mig_supersedes() (the entry is final on o and is o's ownership epoch, or
+ * an older id of o: ids of one origin increase). A duplicate of the installing ACK is forwarded;
  * anything else (stale ACK, or the flow is mid-migration) is dropped. */
 static __always_inline int handle_prepare_ack(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
 					      struct tcpmig_hdr *m)
@@ -451,12 +467,9 @@ static __always_inline int handle_prepare_ack(struct ethhdr *eth, struct iphdr *
 	flow = bpf_map_lookup_elem(&flows, &key);
 	old = bpf_map_lookup_elem(&migrations, &key);
 	if (old) {
-		__u64 oid = old->migration_id;
-
-		if (!old->pending && old->server == origin && oid != id &&
-		    !((oid >> 32) == (id >> 32) && id < oid)) {
+		if (mig_supersedes(old, origin, id, bpf_be64_to_cpu(m->epoch))) {
 			err = put_migration(&key, target, CAPY_MIG_PENDING, id, BPF_ANY);
-		} else if (oid == id && old->server == target) {
+		} else if (old->migration_id == id && old->server == target) {
 			/* Duplicate (PREPARE retransmitted): no change. */
 			count_only(CAPY_STAT_FWD_PREPARE_ACK);
 			return send_to_server(eth, ip, udp, osrv);
@@ -509,7 +522,8 @@ static __always_inline void on_conn_state_ack(struct tcpmig_hdr *m, __be32 saddr
  * never to commit M): a pending entry of M toward the target becomes final
  * on the origin; without an entry, a final one on the origin is installed
  * as a tombstone (a PREPARE_ACK of M delayed in the network must not
- * redirect the flow later). */
+ * redirect the flow later). A final entry that M's PREPARE_ACK could have
+ * taken over (it never passed) moves on to M for the same reason. */
 static __always_inline void on_abort_decision(struct tcpmig_hdr *m)
 {
 	struct capy_flow_key key = mig_flow_key(m);
@@ -524,6 +538,8 @@ static __always_inline void on_abort_decision(struct tcpmig_hdr *m)
 	if (e) {
 		if (e->pending && e->migration_id == id && lookup_server_idx(m->target, &target) == 0 &&
 		    e->server == target)
+			put_migration(&key, origin, CAPY_MIG_FINAL, id, BPF_EXIST);
+		else if (mig_supersedes(e, origin, id, bpf_be64_to_cpu(m->epoch)))
 			put_migration(&key, origin, CAPY_MIG_FINAL, id, BPF_EXIST);
 		return;
 	}

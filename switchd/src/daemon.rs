@@ -33,7 +33,7 @@ use capybara_proto::control::{
 };
 use capybara_proto::load::LoadRepr;
 use capybara_proto::{ports, FlowKey, Instant, MigrationKey, ServerId};
-use capybara_store::{FlowWriter, FlowWriterConfig, LeaderLease, ServerState, Store};
+use capybara_store::{FlowWriter, FlowWriterConfig, LeaderLease, ServerState, Store, WriteFence};
 use serde_json::json;
 
 use crate::abi::*;
@@ -271,8 +271,45 @@ struct Switch {
     newer_leader: Arc<Mutex<Option<capybara_store::LeaderInfo>>>,
     /// Flow updates held while serving without the lease (not written).
     held: crate::persist::HeldUpdates,
+    /// Server record writes held while serving without the lease.
+    held_servers: HeldServerWrites,
     lease_losses: u64,
     lease_regained: u64,
+    /// HA: the lease the flow writer writes under (`apply_flows_fenced`):
+    /// set while this switchd holds a lease, cleared when it loses it.
+    fence: Arc<WriteFence>,
+    /// Flow writes the store refused because our lease no longer held.
+    fence_refusals: u64,
+    /// Term of the leader seen while standing by (the predecessor). After a
+    /// fast takeover, before this switchd holds a lease of its own, a leader
+    /// with a higher term is newer and makes it step down.
+    predecessor_term: Option<u64>,
+}
+
+/// A server record write held while serving without the lease.
+#[derive(Debug, Clone)]
+enum ServerWrite {
+    Put(capybara_store::Server),
+    State(ServerId, ServerState),
+}
+
+/// Server record writes held back without the lease, replayed in order
+/// when it is won. Bounded (servers are few; beyond `CAP` the oldest go).
+#[derive(Debug, Default)]
+struct HeldServerWrites {
+    writes: std::collections::VecDeque<ServerWrite>,
+    dropped: u64,
+}
+
+impl HeldServerWrites {
+    const CAP: usize = 4096;
+    fn push(&mut self, w: ServerWrite) {
+        if self.writes.len() >= Self::CAP {
+            self.writes.pop_front();
+            self.dropped += 1;
+        }
+        self.writes.push_back(w);
+    }
 }
 
 impl Switch {
@@ -317,12 +354,18 @@ impl Switch {
             };
             cp.add_service_with_pool(*s.vip.ip(), s.vip.port(), s.placement, spec)?;
         }
+        // HA: flow writes are fenced by the lease in the store itself, so a
+        // switchd that lost its lease (paused, cut off) cannot overwrite what
+        // a newer leader wrote, even with batches it queued before.
+        let fence = WriteFence::new();
         let sink = store.as_ref().map(|st| {
             let _g = rt.enter();
-            StoreSink::new(Arc::new(FlowWriter::spawn(
-                st.clone(),
-                FlowWriterConfig::default(),
-            )))
+            let writer = if cfg.ha.enabled {
+                FlowWriter::spawn_fenced(st.clone(), FlowWriterConfig::default(), fence.clone())
+            } else {
+                FlowWriter::spawn(st.clone(), FlowWriterConfig::default())
+            };
+            StoreSink::new(Arc::new(writer))
         });
         let now_s = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -400,8 +443,12 @@ impl Switch {
             lost_lease_id: Arc::new(std::sync::atomic::AtomicI64::new(0)),
             newer_leader: Arc::new(Mutex::new(None)),
             held: crate::persist::HeldUpdates::new(1 << 20),
+            held_servers: HeldServerWrites::default(),
             lease_losses: 0,
             lease_regained: 0,
+            fence,
+            fence_refusals: 0,
+            predecessor_term: None,
         })
     }
 
@@ -409,10 +456,28 @@ impl Switch {
         clock(self.start)
     }
 
-    /// HA: this switchd lost the lease it held and has not won it back, so
-    /// it must not write to the store (a newer leader may be writing).
+    /// HA: this switchd does not hold the lease (lost it and has not won
+    /// it back, or serves after a fast takeover before winning it), so it
+    /// must not write to the store: writes are held until it wins the lease.
     fn writes_fenced(&self) -> bool {
-        self.cfg.ha.enabled && self.lease.is_none() && self.held_term.is_some()
+        self.cfg.ha.enabled && self.lease.is_none()
+    }
+
+    /// Holds or takes the lease: the flow writer's fence follows.
+    fn set_lease(&mut self, lease: Option<LeaderLease>) {
+        self.fence.set(lease.as_ref().map(|l| &l.info));
+        self.lease = lease;
+    }
+
+    /// Writes a server record now, or holds it while writes are fenced.
+    fn store_server_write(&mut self, w: ServerWrite) {
+        if self.writes_fenced() {
+            self.held_servers.push(w);
+            return;
+        }
+        if let Some(store) = self.store.clone() {
+            self.rt.spawn(write_server(store, w));
+        }
     }
 
     fn main(&mut self) -> anyhow::Result<()> {
@@ -539,10 +604,26 @@ impl Switch {
                         lease.info.election, lease.info.term
                     );
                     self.held_term = Some(lease.info.term);
-                    self.lease = Some(lease);
+                    self.set_lease(Some(lease));
                     return Ok(true);
                 }
-                Ok(Ok(None)) => {}
+                Ok(Ok(None)) => {
+                    // Remember the holder's term: after a fast takeover it
+                    // is the dead predecessor, and only a higher term is a
+                    // newer leader.
+                    let leader = self.rt.block_on(async {
+                        tokio::time::timeout(
+                            Duration::from_secs(1),
+                            store.leader(&self.cfg.ha.election),
+                        )
+                        .await
+                    });
+                    if let Ok(Ok(Some(l))) = leader {
+                        if l.candidate != self.candidate {
+                            self.predecessor_term = Some(l.term);
+                        }
+                    }
+                }
                 Ok(Err(e)) => eprintln!("switchd: campaign: {e}"),
                 Err(_) => eprintln!("switchd: campaign timed out"),
             }
@@ -584,7 +665,12 @@ impl Switch {
         self.campaign_pending.store(true, Ordering::SeqCst);
         let slot = self.won_lease.clone();
         let pending = self.campaign_pending.clone();
-        let (held_term, newer) = (self.held_term, self.newer_leader.clone());
+        // Fencing reference: the last term we held, or after a fast
+        // takeover (no lease yet) the predecessor's term seen as standby.
+        let (held_term, newer) = (
+            self.held_term.or(self.predecessor_term),
+            self.newer_leader.clone(),
+        );
         let (election, candidate, ttl) = (
             self.cfg.ha.election.clone(),
             self.candidate.clone(),
@@ -609,9 +695,11 @@ impl Switch {
                 Ok(Ok(None)) => {
                     // Someone holds it. Fencing by term: only a leader newer
                     // than our last lease makes us step down. After a fast
-                    // takeover (no lease held yet) the holder is the dead
-                    // predecessor, whose lease expires. Our own name is an
-                    // orphan lease of a campaign that timed out: it expires.
+                    // takeover (no lease held yet) the reference is the
+                    // predecessor's term: the dead predecessor's lease just
+                    // expires, a higher term is a newer leader (another
+                    // standby won). Our own name is an orphan lease of a
+                    // campaign that timed out: it expires.
                     if let (Some(t), Ok(Ok(Some(l)))) = (
                         held_term,
                         tokio::time::timeout(Duration::from_secs(2), store.leader(&election)).await,
@@ -754,14 +842,27 @@ impl Switch {
                 // over. Keep forwarding and placing: the data plane stays
                 // up; win the lease back unless a newer leader holds it
                 // (the campaign below finds out). Store writes wait.
-                self.lease = None;
+                self.set_lease(None);
                 self.lease_losses += 1;
                 eprintln!("switchd: lost the leader lease; serving on, flow writes held, campaigning to win it back");
+            }
+            // The store refused a flow write: the lease we write under no
+            // longer holds (it lapsed, e.g. while this process was paused,
+            // or another switchd took over) even if no renewal said so yet.
+            if let Some(id) = self.fence.take_refused() {
+                self.fence_refusals += 1;
+                if self.lease.as_ref().map(|l| l.info.lease_id) == Some(id) {
+                    self.set_lease(None);
+                    self.lease_losses += 1;
+                    eprintln!("switchd: the store refused a flow write: lease {id} no longer holds the election; serving on, flow writes held, campaigning to win it back");
+                }
             }
             if let Some(l) = self.newer_leader.lock().ok().and_then(|mut l| l.take()) {
                 // Nothing more from us reaches the store: held updates are
                 // dropped and the writer is not flushed on the way out.
                 self.held.updates.clear();
+                self.held_servers.writes.clear();
+                self.set_lease(None);
                 self.sink = None;
                 anyhow::bail!(
                     "{:?} holds the leader lease with term {} (ours was {:?}): stepping down (detaching) so that the new leader owns the interfaces",
@@ -845,9 +946,17 @@ impl Switch {
                         eprintln!("switchd: won the leader lease back (term {})", l.info.term);
                     }
                     self.held_term = Some(l.info.term);
-                    self.lease = Some(l);
+                    self.set_lease(Some(l));
                     if let Some(sink) = self.sink.as_mut() {
                         self.held.replay(sink);
+                    }
+                    let servers: Vec<ServerWrite> = self.held_servers.writes.drain(..).collect();
+                    if let (Some(store), false) = (self.store.clone(), servers.is_empty()) {
+                        self.rt.spawn(async move {
+                            for w in servers {
+                                write_server(store.clone(), w).await;
+                            }
+                        });
                     }
                 } else {
                     self.campaign_in_background();
@@ -904,14 +1013,8 @@ impl Switch {
         }
     }
 
-    fn store_state(&self, id: ServerId, state: ServerState) {
-        if let Some(store) = self.store.clone().filter(|_| !self.writes_fenced()) {
-            self.rt.spawn(async move {
-                if let Err(e) = store.set_server_state(id, state).await {
-                    eprintln!("switchd: store: server {id} -> {state:?}: {e}");
-                }
-            });
-        }
+    fn store_state(&mut self, id: ServerId, state: ServerState) {
+        self.store_server_write(ServerWrite::State(id, state));
     }
 
     fn renew_lease(&mut self) {
@@ -1076,16 +1179,12 @@ impl Switch {
                     sys::format_mac(&r.data_mac),
                     r.weight
                 );
-                if let Some(store) = self.store.clone().filter(|_| !self.writes_fenced()) {
+                if self.store.is_some() {
                     let mut rec =
                         capybara_store::Server::new(id, format!("s{}", id.0), from, r.data_addr);
                     rec.data_mac = Some(sys::format_mac(&r.data_mac));
                     rec.weight = u32::from(r.weight).max(1);
-                    self.rt.spawn(async move {
-                        if let Err(e) = store.put_server(&rec).await {
-                            eprintln!("switchd: store: put server {}: {e}", rec.id);
-                        }
-                    });
+                    self.store_server_write(ServerWrite::Put(rec));
                 }
                 let ack = RegisterAck {
                     switch_epoch: self.epoch,
@@ -1412,6 +1511,10 @@ impl Switch {
             "writes_fenced": self.writes_fenced(),
             "held_updates": self.held.updates.len(),
             "held_updates_dropped": self.held.dropped,
+            "held_server_writes": self.held_servers.writes.len(),
+            "held_server_writes_dropped": self.held_servers.dropped,
+            "fence_refusals": self.fence_refusals,
+            "predecessor_term": self.predecessor_term,
         });
         let status = json!({
             "role": self.role,
@@ -1459,6 +1562,11 @@ impl Switch {
         let mut status = status;
         status["embryonic"] = embryonic_status;
         status["lease"] = lease_status;
+        if let (Some(m), Some(st)) = (writer.as_ref(), status["store"].as_object_mut()) {
+            st.insert("fenced_total".into(), json!(m.fenced_total));
+            st.insert("abandoned_total".into(), json!(m.abandoned_total));
+            st.insert("waiting_for_lease".into(), json!(m.waiting_for_lease));
+        }
         let mut m = String::new();
         let p = "capybara_switchd";
         m += &format!("{p}_role{{role=\"{}\"}} 1\n", self.role);
@@ -1519,6 +1627,23 @@ impl Switch {
             let _ = rt.block_on(async {
                 tokio::time::timeout(Duration::from_secs(1), store.resign(&lease)).await
             });
+        }
+    }
+}
+
+/// One server record write; failures are logged (the next REGISTER or
+/// liveness change writes the record again).
+async fn write_server(store: Arc<dyn Store>, w: ServerWrite) {
+    match w {
+        ServerWrite::Put(rec) => {
+            if let Err(e) = store.put_server(&rec).await {
+                eprintln!("switchd: store: put server {}: {e}", rec.id);
+            }
+        }
+        ServerWrite::State(id, state) => {
+            if let Err(e) = store.set_server_state(id, state).await {
+                eprintln!("switchd: store: server {id} -> {state:?}: {e}");
+            }
         }
     }
 }

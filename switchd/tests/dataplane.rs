@@ -24,22 +24,20 @@ fn flows_and_migrations() {
     run(
         &mut lab,
         vec![
-            Case {
-                desc: "SYN to the VIP is placed by Maglev (user-space hash == kernel hash)",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_SYN),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(owner, sport, TCP_SYN)),
-                reason: "fwd_new_flow",
-            },
-            Case {
-                desc: "established ACK follows the flow table",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_ACK),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(owner, sport, TCP_ACK)),
-                reason: "fwd_established",
-            },
+            client_to(
+                "SYN to the VIP is placed by Maglev (user-space hash == kernel hash)",
+                sport,
+                TCP_SYN,
+                owner,
+                "fwd_new_flow",
+            ),
+            client_to(
+                "established ACK follows the flow table",
+                sport,
+                TCP_ACK,
+                owner,
+                "fwd_established",
+            ),
             Case {
                 desc: "server response from the VIP is left to the kernel",
                 side: Side::Server,
@@ -141,30 +139,20 @@ fn flows_and_migrations() {
                 output: None,
                 reason: "drop_tcpmig_from_client",
             },
-            Case {
-                desc: "PREPARE-ACK installs the migration entry and goes on to the origin",
-                side: Side::Server,
-                input: udp_from(
-                    server_ip(other),
-                    server_ip(owner),
-                    &mig(Kind::PrepareAck, m1, sport, owner, Some(other)),
-                ),
-                verdict: XDP_REDIRECT,
-                output: Some(udp_to_server(
-                    owner,
-                    server_ip(other),
-                    &mig(Kind::PrepareAck, m1, sport, owner, Some(other)),
-                )),
-                reason: "fwd_prepare_ack",
-            },
-            Case {
-                desc: "migrated flow goes to the target",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_ACK | TCP_PSH),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(other, sport, TCP_ACK | TCP_PSH)),
-                reason: "fwd_migrated",
-            },
+            relayed(
+                "PREPARE-ACK installs the migration entry and goes on to the origin",
+                other,
+                owner,
+                mig(Kind::PrepareAck, m1, sport, owner, Some(other)),
+                "fwd_prepare_ack",
+            ),
+            client_to(
+                "migrated flow goes to the target",
+                sport,
+                TCP_ACK | TCP_PSH,
+                other,
+                "fwd_migrated",
+            ),
             Case {
                 desc: "CONN_STATE between servers is forwarded to its destination",
                 side: Side::Server,
@@ -186,22 +174,13 @@ fn flows_and_migrations() {
                 }),
                 reason: "fwd_tcpmig",
             },
-            Case {
-                desc: "CONN_STATE_ACK goes on to the origin and makes the entry final",
-                side: Side::Server,
-                input: udp_from(
-                    server_ip(other),
-                    server_ip(owner),
-                    &mig(Kind::ConnStateAck, m1, sport, owner, Some(other)),
-                ),
-                verdict: XDP_REDIRECT,
-                output: Some(direct(
-                    other,
-                    owner,
-                    &mig(Kind::ConnStateAck, m1, sport, owner, Some(other)),
-                )),
-                reason: "fwd_tcpmig",
-            },
+            relayed(
+                "CONN_STATE_ACK goes on to the origin and makes the entry final",
+                other,
+                owner,
+                mig(Kind::ConnStateAck, m1, sport, owner, Some(other)),
+                "fwd_tcpmig",
+            ),
         ],
     );
     assert_eq!(
@@ -219,46 +198,27 @@ fn flows_and_migrations() {
     run(
         &mut lab,
         vec![
-            Case {
-                desc: "PREPARE-ACK back to the original server: pending entry toward it",
-                side: Side::Server,
-                input: udp_from(
-                    server_ip(owner),
-                    server_ip(other),
-                    &mig(Kind::PrepareAck, m2, sport, other, Some(owner)),
-                ),
-                verdict: XDP_REDIRECT,
-                output: Some(udp_to_server(
-                    other,
-                    server_ip(owner),
-                    &mig(Kind::PrepareAck, m2, sport, other, Some(owner)),
-                )),
-                reason: "fwd_prepare_ack",
-            },
-            Case {
-                desc: "CONN_STATE_ACK of the return makes it final (entry kept as a tombstone)",
-                side: Side::Server,
-                input: udp_from(
-                    server_ip(owner),
-                    server_ip(other),
-                    &mig(Kind::ConnStateAck, m2, sport, other, Some(owner)),
-                ),
-                verdict: XDP_REDIRECT,
-                output: Some(direct(
-                    owner,
-                    other,
-                    &mig(Kind::ConnStateAck, m2, sport, other, Some(owner)),
-                )),
-                reason: "fwd_tcpmig",
-            },
-            Case {
-                desc: "returned flow goes to the original server",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_ACK),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(owner, sport, TCP_ACK)),
-                reason: "fwd_migrated",
-            },
+            relayed(
+                "PREPARE-ACK back to the original server: pending entry toward it",
+                owner,
+                other,
+                mig_epoch(Kind::PrepareAck, m2, m1, sport, other, Some(owner)),
+                "fwd_prepare_ack",
+            ),
+            relayed(
+                "CONN_STATE_ACK of the return makes it final (entry kept as a tombstone)",
+                owner,
+                other,
+                mig(Kind::ConnStateAck, m2, sport, other, Some(owner)),
+                "fwd_tcpmig",
+            ),
+            client_to(
+                "returned flow goes to the original server",
+                sport,
+                TCP_ACK,
+                owner,
+                "fwd_migrated",
+            ),
             Case {
                 desc: "PREPARE-ACK naming an unknown server is dropped",
                 side: Side::Server,
@@ -279,30 +239,27 @@ fn flows_and_migrations() {
                 output: None,
                 reason: "pass_not_service",
             },
-            Case {
-                desc: "client FIN after the server's is forwarded and closes the flow",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_ACK | TCP_FIN),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(owner, sport, TCP_ACK | TCP_FIN)),
-                reason: "fwd_migrated",
-            },
-            Case {
-                desc: "client RST is forwarded and removes the flow",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_RST),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(owner, sport, TCP_RST)),
-                reason: "fwd_migrated",
-            },
-            Case {
-                desc: "non-SYN without entry is re-placed by Maglev (switch restart)",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_ACK),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(owner, sport, TCP_ACK)),
-                reason: "fwd_recovered",
-            },
+            client_to(
+                "client FIN after the server's is forwarded and closes the flow",
+                sport,
+                TCP_ACK | TCP_FIN,
+                owner,
+                "fwd_migrated",
+            ),
+            client_to(
+                "client RST is forwarded and removes the flow",
+                sport,
+                TCP_RST,
+                owner,
+                "fwd_migrated",
+            ),
+            client_to(
+                "non-SYN without entry is re-placed by Maglev (switch restart)",
+                sport,
+                TCP_ACK,
+                owner,
+                "fwd_recovered",
+            ),
             Case {
                 desc: "ring placement: SYN takes the LWRR ring's server",
                 side: Side::Client,
@@ -323,13 +280,7 @@ fn flows_and_migrations() {
     );
 
     // Flow events, in order, as the store will see them.
-    let mut evs = Vec::new();
-    lab.dp.drain_events(&mut evs).unwrap();
-    let kinds: Vec<(u32, u32, u32)> = evs
-        .iter()
-        .filter(|e| e.key == key)
-        .map(|e| (e.kind, e.server, e.prev_server))
-        .collect();
+    let kinds = flow_events(&mut lab, key);
     assert_eq!(
         kinds,
         vec![
@@ -369,22 +320,14 @@ fn client_fin_alone_does_not_close_the_flow() {
     run(
         &mut lab,
         vec![
-            Case {
-                desc: "SYN places the flow",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_SYN),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(owner, sport, TCP_SYN)),
-                reason: "fwd_new_flow",
-            },
-            Case {
-                desc: "client FIN: half-closed, still open",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_ACK | TCP_FIN),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(owner, sport, TCP_ACK | TCP_FIN)),
-                reason: "fwd_established",
-            },
+            client_to("SYN places the flow", sport, TCP_SYN, owner, "fwd_new_flow"),
+            client_to(
+                "client FIN: half-closed, still open",
+                sport,
+                TCP_ACK | TCP_FIN,
+                owner,
+                "fwd_established",
+            ),
         ],
     );
     assert_eq!(closed(&mut lab), 0, "client FIN alone closed the flow");
@@ -420,8 +363,15 @@ fn migration_table_rules() {
         mid(a, 9),
         mid(b, 1),
     );
+    // The origin's ownership epoch (TCPMig v2) in each migration below:
+    // b1 follows a1, a2 and a4 follow b1; the others from placement.
+    let epoch = move |id| match id {
+        _ if id == b1 => a1,
+        _ if id == a2 || id == a4 => b1,
+        _ => 0,
+    };
     // Message helpers: `ack(id, o, t)` is a PREPARE_ACK from t to o, etc.
-    let pa = |id, o, t| mig(Kind::PrepareAck, id, sport, o, Some(t));
+    let pa = |id, o, t| mig_epoch(Kind::PrepareAck, id, epoch(id), sport, o, Some(t));
     let csa = |id, o, t| mig(Kind::ConnStateAck, id, sport, o, Some(t));
     let abort = |id, o, t: Option<u32>| mig(Kind::Abort, id, sport, o, t);
     let ack_in = |id, o, t| udp_from(server_ip(t), server_ip(o), &pa(id, o, t));
@@ -440,14 +390,7 @@ fn migration_table_rules() {
     run(
         &mut lab,
         vec![
-            Case {
-                desc: "SYN placed on a",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_SYN),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(a, sport, TCP_SYN)),
-                reason: "fwd_new_flow",
-            },
+            client_to("SYN placed on a", sport, TCP_SYN, a, "fwd_new_flow"),
             Case {
                 desc: "PREPARE_ACK a1 (a->b), no entry: pending entry toward b, forwarded to a",
                 side: Side::Server,
@@ -506,14 +449,13 @@ fn migration_table_rules() {
                 output: None,
                 reason: "drop_abort_unmatched",
             },
-            Case {
-                desc: "CONN_STATE_ACK a9 (not the pending migration): forwarded, no change",
-                side: Side::Server,
-                input: udp_from(server_ip(b), server_ip(a), &csa(a9, a, b)),
-                verdict: XDP_REDIRECT,
-                output: Some(direct(b, a, &csa(a9, a, b))),
-                reason: "fwd_tcpmig",
-            },
+            relayed(
+                "CONN_STATE_ACK a9 (not the pending migration): forwarded, no change",
+                b,
+                a,
+                csa(a9, a, b),
+                "fwd_tcpmig",
+            ),
         ],
     );
     assert_eq!(entry(&mut lab), Some(CMigration::pending(b, a1)));
@@ -552,14 +494,13 @@ fn migration_table_rules() {
                 output: None,
                 reason: "drop_prepare_ack_stale",
             },
-            Case {
-                desc: "ABORT decision a1 from b after its commit (impossible, forged): no change",
-                side: Side::Server,
-                input: udp_from(server_ip(b), server_ip(a), &abort(a1, a, Some(b))),
-                verdict: XDP_REDIRECT,
-                output: Some(direct(b, a, &abort(a1, a, Some(b)))),
-                reason: "fwd_tcpmig",
-            },
+            relayed(
+                "ABORT decision a1 from b after its commit (impossible, forged): no change",
+                b,
+                a,
+                abort(a1, a, Some(b)),
+                "fwd_tcpmig",
+            ),
         ],
     );
     assert_eq!(entry(&mut lab), Some(CMigration::owner(b, a1)));
@@ -579,14 +520,13 @@ fn migration_table_rules() {
                 desc: "client data to a (buffering for the return)",
                 ..data(a)
             },
-            Case {
-                desc: "CONN_STATE_ACK b1 from a: final on a",
-                side: Side::Server,
-                input: udp_from(server_ip(a), server_ip(b), &csa(b1, b, a)),
-                verdict: XDP_REDIRECT,
-                output: Some(direct(a, b, &csa(b1, b, a))),
-                reason: "fwd_tcpmig",
-            },
+            relayed(
+                "CONN_STATE_ACK b1 from a: final on a",
+                a,
+                b,
+                csa(b1, b, a),
+                "fwd_tcpmig",
+            ),
         ],
     );
     assert_eq!(
@@ -621,14 +561,13 @@ fn migration_table_rules() {
                 desc: "client data to b",
                 ..data(b)
             },
-            Case {
-                desc: "ABORT decision a2 from b (dst == origin): forwarded to a",
-                side: Side::Server,
-                input: udp_from(server_ip(b), server_ip(a), &abort(a2, a, Some(b))),
-                verdict: XDP_REDIRECT,
-                output: Some(direct(b, a, &abort(a2, a, Some(b)))),
-                reason: "fwd_tcpmig",
-            },
+            relayed(
+                "ABORT decision a2 from b (dst == origin): forwarded to a",
+                b,
+                a,
+                abort(a2, a, Some(b)),
+                "fwd_tcpmig",
+            ),
         ],
     );
     assert_eq!(
@@ -675,14 +614,13 @@ fn migration_table_rules() {
                 output: Some(ack_out(a4, a, b)),
                 reason: "fwd_prepare_ack",
             },
-            Case {
-                desc: "ABORT decision a3 (another migration) from b: forwarded, no change",
-                side: Side::Server,
-                input: udp_from(server_ip(b), server_ip(a), &abort(a3, a, Some(b))),
-                verdict: XDP_REDIRECT,
-                output: Some(direct(b, a, &abort(a3, a, Some(b)))),
-                reason: "fwd_tcpmig",
-            },
+            relayed(
+                "ABORT decision a3 (another migration) from b: forwarded, no change",
+                b,
+                a,
+                abort(a3, a, Some(b)),
+                "fwd_tcpmig",
+            ),
             Case {
                 desc: "ABORT request a4 to the switch: steered to b",
                 side: Side::Server,
@@ -691,14 +629,13 @@ fn migration_table_rules() {
                 output: Some(udp_to_server(b, server_ip(a), &abort(a4, a, None))),
                 reason: "fwd_tcpmig",
             },
-            Case {
-                desc: "CONN_STATE_ACK a4 from b: final on b",
-                side: Side::Server,
-                input: udp_from(server_ip(b), server_ip(a), &csa(a4, a, b)),
-                verdict: XDP_REDIRECT,
-                output: Some(direct(b, a, &csa(a4, a, b))),
-                reason: "fwd_tcpmig",
-            },
+            relayed(
+                "CONN_STATE_ACK a4 from b: final on b",
+                b,
+                a,
+                csa(a4, a, b),
+                "fwd_tcpmig",
+            ),
             Case {
                 desc: "client data to b",
                 ..data(b)
@@ -706,15 +643,22 @@ fn migration_table_rules() {
         ],
     );
     assert_eq!(entry(&mut lab), Some(CMigration::owner(b, a4)));
+    run(
+        &mut lab,
+        vec![Case {
+            desc: "PREPARE_ACK b1 (epoch a1) delayed past a2 and a4: the entry {b, a4} is \
+                   not its epoch, dropped (TCPMig v1 installed it and blackholed the flow)",
+            side: Side::Server,
+            input: ack_in(b1, b, a),
+            verdict: XDP_DROP,
+            output: None,
+            reason: "drop_prepare_ack_stale",
+        }],
+    );
+    assert_eq!(entry(&mut lab), Some(CMigration::owner(b, a4)));
 
     // Events: the store sees owners when they become final only.
-    let mut evs = Vec::new();
-    lab.dp.drain_events(&mut evs).unwrap();
-    let kinds: Vec<(u32, u32, u32)> = evs
-        .iter()
-        .filter(|e| e.key == key)
-        .map(|e| (e.kind, e.server, e.prev_server))
-        .collect();
+    let kinds = flow_events(&mut lab, key);
     assert_eq!(
         kinds,
         vec![
@@ -751,22 +695,14 @@ fn abort_decision_without_entry_leaves_a_tombstone() {
     run(
         &mut lab,
         vec![
-            Case {
-                desc: "SYN placed on a",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_SYN),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(a, sport, TCP_SYN)),
-                reason: "fwd_new_flow",
-            },
-            Case {
-                desc: "ABORT decision from b, no entry: forwarded to a",
-                side: Side::Server,
-                input: udp_from(server_ip(b), server_ip(a), &abort),
-                verdict: XDP_REDIRECT,
-                output: Some(direct(b, a, &abort)),
-                reason: "fwd_tcpmig",
-            },
+            client_to("SYN placed on a", sport, TCP_SYN, a, "fwd_new_flow"),
+            relayed(
+                "ABORT decision from b, no entry: forwarded to a",
+                b,
+                a,
+                abort,
+                "fwd_tcpmig",
+            ),
         ],
     );
     assert_eq!(
@@ -784,30 +720,14 @@ fn abort_decision_without_entry_leaves_a_tombstone() {
                 output: None,
                 reason: "drop_prepare_ack_stale",
             },
-            Case {
-                desc: "client data stays on a",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_ACK),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(a, sport, TCP_ACK)),
-                reason: "fwd_migrated",
-            },
-            Case {
-                desc: "a later migration a->b proceeds",
-                side: Side::Server,
-                input: udp_from(
-                    server_ip(b),
-                    server_ip(a),
-                    &mig(Kind::PrepareAck, mid(a, 6), sport, a, Some(b)),
-                ),
-                verdict: XDP_REDIRECT,
-                output: Some(udp_to_server(
-                    a,
-                    server_ip(b),
-                    &mig(Kind::PrepareAck, mid(a, 6), sport, a, Some(b)),
-                )),
-                reason: "fwd_prepare_ack",
-            },
+            client_to("client data stays on a", sport, TCP_ACK, a, "fwd_migrated"),
+            relayed(
+                "a later migration a->b proceeds",
+                b,
+                a,
+                mig(Kind::PrepareAck, mid(a, 6), sport, a, Some(b)),
+                "fwd_prepare_ack",
+            ),
         ],
     );
     assert_eq!(
@@ -969,14 +889,13 @@ fn owners_and_malformed_packets() {
                 output: None,
                 reason: "drop_server_down",
             },
-            Case {
-                desc: "flow owned by a draining server is still forwarded",
-                side: Side::Client,
-                input: client_tcp(VIP, 42001, TCP_ACK),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(2, 42001, TCP_ACK)),
-                reason: "fwd_established",
-            },
+            client_to(
+                "flow owned by a draining server is still forwarded",
+                42001,
+                TCP_ACK,
+                2,
+                "fwd_established",
+            ),
             // (Frames under 14 bytes, drop_short_eth, are refused by
             // BPF_PROG_TEST_RUN itself, so the shortest testable is this one.)
             Case {
@@ -1172,46 +1091,27 @@ fn syn_reusing_a_closed_migrated_tuple_gets_its_own_flow() {
     run(
         &mut lab,
         vec![
-            Case {
-                desc: "first connection: SYN placed by Maglev",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_SYN),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(owner, sport, TCP_SYN)),
-                reason: "fwd_new_flow",
-            },
-            Case {
-                desc: "PREPARE-ACK installs the migration entry toward the target",
-                side: Side::Server,
-                input: udp_from(
-                    server_ip(other),
-                    server_ip(owner),
-                    &mig(Kind::PrepareAck, m1, sport, owner, Some(other)),
-                ),
-                verdict: XDP_REDIRECT,
-                output: Some(udp_to_server(
-                    owner,
-                    server_ip(other),
-                    &mig(Kind::PrepareAck, m1, sport, owner, Some(other)),
-                )),
-                reason: "fwd_prepare_ack",
-            },
-            Case {
-                desc: "CONN_STATE_ACK makes it final",
-                side: Side::Server,
-                input: udp_from(
-                    server_ip(other),
-                    server_ip(owner),
-                    &mig(Kind::ConnStateAck, m1, sport, owner, Some(other)),
-                ),
-                verdict: XDP_REDIRECT,
-                output: Some(direct(
-                    other,
-                    owner,
-                    &mig(Kind::ConnStateAck, m1, sport, owner, Some(other)),
-                )),
-                reason: "fwd_tcpmig",
-            },
+            client_to(
+                "first connection: SYN placed by Maglev",
+                sport,
+                TCP_SYN,
+                owner,
+                "fwd_new_flow",
+            ),
+            relayed(
+                "PREPARE-ACK installs the migration entry toward the target",
+                other,
+                owner,
+                mig(Kind::PrepareAck, m1, sport, owner, Some(other)),
+                "fwd_prepare_ack",
+            ),
+            relayed(
+                "CONN_STATE_ACK makes it final",
+                other,
+                owner,
+                mig(Kind::ConnStateAck, m1, sport, owner, Some(other)),
+                "fwd_tcpmig",
+            ),
             Case {
                 desc: "the target's FIN is noted",
                 side: Side::Server,
@@ -1220,14 +1120,13 @@ fn syn_reusing_a_closed_migrated_tuple_gets_its_own_flow() {
                 output: None,
                 reason: "pass_not_service",
             },
-            Case {
-                desc: "the client's FIN closes the flow (CLOSING)",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_ACK | TCP_FIN),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(other, sport, TCP_ACK | TCP_FIN)),
-                reason: "fwd_migrated",
-            },
+            client_to(
+                "the client's FIN closes the flow (CLOSING)",
+                sport,
+                TCP_ACK | TCP_FIN,
+                other,
+                "fwd_migrated",
+            ),
         ],
     );
     let flags = lab.dp.lookup_flow(key).unwrap().map(|f| f.flags);
@@ -1239,22 +1138,20 @@ fn syn_reusing_a_closed_migrated_tuple_gets_its_own_flow() {
     run(
         &mut lab,
         vec![
-            Case {
-                desc: "a SYN reusing the closed tuple is a new flow on the last owner",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_SYN),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(other, sport, TCP_SYN)),
-                reason: "fwd_new_flow",
-            },
-            Case {
-                desc: "the new connection's ACK follows its own flow entry",
-                side: Side::Client,
-                input: client_tcp(VIP, sport, TCP_ACK),
-                verdict: XDP_REDIRECT,
-                output: Some(to_server_tcp(other, sport, TCP_ACK)),
-                reason: "fwd_established",
-            },
+            client_to(
+                "a SYN reusing the closed tuple is a new flow on the last owner",
+                sport,
+                TCP_SYN,
+                other,
+                "fwd_new_flow",
+            ),
+            client_to(
+                "the new connection's ACK follows its own flow entry",
+                sport,
+                TCP_ACK,
+                other,
+                "fwd_established",
+            ),
         ],
     );
     assert_eq!(lab.dp.lookup_migration(key).unwrap(), None);

@@ -84,34 +84,21 @@ fn migrations_out(
     (n, peers)
 }
 
-/// Server `j`'s Prometheus metrics (also kept in the output directory).
+/// Server `j`'s Prometheus metrics (`Lab::server_metrics`), also kept in
+/// the output directory.
 fn metrics(lab: &Lab, dir: &std::path::Path, j: u32) -> String {
-    let out = lab.run(
-        &format!("s{j}"),
-        "curl",
-        &[
-            "-s",
-            "-m",
-            "2",
-            &format!("http://198.18.1.{}:9100/metrics", 10 + j),
-        ],
-        Duration::from_secs(5),
-    );
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let text = lab.server_metrics(j);
     let _ = std::fs::write(dir.join(format!("metrics-s{j}.txt")), &text);
     text
 }
 
+/// Keeps every server's metrics in the output directory, then checks that
+/// none sent a reset (`Lab::assert_no_resets`).
 fn assert_no_resets(lab: &Lab, dir: &std::path::Path, servers: u32) {
     for j in 1..=servers {
-        let text = metrics(lab, dir, j);
-        for l in text
-            .lines()
-            .filter(|l| l.starts_with("capybara_tcp_resets_sent_total"))
-        {
-            assert!(l.ends_with(" 0"), "server s{j} sent resets: {l}");
-        }
+        metrics(lab, dir, j);
     }
+    lab.assert_no_resets(1..=servers);
 }
 
 /// A connection migrated back and forth between two servers every

@@ -10,13 +10,13 @@
 //!   enabled mid-run.
 //! - With `[policy] enabled = false` in the hostagent config (the LWRR
 //!   baseline) nothing migrates, whatever the store says.
-//! - Reactive alone (ignored for now: it does not always converge): s1 is
+//! - Reactive alone: s1 is
 //!   offered more than its capacity, sheds backlogged connections, and the
 //!   backlog the client sees stays down.
 //!
 //! Root only (namespaces, XDP). About a minute.
 
-use capybara_systests::{bin, deployment_key, output_dir, switchd_config, Lab};
+use capybara_systests::{bin, deployment_key, metric_sum, output_dir, switchd_config, Lab};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -89,30 +89,6 @@ fn start(lab: &mut Lab, dir: &Path, policies: bool) {
         .status
         .success()
     });
-}
-
-/// One metric of server `j` (summed over label sets), if present.
-fn metric(lab: &Lab, j: u32, name: &str) -> Option<f64> {
-    let out = lab.run(
-        &format!("s{j}"),
-        "curl",
-        &[
-            "-s",
-            "-m",
-            "2",
-            &format!("http://198.18.1.{}:9100/metrics", 10 + j),
-        ],
-        Duration::from_secs(5),
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut found = None;
-    for l in text.lines().filter(|l| !l.starts_with('#')) {
-        let (k, v) = l.rsplit_once(' ')?;
-        if k == name || k.starts_with(&format!("{name}{{")) {
-            *found.get_or_insert(0.0) += v.parse::<f64>().ok()?;
-        }
-    }
-    found
 }
 
 /// Starts the load generator: `base_rps` spread over 20 connections, plus
@@ -236,7 +212,15 @@ fn overloaded_server_sheds_once_the_store_enables_proactive() {
     lab.wait_for(
         "the servers to apply the stored policy",
         Duration::from_secs(5),
-        || (1..=2).all(|j| metric(&lab, j, "capybara_policy_proactive_enabled") == Some(0.0)),
+        || {
+            (1..=2).all(|j| {
+                metric_sum(
+                    &lab.server_metrics(j),
+                    "capybara_policy_proactive_enabled",
+                    "",
+                ) == Some(0.0)
+            })
+        },
     );
     // 20 % of the pool's capacity spread evenly, then +3,000 rps on s1's
     // connections at 1 s: s1 at ~80 % of its capacity, s2 at ~20 %.
@@ -245,7 +229,14 @@ fn overloaded_server_sheds_once_the_store_enables_proactive() {
     // Phase 1 (policies off in the store): skewed, nothing moves.
     std::thread::sleep(Duration::from_secs(4));
     let started_off: f64 = (1..=2)
-        .map(|j| metric(&lab, j, "capybara_policy_migrations_started_total").unwrap_or(0.0))
+        .map(|j| {
+            metric_sum(
+                &lab.server_metrics(j),
+                "capybara_policy_migrations_started_total",
+                "",
+            )
+            .unwrap_or(0.0)
+        })
         .sum();
     assert_eq!(started_off, 0.0, "migrations while the store said off");
     // Enable proactive through the store; time until both servers apply it.
@@ -254,7 +245,15 @@ fn overloaded_server_sheds_once_the_store_enables_proactive() {
     lab.wait_for(
         "the servers to apply proactive",
         Duration::from_secs(3),
-        || (1..=2).all(|j| metric(&lab, j, "capybara_policy_proactive_enabled") == Some(1.0)),
+        || {
+            (1..=2).all(|j| {
+                metric_sum(
+                    &lab.server_metrics(j),
+                    "capybara_policy_proactive_enabled",
+                    "",
+                ) == Some(1.0)
+            })
+        },
     );
     let applied = t.elapsed();
     println!("store change applied on both servers after {applied:?}");
@@ -263,7 +262,14 @@ fn overloaded_server_sheds_once_the_store_enables_proactive() {
     assert_eq!(errors, 0, "client errors: {}", report["errors_by_kind"]);
     let moved = moved_connections(&report);
     let started: f64 = (1..=2)
-        .map(|j| metric(&lab, j, "capybara_policy_migrations_started_total").unwrap_or(0.0))
+        .map(|j| {
+            metric_sum(
+                &lab.server_metrics(j),
+                "capybara_policy_migrations_started_total",
+                "",
+            )
+            .unwrap_or(0.0)
+        })
         .sum();
     // Skewed while off (1.5-4 s), converged at the end (7-9 s).
     let before = per_server(&report, 1_500.0, 4_000.0);
@@ -303,30 +309,14 @@ fn policies_off_in_the_hostagent_config_never_migrate() {
     );
     assert_eq!(moved_connections(&report), 0);
     for j in 1..=2 {
-        assert_eq!(metric(&lab, j, "capybara_policy_enabled"), Some(0.0));
+        assert_eq!(
+            metric_sum(&lab.server_metrics(j), "capybara_policy_enabled", ""),
+            Some(0.0)
+        );
     }
     let end = per_server(&report, 1_000.0, 4_000.0);
     println!("responses per server with policies off: {end:?}");
     assert!(imbalance(&end) > 2.0, "expected the skew to stay: {end:?}");
-}
-
-/// One metric of server `j` for the label set containing `label`.
-fn metric_with(lab: &Lab, j: u32, name: &str, label: &str) -> Option<f64> {
-    let out = lab.run(
-        &format!("s{j}"),
-        "curl",
-        &[
-            "-s",
-            "-m",
-            "2",
-            &format!("http://198.18.1.{}:9100/metrics", 10 + j),
-        ],
-        Duration::from_secs(5),
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
-        .find_map(|l| l.rsplit_once(' ')?.1.parse().ok())
 }
 
 /// Requests the client has sent and not yet got an answer for, at the end
@@ -361,7 +351,6 @@ fn outstanding(report: &serde_json::Value) -> Vec<(f64, i64)> {
 /// above the threshold while the moved queue drains (163 reactive orders,
 /// 15 connections, the backlog kept growing; docs/POLICIES.md, "Reactive").
 #[test]
-#[ignore = "reactive alone does not always converge under sustained overload (4 of 6 runs did): docs/POLICIES.md, Reactive"]
 fn backlogged_server_sheds_with_reactive_alone() {
     let dir = output_dir("policy_lab_reactive");
     let mut lab = Lab::up("pr", 2);
@@ -376,8 +365,9 @@ fn backlogged_server_sheds_with_reactive_alone() {
         Duration::from_secs(5),
         || {
             (1..=2).all(|j| {
-                metric(&lab, j, "capybara_policy_proactive_enabled") == Some(0.0)
-                    && metric(&lab, j, "capybara_policy_reactive_enabled") == Some(1.0)
+                let m = lab.server_metrics(j);
+                metric_sum(&m, "capybara_policy_proactive_enabled", "") == Some(0.0)
+                    && metric_sum(&m, "capybara_policy_reactive_enabled", "") == Some(1.0)
             })
         },
     );
@@ -386,9 +376,44 @@ fn backlogged_server_sheds_with_reactive_alone() {
     let base = 0.2 * 2.0 * CAPACITY_RPS;
     let step = CAPACITY_RPS;
     let json = loadgen(&mut lab, &dir, base, step, "1s", "9s");
+    // While the load runs: both servers' backlog and reactive orders every
+    // ~250 ms (what the policy saw; printed with the result).
+    let mut samples = Vec::new();
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(dir.join("loadgen.log"))
+        .unwrap_or_default()
+        .contains("RESULT ")
+        && t0.elapsed() < Duration::from_secs(40)
+    {
+        let row: Vec<String> = (1..=2)
+            .map(|j| {
+                let m = lab.server_metrics(j);
+                let v = |name, label| metric_sum(&m, name, label).unwrap_or(-1.0);
+                format!(
+                    "s{j} backlog {} orders {}",
+                    v("capybara_monitor_rx_backlog_packets", ""),
+                    v("capybara_policy_orders_total", "reason=\"reactive\"")
+                )
+            })
+            .collect();
+        samples.push(format!(
+            "{:.2}s {}",
+            t0.elapsed().as_secs_f64(),
+            row.join(", ")
+        ));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    println!("sampled during the run:\n  {}", samples.join("\n  "));
     let report = wait_report(&lab, &dir, &json, Duration::from_secs(40));
+    let scraped: Vec<String> = (1..=2).map(|j| lab.server_metrics(j)).collect();
     let orders = |j: u32, reason: &str| {
-        metric_with(&lab, j, "capybara_policy_orders_total", reason).unwrap_or(0.0)
+        let label = format!("reason=\"{reason}\"");
+        metric_sum(
+            &scraped[j as usize - 1],
+            "capybara_policy_orders_total",
+            &label,
+        )
+        .unwrap_or(0.0)
     };
     let (s1_reactive, s2_reactive) = (orders(1, "reactive"), orders(2, "reactive"));
     let proactive = orders(1, "proactive") + orders(2, "proactive");

@@ -28,7 +28,7 @@
 //! including SIGINT/SIGTERM.
 
 use capybara_systests::{
-    bin, deployment_key, hostagent_migrating_config, output_dir, switchd_config, Lab,
+    bin, deployment_key, hostagent_migrating_config, metric_sum, output_dir, switchd_config, Lab,
 };
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -291,11 +291,12 @@ fn run(opt: &Options) -> Result<String, String> {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0)
     };
-    let metrics = scrape_metrics(&lab);
-    let resets = metrics
-        .get("capybara_tcp_resets_sent_total")
-        .copied()
-        .unwrap_or(0);
+    let scraped: Vec<String> = (1..=2).map(|j| lab.server_metrics(j)).collect();
+    let resets: f64 = scraped
+        .iter()
+        .filter_map(|t| metric_sum(t, "capybara_tcp_resets_sent_total", ""))
+        .sum();
+    let metrics = tcp_counters(&scraped);
     // Two flushes of the dumps (100 ms each) write the last lines.
     sleep(Duration::from_millis(400))?;
     let hosts: Vec<Host> = (1..=2)
@@ -401,23 +402,13 @@ fn kernel_ping(lab: &Lab) -> Samples {
     s
 }
 
-/// The servers' TCP counters (`capybara_tcp_*`), summed over both servers,
-/// keyed by name and labels other than `server`.
-fn scrape_metrics(lab: &Lab) -> std::collections::BTreeMap<String, u64> {
+/// The servers' TCP counters (`capybara_tcp_*`) in their metrics pages
+/// (`Lab::server_metrics`), summed over the servers, keyed by name and
+/// labels other than `server`.
+fn tcp_counters(pages: &[String]) -> std::collections::BTreeMap<String, u64> {
     let mut sums = std::collections::BTreeMap::new();
-    for j in 1..=2 {
-        let out = lab.run(
-            &format!("s{j}"),
-            "curl",
-            &[
-                "-s",
-                "-m",
-                "2",
-                &format!("http://198.18.1.{}:9100/metrics", 10 + j),
-            ],
-            Duration::from_secs(5),
-        );
-        for l in String::from_utf8_lossy(&out.stdout).lines() {
+    for page in pages {
+        for l in page.lines() {
             if !l.starts_with("capybara_tcp_") {
                 continue;
             }

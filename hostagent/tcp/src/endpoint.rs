@@ -26,8 +26,10 @@
 //! `docs/SNAPSHOT.md`) and removes it silently; `import` validates a
 //! snapshot completely before touching the endpoint, then recreates the
 //! connection and delivers it through `accept` (and `Event::Accepted`).
-//! Queue buffers of exported or closed connections are kept in a small pool
-//! so an import normally allocates nothing.
+//! Connections live in boxed entries, so the maps move pointers, never the
+//! ~850-byte connection. The entries (with their queue buffers) of exported
+//! or closed connections are kept in a small pool: an import restores the
+//! snapshot in place into a pooled entry and normally allocates nothing.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -38,7 +40,6 @@ use std::ops::Range;
 use capybara_proto::time::Instant;
 use capybara_proto::FlowKey;
 
-use crate::buffer::RingBuffer;
 use crate::config::TcpConfig;
 use crate::conn::{Connection, State};
 use crate::counters::Counters;
@@ -213,7 +214,7 @@ struct RstReply {
 }
 
 const RST_QUEUE: usize = 64;
-/// Default number of spare queue-buffer pairs kept for imports.
+/// Default number of spare entries (with their queue buffers) kept for imports.
 const SPARE_BUFFERS: usize = 16;
 
 /// The TCP endpoint.
@@ -221,7 +222,8 @@ const SPARE_BUFFERS: usize = 16;
 pub struct Endpoint {
     cfg: TcpConfig,
     isn: IsnGenerator,
-    conns: IdMap<Entry>,
+    /// Boxed: inserting and removing move a pointer, not the entry.
+    conns: IdMap<Box<Entry>>,
     flows: HashMap<Key, ConnId>,
     listeners: HashMap<u16, Listener, BuildHasherDefault<IdHasher>>,
     accept_queue: VecDeque<ConnId>,
@@ -231,8 +233,9 @@ pub struct Endpoint {
     scratch: Vec<ConnId>,
     /// Min-heap of (deadline, connection), lazily deleted (see module doc).
     timers: BinaryHeap<Reverse<(Instant, ConnId)>>,
-    /// Recycled (send, receive) queue buffers of this endpoint's capacities.
-    spare: Vec<(RingBuffer, RingBuffer)>,
+    /// Recycled entries of removed connections (queue buffers of this
+    /// endpoint's capacities included), for imports.
+    spare: Vec<Box<Entry>>,
     spare_limit: usize,
     next_id: u64,
     next_port: u16,
@@ -486,20 +489,25 @@ impl Endpoint {
     /// Removes a connection without sending anything (migration export):
     /// returns its complete state.
     pub fn detach(&mut self, id: ConnId) -> Option<Connection> {
-        let e = self.conns.get(&id)?;
-        let port = e.listener;
-        let stage = e.stage;
-        if let Some(l) = port.and_then(|p| self.listeners.get_mut(&p)) {
-            match stage {
-                Stage::HalfOpen => l.half_open = l.half_open.saturating_sub(1),
-                Stage::Queued => l.queued = l.queued.saturating_sub(1),
-                Stage::Owned => {}
+        self.take(id).map(|e| e.conn)
+    }
+
+    /// Removes a connection's entry from every map (nothing is sent).
+    fn take(&mut self, id: ConnId) -> Option<Box<Entry>> {
+        let e = self.conns.remove(&id)?;
+        // Owned connections no longer count against their listener.
+        if e.stage != Stage::Owned {
+            if let Some(l) = e.listener.and_then(|p| self.listeners.get_mut(&p)) {
+                match e.stage {
+                    Stage::HalfOpen => l.half_open = l.half_open.saturating_sub(1),
+                    Stage::Queued => l.queued = l.queued.saturating_sub(1),
+                    Stage::Owned => {}
+                }
             }
         }
-        let e = self.conns.remove(&id)?;
         self.flows.remove(&key_of(&e.conn));
         self.clean_timers();
-        Some(e.conn)
+        Some(e)
     }
 
     /// Bytes `export` would write for this connection with `app_len` bytes
@@ -531,7 +539,9 @@ impl Endpoint {
         Ok(n)
     }
 
-    /// `export` appending to a `Vec` (which grows if its capacity is short).
+    /// `export` appending to a `Vec` (which grows if its capacity is short:
+    /// it reserves a cheap upper bound, ~560 bytes plus queue and
+    /// application bytes, then appends without a sizing pass).
     pub fn export_to_vec(
         &mut self,
         now: Instant,
@@ -540,18 +550,13 @@ impl Endpoint {
         out: &mut Vec<u8>,
     ) -> Result<usize, SnapshotError> {
         let e = self.conns.get(&id).ok_or(SnapshotError::InvalidHandle)?;
-        let start = out.len();
-        out.resize(start + snapshot::connection_len(&e.conn, now, app_state), 0);
-        // Sized exactly above: no second size check.
-        let n = snapshot::write_connection(&e.conn, now, app_state, &mut out[start..]);
+        let n = snapshot::append_connection(&e.conn, now, app_state, out);
         self.finish_export(id);
         Ok(n)
     }
 
     fn finish_export(&mut self, id: ConnId) {
-        if let Some(conn) = self.detach(id) {
-            self.recycle(conn);
-        }
+        self.remove(id);
     }
 
     /// Migration import: validates `bytes` completely (any error leaves the
@@ -576,47 +581,56 @@ impl Endpoint {
             remote_port: snap.remote.port(),
             local_port: snap.local.port(),
         };
-        if self.flows.contains_key(&key) {
-            return Err(SnapshotError::FlowExists);
-        }
-        self.now = self.now.max(now);
-        let (tx, rx) = match self.spare.pop() {
-            Some(pair) => pair,
-            None => (
-                RingBuffer::new(self.cfg.tx_buffer),
-                RingBuffer::new(self.cfg.rx_buffer),
-            ),
+        // One hash of the flow key for the check and the insertion.
+        let slot = match self.flows.entry(key) {
+            std::collections::hash_map::Entry::Occupied(_) => {
+                return Err(SnapshotError::FlowExists)
+            }
+            std::collections::hash_map::Entry::Vacant(v) => v,
         };
-        let conn = snap.restore(now, &self.cfg, tx, rx);
+        self.now = self.now.max(now);
+        // A pooled entry: the connection is rebuilt in place, over its
+        // predecessor, into that one's queue buffers.
+        let mut e = match self.spare.pop() {
+            Some(e) => e,
+            None => blank_entry(&self.cfg),
+        };
+        snap.restore_into(now, &self.cfg, &mut e.conn);
+        let port = snap.local.port();
+        e.listener = Some(port);
+        e.stage = Stage::Queued;
+        e.app_closed = false;
+        e.in_ready = false;
+        e.scheduled = None;
         let app_start = snap.app.as_ptr() as usize - bytes.as_ptr() as usize;
         let app_state = app_start..app_start + snap.app.len();
-        // The flow was checked free above.
-        let id = self.attach_unchecked(conn);
+        let id = ConnId(self.next_id);
+        self.next_id += 1;
+        slot.insert(id);
+        self.conns.insert(id, e);
+        self.queue_accepted(id, port);
         Ok(Imported { id, app_state })
     }
 
-    /// Keeps up to `limit` spare queue-buffer pairs for imports and
-    /// allocates them now (pre-warm before a drain or a benchmark). Each
-    /// pair is `tx_buffer + rx_buffer` bytes.
+    /// Keeps up to `limit` spare connection entries (each with a pair of
+    /// queue buffers, `tx_buffer + rx_buffer` bytes) for imports and
+    /// allocates them now (pre-warm before a drain or a benchmark).
     pub fn set_spare_buffers(&mut self, limit: usize) {
         self.spare_limit = limit;
         self.spare.truncate(limit);
         self.spare.reserve(limit.saturating_sub(self.spare.len()));
         while self.spare.len() < limit {
-            self.spare.push((
-                RingBuffer::new(self.cfg.tx_buffer),
-                RingBuffer::new(self.cfg.rx_buffer),
-            ));
+            self.spare.push(blank_entry(&self.cfg));
         }
     }
 
-    /// Returns a removed connection's buffers to the import pool.
-    fn recycle(&mut self, conn: Connection) {
+    /// Returns a removed connection's entry (and buffers) to the import pool.
+    fn recycle(&mut self, e: Box<Entry>) {
         if self.spare.len() < self.spare_limit
-            && conn.tx.capacity() == self.cfg.tx_buffer
-            && conn.rx.capacity() == self.cfg.rx_buffer
+            && e.conn.tx.capacity() == self.cfg.tx_buffer
+            && e.conn.rx.capacity() == self.cfg.rx_buffer
         {
-            self.spare.push((conn.tx, conn.rx));
+            self.spare.push(e);
         }
     }
 
@@ -626,20 +640,21 @@ impl Endpoint {
         if self.flows.contains_key(&key_of(&conn)) {
             return Err(TcpError::AddrInUse);
         }
-        Ok(self.attach_unchecked(conn))
-    }
-
-    /// `attach` of a connection whose flow is known to be free.
-    fn attach_unchecked(&mut self, conn: Connection) -> ConnId {
         let port = conn.local.port();
         let id = self.insert(conn, Some(port), Stage::Queued);
+        self.queue_accepted(id, port);
+        Ok(id)
+    }
+
+    /// Delivers a just inserted, attached or imported connection through
+    /// the accept queue and `Event::Accepted`.
+    fn queue_accepted(&mut self, id: ConnId, port: u16) {
         self.accept_queue.push_back(id);
         self.events.push_back(Event::Accepted(id));
         if let Some(l) = self.listeners.get_mut(&port) {
             l.queued += 1;
         }
         self.sync(id);
-        id
     }
 
     pub fn poll_event(&mut self) -> Option<Event> {
@@ -821,6 +836,7 @@ impl Endpoint {
     fn owned_mut(&mut self, id: ConnId) -> Result<&mut Entry, TcpError> {
         self.conns
             .get_mut(&id)
+            .map(|e| &mut **e)
             .filter(|e| e.stage == Stage::Owned && !e.app_closed)
             .ok_or(TcpError::InvalidHandle)
     }
@@ -831,21 +847,21 @@ impl Endpoint {
         self.flows.insert(key_of(&conn), id);
         self.conns.insert(
             id,
-            Entry {
+            Box::new(Entry {
                 conn,
                 listener,
                 stage,
                 app_closed: false,
                 in_ready: false,
                 scheduled: None,
-            },
+            }),
         );
         id
     }
 
     fn remove(&mut self, id: ConnId) {
-        if let Some(conn) = self.detach(id) {
-            self.recycle(conn);
+        if let Some(e) = self.take(id) {
+            self.recycle(e);
         }
     }
 
@@ -980,6 +996,20 @@ impl Endpoint {
             self.reschedule(id);
         }
     }
+}
+
+/// A pool entry: a placeholder connection with queue buffers of `cfg`'s
+/// capacities (`Snapshot::restore_into` overwrites every field).
+fn blank_entry(cfg: &TcpConfig) -> Box<Entry> {
+    let any = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0);
+    Box::new(Entry {
+        conn: Connection::connect(cfg, any, any, SeqNum(0), 0),
+        listener: None,
+        stage: Stage::Queued,
+        app_closed: false,
+        in_ready: false,
+        scheduled: None,
+    })
 }
 
 fn key_of(c: &Connection) -> Key {

@@ -471,18 +471,25 @@ impl<'a> Reader<'a> {
                 return Ok(u64::from(b));
             }
         }
-        self.var_slow(f)
+        // Not `&mut self`: the reader (its position, on every field's
+        // critical path) stays in registers instead of going through memory.
+        let (v, pos) = Self::var_slow(self.buf, self.pos, f)?;
+        self.pos = pos;
+        Ok(v)
     }
 
+    /// Varints of 9-10 bytes or near the end: returns the value and the
+    /// position after it.
     #[inline(never)]
-    fn var_slow(&mut self, f: &'static str) -> Result<u64> {
+    #[cold]
+    fn var_slow(buf: &[u8], mut pos: usize, f: &'static str) -> Result<(u64, usize)> {
         let mut v: u64 = 0;
         let mut shift = 0u32;
         loop {
-            let Some(&b) = self.buf.get(self.pos) else {
+            let Some(&b) = buf.get(pos) else {
                 return Err(SnapshotError::Truncated(f));
             };
-            self.pos += 1;
+            pos += 1;
             if shift == 63 && b > 1 {
                 return Err(invalid(f, "varint overflows 64 bits"));
             }
@@ -491,7 +498,7 @@ impl<'a> Reader<'a> {
                 if b == 0 && shift > 0 {
                     return Err(invalid(f, "non-canonical varint"));
                 }
-                return Ok(v);
+                return Ok((v, pos));
             }
             shift += 7;
         }
@@ -557,6 +564,25 @@ impl Sink for Counter {
     #[inline]
     fn raw(&mut self, b: &[u8]) {
         self.0 += b.len();
+    }
+}
+
+/// Appends to a `Vec` (`Parts::append`, after reserving `max_len`).
+impl Sink for Vec<u8> {
+    #[inline]
+    fn var(&mut self, mut v: u64) {
+        while v >= 0x80 {
+            self.push((v as u8) | 0x80);
+            v >>= 7;
+        }
+        self.push(v as u8);
+    }
+    #[inline]
+    fn raw(&mut self, b: &[u8]) {
+        // In `COPY_PIECE`s, as `copy_queue_bytes`.
+        for c in b.chunks(COPY_PIECE) {
+            self.extend_from_slice(c);
+        }
     }
 }
 
@@ -938,8 +964,32 @@ impl<'s> Parts<'s> {
 
     /// `emit` into a buffer known to hold `buffer_len()` bytes.
     fn write(&self, buf: &mut [u8]) -> usize {
+        self.header(&mut buf[..HEADER_LEN]);
+        let mut w = Writer {
+            buf,
+            pos: HEADER_LEN,
+        };
+        self.walk(&mut w);
+        w.pos
+    }
+
+    /// Appends the snapshot to `out` (reserving the cheap `max_len` bound
+    /// first, so it grows at most once); returns the bytes appended. No
+    /// sizing walk and no zero-filling of the part written.
+    fn append(&self, out: &mut Vec<u8>) -> usize {
+        let start = out.len();
+        out.reserve(self.max_len());
+        let mut h = [0u8; HEADER_LEN];
+        self.header(&mut h);
+        out.extend_from_slice(&h);
+        self.walk(out);
+        out.len() - start
+    }
+
+    /// Writes the fixed header into `h` (`HEADER_LEN` bytes).
+    #[inline(always)]
+    fn header(&self, h: &mut [u8]) {
         let flags = self.flags();
-        let h = &mut buf[..HEADER_LEN];
         h[field::VERSION] = VERSION;
         h[field::STATE] = state_code(self.state) | (reason_code(self.close_reason) << 4);
         h[field::FLAGS].copy_from_slice(&flags.to_be_bytes());
@@ -951,12 +1001,6 @@ impl<'s> Parts<'s> {
         h[field::RCV_NXT].copy_from_slice(&self.rcv.nxt.0.to_be_bytes());
         h[field::TSVAL].copy_from_slice(&self.tsval.to_be_bytes());
         h[field::TS_RECENT].copy_from_slice(&self.ts_recent.to_be_bytes());
-        let mut w = Writer {
-            buf,
-            pos: HEADER_LEN,
-        };
-        self.walk(&mut w);
-        w.pos
     }
 }
 
@@ -988,14 +1032,14 @@ pub(crate) fn connection_len(conn: &Connection, now: Instant, app: &[u8]) -> usi
     Parts::of_connection(conn, now, app).buffer_len()
 }
 
-/// `emit_connection` into a buffer known to hold `connection_len` bytes.
-pub(crate) fn write_connection(
+/// `emit_connection` appending to `out`; returns the bytes appended.
+pub(crate) fn append_connection(
     conn: &Connection,
     now: Instant,
     app: &[u8],
-    buf: &mut [u8],
+    out: &mut Vec<u8>,
 ) -> usize {
-    Parts::of_connection(conn, now, app).write(buf)
+    Parts::of_connection(conn, now, app).append(out)
 }
 
 /// Remaining time of a timer at `now` (zero when already due).
@@ -1498,10 +1542,100 @@ impl<'a> Snapshot<'a> {
         mut tx: RingBuffer,
         mut rx: RingBuffer,
     ) -> Connection {
-        let mut params = ConnParams::from_config(cfg);
-        params.keepalive = self.keepalive;
-        params.mss = self.rcv.mss;
-        // Straight from the snapshot bytes into the rings, in `COPY_PIECE`s.
+        self.fill_queues(&mut tx, &mut rx);
+        let r = self.rebased(now, cfg);
+        Connection {
+            state: self.state,
+            local: self.local,
+            remote: self.remote,
+            params: r.params,
+            snd: self.snd,
+            rcv: self.rcv,
+            opts: self.opts,
+            ts: r.ts,
+            rtt: r.rtt,
+            cc: self.cc,
+            sack: self.sack,
+            // Soft loss-recovery hints do not travel (conn.rs `LossHints`).
+            loss: Default::default(),
+            tx,
+            rx,
+            ooo: self.ooo,
+            fin: self.fin,
+            ack: self.ack,
+            timers: r.timers,
+            pending: self.pending,
+            retries: self.retries,
+            close_reason: self.close_reason,
+            want_writable: self.want_writable,
+            events: ConnEvents::default(),
+            stats: self.stats,
+        }
+    }
+
+    /// `restore` over an existing connection, in place: every field is
+    /// overwritten and its queue buffers are reused (their capacities
+    /// stay; call `check_capacity` with them before). Same result as
+    /// `restore` with those buffers, without building the ~800-byte
+    /// connection elsewhere and moving it (the endpoint's import path).
+    pub fn restore_into(&self, now: Instant, cfg: &TcpConfig, conn: &mut Connection) {
+        // Destructured so that a new field cannot be forgotten here.
+        let Connection {
+            state,
+            local,
+            remote,
+            params,
+            snd,
+            rcv,
+            opts,
+            ts,
+            rtt,
+            cc,
+            sack,
+            loss,
+            tx,
+            rx,
+            ooo,
+            fin,
+            ack,
+            timers,
+            pending,
+            retries,
+            close_reason,
+            want_writable,
+            events,
+            stats,
+        } = conn;
+        self.fill_queues(tx, rx);
+        let r = self.rebased(now, cfg);
+        *state = self.state;
+        *local = self.local;
+        *remote = self.remote;
+        *params = r.params;
+        *snd = self.snd;
+        *rcv = self.rcv;
+        *opts = self.opts;
+        *ts = r.ts;
+        *rtt = r.rtt;
+        *cc = self.cc;
+        *sack = self.sack;
+        *loss = Default::default();
+        *ooo = self.ooo;
+        *fin = self.fin;
+        *ack = self.ack;
+        *timers = r.timers;
+        *pending = self.pending;
+        *retries = self.retries;
+        *close_reason = self.close_reason;
+        *want_writable = self.want_writable;
+        *events = ConnEvents::default();
+        *stats = self.stats;
+    }
+
+    /// Empties `tx` and `rx` and copies the queues (and out-of-order bytes)
+    /// into them, straight from the snapshot bytes, in `COPY_PIECE`s.
+    #[inline(always)]
+    fn fill_queues(&self, tx: &mut RingBuffer, rx: &mut RingBuffer) {
         tx.clear();
         for c in self
             .tx
@@ -1525,6 +1659,15 @@ impl<'a> Snapshot<'a> {
             let n = rx.write_unallocated(s as usize, d.0);
             rx.write_unallocated(s as usize + n, d.1);
         }
+    }
+
+    /// The fields re-based on this host: parameters, timestamp clock, the
+    /// timed RTT segment and the timers.
+    #[inline(always)]
+    fn rebased(&self, now: Instant, cfg: &TcpConfig) -> Rebased {
+        let mut params = ConnParams::from_config(cfg);
+        params.keepalive = self.keepalive;
+        params.mss = self.rcv.mss;
         let at = |d: Option<Duration>| d.map(|d| now + d);
         let t = &self.timers;
         let now_ms = (now.as_micros() / 1000) as u32;
@@ -1535,28 +1678,13 @@ impl<'a> Snapshot<'a> {
                 Instant::from_micros(now.as_micros().saturating_sub(age.as_micros() as u64)),
             )
         });
-        Connection {
-            state: self.state,
-            local: self.local,
-            remote: self.remote,
+        Rebased {
             params,
-            snd: self.snd,
-            rcv: self.rcv,
-            opts: self.opts,
             ts: Timestamps {
                 recent: self.ts_recent,
                 offset: self.tsval.wrapping_sub(now_ms),
             },
             rtt,
-            cc: self.cc,
-            sack: self.sack,
-            // Soft loss-recovery hints do not travel (conn.rs `LossHints`).
-            loss: Default::default(),
-            tx,
-            rx,
-            ooo: self.ooo,
-            fin: self.fin,
-            ack: self.ack,
             timers: Timers {
                 retransmit: at(t.retransmit),
                 persist: at(t.persist),
@@ -1564,14 +1692,16 @@ impl<'a> Snapshot<'a> {
                 keepalive: at(t.keepalive),
                 close: at(t.close),
             },
-            pending: self.pending,
-            retries: self.retries,
-            close_reason: self.close_reason,
-            want_writable: self.want_writable,
-            events: ConnEvents::default(),
-            stats: self.stats,
         }
     }
+}
+
+/// What `restore` computes from the importing host's clock and config.
+struct Rebased {
+    params: ConnParams,
+    ts: Timestamps,
+    rtt: RttEstimator,
+    timers: Timers,
 }
 
 #[cfg(test)]
@@ -1652,6 +1782,33 @@ mod tests {
             pos: 0,
         };
         assert!(r.var("x").is_err());
+    }
+
+    #[test]
+    fn restore_into_overwrites_every_field_like_restore() {
+        use crate::endpoint::Endpoint;
+        let cfg = TcpConfig::default();
+        let mut ep = Endpoint::new(cfg.clone());
+        let now = Instant::from_millis(5);
+        let addr = |a: u8, p: u16| SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, a), p);
+        let a = ep.connect(now, addr(1, 1000), addr(2, 80)).unwrap();
+        let b = ep.connect(now, addr(3, 2000), addr(4, 81)).unwrap();
+        let snap = Snapshot::capture(ep.connection(a).unwrap(), now, &[]);
+        let later = now + Duration::from_millis(7);
+        let fresh = snap.restore(
+            later,
+            &cfg,
+            RingBuffer::new(cfg.tx_buffer),
+            RingBuffer::new(cfg.rx_buffer),
+        );
+        // A pooled entry still holds another connection, with queued bytes.
+        let mut dirty = ep.connection(b).unwrap().clone();
+        dirty.tx.enqueue(b"stale send");
+        dirty.rx.enqueue(b"stale receive");
+        dirty.want_writable = true;
+        snap.restore_into(later, &cfg, &mut dirty);
+        assert_eq!(dirty, fresh);
+        assert!(dirty.tx.is_empty() && dirty.rx.is_empty());
     }
 
     /// Counts varints and checks `max_len` against the exact length.

@@ -82,6 +82,11 @@ pub struct EngineConfig {
     pub max_concurrent_in: usize,
     /// Most records (live + remembered) held; bounds memory under floods.
     pub max_records: usize,
+    /// Most flows whose ownership epoch (the id of the migration that
+    /// brought them here) is remembered; a flow migrated in beyond it keeps
+    /// epoch 0 and cannot migrate on while an entry exists at the switch.
+    /// Size it to the connections a host holds.
+    pub max_epochs: usize,
     /// Most messages queued for `poll_transmit`; beyond, new replies are
     /// dropped (counted) and recovered by retransmission.
     pub max_tx_queue: usize,
@@ -116,6 +121,7 @@ impl EngineConfig {
             max_concurrent_in: 256,
             max_records: 16 * 1024,
             max_tx_queue: 4096,
+            max_epochs: 64 * 1024,
             first_migration_seq: 1,
         }
     }

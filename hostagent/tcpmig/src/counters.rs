@@ -54,4 +54,6 @@ pub struct Counters {
     pub segments_dropped: u64,
     /// Replies not queued because the transmit queue was full.
     pub tx_queue_full: u64,
+    /// Flows migrated in whose ownership epoch found no room (`max_epochs`).
+    pub epoch_table_full: u64,
 }

@@ -189,6 +189,9 @@ impl TargetPhase {
 
 struct OutMig {
     flow: FlowKey,
+    /// Ownership epoch sent in every message (id of the migration that
+    /// gave us the flow, 0 for its placement).
+    epoch: u64,
     /// Unspecified until a PREPARE_ACK names it (unless explicit).
     target: Ipv4Addr,
     explicit: bool,
@@ -220,6 +223,8 @@ struct InBuffers {
 struct InMig {
     flow: FlowKey,
     origin: Ipv4Addr,
+    /// The origin's ownership epoch from PREPARE, echoed in every answer.
+    epoch: u64,
     phase: TargetPhase,
     deadline: Option<Instant>,
     bufs: Option<InBuffers>,
@@ -250,8 +255,57 @@ struct TxItem {
     origin: Ipv4Addr,
     target: Ipv4Addr,
     reason: Reason,
+    epoch: u64,
     /// Belongs to a record (dedup bit, seq, telemetry).
     recorded: bool,
+}
+
+impl TxItem {
+    /// The message for this item. Every datagram the engine sends is built
+    /// here (control messages and CONN_STATE fragments alike).
+    fn repr<'p>(
+        &self,
+        seq: u32,
+        frag_index: u16,
+        frag_count: u16,
+        payload: &'p [u8],
+    ) -> TcpMigRepr<'p> {
+        TcpMigRepr {
+            kind: self.kind,
+            migration_id: self.id,
+            flow: self.flow,
+            origin: self.origin,
+            target: self.target,
+            seq,
+            frag_index,
+            frag_count,
+            reason: self.reason,
+            epoch: self.epoch,
+            payload,
+        }
+    }
+
+    /// A stateless answer to `m` (no record): same migration, flow, origin
+    /// and epoch.
+    fn answer(
+        m: &TcpMigRepr<'_>,
+        dst: Ipv4Addr,
+        kind: Kind,
+        target: Ipv4Addr,
+        reason: Reason,
+    ) -> TxItem {
+        TxItem {
+            dst,
+            kind,
+            id: m.migration_id,
+            flow: m.flow,
+            origin: m.origin,
+            target,
+            reason,
+            epoch: m.epoch,
+            recorded: false,
+        }
+    }
 }
 
 fn kind_bit(k: Kind) -> u8 {
@@ -269,11 +323,26 @@ pub struct Engine {
     records: HashMap<u64, Record>,
     by_flow_out: HashMap<FlowKey, u64>,
     by_flow_in: HashMap<FlowKey, u64>,
+    /// Ownership epoch of flows this host received by migration (the id of
+    /// that migration); absent = placement (epoch 0). Bounded by
+    /// `max_epochs`, pre-sized: inserting never allocates.
+    epochs: HashMap<FlowKey, u64>,
     tx: VecDeque<TxItem>,
     events: VecDeque<Event>,
     pool: Vec<InBuffers>,
     counters: Counters,
+    /// `poll_timeout`'s last answer; `None`: recompute. Cleared by every
+    /// path that may change a record's timers (`ctx_parts`,
+    /// `handle_message`, `poll_transmit`): without it the driver scanned
+    /// every record (thousands lingering at 500 migrations/s) several times
+    /// per poll iteration, half of a hostagent's CPU in `make bench-migration`.
+    timer_cache: std::cell::Cell<Option<Option<Instant>>>,
 }
+
+/// Expiry of finished records (`linger`) is rounded up to this grain in
+/// `poll_timeout`, so that they expire in batches (one `handle_timeout`
+/// scan) instead of one wake-up each.
+const EXPIRY_GRAIN_US: u64 = 100_000;
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -295,6 +364,7 @@ struct Ctx<'a> {
     pool: &'a mut Vec<InBuffers>,
     by_flow_in: &'a mut HashMap<FlowKey, u64>,
     by_flow_out: &'a mut HashMap<FlowKey, u64>,
+    epochs: &'a mut HashMap<FlowKey, u64>,
 }
 
 impl Ctx<'_> {
@@ -352,6 +422,7 @@ fn out_item(id: u64, r: &OutMig, kind: Kind, dst: Ipv4Addr, local: Ipv4Addr) -> 
         } else {
             Reason::None
         },
+        epoch: r.epoch,
         recorded: true,
     }
 }
@@ -365,6 +436,7 @@ fn in_item(id: u64, r: &InMig, kind: Kind, reason: Reason, local: Ipv4Addr) -> T
         origin: r.origin,
         target: local,
         reason,
+        epoch: r.epoch,
         recorded: true,
     }
 }
@@ -393,10 +465,12 @@ impl Engine {
             records: HashMap::with_capacity(table),
             by_flow_out: HashMap::with_capacity(cfg.max_concurrent_out),
             by_flow_in: HashMap::with_capacity(cfg.max_concurrent_in),
+            epochs: HashMap::with_capacity(cfg.max_epochs),
             tx: VecDeque::with_capacity(cfg.max_tx_queue),
             events: VecDeque::with_capacity(table * 2),
             pool: Vec::with_capacity(cfg.max_concurrent_in),
             counters: Counters::default(),
+            timer_cache: std::cell::Cell::new(None),
             key,
             cfg,
         })
@@ -446,6 +520,19 @@ impl Engine {
         self.records.len()
     }
 
+    /// Ownership epoch of `flow` here: the id of the migration that brought
+    /// it to this host, 0 if it was placed here (or is not known).
+    pub fn epoch(&self, flow: &FlowKey) -> u64 {
+        self.epochs.get(flow).copied().unwrap_or(0)
+    }
+
+    /// The connection of `flow` is closed here: forget its ownership epoch
+    /// (a later connection with the same addresses starts from placement).
+    /// Migrations out and lost connections forget it on their own.
+    pub fn forget_flow(&mut self, flow: &FlowKey) {
+        self.epochs.remove(flow);
+    }
+
     // ------------------------------------------------------------------
     // Origin API
     // ------------------------------------------------------------------
@@ -488,6 +575,7 @@ impl Engine {
         let target = explicit_target.unwrap_or(Ipv4Addr::UNSPECIFIED);
         let mut r = OutMig {
             flow,
+            epoch: self.epoch(&flow),
             target,
             explicit: explicit_target.is_some(),
             phase: OriginPhase::Preparing,
@@ -696,6 +784,17 @@ impl Engine {
         cx.release(bufs);
         cx.by_flow_in.remove(&r.flow);
         cx.counters.migrated_in += 1;
+        // This migration is now the flow's ownership epoch here: our own
+        // migrations of it name it, so that the switch can tell their
+        // PREPARE_ACKs from stale ones. Without room the flow keeps epoch
+        // 0, which the switch refuses over an entry: it then cannot move
+        // again (safe), and the miss is counted.
+        if cx.epochs.len() < cx.cfg.max_epochs || cx.epochs.contains_key(&r.flow) {
+            cx.epochs.insert(r.flow, id.0);
+        } else {
+            cx.epochs.remove(&r.flow);
+            cx.counters.epoch_table_full += 1;
+        }
         let item = in_item(id.0, r, Kind::ConnStateAck, Reason::None, cx.cfg.local_addr);
         cx.queue(item, Some(&mut r.queued));
         cx.event(Event::MigratedIn {
@@ -730,6 +829,7 @@ impl Engine {
         src: Ipv4Addr,
         datagram: &[u8],
     ) -> Result<(), RxError> {
+        *self.timer_cache.get_mut() = None;
         let m = match TcpMigRepr::parse_verified(datagram, &self.key) {
             Ok(m) => m,
             Err(e) => {
@@ -790,6 +890,7 @@ impl Engine {
         let local = self.cfg.local_addr;
         loop {
             let item = *self.tx.front()?;
+            *self.timer_cache.get_mut() = None;
             let rec = self.records.get_mut(&item.id);
             if item.kind == Kind::ConnState {
                 let Some(Record::Out(r)) = rec else {
@@ -809,20 +910,14 @@ impl Engine {
                     r.queued &= !kind_bit(Kind::ConnState);
                     continue;
                 };
-                let repr = TcpMigRepr {
-                    kind: Kind::ConnState,
-                    migration_id: item.id,
-                    flow: r.flow,
-                    origin: local,
-                    target: r.target,
-                    // Per-fragment sequence number: a retransmitted fragment
-                    // carries the same one, so receivers deduplicate by it.
-                    seq: u32::from(frag.index),
-                    frag_index: frag.index,
-                    frag_count: frag.count,
-                    reason: Reason::None,
-                    payload: frag.payload,
-                };
+                // Per-fragment sequence number: a retransmitted fragment
+                // carries the same one, so receivers deduplicate by it.
+                let repr = out_item(item.id, r, Kind::ConnState, item.dst, local).repr(
+                    u32::from(frag.index),
+                    frag.index,
+                    frag.count,
+                    frag.payload,
+                );
                 let Ok(n) = repr.emit_with_mac(buf, &self.key) else {
                     // Driver bug (buffer shorter than the MTU): skip rather
                     // than spin; the retransmission timer will not help
@@ -904,18 +999,7 @@ impl Engine {
                     continue;
                 }
             }
-            let repr = TcpMigRepr {
-                kind: item.kind,
-                migration_id: item.id,
-                flow: item.flow,
-                origin: item.origin,
-                target: item.target,
-                seq,
-                frag_index: 0,
-                frag_count: 1,
-                reason: item.reason,
-                payload: &[],
-            };
+            let repr = item.repr(seq, 0, 1, &[]);
             let Ok(n) = repr.emit_with_mac(buf, &self.key) else {
                 self.counters.tx_queue_full += 1;
                 continue;
@@ -946,6 +1030,13 @@ impl Engine {
     /// Earliest time `handle_timeout` has work. Scans the records (bounded
     /// by `max_records`).
     pub fn poll_timeout(&self) -> Option<Instant> {
+        if let Some(t) = self.timer_cache.get() {
+            return t;
+        }
+        // A finished record only waits to expire: later is harmless.
+        let expiry = |d: Instant| {
+            Instant::from_micros(d.as_micros().div_ceil(EXPIRY_GRAIN_US) * EXPIRY_GRAIN_US)
+        };
         let mut t: Option<Instant> = None;
         let mut upd = |x: Option<Instant>| {
             if let Some(x) = x {
@@ -956,14 +1047,22 @@ impl Engine {
             match rec {
                 Record::Out(r) => {
                     upd(r.retx_at);
-                    upd(Some(r.deadline));
+                    upd(Some(if r.phase == OriginPhase::Done {
+                        expiry(r.deadline)
+                    } else {
+                        r.deadline
+                    }));
                 }
                 Record::In(r) => {
                     upd(r.retx_at);
-                    upd(r.deadline);
+                    upd(match r.phase {
+                        TargetPhase::Buffering | TargetPhase::Importing => r.deadline,
+                        _ => r.deadline.map(expiry),
+                    });
                 }
             }
         }
+        self.timer_cache.set(Some(t));
         t
     }
 
@@ -981,6 +1080,7 @@ impl Engine {
     // ------------------------------------------------------------------
 
     fn ctx_parts(&mut self) -> (&mut HashMap<u64, Record>, Ctx<'_>) {
+        *self.timer_cache.get_mut() = None;
         (
             &mut self.records,
             Ctx {
@@ -991,6 +1091,7 @@ impl Engine {
                 pool: &mut self.pool,
                 by_flow_in: &mut self.by_flow_in,
                 by_flow_out: &mut self.by_flow_out,
+                epochs: &mut self.epochs,
             },
         )
     }
@@ -1017,8 +1118,10 @@ impl Engine {
         let (records, mut cx) = self.ctx_parts();
         match records.get_mut(&id) {
             Some(Record::In(r)) => {
-                if r.origin != m.origin || r.flow != m.flow {
-                    return Err(unexpected("PREPARE reuses a migration id for another flow"));
+                if r.origin != m.origin || r.flow != m.flow || r.epoch != m.epoch {
+                    return Err(unexpected(
+                        "PREPARE reuses a migration id for another flow or epoch",
+                    ));
                 }
                 cx.counters.duplicates += 1;
                 r.tel.wire_bytes_received += wire as u64;
@@ -1047,6 +1150,7 @@ impl Engine {
         let mut r = InMig {
             flow: m.flow,
             origin: m.origin,
+            epoch: m.epoch,
             phase: TargetPhase::Buffering,
             deadline: Some(now + cx.cfg.target_deadline),
             bufs: None,
@@ -1224,19 +1328,9 @@ impl Engine {
                 // owner, so the origin keeps the connection. One answer per
                 // burst (fragment 0) is enough.
                 if m.frag_index == 0 {
-                    cx.queue(
-                        TxItem {
-                            dst: m.origin,
-                            kind: Kind::Abort,
-                            id,
-                            flow: m.flow,
-                            origin: m.origin,
-                            target: local,
-                            reason: Reason::UnknownMigration,
-                            recorded: false,
-                        },
-                        None,
-                    );
+                    let item =
+                        TxItem::answer(m, m.origin, Kind::Abort, local, Reason::UnknownMigration);
+                    cx.queue(item, None);
                 }
                 Err(unexpected("CONN_STATE for an unknown migration"))
             }
@@ -1264,16 +1358,8 @@ impl Engine {
         }
         // A PREPARE_ACK we cannot use: ask that target to let go right away
         // instead of buffering until its deadline.
-        let let_go = TxItem {
-            dst: m.target,
-            kind: Kind::Abort,
-            id,
-            flow: m.flow,
-            origin: local,
-            target: m.target,
-            reason: Reason::Cancelled,
-            recorded: false,
-        };
+        // (`m.origin == local`, checked above.)
+        let let_go = TxItem::answer(m, m.target, Kind::Abort, m.target, Reason::Cancelled);
         let (records, mut cx) = self.ctx_parts();
         match records.get_mut(&id) {
             Some(Record::Out(r)) => {
@@ -1281,6 +1367,11 @@ impl Engine {
                     return Err(unexpected(
                         "PREPARE_ACK reuses a migration id for another flow",
                     ));
+                }
+                if r.epoch != m.epoch {
+                    // The target answers every PREPARE with its epoch; a
+                    // different one was not an answer to ours.
+                    return Err(unexpected("PREPARE_ACK echoes another ownership epoch"));
                 }
                 match r.phase {
                     OriginPhase::Preparing => {
@@ -1525,19 +1616,9 @@ impl Engine {
             None => {
                 cx.counters.aborts_received += 1;
                 // Never accepted (or long forgotten): not the owner.
-                cx.queue(
-                    TxItem {
-                        dst: m.origin,
-                        kind: Kind::Abort,
-                        id,
-                        flow: m.flow,
-                        origin: m.origin,
-                        target: local,
-                        reason: Reason::UnknownMigration,
-                        recorded: false,
-                    },
-                    None,
-                );
+                let item =
+                    TxItem::answer(m, m.origin, Kind::Abort, local, Reason::UnknownMigration);
+                cx.queue(item, None);
                 Ok(())
             }
         }
@@ -1581,6 +1662,7 @@ fn origin_finish(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant, outcom
     let mid = MigrationId(id);
     match outcome {
         Outcome::MigratedOut => {
+            cx.epochs.remove(&r.flow);
             cx.counters.migrated_out += 1;
             cx.event(Event::MigratedOut {
                 id: mid,
@@ -1598,6 +1680,7 @@ fn origin_finish(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant, outcom
             });
         }
         Outcome::Lost(reason) => {
+            cx.epochs.remove(&r.flow);
             cx.counters.lost += 1;
             cx.event(Event::Lost {
                 id: mid,

@@ -72,6 +72,7 @@ fn run(seed: u64, ops: usize) {
                     frag_index: (rng.below(u64::from(count) + 1)) as u16,
                     frag_count: count,
                     reason: Reason::from_u16(rng.below(10) as u16),
+                    epoch: rng.pick(&ids),
                     payload: &payload[..len],
                 };
                 let Ok(n) = repr.emit_with_mac(&mut buf, &k) else {

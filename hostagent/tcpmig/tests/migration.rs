@@ -548,6 +548,41 @@ fn migrate_there_and_back() {
     assert_eq!(w.hosts[0].stack.conns[&flow()].blob, blob(N));
 }
 
+/// TCPMig v2: a host's ownership epoch of a flow is the id of the
+/// migration that brought the flow to it (0 for its placement); it moves on
+/// with every owner change and is forgotten when the flow leaves or closes.
+#[test]
+fn ownership_epoch_follows_the_flow() {
+    let mut w = World::serving(N, &[TARGET], Box::new(NoFaults));
+    assert_eq!(w.host(ORIGIN).engine.epoch(&flow()), 0);
+    let there = w.migrate(None);
+    w.run_for(Duration::from_millis(5));
+    assert_eq!(w.owners(), vec![TARGET]);
+    assert_eq!(w.host(TARGET).engine.epoch(&flow()), there.0);
+    assert_eq!(w.host(ORIGIN).engine.epoch(&flow()), 0, "migrated out");
+    let now = w.now;
+    let back = w
+        .host(TARGET)
+        .engine
+        .migrate_out(now, flow(), Some(ORIGIN))
+        .unwrap();
+    w.flush();
+    w.settle();
+    assert_eq!(w.owners(), vec![ORIGIN]);
+    assert_eq!(w.switch.entries[&flow()].id, back.0);
+    assert_eq!(w.host(ORIGIN).engine.epoch(&flow()), back.0);
+    assert_eq!(w.host(TARGET).engine.epoch(&flow()), 0);
+    // And away again: the switch takes the PREPARE_ACK only because it
+    // names `back`, the entry's id (v1 compared ids of one origin only).
+    let again = w.migrate(Some(TARGET));
+    w.settle();
+    assert_eq!(w.owners(), vec![TARGET]);
+    assert_eq!(w.switch.entries[&flow()].id, again.0);
+    assert_eq!(w.host(TARGET).engine.epoch(&flow()), again.0);
+    w.host(TARGET).engine.forget_flow(&flow());
+    assert_eq!(w.host(TARGET).engine.epoch(&flow()), 0, "closed");
+}
+
 #[test]
 fn empty_and_large_snapshots() {
     for n in [0usize, 1, 488, 489, 60_000] {
@@ -628,6 +663,7 @@ fn bad_mac_version_and_garbage_are_counted_and_dropped() {
         frag_index: 0,
         frag_count: 1,
         reason: Reason::None,
+        epoch: 0,
         payload: &[],
     };
     let mut buf = [0u8; 128];
@@ -644,12 +680,23 @@ fn bad_mac_version_and_garbage_are_counted_and_dropped() {
         t.handle_message(now, ORIGIN, &v[..n]),
         Err(RxError::BadVersion(_))
     ));
+    // A TCPMig v1 datagram (44-byte header, no epoch): refused by version
+    // before its layout is read, whatever its MAC.
+    let mut v1 = [0u8; 60];
+    v1[..44].copy_from_slice(&buf[..44]);
+    v1[2] = 1;
+    assert!(matches!(
+        t.handle_message(now, ORIGIN, &v1[..]),
+        Err(RxError::BadVersion(
+            capybara_proto::tcpmig::TcpMigError::UnsupportedVersion { found: 1 }
+        ))
+    ));
     assert!(matches!(
         t.handle_message(now, ORIGIN, &buf[..10]),
         Err(RxError::Malformed(_))
     ));
     let c = t.counters();
-    assert_eq!((c.bad_mac, c.bad_version, c.malformed), (1, 1, 1));
+    assert_eq!((c.bad_mac, c.bad_version, c.malformed), (1, 2, 1));
     assert_eq!(t.records(), 0);
     assert!(t.poll_transmit(now, &mut buf).is_none());
 }

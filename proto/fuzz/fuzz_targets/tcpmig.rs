@@ -17,6 +17,7 @@ fuzz_target!(|data: &[u8]| {
             p.mac(),
             p.reason(),
             p.seq(),
+            p.epoch(),
         );
     }
     if let Ok(repr) = TcpMigRepr::parse_bytes(data) {

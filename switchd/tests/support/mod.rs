@@ -162,6 +162,19 @@ pub fn mig(
     origin: u32,
     target: Option<u32>,
 ) -> Vec<u8> {
+    mig_epoch(kind, migration_id, 0, sport_flow, origin, target)
+}
+
+/// [`mig`] with the origin's ownership epoch (TCPMig v2: the id of the
+/// migration that gave it the flow, 0 for its placement).
+pub fn mig_epoch(
+    kind: Kind,
+    migration_id: u64,
+    epoch: u64,
+    sport_flow: u16,
+    origin: u32,
+    target: Option<u32>,
+) -> Vec<u8> {
     let repr = TcpMigRepr {
         kind,
         migration_id,
@@ -181,6 +194,7 @@ pub fn mig(
         } else {
             Reason::None
         },
+        epoch,
         payload: b"",
     };
     let mut buf = vec![0u8; repr.buffer_len()];
@@ -214,6 +228,43 @@ pub fn udp_to_server(s: u32, src: Ipv4Addr, payload: &[u8]) -> Vec<u8> {
 /// forwarded as is (only the Ethernet addresses change).
 pub fn direct(src: u32, dst: u32, payload: &[u8]) -> Vec<u8> {
     udp_to_server(dst, server_ip(src), payload)
+}
+
+/// The flow events of `key` queued since the last drain, in order, as
+/// (kind, server, previous server): what the store will see.
+pub fn flow_events(lab: &mut Lab, key: CFlowKey) -> Vec<(u32, u32, u32)> {
+    let mut evs = Vec::new();
+    lab.dp.drain_events(&mut evs).unwrap();
+    evs.iter()
+        .filter(|e| e.key == key)
+        .map(|e| (e.kind, e.server, e.prev_server))
+        .collect()
+}
+
+/// A client segment to the VIP that the switch redirects, unchanged but
+/// for addresses, to server `s`.
+pub fn client_to(desc: &'static str, sport: u16, flags: u8, s: u32, reason: &'static str) -> Case {
+    Case {
+        desc,
+        side: Side::Client,
+        input: client_tcp(VIP, sport, flags),
+        verdict: XDP_REDIRECT,
+        output: Some(to_server_tcp(s, sport, flags)),
+        reason,
+    }
+}
+
+/// A TCPMig datagram from server `from` to server `to` that the switch
+/// redirects to `to` (only the Ethernet addresses change).
+pub fn relayed(desc: &'static str, from: u32, to: u32, msg: Vec<u8>, reason: &'static str) -> Case {
+    Case {
+        desc,
+        side: Side::Server,
+        input: udp_from(server_ip(from), server_ip(to), &msg),
+        verdict: XDP_REDIRECT,
+        output: Some(direct(from, to, &msg)),
+        reason,
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]

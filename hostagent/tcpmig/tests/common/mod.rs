@@ -179,15 +179,9 @@ impl SwitchModel {
             }
             Kind::PrepareAck => {
                 let e = self.entries.get(&m.flow).copied();
-                let same_origin = |a: u64, b: u64| a >> 32 == b >> 32;
                 let install = match e {
                     None => true,
-                    Some(e) => {
-                        !e.pending
-                            && e.owner == m.origin
-                            && e.id != id
-                            && !(same_origin(e.id, id) && id < e.id)
-                    }
+                    Some(e) => supersedes(e.owner, e.id, e.pending, &m),
                 };
                 if install {
                     self.entries.insert(
@@ -224,6 +218,13 @@ impl SwitchModel {
                             id,
                             pending: false,
                         };
+                    }
+                    // TCPMig v2: the decision of a migration whose
+                    // PREPARE_ACK never passed advances the final entry to
+                    // its id, so that a late copy of that PREPARE_ACK is
+                    // stale when it comes.
+                    Some(e) if supersedes(e.owner, e.id, e.pending, &m) => {
+                        e.id = id;
                     }
                     Some(_) => {}
                     None => {
@@ -738,4 +739,16 @@ impl FaultPlan for FirstK {
             Fate::Deliver
         }
     }
+}
+
+/// TCPMig v2 (docs/MIGRATION.md): whether migration `m` (origin `o`,
+/// ownership epoch `E`) may take over a flow whose entry is
+/// `{owner, id, pending}`: the entry is final, on `o`, of another
+/// migration, and its id is `E` (the migration that gave `o` the flow) or
+/// an older id of `o` itself (its own aborted migrations since).
+fn supersedes(owner: Ipv4Addr, id: u64, pending: bool, m: &TcpMigRepr<'_>) -> bool {
+    !pending
+        && owner == m.origin
+        && id != m.migration_id
+        && (id == m.epoch || (id >> 32 == m.migration_id >> 32 && id < m.migration_id))
 }

@@ -1,0 +1,158 @@
+//! Connection-manager state across back-to-back migrations (issue #8).
+//!
+//! A migrated-in connection carries its application state (the sidecar:
+//! client requests read but not yet forwarded). Until the application on the
+//! target registers the connection's manager (the connection may still be
+//! in the accept queue, or accepted with its task not run yet), the stack
+//! must carry that state on unchanged if the connection migrates again. It
+//! used to export nothing: the requests were lost and the client waited for
+//! their replies forever (the pipelined RESP stall of the sidecar lab).
+//!
+//! Run: `cargo test -p capybara-hostagent --test manager_state`.
+
+mod common;
+
+use capybara_hostagent::socket::{ConnectionManager, Readiness, StateImporter};
+use capybara_proto::time::Instant;
+use capybara_proto::FlowKey;
+use common::*;
+use std::any::Any;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+const LIMIT: Instant = Instant::from_millis(60_000);
+const STATE: &[u8] = b"*2\r\n$4\r\nECHO\r\n$5\r\nhello\r\n(read, not forwarded)";
+
+/// Records every state imported on one server.
+struct Recorder(Rc<RefCell<Vec<Vec<u8>>>>);
+
+impl StateImporter for Recorder {
+    fn import_state(&self, _flow: FlowKey, state: &[u8]) -> Result<Box<dyn Any>, String> {
+        self.0.borrow_mut().push(state.to_vec());
+        Ok(Box::new(()))
+    }
+}
+
+/// A manager always at a safe point, holding `STATE`.
+struct Holder;
+
+impl ConnectionManager for Holder {
+    fn prepare(&mut self) -> Readiness {
+        Readiness::Ready
+    }
+    fn export_state(&mut self, out: &mut Vec<u8>) -> Result<(), String> {
+        out.extend_from_slice(STATE);
+        Ok(())
+    }
+    fn resume(&mut self) {}
+}
+
+fn migrate_and_settle(w: &mut World, to: usize) {
+    w.migrate(true).expect("migrate");
+    assert!(
+        w.run_until(LIMIT, |w| !w.any_migrating() && w.owners() == vec![to]),
+        "{}",
+        w.describe()
+    );
+}
+
+#[test]
+fn unclaimed_imported_state_travels_on_with_the_next_migration() {
+    let mut w = World::new(
+        Setup {
+            seed: 81,
+            app: App::Echo,
+            net: Net::clean(),
+        },
+        stream(81, 200_000),
+    );
+    let imported: Vec<_> = (0..2).map(|_| Rc::new(RefCell::new(Vec::new()))).collect();
+    for (s, rec) in w.servers.iter_mut().zip(&imported) {
+        s.migrator_mut()
+            .managers
+            .set_importer(SERVICE_PORT, Rc::new(Recorder(rec.clone())));
+    }
+    assert!(
+        w.run_until(LIMIT, |w| w.client.received.len() >= 20_000),
+        "{}",
+        w.describe()
+    );
+    // Server 0's application holds state for the connection.
+    let flow = w.flow().expect("connected");
+    let m = w.servers[0].migrator_mut();
+    let cid = *m.flows().find(|(f, _)| **f == flow).expect("served").1;
+    let app = m.app_handle(cid);
+    m.managers.set(app, Box::new(Holder));
+
+    migrate_and_settle(&mut w, 1);
+    assert_eq!(imported[1].borrow().as_slice(), [STATE.to_vec()]);
+
+    // Server 1's application has not registered a manager for the
+    // connection yet: the state it arrived with must go on as it is.
+    migrate_and_settle(&mut w, 0);
+    assert_eq!(
+        imported[0].borrow().as_slice(),
+        [STATE.to_vec()],
+        "the state imported on server 1 was lost when the connection moved on"
+    );
+
+    // And once more, so that a state handed back is not consumed either.
+    migrate_and_settle(&mut w, 1);
+    assert_eq!(imported[1].borrow().len(), 2);
+    assert_eq!(imported[1].borrow()[1], STATE);
+
+    assert!(w.finish(LIMIT), "{}", w.describe());
+    w.assert_single_owner();
+    assert_eq!(w.client.received, w.client.to_send, "echo stream exact");
+}
+
+#[test]
+fn a_registered_manager_takes_the_imported_state_over() {
+    let mut w = World::new(
+        Setup {
+            seed: 82,
+            app: App::Echo,
+            net: Net::clean(),
+        },
+        stream(82, 100_000),
+    );
+    let imported: Vec<_> = (0..2).map(|_| Rc::new(RefCell::new(Vec::new()))).collect();
+    for (s, rec) in w.servers.iter_mut().zip(&imported) {
+        s.migrator_mut()
+            .managers
+            .set_importer(SERVICE_PORT, Rc::new(Recorder(rec.clone())));
+    }
+    assert!(
+        w.run_until(LIMIT, |w| w.client.received.len() >= 10_000),
+        "{}",
+        w.describe()
+    );
+    let flow = w.flow().expect("connected");
+    let m = w.servers[0].migrator_mut();
+    let cid = *m.flows().find(|(f, _)| **f == flow).expect("served").1;
+    let app = m.app_handle(cid);
+    m.managers.set(app, Box::new(Holder));
+    migrate_and_settle(&mut w, 1);
+
+    // Server 1's application takes the connection over with a manager
+    // whose state is now empty (it consumed what was imported).
+    struct Empty;
+    impl ConnectionManager for Empty {
+        fn prepare(&mut self) -> Readiness {
+            Readiness::Ready
+        }
+        fn export_state(&mut self, _out: &mut Vec<u8>) -> Result<(), String> {
+            Ok(())
+        }
+        fn resume(&mut self) {}
+    }
+    let m = w.servers[1].migrator_mut();
+    let cid = *m.flows().find(|(f, _)| **f == flow).expect("served").1;
+    let app = m.app_handle(cid);
+    m.managers.set(app, Box::new(Empty));
+    migrate_and_settle(&mut w, 0);
+    assert_eq!(imported[0].borrow().as_slice(), [Vec::<u8>::new()]);
+
+    assert!(w.finish(LIMIT), "{}", w.describe());
+    assert_eq!(w.client.received, w.client.to_send, "echo stream exact");
+}
