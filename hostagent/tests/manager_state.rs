@@ -56,33 +56,47 @@ fn migrate_and_settle(w: &mut World, to: usize) {
     );
 }
 
-#[test]
-fn unclaimed_imported_state_travels_on_with_the_next_migration() {
+type Imported = Vec<Rc<RefCell<Vec<Vec<u8>>>>>;
+
+/// An echo world whose two servers record every imported state, run until
+/// the client got `warm` bytes back.
+fn recording_world(seed: u64, len: usize, warm: usize) -> (World, Imported) {
     let mut w = World::new(
         Setup {
-            seed: 81,
+            seed,
             app: App::Echo,
             net: Net::clean(),
         },
-        stream(81, 200_000),
+        stream(seed, len),
     );
-    let imported: Vec<_> = (0..2).map(|_| Rc::new(RefCell::new(Vec::new()))).collect();
+    let imported: Imported = (0..2).map(|_| Rc::new(RefCell::new(Vec::new()))).collect();
     for (s, rec) in w.servers.iter_mut().zip(&imported) {
         s.migrator_mut()
             .managers
             .set_importer(SERVICE_PORT, Rc::new(Recorder(rec.clone())));
     }
     assert!(
-        w.run_until(LIMIT, |w| w.client.received.len() >= 20_000),
+        w.run_until(LIMIT, |w| w.client.received.len() >= warm),
         "{}",
         w.describe()
     );
-    // Server 0's application holds state for the connection.
+    (w, imported)
+}
+
+/// Registers `manager` for the connection on `server`.
+fn register(w: &mut World, server: usize, manager: Box<dyn ConnectionManager>) {
     let flow = w.flow().expect("connected");
-    let m = w.servers[0].migrator_mut();
+    let m = w.servers[server].migrator_mut();
     let cid = *m.flows().find(|(f, _)| **f == flow).expect("served").1;
     let app = m.app_handle(cid);
-    m.managers.set(app, Box::new(Holder));
+    m.managers.set(app, manager);
+}
+
+#[test]
+fn unclaimed_imported_state_travels_on_with_the_next_migration() {
+    let (mut w, imported) = recording_world(81, 200_000, 20_000);
+    // Server 0's application holds state for the connection.
+    register(&mut w, 0, Box::new(Holder));
 
     migrate_and_settle(&mut w, 1);
     assert_eq!(imported[1].borrow().as_slice(), [STATE.to_vec()]);
@@ -108,30 +122,8 @@ fn unclaimed_imported_state_travels_on_with_the_next_migration() {
 
 #[test]
 fn a_registered_manager_takes_the_imported_state_over() {
-    let mut w = World::new(
-        Setup {
-            seed: 82,
-            app: App::Echo,
-            net: Net::clean(),
-        },
-        stream(82, 100_000),
-    );
-    let imported: Vec<_> = (0..2).map(|_| Rc::new(RefCell::new(Vec::new()))).collect();
-    for (s, rec) in w.servers.iter_mut().zip(&imported) {
-        s.migrator_mut()
-            .managers
-            .set_importer(SERVICE_PORT, Rc::new(Recorder(rec.clone())));
-    }
-    assert!(
-        w.run_until(LIMIT, |w| w.client.received.len() >= 10_000),
-        "{}",
-        w.describe()
-    );
-    let flow = w.flow().expect("connected");
-    let m = w.servers[0].migrator_mut();
-    let cid = *m.flows().find(|(f, _)| **f == flow).expect("served").1;
-    let app = m.app_handle(cid);
-    m.managers.set(app, Box::new(Holder));
+    let (mut w, imported) = recording_world(82, 100_000, 10_000);
+    register(&mut w, 0, Box::new(Holder));
     migrate_and_settle(&mut w, 1);
 
     // Server 1's application takes the connection over with a manager
@@ -146,10 +138,7 @@ fn a_registered_manager_takes_the_imported_state_over() {
         }
         fn resume(&mut self) {}
     }
-    let m = w.servers[1].migrator_mut();
-    let cid = *m.flows().find(|(f, _)| **f == flow).expect("served").1;
-    let app = m.app_handle(cid);
-    m.managers.set(app, Box::new(Empty));
+    register(&mut w, 1, Box::new(Empty));
     migrate_and_settle(&mut w, 0);
     assert_eq!(imported[0].borrow().as_slice(), [Vec::<u8>::new()]);
 

@@ -194,6 +194,18 @@ fn imbalance(loads: &[(String, u64)]) -> f64 {
     a.max(b) / a.min(b)
 }
 
+/// A metric summed over both servers (0 where a server does not have it).
+fn pool_total(lab: &Lab, name: &str) -> f64 {
+    (1..=2)
+        .map(|j| metric_sum(&lab.server_metrics(j), name, "").unwrap_or(0.0))
+        .sum()
+}
+
+/// Whether every server reports `name` = `value`.
+fn all_servers(lab: &Lab, name: &str, value: f64) -> bool {
+    (1..=2).all(|j| metric_sum(&lab.server_metrics(j), name, "") == Some(value))
+}
+
 /// Store says off, then proactive on mid-run: nothing moves while off, the
 /// change reaches the servers within a second, then s1 sheds and the load
 /// converges, with zero client errors.
@@ -212,15 +224,7 @@ fn overloaded_server_sheds_once_the_store_enables_proactive() {
     lab.wait_for(
         "the servers to apply the stored policy",
         Duration::from_secs(5),
-        || {
-            (1..=2).all(|j| {
-                metric_sum(
-                    &lab.server_metrics(j),
-                    "capybara_policy_proactive_enabled",
-                    "",
-                ) == Some(0.0)
-            })
-        },
+        || all_servers(&lab, "capybara_policy_proactive_enabled", 0.0),
     );
     // 20 % of the pool's capacity spread evenly, then +3,000 rps on s1's
     // connections at 1 s: s1 at ~80 % of its capacity, s2 at ~20 %.
@@ -228,16 +232,7 @@ fn overloaded_server_sheds_once_the_store_enables_proactive() {
     let json = loadgen(&mut lab, &dir, base, 3_000.0, "1s", "9s");
     // Phase 1 (policies off in the store): skewed, nothing moves.
     std::thread::sleep(Duration::from_secs(4));
-    let started_off: f64 = (1..=2)
-        .map(|j| {
-            metric_sum(
-                &lab.server_metrics(j),
-                "capybara_policy_migrations_started_total",
-                "",
-            )
-            .unwrap_or(0.0)
-        })
-        .sum();
+    let started_off: f64 = pool_total(&lab, "capybara_policy_migrations_started_total");
     assert_eq!(started_off, 0.0, "migrations while the store said off");
     // Enable proactive through the store; time until both servers apply it.
     let t = Instant::now();
@@ -245,15 +240,7 @@ fn overloaded_server_sheds_once_the_store_enables_proactive() {
     lab.wait_for(
         "the servers to apply proactive",
         Duration::from_secs(3),
-        || {
-            (1..=2).all(|j| {
-                metric_sum(
-                    &lab.server_metrics(j),
-                    "capybara_policy_proactive_enabled",
-                    "",
-                ) == Some(1.0)
-            })
-        },
+        || all_servers(&lab, "capybara_policy_proactive_enabled", 1.0),
     );
     let applied = t.elapsed();
     println!("store change applied on both servers after {applied:?}");
@@ -261,16 +248,7 @@ fn overloaded_server_sheds_once_the_store_enables_proactive() {
     let errors = report["errors"].as_u64().unwrap();
     assert_eq!(errors, 0, "client errors: {}", report["errors_by_kind"]);
     let moved = moved_connections(&report);
-    let started: f64 = (1..=2)
-        .map(|j| {
-            metric_sum(
-                &lab.server_metrics(j),
-                "capybara_policy_migrations_started_total",
-                "",
-            )
-            .unwrap_or(0.0)
-        })
-        .sum();
+    let started: f64 = pool_total(&lab, "capybara_policy_migrations_started_total");
     // Skewed while off (1.5-4 s), converged at the end (7-9 s).
     let before = per_server(&report, 1_500.0, 4_000.0);
     let after = per_server(&report, 7_000.0, 9_000.0);
@@ -308,12 +286,7 @@ fn policies_off_in_the_hostagent_config_never_migrate() {
         report["errors_by_kind"]
     );
     assert_eq!(moved_connections(&report), 0);
-    for j in 1..=2 {
-        assert_eq!(
-            metric_sum(&lab.server_metrics(j), "capybara_policy_enabled", ""),
-            Some(0.0)
-        );
-    }
+    assert!(all_servers(&lab, "capybara_policy_enabled", 0.0));
     let end = per_server(&report, 1_000.0, 4_000.0);
     println!("responses per server with policies off: {end:?}");
     assert!(imbalance(&end) > 2.0, "expected the skew to stay: {end:?}");
