@@ -98,6 +98,8 @@ pub fn render(stack: &Stack, name: &str) -> String {
                 ("unexpected", c.unexpected),
                 ("malformed", c.malformed),
                 ("bad_mac", c.bad_mac),
+                ("bad_version", c.bad_version),
+                ("epoch_table_full", c.epoch_table_full),
                 ("rejects_sent", c.rejects_sent),
                 ("rejects_received", c.rejects_received),
                 ("aborts_sent", c.aborts_sent),
