@@ -6,6 +6,8 @@
 //! Tests here run real programs (the `capybara` and `hostagent` binaries,
 //! curl, wrk, ping) in real network namespaces; they need root.
 
+pub mod bench_run;
+
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};

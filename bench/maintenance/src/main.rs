@@ -29,12 +29,13 @@
 //! the lab (namespaces, processes) is torn down on every exit path,
 //! including SIGINT/SIGTERM.
 
+use capybara_systests::bench_run::{sleep, stop_on_signals, wait_until, ClientGuard, STOP};
 use capybara_systests::{bin, deployment_key, output_dir, Lab};
 use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -60,12 +61,6 @@ const RECOVERY_BINS: usize = 5;
 const STALL_US: u64 = 2_000;
 const MAX_STALLS: usize = 4096;
 
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::SeqCst);
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("client") {
@@ -75,17 +70,7 @@ fn main() {
         }
         return;
     }
-    // SAFETY: the handler only stores to an atomic (async-signal-safe).
-    unsafe {
-        libc::signal(
-            libc::SIGINT,
-            on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
-        );
-        libc::signal(
-            libc::SIGTERM,
-            on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
-        );
-    }
+    stop_on_signals();
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("bench-maintenance: needs root (network namespaces)");
         std::process::exit(2);
@@ -246,40 +231,6 @@ impl ModeResult {
             self.all_paused_steady_ms,
             self.request_ms,
         );
-    }
-}
-
-/// Sleeps in small steps so that SIGINT/SIGTERM end the run (and tear the
-/// lab down) promptly.
-fn sleep(d: Duration) -> Result<(), String> {
-    let end = Instant::now() + d;
-    while Instant::now() < end {
-        if STOP.load(Ordering::SeqCst) {
-            return Err("interrupted".into());
-        }
-        std::thread::sleep(Duration::from_millis(5).min(end - Instant::now()));
-    }
-    Ok(())
-}
-
-fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) -> Result<(), String> {
-    let start = Instant::now();
-    while !cond() {
-        if start.elapsed() > limit {
-            return Err(format!("timed out after {limit:?} waiting for {what}"));
-        }
-        sleep(Duration::from_millis(20))?;
-    }
-    Ok(())
-}
-
-/// Kills the load client if the run ends early.
-struct ClientGuard(Child);
-
-impl Drop for ClientGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 

@@ -27,6 +27,7 @@
 //! the lab (namespaces, processes) is torn down on every exit path,
 //! including SIGINT/SIGTERM.
 
+use capybara_systests::bench_run::{sleep, stop_on_signals, wait_until, ClientGuard, STOP};
 use capybara_systests::{
     bin, deployment_key, hostagent_migrating_config, metric_sum, output_dir, switchd_config, Lab,
 };
@@ -34,7 +35,7 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
@@ -45,12 +46,6 @@ const ECHO_PORT: u16 = 7;
 const MESSAGE: usize = 64;
 /// The client stops by itself after this long past `--max-s`.
 const CLIENT_GRACE: Duration = Duration::from_secs(60);
-
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::SeqCst);
-}
 
 struct Options {
     migrations: usize,
@@ -110,17 +105,7 @@ fn main() {
         return;
     }
     let opt = options(&args[1..]);
-    // SAFETY: the handler only stores to an atomic (async-signal-safe).
-    unsafe {
-        libc::signal(
-            libc::SIGINT,
-            on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
-        );
-        libc::signal(
-            libc::SIGTERM,
-            on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
-        );
-    }
+    stop_on_signals();
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("bench-migration: needs root (network namespaces)");
         std::process::exit(2);
@@ -135,39 +120,6 @@ fn main() {
             eprintln!("bench-migration: {e}");
             std::process::exit(1);
         }
-    }
-}
-
-/// Sleeps in small steps so that SIGINT/SIGTERM end the run promptly.
-fn sleep(d: Duration) -> Result<(), String> {
-    let end = Instant::now() + d;
-    while Instant::now() < end {
-        if STOP.load(Ordering::SeqCst) {
-            return Err("interrupted".into());
-        }
-        std::thread::sleep(Duration::from_millis(5).min(end - Instant::now()));
-    }
-    Ok(())
-}
-
-fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) -> Result<(), String> {
-    let start = Instant::now();
-    while !cond() {
-        if start.elapsed() > limit {
-            return Err(format!("timed out after {limit:?} waiting for {what}"));
-        }
-        sleep(Duration::from_millis(20))?;
-    }
-    Ok(())
-}
-
-/// Kills the load client if the run ends early.
-struct ClientGuard(Child);
-
-impl Drop for ClientGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 
