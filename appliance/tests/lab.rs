@@ -4,6 +4,7 @@
 //! one-line errors for bad input. Each test uses its own prefix, so tests run
 //! in parallel and never collide with a developer's lab.
 
+use std::os::unix::process::CommandExt;
 use std::process::{Command, Output};
 
 fn capybara(args: &[&str]) -> Output {
@@ -199,8 +200,12 @@ fn loss_injector_drops_about_ten_percent_of_pings() {
 fn down_cleans_up_after_a_crashed_up() {
     let p = unique_prefix("k");
     let _lab = Lab(p.clone());
+    // Its own process group, so that the crash takes the `ip` commands it
+    // runs with it (an orphaned `ip netns add` finishing after `lab down`
+    // would be a namespace nobody could have cleaned up yet).
     let mut child = Command::new(env!("CARGO_BIN_EXE_capybara"))
         .args(["lab", "up", "--prefix", &p, "--servers", "30"])
+        .process_group(0)
         .spawn()
         .unwrap();
     // Kill it once it has created something, well before it can finish.
@@ -210,7 +215,9 @@ fn down_cleans_up_after_a_crashed_up() {
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    let _ = child.kill();
+    let _ = Command::new("kill")
+        .args(["-KILL", "--", &format!("-{}", child.id())])
+        .status();
     let _ = child.wait();
     ok(&["lab", "down", "--prefix", &p]);
     assert!(namespaces_with(&p).is_empty());
