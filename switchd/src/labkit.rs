@@ -75,10 +75,41 @@ pub fn in_ns<T: Send + 'static>(
         .map_err(|_| anyhow::anyhow!("thread in {ns} panicked"))?
 }
 
+/// The `capybara` binary (for `lab up` / `lab down`): `CAPYBARA_BIN`, else
+/// `CAPYBARA_BIN_DIR/capybara` (as the system tests), else the workspace's
+/// `target/release` (what `make setup` builds), else `target/debug`.
 pub fn capybara_bin() -> PathBuf {
-    std::env::var_os("CAPYBARA_BIN")
+    if let Some(p) = std::env::var_os("CAPYBARA_BIN") {
+        return PathBuf::from(p);
+    }
+    if let Some(d) = std::env::var_os("CAPYBARA_BIN_DIR") {
+        return PathBuf::from(d).join("capybara");
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/work/main/target/debug/capybara"))
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let release = target.join("release/capybara");
+    if release.exists() {
+        return release;
+    }
+    target.join("debug/capybara")
+}
+
+/// Whether the namespace lab tests can run: `Err` with the reason when this
+/// is not root (they are skipped then); a missing `capybara` binary is a
+/// failure, not a skip, so that a suite run as root never passes them
+/// without running them.
+pub fn lab_available() -> Result<(), String> {
+    if !is_root() {
+        return Err("needs root (network namespaces, XDP)".into());
+    }
+    let bin = capybara_bin();
+    assert!(
+        bin.exists(),
+        "{} missing: build the appliance (`make setup` or `cargo build --release -p capybara-appliance`) or set CAPYBARA_BIN",
+        bin.display()
+    );
+    Ok(())
 }
 
 pub fn is_root() -> bool {

@@ -24,15 +24,8 @@ use capybara_switchd::maglev::{self, Backend};
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn skip() -> bool {
-    if !labkit::is_root() {
-        eprintln!("skipped: needs root (network namespaces, XDP)");
-        return true;
-    }
-    if !labkit::capybara_bin().exists() {
-        eprintln!(
-            "skipped: {} missing (build the appliance or set CAPYBARA_BIN)",
-            labkit::capybara_bin().display()
-        );
+    if let Err(why) = labkit::lab_available() {
+        eprintln!("skipped: {why}");
         return true;
     }
     false

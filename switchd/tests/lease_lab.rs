@@ -1,5 +1,5 @@
 //! HA lease robustness in the namespace lab (root, an etcd binary and the
-//! `capybara` binary for `lab up`; skipped otherwise), with the real etcd
+//! `capybara` binary for `lab up`; skipped when not root), with the real etcd
 //! the store tests start, inside the switch namespace:
 //!
 //! - the store goes away (etcd stopped, then restarted) while the only
@@ -9,28 +9,23 @@
 //!   standby: it wins the lease back with a newer term and serves on;
 //! - a standby wins the lease while the active is frozen: on waking, the
 //!   active sees a newer term and steps down (detaches, exits), and the
-//!   standby takes over; every connection survives.
+//!   standby takes over; every connection survives;
+//! - a fast takeover (no lease yet) meets a newer leader (another standby
+//!   won the dead active's lease): it steps down and the leader serves.
 
 use std::time::{Duration, Instant};
 
 use capybara_switchd::labkit::{self, Lab};
 
 fn skip() -> bool {
-    if !labkit::is_root() {
-        eprintln!("skipped: needs root (network namespaces, XDP)");
+    if let Err(why) = labkit::lab_available() {
+        eprintln!("skipped: {why}");
         return true;
     }
-    if !labkit::capybara_bin().exists() {
-        eprintln!(
-            "skipped: {} missing (build the appliance or set CAPYBARA_BIN)",
-            labkit::capybara_bin().display()
-        );
-        return true;
-    }
-    if !std::path::Path::new("/usr/bin/etcd").exists() && std::env::var_os("ETCD_BIN").is_none() {
-        eprintln!("skipped: no etcd binary");
-        return true;
-    }
+    assert!(
+        std::path::Path::new("/usr/bin/etcd").exists() || std::env::var_os("ETCD_BIN").is_some(),
+        "no etcd binary: `make setup` installs etcd-server (or set ETCD_BIN)"
+    );
     false
 }
 
@@ -278,6 +273,121 @@ fn active_survives_store_outage_and_lease_expiry_and_yields_only_to_a_newer_lead
             .collect::<Vec<_>>()
             .join(" | ")
     );
+    drop(lab);
+    drop(etcd);
+}
+
+/// A fast takeover (same box) serves before it holds a lease. If another
+/// candidate wins the lease meanwhile (here a standby with
+/// `fast_takeover = false`, as on another box), the fast one sees a term
+/// above its dead predecessor's and steps down; the lease holder serves
+/// every connection.
+#[test]
+fn fast_takeover_steps_down_for_a_newer_leader() {
+    if skip() {
+        return;
+    }
+    let mut lab = Lab::up("sgt", 2).expect("lab up");
+    let etcd = NsEtcd::start(&lab.ns("sw")).expect("etcd in the switch namespace");
+    lab.store = Some(format!("etcd:{}", etcd.endpoint));
+    let ha = |fast: bool| {
+        format!("[ha]\nenabled = true\nlease_ttl_ms = 1000\nflow_sync_interval_ms = 200\nfast_takeover = {fast}\n")
+    };
+    let a = lab
+        .switchd_config("a", 2, &[1, 1], 9102, &ha(false))
+        .unwrap();
+    let b = lab
+        .switchd_config("b", 2, &[1, 1], 9103, &ha(true))
+        .unwrap();
+    let c = lab
+        .switchd_config("c", 2, &[1, 1], 9104, &ha(false))
+        .unwrap();
+    // The fast switchd is frozen for a while: the servers must not be
+    // declared dead meanwhile (not what is tested here).
+    for p in [&a, &b, &c] {
+        let t = std::fs::read_to_string(p).unwrap();
+        std::fs::write(p, t.replace("dead_after_ms = 500", "dead_after_ms = 10000")).unwrap();
+    }
+    let fail3 = |lab: &Lab, e: anyhow::Error| -> ! {
+        panic!(
+            "{e}\n--- a.log\n{}\n--- b.log\n{}\n--- c.log\n{}",
+            lab.log("a.log"),
+            lab.log("b.log"),
+            lab.log("c.log")
+        )
+    };
+    let ia = lab.start_switchd(&switchd_bin(), &a, "a.log").unwrap();
+    let (st, _) = lab
+        .wait_status(
+            9102,
+            Duration::from_secs(15),
+            "active with the lease",
+            |s| s["role"] == "active" && s["lease"]["held"] == true,
+        )
+        .unwrap_or_else(|e| fail3(&lab, e));
+    let term0 = st["lease_term"].as_u64().expect("term");
+    let _agents: Vec<labkit::ServerAgent> = (1..=2)
+        .map(|j| lab.register_server(j, 1))
+        .collect::<anyhow::Result<_>>()
+        .unwrap_or_else(|e| fail3(&lab, e));
+    let mut held = lab
+        .connect_many(20, true)
+        .unwrap_or_else(|e| fail3(&lab, e));
+    assert_eq!(ping_all(&mut held, "before"), 0);
+    let ib = lab.start_switchd(&switchd_bin(), &b, "b.log").unwrap();
+    lab.start_switchd(&switchd_bin(), &c, "c.log").unwrap();
+    for port in [9103, 9104] {
+        lab.wait_status(port, Duration::from_secs(15), "standby and warm", |s| {
+            s["role"] == "standby" && s["warm_flows"].as_u64().unwrap_or(0) >= 20
+        })
+        .unwrap_or_else(|e| fail3(&lab, e));
+    }
+
+    // The active dies: b takes over at once, without a lease (the dead
+    // one's has not expired), and holds its writes.
+    lab.kill(ia, libc::SIGKILL);
+    let (st, _) = lab
+        .wait_status(9103, Duration::from_secs(10), "b took over fast", |s| {
+            s["role"] == "active"
+        })
+        .unwrap_or_else(|e| fail3(&lab, e));
+    // Freeze b before the dead lease expires, so that c wins it.
+    lab.kill(ib, libc::SIGSTOP);
+    assert_eq!(st["fast_takeover"], true, "{st}");
+    assert_eq!(
+        st["lease"]["held"], false,
+        "b won the lease before it could be frozen (the scenario needs c to win it): {st}"
+    );
+    let t = Instant::now();
+    // Bounded: 15 s.
+    while !lab.log("c.log").contains("won election") {
+        if t.elapsed() > Duration::from_secs(15) {
+            lab.kill(ib, libc::SIGCONT);
+            fail3(&lab, anyhow::anyhow!("c never won the lease"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    lab.kill(ib, libc::SIGCONT);
+    if lab.wait(ib, Duration::from_secs(5)).is_none() {
+        fail3(&lab, anyhow::anyhow!("b did not step down"));
+    }
+    assert!(
+        lab.log("b.log").contains("stepping down"),
+        "{}",
+        lab.log("b.log")
+    );
+    let (st, _) = lab
+        .wait_status(9104, Duration::from_secs(15), "c active", |s| {
+            s["role"] == "active" && s["lease"]["held"] == true
+        })
+        .unwrap_or_else(|e| fail3(&lab, e));
+    let term1 = st["lease_term"].as_u64().expect("term");
+    assert!(term1 > term0, "terms {term0} -> {term1}");
+    assert_eq!(ping_all(&mut held, "after step-down"), 0);
+    let fresh = lab
+        .connect_many(10, false)
+        .unwrap_or_else(|e| fail3(&lab, e));
+    assert_eq!(fresh.len(), 10, "new connections placed by c");
     drop(lab);
     drop(etcd);
 }
