@@ -112,7 +112,7 @@ bench-migration: $(STAMP)
 # Extra flags through EXP_ARGS, e.g. EXP_ARGS="--modes lwrr,envoy".
 .PHONY: bench-skew bench-step bench-target bench-scale
 EXPERIMENT := .venv/bin/python bench/experiments/run.py
-# p99 under skewed long-lived load: Capybara vs LWRR vs Envoy (Figure 7; ~5 min).
+# p99 under skewed long-lived load: Capybara vs LWRR vs Envoy (Figure 7; ~10 min).
 bench-skew: $(STAMP)
 	@$(EXPERIMENT) skew --write-docs $(EXP_ARGS)
 # Step-function load on one server: reactive, proactive, both (Figure 8; ~1 min).

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(
   build-essential pkg-config clang llvm libbpf-dev libelf-dev zlib1g-dev bpftool
-  protobuf-compiler iproute2 iputils-ping curl ethtool
+  protobuf-compiler iproute2 iputils-ping curl ethtool tcpdump
   etcd-server etcd-client nginx redis-server redis-tools wrk haproxy
   dpdk libdpdk-dev
   chromium default-jre-headless python3-venv

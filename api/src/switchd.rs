@@ -202,7 +202,8 @@ pub struct ReportedMigration {
     pub client: String,
     /// `VIP:PORT`.
     pub service: String,
-    /// migrated_out | resumed | lost | migrated_in | aborted_in | import_failed
+    /// migrated_out | resumed | lost | not_started | migrated_in |
+    /// aborted_in | import_failed
     pub outcome: String,
     /// manual | drain | proactive | reactive | churn | unknown
     pub trigger: String,
@@ -253,9 +254,23 @@ fn report_outcome(r: &ReportedMigration) -> (&'static str, Option<String>) {
         "resumed" => match reason.as_deref() {
             Some("timeout") => ("timed_out", reason),
             // The target said no (capacity, draining, policy, duplicate).
-            Some("no_capacity" | "draining" | "policy" | "duplicate_flow") => ("rejected", reason),
+            // switchd writes TCPMig reasons as words ("no capacity").
+            Some(
+                "no capacity" | "no_capacity" | "draining" | "policy" | "duplicate flow"
+                | "duplicate_flow",
+            ) => ("rejected", reason),
             _ => ("aborted", reason),
         },
+        // The origin could not start it (a MIGRATE for a connection it does
+        // not serve, one already migrating, ...): no TCPMig message left.
+        "not_started" => (
+            "rejected",
+            Some(format!(
+                "server {} did not start it: {}",
+                r.reporter,
+                reason.as_deref().unwrap_or("no reason given")
+            )),
+        ),
         "lost" => (
             "aborted",
             Some(format!(
@@ -1054,6 +1069,58 @@ mod tests {
         assert_eq!(log.by_outcome["succeeded"], 1);
         assert_eq!(log.by_outcome["timed_out"], 0);
         assert!(parse_report_page("{}").is_err());
+    }
+
+    #[test]
+    fn a_requested_migration_that_did_not_start_is_rejected_with_why() {
+        let mut log = MigrationLog::new();
+        let mut requested = MigrationView {
+            id: 0,
+            connection: "198.18.0.11:40000-198.18.100.1:80".to_string(),
+            origin: 1,
+            target: None,
+            outcome: "in_progress",
+            trigger: "manual",
+            reason: None,
+            started_unix_ms: 9990,
+            finished_unix_ms: None,
+            phases: MigrationPhases::default(),
+        };
+        log.begin_request(&mut requested);
+        // What switchd serves for a NOT_STARTED report (no phases).
+        let report = report_json(1, 0xc612_020b_0000_0000, "origin", "not_started", "manual")
+            .replace(
+                r#""reason": null"#,
+                r#""reason": "no such connection is served there""#,
+            )
+            .replace(
+                r#""phases": {"prepare_us": 40, "export_us": 9, "transfer_us": 78,"#,
+                r#""phases": {"prepare_us": null, "export_us": null, "transfer_us": null,"#,
+            )
+            .replace(r#""total_us": 2000"#, r#""total_us": null"#);
+        let (v, _) = log.apply_page(&page(1, 2, &[report]));
+        assert_eq!(v.len(), 1);
+        assert_eq!((v[0].id, v[0].outcome), (requested.id, "rejected"));
+        assert_eq!(
+            v[0].reason.as_deref(),
+            Some("server 1 did not start it: no such connection is served there")
+        );
+        assert_eq!(v[0].finished_unix_ms, Some(10000));
+        assert_eq!(v[0].phases.total_us, None);
+        assert_eq!(log.by_outcome["rejected"], 1);
+        assert_eq!(log.phases["prepare"].count, 0, "no phase observed");
+        // The store watch (5 s later) does not overwrite it.
+        let mut watched = v[0].clone();
+        watched.outcome = "timed_out";
+        assert!(log.finish_watched(&watched).is_none());
+        // A target's refusal, as switchd words it, is a rejection too.
+        let resumed = report_json(2, 0xc612_020b_0000_0003, "origin", "resumed", "drain")
+            .replace(r#""reason": "timeout""#, r#""reason": "no capacity""#);
+        let (v, _) = log.apply_page(&page(1, 3, &[resumed]));
+        assert_eq!(
+            (v[0].outcome, v[0].reason.as_deref()),
+            ("rejected", Some("no capacity"))
+        );
     }
 
     #[test]

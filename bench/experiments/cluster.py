@@ -276,6 +276,23 @@ static_resources:
             raise ExperimentError(f"switchd /status failed: {r.stderr.strip()}")
         return json.loads(r.stdout)
 
+    def migrations_reported(self) -> int | None:
+        """Migrations the servers reported finished to switchd so far
+        (`capybara_switchd_migration_reports_total`); None without switchd
+        or when its metrics do not answer."""
+        if self.mode == "envoy":
+            return None
+        r = self.lab.run("sw", ["curl", "-s", "-m", "2", f"http://{SWITCHD_HTTP}/metrics"], timeout=10)
+        if r.returncode != 0:
+            return None
+        for line in r.stdout.splitlines():
+            if line.startswith("capybara_switchd_migration_reports_total "):
+                try:
+                    return int(float(line.split()[1]))
+                except ValueError:
+                    return None
+        return None
+
     def all_registered(self) -> bool:
         try:
             st = self.switchd_status()

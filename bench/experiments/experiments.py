@@ -62,12 +62,17 @@ def run_point(ctx: Context, lab: Lab, cluster: Cluster, load: Load, tag: str) ->
     cpu0 = {p.name: p.cpu_seconds() for p in cluster.processes}
     kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     busy0, total0 = machine_busy()
+    mig0 = cluster.migrations_reported()
     t0 = time.monotonic()
     rep = run_load(lab, cluster.target, load, ctx.out_dir / f"{tag}.json", ctx.out_dir / f"{tag}.log")
     wall = time.monotonic() - t0
     busy1, total1 = machine_busy()
     kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     s = summary(rep)
+    mig1 = cluster.migrations_reported()
+    # Migrations finished during the point (switchd's count of the servers'
+    # reports; None without switchd).
+    s["migrations"] = mig1 - mig0 if mig0 is not None and mig1 is not None else None
     # Where the CPU went: cores used by the system under test, by the load
     # generator, and by the whole machine (other work included).
     s["cpu"] = {
@@ -79,7 +84,7 @@ def run_point(ctx: Context, lab: Lab, cluster: Cluster, load: Load, tag: str) ->
         "machine_busy": round((busy1 - busy0) / max(1e-9, total1 - total0), 3),
     }
     ctx.log(f"{tag}: p99={s['p99_us']:.0f}us short_p99={s['short_p99_us']:.0f}us "
-            f"achieved={s['achieved_rps']:.0f}/{s['offered_rps']:.0f} rps errors={s['errors']} moved={s['moved_conns']} "
+            f"achieved={s['achieved_rps']:.0f}/{s['offered_rps']:.0f} rps errors={s['errors']} moved={s['moved_conns']} migrations={s['migrations']} "
             f"cpu: sut={s['cpu']['sut_cores']} loadgen={s['cpu']['loadgen_cores']} machine_busy={s['cpu']['machine_busy']}")
     return s, rep
 
@@ -111,9 +116,10 @@ def skew(ctx: Context) -> str:
     # connections (1:9 by count), and the long-lived ones carry the load: on
     # its µs-service-time servers 900 short flows are a negligible share of
     # 60%. Here a server does 1,000 req/s, so each short flow carries one
-    # request (6% of the load over a 6 s point; with 2 each, 12.5%, LWRR
-    # placed that share on the idle servers and its busiest server stayed
-    # below 100% for most seeds: docs/BENCHMARKS.md).
+    # request (6% of the load over a 6 s point, 3% over the default 12 s;
+    # with 2 each over 6 s, 12.5%, LWRR placed that share on the idle
+    # servers and its busiest server stayed below 100% for most seeds:
+    # docs/BENCHMARKS.md).
     servers, util, conns, short_conns, short_requests = 4, 0.6, 100, 900, 1
     cap = servers * ctx.server.capacity_rps
     points: list[dict] = []
@@ -151,17 +157,23 @@ def skew(ctx: Context) -> str:
 
     rows = [[p["mode"], p["dist"], p["p99_us"], each(p, "p99_us"), p["short_p99_us"], each(p, "short_p99_us"),
              " / ".join(f"{b / ctx.server.capacity_rps:.0%}" for b in p["busiest_rps_each"]),
-             p["errors"], p["moved_conns"]]
+             p["errors"], p["moved_conns"],
+             " / ".join("-" if m is None else str(m) for m in p["migrations_each"])]
             for p in agg]
     table = report.md_table(["system", "long-flow load", "p99 all (µs, median)", "p99 all per seed (ms)",
                              "p99 short (µs, median)", "p99 short per seed (ms)",
                              "busiest server's load per seed", "errors (all seeds)",
-                             "conns served by >1 server (median)"], rows)
+                             "conns served by >1 server (median)", "migrations per seed"], rows)
     result = report.result_line([
         ("zipf", 1.2), ("capybara_p99_us", cap_p99), ("lwrr_p99_us", lwrr_p99), ("envoy_p99_us", envoy_p99),
         ("lwrr_over_capybara", round(ratio, 2)), ("uniform_p99_us", uni),
         ("capybara_over_uniform", round(cap_p99 / uni, 2) if uni else 0.0), ("seeds", len(ctx.seeds))])
     goal = ratio >= 100 and uni > 0 and cap_p99 <= 2 * uni
+    # The heaviest long-lived connection under Zipf 1.2, as a share of the
+    # long-flow load and of one server's capacity.
+    top = 1.0 / sum(k ** -1.2 for k in range(1, conns + 1))
+    long_share = 1 - short_conns * short_requests / (util * cap * ctx.duration_s)
+    top_server = top * long_share * util * servers
     body = f"""### Skewed long-lived load (Figure 7): `make bench-skew`
 
 {servers} servers (hostagent `testserver` app: one emulated core each, {ctx.server.service_time_us} µs
@@ -182,21 +194,25 @@ addresses, no switchd).
 "Busiest server's load" is the requests the busiest server served over the run, as a share of
 its capacity: above 100% its queue grows for the whole run. "Conns served by >1 server" counts
 long-lived connections whose responses came from more than one server: migrated connections for
-Capybara; for Envoy, which balances each request, nearly all of them.
+Capybara; for Envoy, which balances each request, nearly all of them. "Migrations per seed" are
+the migrations the servers reported finished to switchd during the point (a connection moved
+back and forth counts each time; "-": no switchd).
 
 Setup against the paper (§8.1.1). The paper gives 4 servers at 60%, 100 long-lived and 900
 short-lived connections (1:9 by count) and Zipf 0.9-1.2 over the long-lived ones; on its
 µs-service-time servers the short flows carry a negligible share of the load, so the long-lived
 connections carry the 60%. The 100 long-lived connections open before any load flows, so LWRR
 spreads them by count (17-34 per server in these runs) whatever their weight: under Zipf 1.2 the heaviest connection alone
-carries 28% of the long-flow load, 58% of one server here. Short flows are placed on the least
+carries {top:.0%} of the long-flow load, {top_server:.0%} of one server here. Short flows are placed on the least
 loaded servers, so every request they carry is load LWRR can balance. With 2 requests per short
 flow (12.5% of the load, the setup before 2026-11-22 09:09 UTC) LWRR's busiest server stays below
 100% for most seeds (median over random rank placements: 93%, above 100% in 35% of them), its
-queue does not grow, and LWRR's p99 stays near this machine's noise floor; with 1 request (6%),
-as here, the median is 100% (above in 50%), and with no short flow at all 107% (66%) (placements
-simulated with the Zipf weights and 25 connections per server, 2,000 draws). Two differences remain and bound the ratio: the
-1 ms service time (the paper's are µs: an overloaded queue that grows for a 6 s run costs
+queue does not grow, and LWRR's p99 stays near this machine's noise floor; with 1 request per
+short flow over a 6 s run (6%) the median is 100% (above in 50%), and with no short flow at all
+107% (66%) (placements simulated with the Zipf weights and 25 connections per server, 2,000
+draws); here, 1 request over a {ctx.duration_s:g} s run, the short flows carry
+{short_conns * short_requests / (util * cap * ctx.duration_s):.0%}. Two differences remain and bound the ratio: the
+{ctx.server.service_time_us} µs service time (the paper's are µs: an overloaded queue that grows for a {ctx.duration_s:g} s run costs
 hundreds of service times here, thousands of times more there) and this machine's scheduling
 noise (a p99 of 5-10 ms at 60% load), so `lwrr_over_capybara` here is the ratio of the busiest
 server's queue growth to that noise floor, not the paper's 149x.
@@ -246,6 +262,7 @@ def aggregate_seeds(points: list[dict]) -> list[dict]:
             vals = [p.get(k, 0.0) for p in ps]
             row[k] = statistics.median(vals)
             row[f"{k}_each"] = vals
+        row["migrations_each"] = [p.get("migrations") for p in ps]
         out.append(row)
     return out
 

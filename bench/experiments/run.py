@@ -23,7 +23,7 @@ from cluster import MODES, Policy, ServerSpec  # noqa: E402
 from experiments import EXPERIMENTS, Context, scale  # noqa: E402
 from lab import ROOT, ExperimentError, install_signal_handlers  # noqa: E402
 
-DEFAULT_DURATION = {"skew": 6.0, "step": 8.0, "target": 8.0, "scale": 4.0}
+DEFAULT_DURATION = {"skew": 12.0, "step": 8.0, "target": 8.0, "scale": 4.0}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -31,7 +31,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("experiment", choices=sorted(EXPERIMENTS))
     ap.add_argument("--modes", default=",".join(MODES),
                     help="systems to run, comma-separated (default: all of capybara,lwrr,envoy)")
-    ap.add_argument("--duration", type=float, help="seconds per measured point (skew 6, step 8 = 1 s steps, "
+    ap.add_argument("--duration", type=float, help="seconds per measured point (skew 12, step 8 = 1 s steps, "
                                                    "target 8, scale 4)")
     ap.add_argument("--service-time-us", type=int, default=1000, help="emulated service time per request (µs)")
     ap.add_argument("--service-dist", choices=["fixed", "exp"], default="fixed")

@@ -13,8 +13,12 @@ use std::rc::Rc;
 use tokio::io::AsyncWriteExt;
 
 /// Echoes every connection; at the end of each it logs the byte count and
-/// the SHA-256 of what it received, so tests can compare both ends.
+/// the SHA-256 of what it received, so tests can compare both ends. A
+/// connection that migrates away logs "migrated to" (tests count them)
+/// unless `CAPYBARA_ECHO_QUIET=1` (benchmarks: one stdout write per
+/// migration was ~2% of a hostagent's CPU in `make bench-migration`).
 pub async fn echo(listener: TcpListener) {
+    let quiet = std::env::var_os("CAPYBARA_ECHO_QUIET").is_some_and(|v| v == "1");
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
@@ -27,6 +31,7 @@ pub async fn echo(listener: TcpListener) {
             match echo_one(stream).await {
                 Ok((n, hash)) => println!("echo peer={peer} bytes={n} sha256={hash}"),
                 Err(e) => match crate::socket::moved_to(&e) {
+                    Some(_) if quiet => {}
                     Some(t) => println!("echo peer={peer} migrated to {t}"),
                     None => println!("echo peer={peer} error={e}"),
                 },
@@ -40,7 +45,8 @@ pub async fn echo(listener: TcpListener) {
 /// so a migration at any instant finds every byte in the TCP queues and the
 /// target's echo continues exactly where this one stopped.
 async fn echo_one(mut stream: TcpStream) -> std::io::Result<(u64, String)> {
-    let mut buf = vec![0u8; 64 * 1024];
+    let mut buf = EchoBuf::take();
+    let buf = &mut buf.0;
     let mut hash = Sha256::new();
     let mut total = 0u64;
     loop {
@@ -58,6 +64,38 @@ async fn echo_one(mut stream: TcpStream) -> std::io::Result<(u64, String)> {
     stream.shutdown().await?;
     let hex = hash.finalize().iter().map(|b| format!("{b:02x}")).collect();
     Ok((total, hex))
+}
+
+thread_local! {
+    /// Buffers of finished echo connections, reused by the next ones: every
+    /// migration in starts a new echo task, and allocating and zeroing
+    /// 64 KiB for each showed in `make bench-migration`'s profile.
+    static ECHO_BUFS: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+const ECHO_BUF: usize = 64 * 1024;
+/// Buffers kept for reuse at most.
+const ECHO_POOL: usize = 64;
+
+/// An echo buffer from the pool, returned to it when the task ends.
+struct EchoBuf(Vec<u8>);
+
+impl EchoBuf {
+    fn take() -> EchoBuf {
+        let reused = ECHO_BUFS.with(|p| p.borrow_mut().pop());
+        EchoBuf(reused.unwrap_or_else(|| vec![0u8; ECHO_BUF]))
+    }
+}
+
+impl Drop for EchoBuf {
+    fn drop(&mut self) {
+        let b = std::mem::take(&mut self.0);
+        let _ = ECHO_BUFS.try_with(|p| {
+            let mut p = p.borrow_mut();
+            if p.len() < ECHO_POOL {
+                p.push(b);
+            }
+        });
+    }
 }
 
 /// Serves HTTP/1.1 with keep-alive: `GET /` answers a short greeting,
@@ -131,6 +169,11 @@ fn respond(name: &str, req: Request<hyper::body::Incoming>) -> Response<Full<Byt
 /// every unanswered request in the connection snapshot, and the target's
 /// testserver admits them to its own core. It also makes the receive queue
 /// the server's real backlog, which is what the reactive policy watches.
+///
+/// Each connection attaches to the core (`Core::attach`); when the
+/// connection migrates away (or closes) its task ends and the handle is
+/// dropped, which takes its admitted-but-unanswered requests off this
+/// server's core at once: they are served once, on the target.
 pub async fn testserver(
     listener: TcpListener,
     stack: crate::Stack,
@@ -147,7 +190,8 @@ pub async fn testserver(
         core.count_connection();
         let (stack, core) = (stack.clone(), core.clone());
         tokio::task::spawn_local(async move {
-            if let Err(e) = testserver_connection(&stack, &stream, &core).await {
+            let mut slot = core.attach();
+            if let Err(e) = testserver_connection(&stack, &stream, &core, &mut slot).await {
                 if crate::socket::moved_to(&e).is_none() {
                     eprintln!("hostagent: testserver peer={peer}: {e}");
                 }
@@ -158,7 +202,8 @@ pub async fn testserver(
 
 /// A request admitted to the virtual core, still in the receive queue.
 struct Admitted {
-    done_ns: u64,
+    /// Served once the connection's finished count on the core reaches it.
+    need: u64,
     /// Bytes of the request (head and body) at the front of the queue.
     len: usize,
     stats: bool,
@@ -177,11 +222,8 @@ struct TsConn {
 }
 
 enum TsStep {
-    /// Wait for data, a state change, or the next completion instant.
-    Wait {
-        due_ns: Option<u64>,
-        want_write: bool,
-    },
+    /// Wait for data, a state change, or the core finishing a request.
+    Wait { need: Option<u64>, want_write: bool },
     /// Finished (answered everything and the peer closed, or a close).
     Done,
 }
@@ -190,8 +232,8 @@ async fn testserver_connection(
     stack: &crate::Stack,
     stream: &TcpStream,
     core: &capybara_testserver::Core,
+    slot: &mut capybara_testserver::CoreConn,
 ) -> std::io::Result<()> {
-    let mut timer = capybara_testserver::hrtime::Timer::new(core.config().precise_timers);
     let mut st = TsConn {
         admitted: VecDeque::with_capacity(16),
         parsed: 0,
@@ -202,10 +244,10 @@ async fn testserver_connection(
     };
     let app = stream.id();
     loop {
-        let step = stack.with(|i| testserver_step(i, app, core, &mut st))?;
+        let step = stack.with(|i| testserver_step(i, app, core, slot, &mut st))?;
         match step {
             TsStep::Done => return Ok(()),
-            TsStep::Wait { due_ns, want_write } => {
+            TsStep::Wait { need, want_write } => {
                 let woken = WaitWake {
                     stack,
                     app,
@@ -214,7 +256,7 @@ async fn testserver_connection(
                 };
                 tokio::select! {
                     _ = woken => {}
-                    _ = timer.sleep_until(due_ns.unwrap_or(0)), if due_ns.is_some() => {}
+                    _ = slot.wait_finished(need.unwrap_or(0)), if need.is_some() => {}
                 }
             }
         }
@@ -228,6 +270,7 @@ fn testserver_step(
     i: &mut crate::stack::Inner,
     app: capybara_tcp::ConnId,
     core: &capybara_testserver::Core,
+    slot: &mut capybara_testserver::CoreConn,
     st: &mut TsConn,
 ) -> std::io::Result<TsStep> {
     use crate::migration::HandleState;
@@ -235,7 +278,7 @@ fn testserver_step(
         HandleState::Live(id) => id,
         HandleState::Frozen => {
             return Ok(TsStep::Wait {
-                due_ns: None,
+                need: None,
                 want_write: false,
             })
         }
@@ -243,7 +286,7 @@ fn testserver_step(
         HandleState::Lost => return Err(std::io::ErrorKind::ConnectionReset.into()),
     };
     let mut moved = false;
-    let r = testserver_io(&mut i.transports.tcp, id, core, st, &mut moved);
+    let r = testserver_io(&mut i.transports.tcp, id, core, slot, st, &mut moved);
     if moved {
         // Bytes consumed or queued: the driver owes a window update or data.
         i.kick();
@@ -255,17 +298,17 @@ fn testserver_io(
     tcp: &mut capybara_tcp::Endpoint,
     id: capybara_tcp::ConnId,
     core: &capybara_testserver::Core,
+    slot: &mut capybara_testserver::CoreConn,
     st: &mut TsConn,
     moved: &mut bool,
 ) -> std::io::Result<TsStep> {
-    use capybara_testserver::{hrtime::now_ns, parse_request_head};
+    use capybara_testserver::parse_request_head;
     let max_pipeline = core.config().max_pipeline.max(1);
     let Some(conn) = tcp.connection(id) else {
         return Err(std::io::ErrorKind::NotConnected.into());
     };
     let fin = conn.rcv.fin_received;
     let queued_rx = conn.rx.len();
-    let now = now_ns();
     // Admit every complete request beyond those admitted already.
     let mut malformed = None;
     while !st.closing && st.admitted.len() < max_pipeline {
@@ -276,13 +319,13 @@ fn testserver_io(
                 if queued_rx - st.parsed < len {
                     break; // the body is still on its way
                 }
-                let done_ns = if h.is_stats {
-                    st.admitted.back().map_or(now, |a| a.done_ns.max(now))
+                let need = if h.is_stats {
+                    slot.admitted()
                 } else {
-                    core.admit(now)
+                    slot.admit()
                 };
                 st.admitted.push_back(Admitted {
-                    done_ns,
+                    need,
                     len,
                     stats: h.is_stats,
                     close: h.close,
@@ -311,10 +354,10 @@ fn testserver_io(
         return Ok(TsStep::Done);
     }
     // Answer, in order, every request whose service completed.
-    let now = now_ns();
+    let finished = slot.finished();
     let cap = tcp.config().tx_buffer;
     while let Some(a) = st.admitted.front() {
-        if a.done_ns > now {
+        if a.need > finished {
             break;
         }
         let (len, stats, close) = (a.len, a.stats, a.close);
@@ -324,7 +367,7 @@ fn testserver_io(
         if cap.saturating_sub(queued) < st.out.len() {
             let _ = tcp.notify_writable(id);
             return Ok(TsStep::Wait {
-                due_ns: None,
+                need: None,
                 want_write: true,
             });
         }
@@ -356,7 +399,7 @@ fn testserver_io(
         return Err(std::io::ErrorKind::ConnectionReset.into());
     }
     Ok(TsStep::Wait {
-        due_ns: st.admitted.front().map(|a| a.done_ns),
+        need: st.admitted.front().map(|a| a.need),
         want_write: false,
     })
 }

@@ -3,14 +3,22 @@
 //! with a counters summary, and carries out the switch's DRAIN and MIGRATE
 //! requests. Runs on a kernel UDP socket bound to the management address;
 //! every message is MAC'd with the deployment secret.
+//!
+//! A MIGRATE it cannot start (no such connection here, a migration of it
+//! under way, ...) is answered at once with a MIGRATION_REPORT of outcome
+//! NOT_STARTED naming why, in a message of its own, so that the operator's
+//! request ends as refused within a poll instead of waiting out the API's
+//! store watch.
 
 use crate::config::ControlConfig;
+use crate::migration::Migrator;
 use crate::policy::Tunables;
 use crate::stack::Stack;
 use capybara_proto::control::{
-    ControlBody, ControlRepr, Heartbeat, MigrationReport, Register, ReportList, ServiceList,
-    HEARTBEAT_DRAINING, MAX_REPORTS,
+    ControlBody, ControlRepr, Heartbeat, MigrationReport, MigrationTrigger, Register, ReportList,
+    ServiceList, StartFailure, HEARTBEAT_DRAINING, MAX_REPORTS,
 };
+use capybara_proto::FlowKey;
 use capybara_proto::{MigrationKey, ServerId};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
@@ -137,13 +145,21 @@ pub async fn run(
                         eprintln!("hostagent: drain {} ({queued} connections queued)", if draining { "started" } else { "cancelled" });
                     }
                     ControlBody::Migrate(m) => {
-                        let r = stack.with(|i| {
+                        let failed = stack.with(|i| {
                             let now = i.clock.now();
-                            let manual = capybara_proto::control::MigrationTrigger::Manual;
-                            i.transports.mig.as_mut().map(|mg| mg.migrate_as(now, m.flow, m.target, manual))
+                            start_migration(i.transports.mig.as_mut(), now, m.flow, m.target, data_addr)
                         });
-                        if let Some(Err(e)) = r {
+                        if let Some((why, e)) = failed {
                             eprintln!("hostagent: migrate {}: {e}", m.flow);
+                            if let Some(why) = why {
+                                // At once and alone: a switch that predates
+                                // NOT_STARTED drops only this message.
+                                let r = MigrationReport::not_started(data_addr, m.flow, m.target, MigrationTrigger::Manual, why);
+                                let body = ControlBody::MigrationReport(ReportList::Slice(std::slice::from_ref(&r)));
+                                if let Some(n) = send(body, &mut buf, &mut seq) {
+                                    let _ = sock.send_to(&buf[..n], cfg.switch).await;
+                                }
+                            }
                         }
                         stack.with(|i| i.kick());
                     }
@@ -164,7 +180,18 @@ pub async fn run(
                             Err(e) => eprintln!("hostagent: POLICY from the switch refused: {e}"),
                         }
                     }
-                    ControlBody::Error(e) => eprintln!("hostagent: switch error: {}", e.text),
+                    ControlBody::Error(e) => {
+                        eprintln!("hostagent: switch error: {}", e.text);
+                        // The switch no longer knows this server (it declared
+                        // it dead after missed heartbeats, or restarted
+                        // without its store): register again on the next
+                        // tick instead of heartbeating into the void.
+                        if e.code == capybara_proto::control::ErrorCode::NotRegistered && registered {
+                            eprintln!("hostagent: the switch does not know this server any more: registering again");
+                            registered = false;
+                            tick = tokio::time::interval(Duration::from_secs(1));
+                        }
+                    }
                     _ => {}
                 }
             }
@@ -187,6 +214,59 @@ pub fn tunables_of(p: &capybara_proto::control::PolicyMsg) -> Result<Tunables, S
     };
     t.validate()?;
     Ok(t)
+}
+
+/// Carries out a MIGRATE (trigger `manual`). `None`: started. Else the
+/// error text and, when the migration will not start, why (for the
+/// NOT_STARTED report); `(None, text)` when it waits for its connection
+/// manager's safe point and starts later by itself.
+fn start_migration(
+    mig: Option<&mut Migrator>,
+    now: capybara_proto::time::Instant,
+    flow: FlowKey,
+    target: Option<Ipv4Addr>,
+    local: Ipv4Addr,
+) -> Option<(Option<StartFailure>, String)> {
+    let Some(m) = mig else {
+        return Some((
+            Some(StartFailure::Disabled),
+            "this server runs without migration".into(),
+        ));
+    };
+    let e = m
+        .migrate_as(now, flow, target, MigrationTrigger::Manual)
+        .err()?;
+    Some((start_failure(m, &flow, target, local, &e), e))
+}
+
+/// Why [`Migrator::migrate_as`] just refused `flow` with `err` (nothing ran
+/// in between, so the checks see what it saw, in its order: served here,
+/// its connection manager, then the engine). `None`: not refused for good
+/// (the manager has not reached a safe point; the migration starts when it
+/// does).
+fn start_failure(
+    m: &Migrator,
+    flow: &FlowKey,
+    target: Option<Ipv4Addr>,
+    local: Ipv4Addr,
+    err: &str,
+) -> Option<StartFailure> {
+    if !m.serves(flow) {
+        return Some(StartFailure::NoConnection);
+    }
+    if m.managers.is_waiting(flow) {
+        return None;
+    }
+    // `Migrator::migrate`'s text for `Gate::Refused` (tested below).
+    if err.ends_with("its connection manager refused") {
+        return Some(StartFailure::Refused);
+    }
+    if target == Some(local) {
+        return Some(StartFailure::TargetIsSelf);
+    }
+    // The engine: a migration of the flow in progress, too many
+    // migrations out, or its record table full.
+    Some(StartFailure::Busy)
 }
 
 /// Starts migrating every connection away (a bounded number at a time,
@@ -213,6 +293,63 @@ fn drain(i: &mut crate::stack::Inner, on: bool, deadline: Duration) -> usize {
 mod tests {
     use super::*;
     use capybara_proto::control::{PolicyMsg, POLICY_PROACTIVE};
+
+    /// A connection manager that always answers `prepare` with `answer`.
+    struct Fixed(crate::socket::Readiness);
+    impl crate::socket::ConnectionManager for Fixed {
+        fn prepare(&mut self) -> crate::socket::Readiness {
+            self.0
+        }
+        fn export_state(&mut self, _: &mut Vec<u8>) -> Result<(), String> {
+            Ok(())
+        }
+        fn resume(&mut self) {}
+    }
+
+    #[test]
+    fn a_migrate_that_cannot_start_names_why() {
+        use crate::socket::Readiness;
+        use capybara_tcp::ConnId;
+        use capybara_tcpmig::{Engine, EngineConfig, MigrationKey};
+        let local = Ipv4Addr::new(10, 0, 0, 1);
+        let cfg = EngineConfig::new(local, Ipv4Addr::new(10, 0, 0, 254));
+        let key = MigrationKey::from_bytes(&[7; 32]).expect("key");
+        let mut m = Migrator::new(Engine::new(cfg, key).expect("engine"), local);
+        let now = capybara_proto::time::Instant::from_millis(1);
+        let flow = |port| FlowKey {
+            client_ip: Ipv4Addr::new(10, 1, 0, 9),
+            client_port: port,
+            service_ip: Ipv4Addr::new(10, 9, 0, 1),
+            service_port: 80,
+        };
+        let other = Some(Ipv4Addr::new(10, 0, 0, 2));
+        let start = |m: &mut Migrator, port, target| {
+            start_migration(Some(m), now, flow(port), target, local).map(|(why, _)| why)
+        };
+        assert_eq!(
+            start(&mut m, 1, other),
+            Some(Some(StartFailure::NoConnection))
+        );
+        m.track(flow(1), ConnId(11));
+        assert_eq!(
+            start(&mut m, 1, Some(local)),
+            Some(Some(StartFailure::TargetIsSelf))
+        );
+        assert_eq!(start(&mut m, 1, other), None, "started");
+        assert_eq!(start(&mut m, 1, other), Some(Some(StartFailure::Busy)));
+        m.track(flow(2), ConnId(12));
+        m.managers
+            .set(ConnId(12), Box::new(Fixed(Readiness::Never)));
+        assert_eq!(start(&mut m, 2, other), Some(Some(StartFailure::Refused)));
+        // Waiting for the manager: not a failure, no report.
+        m.track(flow(3), ConnId(13));
+        m.managers
+            .set(ConnId(13), Box::new(Fixed(Readiness::NotYet)));
+        assert_eq!(start(&mut m, 3, other), Some(None));
+        let (why, text) = start_migration(None, now, flow(4), None, local).unwrap();
+        assert_eq!(why, Some(StartFailure::Disabled));
+        assert!(text.contains("without migration"));
+    }
 
     #[test]
     fn policy_messages_become_validated_tunables() {

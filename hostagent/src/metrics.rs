@@ -75,6 +75,7 @@ pub fn render(stack: &Stack, name: &str) -> String {
             ("reassembly_full", d.reassembly_full),
             ("unexpected", d.unexpected),
             ("rst_queue_full", d.rst_queue_full),
+            ("recently_closed", d.recently_closed),
         ] {
             let _ = writeln!(
                 s,

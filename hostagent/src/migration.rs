@@ -20,8 +20,8 @@ use capybara_proto::control::{
 use capybara_proto::time::{Duration, Instant};
 use capybara_proto::FlowKey;
 use capybara_tcp::{ConnId, Endpoint};
-use capybara_tcpmig::{BufferVerdict, Engine, Event, MigrationId, Reason, Telemetry};
-use std::collections::{HashMap, VecDeque};
+use capybara_tcpmig::{map, BufferVerdict, Engine, Event, Map, MigrationId, Reason, Telemetry};
+use std::collections::VecDeque;
 use std::net::Ipv4Addr;
 
 /// How long segments of a migrated-out flow are dropped instead of reset.
@@ -71,20 +71,19 @@ pub enum HandleState {
 pub struct Migrator {
     pub engine: Engine,
     /// Connections served here, by flow (owned: accepted or imported).
-    by_flow: HashMap<FlowKey, ConnId>,
+    by_flow: Map<FlowKey, ConnId>,
     /// Origin: handle of each exported connection and its snapshot, kept to
     /// resume locally if the migration does not happen.
-    exported: HashMap<MigrationId, (ConnId, FlowKey, Vec<u8>)>,
-    frozen_flows: HashMap<FlowKey, ConnId>,
-    gone_flows: HashMap<FlowKey, Instant>,
-    handles: HashMap<ConnId, HandleState>,
+    exported: Map<MigrationId, (ConnId, FlowKey, Vec<u8>)>,
+    frozen_flows: Map<FlowKey, ConnId>,
+    gone_flows: Map<FlowKey, Instant>,
+    handles: Map<ConnId, HandleState>,
     /// Resumed connections come back through the endpoint's accept queue;
     /// these ids belong to existing handles, not to new connections.
-    resumed: HashMap<ConnId, ConnId>,
+    resumed: Map<ConnId, ConnId>,
     /// Endpoint id of a resumed connection -> the application's handle.
-    aliases: HashMap<ConnId, ConnId>,
+    aliases: Map<ConnId, ConnId>,
     recent: VecDeque<MigrationRecord>,
-    scratch: Vec<u8>,
     local: Ipv4Addr,
     /// Applications' connection managers (`socket` module docs).
     pub managers: crate::socket::Managers,
@@ -97,7 +96,7 @@ pub struct Migrator {
     /// see each finished migration once (the drain, `crate::drain`).
     pub recorded: u64,
     /// What started the migration of each flow migrating out (for reports).
-    triggers: HashMap<FlowKey, MigrationTrigger>,
+    triggers: Map<FlowKey, MigrationTrigger>,
     /// Finished migrations to report to the switch, with when they finished.
     reports: VecDeque<(Instant, WireReport)>,
     /// Reports dropped because the queue was full (switch unreachable).
@@ -115,7 +114,7 @@ pub struct Migrator {
     /// Target of each frozen (after PREPARE_ACK) or gone (migrated out)
     /// flow: its late segments are forwarded there instead of dropped
     /// (docs/MIGRATION.md "Late segments at the origin").
-    forward_to: HashMap<FlowKey, Ipv4Addr>,
+    forward_to: Map<FlowKey, Ipv4Addr>,
     /// Flow and target of the authenticated PREPARE_ACK being handled.
     msg_target: Option<(FlowKey, Ipv4Addr)>,
     /// Late segments given a [`SegmentVerdict::Forward`] (frozen / gone).
@@ -142,28 +141,27 @@ impl Migrator {
     pub fn new(engine: Engine, local: Ipv4Addr) -> Migrator {
         Migrator {
             engine,
-            by_flow: HashMap::with_capacity(1024),
-            exported: HashMap::new(),
-            frozen_flows: HashMap::new(),
-            gone_flows: HashMap::new(),
-            handles: HashMap::new(),
-            resumed: HashMap::new(),
-            aliases: HashMap::new(),
+            by_flow: map(1024),
+            exported: map(0),
+            frozen_flows: map(0),
+            gone_flows: map(0),
+            handles: map(0),
+            resumed: map(0),
+            aliases: map(0),
             recent: VecDeque::with_capacity(RECENT),
-            scratch: Vec::with_capacity(64 * 1024),
             local,
             managers: Default::default(),
             ready: Vec::new(),
             woken: Vec::with_capacity(64),
             recorded: 0,
-            triggers: HashMap::with_capacity(1024),
+            triggers: map(1024),
             reports: VecDeque::with_capacity(REPORT_QUEUE),
             reports_dropped: 0,
             report_now: Instant::ZERO,
             dump: TelemetryDump::from_env(local),
             dropped_frozen: 0,
             dropped_gone: 0,
-            forward_to: HashMap::with_capacity(1024),
+            forward_to: map(1024),
             msg_target: None,
             forwarded_frozen: 0,
             forwarded_gone: 0,
@@ -240,6 +238,18 @@ impl Migrator {
 
     pub fn recent(&self) -> impl Iterator<Item = &MigrationRecord> {
         self.recent.iter()
+    }
+
+    /// The records appended since `cursor` (a former value of
+    /// [`Migrator::recorded`]), oldest first; those that already left the
+    /// bounded recent list are skipped. Readers that must see each finished
+    /// migration once keep `recorded` as their cursor.
+    pub fn recent_since(&self, cursor: u64) -> impl Iterator<Item = &MigrationRecord> {
+        let new = self
+            .recorded
+            .saturating_sub(cursor)
+            .min(self.recent.len() as u64) as usize;
+        self.recent.range(self.recent.len() - new..)
     }
 
     fn record(&mut self, r: MigrationRecord) {
@@ -604,13 +614,12 @@ impl Migrator {
                 Event::ImportNow {
                     id, flow, origin, ..
                 } => {
-                    self.scratch.clear();
-                    if let Some(s) = self.engine.snapshot(id) {
-                        self.scratch.extend_from_slice(s);
-                    }
-                    let imported = tcp.import(now, &self.scratch).and_then(|imp| {
-                        let state = &self.scratch[imp.app_state.clone()];
-                        match self.managers.import(flow, imp.id, state) {
+                    // Imported straight from the reassembly buffer (no copy).
+                    let snap = self.engine.snapshot(id).unwrap_or(&[]);
+                    let managers = &mut self.managers;
+                    let imported = tcp.import(now, snap).and_then(|imp| {
+                        let state = snap.get(imp.app_state.clone()).unwrap_or(&[]);
+                        match managers.import(flow, imp.id, state) {
                             Ok(()) => Ok(imp),
                             Err(_) => {
                                 // Refused by the application: undo silently.
@@ -724,16 +733,18 @@ fn prepare_ack_target(msg: &[u8]) -> Option<(FlowKey, Ipv4Addr)> {
 /// outcome=.. flow=.. peer=..` lines carry the [`Telemetry`] and the
 /// [`HostCpu`] of one migration on this host.
 ///
-/// Off the per-packet path: lines are formatted every 100 ms and written by
-/// a thread of their own; a migration is written one flush after it
+/// Off the per-packet path: every 100 ms the finished migrations' records
+/// (plain values) go to a thread of their own, which formats and writes
+/// the lines (formatting on the stack's thread showed in its profile and
+/// in the CPU time of the message being handled); a migration is written one flush after it
 /// finished, so that the messages it still sends (the target's
 /// CONN_STATE_ACK) are counted in its CPU time.
 pub struct TelemetryDump {
-    cpu: HashMap<u64, capybara_tcpmig::HostCpu>,
+    cpu: Map<u64, capybara_tcpmig::HostCpu>,
     finished: Vec<MigrationRecord>,
     ready: Vec<MigrationRecord>,
     next_flush: Instant,
-    tx: std::sync::mpsc::Sender<String>,
+    tx: std::sync::mpsc::Sender<DumpBatch>,
     /// The glue's silent drops so far (frozen, gone), on `clock` lines.
     drops: (u64, u64),
 }
@@ -754,20 +765,23 @@ impl TelemetryDump {
                 return None;
             }
         };
-        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        let (tx, rx) = std::sync::mpsc::channel::<DumpBatch>();
         std::thread::Builder::new()
             .name("telemetry-dump".into())
             .spawn(move || {
                 use std::io::Write;
-                for chunk in rx {
-                    if file.write_all(chunk.as_bytes()).is_err() {
+                let mut out = String::new();
+                for batch in rx {
+                    out.clear();
+                    batch.format(&mut out);
+                    if file.write_all(out.as_bytes()).is_err() {
                         return;
                     }
                 }
             })
             .ok()?;
         Some(TelemetryDump {
-            cpu: HashMap::with_capacity(256),
+            cpu: map(256),
             finished: Vec::with_capacity(256),
             ready: Vec::with_capacity(256),
             next_flush: Instant::ZERO,
@@ -803,7 +817,6 @@ impl TelemetryDump {
     }
 
     fn tick(&mut self, now: Instant, engine: &Engine) {
-        use std::fmt::Write;
         if now < self.next_flush {
             return;
         }
@@ -815,17 +828,39 @@ impl TelemetryDump {
         // SAFETY: clock_gettime writes the timespec we own.
         unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
         let mono = ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000;
-        let mut out = String::with_capacity(64 + self.ready.len() * 640);
-        let _ = writeln!(
-            out,
-            "clock local_us={} mono_us={mono} dropped_frozen={} dropped_gone={}",
-            now.as_micros(),
-            self.drops.0,
-            self.drops.1
-        );
+        let mut items = Vec::with_capacity(self.ready.len());
         for r in self.ready.drain(..) {
             let tel = engine.telemetry(r.id).copied().or(r.telemetry);
             let cpu = self.cpu.remove(&r.id.0).unwrap_or_default();
+            items.push((r, tel.unwrap_or_default(), cpu));
+        }
+        std::mem::swap(&mut self.finished, &mut self.ready);
+        let _ = self.tx.send(DumpBatch {
+            local_us: now.as_micros(),
+            mono_us: mono,
+            drops: self.drops,
+            items,
+        });
+    }
+}
+
+/// What [`TelemetryDump`] hands its writer thread every flush.
+struct DumpBatch {
+    local_us: u64,
+    mono_us: u64,
+    drops: (u64, u64),
+    items: Vec<(MigrationRecord, Telemetry, capybara_tcpmig::HostCpu)>,
+}
+
+impl DumpBatch {
+    fn format(&self, out: &mut String) {
+        use std::fmt::Write;
+        let _ = writeln!(
+            out,
+            "clock local_us={} mono_us={} dropped_frozen={} dropped_gone={}",
+            self.local_us, self.mono_us, self.drops.0, self.drops.1
+        );
+        for (r, tel, cpu) in &self.items {
             let role = match r.outcome {
                 Outcome::MigratedIn | Outcome::AbortedIn | Outcome::ImportFailed => "in",
                 _ => "out",
@@ -835,12 +870,10 @@ impl TelemetryDump {
                 "mig id={:016x} role={role} outcome={:?} flow={} peer={}",
                 r.id.0, r.outcome, r.flow, r.peer
             );
-            tel.unwrap_or_default().write_kv(&mut out);
-            cpu.write_kv(&mut out);
+            tel.write_kv(out);
+            cpu.write_kv(out);
             out.push('\n');
         }
-        std::mem::swap(&mut self.finished, &mut self.ready);
-        let _ = self.tx.send(out);
     }
 }
 

@@ -360,13 +360,44 @@ impl PolicyEngine {
         }
     }
 
-    /// Whether the switch's fresh counts say this server is no busier than
-    /// the pool average: shedding rate would then only move the overload.
+    /// How much rate (pps) one target can take before it would itself pass
+    /// the proactive threshold and shed, on the switch's fresh counts: the
+    /// threshold load minus the mean load of the other servers (the
+    /// least-loaded target is at most that), counting the load this server
+    /// ordered away as theirs. `None` without fresh counts of 2+ servers.
+    /// Near saturation every server sits close to the threshold and the
+    /// headroom shrinks to nothing, so servers stop trading connections
+    /// that would only move the hot spot (the target shedding back).
+    fn target_headroom(&self, now: Instant) -> Option<f64> {
+        let fresh = self
+            .load_at
+            .is_some_and(|at| now.saturating_since(at) <= STALE_LOAD);
+        if !fresh || self.live_servers < 2 || self.avg_pps <= 0.0 {
+            return None;
+        }
+        let decay =
+            (-(now.saturating_since(self.shed_at).as_micros() as f64) / self.tau_us()).exp();
+        let own = (self.own_pps - self.shed_credit * decay).max(0.0);
+        let n = f64::from(self.live_servers);
+        let others = ((self.avg_pps * n - own) / (n - 1.0)).max(0.0);
+        let upper = self.avg_pps * (1.0 + self.tunables.proactive_threshold_pct / 100.0);
+        Some((upper - others).max(0.0))
+    }
+
+    /// Whether the switch's fresh counts say this server is not clearly
+    /// busier than the pool: no more than the pool average plus the
+    /// proactive threshold less the hysteresis (the band where proactive
+    /// stops shedding). Shedding rate would then only move the overload:
+    /// after the whole lab stalls every server has a backlog and arrivals
+    /// outpace the drain everywhere, and servers shedding rate to each
+    /// other traded hundreds of connections in a few seconds (bench-skew).
     fn pool_as_busy(&self, now: Instant) -> bool {
         let fresh = self
             .load_at
             .is_some_and(|at| now.saturating_since(at) <= STALE_LOAD);
-        fresh && self.live_servers >= 2 && self.own_pps <= self.avg_pps
+        let t = &self.tunables;
+        let band = 1.0 + (t.proactive_threshold_pct - t.hysteresis_pct) / 100.0;
+        fresh && self.live_servers >= 2 && self.own_pps <= self.avg_pps * band
     }
 
     /// One decision: appends the migrations to start to `out`.
@@ -383,6 +414,7 @@ impl PolicyEngine {
         }
         self.update_rx_rates(now, server);
         let excess_pps = self.proactive_excess(now);
+        let headroom = self.target_headroom(now);
         let t = self.tunables;
         let reactive_on = t.reactive_enabled
             && server.rx_backlog_packets > u64::from(t.reactive_backlog_threshold);
@@ -441,12 +473,16 @@ impl PolicyEngine {
                     self.arrival_pps - self.drain_pps - self.reactive_credit * decay / per_data;
                 if growth > 0.0 {
                     let excess = growth * per_data;
+                    // No more than a target can take without shedding
+                    // it back (the rest goes in later decisions, to the
+                    // then least-loaded server).
+                    let excess = headroom.map_or(excess, |h| excess.min(h));
                     if excess > 0.0 && !self.pool_as_busy(now) {
                         select(
                             &cands,
                             |c| c.pps,
                             excess,
-                            None,
+                            headroom.map(|h| h * (1.0 + 1e-6)),
                             &mut budget,
                             Reason::Reactive,
                             out,
@@ -476,7 +512,12 @@ impl PolicyEngine {
                 shed_pps += out[before..].iter().map(|o| o.pps).sum::<f64>();
             }
         }
-        let excess_pps = excess_pps - shed_pps;
+        let mut excess_pps = excess_pps - shed_pps;
+        let mut fallback_below = 2.0 * excess_pps;
+        if let Some(h) = headroom {
+            excess_pps = excess_pps.min(h);
+            fallback_below = fallback_below.min(h * (1.0 + 1e-6));
+        }
         if excess_pps > 0.0 {
             let before = out.len();
             cands.retain(|c| !out[start..].iter().any(|o| o.flow == c.flow));
@@ -484,7 +525,7 @@ impl PolicyEngine {
                 &cands,
                 |c| c.pps,
                 excess_pps,
-                Some(2.0 * excess_pps),
+                Some(fallback_below),
                 &mut budget,
                 Reason::Proactive,
                 out,
@@ -905,6 +946,40 @@ mod tests {
     }
 
     #[test]
+    fn proactive_sends_no_more_than_a_target_can_take_without_shedding_back() {
+        // Four servers, pool average 10 kpps, own 13 kpps: the others
+        // average 9 kpps, so a target passes the 10 % threshold (11 kpps)
+        // with more than 2 kpps. The excess is 3 kpps; a 2.5 kpps
+        // connection would have fitted it, but would make the target shed.
+        let mut seq = 0;
+        let mut e = PolicyEngine::new(Tunables::default());
+        feed(&mut e, &mut seq, 200, 200, 13, 40, 4);
+        let mut out = Vec::new();
+        e.decide(
+            t(200),
+            &ServerLoad::default(),
+            vec![conn(1, 2_500.0, 0)],
+            &mut out,
+        );
+        assert!(out.is_empty(), "{out:?}");
+        let mut e = PolicyEngine::new(Tunables::default());
+        feed(&mut e, &mut seq, 200, 200, 13, 40, 4);
+        e.decide(
+            t(200),
+            &ServerLoad::default(),
+            vec![
+                conn(1, 2_500.0, 0),
+                conn(2, 1_000.0, 0),
+                conn(3, 1_000.0, 0),
+            ],
+            &mut out,
+        );
+        let mut moved: Vec<_> = out.iter().map(|o| o.flow).collect();
+        moved.sort_by_key(|f| f.client_port);
+        assert_eq!(moved, vec![flow(2), flow(3)]);
+    }
+
+    #[test]
     fn hysteresis_keeps_shedding_until_below_the_lower_bound() {
         let tun = Tunables {
             hysteresis_pct: 5.0,
@@ -1073,6 +1148,31 @@ mod tests {
             out.extend(run_rates(&mut e, (k, 1), &mut n, 5_000.0, backlog, &conns));
         }
         assert!(out.is_empty(), "{out:?}");
+    }
+
+    #[test]
+    fn reactive_sheds_rate_only_from_a_server_clearly_above_the_pool() {
+        // 4 % above the pool average (within the proactive band): a stall
+        // of the whole pool, not this server's load; no rate is shed.
+        let conns: Vec<_> = (0..10).map(|i| conn(i, 600.0, 8)).collect();
+        let mut e = reactive_only();
+        let (mut seq, mut n, mut out) = (0, (0.0, 0.0), Vec::new());
+        for k in 1..=600 {
+            feed(&mut e, &mut seq, k, 1, 13, 25, 2);
+            let backlog = if k <= 300 { 10 } else { 80 };
+            out.extend(run_rates(&mut e, (k, 1), &mut n, 5_000.0, backlog, &conns));
+        }
+        assert!(out.is_empty(), "{out:?}");
+        // 28 % above: it sheds.
+        let mut e = reactive_only();
+        let (mut seq, mut n) = (0, (0.0, 0.0));
+        for k in 1..=600 {
+            feed(&mut e, &mut seq, k, 1, 16, 25, 2);
+            let backlog = if k <= 300 { 10 } else { 80 };
+            out.extend(run_rates(&mut e, (k, 1), &mut n, 5_000.0, backlog, &conns));
+        }
+        assert!(!out.is_empty());
+        assert!(out.iter().all(|o| o.reason == Reason::Reactive));
     }
 
     #[test]

@@ -414,6 +414,11 @@ impl TcpListener {
         self.local
     }
 
+    /// The stack this listener lives on.
+    pub fn stack(&self) -> &Stack {
+        &self.stack
+    }
+
     /// Registers the importer of migrated-in connections' application state
     /// for this listener's port (no-op without migration).
     pub fn set_importer(&self, importer: Rc<dyn StateImporter>) {

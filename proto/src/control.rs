@@ -15,7 +15,8 @@
 //!   body + MAC, magic/version/kind are known; no accessor panics;
 //! - [`ControlRepr::parse`] checks each body's exact length and content
 //!   (service count vs length, UTF-8 of error text, report count vs length
-//!   and each report's outcome and trigger codes) and borrows variable
+//!   and each report's outcome and trigger codes, a NOT_STARTED report's
+//!   start-failure code) and borrows variable
 //!   parts from the datagram: parsing allocates nothing;
 //! - parsing does not verify the MAC; [`ControlRepr::parse_verified`] does.
 
@@ -162,7 +163,8 @@ pub mod field {
         pub const OUTCOME: usize = 24;
         pub const TRIGGER: usize = 25;
         pub const RESERVED_1: Field = 26..28;
-        /// TCPMig reason code (0: none).
+        /// TCPMig reason code (0: none); for NOT_STARTED a
+        /// [`super::super::StartFailure`] code.
         pub const REASON: Field = 28..30;
         pub const FRAGMENTS: Field = 30..32;
         /// Microseconds from the end of the migration to the emission of
@@ -286,7 +288,7 @@ pub enum ControlError {
     BadReport {
         index: usize,
         field: &'static str,
-        code: u8,
+        code: u16,
     },
     #[error("control message MAC verification failed")]
     BadMac,
@@ -601,7 +603,8 @@ pub struct ErrorMsg<'a> {
 }
 
 /// How a migration a server reports ended, as that server saw it. Origin
-/// reports carry the first three, target reports the last three.
+/// reports carry MigratedOut, Resumed, Lost and NotStarted; target reports
+/// MigratedIn, AbortedIn and ImportFailed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReportOutcome {
     /// 1 (origin): the target imported the connection.
@@ -616,6 +619,10 @@ pub enum ReportOutcome {
     AbortedIn,
     /// 6 (target): the snapshot could not be imported.
     ImportFailed,
+    /// 7 (origin): a MIGRATE the server could not start (no TCPMig message
+    /// was sent); `reason` is a [`StartFailure`] code, `migration_id` the
+    /// server's data address `<< 32` (counter 0: no migration id was used).
+    NotStarted,
 }
 
 impl ReportOutcome {
@@ -627,6 +634,7 @@ impl ReportOutcome {
             ReportOutcome::MigratedIn => 4,
             ReportOutcome::AbortedIn => 5,
             ReportOutcome::ImportFailed => 6,
+            ReportOutcome::NotStarted => 7,
         }
     }
     pub const fn from_u8(v: u8) -> Option<Self> {
@@ -637,6 +645,7 @@ impl ReportOutcome {
             4 => ReportOutcome::MigratedIn,
             5 => ReportOutcome::AbortedIn,
             6 => ReportOutcome::ImportFailed,
+            7 => ReportOutcome::NotStarted,
             _ => return None,
         })
     }
@@ -644,7 +653,10 @@ impl ReportOutcome {
     pub const fn is_origin(self) -> bool {
         matches!(
             self,
-            ReportOutcome::MigratedOut | ReportOutcome::Resumed | ReportOutcome::Lost
+            ReportOutcome::MigratedOut
+                | ReportOutcome::Resumed
+                | ReportOutcome::Lost
+                | ReportOutcome::NotStarted
         )
     }
     pub const fn name(self) -> &'static str {
@@ -655,6 +667,67 @@ impl ReportOutcome {
             ReportOutcome::MigratedIn => "migrated_in",
             ReportOutcome::AbortedIn => "aborted_in",
             ReportOutcome::ImportFailed => "import_failed",
+            ReportOutcome::NotStarted => "not_started",
+        }
+    }
+}
+
+/// Why a server did not start a migration it was asked for (the `reason`
+/// of a [`ReportOutcome::NotStarted`] report). The codes start at 0x0101 so
+/// that they never read as a TCPMig reason; the parser accepts only these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StartFailure {
+    /// 0x0101: the server serves no connection with this 4-tuple (closed,
+    /// never there, or already leaving in another migration).
+    NoConnection,
+    /// 0x0102: a migration of this connection is already under way there,
+    /// or the server's migration table is full.
+    Busy,
+    /// 0x0103: the requested target is the server itself.
+    TargetIsSelf,
+    /// 0x0104: the application's connection manager refused to move it.
+    Refused,
+    /// 0x0105: the server runs without migration.
+    Disabled,
+}
+
+impl StartFailure {
+    pub const ALL: [StartFailure; 5] = [
+        StartFailure::NoConnection,
+        StartFailure::Busy,
+        StartFailure::TargetIsSelf,
+        StartFailure::Refused,
+        StartFailure::Disabled,
+    ];
+    pub const fn to_u16(self) -> u16 {
+        match self {
+            StartFailure::NoConnection => 0x0101,
+            StartFailure::Busy => 0x0102,
+            StartFailure::TargetIsSelf => 0x0103,
+            StartFailure::Refused => 0x0104,
+            StartFailure::Disabled => 0x0105,
+        }
+    }
+    pub const fn from_u16(v: u16) -> Option<Self> {
+        Some(match v {
+            0x0101 => StartFailure::NoConnection,
+            0x0102 => StartFailure::Busy,
+            0x0103 => StartFailure::TargetIsSelf,
+            0x0104 => StartFailure::Refused,
+            0x0105 => StartFailure::Disabled,
+            _ => return None,
+        })
+    }
+    /// What operators read (switchd's `/migrations` `reason`).
+    pub const fn text(self) -> &'static str {
+        match self {
+            StartFailure::NoConnection => "no such connection is served there",
+            StartFailure::Busy => {
+                "busy: a migration of it is under way, or the migration table is full"
+            }
+            StartFailure::TargetIsSelf => "the target is the server itself",
+            StartFailure::Refused => "its connection manager refused",
+            StartFailure::Disabled => "the server runs without migration",
         }
     }
 }
@@ -722,7 +795,9 @@ pub struct MigrationReport {
     pub peer: Option<Ipv4Addr>,
     pub outcome: ReportOutcome,
     pub trigger: MigrationTrigger,
-    /// Why it did not succeed ([`crate::tcpmig::Reason::None`] if it did).
+    /// Why it did not succeed ([`crate::tcpmig::Reason::None`] if it did);
+    /// for [`ReportOutcome::NotStarted`] it holds a [`StartFailure`] code
+    /// (read it with [`MigrationReport::start_failure`]).
     pub reason: crate::tcpmig::Reason,
     /// CONN_STATE fragments per copy of the snapshot.
     pub fragments: u16,
@@ -737,6 +812,48 @@ pub struct MigrationReport {
 }
 
 impl MigrationReport {
+    /// The report of a MIGRATE that `origin` (the reporter's data address)
+    /// could not start.
+    pub fn not_started(
+        origin: Ipv4Addr,
+        flow: FlowKey,
+        target: Option<Ipv4Addr>,
+        trigger: MigrationTrigger,
+        why: StartFailure,
+    ) -> Self {
+        MigrationReport {
+            id: u64::from(u32::from(origin)) << 32,
+            flow,
+            peer: target,
+            outcome: ReportOutcome::NotStarted,
+            trigger,
+            reason: crate::tcpmig::Reason::from_u16(why.to_u16()),
+            fragments: 0,
+            age_us: 0,
+            phases_us: [PHASE_NOT_REACHED; 5],
+            snapshot_bytes: 0,
+            segments_buffered: 0,
+            bytes_buffered: 0,
+        }
+    }
+
+    /// Why a [`ReportOutcome::NotStarted`] migration did not start.
+    pub fn start_failure(&self) -> Option<StartFailure> {
+        match self.outcome {
+            ReportOutcome::NotStarted => StartFailure::from_u16(self.reason.to_u16()),
+            _ => None,
+        }
+    }
+
+    /// The reason as operators read it: the TCPMig reason, or for a
+    /// migration that did not start, why; `None` when there is none.
+    pub fn reason_text(&self) -> Option<String> {
+        if let Some(f) = self.start_failure() {
+            return Some(f.text().to_string());
+        }
+        (self.reason != crate::tcpmig::Reason::None).then(|| self.reason.to_string())
+    }
+
     /// Phase `i` ([`REPORT_PHASES`] order), `None` when not reached.
     pub fn phase_us(&self, i: usize) -> Option<u32> {
         self.phases_us
@@ -745,10 +862,16 @@ impl MigrationReport {
             .filter(|v| *v != PHASE_NOT_REACHED)
     }
 
-    fn read(c: &[u8]) -> Result<Self, (&'static str, u8)> {
+    fn read(c: &[u8]) -> Result<Self, (&'static str, u16)> {
         use field::migration_report as f;
-        let outcome = ReportOutcome::from_u8(c[f::OUTCOME]).ok_or(("outcome", c[f::OUTCOME]))?;
-        let trigger = MigrationTrigger::from_u8(c[f::TRIGGER]).ok_or(("trigger", c[f::TRIGGER]))?;
+        let outcome =
+            ReportOutcome::from_u8(c[f::OUTCOME]).ok_or(("outcome", u16::from(c[f::OUTCOME])))?;
+        let trigger = MigrationTrigger::from_u8(c[f::TRIGGER])
+            .ok_or(("trigger", u16::from(c[f::TRIGGER])))?;
+        let reason = rd16(c, f::REASON);
+        if outcome == ReportOutcome::NotStarted && StartFailure::from_u16(reason).is_none() {
+            return Err(("start failure", reason));
+        }
         let peer = Ipv4Addr::from(rd32(c, f::PEER));
         let mut phases_us = [0u32; 5];
         for (p, b) in phases_us.iter_mut().zip(c[f::PHASES_US].chunks_exact(4)) {
@@ -765,7 +888,7 @@ impl MigrationReport {
             peer: (!peer.is_unspecified()).then_some(peer),
             outcome,
             trigger,
-            reason: crate::tcpmig::Reason::from_u16(rd16(c, f::REASON)),
+            reason: crate::tcpmig::Reason::from_u16(reason),
             fragments: rd16(c, f::FRAGMENTS),
             age_us: rd32(c, f::AGE_US),
             phases_us,
@@ -1337,6 +1460,51 @@ mod tests {
     }
 
     #[test]
+    fn not_started_reports_round_trip_with_their_failure() {
+        let flow = FlowKey {
+            client_ip: Ipv4Addr::new(198, 18, 0, 10),
+            client_port: 5555,
+            service_ip: Ipv4Addr::new(198, 18, 100, 1),
+            service_port: 80,
+        };
+        let origin = Ipv4Addr::new(198, 18, 2, 11);
+        let reports: Vec<MigrationReport> = StartFailure::ALL
+            .iter()
+            .map(|&f| MigrationReport::not_started(origin, flow, None, MigrationTrigger::Manual, f))
+            .collect();
+        let repr = ControlRepr {
+            server_id: ServerId(1),
+            seq: 3,
+            body: ControlBody::MigrationReport(ReportList::Slice(&reports)),
+        };
+        let mut buf = [0u8; 2048];
+        let n = repr.emit(&mut buf).unwrap();
+        let ControlBody::MigrationReport(list) = ControlRepr::parse(&buf[..n]).unwrap().body else {
+            panic!("not a report");
+        };
+        let got: Vec<MigrationReport> = list.iter().collect();
+        assert_eq!(got, reports);
+        for (r, f) in got.iter().zip(StartFailure::ALL) {
+            assert!(r.outcome.is_origin());
+            assert_eq!(r.outcome.name(), "not_started");
+            assert_eq!(r.id >> 32, u64::from(u32::from(origin)));
+            assert_eq!(r.start_failure(), Some(f));
+            assert_eq!(r.reason_text().as_deref(), Some(f.text()));
+            assert_eq!(StartFailure::from_u16(f.to_u16()), Some(f));
+            assert_eq!(r.phase_us(4), None);
+        }
+        // Other outcomes keep their TCPMig reason; no start failure.
+        let mut r = sample_report(flow);
+        assert_eq!((r.start_failure(), r.reason_text()), (None, None));
+        r.reason = crate::tcpmig::Reason::Timeout;
+        assert_eq!(r.reason_text().as_deref(), Some("timeout"));
+        // Codes around the range are refused.
+        for v in [0, 1, 0x0100, 0x0106, 0xFFFF] {
+            assert_eq!(StartFailure::from_u16(v), None, "{v:#x}");
+        }
+    }
+
+    #[test]
     fn migration_reports_are_validated() {
         let flow = FlowKey {
             client_ip: Ipv4Addr::new(198, 18, 0, 10),
@@ -1381,6 +1549,19 @@ mod tests {
                 ..
             })
         ));
+        // NOT_STARTED needs a start-failure code, not a TCPMig reason.
+        let mut bad = buf;
+        bad[off + field::migration_report::OUTCOME] = 7;
+        assert_eq!(
+            ControlRepr::parse(&bad[..n]),
+            Err(ControlError::BadReport {
+                index: 1,
+                field: "start failure",
+                code: 0
+            })
+        );
+        bad[off + field::migration_report::REASON.start + 1] = 1;
+        assert!(ControlRepr::parse(&bad[..n]).is_err(), "TCPMig reason 1");
         // Count and length disagree.
         let mut bad = buf;
         bad[HEADER_LEN + 1] = 3;

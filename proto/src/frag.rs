@@ -199,7 +199,10 @@ impl Reassembly {
 
     /// Forgets everything, keeping the buffers, for the next migration.
     pub fn reset(&mut self) {
-        self.have.fill(0);
+        // Bits are set only below `count` (set before the first mark):
+        // clear those words, not all 8 KiB, on every migration.
+        let words = self.count.map_or(0, |c| usize::from(c).div_ceil(64));
+        self.have[..words].fill(0);
         self.count = None;
         self.chunk = None;
         self.received = 0;

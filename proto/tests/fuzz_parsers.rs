@@ -357,15 +357,23 @@ fn random_report(rng: &mut Rng) -> control::MigrationReport {
             rng.next() as u32
         };
     }
+    let outcome = control::ReportOutcome::from_u8(1 + rng.below(7) as u8).unwrap();
+    // NOT_STARTED carries a start-failure code (the parser refuses others).
+    let reason = if outcome == control::ReportOutcome::NotStarted {
+        let all = control::StartFailure::ALL;
+        Reason::from_u16(all[rng.below(all.len())].to_u16())
+    } else {
+        Reason::from_u16(rng.u16())
+    };
     control::MigrationReport {
         id: rng.next(),
         flow: random_flow(rng),
         peer: rng
             .chance(2)
             .then(|| Ipv4Addr::from(1 + rng.below(u32::MAX as usize - 1) as u32)),
-        outcome: control::ReportOutcome::from_u8(1 + rng.below(6) as u8).unwrap(),
+        outcome,
         trigger: control::MigrationTrigger::from_u8(rng.below(6) as u8).unwrap(),
-        reason: Reason::from_u16(rng.u16()),
+        reason,
         fragments: rng.u16(),
         age_us: rng.next() as u32,
         phases_us,

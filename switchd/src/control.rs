@@ -923,8 +923,7 @@ impl MigrationRing {
                     "service": format!("{}:{}", r.flow.service_ip, r.flow.service_port),
                     "outcome": r.outcome.name(),
                     "trigger": r.trigger.name(),
-                    "reason": (r.reason != capybara_proto::tcpmig::Reason::None)
-                        .then(|| r.reason.to_string()),
+                    "reason": r.reason_text(),
                     "finished_unix_ms": m.finished_unix_ms,
                     "phases": phases,
                     "fragments": r.fragments,
@@ -1346,6 +1345,27 @@ mod tests {
             (item["peer"].as_u64(), item["reporter"].as_u64()),
             (Some(2), Some(1))
         );
+        assert!(item["reason"].is_null());
+        // A MIGRATE the server could not start: an origin report whose
+        // reason says why.
+        let mut r = MigrationReport::not_started(
+            Ipv4Addr::new(198, 18, 2, 11),
+            report(6).flow,
+            None,
+            MigrationTrigger::Manual,
+            capybara_proto::control::StartFailure::NoConnection,
+        );
+        r.age_us = 0;
+        let seq = ring.push(ServerId(1), None, r, 2000);
+        let page = ring.page_json(9, seq - 1, 1);
+        let item = &page["items"][0];
+        assert_eq!(
+            (item["role"].as_str(), item["outcome"].as_str()),
+            (Some("origin"), Some("not_started"))
+        );
+        assert_eq!(item["reason"], "no such connection is served there");
+        assert_eq!(item["trigger"], "manual");
+        assert!(item["phases"]["total_us"].is_null());
     }
 
     #[test]

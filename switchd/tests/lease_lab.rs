@@ -120,11 +120,75 @@ impl Drop for NsEtcd {
 }
 
 fn fail(lab: &Lab, e: anyhow::Error) -> ! {
-    panic!(
-        "{e}\n--- a.log\n{}\n--- b.log\n{}",
-        lab.log("a.log"),
-        lab.log("b.log")
-    )
+    let logs: String = ["a.log", "b.log", "c.log"]
+        .iter()
+        .map(|n| (n, lab.log(n)))
+        .filter(|(_, l)| !l.is_empty())
+        .map(|(n, l)| format!("\n--- {n}\n{l}"))
+        .collect();
+    panic!("{e}{logs}")
+}
+
+/// What every test starts from.
+struct Started {
+    lab: Lab,
+    etcd: NsEtcd,
+    /// One config per switchd asked for, in order.
+    configs: Vec<std::path::PathBuf>,
+    /// The first switchd, active with the lease.
+    active: usize,
+    term: u64,
+    held: Vec<(u16, u32, Option<std::net::TcpStream>)>,
+    _agents: Vec<labkit::ServerAgent>,
+}
+
+/// A lab of 2 servers with etcd in its switch namespace and one switchd
+/// config per `(name, status port, fast_takeover)`, the servers' liveness
+/// relaxed (the tests freeze switchds for seconds; a server declared dead
+/// is not what they test); the first switchd started and active with the
+/// lease, both servers registered, 20 established connections held.
+fn start(tag: &str, switchds: &[(&str, u16, bool)]) -> Started {
+    let mut lab = Lab::up(tag, 2).expect("lab up");
+    let etcd = NsEtcd::start(&lab.ns("sw")).expect("etcd in the switch namespace");
+    lab.store = Some(format!("etcd:{}", etcd.endpoint));
+    let configs: Vec<_> = switchds
+        .iter()
+        .map(|(name, port, fast)| {
+            let ha = format!("[ha]\nenabled = true\nlease_ttl_ms = 1000\nflow_sync_interval_ms = 200\nfast_takeover = {fast}\n");
+            let p = lab.switchd_config(name, 2, &[1, 1], *port, &ha).unwrap();
+            let t = std::fs::read_to_string(&p).unwrap();
+            std::fs::write(&p, t.replace("dead_after_ms = 500", "dead_after_ms = 10000")).unwrap();
+            p
+        })
+        .collect();
+    let (first, port) = (switchds[0].0, switchds[0].1);
+    let active = lab
+        .start_switchd(&switchd_bin(), &configs[0], &format!("{first}.log"))
+        .unwrap();
+    let (st, _) = lab
+        .wait_status(
+            port,
+            Duration::from_secs(15),
+            "active with the lease",
+            |s| s["role"] == "active" && s["lease"]["held"] == true,
+        )
+        .unwrap_or_else(|e| fail(&lab, e));
+    let term = st["lease_term"].as_u64().expect("term");
+    let _agents: Vec<labkit::ServerAgent> = (1..=2)
+        .map(|j| lab.register_server(j, 1))
+        .collect::<anyhow::Result<_>>()
+        .unwrap_or_else(|e| fail(&lab, e));
+    let mut held = lab.connect_many(20, true).unwrap_or_else(|e| fail(&lab, e));
+    assert_eq!(ping_all(&mut held, "before"), 0);
+    Started {
+        lab,
+        etcd,
+        configs,
+        active,
+        term,
+        held,
+        _agents,
+    }
 }
 
 /// Echo on every held connection (each knows its server).
@@ -144,34 +208,16 @@ fn active_survives_store_outage_and_lease_expiry_and_yields_only_to_a_newer_lead
     if skip() {
         return;
     }
-    let mut lab = Lab::up("sgc", 2).expect("lab up");
-    let etcd = NsEtcd::start(&lab.ns("sw")).expect("etcd in the switch namespace");
-    lab.store = Some(format!("etcd:{}", etcd.endpoint));
-    let ha = "[ha]\nenabled = true\nlease_ttl_ms = 1000\nflow_sync_interval_ms = 200\nfast_takeover = false\n";
-    let a = lab.switchd_config("a", 2, &[1, 1], 9102, ha).unwrap();
-    let b = lab.switchd_config("b", 2, &[1, 1], 9103, ha).unwrap();
-    // The test freezes the active for a few seconds: its servers must not
-    // be declared dead meanwhile (that is not what is tested here).
-    for p in [&a, &b] {
-        let t = std::fs::read_to_string(p).unwrap();
-        std::fs::write(p, t.replace("dead_after_ms = 500", "dead_after_ms = 10000")).unwrap();
-    }
-    let ia = lab.start_switchd(&switchd_bin(), &a, "a.log").unwrap();
-    let (st, _) = lab
-        .wait_status(
-            9102,
-            Duration::from_secs(15),
-            "active with the lease",
-            |s| s["role"] == "active" && s["lease"]["held"] == true,
-        )
-        .unwrap_or_else(|e| fail(&lab, e));
-    let term0 = st["lease_term"].as_u64().expect("term");
-    let _agents: Vec<labkit::ServerAgent> = (1..=2)
-        .map(|j| lab.register_server(j, 1))
-        .collect::<anyhow::Result<_>>()
-        .unwrap_or_else(|e| fail(&lab, e));
-    let mut held = lab.connect_many(20, true).unwrap_or_else(|e| fail(&lab, e));
-    assert_eq!(ping_all(&mut held, "before"), 0);
+    let Started {
+        mut lab,
+        etcd,
+        configs,
+        active: ia,
+        term: term0,
+        mut held,
+        _agents,
+    } = start("sgc", &[("a", 9102, false), ("b", 9103, false)]);
+    let b = &configs[1];
 
     // 1. The store goes away for 3 s (three lease TTLs), then comes back.
     etcd.stop();
@@ -223,7 +269,7 @@ fn active_survives_store_outage_and_lease_expiry_and_yields_only_to_a_newer_lead
 
     // 3. A standby wins the lease while the active is frozen: the active,
     // on waking, sees the newer term and steps down; the standby serves.
-    lab.start_switchd(&switchd_bin(), &b, "b.log").unwrap();
+    lab.start_switchd(&switchd_bin(), b, "b.log").unwrap();
     lab.wait_status(9103, Duration::from_secs(15), "b standby and warm", |s| {
         s["role"] == "standby" && s["warm_flows"].as_u64().unwrap_or(0) >= 20
     })
@@ -287,60 +333,28 @@ fn fast_takeover_steps_down_for_a_newer_leader() {
     if skip() {
         return;
     }
-    let mut lab = Lab::up("sgt", 2).expect("lab up");
-    let etcd = NsEtcd::start(&lab.ns("sw")).expect("etcd in the switch namespace");
-    lab.store = Some(format!("etcd:{}", etcd.endpoint));
-    let ha = |fast: bool| {
-        format!("[ha]\nenabled = true\nlease_ttl_ms = 1000\nflow_sync_interval_ms = 200\nfast_takeover = {fast}\n")
-    };
-    let a = lab
-        .switchd_config("a", 2, &[1, 1], 9102, &ha(false))
+    let Started {
+        mut lab,
+        etcd,
+        configs,
+        active: ia,
+        term: term0,
+        mut held,
+        _agents,
+    } = start(
+        "sgt",
+        &[("a", 9102, false), ("b", 9103, true), ("c", 9104, false)],
+    );
+    let ib = lab
+        .start_switchd(&switchd_bin(), &configs[1], "b.log")
         .unwrap();
-    let b = lab
-        .switchd_config("b", 2, &[1, 1], 9103, &ha(true))
+    lab.start_switchd(&switchd_bin(), &configs[2], "c.log")
         .unwrap();
-    let c = lab
-        .switchd_config("c", 2, &[1, 1], 9104, &ha(false))
-        .unwrap();
-    // The fast switchd is frozen for a while: the servers must not be
-    // declared dead meanwhile (not what is tested here).
-    for p in [&a, &b, &c] {
-        let t = std::fs::read_to_string(p).unwrap();
-        std::fs::write(p, t.replace("dead_after_ms = 500", "dead_after_ms = 10000")).unwrap();
-    }
-    let fail3 = |lab: &Lab, e: anyhow::Error| -> ! {
-        panic!(
-            "{e}\n--- a.log\n{}\n--- b.log\n{}\n--- c.log\n{}",
-            lab.log("a.log"),
-            lab.log("b.log"),
-            lab.log("c.log")
-        )
-    };
-    let ia = lab.start_switchd(&switchd_bin(), &a, "a.log").unwrap();
-    let (st, _) = lab
-        .wait_status(
-            9102,
-            Duration::from_secs(15),
-            "active with the lease",
-            |s| s["role"] == "active" && s["lease"]["held"] == true,
-        )
-        .unwrap_or_else(|e| fail3(&lab, e));
-    let term0 = st["lease_term"].as_u64().expect("term");
-    let _agents: Vec<labkit::ServerAgent> = (1..=2)
-        .map(|j| lab.register_server(j, 1))
-        .collect::<anyhow::Result<_>>()
-        .unwrap_or_else(|e| fail3(&lab, e));
-    let mut held = lab
-        .connect_many(20, true)
-        .unwrap_or_else(|e| fail3(&lab, e));
-    assert_eq!(ping_all(&mut held, "before"), 0);
-    let ib = lab.start_switchd(&switchd_bin(), &b, "b.log").unwrap();
-    lab.start_switchd(&switchd_bin(), &c, "c.log").unwrap();
     for port in [9103, 9104] {
         lab.wait_status(port, Duration::from_secs(15), "standby and warm", |s| {
             s["role"] == "standby" && s["warm_flows"].as_u64().unwrap_or(0) >= 20
         })
-        .unwrap_or_else(|e| fail3(&lab, e));
+        .unwrap_or_else(|e| fail(&lab, e));
     }
 
     // The active dies: b takes over at once, without a lease (the dead
@@ -350,7 +364,7 @@ fn fast_takeover_steps_down_for_a_newer_leader() {
         .wait_status(9103, Duration::from_secs(10), "b took over fast", |s| {
             s["role"] == "active"
         })
-        .unwrap_or_else(|e| fail3(&lab, e));
+        .unwrap_or_else(|e| fail(&lab, e));
     // Freeze b before the dead lease expires, so that c wins it.
     lab.kill(ib, libc::SIGSTOP);
     assert_eq!(st["fast_takeover"], true, "{st}");
@@ -363,13 +377,13 @@ fn fast_takeover_steps_down_for_a_newer_leader() {
     while !lab.log("c.log").contains("won election") {
         if t.elapsed() > Duration::from_secs(15) {
             lab.kill(ib, libc::SIGCONT);
-            fail3(&lab, anyhow::anyhow!("c never won the lease"));
+            fail(&lab, anyhow::anyhow!("c never won the lease"));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
     lab.kill(ib, libc::SIGCONT);
     if lab.wait(ib, Duration::from_secs(5)).is_none() {
-        fail3(&lab, anyhow::anyhow!("b did not step down"));
+        fail(&lab, anyhow::anyhow!("b did not step down"));
     }
     assert!(
         lab.log("b.log").contains("stepping down"),
@@ -380,13 +394,13 @@ fn fast_takeover_steps_down_for_a_newer_leader() {
         .wait_status(9104, Duration::from_secs(15), "c active", |s| {
             s["role"] == "active" && s["lease"]["held"] == true
         })
-        .unwrap_or_else(|e| fail3(&lab, e));
+        .unwrap_or_else(|e| fail(&lab, e));
     let term1 = st["lease_term"].as_u64().expect("term");
     assert!(term1 > term0, "terms {term0} -> {term1}");
     assert_eq!(ping_all(&mut held, "after step-down"), 0);
     let fresh = lab
         .connect_many(10, false)
-        .unwrap_or_else(|e| fail3(&lab, e));
+        .unwrap_or_else(|e| fail(&lab, e));
     assert_eq!(fresh.len(), 10, "new connections placed by c");
     drop(lab);
     drop(etcd);

@@ -7,7 +7,11 @@
 //! (trigger `churn`, outcome `succeeded`, phase timings from both hosts),
 //! the requested one is completed by its origin's report (trigger
 //! `manual`, phases), and `/metrics` counts them in the outcome counter and
-//! the per-phase histograms. The connections keep working byte-exact.
+//! the per-phase histograms. The connections keep working byte-exact. A
+//! migration requested for a connection its server does not serve (a
+//! handshake that never completed: the switch and the store know the flow,
+//! the server has accepted no connection) ends `rejected` with the server's
+//! reason within a report poll, not after the API's 5 s store watch.
 //!
 //! Path under test: hostagent MIGRATION_REPORT -> switchd ring ->
 //! `GET /migrations` -> the API's poller -> log, SSE, metrics.
@@ -20,6 +24,31 @@ const SERVERS: u32 = 2;
 const CONNS: usize = 8;
 const API: &str = "http://127.0.0.1:18082";
 const CLIENT_IP: &str = "198.18.0.11";
+/// Source of the half-open flow: on the client link, but no host has it, so
+/// the server's SYN-ACKs go nowhere (and no client kernel resets them).
+const GHOST_IP: &str = "198.18.0.99";
+const GHOST_PORT: u16 = 40999;
+
+/// One SYN from `GHOST_IP:GHOST_PORT` to the VIP's echo port, sent from the
+/// client node (raw socket, its own IPv4 header).
+const GHOST_SYN: &str = r#"
+import socket, struct, sys
+src, dst, sport = sys.argv[1], "198.18.100.1", int(sys.argv[2])
+def csum(b):
+    if len(b) % 2:
+        b += b"\0"
+    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    s = (s >> 16) + (s & 0xFFFF)
+    s += s >> 16
+    return ~s & 0xFFFF
+tcp = struct.pack("!HHIIBBHHH", sport, 7, 0x12345678, 0, 5 << 4, 0x02, 64240, 0, 0)
+pseudo = socket.inet_aton(src) + socket.inet_aton(dst) + struct.pack("!BBH", 0, 6, len(tcp))
+tcp = tcp[:16] + struct.pack("!H", csum(pseudo + tcp)) + tcp[18:]
+ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp), 0, 0, 64, 6, 0,
+                 socket.inet_aton(src), socket.inet_aton(dst))
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+s.sendto(ip + tcp, (dst, 0))
+"#;
 
 fn appliance_config(dir: &Path, key: &Path) -> PathBuf {
     capybara_systests::appliance_config(dir, SERVERS, key, "127.0.0.1:18082")
@@ -35,6 +64,21 @@ fn items(body: &str) -> Vec<serde_json::Value> {
     serde_json::from_str::<serde_json::Value>(body)
         .ok()
         .and_then(|v| v.get("items").and_then(|i| i.as_array().cloned()))
+        .unwrap_or_default()
+}
+
+/// Migration `id` from `GET /v1/migrations` (`Null` while it is not listed).
+fn migration(lab: &Lab, token: &str, id: u64) -> serde_json::Value {
+    let (_, body) = api(
+        lab,
+        token,
+        "GET",
+        &format!("/v1/migrations?after={}&limit=1000", id - 1),
+        None,
+    );
+    items(&body)
+        .into_iter()
+        .find(|m| m["id"].as_u64() == Some(id))
         .unwrap_or_default()
 }
 
@@ -182,17 +226,7 @@ fn churn_and_requested_migrations_reach_the_api_with_phase_timings() {
         "the requested migration completed with phase timings",
         Duration::from_secs(15),
         || {
-            let (_, body) = api(
-                &lab,
-                &token,
-                "GET",
-                &format!("/v1/migrations?after={}&limit=1000", id - 1),
-                None,
-            );
-            manual = items(&body)
-                .into_iter()
-                .find(|m| m["id"].as_u64() == Some(id))
-                .unwrap_or_default();
+            manual = migration(&lab, &token, id);
             manual["outcome"] == "succeeded" && phase(&manual, "prepare_us").is_some()
         },
     );
@@ -202,6 +236,67 @@ fn churn_and_requested_migrations_reach_the_api_with_phase_timings() {
     assert_eq!(
         (manual["origin"].as_u64(), manual["target"].as_u64()),
         (Some(2), Some(1))
+    );
+
+    // A migration the server cannot start: a flow the switch placed and
+    // stored (its SYN passed) but no connection the server serves (the
+    // handshake never completes). The origin's NOT_STARTED report ends the
+    // entry as `rejected`, naming why, well before the 5 s store watch.
+    let ghost = format!("{GHOST_IP}:{GHOST_PORT}-198.18.100.1:7");
+    let out = lab.run(
+        "c1",
+        "python3",
+        &["-c", GHOST_SYN, GHOST_IP, &GHOST_PORT.to_string()],
+        Duration::from_secs(10),
+    );
+    assert!(
+        out.status.success(),
+        "raw SYN: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut asked = None;
+    lab.wait_for(
+        "the half-open flow in the store",
+        Duration::from_secs(5),
+        || {
+            let (code, body) = api(
+                &lab,
+                &token,
+                "POST",
+                &format!("/v1/connections/{ghost}/migrate"),
+                Some("{}"),
+            );
+            if code == 200 || code == 202 {
+                asked = Some((std::time::Instant::now(), body));
+            }
+            asked.is_some()
+        },
+    );
+    let (t0, body) = asked.unwrap();
+    let requested: serde_json::Value = serde_json::from_str(&body).expect("migration JSON");
+    let id = requested["id"].as_u64().expect("migration id");
+    let mut refused = serde_json::Value::Null;
+    lab.wait_for(
+        "the migration that could not start to end",
+        Duration::from_secs(10),
+        || {
+            refused = migration(&lab, &token, id);
+            refused["outcome"] != "in_progress" && !refused.is_null()
+        },
+    );
+    let took = t0.elapsed();
+    println!("not started: {refused} (ended {took:?} after the request)");
+    assert_eq!(refused["outcome"], "rejected", "{refused}");
+    assert_eq!(refused["trigger"], "manual");
+    assert_eq!(refused["connection"], ghost.as_str());
+    let reason = refused["reason"].as_str().unwrap_or("");
+    assert!(
+        reason.contains("did not start it: no such connection is served there"),
+        "{refused}"
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "took {took:?}: the report should end it, not the store watch"
     );
 
     // /metrics: outcome counter and per-phase histograms.
@@ -219,6 +314,8 @@ fn churn_and_requested_migrations_reach_the_api_with_phase_timings() {
         );
         assert!(n.unwrap_or(0.0) >= 1.0, "phase {p}: {n:?}");
     }
+    let rejected = sample(&metrics, "capybara_migrations_total{outcome=\"rejected\"}");
+    assert!(rejected.unwrap_or(0.0) >= 1.0, "{rejected:?}");
     let fast = sample(
         &metrics,
         "capybara_migration_phase_seconds_bucket{phase=\"total\",le=\"0.1\"}",

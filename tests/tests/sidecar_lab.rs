@@ -548,18 +548,14 @@ fn nginx_and_redis_behind_the_sidecar_while_migrating() {
 /// Pipelined RESP through the sidecar while connections migrate every
 /// 10 ms: every ECHO reply carries its own request's unique payload.
 ///
-/// Issue #8, still open: one cause is fixed (2026-11-22): a connection that
-/// migrated again before the target's sidecar had registered its manager
-/// (still in the accept queue, or its task not run yet, common under CPU
-/// load) was exported without the requests it arrived with; the stack now
-/// carries such unclaimed state on unchanged (deterministic regression test:
-/// `hostagent/tests/manager_state.rs`). The client still timed out (20 s)
-/// in 3 of 18 runs of this test alone with four CPU-bound `yes` processes
-/// after that fix, so a second cause remains (see docs/SIDECAR.md). Run it
-/// with `cargo test --release -p capybara-systests --test sidecar_lab --
-/// --ignored pipelined`.
+/// Issue #8: this used to time out (20 s) now and then under CPU load. Two
+/// causes, both fixed (2026-11-22): a connection migrated again before the
+/// target's sidecar registered its manager lost the requests it arrived
+/// with (`hostagent/tests/manager_state.rs`); and a connection exported
+/// between its retransmission timeout firing and the retransmission arrived
+/// with data in flight and no retransmission timer, so its replies waited
+/// for an ACK the client never sent (`hostagent/tcp/tests/imported_rto.rs`).
 #[test]
-#[ignore = "issue #8: intermittent 20 s client timeout under CPU load (see the doc comment)"]
 fn pipelined_resp_replies_match_requests_while_migrating() {
     let s = start("sr", "sidecar_lab_resp");
     // Every ECHO reply must carry its own request's unique payload.

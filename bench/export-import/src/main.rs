@@ -14,8 +14,8 @@
 //!   repair mode, options, queues, window, repair off). The restored socket
 //!   is the next iteration's source. Needs CAP_NET_ADMIN.
 //!
-//! Also measured, ours only: the empty established connection (76-byte
-//! snapshot, the paper's "default TCP state") and the copy floor, the time
+//! Also measured, ours only: the empty established connection (177-byte
+//! snapshot in format version 2, the paper's "default TCP state") and the copy floor, the time
 //! the four queue copies alone take (no encoding can go below it), both
 //! done as the snapshot code does them (`copy_queue_bytes`, 2 KiB pieces)
 //! and as one libc memcpy per queue.

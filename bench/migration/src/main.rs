@@ -127,6 +127,9 @@ fn run(opt: &Options) -> Result<String, String> {
     let dir = output_dir("bench-migration");
     // The hostagents inherit it: each writes DIR/telemetry-ADDR.log.
     std::env::set_var("CAPYBARA_MIGRATION_TELEMETRY", &dir);
+    // No stdout line per migrated-away echo connection (the telemetry
+    // dump has every migration).
+    std::env::set_var("CAPYBARA_ECHO_QUIET", "1");
     let mut lab = Lab::up("bmig", 2);
     let key = deployment_key(&dir);
     let sw = switchd_config(&dir, 2, &key);

@@ -254,30 +254,25 @@ async fn churn(stack: Stack, every_ms: u64, to: Option<std::net::Ipv4Addr>) {
     let mut flows = Vec::new();
     let mut moved: std::collections::HashMap<capybara_proto::FlowKey, u32> =
         std::collections::HashMap::new();
-    let mut counted: std::collections::HashSet<capybara_tcpmig::MigrationId> =
-        std::collections::HashSet::new();
+    // Cursor into the migrator's finished migrations (`Migrator::recorded`):
+    // each is counted once, without re-reading the whole recent list.
+    let mut cursor = 0u64;
     loop {
         tick.tick().await;
         stack.with(|i| {
             let now = i.clock.now();
             if let Some(m) = i.transports.mig.as_mut() {
-                for r in m.recent() {
-                    if matches!(r.outcome, Outcome::MigratedIn | Outcome::MigratedOut)
-                        && counted.insert(r.id)
-                    {
+                for r in m.recent_since(cursor) {
+                    if matches!(r.outcome, Outcome::MigratedIn | Outcome::MigratedOut) {
                         *moved.entry(r.flow).or_default() += 1;
                     }
                 }
+                cursor = m.recorded;
                 flows.clear();
                 flows.extend(m.flows().map(|(f, _)| *f));
                 flows.sort_by_key(|f| moved.get(f).copied().unwrap_or(0));
                 if moved.len() > 1 << 20 {
                     moved.clear();
-                }
-                if counted.len() > 1 << 16 {
-                    // Older records left the migrator's recent list long ago.
-                    counted.clear();
-                    counted.extend(m.recent().map(|r| r.id));
                 }
                 for f in &flows {
                     if m.engine.in_progress().0 >= CHURN_IN_FLIGHT {

@@ -31,6 +31,7 @@
 //! response or a clean close, never a hang. docs/SIDECAR.md has the whole
 //! picture.
 
+mod debug;
 pub mod http1;
 pub mod raw;
 pub mod resp;
@@ -102,6 +103,12 @@ impl Service {
 /// Accepts connections (new and migrated in) and relays each one.
 pub async fn serve(listener: TcpListener, svc: Rc<Service>) {
     listener.set_importer(Rc::new(Importer { svc: svc.clone() }));
+    if std::env::var_os("CAPYBARA_SIDECAR_DEBUG").is_some() {
+        tokio::task::spawn_local(debug::watch(
+            listener.stack().clone(),
+            listener.local_addr(),
+        ));
+    }
     loop {
         let (mut stream, peer) = match listener.accept().await {
             Ok(s) => s,
@@ -208,6 +215,8 @@ struct Shared {
     app_fd: Option<std::os::fd::RawFd>,
     /// The service's key for sealing exported TLS state.
     seal: Option<std::sync::Arc<capybara_tls::SealKey>>,
+    /// The relay's flags for `CAPYBARA_SIDECAR_DEBUG` (see `debug`).
+    dbg: debug::RelayDbg,
 }
 
 /// Whether the application has sent bytes (or its end) that the relay has
@@ -375,7 +384,9 @@ async fn run_connection(
         mid_record: Default::default(),
         app_fd: None,
         seal: svc.seal.clone(),
+        dbg: Default::default(),
     }));
+    debug::register(svc.listen.port(), peer, client.id(), &sh);
     // Registered before the first byte is read, so that no migration can
     // export state the manager does not know about.
     client.set_manager(Box::new(Manager(sh.clone())));
@@ -499,6 +510,19 @@ impl Relay {
     /// Runs every direction as far as it goes; `Pending` once nothing can
     /// move (with a waker registered on everything that could).
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<End> {
+        let r = self.poll_steps(cx);
+        if debug::enabled() {
+            let mut sh = self.sh.borrow_mut();
+            sh.dbg.requests = self.requests;
+            sh.dbg.client_eof = self.client_eof;
+            sh.dbg.app_eof = self.app_eof;
+            sh.dbg.fatal = self.fatal.is_some();
+            sh.dbg.polls += 1;
+        }
+        r
+    }
+
+    fn poll_steps(&mut self, cx: &mut Context<'_>) -> Poll<End> {
         for _ in 0..32 {
             match self.step(cx) {
                 Ok(true) => continue,

@@ -270,6 +270,25 @@ impl Assembler {
         Ok(())
     }
 
+    /// Empties the list (a pooled connection rebuilt by an import).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Appends `[start, end)` after the last interval, without the search
+    /// and merge of `add` (snapshot import: ranges arrive sorted). Adds
+    /// nothing and returns false unless `start < end`, `start` lies past the
+    /// last interval's end without touching it and there is room.
+    pub fn push_above(&mut self, start: u32, end: u32) -> bool {
+        let above = self.len == 0 || start > self.ranges[self.len - 1].1;
+        if start >= end || !above || self.len == MAX_OOO_RANGES {
+            return false;
+        }
+        self.ranges[self.len] = (start, end);
+        self.len += 1;
+        true
+    }
+
     /// Shifts every interval down by `n` (RCV.NXT advanced by `n`), dropping
     /// what falls below zero.
     pub fn advance(&mut self, n: u32) {
@@ -333,6 +352,20 @@ impl Scoreboard {
     }
     pub fn clear(&mut self) {
         self.len = 0;
+    }
+
+    /// Appends `[l, r)` after the last block, without the search and merge
+    /// of `add` (snapshot import: blocks arrive sorted). Adds nothing and
+    /// returns false unless `l < r`, `l` lies past the last block's end
+    /// without touching it and there is room.
+    pub fn push_above(&mut self, l: SeqNum, r: SeqNum) -> bool {
+        let above = self.len == 0 || l > self.blocks[self.len - 1].1;
+        if l >= r || !above || self.len == MAX_SCOREBOARD {
+            return false;
+        }
+        self.blocks[self.len] = (l, r);
+        self.len += 1;
+        true
     }
 
     /// Records `[l, r)`. Returns true when it added SACKed bytes. When the
@@ -488,5 +521,44 @@ mod tests {
         assert_eq!(s.sacked_in(SeqNum(250), SeqNum(450)), 100);
         s.trim(SeqNum(250));
         assert_eq!(s.blocks()[0], (SeqNum(250), SeqNum(300)));
+    }
+
+    #[test]
+    fn push_above_appends_sorted_ranges_like_add() {
+        let mut a = Assembler::default();
+        let mut b = Assembler::default();
+        b.add(40, 50).unwrap();
+        b.clear();
+        assert!(b.is_empty());
+        for i in 0..MAX_OOO_RANGES as u32 {
+            a.add(10 * i + 1, 10 * i + 2).unwrap();
+            assert!(b.push_above(10 * i + 1, 10 * i + 2));
+        }
+        assert_eq!(a, b);
+        // Full, touching, overlapping, below or empty: refused, unchanged.
+        assert!(!b.push_above(1000, 1001));
+        let mut c = Assembler::default();
+        assert!(c.push_above(5, 10));
+        for (s, e) in [(10, 12), (7, 12), (1, 3), (20, 20), (21, 20)] {
+            assert!(!c.push_above(s, e), "{s}..{e}");
+        }
+        assert_eq!(c.ranges(), &[(5, 10)]);
+
+        let mut x = Scoreboard::default();
+        let mut y = Scoreboard::default();
+        for i in 0..MAX_SCOREBOARD as u32 {
+            let l = SeqNum((u32::MAX - 50).wrapping_add(10 * i));
+            let r = l.add(5);
+            x.add(l, r);
+            assert!(y.push_above(l, r), "{i}: sequence order across the wrap");
+        }
+        assert_eq!(x, y);
+        assert!(!y.push_above(SeqNum(1000), SeqNum(1001)));
+        let mut z = Scoreboard::default();
+        assert!(z.push_above(SeqNum(5), SeqNum(10)));
+        for (l, r) in [(10, 12), (7, 12), (1, 3), (20, 20)] {
+            assert!(!z.push_above(SeqNum(l), SeqNum(r)), "{l}..{r}");
+        }
+        assert_eq!(z.blocks(), &[(SeqNum(5), SeqNum(10))]);
     }
 }

@@ -1794,6 +1794,19 @@ impl Connection {
             self.ack.dup_pending = self.ack.dup_pending.saturating_sub(1);
             return Some(n);
         }
+        // RFC 6298 §5.1: data in flight always has a running retransmission
+        // timer. A connection exported between its RTO firing (timer
+        // stopped, everything in flight marked lost in the loss hints) and
+        // the retransmission that restarts the timer arrives on its target
+        // with neither: the hints are soft state a snapshot does not carry.
+        // With nothing it may send (the whole flight still counts against
+        // cwnd) it waited for an ACK that a client expecting replies never
+        // sends (the sidecar's pipelined RESP stall, issue #8). Restarting
+        // the timer here makes it wait for one RTO at most.
+        if self.timers.retransmit.is_none() && self.snd.max != self.snd.una && self.state.can_send()
+        {
+            self.timers.retransmit = Some(now + self.rtt.rto(&self.params));
+        }
         None
     }
 

@@ -42,4 +42,7 @@ pub struct DropCounters {
     pub unexpected: u64,
     /// RSTs the RST queue had no room for.
     pub rst_queue_full: u64,
+    /// Non-SYN segments for a tuple closed from LAST-ACK moments ago
+    /// (stale duplicates; dropped instead of reset, `endpoint::CLOSED_LINGER`).
+    pub recently_closed: u64,
 }

@@ -46,7 +46,7 @@ use crate::counters::Counters;
 use crate::error::{CloseReason, TcpError};
 use crate::isn::IsnGenerator;
 use crate::seq::SeqNum;
-use crate::snapshot::{self, var_len, Snapshot, SnapshotError};
+use crate::snapshot::{self, SnapshotError};
 use crate::wire::{TcpPacket, TcpRepr};
 
 /// Handle of a connection; never reused within an endpoint.
@@ -132,7 +132,8 @@ pub struct Imported {
 /// Hasher for `ConnId`s and listener ports: ids are sequential numbers this
 /// endpoint hands out and listener ports come from configuration (a peer can
 /// look a port up but never insert one), so a multiplicative hash is safe
-/// and much cheaper than SipHash. Flow keys, which peers choose, keep SipHash.
+/// and much cheaper than SipHash. Flow keys, which peers choose, use the
+/// keyed `FlowHasher` below.
 #[derive(Default)]
 struct IdHasher(u64);
 
@@ -155,6 +156,27 @@ impl Hasher for IdHasher {
 
 type IdMap<V> = HashMap<ConnId, V, BuildHasherDefault<IdHasher>>;
 
+/// Hasher of the flow map, whose keys (client address and port) come from
+/// the network: foldhash (quality variant: one folded multiply of the key
+/// with secrets, one more to finish) keyed with 128 secret bits from the
+/// OS random generator (std's `RandomState`, which reads it once per
+/// thread): a 64-bit seed shared by the process's endpoints and a 64-bit
+/// seed per endpoint. An attacker who cannot read the seeds cannot choose
+/// colliding flow keys offline, as with SipHash; unlike SipHash, foldhash
+/// does not claim to resist an attacker who recovers the seeds by timing
+/// many lookups (its README, "HashDoS resistance"). ~10 instructions per
+/// hash instead of SipHash-1-3's ~100, on every segment and migration.
+type FlowHasher = foldhash::quality::SeedableRandomState;
+
+fn flow_hasher() -> FlowHasher {
+    use std::hash::BuildHasher;
+    static SHARED: std::sync::OnceLock<foldhash::SharedSeed> = std::sync::OnceLock::new();
+    // Each std `RandomState` has fresh secret SipHash keys from the OS.
+    let os_random = || std::collections::hash_map::RandomState::new().hash_one(0x5eed_u64);
+    let shared = SHARED.get_or_init(|| foldhash::SharedSeed::from_u64(os_random()));
+    FlowHasher::with_seed(os_random(), shared)
+}
+
 /// Lookup key: what identifies a connection whatever its IPv4 destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Key {
@@ -163,7 +185,7 @@ struct Key {
     local_port: u16,
 }
 
-/// One 8-byte write: SipHash then runs one block instead of buffering three
+/// One 8-byte write: one folded multiply (`FlowHasher`) instead of three
 /// short writes (the flow map is hashed on every segment and migration).
 impl std::hash::Hash for Key {
     fn hash<H: Hasher>(&self, state: &mut H) {
@@ -224,7 +246,7 @@ pub struct Endpoint {
     isn: IsnGenerator,
     /// Boxed: inserting and removing move a pointer, not the entry.
     conns: IdMap<Box<Entry>>,
-    flows: HashMap<Key, ConnId>,
+    flows: HashMap<Key, ConnId, FlowHasher>,
     listeners: HashMap<u16, Listener, BuildHasherDefault<IdHasher>>,
     accept_queue: VecDeque<ConnId>,
     events: VecDeque<Event>,
@@ -241,6 +263,9 @@ pub struct Endpoint {
     next_port: u16,
     now: Instant,
     counters: Counters,
+    /// Tuples of connections closed from LAST-ACK a moment ago, whose late
+    /// segments are dropped rather than reset (`RecentlyClosed`).
+    closed: RecentlyClosed,
 }
 
 impl Endpoint {
@@ -249,7 +274,7 @@ impl Endpoint {
             isn: IsnGenerator::new(cfg.isn_key),
             cfg,
             conns: IdMap::with_capacity_and_hasher(1024, Default::default()),
-            flows: HashMap::with_capacity(1024),
+            flows: HashMap::with_capacity_and_hasher(1024, flow_hasher()),
             listeners: HashMap::default(),
             accept_queue: VecDeque::with_capacity(256),
             events: VecDeque::with_capacity(1024),
@@ -263,6 +288,7 @@ impl Endpoint {
             next_port: 49152,
             now: Instant::ZERO,
             counters: Counters::default(),
+            closed: RecentlyClosed::default(),
         }
     }
 
@@ -486,6 +512,12 @@ impl Endpoint {
         self.conns.len()
     }
 
+    /// Tuples closed from LAST-ACK whose late segments are still dropped
+    /// instead of reset ([`CLOSED_LINGER`], at most [`CLOSED_LINGER_MAX`]).
+    pub fn recently_closed_count(&self) -> usize {
+        self.closed.len()
+    }
+
     /// Removes a connection without sending anything (migration export):
     /// returns its complete state.
     pub fn detach(&mut self, id: ConnId) -> Option<Connection> {
@@ -516,7 +548,8 @@ impl Endpoint {
         let c = &self.conns.get(&id)?.conn;
         // The application bytes only count by length.
         let n = snapshot::connection_len(c, now, &[]);
-        Some(n - 1 + var_len(app_len as u64) + app_len)
+        // The application state's length field is fixed-width.
+        Some(n + app_len)
     }
 
     /// Migration export: writes the connection's snapshot with `app_state`
@@ -540,7 +573,7 @@ impl Endpoint {
     }
 
     /// `export` appending to a `Vec` (which grows if its capacity is short:
-    /// it reserves a cheap upper bound, ~560 bytes plus queue and
+    /// it reserves a cheap upper bound, 293 bytes plus queue and
     /// application bytes, then appends without a sizing pass).
     pub fn export_to_vec(
         &mut self,
@@ -569,46 +602,54 @@ impl Endpoint {
     /// nothing while the buffer pool has a spare pair (see
     /// `set_spare_buffers`).
     pub fn import(&mut self, now: Instant, bytes: &[u8]) -> Result<Imported, SnapshotError> {
-        // Borrowed out of the `Result`: `?` would move the whole snapshot.
-        let parsed = Snapshot::parse_bytes(bytes);
-        let snap = match &parsed {
-            Ok(snap) => snap,
-            Err(e) => return Err(*e),
-        };
-        snap.check_capacity(self.cfg.tx_buffer, self.cfg.rx_buffer)?;
-        let key = Key {
-            remote_ip: *snap.remote.ip(),
-            remote_port: snap.remote.port(),
-            local_port: snap.local.port(),
-        };
-        // One hash of the flow key for the check and the insertion.
-        let slot = match self.flows.entry(key) {
-            std::collections::hash_map::Entry::Occupied(_) => {
-                return Err(SnapshotError::FlowExists)
-            }
-            std::collections::hash_map::Entry::Vacant(v) => v,
-        };
-        self.now = self.now.max(now);
-        // A pooled entry: the connection is rebuilt in place, over its
-        // predecessor, into that one's queue buffers.
+        // A pooled entry: the snapshot is parsed straight into its
+        // connection (no intermediate `Snapshot`), over its predecessor,
+        // and the queues are copied into that one's buffers. On any error
+        // the entry goes back to the pool and the endpoint is untouched.
         let mut e = match self.spare.pop() {
             Some(e) => e,
             None => blank_entry(&self.cfg),
         };
-        snap.restore_into(now, &self.cfg, &mut e.conn);
-        let port = snap.local.port();
-        e.listener = Some(port);
-        e.stage = Stage::Queued;
-        e.app_closed = false;
-        e.in_ready = false;
-        e.scheduled = None;
-        let app_start = snap.app.as_ptr() as usize - bytes.as_ptr() as usize;
-        let app_state = app_start..app_start + snap.app.len();
+        let app_state = match snapshot::import_into(bytes, now, &self.cfg, &mut e.conn) {
+            Ok(app) => app,
+            Err(err) => {
+                self.recycle(e);
+                return Err(err);
+            }
+        };
+        let key = key_of(&e.conn);
+        // One hash of the flow key for the check and the insertion.
+        let slot = match self.flows.entry(key) {
+            std::collections::hash_map::Entry::Occupied(_) => None,
+            std::collections::hash_map::Entry::Vacant(v) => Some(v),
+        };
+        let Some(slot) = slot else {
+            self.recycle(e);
+            return Err(SnapshotError::FlowExists);
+        };
+        self.now = self.now.max(now);
+        let port = e.conn.local.port();
         let id = ConnId(self.next_id);
         self.next_id += 1;
         slot.insert(id);
+        // What `queue_accepted` + `sync` do for a connection without
+        // events, on the entry at hand instead of three map lookups.
+        e.listener = Some(port);
+        e.stage = Stage::Queued;
+        e.app_closed = false;
+        e.in_ready = true;
+        self.ready.push_back(id);
+        e.scheduled = e.conn.next_deadline();
+        if let Some(t) = e.scheduled {
+            self.timers.push(Reverse((t, id)));
+        }
         self.conns.insert(id, e);
-        self.queue_accepted(id, port);
+        self.accept_queue.push_back(id);
+        self.events.push_back(Event::Accepted(id));
+        if let Some(l) = self.listeners.get_mut(&port) {
+            l.queued += 1;
+        }
+        self.clean_timers();
         Ok(Imported { id, app_state })
     }
 
@@ -700,7 +741,11 @@ impl Endpoint {
                 && !repr.rst
                 && repr.seq > e.conn.rcv.nxt;
             if !reuse {
+                let last_ack = e.conn.state == State::LastAck;
                 e.conn.process(now, &repr, &mut self.counters);
+                if last_ack && e.conn.state == State::Closed {
+                    self.closed.insert(now, key);
+                }
                 self.sync(id);
                 return;
             }
@@ -709,6 +754,17 @@ impl Endpoint {
             self.remove(id);
         }
 
+        if repr.syn {
+            self.closed.forget(&key);
+        } else if self.closed.contains(now, &key) {
+            // A late segment of a connection this endpoint closed from
+            // LAST-ACK: its peer closed too (it acknowledged our FIN) and
+            // is in TIME-WAIT; a stale duplicate still queued (e.g. the
+            // duplicate ACKs a late retransmission drew) is dropped, not
+            // answered with a RST the peer would count as an abort.
+            self.counters.drops.recently_closed += 1;
+            return;
+        }
         if repr.rst {
             // Never answer a RST (RFC 9293 §3.10.7.1).
             self.counters.drops.unexpected += 1;
@@ -998,8 +1054,74 @@ impl Endpoint {
     }
 }
 
+/// How long non-SYN segments of a tuple closed from LAST-ACK are dropped
+/// silently instead of answered with a RST. The peer acknowledged our FIN,
+/// so it has closed and waits in TIME-WAIT (60 s on Linux): whatever it
+/// sent before that ACK and reaches us after it is a stale duplicate.
+/// Dropping them costs the peer nothing; a RST would make it report an
+/// error it never had. A SYN (a new connection on the tuple) is unaffected.
+pub const CLOSED_LINGER: capybara_proto::time::Duration =
+    capybara_proto::time::Duration::from_secs(2);
+/// Tuples remembered at most; beyond, the oldest is forgotten early.
+pub const CLOSED_LINGER_MAX: usize = 4096;
+
+/// Tuples closed from LAST-ACK less than [`CLOSED_LINGER`] ago: a map to
+/// each tuple's expiry plus the expiries in closing order. Bounded by
+/// [`CLOSED_LINGER_MAX`]; sized on the first close (the map at twice the
+/// bound, so its tombstones are rehashed in place), then nothing allocates.
+/// Looked up only for segments that match no connection.
+#[derive(Debug, Default)]
+struct RecentlyClosed {
+    until: HashMap<Key, Instant>,
+    order: VecDeque<(Instant, Key)>,
+}
+
+impl RecentlyClosed {
+    /// Forgets expired tuples, and the oldest ones beyond the bound.
+    fn expire(&mut self, now: Instant) {
+        while let Some(&(t, k)) = self.order.front() {
+            if t > now && self.order.len() < CLOSED_LINGER_MAX {
+                break;
+            }
+            self.order.pop_front();
+            if self.until.get(&k) == Some(&t) {
+                self.until.remove(&k);
+            }
+        }
+    }
+
+    fn insert(&mut self, now: Instant, key: Key) {
+        if self.order.capacity() == 0 {
+            self.until.reserve(2 * CLOSED_LINGER_MAX);
+            self.order.reserve(CLOSED_LINGER_MAX);
+        }
+        self.expire(now);
+        let t = now + CLOSED_LINGER;
+        self.until.insert(key, t);
+        self.order.push_back((t, key));
+    }
+
+    fn contains(&mut self, now: Instant, key: &Key) -> bool {
+        if self.until.is_empty() {
+            return false;
+        }
+        self.expire(now);
+        self.until.contains_key(key)
+    }
+
+    fn forget(&mut self, key: &Key) {
+        if !self.until.is_empty() {
+            self.until.remove(key);
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.until.len()
+    }
+}
+
 /// A pool entry: a placeholder connection with queue buffers of `cfg`'s
-/// capacities (`Snapshot::restore_into` overwrites every field).
+/// capacities (an import, `snapshot::import_into`, overwrites every field).
 fn blank_entry(cfg: &TcpConfig) -> Box<Entry> {
     let any = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0);
     Box::new(Entry {
@@ -1053,5 +1175,58 @@ fn load_of(id: ConnId, e: &Entry) -> ConnLoad {
         recv_queue: c.rx.len(),
         send_queue: c.tx.len(),
         owned: e.stage == Stage::Owned && !e.app_closed,
+    }
+}
+
+#[cfg(test)]
+mod recently_closed_tests {
+    use super::*;
+
+    fn key(i: u32) -> Key {
+        Key {
+            remote_ip: Ipv4Addr::from(0x0a00_0000 + (i >> 16)),
+            remote_port: i as u16,
+            local_port: 80,
+        }
+    }
+
+    #[test]
+    fn tuples_expire_and_stay_bounded_without_growing() {
+        let mut c = RecentlyClosed::default();
+        let t0 = Instant::from_millis(1000);
+        assert!(!c.contains(t0, &key(1)), "empty: nothing allocated");
+        assert_eq!(c.order.capacity(), 0);
+        c.insert(t0, key(1));
+        let caps = (c.until.capacity(), c.order.capacity());
+        assert!(c.contains(t0 + CLOSED_LINGER / 2, &key(1)));
+        assert!(!c.contains(t0, &key(2)));
+        assert!(!c.contains(t0 + CLOSED_LINGER, &key(1)), "expired");
+        assert_eq!(c.len(), 0);
+        // Forgotten on a new SYN; a re-closed tuple gets a fresh expiry.
+        c.insert(t0, key(3));
+        c.forget(&key(3));
+        assert!(!c.contains(t0, &key(3)));
+        c.insert(t0, key(4));
+        c.insert(t0 + CLOSED_LINGER / 2, key(4));
+        assert!(
+            c.contains(t0 + CLOSED_LINGER, &key(4)),
+            "the later close counts"
+        );
+        // A burst of closes well beyond the bound, repeated: the oldest go
+        // first, and the tables never grow past their first sizing.
+        let mut now = t0;
+        for round in 0..4u32 {
+            for i in 0..(3 * CLOSED_LINGER_MAX as u32) {
+                c.insert(now, key(round * 100_000 + i));
+                assert!(c.len() <= CLOSED_LINGER_MAX && c.order.len() <= CLOSED_LINGER_MAX);
+            }
+            now += capybara_proto::time::Duration::from_millis(1);
+            // (The map's capacity() dips while tombstones wait for an
+            // in-place rehash; a reallocation would double it.)
+            assert!(c.until.capacity() <= caps.0 && c.order.capacity() == caps.1);
+        }
+        let last = 3 * 100_000 + 3 * CLOSED_LINGER_MAX as u32 - 1;
+        assert!(c.contains(now, &key(last)));
+        assert!(!c.contains(now, &key(3 * 100_000)), "oldest forgotten");
     }
 }

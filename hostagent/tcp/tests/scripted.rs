@@ -564,3 +564,58 @@ fn sack_blocks_that_do_not_fit_are_rotated_so_each_keeps_being_reported() {
         .collect();
     assert_eq!(seen, all, "every older block reported again");
 }
+
+#[test]
+fn late_segments_of_a_connection_closed_from_last_ack_are_dropped_not_reset() {
+    let (mut s, id) = socket_established(TcpConfig {
+        timestamps: false,
+        ..TcpConfig::default()
+    });
+    let base = PEER_ISS + 1;
+    // The peer closes first; the server closes too and waits in LAST-ACK.
+    send!(s, time 20, seq base, ack Some(s.srv_iss + 1), fin; &[]);
+    recv!(s, time 20);
+    assert_eq!(s.ep.recv(id, &mut [0u8; 4]), Ok(0));
+    s.ep.close(id).unwrap();
+    let f = recv!(s, time 21);
+    assert!(f.fin);
+    assert_eq!(s.ep.recently_closed_count(), 0);
+    send!(s, time 30, seq base + 1, ack Some(s.srv_iss + 2), ; &[]);
+    assert_eq!(s.ep.connection_count(), 0, "LAST-ACK -> CLOSED");
+    assert_eq!(s.ep.recently_closed_count(), 1);
+    // Stale duplicates of the peer's earlier segments, still queued: no RST.
+    send!(s, time 31, seq base, ack Some(s.srv_iss + 1), ; &[]);
+    send!(s, time 500, seq base + 1, ack Some(s.srv_iss + 2), ; &[]);
+    recv_nothing!(s, time 500);
+    assert_eq!(s.ep.counters().drops.recently_closed, 2);
+    assert_eq!(s.ep.counters().resets_sent, 0);
+    // After the linger the ordinary rule applies again.
+    let after = 30 + capybara_tcp::endpoint::CLOSED_LINGER.as_millis() as u64;
+    send!(s, time after, seq base + 1, ack Some(s.srv_iss + 2), ; &[]);
+    let r = recv!(s, time after);
+    assert!(r.rst && r.seq == s.srv_iss + 2);
+    assert_eq!(s.ep.recently_closed_count(), 0);
+}
+
+#[test]
+fn a_new_syn_on_a_recently_closed_tuple_is_a_new_connection() {
+    let (mut s, id) = socket_established(TcpConfig {
+        timestamps: false,
+        ..TcpConfig::default()
+    });
+    let base = PEER_ISS + 1;
+    send!(s, time 20, seq base, ack Some(s.srv_iss + 1), fin; &[]);
+    recv!(s, time 20);
+    s.ep.close(id).unwrap();
+    recv!(s, time 21);
+    send!(s, time 30, seq base + 1, ack Some(s.srv_iss + 2), ; &[]);
+    assert_eq!(s.ep.recently_closed_count(), 1);
+    send!(s, time 40, seq base + 100_000, ack None::<u32>, syn; &[]);
+    let synack = recv!(s, time 40);
+    assert!(synack.syn && synack.ack == Some(base + 100_001));
+    assert_eq!(s.ep.recently_closed_count(), 0, "forgotten by the SYN");
+    send!(s, time 50, seq base + 100_001, ack Some(synack.seq + 1), ; &[]);
+    assert!(s.ep.accept().is_some(), "established");
+    assert_eq!(s.ep.connection_count(), 1);
+    assert_eq!(s.ep.counters().resets_sent, 0);
+}

@@ -23,7 +23,27 @@
 //!   `Importing`; `by_flow_out` the origin records not yet `Done`;
 //! - queues never grow past their pre-sized capacity.
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+
+/// Hasher of the engine's tables. Flow keys come from the network (and
+/// migration ids from peers): foldhash keyed with secret bits from the OS
+/// random generator (std's `RandomState` reads it), as the TCP endpoint's
+/// flow map does (`capybara_tcp::endpoint`, which explains the trade-off
+/// against SipHash); a migration does some 15 lookups here, each ~10
+/// instructions instead of SipHash-1-3's ~100.
+pub type Hasher = foldhash::quality::SeedableRandomState;
+/// A `HashMap` with the engine's keyed hasher (also used by the glue).
+pub type Map<K, V> = HashMap<K, V, Hasher>;
+
+/// An empty [`Map`] with room for `capacity` entries and fresh keys.
+pub fn map<K, V>(capacity: usize) -> Map<K, V> {
+    use std::hash::BuildHasher;
+    static SHARED: std::sync::OnceLock<foldhash::SharedSeed> = std::sync::OnceLock::new();
+    let os_random = || std::collections::hash_map::RandomState::new().hash_one(0x7c9_u64);
+    let shared = SHARED.get_or_init(|| foldhash::SharedSeed::from_u64(os_random()));
+    HashMap::with_capacity_and_hasher(capacity, Hasher::with_seed(os_random(), shared))
+}
 use std::net::Ipv4Addr;
 
 use capybara_proto::frag::{max_fragment_payload, split_chunks, Progress, Reassembly};
@@ -212,6 +232,9 @@ struct OutMig {
     cursor: u16,
     seq: u32,
     queued: u8,
+    /// The time of this record's live entry in `Engine::timers` (`None`:
+    /// no live entry).
+    armed: Option<Instant>,
     tel: Telemetry,
 }
 
@@ -235,6 +258,8 @@ struct InMig {
     last_answer: Option<Instant>,
     seq: u32,
     queued: u8,
+    /// The time of this record's live entry in `Engine::timers`.
+    armed: Option<Instant>,
     tel: Telemetry,
 }
 
@@ -320,27 +345,36 @@ pub struct Engine {
     next_seq: u32,
     draining: bool,
     hook: Option<AcceptHook>,
-    records: HashMap<u64, Record>,
-    by_flow_out: HashMap<FlowKey, u64>,
-    by_flow_in: HashMap<FlowKey, u64>,
+    records: Map<u64, Record>,
+    by_flow_out: Map<FlowKey, u64>,
+    by_flow_in: Map<FlowKey, u64>,
     /// Ownership epoch of flows this host received by migration (the id of
     /// that migration); absent = placement (epoch 0). Bounded by
     /// `max_epochs`, pre-sized: inserting never allocates.
-    epochs: HashMap<FlowKey, u64>,
+    epochs: Map<FlowKey, u64>,
     tx: VecDeque<TxItem>,
     events: VecDeque<Event>,
     pool: Vec<InBuffers>,
     counters: Counters,
-    /// `poll_timeout`'s last answer; `None`: recompute. Cleared by every
-    /// path that may change a record's timers (`ctx_parts`,
-    /// `handle_message`, `poll_transmit`): without it the driver scanned
-    /// every record (thousands lingering at 500 migrations/s) several times
-    /// per poll iteration, half of a hostagent's CPU in `make bench-migration`.
-    timer_cache: std::cell::Cell<Option<Option<Instant>>>,
+    /// Timer heap with lazy deletion: `(due, id)`, earliest first. A
+    /// record's live entry is the one whose time equals its `armed`; every
+    /// other entry of it is stale and skipped. Every public call that may
+    /// change a record's timers re-arms that record (`rearm`) and then pops
+    /// stale entries off the top, so `poll_timeout` is a peek. Scanning
+    /// every record instead (thousands lingering at 500 migrations/s, several
+    /// times per poll iteration) was half of a hostagent's CPU in
+    /// `make bench-migration`. Pre-sized to `timer_cap`; when full it is
+    /// rebuilt from the records' live entries (never grows).
+    timers: BinaryHeap<Reverse<(Instant, u64)>>,
+    timer_cap: usize,
+    /// Ids whose entries `handle_timeout` popped (pre-sized like `timers`).
+    due: Vec<u64>,
+    /// Times the heap was full and rebuilt from the live entries.
+    timer_rebuilds: u64,
 }
 
 /// Expiry of finished records (`linger`) is rounded up to this grain in
-/// `poll_timeout`, so that they expire in batches (one `handle_timeout`
+/// the timer heap, so that they expire in batches (one `handle_timeout`
 /// scan) instead of one wake-up each.
 const EXPIRY_GRAIN_US: u64 = 100_000;
 
@@ -362,9 +396,9 @@ struct Ctx<'a> {
     events: &'a mut VecDeque<Event>,
     counters: &'a mut Counters,
     pool: &'a mut Vec<InBuffers>,
-    by_flow_in: &'a mut HashMap<FlowKey, u64>,
-    by_flow_out: &'a mut HashMap<FlowKey, u64>,
-    epochs: &'a mut HashMap<FlowKey, u64>,
+    by_flow_in: &'a mut Map<FlowKey, u64>,
+    by_flow_out: &'a mut Map<FlowKey, u64>,
+    epochs: &'a mut Map<FlowKey, u64>,
 }
 
 impl Ctx<'_> {
@@ -457,20 +491,26 @@ impl Engine {
         cfg.validate()?;
         let chunk = max_fragment_payload(cfg.path_mtu);
         let table = (cfg.max_concurrent_in + cfg.max_concurrent_out).min(cfg.max_records);
+        // Live entries: one per record (at most `max_records` plus the
+        // targets admitted past it); the rest of the room is for stale ones.
+        let timer_cap = 2 * (cfg.max_records + cfg.max_concurrent_in) + 64;
         Ok(Engine {
             chunk,
             next_seq: cfg.first_migration_seq,
             draining: false,
             hook: None,
-            records: HashMap::with_capacity(table),
-            by_flow_out: HashMap::with_capacity(cfg.max_concurrent_out),
-            by_flow_in: HashMap::with_capacity(cfg.max_concurrent_in),
-            epochs: HashMap::with_capacity(cfg.max_epochs),
+            records: map(table),
+            by_flow_out: map(cfg.max_concurrent_out),
+            by_flow_in: map(cfg.max_concurrent_in),
+            epochs: map(cfg.max_epochs),
             tx: VecDeque::with_capacity(cfg.max_tx_queue),
             events: VecDeque::with_capacity(table * 2),
             pool: Vec::with_capacity(cfg.max_concurrent_in),
             counters: Counters::default(),
-            timer_cache: std::cell::Cell::new(None),
+            timers: BinaryHeap::with_capacity(timer_cap),
+            timer_cap,
+            due: Vec::with_capacity(timer_cap),
+            timer_rebuilds: 0,
             key,
             cfg,
         })
@@ -590,6 +630,7 @@ impl Engine {
             cursor: 0,
             seq: 0,
             queued: 0,
+            armed: None,
             tel: Telemetry {
                 started: Some(now),
                 ..Telemetry::default()
@@ -600,6 +641,7 @@ impl Engine {
         cx.queue(item, Some(&mut r.queued));
         self.by_flow_out.insert(flow, id);
         self.records.insert(id, Record::Out(r));
+        self.rearm(id);
         Ok(MigrationId(id))
     }
 
@@ -608,6 +650,17 @@ impl Engine {
     /// acknowledges the import. On error the migration is abandoned and a
     /// `Resumed` event follows.
     pub fn provide_snapshot(
+        &mut self,
+        now: Instant,
+        id: MigrationId,
+        snapshot: Vec<u8>,
+    ) -> Result<(), MigError> {
+        let res = self.provide_snapshot_inner(now, id, snapshot);
+        self.rearm(id.0);
+        res
+    }
+
+    fn provide_snapshot_inner(
         &mut self,
         now: Instant,
         id: MigrationId,
@@ -676,6 +729,12 @@ impl Engine {
     /// any state was sent the connection resumes at once (`Resumed`);
     /// afterwards the outcome is asked from the target like at the deadline.
     pub fn abort_out(&mut self, now: Instant, id: MigrationId) -> Result<(), MigError> {
+        let res = self.abort_out_inner(now, id);
+        self.rearm(id.0);
+        res
+    }
+
+    fn abort_out_inner(&mut self, now: Instant, id: MigrationId) -> Result<(), MigError> {
         let (records, mut cx) = self.ctx_parts();
         let r = match records.get_mut(&id.0) {
             Some(Record::Out(r)) => r,
@@ -764,6 +823,17 @@ impl Engine {
         &mut self,
         now: Instant,
         id: MigrationId,
+        replay: impl FnMut(&[u8]),
+    ) -> Result<ReplaySummary, MigError> {
+        let res = self.import_done_inner(now, id, replay);
+        self.rearm(id.0);
+        res
+    }
+
+    fn import_done_inner(
+        &mut self,
+        now: Instant,
+        id: MigrationId,
         mut replay: impl FnMut(&[u8]),
     ) -> Result<ReplaySummary, MigError> {
         let (records, mut cx) = self.ctx_parts();
@@ -810,6 +880,12 @@ impl Engine {
     /// the origin (which still holds its copy) keeps the connection: an
     /// ABORT naming the origin as owner is sent.
     pub fn import_failed(&mut self, now: Instant, id: MigrationId) -> Result<(), MigError> {
+        let res = self.import_failed_inner(now, id);
+        self.rearm(id.0);
+        res
+    }
+
+    fn import_failed_inner(&mut self, now: Instant, id: MigrationId) -> Result<(), MigError> {
         let (records, mut cx) = self.ctx_parts();
         let r = target_record(records, id, TargetPhase::Importing)?;
         target_abort(id.0, r, &mut cx, now, Reason::ImportFailed, true);
@@ -829,7 +905,23 @@ impl Engine {
         src: Ipv4Addr,
         datagram: &[u8],
     ) -> Result<(), RxError> {
-        *self.timer_cache.get_mut() = None;
+        let res = self.handle_message_inner(now, src, datagram);
+        // The only record a message can touch is the one it names (a
+        // message that did not parse touched none: re-arming is a no-op).
+        if let Some(id) = datagram.get(capybara_proto::tcpmig::field::MIGRATION_ID) {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(id);
+            self.rearm(u64::from_be_bytes(b));
+        }
+        res
+    }
+
+    fn handle_message_inner(
+        &mut self,
+        now: Instant,
+        src: Ipv4Addr,
+        datagram: &[u8],
+    ) -> Result<(), RxError> {
         let m = match TcpMigRepr::parse_verified(datagram, &self.key) {
             Ok(m) => m,
             Err(e) => {
@@ -890,7 +982,6 @@ impl Engine {
         let local = self.cfg.local_addr;
         loop {
             let item = *self.tx.front()?;
-            *self.timer_cache.get_mut() = None;
             let rec = self.records.get_mut(&item.id);
             if item.kind == Kind::ConnState {
                 let Some(Record::Out(r)) = rec else {
@@ -928,7 +1019,8 @@ impl Engine {
                     continue;
                 };
                 r.cursor += 1;
-                if r.cursor >= r.frag_count {
+                let burst_done = r.cursor >= r.frag_count;
+                if burst_done {
                     self.tx.pop_front();
                     r.queued &= !kind_bit(Kind::ConnState);
                     if r.tel.state_sent.is_none() {
@@ -943,6 +1035,10 @@ impl Engine {
                 }
                 r.tel.wire_bytes_sent += n as u64;
                 self.counters.tx.bump(Kind::ConnState);
+                if burst_done {
+                    // The retransmission timer moved.
+                    self.rearm(item.id);
+                }
                 return Some(Transmit {
                     dst: item.dst,
                     len: n,
@@ -1027,60 +1123,145 @@ impl Engine {
         self.events.pop_front()
     }
 
-    /// Earliest time `handle_timeout` has work. Scans the records (bounded
-    /// by `max_records`).
+    /// Earliest time `handle_timeout` has work: the top of the timer
+    /// heap (whose top entry is always live, see `Engine::timers`).
     pub fn poll_timeout(&self) -> Option<Instant> {
-        if let Some(t) = self.timer_cache.get() {
-            return t;
-        }
-        // A finished record only waits to expire: later is harmless.
-        let expiry = |d: Instant| {
-            Instant::from_micros(d.as_micros().div_ceil(EXPIRY_GRAIN_US) * EXPIRY_GRAIN_US)
-        };
-        let mut t: Option<Instant> = None;
-        let mut upd = |x: Option<Instant>| {
-            if let Some(x) = x {
-                t = Some(t.map_or(x, |t| t.min(x)));
-            }
-        };
-        for rec in self.records.values() {
-            match rec {
-                Record::Out(r) => {
-                    upd(r.retx_at);
-                    upd(Some(if r.phase == OriginPhase::Done {
-                        expiry(r.deadline)
-                    } else {
-                        r.deadline
-                    }));
-                }
-                Record::In(r) => {
-                    upd(r.retx_at);
-                    upd(match r.phase {
-                        TargetPhase::Buffering | TargetPhase::Importing => r.deadline,
-                        _ => r.deadline.map(expiry),
-                    });
-                }
-            }
-        }
-        self.timer_cache.set(Some(t));
-        t
+        self.timers.peek().map(|Reverse((t, _))| *t)
     }
 
     /// Runs every timer due at `now`: retransmissions, deadlines, expiry.
+    /// Each record due runs its timers once per call, as a scan would.
     pub fn handle_timeout(&mut self, now: Instant) {
-        let (records, mut cx) = self.ctx_parts();
-        records.retain(|&id, rec| match rec {
-            Record::Out(r) => origin_timer(id, r, &mut cx, now),
-            Record::In(r) => target_timer(id, r, &mut cx, now),
-        });
+        let mut due = std::mem::take(&mut self.due);
+        due.clear();
+        while let Some(&Reverse((t, id))) = self.timers.peek() {
+            if t > now || due.len() == due.capacity() {
+                break;
+            }
+            self.timers.pop();
+            if self.armed(id) == Some(t) {
+                due.push(id);
+            }
+        }
+        for &id in &due {
+            let (records, mut cx) = self.ctx_parts();
+            let keep = match records.get_mut(&id) {
+                Some(Record::Out(r)) => {
+                    r.armed = None;
+                    origin_timer(id, r, &mut cx, now)
+                }
+                Some(Record::In(r)) => {
+                    r.armed = None;
+                    target_timer(id, r, &mut cx, now)
+                }
+                None => continue,
+            };
+            if keep {
+                self.rearm(id);
+            } else {
+                self.records.remove(&id);
+            }
+        }
+        self.due = due;
+        self.drop_stale_top();
+    }
+
+    /// When the record `id` next has timer work (`None`: never, or no such
+    /// record). A finished record only waits to expire: its expiry is
+    /// rounded up to `EXPIRY_GRAIN_US` (later is harmless), so that records
+    /// expire in batches instead of one wake-up each.
+    fn due_of(&self, id: u64) -> Option<Instant> {
+        let expiry = |d: Instant| {
+            Instant::from_micros(d.as_micros().div_ceil(EXPIRY_GRAIN_US) * EXPIRY_GRAIN_US)
+        };
+        let min = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        match self.records.get(&id)? {
+            Record::Out(r) => min(
+                r.retx_at,
+                Some(if r.phase == OriginPhase::Done {
+                    expiry(r.deadline)
+                } else {
+                    r.deadline
+                }),
+            ),
+            Record::In(r) => min(
+                r.retx_at,
+                match r.phase {
+                    TargetPhase::Buffering | TargetPhase::Importing => r.deadline,
+                    _ => r.deadline.map(expiry),
+                },
+            ),
+        }
+    }
+
+    fn armed(&self, id: u64) -> Option<Instant> {
+        match self.records.get(&id)? {
+            Record::Out(r) => r.armed,
+            Record::In(r) => r.armed,
+        }
+    }
+
+    /// Puts the record `id`'s timer in the heap if it changed (the old entry
+    /// becomes stale), then drops stale entries off the top.
+    fn rearm(&mut self, id: u64) {
+        let due = self.due_of(id);
+        let slot = match self.records.get_mut(&id) {
+            Some(Record::Out(r)) => &mut r.armed,
+            Some(Record::In(r)) => &mut r.armed,
+            None => {
+                self.drop_stale_top();
+                return;
+            }
+        };
+        if *slot != due {
+            *slot = due;
+            if let Some(t) = due {
+                if self.timers.len() >= self.timer_cap {
+                    self.rebuild_timers();
+                } else {
+                    self.timers.push(Reverse((t, id)));
+                }
+            }
+        }
+        self.drop_stale_top();
+    }
+
+    /// Pops entries off the top of the heap until the top is live.
+    fn drop_stale_top(&mut self) {
+        while let Some(&Reverse((t, id))) = self.timers.peek() {
+            if self.armed(id) == Some(t) {
+                break;
+            }
+            self.timers.pop();
+        }
+    }
+
+    /// The heap is full of stale entries: keep only the live ones (one per
+    /// record, and records are fewer than half the capacity).
+    fn rebuild_timers(&mut self) {
+        self.timer_rebuilds += 1;
+        let mut heap = std::mem::take(&mut self.timers).into_vec();
+        heap.clear();
+        for (&id, rec) in &self.records {
+            let armed = match rec {
+                Record::Out(r) => r.armed,
+                Record::In(r) => r.armed,
+            };
+            if let Some(t) = armed {
+                heap.push(Reverse((t, id)));
+            }
+        }
+        self.timers = BinaryHeap::from(heap);
     }
 
     // ------------------------------------------------------------------
     // Receive handlers
     // ------------------------------------------------------------------
 
-    fn ctx_parts(&mut self) -> (&mut HashMap<u64, Record>, Ctx<'_>) {
-        *self.timer_cache.get_mut() = None;
+    fn ctx_parts(&mut self) -> (&mut Map<u64, Record>, Ctx<'_>) {
         (
             &mut self.records,
             Ctx {
@@ -1160,6 +1341,7 @@ impl Engine {
             last_answer: None,
             seq: 0,
             queued: 0,
+            armed: None,
             tel: Telemetry {
                 started: Some(now),
                 prepare_received: Some(now),
@@ -1626,7 +1808,7 @@ impl Engine {
 }
 
 fn target_record(
-    records: &mut HashMap<u64, Record>,
+    records: &mut Map<u64, Record>,
     id: MigrationId,
     want: TargetPhase,
 ) -> Result<&mut InMig, MigError> {
@@ -1868,4 +2050,82 @@ fn target_timer(id: u64, r: &mut InMig, cx: &mut Ctx<'_>, now: Instant) -> bool 
         }
     }
     true
+}
+
+#[cfg(test)]
+mod timer_tests {
+    use super::*;
+
+    /// The timer heap against a scan: after every call, `poll_timeout` is
+    /// the earliest timer of any record (never a stale, earlier one), the
+    /// heap stays within its capacity (it is rebuilt, never grown), and
+    /// records still expire.
+    #[test]
+    fn heap_matches_a_scan_and_stays_bounded() {
+        let local = Ipv4Addr::new(10, 0, 0, 1);
+        let mut cfg = EngineConfig::new(local, Ipv4Addr::new(10, 0, 0, 254));
+        cfg.max_concurrent_in = 2;
+        cfg.max_concurrent_out = 8;
+        cfg.max_records = 16;
+        let mut e = Engine::new(cfg, MigrationKey::from_bytes(&[9; 32]).unwrap()).unwrap();
+        let cap = e.timer_cap;
+        let flow = |i: u16| FlowKey {
+            client_ip: Ipv4Addr::new(10, 1, 0, 9),
+            client_port: 40_000 + i,
+            service_ip: Ipv4Addr::new(10, 9, 0, 1),
+            service_port: 80,
+        };
+        let scan = |e: &Engine| e.records.keys().filter_map(|&id| e.due_of(id)).min();
+        let mut buf = vec![0u8; 1500];
+        let mut now = Instant::from_micros(1_000_000);
+        for i in 0..20_000u32 {
+            now = now + Duration::from_micros(u64::from(i % 5) * 37 + 1);
+            let f = flow((i % 11) as u16);
+            if let Ok(id) = e.migrate_out(now, f, None) {
+                if i % 2 == 0 {
+                    now = now + Duration::from_micros(3);
+                    let _ = e.abort_out(now, id);
+                }
+            }
+            while e.poll_transmit(now, &mut buf).is_some() {}
+            if i % 7 == 0 {
+                if let Some(t) = e.poll_timeout() {
+                    now = now.max(t);
+                    e.handle_timeout(now);
+                }
+            }
+            while e.poll_event().is_some() {}
+            assert_eq!(e.poll_timeout(), scan(&e), "step {i}");
+            assert!(e.timers.len() <= cap, "heap grew past {cap}");
+        }
+        // Everything expires: the heap empties with the records.
+        for _ in 0..10_000 {
+            match e.poll_timeout() {
+                Some(t) => {
+                    now = now.max(t);
+                    e.handle_timeout(now);
+                    while e.poll_transmit(now, &mut buf).is_some() {}
+                    while e.poll_event().is_some() {}
+                }
+                None => break,
+            }
+        }
+        assert_eq!(e.records(), 0);
+        assert!(e.timers.is_empty());
+
+        // Stale entries below a live top pile up until the heap is full:
+        // it is rebuilt from the live entries, never grown.
+        let a = e.migrate_out(now, flow(1), None).unwrap().0;
+        let b = e.migrate_out(now, flow(2), None).unwrap().0;
+        for k in 0..(3 * cap as u64) {
+            if let Some(Record::Out(r)) = e.records.get_mut(&b) {
+                r.retx_at = Some(now + Duration::from_millis(2) + Duration::from_micros(k));
+            }
+            e.rearm(b);
+            assert!(e.timers.len() <= cap);
+            assert_eq!(e.poll_timeout(), scan(&e));
+        }
+        assert!(e.timer_rebuilds > 0, "the rebuild path was not exercised");
+        assert_eq!(e.armed(a), e.poll_timeout());
+    }
 }

@@ -38,6 +38,7 @@ pub use capybara_proto::time::{Duration, Instant};
 pub use capybara_proto::{FlowKey, MigrationKey};
 pub use config::{BufferMode, ConfigError, EngineConfig};
 pub use counters::{Counters, PerKind};
+pub use engine::{map, Hasher as MapHasher, Map};
 pub use engine::{
     AcceptHook, BufferVerdict, DropCause, Engine, Event, OriginPhase, Phase, ReplaySummary,
     TargetPhase, Transmit,
