@@ -417,12 +417,7 @@ fn back_and_forth_every_millisecond_multi_mib() {
         latency: Duration::from_micros(100),
         ..LinkConfig::default()
     };
-    let net = Net {
-        client_up: link,
-        client_down: link,
-        server_up: link,
-        server_down: link,
-    };
+    let net = Net::every_way(link);
     for app in [
         App::Echo,
         App::Source {

@@ -37,12 +37,7 @@ fn host_cpu_per_migration_warm() {
         latency: Duration::from_micros(100),
         ..LinkConfig::default()
     };
-    let net = Net {
-        client_up: link,
-        client_down: link,
-        server_up: link,
-        server_down: link,
-    };
+    let net = Net::every_way(link);
     let setup = Setup {
         seed: 5,
         app: App::Echo,

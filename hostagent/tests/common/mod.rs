@@ -1147,8 +1147,8 @@ pub struct Net {
 }
 
 impl Net {
-    pub fn clean() -> Net {
-        let l = LinkConfig::default();
+    /// The same link in every direction.
+    pub fn every_way(l: LinkConfig) -> Net {
         Net {
             client_up: l,
             client_down: l,
@@ -1156,19 +1156,16 @@ impl Net {
             server_down: l,
         }
     }
+    pub fn clean() -> Net {
+        Net::every_way(LinkConfig::default())
+    }
     /// The same TCP and TCPMig faults on every link direction.
     pub fn faulty(tcp: Faults, tcpmig: Faults) -> Net {
-        let l = LinkConfig {
+        Net::every_way(LinkConfig {
             tcp,
             tcpmig,
             ..LinkConfig::default()
-        };
-        Net {
-            client_up: l,
-            client_down: l,
-            server_up: l,
-            server_down: l,
-        }
+        })
     }
 }
 
