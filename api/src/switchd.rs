@@ -1024,13 +1024,11 @@ mod tests {
         assert_eq!(log.by_outcome["succeeded"], 2);
     }
 
-    #[test]
-    fn a_requested_migration_is_completed_by_its_report() {
-        let mut log = MigrationLog::new();
-        let conn = "198.18.0.11:40000-198.18.100.1:80".to_string();
-        let mut requested = MigrationView {
+    /// The entry the API logs for `POST .../migrate` from server 1.
+    fn manual_request() -> MigrationView {
+        MigrationView {
             id: 0,
-            connection: conn,
+            connection: "198.18.0.11:40000-198.18.100.1:80".to_string(),
             origin: 1,
             target: None,
             outcome: "in_progress",
@@ -1039,7 +1037,13 @@ mod tests {
             started_unix_ms: 9990,
             finished_unix_ms: None,
             phases: MigrationPhases::default(),
-        };
+        }
+    }
+
+    #[test]
+    fn a_requested_migration_is_completed_by_its_report() {
+        let mut log = MigrationLog::new();
+        let mut requested = manual_request();
         // Logged before the request is sent, so a report that comes back
         // before the API answers still completes this entry.
         log.begin_request(&mut requested);
@@ -1074,18 +1078,7 @@ mod tests {
     #[test]
     fn a_requested_migration_that_did_not_start_is_rejected_with_why() {
         let mut log = MigrationLog::new();
-        let mut requested = MigrationView {
-            id: 0,
-            connection: "198.18.0.11:40000-198.18.100.1:80".to_string(),
-            origin: 1,
-            target: None,
-            outcome: "in_progress",
-            trigger: "manual",
-            reason: None,
-            started_unix_ms: 9990,
-            finished_unix_ms: None,
-            phases: MigrationPhases::default(),
-        };
+        let mut requested = manual_request();
         log.begin_request(&mut requested);
         // What switchd serves for a NOT_STARTED report (no phases).
         let report = report_json(1, 0xc612_020b_0000_0000, "origin", "not_started", "manual")

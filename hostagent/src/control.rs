@@ -147,7 +147,7 @@ pub async fn run(
                     ControlBody::Migrate(m) => {
                         let failed = stack.with(|i| {
                             let now = i.clock.now();
-                            start_migration(i.transports.mig.as_mut(), now, m.flow, m.target, data_addr)
+                            start_migration(i.transports.mig.as_mut(), now, m.flow, m.target)
                         });
                         if let Some((why, e)) = failed {
                             eprintln!("hostagent: migrate {}: {e}", m.flow);
@@ -225,7 +225,6 @@ fn start_migration(
     now: capybara_proto::time::Instant,
     flow: FlowKey,
     target: Option<Ipv4Addr>,
-    local: Ipv4Addr,
 ) -> Option<(Option<StartFailure>, String)> {
     let Some(m) = mig else {
         return Some((
@@ -236,37 +235,7 @@ fn start_migration(
     let e = m
         .migrate_as(now, flow, target, MigrationTrigger::Manual)
         .err()?;
-    Some((start_failure(m, &flow, target, local, &e), e))
-}
-
-/// Why [`Migrator::migrate_as`] just refused `flow` with `err` (nothing ran
-/// in between, so the checks see what it saw, in its order: served here,
-/// its connection manager, then the engine). `None`: not refused for good
-/// (the manager has not reached a safe point; the migration starts when it
-/// does).
-fn start_failure(
-    m: &Migrator,
-    flow: &FlowKey,
-    target: Option<Ipv4Addr>,
-    local: Ipv4Addr,
-    err: &str,
-) -> Option<StartFailure> {
-    if !m.serves(flow) {
-        return Some(StartFailure::NoConnection);
-    }
-    if m.managers.is_waiting(flow) {
-        return None;
-    }
-    // `Migrator::migrate`'s text for `Gate::Refused` (tested below).
-    if err.ends_with("its connection manager refused") {
-        return Some(StartFailure::Refused);
-    }
-    if target == Some(local) {
-        return Some(StartFailure::TargetIsSelf);
-    }
-    // The engine: a migration of the flow in progress, too many
-    // migrations out, or its record table full.
-    Some(StartFailure::Busy)
+    Some((e.start_failure(), e.to_string()))
 }
 
 /// Starts migrating every connection away (a bounded number at a time,
@@ -324,7 +293,7 @@ mod tests {
         };
         let other = Some(Ipv4Addr::new(10, 0, 0, 2));
         let start = |m: &mut Migrator, port, target| {
-            start_migration(Some(m), now, flow(port), target, local).map(|(why, _)| why)
+            start_migration(Some(m), now, flow(port), target).map(|(why, _)| why)
         };
         assert_eq!(
             start(&mut m, 1, other),
@@ -346,7 +315,7 @@ mod tests {
         m.managers
             .set(ConnId(13), Box::new(Fixed(Readiness::NotYet)));
         assert_eq!(start(&mut m, 3, other), Some(None));
-        let (why, text) = start_migration(None, now, flow(4), None, local).unwrap();
+        let (why, text) = start_migration(None, now, flow(4), None).unwrap();
         assert_eq!(why, Some(StartFailure::Disabled));
         assert!(text.contains("without migration"));
     }

@@ -32,7 +32,7 @@
 //! one branch); it allocates when a drain starts and for its bounded timing
 //! samples, never per packet.
 
-use crate::migration::{HandleState, Migrator, Outcome};
+use crate::migration::{HandleState, MigrateError, Migrator, Outcome};
 use capybara_proto::control::MigrationTrigger;
 use capybara_proto::time::{Duration, Instant};
 use capybara_proto::FlowKey;
@@ -487,8 +487,8 @@ impl Drainer {
                     r.in_flight.push(picked);
                 }
                 // Quiescing: the migration starts when its manager is ready.
-                Err(_) if m.managers.is_waiting(&flow) => r.in_flight.push(picked),
-                Err(_) if !m.serves(&flow) => r.closed += 1,
+                Err(MigrateError::Waiting(_)) => r.in_flight.push(picked),
+                Err(MigrateError::NotServed(_)) => r.closed += 1,
                 Err(_) => Self::retry_later(r, now, flow, app, attempts + 1),
             }
         }

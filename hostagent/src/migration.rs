@@ -68,6 +68,45 @@ pub enum HandleState {
     Lost,
 }
 
+/// Why [`Migrator::migrate`] started no migration.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MigrateError {
+    #[error("no connection {0} served here")]
+    NotServed(FlowKey),
+    #[error("{0}: waiting for its connection manager")]
+    Waiting(FlowKey),
+    #[error("{0}: its connection manager refused")]
+    Refused(FlowKey),
+    #[error(transparent)]
+    Engine(#[from] capybara_tcpmig::MigError),
+}
+
+impl MigrateError {
+    /// What a NOT_STARTED report to the switch says; `None` when the
+    /// migration is not refused for good (its connection manager has not
+    /// reached a safe point yet: it starts when it does).
+    pub fn start_failure(&self) -> Option<capybara_proto::control::StartFailure> {
+        use capybara_proto::control::StartFailure;
+        match self {
+            MigrateError::NotServed(_) => Some(StartFailure::NoConnection),
+            MigrateError::Waiting(_) => None,
+            MigrateError::Refused(_) => Some(StartFailure::Refused),
+            MigrateError::Engine(capybara_tcpmig::MigError::TargetIsSelf(_)) => {
+                Some(StartFailure::TargetIsSelf)
+            }
+            // A migration of the flow in progress, too many migrations
+            // out, its record table full, a snapshot that cannot travel.
+            MigrateError::Engine(_) => Some(StartFailure::Busy),
+        }
+    }
+}
+
+impl From<MigrateError> for String {
+    fn from(e: MigrateError) -> String {
+        e.to_string()
+    }
+}
+
 pub struct Migrator {
     pub engine: Engine,
     /// Connections served here, by flow (owned: accepted or imported).
@@ -324,18 +363,14 @@ impl Migrator {
         now: Instant,
         flow: FlowKey,
         target: Option<Ipv4Addr>,
-    ) -> Result<MigrationId, String> {
+    ) -> Result<MigrationId, MigrateError> {
         let Some(&cid) = self.by_flow.get(&flow) else {
-            return Err(format!("no connection {flow} served here"));
+            return Err(MigrateError::NotServed(flow));
         };
         match self.managers.gate(now, flow, self.app_handle(cid), target) {
             crate::socket::Gate::Go => {}
-            crate::socket::Gate::Wait => {
-                return Err(format!("{flow}: waiting for its connection manager"))
-            }
-            crate::socket::Gate::Refused => {
-                return Err(format!("{flow}: its connection manager refused"))
-            }
+            crate::socket::Gate::Wait => return Err(MigrateError::Waiting(flow)),
+            crate::socket::Gate::Refused => return Err(MigrateError::Refused(flow)),
         }
         let t0 = self.dump.as_ref().map(|_| std::time::Instant::now());
         let started = self.engine.migrate_out(now, flow, target);
@@ -345,7 +380,7 @@ impl Migrator {
         if started.is_err() {
             self.managers.resume(self.app_handle(cid));
         }
-        started.map_err(|e| e.to_string())
+        Ok(started?)
     }
 
     /// [`Migrator::migrate`], remembering what started the migration: the
@@ -356,7 +391,7 @@ impl Migrator {
         flow: FlowKey,
         target: Option<Ipv4Addr>,
         trigger: MigrationTrigger,
-    ) -> Result<MigrationId, String> {
+    ) -> Result<MigrationId, MigrateError> {
         if self.triggers.len() >= TRIGGERS_MAX && !self.triggers.contains_key(&flow) {
             self.triggers.clear();
         }

@@ -14,6 +14,7 @@ pub mod checksum;
 pub mod control;
 pub mod flow;
 pub mod frag;
+pub mod hash;
 pub mod load;
 pub mod mac;
 pub mod tcpmig;

@@ -191,6 +191,47 @@ fn start(tag: &str, switchds: &[(&str, u16, bool)]) -> Started {
     }
 }
 
+/// The switchd `frozen` (SIGSTOPped, logging to `frozen_log`) stays frozen
+/// until the switchd logging to `winner_log` has won the lease; woken, it
+/// must see the newer term and step down (exit), and the winner (status
+/// port `winner_port`) serve with the lease. Returns the winner's term,
+/// checked above `prev_term`.
+fn newer_leader_takes_over(
+    lab: &mut Lab,
+    frozen: usize,
+    frozen_log: &str,
+    winner_log: &str,
+    winner_port: u16,
+    prev_term: u64,
+) -> u64 {
+    let t = Instant::now();
+    // Bounded: 15 s.
+    while !lab.log(winner_log).contains("won election") {
+        if t.elapsed() > Duration::from_secs(15) {
+            lab.kill(frozen, libc::SIGCONT);
+            fail(lab, anyhow::anyhow!("{winner_log}: never won the lease"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    lab.kill(frozen, libc::SIGCONT);
+    if lab.wait(frozen, Duration::from_secs(5)).is_none() {
+        fail(lab, anyhow::anyhow!("{frozen_log}: did not step down"));
+    }
+    assert!(
+        lab.log(frozen_log).contains("stepping down"),
+        "{}",
+        lab.log(frozen_log)
+    );
+    let (st, _) = lab
+        .wait_status(winner_port, Duration::from_secs(15), "winner active", |s| {
+            s["role"] == "active" && s["lease"]["held"] == true
+        })
+        .unwrap_or_else(|e| fail(lab, e));
+    let term = st["lease_term"].as_u64().expect("term");
+    assert!(term > prev_term, "terms {prev_term} -> {term}");
+    term
+}
+
 /// Echo on every held connection (each knows its server).
 fn ping_all(held: &mut [(u16, u32, Option<std::net::TcpStream>)], tag: &str) -> usize {
     let mut lost = 0;
@@ -281,35 +322,7 @@ fn active_survives_store_outage_and_lease_expiry_and_yields_only_to_a_newer_lead
         "b must wait while a holds the lease"
     );
     lab.kill(ia, libc::SIGSTOP);
-    let t = Instant::now();
-    // Bounded: 15 s.
-    while !lab.log("b.log").contains("won election") {
-        assert!(
-            t.elapsed() < Duration::from_secs(15),
-            "b never won: {}",
-            lab.log("b.log")
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    lab.kill(ia, libc::SIGCONT);
-    let exited = lab.wait(ia, Duration::from_secs(5));
-    assert!(
-        exited.is_some(),
-        "a did not step down: {}",
-        lab.log("a.log")
-    );
-    assert!(
-        lab.log("a.log").contains("stepping down"),
-        "{}",
-        lab.log("a.log")
-    );
-    let (st, _) = lab
-        .wait_status(9103, Duration::from_secs(15), "b active", |s| {
-            s["role"] == "active" && s["lease"]["held"] == true
-        })
-        .unwrap_or_else(|e| fail(&lab, e));
-    let term2 = st["lease_term"].as_u64().expect("term");
-    assert!(term2 > term1, "terms {term1} -> {term2}");
+    let term2 = newer_leader_takes_over(&mut lab, ia, "a.log", "b.log", 9103, term1);
     assert_eq!(ping_all(&mut held, "after step-down"), 0);
     eprintln!(
         "RESULT terms {term0} -> {term1} (won back) -> {term2} (standby); a: {}",
@@ -372,31 +385,7 @@ fn fast_takeover_steps_down_for_a_newer_leader() {
         st["lease"]["held"], false,
         "b won the lease before it could be frozen (the scenario needs c to win it): {st}"
     );
-    let t = Instant::now();
-    // Bounded: 15 s.
-    while !lab.log("c.log").contains("won election") {
-        if t.elapsed() > Duration::from_secs(15) {
-            lab.kill(ib, libc::SIGCONT);
-            fail(&lab, anyhow::anyhow!("c never won the lease"));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    lab.kill(ib, libc::SIGCONT);
-    if lab.wait(ib, Duration::from_secs(5)).is_none() {
-        fail(&lab, anyhow::anyhow!("b did not step down"));
-    }
-    assert!(
-        lab.log("b.log").contains("stepping down"),
-        "{}",
-        lab.log("b.log")
-    );
-    let (st, _) = lab
-        .wait_status(9104, Duration::from_secs(15), "c active", |s| {
-            s["role"] == "active" && s["lease"]["held"] == true
-        })
-        .unwrap_or_else(|e| fail(&lab, e));
-    let term1 = st["lease_term"].as_u64().expect("term");
-    assert!(term1 > term0, "terms {term0} -> {term1}");
+    newer_leader_takes_over(&mut lab, ib, "b.log", "c.log", 9104, term0);
     assert_eq!(ping_all(&mut held, "after step-down"), 0);
     let fresh = lab
         .connect_many(10, false)

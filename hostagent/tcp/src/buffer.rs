@@ -280,13 +280,7 @@ impl Assembler {
     /// nothing and returns false unless `start < end`, `start` lies past the
     /// last interval's end without touching it and there is room.
     pub fn push_above(&mut self, start: u32, end: u32) -> bool {
-        let above = self.len == 0 || start > self.ranges[self.len - 1].1;
-        if start >= end || !above || self.len == MAX_OOO_RANGES {
-            return false;
-        }
-        self.ranges[self.len] = (start, end);
-        self.len += 1;
-        true
+        push_sorted(&mut self.ranges, &mut self.len, start, end)
     }
 
     /// Shifts every interval down by `n` (RCV.NXT advanced by `n`), dropping
@@ -343,6 +337,19 @@ impl Default for Scoreboard {
     }
 }
 
+/// The `push_above` of [`Assembler`] and [`Scoreboard`]: appends `[l, r)`
+/// to the first `len` intervals of `list` when `l < r`, `l` lies past the
+/// last interval's end without touching it and there is room.
+fn push_sorted<T: PartialOrd + Copy>(list: &mut [(T, T)], len: &mut usize, l: T, r: T) -> bool {
+    let above = *len == 0 || l > list[*len - 1].1;
+    if l >= r || !above || *len == list.len() {
+        return false;
+    }
+    list[*len] = (l, r);
+    *len += 1;
+    true
+}
+
 impl Scoreboard {
     pub fn is_empty(&self) -> bool {
         self.len == 0
@@ -359,13 +366,7 @@ impl Scoreboard {
     /// returns false unless `l < r`, `l` lies past the last block's end
     /// without touching it and there is room.
     pub fn push_above(&mut self, l: SeqNum, r: SeqNum) -> bool {
-        let above = self.len == 0 || l > self.blocks[self.len - 1].1;
-        if l >= r || !above || self.len == MAX_SCOREBOARD {
-            return false;
-        }
-        self.blocks[self.len] = (l, r);
-        self.len += 1;
-        true
+        push_sorted(&mut self.blocks, &mut self.len, l, r)
     }
 
     /// Records `[l, r)`. Returns true when it added SACKed bytes. When the

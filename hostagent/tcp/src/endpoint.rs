@@ -157,25 +157,9 @@ impl Hasher for IdHasher {
 type IdMap<V> = HashMap<ConnId, V, BuildHasherDefault<IdHasher>>;
 
 /// Hasher of the flow map, whose keys (client address and port) come from
-/// the network: foldhash (quality variant: one folded multiply of the key
-/// with secrets, one more to finish) keyed with 128 secret bits from the
-/// OS random generator (std's `RandomState`, which reads it once per
-/// thread): a 64-bit seed shared by the process's endpoints and a 64-bit
-/// seed per endpoint. An attacker who cannot read the seeds cannot choose
-/// colliding flow keys offline, as with SipHash; unlike SipHash, foldhash
-/// does not claim to resist an attacker who recovers the seeds by timing
-/// many lookups (its README, "HashDoS resistance"). ~10 instructions per
-/// hash instead of SipHash-1-3's ~100, on every segment and migration.
-type FlowHasher = foldhash::quality::SeedableRandomState;
-
-fn flow_hasher() -> FlowHasher {
-    use std::hash::BuildHasher;
-    static SHARED: std::sync::OnceLock<foldhash::SharedSeed> = std::sync::OnceLock::new();
-    // Each std `RandomState` has fresh secret SipHash keys from the OS.
-    let os_random = || std::collections::hash_map::RandomState::new().hash_one(0x5eed_u64);
-    let shared = SHARED.get_or_init(|| foldhash::SharedSeed::from_u64(os_random()));
-    FlowHasher::with_seed(os_random(), shared)
-}
+/// the network: keyed foldhash (`capybara_proto::hash` explains the
+/// trade-off against SipHash).
+type FlowHasher = capybara_proto::hash::KeyedHasher;
 
 /// Lookup key: what identifies a connection whatever its IPv4 destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,7 +258,7 @@ impl Endpoint {
             isn: IsnGenerator::new(cfg.isn_key),
             cfg,
             conns: IdMap::with_capacity_and_hasher(1024, Default::default()),
-            flows: HashMap::with_capacity_and_hasher(1024, flow_hasher()),
+            flows: capybara_proto::hash::keyed_map(1024),
             listeners: HashMap::default(),
             accept_queue: VecDeque::with_capacity(256),
             events: VecDeque::with_capacity(1024),

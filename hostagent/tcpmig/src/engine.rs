@@ -24,26 +24,13 @@
 //! - queues never grow past their pre-sized capacity.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 
-/// Hasher of the engine's tables. Flow keys come from the network (and
-/// migration ids from peers): foldhash keyed with secret bits from the OS
-/// random generator (std's `RandomState` reads it), as the TCP endpoint's
-/// flow map does (`capybara_tcp::endpoint`, which explains the trade-off
-/// against SipHash); a migration does some 15 lookups here, each ~10
-/// instructions instead of SipHash-1-3's ~100.
-pub type Hasher = foldhash::quality::SeedableRandomState;
-/// A `HashMap` with the engine's keyed hasher (also used by the glue).
-pub type Map<K, V> = HashMap<K, V, Hasher>;
-
-/// An empty [`Map`] with room for `capacity` entries and fresh keys.
-pub fn map<K, V>(capacity: usize) -> Map<K, V> {
-    use std::hash::BuildHasher;
-    static SHARED: std::sync::OnceLock<foldhash::SharedSeed> = std::sync::OnceLock::new();
-    let os_random = || std::collections::hash_map::RandomState::new().hash_one(0x7c9_u64);
-    let shared = SHARED.get_or_init(|| foldhash::SharedSeed::from_u64(os_random()));
-    HashMap::with_capacity_and_hasher(capacity, Hasher::with_seed(os_random(), shared))
-}
+/// Hasher of the engine's tables: flow keys come from the network and
+/// migration ids from peers, so keyed foldhash (`capybara_proto::hash`); a
+/// migration does some 15 lookups here, each ~10 instructions instead of
+/// SipHash-1-3's ~100.
+pub use capybara_proto::hash::{keyed_map as map, KeyedHasher as Hasher, KeyedMap as Map};
 use std::net::Ipv4Addr;
 
 use capybara_proto::frag::{max_fragment_payload, split_chunks, Progress, Reassembly};
