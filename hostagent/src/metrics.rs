@@ -140,6 +140,8 @@ pub fn render(stack: &Stack, name: &str) -> String {
             }
         }
         crate::policy::render_metrics(i, &l, &mut s);
+        i.wake
+            .render(&mut s, &l, i.device.rx_delay(), i.device.tx_kick());
         s
     })
 }

@@ -15,6 +15,7 @@ use crate::migration::{HandleState, Migrator, SegmentVerdict};
 use capybara_net::device::{Device, DeviceError, PollMode};
 use capybara_net::driver::{self, Clock};
 use capybara_net::iface::{Interface, Ipv4Out, Transport};
+use capybara_net::latency::LatencyHistogram;
 use capybara_proto::checksum;
 use capybara_proto::time::Instant;
 use capybara_proto::FlowKey;
@@ -231,6 +232,103 @@ pub struct Inner {
     pub(crate) device_error: Option<String>,
     woken: Vec<ConnId>,
     forwarder: Rc<RefCell<Forwarder>>,
+    /// Why the driver woke up, and how late (debug counters, `/metrics`).
+    pub wake: WakeStats,
+}
+
+/// What ended the driver's sleeps in `Sleep` mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WakeReason {
+    /// The device's descriptor became readable (frames in the ring).
+    Device,
+    /// The stack's next deadline.
+    Timer,
+    /// A socket call asked for a poll.
+    Kick,
+}
+
+/// The driver's wake-ups: counts by reason, and for the device's wake-ups
+/// the delay from the kernel queueing the first frame to the driver
+/// handling it (from the device's frame timestamps). Recording is a few
+/// integer operations per wake-up plus one clock reading per poll that
+/// transmitted; nothing per packet, no allocation (fixed histograms).
+#[derive(Debug, Default)]
+pub struct WakeStats {
+    pub by_device: u64,
+    pub by_timer: u64,
+    pub by_kick: u64,
+    /// Frame queued by the kernel -> handled, first poll after a device
+    /// wake-up only (the sleep-to-run path: kernel wake-up, scheduler,
+    /// reactor, task).
+    pub device_delay: LatencyHistogram,
+    /// Poll start -> its transmit batch handed to the kernel, for polls
+    /// that transmitted (what a frame's trip holds of its sender's poll;
+    /// the driver's clock, 1 µs resolution).
+    pub poll_to_tx: LatencyHistogram,
+    pending: Option<WakeReason>,
+}
+
+impl WakeStats {
+    /// Prometheus text: wake-ups by reason, and as summaries (p50, p90,
+    /// p99, in seconds) `capybara_driver_wake_delay_seconds` (after a device
+    /// wake-up), `capybara_driver_poll_to_tx_seconds`, and the device's
+    /// `capybara_rx_ring_delay_seconds` (every receive batch's first frame)
+    /// and `capybara_tx_kick_seconds` when it measures them.
+    pub fn render(
+        &self,
+        out: &mut String,
+        labels: &str,
+        ring: Option<&LatencyHistogram>,
+        kick: Option<&LatencyHistogram>,
+    ) {
+        use std::fmt::Write;
+        let _ = writeln!(out, "# TYPE capybara_driver_wakeups_total counter");
+        for (reason, n) in [
+            ("device", self.by_device),
+            ("timer", self.by_timer),
+            ("kick", self.by_kick),
+        ] {
+            let _ = writeln!(
+                out,
+                "capybara_driver_wakeups_total{{{labels},reason=\"{reason}\"}} {n}"
+            );
+        }
+        let summary = |out: &mut String, name: &str, h: &LatencyHistogram| {
+            let _ = writeln!(out, "# TYPE {name} summary");
+            for q in ["0.5", "0.9", "0.99"] {
+                if let Some(ns) = h.quantile_ns(q.parse().unwrap_or(0.5)) {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{{labels},quantile=\"{q}\"}} {:.7}",
+                        ns as f64 / 1e9
+                    );
+                }
+            }
+            let _ = writeln!(out, "{name}_sum{{{labels}}} {:.6}", h.sum_ns() as f64 / 1e9);
+            let _ = writeln!(out, "{name}_count{{{labels}}} {}", h.count());
+        };
+        summary(
+            out,
+            "capybara_driver_wake_delay_seconds",
+            &self.device_delay,
+        );
+        summary(out, "capybara_driver_poll_to_tx_seconds", &self.poll_to_tx);
+        if let Some(h) = ring {
+            summary(out, "capybara_rx_ring_delay_seconds", h);
+        }
+        if let Some(h) = kick {
+            summary(out, "capybara_tx_kick_seconds", h);
+        }
+    }
+
+    pub(crate) fn note(&mut self, reason: WakeReason) {
+        match reason {
+            WakeReason::Device => self.by_device += 1,
+            WakeReason::Timer => self.by_timer += 1,
+            WakeReason::Kick => self.by_kick += 1,
+        }
+        self.pending = Some(reason);
+    }
 }
 
 impl Inner {
@@ -272,6 +370,15 @@ impl Inner {
                 return false;
             }
         };
+        if r.transmitted > 0 {
+            let ns = self.clock.now().saturating_since(now).as_nanos() as u64;
+            self.wake.poll_to_tx.record_ns(ns);
+        }
+        if self.wake.pending.take() == Some(WakeReason::Device) && r.received > 0 {
+            if let Some(ns) = self.device.rx_delay().map(|h| h.last_ns()) {
+                self.wake.device_delay.record_ns(ns);
+            }
+        }
         let mut events = false;
         loop {
             let mut any = false;
@@ -430,6 +537,7 @@ impl Stack {
                 device_error: None,
                 woken: Vec::with_capacity(64),
                 forwarder,
+                wake: WakeStats::default(),
             })),
         }
     }
@@ -505,17 +613,117 @@ impl Stack {
                             None => std::future::pending::<()>().await,
                         }
                     };
-                    tokio::select! {
+                    let reason = tokio::select! {
                         r = afd.readable() => {
                             if let Ok(mut g) = r {
                                 g.clear_ready();
                             }
+                            WakeReason::Device
                         }
-                        _ = sleep => {}
-                        _ = wait => {}
-                    }
+                        _ = sleep => WakeReason::Timer,
+                        _ = wait => WakeReason::Kick,
+                    };
+                    self.inner.borrow_mut().wake.note(reason);
                 }
             }
+        }
+    }
+}
+
+/// How the driver's thread asks the kernel's scheduler for prompt wake-ups
+/// (`CAPYBARA_HOSTAGENT_SCHED`, read by the `hostagent` binary). A sleeping
+/// driver is woken by the kernel when a frame lands in its ring; if the CPU
+/// it is woken on runs another task (often the sender, still inside the
+/// `sendto` that delivered the frame), the driver waits for that task's
+/// slice to end. These settings shorten that wait without spinning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DriverScheduling {
+    /// Leave the thread as started.
+    Inherit,
+    /// SCHED_OTHER with a custom EEVDF slice (Linux >= 6.12; nanoseconds,
+    /// the kernel clamps to 0.1-100 ms): an earlier virtual deadline, so a
+    /// wake-up preempts a task with the default slice. Same CPU share, no
+    /// privilege needed.
+    Slice(u64),
+    /// SCHED_FIFO at this priority (1-99; CAP_SYS_NICE): a wake-up preempts
+    /// every normal task. The driver still sleeps when idle; the kernel's
+    /// RT throttling (95% by default) bounds a runaway.
+    Fifo(u8),
+}
+
+impl DriverScheduling {
+    /// `inherit`, `slice=MICROSECONDS` or `fifo=PRIORITY`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let bad = || {
+            format!(
+                "{s:?}: expected inherit, slice=MICROSECONDS (100-100000) or fifo=PRIORITY (1-99)"
+            )
+        };
+        match s.split_once('=') {
+            None if s == "inherit" => Ok(Self::Inherit),
+            Some(("slice", v)) => match v.parse::<u64>() {
+                Ok(us) if (100..=100_000).contains(&us) => Ok(Self::Slice(us * 1000)),
+                _ => Err(bad()),
+            },
+            Some(("fifo", v)) => match v.parse::<u8>() {
+                Ok(p) if (1..=99).contains(&p) => Ok(Self::Fifo(p)),
+                _ => Err(bad()),
+            },
+            _ => Err(bad()),
+        }
+    }
+
+    /// Applies the setting to the calling thread (threads it starts later
+    /// inherit it).
+    pub fn apply(self) -> std::io::Result<()> {
+        /// `struct sched_attr` (SCHED_ATTR_SIZE_VER1).
+        #[repr(C)]
+        struct SchedAttr {
+            size: u32,
+            policy: u32,
+            flags: u64,
+            nice: i32,
+            priority: u32,
+            runtime: u64,
+            deadline: u64,
+            period: u64,
+            util_min: u32,
+            util_max: u32,
+        }
+        let (policy, priority, runtime) = match self {
+            Self::Inherit => return Ok(()),
+            Self::Slice(ns) => (libc::SCHED_OTHER as u32, 0, ns),
+            Self::Fifo(p) => (libc::SCHED_FIFO as u32, u32::from(p), 0),
+        };
+        // SAFETY: getpriority has no memory arguments; errno is reset first
+        // because -1 is also a valid nice value.
+        let nice = unsafe {
+            *libc::__errno_location() = 0;
+            libc::getpriority(libc::PRIO_PROCESS, 0)
+        };
+        let attr = SchedAttr {
+            size: std::mem::size_of::<SchedAttr>() as u32,
+            policy,
+            flags: 0,
+            nice: if policy == libc::SCHED_OTHER as u32 {
+                nice
+            } else {
+                0
+            },
+            priority,
+            runtime,
+            deadline: 0,
+            period: 0,
+            util_min: 0,
+            util_max: 0,
+        };
+        // SAFETY: `attr` is a valid sched_attr of the size it declares; pid 0
+        // is the calling thread.
+        let r = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
         }
     }
 }
@@ -727,6 +935,14 @@ impl Device for ForwardingDevice<'_> {
         self.dev.mac()
     }
 
+    fn rx_delay(&self) -> Option<&LatencyHistogram> {
+        self.dev.rx_delay()
+    }
+
+    fn tx_kick(&self) -> Option<&LatencyHistogram> {
+        self.dev.tx_kick()
+    }
+
     fn max_frame_len(&self) -> usize {
         self.dev.max_frame_len()
     }
@@ -819,5 +1035,33 @@ mod forward_tests {
             ..hop
         };
         assert_eq!(on_link.mac_for(target), None);
+    }
+}
+
+#[cfg(test)]
+mod sched_tests {
+    use super::DriverScheduling;
+
+    #[test]
+    fn driver_scheduling_parses_and_rejects() {
+        assert_eq!(
+            DriverScheduling::parse("inherit"),
+            Ok(DriverScheduling::Inherit)
+        );
+        assert_eq!(
+            DriverScheduling::parse("slice=100"),
+            Ok(DriverScheduling::Slice(100_000))
+        );
+        assert_eq!(
+            DriverScheduling::parse("fifo=10"),
+            Ok(DriverScheduling::Fifo(10))
+        );
+        for bad in [
+            "", "fifo", "fifo=0", "fifo=100", "slice=99", "slice=x", "rr=5",
+        ] {
+            assert!(DriverScheduling::parse(bad).is_err(), "{bad:?}");
+        }
+        // Inherit changes nothing and cannot fail.
+        assert!(DriverScheduling::Inherit.apply().is_ok());
     }
 }

@@ -54,12 +54,15 @@ struct Options {
     interval_us: u64,
     max_s: u64,
     busy: bool,
+    /// `CAPYBARA_HOSTAGENT_SCHED` for the hostagents (`--sched SPEC`).
+    sched: Option<String>,
 }
 
 fn usage() -> ! {
     eprintln!(
         "usage: bench-migration [--migrations N (10000)] [--connections N (4)] [--churn-ms N (10)] \
-         [--interval-us N (1000)] [--max-s N (180)] [--busy]"
+         [--interval-us N (1000)] [--max-s N (180)] [--busy] \
+         [--sched inherit|slice=US|fifo=PRIO]"
     );
     std::process::exit(2)
 }
@@ -72,11 +75,16 @@ fn options(args: &[String]) -> Options {
         interval_us: 1000,
         max_s: 180,
         busy: false,
+        sched: None,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         if a == "--busy" {
             o.busy = true;
+            continue;
+        }
+        if a == "--sched" {
+            o.sched = Some(it.next().cloned().unwrap_or_else(|| usage()));
             continue;
         }
         let v: u64 = match it.next().and_then(|v| v.parse().ok()) {
@@ -124,12 +132,20 @@ fn main() {
 }
 
 fn run(opt: &Options) -> Result<String, String> {
-    let dir = output_dir("bench-migration");
+    // One directory per run: several benches may share the machine.
+    let dir = output_dir(&format!("bench-migration-{}", std::process::id()));
+    eprintln!("bench-migration: output in {}", dir.display());
     // The hostagents inherit it: each writes DIR/telemetry-ADDR.log.
     std::env::set_var("CAPYBARA_MIGRATION_TELEMETRY", &dir);
     // No stdout line per migrated-away echo connection (the telemetry
     // dump has every migration).
     std::env::set_var("CAPYBARA_ECHO_QUIET", "1");
+    // The hostagents' driver-thread scheduling (`DriverScheduling` in
+    // hostagent/src/stack.rs); older hostagents ignore it.
+    match &opt.sched {
+        Some(s) => std::env::set_var("CAPYBARA_HOSTAGENT_SCHED", s),
+        None => std::env::remove_var("CAPYBARA_HOSTAGENT_SCHED"),
+    }
     let mut lab = Lab::up("bmig", 2);
     let key = deployment_key(&dir);
     let sw = switchd_config(&dir, 2, &key);
@@ -252,6 +268,7 @@ fn run(opt: &Options) -> Result<String, String> {
         .filter_map(|t| metric_sum(t, "capybara_tcp_resets_sent_total", ""))
         .sum();
     let metrics = tcp_counters(&scraped);
+    let wake = wake_report(&scraped);
     // Two flushes of the dumps (100 ms each) write the last lines.
     sleep(Duration::from_millis(400))?;
     let hosts: Vec<Host> = (1..=2)
@@ -272,6 +289,7 @@ fn run(opt: &Options) -> Result<String, String> {
         ping.p(99.0),
         ping.0.len()
     );
+    println!("{}", wake.text);
     println!(
         "load: {} connections, {} echoes checked ({} errors, max echo RTT {} us, p99 {} us); \
          resets sent by the servers {resets}; migrations started {:.0}/s; \
@@ -306,7 +324,7 @@ fn run(opt: &Options) -> Result<String, String> {
     Ok(format!(
         "RESULT total_p50_us={:.1} total_p99_us={:.1} host_cpu_p50_us={:.2} host_cpu_p99_us={:.2} \
          migrations={} resumed={} origin_cpu_p50_us={:.2} target_cpu_p50_us={:.2} connections={} churn_ms={} \
-         client_errors={} resets={resets} busy_poll={} goal_total_p50_us=15 goal_host_cpu_p50_us=3",
+         client_errors={} resets={resets} busy_poll={} sched={} wake_delay_p50_us={} goal_total_p50_us=15 goal_host_cpu_p50_us=3",
         report.total.p(50.0),
         report.total.p(99.0),
         report.cpu.p(50.0),
@@ -319,6 +337,8 @@ fn run(opt: &Options) -> Result<String, String> {
         opt.churn_ms,
         stat("errors"),
         u8::from(opt.busy),
+        opt.sched.as_deref().unwrap_or("inherit"),
+        wake.p50_us,
     ))
 }
 
@@ -355,6 +375,67 @@ fn kernel_ping(lab: &Lab) -> Samples {
     }
     s.sort();
     s
+}
+
+/// The hostagents' wake-up debug counters (`WakeStats` in
+/// `hostagent/src/stack.rs`), from their metrics pages: one line per
+/// server and the mean of the servers' wake-delay p50 (`-` for hostagents
+/// that do not report it, e.g. older binaries in an A/B run).
+struct WakeReport {
+    text: String,
+    p50_us: String,
+}
+
+fn wake_report(pages: &[String]) -> WakeReport {
+    let us = |page: &str, name: &str, q: &str| {
+        metric_sum(page, name, &format!("quantile=\"{q}\"")).map(|s| s * 1e6)
+    };
+    let fmt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
+    let mut text = String::from(
+        "hostagent wake-ups (kernel queued the frame -> driver handled it, us; whole run):",
+    );
+    let mut p50s = Vec::new();
+    for (j, page) in pages.iter().enumerate() {
+        let wakes = |reason: &str| {
+            metric_sum(
+                page,
+                "capybara_driver_wakeups_total",
+                &format!("reason=\"{reason}\""),
+            )
+            .map_or("-".to_string(), |v| format!("{v:.0}"))
+        };
+        let wake = "capybara_driver_wake_delay_seconds";
+        let ring = "capybara_rx_ring_delay_seconds";
+        if let Some(p) = us(page, wake, "0.5") {
+            p50s.push(p);
+        }
+        text.push_str(&format!(
+            "\n  s{}: after a device wake-up p50 {} p90 {} p99 {} ({} wake-ups: {} device, {} timer, {} kick); \
+             every receive batch p50 {} p99 {}; poll start -> transmit batch handed over p50 {} p99 {}, \
+             of which the kick (sendto) p50 {} p99 {}",
+            j + 1,
+            fmt(us(page, wake, "0.5")),
+            fmt(us(page, wake, "0.9")),
+            fmt(us(page, wake, "0.99")),
+            metric_sum(page, "capybara_driver_wakeups_total", "")
+                .map_or("-".to_string(), |v| format!("{v:.0}")),
+            wakes("device"),
+            wakes("timer"),
+            wakes("kick"),
+            fmt(us(page, ring, "0.5")),
+            fmt(us(page, ring, "0.99")),
+            fmt(us(page, "capybara_driver_poll_to_tx_seconds", "0.5")),
+            fmt(us(page, "capybara_driver_poll_to_tx_seconds", "0.99")),
+            fmt(us(page, "capybara_tx_kick_seconds", "0.5")),
+            fmt(us(page, "capybara_tx_kick_seconds", "0.99")),
+        ));
+    }
+    let p50_us = if p50s.is_empty() {
+        "-".to_string()
+    } else {
+        format!("{:.1}", p50s.iter().sum::<f64>() / p50s.len() as f64)
+    };
+    WakeReport { text, p50_us }
 }
 
 /// The servers' TCP counters (`capybara_tcp_*`) in their metrics pages

@@ -7,12 +7,14 @@
 //! - [`iface`]: the sans-IO [`Interface`] (ARP, ICMP echo, IPv4 in/out) and
 //!   the [`Transport`] trait the TCP engine plugs into.
 //! - [`device`]: batched frame I/O ([`device::Device`]) and its backends.
+//! - [`latency`]: a fixed-size latency histogram for debug counters.
 //! - [`driver`]: the loop that connects a device to an interface; the only
 //!   code here that reads a clock.
 
 pub mod device;
 pub mod driver;
 pub mod iface;
+pub mod latency;
 pub mod wire;
 
 pub use device::{Device, DeviceError, PollMode};

@@ -162,6 +162,16 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
     let stack = Stack::new(iface, transports, device, mode);
     let name: Rc<str> = Rc::from(cfg.name.as_str());
 
+    // The driver's wake-up latency (docs/HOSTAGENT.md, "Wake-ups"): how
+    // this thread asks the scheduler to run it promptly when frames arrive.
+    if let Ok(spec) = std::env::var("CAPYBARA_HOSTAGENT_SCHED") {
+        let sched = capybara_hostagent::stack::DriverScheduling::parse(&spec)
+            .map_err(|e| format!("CAPYBARA_HOSTAGENT_SCHED={e}"))?;
+        match sched.apply() {
+            Ok(()) => eprintln!("hostagent: driver thread scheduling {sched:?}"),
+            Err(e) => eprintln!("hostagent: cannot set the driver's scheduling {sched:?}: {e}"),
+        }
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

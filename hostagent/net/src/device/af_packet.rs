@@ -23,6 +23,7 @@
 
 use super::kernel_drop::KernelDrop;
 use super::{Device, DeviceError};
+use crate::latency::LatencyHistogram;
 use crate::wire::EthernetAddress;
 use capybara_proto::time::Duration;
 use std::ffi::CString;
@@ -158,6 +159,11 @@ pub struct AfPacket {
     ignore_outgoing: bool,
     stats: AfPacketStats,
     kernel_drop: Result<Option<KernelDrop>, String>,
+    /// Ring-to-handling delay of the first frame of each receive batch.
+    rx_delay: LatencyHistogram,
+    /// Duration of each transmit kick (`sendto`): on veth it includes the
+    /// receiving side's kernel work, which runs inline.
+    tx_kick: LatencyHistogram,
 }
 
 // The mapping and descriptor are owned exclusively by this value.
@@ -310,6 +316,8 @@ impl AfPacket {
             ignore_outgoing,
             stats: AfPacketStats::default(),
             kernel_drop: Ok(None),
+            rx_delay: LatencyHistogram::new(),
+            tx_kick: LatencyHistogram::new(),
         };
         guard.0 = -1; // `dev` owns the fd now (its Drop unmaps and closes)
 
@@ -388,6 +396,7 @@ impl AfPacket {
     }
 
     fn flush_tx(&mut self) -> Result<(), DeviceError> {
+        let start = realtime_ns();
         let r = unsafe {
             libc::sendto(
                 self.fd,
@@ -398,6 +407,8 @@ impl AfPacket {
                 0,
             )
         };
+        self.tx_kick
+            .record_ns(realtime_ns().saturating_sub(start).max(0) as u64);
         if r < 0 {
             let e = io::Error::last_os_error();
             // Queued slots stay SEND_REQUEST and go out with the next kick.
@@ -415,6 +426,35 @@ impl AfPacket {
         }
         Ok(())
     }
+}
+
+/// Nanoseconds from a ring slot's timestamp to now. The kernel stamps
+/// each slot with CLOCK_REALTIME when it copies the frame in (or with the
+/// frame's earlier software receive timestamp, if the host enabled them);
+/// 0 if the clock stepped back.
+fn since_realtime(sec: u32, nsec: u32) -> u64 {
+    let now_ns = realtime_ns();
+    let now_sec = now_ns.div_euclid(1_000_000_000);
+    // tp_sec is the low 32 bits of the seconds: rebuild the rest from now.
+    let mut s = (now_sec & !0xffff_ffff) | i64::from(sec);
+    if s > now_sec {
+        s -= 1 << 32;
+    }
+    let then_ns = s.wrapping_mul(1_000_000_000).wrapping_add(i64::from(nsec));
+    now_ns.saturating_sub(then_ns).max(0) as u64
+}
+
+/// CLOCK_REALTIME in nanoseconds (vDSO, no system call).
+fn realtime_ns() -> i64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-pointer; CLOCK_REALTIME always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut now) };
+    (now.tv_sec as i64)
+        .wrapping_mul(1_000_000_000)
+        .wrapping_add(now.tv_nsec as i64)
 }
 
 /// Reads the interface's MAC with SIOCGIFHWADDR (works inside a network
@@ -466,14 +506,25 @@ impl Device for AfPacket {
             let slot = self.rx.slot(i);
             let fs = self.rx.frame_size;
             // SAFETY: the slot is ours until we store TP_STATUS_KERNEL.
-            let (mac_off, snap) = unsafe {
+            let (mac_off, snap, sec, nsec) = unsafe {
                 let h = &*(slot as *const Tpacket2Hdr);
-                (usize::from(h.tp_mac), h.tp_snaplen as usize)
+                (
+                    usize::from(h.tp_mac),
+                    h.tp_snaplen as usize,
+                    h.tp_sec,
+                    h.tp_nsec,
+                )
             };
             let pkttype = unsafe { *slot.add(TPACKET2_HDR_ALIGNED + SLL_PKTTYPE) };
             if pkttype == PACKET_OUTGOING {
                 self.stats.outgoing_skipped += 1;
             } else if mac_off.checked_add(snap).is_some_and(|end| end <= fs) {
+                if n == 0 {
+                    // The frame that ended the driver's sleep (or waited
+                    // behind its previous batch): one clock reading per
+                    // batch, through the vDSO.
+                    self.rx_delay.record_ns(since_realtime(sec, nsec));
+                }
                 let frame = unsafe { std::slice::from_raw_parts(slot.add(mac_off), snap) };
                 f(frame);
                 n += 1;
@@ -555,6 +606,14 @@ impl Device for AfPacket {
 
     fn raw_fd(&self) -> Option<RawFd> {
         Some(self.fd)
+    }
+
+    fn rx_delay(&self) -> Option<&LatencyHistogram> {
+        Some(&self.rx_delay)
+    }
+
+    fn tx_kick(&self) -> Option<&LatencyHistogram> {
+        Some(&self.tx_kick)
     }
 
     fn mac(&self) -> Option<EthernetAddress> {

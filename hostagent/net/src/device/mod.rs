@@ -19,6 +19,7 @@ pub mod dpdk;
 pub mod kernel_drop;
 pub mod memory;
 
+use crate::latency::LatencyHistogram;
 use crate::wire::EthernetAddress;
 use capybara_proto::time::Duration;
 use std::os::fd::RawFd;
@@ -81,6 +82,19 @@ pub trait Device {
     /// The hardware address of the underlying port, if it has one.
     fn mac(&self) -> Option<EthernetAddress>;
 
+    /// How long the first frame of each receive batch waited between the
+    /// kernel putting it in the ring and the driver handling it (the
+    /// driver's wake-up delay), if the backend timestamps frames.
+    fn rx_delay(&self) -> Option<&LatencyHistogram> {
+        None
+    }
+
+    /// How long each transmit batch's kick (the system call that hands the
+    /// batch to the kernel) took, if the backend measures it.
+    fn tx_kick(&self) -> Option<&LatencyHistogram> {
+        None
+    }
+
     /// Largest frame a transmit buffer holds (Ethernet header included).
     fn max_frame_len(&self) -> usize;
 }
@@ -104,6 +118,12 @@ impl<D: Device + ?Sized> Device for Box<D> {
     }
     fn mac(&self) -> Option<EthernetAddress> {
         (**self).mac()
+    }
+    fn rx_delay(&self) -> Option<&LatencyHistogram> {
+        (**self).rx_delay()
+    }
+    fn tx_kick(&self) -> Option<&LatencyHistogram> {
+        (**self).tx_kick()
     }
     fn max_frame_len(&self) -> usize {
         (**self).max_frame_len()
