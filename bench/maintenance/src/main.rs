@@ -29,6 +29,8 @@
 //! the lab (namespaces, processes) is torn down on every exit path,
 //! including SIGINT/SIGTERM.
 
+mod sched_trace;
+
 use capybara_systests::bench_run::{sleep, stop_on_signals, wait_until, ClientGuard, STOP};
 use capybara_systests::{bin, deployment_key, output_dir, Lab};
 use std::io::{BufRead, Read, Write};
@@ -240,7 +242,7 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
     let cert = make_cert(&dir)?;
     let key = deployment_key(&dir);
     let sw = switchd_config(&dir, &key);
-    lab.spawn_logged(
+    let switchd_pid = lab.spawn_logged(
         "sw",
         bin("switchd"),
         &["--config", sw.to_str().unwrap()],
@@ -277,14 +279,14 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
             bin("hostagent"),
             &["--config", cfg.to_str().unwrap()],
             &dir.join(format!("hostagent-s{j}.log")),
-        );
+        )
     };
     let registered = |j: u32| {
         let log = std::fs::read_to_string(dir.join("switchd.log")).unwrap_or_default();
         log.contains(&format!("registered s{j}"))
     };
     // Only the primary is in the pool while the clients connect.
-    start_agent(&mut lab, 1);
+    let agent1_pid = start_agent(&mut lab, 1);
     wait_until("the primary to register", Duration::from_secs(30), || {
         registered(1)
     })?;
@@ -303,10 +305,22 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
     let from_client = lines(client.0.stdout.take().ok_or("client stdout")?);
     expect(&from_client, "ready", Duration::from_secs(30))?;
 
-    start_agent(&mut lab, 2);
+    let agent2_pid = start_agent(&mut lab, 2);
     wait_until("the backup to register", Duration::from_secs(30), || {
         registered(2)
     })?;
+    let procs: Vec<(String, u32)> = vec![
+        ("client".into(), client.0.id()),
+        ("switchd".into(), switchd_pid),
+        ("agent1".into(), agent1_pid),
+        ("redis1".into(), redis_pid[1]),
+        ("agent2".into(), agent2_pid),
+        ("redis2".into(), redis_pid[2]),
+    ];
+    // For traces taken alongside (`perf sched record` and the like).
+    let pids: Vec<String> = procs.iter().map(|(n, p)| format!("{n}={p}")).collect();
+    let _ = std::fs::write(dir.join("pids"), pids.join(",") + "\n");
+    let trace = sched_trace::enabled().then(|| sched_trace::SchedTrace::start(procs));
     // The drain request is made from this process (a thread inside the
     // switch's namespace, connected beforehand), not by spawning
     // `ip netns exec curl` in the measured window: on a loaded machine
@@ -331,6 +345,9 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
     };
     let event_bin = field(&ok, 1)? as usize;
     let event_us = field(&ok, 2)?;
+    let event_mono_ns = field(&ok, 3)?;
+    // For traces taken alongside (e.g. `perf record -k CLOCK_MONOTONIC`).
+    let _ = std::fs::write(dir.join("event_mono_ns"), format!("{event_mono_ns}\n"));
     // The drain request's round trip (to switchd and back): the event is
     // marked before it, so the judged window starts early.
     let mut request_ms = 0;
@@ -356,7 +373,11 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
     send(&mut to_client, "stop")?;
     let report = expect(&from_client, "bins", Duration::from_secs(10))?;
     let stalls_line = expect(&from_client, "stalls", Duration::from_secs(5))?;
+    let conn_bins = expect(&from_client, "connbins", Duration::from_secs(5))?;
     let stats = expect(&from_client, "stats", Duration::from_secs(5))?;
+    if let Some(t) = trace {
+        t.finish(&dir.join("sched.csv"), event_mono_ns);
+    }
     let pauses = Pauses::parse(&stalls_line);
     let bins: Vec<u64> = report
         .split_whitespace()
@@ -380,6 +401,7 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
         ));
     }
     let _ = std::fs::write(dir.join("bins.csv"), csv);
+    write_conn_bins(&dir.join("conn_bins.csv"), &conn_bins, event_bin);
 
     if event_bin < STEADY_BINS || bins.len() < event_bin + JUDGED_BINS {
         return Err(format!(
@@ -431,6 +453,36 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
         all_paused_judged_ms: pauses.all_paused_us(judged_us, CONNECTIONS) / 1000,
         all_paused_steady_ms: pauses.all_paused_us(steady_us, CONNECTIONS) / 1000,
     })
+}
+
+/// Each connection's bins (the client's `connbins` line: one
+/// comma-separated list per connection, `;` between connections) as CSV
+/// with the time relative to the event.
+fn write_conn_bins(path: &Path, line: &str, event_bin: usize) {
+    let per: Vec<Vec<&str>> = line
+        .split_whitespace()
+        .nth(1)
+        .unwrap_or("")
+        .split(';')
+        .map(|c| c.split(',').collect())
+        .collect();
+    let n = per.iter().map(Vec::len).max().unwrap_or(0);
+    let mut csv = String::from("ms");
+    for i in 0..per.len() {
+        csv.push_str(&format!(",c{i}"));
+    }
+    csv.push('\n');
+    for b in 0..n {
+        csv.push_str(&format!(
+            "{}",
+            (b as i64 - event_bin as i64) * BIN_MS as i64
+        ));
+        for c in &per {
+            csv.push_str(&format!(",{}", c.get(b).copied().unwrap_or("")));
+        }
+        csv.push('\n');
+    }
+    let _ = std::fs::write(path, csv);
 }
 
 /// The client's record of pauses: per connection, (start µs, length µs) of
@@ -600,11 +652,16 @@ fn make_cert(dir: &Path) -> Result<PathBuf, String> {
 }
 
 fn switchd_config(dir: &Path, key: &Path) -> PathBuf {
+    // `max_flows` (the flow table's capacity; switchd's default when unset).
+    let max_flows = std::env::var("CAPYBARA_BENCH_MAX_FLOWS")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .map_or(String::new(), |n| format!("max_flows = {n}\n"));
     let t = format!(
         "control_listen = \"198.18.1.1:7692\"\nkey_file = \"{}\"\nplacement = \"maglev\"\n\
          target_selection = \"round_robin\"\nload_interval_us = 1000\nheartbeat_interval_ms = 100\n\
          dead_after_ms = 1000\nclosed_linger_ms = 5000\nmetrics_listen = \"127.0.0.1:9102\"\n\
-         store = \"sqlite:{}\"\n[ha]\nenabled = false\n[[interfaces]]\nname = \"cl1\"\nrole = \"client\"\n\
+         store = \"sqlite:{}\"\n{max_flows}[ha]\nenabled = false\n[[interfaces]]\nname = \"cl1\"\nrole = \"client\"\n\
          [[interfaces]]\nname = \"sv1\"\nrole = \"server\"\n[[interfaces]]\nname = \"sv2\"\nrole = \"server\"\n\
          [[services]]\nname = \"redis\"\nvip = \"{VIP}:{PORT}\"\npool = []\n",
         key.display(),
@@ -738,7 +795,8 @@ fn client(args: &[String]) -> Result<(), String> {
         match line.trim() {
             "event" => {
                 let us = start.elapsed().as_micros() as u64;
-                println!("event_bin {} {us}", us / 1000 / BIN_MS);
+                let mono = sched_trace::mono_ns();
+                println!("event_bin {} {us} {mono}", us / 1000 / BIN_MS);
                 let _ = std::io::stdout().flush();
             }
             "mark" => {
@@ -753,17 +811,24 @@ fn client(args: &[String]) -> Result<(), String> {
     STOP.store(true, Ordering::SeqCst);
     let mut total = vec![0u64; MAX_BINS];
     let mut stalls = Vec::new();
+    let mut per_conn = Vec::new();
     for (i, w) in workers.into_iter().enumerate() {
         let (bins, s) = w.join().map_err(|_| "a load thread panicked")?;
-        for (t, b) in total.iter_mut().zip(bins) {
+        for (t, b) in total.iter_mut().zip(&bins) {
             *t += b;
         }
+        let mine: Vec<String> = bins[..last.min(MAX_BINS)]
+            .iter()
+            .map(|b| b.to_string())
+            .collect();
+        per_conn.push(mine.join(","));
         stalls.extend(s.into_iter().map(|(at, len)| format!("{i}:{at}:{len}")));
     }
     total.truncate(last.min(MAX_BINS));
     let text: Vec<String> = total.iter().map(|b| b.to_string()).collect();
     println!("bins {}", text.join(","));
     println!("stalls {}", stalls.join(","));
+    println!("connbins {}", per_conn.join(";"));
     println!(
         "stats reconnects={} errors={} handshakes={}",
         counters.reconnects.load(Ordering::Relaxed),
