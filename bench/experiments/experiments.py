@@ -32,6 +32,8 @@ class Context:
     write_docs: bool = False
     seed: int = 1
     seeds: list[int] = field(default_factory=lambda: [1])
+    # bench-skew: the distributions to run (empty: all of SKEW_DISTS).
+    dists: list[str] = field(default_factory=list)
     # Base policy of capybara runs (run.py --policy ...); variants override fields.
     policy: Policy = field(default_factory=Policy)
     nice: int = 0
@@ -129,6 +131,8 @@ def skew(ctx: Context) -> str:
             def body(cluster, mode=mode):
                 for seed in ctx.seeds:
                     for i, (dist, alpha) in enumerate(SKEW_DISTS):
+                        if ctx.dists and dist not in ctx.dists:
+                            continue
                         # The seed draws the arrivals and which connection gets which
                         # Zipf rank, and so how the heavy connections meet on servers.
                         load = Load(duration_s=ctx.duration_s, util=util, capacity_rps=cap, conns=conns,
@@ -216,6 +220,21 @@ draws); here, 1 request over a {ctx.duration_s:g} s run, the short flows carry
 hundreds of service times here, thousands of times more there) and this machine's scheduling
 noise (a p99 of 5-10 ms at 60% load), so `lwrr_over_capybara` here is the ratio of the busiest
 server's queue growth to that noise floor, not the paper's 149x.
+
+Migration storms (issue #7). Before 2026-11-22 19:00 UTC some Capybara points ordered hundreds
+of migrations in 12 s (689 in the 16:49 UTC run). With every order logged
+(`CAPYBARA_POLICY_LOG=1`, docs/POLICIES.md "Observability") they came from the reactive
+policy after a stall of the whole lab, when every server held hundreds of queued requests at
+once: each shed ~30 connections' queues within milliseconds to servers that held as much, and
+under Zipf 1.2 the server of the heaviest connection shed that connection with its whole
+queue; the busiest server also spent most of its orders on one-request connections. The
+policy now moves no queue when the pool is as busy, counts what a server works off at its peak
+drain rate, keeps every move (backlog ones too) within what one target can take, counting all
+recently ordered load against that one target, and leaves connections younger than 200 ms
+(docs/POLICIES.md). What remains in Zipf 1.2's p99 on this machine is mostly the first second
+of a point: the long-lived connections open together and LWRR places them by count, so one
+server can start with the two heaviest connections (~95% of its capacity) and queues until
+migrations have moved the second one off (the per-100 ms timelines in the JSON reports).
 
 {table}
 

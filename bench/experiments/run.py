@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster import MODES, Policy, ServerSpec  # noqa: E402
-from experiments import EXPERIMENTS, Context, scale  # noqa: E402
+from experiments import EXPERIMENTS, SKEW_DISTS, Context, scale  # noqa: E402
 from lab import ROOT, ExperimentError, install_signal_handlers  # noqa: E402
 
 DEFAULT_DURATION = {"skew": 12.0, "step": 8.0, "target": 8.0, "scale": 4.0}
@@ -42,6 +42,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "(e.g. proactive_threshold_pct=30,connection_cooldown_ms=5000)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--seeds", default="1,2,3", help="bench-skew and bench-target: seeds, each point is run once per seed")
+    ap.add_argument("--dists", default="",
+                    help="bench-skew: load distributions to run, comma-separated (default: all of "
+                         "uniform,zipf-0.9,zipf-1.0,zipf-1.1,zipf-1.2); to iterate on single points")
     ap.add_argument("--nice", type=int, default=-10,
                     help="niceness of every lab process (switchd, hostagents, Envoy, load generator); "
                          "negative puts them ahead of other work on a shared machine; 0 = unchanged")
@@ -65,6 +68,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--seeds {a.seeds!r}: expected numbers like 1,2,3")
     if any(n < 1 or n > 50 for n in a.sizes):
         ap.error(f"--servers {a.servers!r}: each size must be 1..=50")
+    a.dist_list = [d.strip() for d in a.dists.split(",") if d.strip()]
+    known = [d for d, _ in SKEW_DISTS]
+    if any(d not in known for d in a.dist_list):
+        ap.error(f"--dists {a.dists!r}: expected some of {','.join(known)}")
     try:
         a.policy_obj = parse_policy(a.policy)
     except ValueError as e:
@@ -112,7 +119,7 @@ def main(argv: list[str]) -> int:
         name=a.experiment, out_dir=out,
         server=ServerSpec(service_time_us=a.service_time_us, service_dist=a.service_dist),
         duration_s=a.duration or DEFAULT_DURATION[a.experiment], modes=a.modes,
-        write_docs=a.write_docs, seed=a.seed, seeds=a.seed_list, nice=a.nice, policy=a.policy_obj, command=shlex.join(["run.py", *argv]),
+        write_docs=a.write_docs, seed=a.seed, seeds=a.seed_list, dists=a.dist_list, nice=a.nice, policy=a.policy_obj, command=shlex.join(["run.py", *argv]),
     )
     start = time.monotonic()
     try:

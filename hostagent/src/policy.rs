@@ -14,9 +14,13 @@
 //!   until the switch's counts show it (it decays with the same time
 //!   constant), so one imbalance is not shed twice.
 //! - **Reactive** (§5.2): total receive-queue backlog (packets) above
-//!   `reactive_backlog_threshold` sheds the excess backlog. Backlog of
-//!   connections already ordered away is not counted again.
-//! - **Selection**: the fewest connections whose load (pps, or backlog
+//!   `reactive_backlog_threshold` sheds the rate the server cannot drain
+//!   (overloaded), or the backlog it would not work off within
+//!   [`DRAIN_HORIZON`] at its peak drain rate (draining); neither when the
+//!   switch's counts say the pool is as busy (moving queues between equally
+//!   loaded servers only requeues them). Backlog of connections already
+//!   ordered away is not counted again.
+//! - **Selection**: among connections older than [`MIN_AGE`], the fewest connections whose load (pps, or backlog
 //!   packets) covers the excess without overshooting it by more than
 //!   [`OVERSHOOT`], largest first, smaller queues first among similar loads;
 //!   if none fits, the single smallest connection that covers it (proactive:
@@ -26,7 +30,8 @@
 //!   moved again within `connection_cooldown_ms`; orders are capped at
 //!   `max_migrations_per_sec` (token bucket, burst a tenth of a second's
 //!   worth, at most [`MAX_ORDERS_PER_DECISION`] per decision); hysteresis as
-//!   above.
+//!   above; every move (rate or backlog) fits the *target headroom*, with
+//!   all the load recently ordered away counted against one target.
 
 use crate::monitor::{ConnSample, FlowHasher, ServerLoad};
 use capybara_proto::load::LoadRepr;
@@ -51,6 +56,14 @@ pub const MAX_ORDERS_PER_DECISION: usize = 64;
 pub const STALE_LOAD: Duration = Duration::from_millis(200);
 /// How long an ordered migration's backlog is assumed to be on its way out.
 pub const IN_FLIGHT: Duration = Duration::from_millis(200);
+/// A connection is a candidate only once it has been served here this
+/// long: a younger one's rate is a few packets over a partly filled window
+/// (a one-request connection reads as ~40 packets/s; 100 ms is two default
+/// rate windows), and short-lived
+/// connections close before a migration pays off. (In bench-skew most of
+/// the busiest server's orders went to such connections, many closed by
+/// the time the migration started, while its long-lived excess stayed.)
+pub const MIN_AGE: Duration = Duration::from_millis(100);
 /// Time constant of the reactive policy's arrival and drain rates (and of
 /// the decay of the rate it ordered away): long enough that a 1 ms count
 /// of a few packets does not look like overload.
@@ -58,6 +71,11 @@ pub const REACTIVE_TREND: Duration = Duration::from_millis(100);
 /// Backlog a server drains by itself within this, at its current arrival
 /// and drain rates, is not shed.
 pub const DRAIN_HORIZON: Duration = Duration::from_secs(1);
+/// How long the reactive policy remembers the fastest drain rate it saw
+/// (the application's capacity: it drains at its capacity only while its
+/// queue never empties, so the current drain rate of a server below
+/// saturation is its arrival rate, not what it can do).
+pub const CAPACITY_MEMORY: Duration = Duration::from_secs(10);
 
 /// The runtime-tunable knobs (their source of truth is the store's
 /// `Policy`; switchd forwards them in POLICY messages).
@@ -174,6 +192,9 @@ pub struct PolicyEngine {
     /// smoothed over [`REACTIVE_TREND`].
     arrival_pps: f64,
     drain_pps: f64,
+    /// The highest `drain_pps` seen, decaying over [`CAPACITY_MEMORY`]: an
+    /// estimate of how fast the application drains a backlog.
+    drain_peak: f64,
     /// Rate (segments/s) the reactive policy ordered away, decaying with
     /// [`REACTIVE_TREND`] as the rates above catch up with it.
     reactive_credit: f64,
@@ -203,6 +224,7 @@ impl PolicyEngine {
             rx_prev: None,
             arrival_pps: 0.0,
             drain_pps: 0.0,
+            drain_peak: 0.0,
             reactive_credit: 0.0,
             reactive_at: Instant::ZERO,
             stats: PolicyStats::default(),
@@ -254,6 +276,8 @@ impl PolicyEngine {
         let drain = drained.saturating_sub(d0) as f64 * 1e6 / dt;
         self.arrival_pps += a * (arrival - self.arrival_pps);
         self.drain_pps += a * (drain - self.drain_pps);
+        let keep = (-dt / CAPACITY_MEMORY.as_micros() as f64).exp();
+        self.drain_peak = (self.drain_peak * keep).max(self.drain_pps);
         self.rx_prev = Some((now, arrived, drained));
     }
 
@@ -312,7 +336,7 @@ impl PolicyEngine {
 
     fn in_cooldown(&self, now: Instant, c: &ConnSample) -> bool {
         let cd = self.tunables.connection_cooldown;
-        if c.migrated_in && c.age < cd {
+        if (c.migrated_in && c.age < cd) || c.age < MIN_AGE {
             return true;
         }
         self.moved
@@ -363,8 +387,14 @@ impl PolicyEngine {
     /// How much rate (pps) one target can take before it would itself pass
     /// the proactive threshold and shed, on the switch's fresh counts: the
     /// threshold load minus the mean load of the other servers (the
-    /// least-loaded target is at most that), counting the load this server
-    /// ordered away as theirs. `None` without fresh counts of 2+ servers.
+    /// least-loaded target is at most that), less the load this server
+    /// ordered away and the switch's counts do not show yet, all of it:
+    /// the switch sends every PREPARE to the server that is least loaded
+    /// *by its counts*, so successive orders land on the same target until
+    /// the moved load shows (spreading the ordered load over every other
+    /// server, as before 2026-11-22 19:00 UTC, let one decision after
+    /// another fill the same target past the threshold). `None` without
+    /// fresh counts of 2+ servers.
     /// Near saturation every server sits close to the threshold and the
     /// headroom shrinks to nothing, so servers stop trading connections
     /// that would only move the hot spot (the target shedding back).
@@ -377,11 +407,16 @@ impl PolicyEngine {
         }
         let decay =
             (-(now.saturating_since(self.shed_at).as_micros() as f64) / self.tau_us()).exp();
-        let own = (self.own_pps - self.shed_credit * decay).max(0.0);
         let n = f64::from(self.live_servers);
-        let others = ((self.avg_pps * n - own) / (n - 1.0)).max(0.0);
+        let others = ((self.avg_pps * n - self.own_pps) / (n - 1.0)).max(0.0);
         let upper = self.avg_pps * (1.0 + self.tunables.proactive_threshold_pct / 100.0);
-        Some((upper - others).max(0.0))
+        // Far above the pool (more than ~1.3 x the average with 4
+        // servers) half the gap to that mean is more, and a move of at
+        // most half the gap never leaves the target busier than the
+        // origin: the one connection that makes a server overloaded (two
+        // heavy ones placed together) can leave it.
+        let room = (upper - others).max((self.own_pps - others) / 2.0);
+        Some((room - self.shed_credit * decay).max(0.0))
     }
 
     /// Whether the switch's fresh counts say this server is not clearly
@@ -493,10 +528,19 @@ impl PolicyEngine {
                         self.reactive_credit = self.reactive_credit * decay + ordered;
                         self.reactive_at = now;
                     }
-                } else {
-                    let drainable = -growth * DRAIN_HORIZON.as_secs_f64();
-                    let excess = over - drainable;
+                } else if !self.pool_as_busy(now) {
+                    // What it works off within the horizon, at the rate it
+                    // drains a queue (its peak, not the current rate: below
+                    // saturation that is just the arrival rate).
+                    let spare = (self.drain_peak - self.arrival_pps).max(-growth);
+                    let excess = over - spare * DRAIN_HORIZON.as_secs_f64();
                     if excess > 0.0 {
+                        // A backlog move takes the connection's rate along:
+                        // only connections a target can take, and no more
+                        // of them than it can take in all.
+                        if let Some(h) = headroom {
+                            cands.retain(|c| c.pps <= h * (1.0 + 1e-6));
+                        }
                         select(
                             &cands,
                             |c| f64::from(c.rq_packets),
@@ -506,6 +550,18 @@ impl PolicyEngine {
                             Reason::Reactive,
                             out,
                         );
+                        if let Some(h) = headroom {
+                            let mut rate = 0.0;
+                            let keep = out[before..]
+                                .iter()
+                                .take_while(|o| {
+                                    rate += o.pps;
+                                    rate <= h * (1.0 + 1e-6)
+                                })
+                                .count();
+                            budget += out.len() - before - keep;
+                            out.truncate(before + keep);
+                        }
                     }
                 }
                 self.stats.reactive_orders += (out.len() - before) as u64;
@@ -572,6 +628,10 @@ pub struct PolicyRuntime {
     pub started: u64,
     pub refused: u64,
     pub last_orders: Vec<Order>,
+    /// Writes every order to stderr (`CAPYBARA_POLICY_LOG` set): for
+    /// diagnosing policies in the lab; orders are rare and never on the
+    /// per-packet path.
+    pub log_orders: bool,
 }
 
 /// Reactive checks happen at least this often.
@@ -590,6 +650,7 @@ impl PolicyRuntime {
             started: 0,
             refused: 0,
             last_orders: Vec::new(),
+            log_orders: std::env::var_os("CAPYBARA_POLICY_LOG").is_some(),
         }
     }
 
@@ -632,9 +693,29 @@ impl PolicyRuntime {
                 Reason::Proactive => capybara_proto::control::MigrationTrigger::Proactive,
                 Reason::Reactive => capybara_proto::control::MigrationTrigger::Reactive,
             };
-            match mig.migrate_as(now, o.flow, None, trigger) {
-                Ok(_) => started += 1,
-                Err(_) => self.refused += 1,
+            let ok = mig.migrate_as(now, o.flow, None, trigger).is_ok();
+            if ok {
+                started += 1;
+            } else {
+                self.refused += 1;
+            }
+            if self.log_orders {
+                let (own, avg) = self.engine.loads();
+                let (arrival, drain) = self.engine.rx_rates();
+                let wall = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_micros());
+                eprintln!(
+                    "hostagent: policy order wall_us={wall} now_us={} reason={:?} flow={} pps={:.0} rq={} \
+                     own={own:.0} avg={avg:.0} shedding={} backlog={} arrival={arrival:.0} drain={drain:.0} started={ok}",
+                    now.as_micros(),
+                    o.reason,
+                    o.flow,
+                    o.pps,
+                    o.rq_packets,
+                    self.engine.shedding(),
+                    totals.rx_backlog_packets,
+                );
             }
         }
         self.started += started as u64;
@@ -1173,6 +1254,109 @@ mod tests {
         }
         assert!(!out.is_empty());
         assert!(out.iter().all(|o| o.reason == Reason::Reactive));
+    }
+
+    #[test]
+    fn reactive_keeps_a_backlog_the_whole_pool_has() {
+        // After a stall of the whole lab every server holds a few hundred
+        // queued requests and drains them: moving queues between equally
+        // loaded servers only requeues them at the back of another FIFO
+        // (bench-skew: ~30 orders per server within 5 ms, uniform load).
+        let conns: Vec<_> = (0..10).map(|i| conn(i, 100.0, 24)).collect();
+        let (mut e, mut seq, mut n, mut out) = (reactive_only(), 0, (0.0, 0.0), Vec::new());
+        for k in 1..=600 {
+            feed(&mut e, &mut seq, k, 1, 4, 16, 4);
+            let backlog = if k <= 300 { 10 } else { 240 };
+            out.extend(run_rates(&mut e, (k, 1), &mut n, 1_010.0, backlog, &conns));
+        }
+        assert!(out.is_empty(), "{out:?}");
+        // The same backlog on a server clearly busier than the pool moves.
+        let (mut e, mut seq, mut n) = (reactive_only(), 0, (0.0, 0.0));
+        for k in 1..=600 {
+            feed(&mut e, &mut seq, k, 1, 6, 16, 4);
+            let backlog = if k <= 300 { 10 } else { 240 };
+            out.extend(run_rates(&mut e, (k, 1), &mut n, 1_010.0, backlog, &conns));
+        }
+        assert!(!out.is_empty());
+        assert!(out.iter().all(|o| o.reason == Reason::Reactive));
+    }
+
+    #[test]
+    fn a_backlog_move_leaves_a_connection_no_target_can_take() {
+        // The connection holding the backlog carries more than a target can
+        // take (headroom: 4,400 - 10,000 / 3 pps): moving it, queue and all,
+        // would only move the overload (bench-skew: Zipf 1.2's heaviest
+        // connection, 65 % of a server, moved with 561 queued requests).
+        let mut conns = vec![conn(1, 3_000.0, 200)];
+        conns.extend((2..7).map(|i| conn(i, 100.0, 0)));
+        let (mut e, mut seq, mut n, mut out) = (reactive_only(), 0, (0.0, 0.0), Vec::new());
+        for k in 1..=600 {
+            feed(&mut e, &mut seq, k, 1, 6, 16, 4);
+            let backlog = if k <= 300 { 10 } else { 200 };
+            out.extend(run_rates(&mut e, (k, 1), &mut n, 3_600.0, backlog, &conns));
+        }
+        assert!(out.iter().all(|o| o.flow != flow(1)), "{out:?}");
+    }
+
+    #[test]
+    fn reactive_leaves_a_backlog_the_server_drains_at_its_peak_rate() {
+        // The server drained 1,000/s while saturated; now 600/s arrive and
+        // it drains as fast (its queue empties), when a stall leaves 250
+        // queued: at its peak rate it works them off in well under the
+        // horizon, though the current drain rate says 10/s spare.
+        let busy: Vec<_> = (0..10).map(|i| conn(i, 100.0, 10)).collect();
+        let light: Vec<_> = (0..10).map(|i| conn(i, 60.0, 25)).collect();
+        let mut e = reactive_only();
+        let mut n = (0.0, 0.0);
+        assert!(run_rates(&mut e, (0, 300), &mut n, 1_000.0, 10, &busy).is_empty());
+        assert!(run_rates(&mut e, (300, 500), &mut n, 610.0, 10, &light).is_empty());
+        let out = run_rates(&mut e, (800, 100), &mut n, 610.0, 250, &light);
+        assert!(out.is_empty(), "{out:?}");
+        // A stuck application (nothing drains) still sheds.
+        let out = run_rates(&mut e, (900, 300), &mut n, 0.0, 250, &light);
+        assert!(!out.is_empty());
+    }
+
+    #[test]
+    fn young_connections_are_not_candidates() {
+        // One-request connections read ~40 packets/s over a partly filled
+        // window and close before a migration pays off.
+        let mut e = PolicyEngine::new(Tunables::default());
+        let mut seq = 0;
+        feed(&mut e, &mut seq, 200, 200, 15, 20, 2);
+        let mut young: Vec<_> = (0..20).map(|i| conn(i, 500.0, 0)).collect();
+        for c in &mut young {
+            c.age = Duration::from_millis(20);
+        }
+        let mut out = Vec::new();
+        e.decide(t(200), &ServerLoad::default(), young.clone(), &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        for c in &mut young {
+            c.age = MIN_AGE;
+        }
+        e.decide(t(201), &ServerLoad::default(), young, &mut out);
+        assert!(!out.is_empty());
+    }
+
+    #[test]
+    fn every_order_counts_against_the_one_target() {
+        // 4 servers, own 8,000 pps, average 5,000: the least-loaded target
+        // (at most 4,000) can take 2,000 without becoming busier than this
+        // server. The switch sends successive orders to that same server
+        // until its counts show them, so the next decision has no headroom
+        // left (spread over the three others, it used to shed more).
+        let mut e = PolicyEngine::new(Tunables::default());
+        let mut seq = 0;
+        feed(&mut e, &mut seq, 600, 600, 8, 20, 4);
+        let conns: Vec<_> = (0..60).map(|i| conn(i, 100.0, 0)).collect();
+        let mut out = Vec::new();
+        e.decide(t(600), &ServerLoad::default(), conns.clone(), &mut out);
+        let first: f64 = out.iter().map(|o| o.pps).sum();
+        assert!(first > 1_500.0 && first <= 2_200.0, "{first}");
+        feed(&mut e, &mut seq, 601, 1, 8, 20, 4);
+        e.decide(t(601), &ServerLoad::default(), conns, &mut out);
+        let total: f64 = out.iter().map(|o| o.pps).sum();
+        assert!(total <= 2_200.0, "{total} {out:?}");
     }
 
     #[test]
