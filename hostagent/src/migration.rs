@@ -554,8 +554,9 @@ impl Migrator {
                         let _ = self.engine.abort_out(now, id);
                         continue;
                     }
-                    let mut snap =
-                        Vec::with_capacity(tcp.snapshot_len(now, cid, app.len()).unwrap_or(256));
+                    // `export_to_vec` reserves its cheap upper bound itself
+                    // (one allocation, no sizing walk of the connection).
+                    let mut snap = Vec::new();
                     match tcp.export_to_vec(now, cid, &app, &mut snap) {
                         Ok(_) => {
                             self.by_flow.remove(&flow);

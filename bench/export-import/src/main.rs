@@ -110,8 +110,12 @@ struct Ours {
 }
 
 fn bench_ours(iterations: usize, q: usize) -> Ours {
-    let (mut a, mut id, mut now) = build_connection(q);
-    let mut b = Endpoint::new(a.config().clone());
+    let (mut a0, mut id, mut now) = build_connection(q);
+    let mut b0 = Endpoint::new(a0.config().clone());
+    // The ping-pong swaps these references, not the endpoints: moving two
+    // ~2.6 KB `Endpoint`s per iteration (as this harness did before
+    // 2026-11-22 19:00 UTC) is not export+import work.
+    let (mut a, mut b) = (&mut a0, &mut b0);
     a.set_spare_buffers(2);
     b.set_spare_buffers(2);
     let mut buf = vec![0u8; 4 * q + 1024];

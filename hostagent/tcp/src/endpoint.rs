@@ -32,6 +32,7 @@
 //! snapshot in place into a pooled entry and normally allocates nothing.
 
 use std::cmp::Reverse;
+use std::collections::hash_map::Entry::Occupied;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::net::{Ipv4Addr, SocketAddrV4};
@@ -41,7 +42,7 @@ use capybara_proto::time::Instant;
 use capybara_proto::FlowKey;
 
 use crate::config::TcpConfig;
-use crate::conn::{Connection, State};
+use crate::conn::{ConnParams, Connection, State};
 use crate::counters::Counters;
 use crate::error::{CloseReason, TcpError};
 use crate::isn::IsnGenerator;
@@ -227,6 +228,8 @@ const SPARE_BUFFERS: usize = 16;
 #[derive(Debug)]
 pub struct Endpoint {
     cfg: TcpConfig,
+    /// `ConnParams::from_config(&cfg)`, computed once for imports.
+    params: ConnParams,
     isn: IsnGenerator,
     /// Boxed: inserting and removing move a pointer, not the entry.
     conns: IdMap<Box<Entry>>,
@@ -256,6 +259,7 @@ impl Endpoint {
     pub fn new(cfg: TcpConfig) -> Self {
         Endpoint {
             isn: IsnGenerator::new(cfg.isn_key),
+            params: ConnParams::from_config(&cfg),
             cfg,
             conns: IdMap::with_capacity_and_hasher(1024, Default::default()),
             flows: capybara_proto::hash::keyed_map(1024),
@@ -511,6 +515,13 @@ impl Endpoint {
     /// Removes a connection's entry from every map (nothing is sent).
     fn take(&mut self, id: ConnId) -> Option<Box<Entry>> {
         let e = self.conns.remove(&id)?;
+        self.unlink(&e);
+        Some(e)
+    }
+
+    /// What `take` does after removing `e` from the connection map: the
+    /// listener's counts, the flow map and the timer heap.
+    fn unlink(&mut self, e: &Entry) {
         // Owned connections no longer count against their listener.
         if e.stage != Stage::Owned {
             if let Some(l) = e.listener.and_then(|p| self.listeners.get_mut(&p)) {
@@ -523,7 +534,6 @@ impl Endpoint {
         }
         self.flows.remove(&key_of(&e.conn));
         self.clean_timers();
-        Some(e)
     }
 
     /// Bytes `export` would write for this connection with `app_len` bytes
@@ -549,10 +559,14 @@ impl Endpoint {
         app_state: &[u8],
         out: &mut [u8],
     ) -> Result<usize, SnapshotError> {
-        let e = self.conns.get(&id).ok_or(SnapshotError::InvalidHandle)?;
+        // One lookup for the export and the removal.
+        let Occupied(slot) = self.conns.entry(id) else {
+            return Err(SnapshotError::InvalidHandle);
+        };
         // Straight from the connection into `out` (no `Snapshot` copy).
-        let n = snapshot::emit_connection(&e.conn, now, app_state, out)?;
-        self.finish_export(id);
+        let n = snapshot::emit_connection(&slot.get().conn, now, app_state, out)?;
+        let e = slot.remove();
+        self.finish_export(e);
         Ok(n)
     }
 
@@ -566,14 +580,20 @@ impl Endpoint {
         app_state: &[u8],
         out: &mut Vec<u8>,
     ) -> Result<usize, SnapshotError> {
-        let e = self.conns.get(&id).ok_or(SnapshotError::InvalidHandle)?;
-        let n = snapshot::append_connection(&e.conn, now, app_state, out);
-        self.finish_export(id);
+        let Occupied(slot) = self.conns.entry(id) else {
+            return Err(SnapshotError::InvalidHandle);
+        };
+        let n = snapshot::append_connection(&slot.get().conn, now, app_state, out);
+        let e = slot.remove();
+        self.finish_export(e);
         Ok(n)
     }
 
-    fn finish_export(&mut self, id: ConnId) {
-        self.remove(id);
+    /// The rest of `remove` for an exported connection's entry, already
+    /// out of the connection map.
+    fn finish_export(&mut self, e: Box<Entry>) {
+        self.unlink(&e);
+        self.recycle(e);
     }
 
     /// Migration import: validates `bytes` completely (any error leaves the
@@ -594,7 +614,7 @@ impl Endpoint {
             Some(e) => e,
             None => blank_entry(&self.cfg),
         };
-        let app_state = match snapshot::import_into(bytes, now, &self.cfg, &mut e.conn) {
+        let app_state = match snapshot::import_into(bytes, now, &self.params, &mut e.conn) {
             Ok(app) => app,
             Err(err) => {
                 self.recycle(e);
@@ -633,7 +653,11 @@ impl Endpoint {
         if let Some(l) = self.listeners.get_mut(&port) {
             l.queued += 1;
         }
-        self.clean_timers();
+        // The heap's top was live and a live entry was pushed: the top is
+        // still live, only the compaction check of `clean_timers` is left.
+        if self.timers.len() > 2 * self.conns.len() + 64 {
+            self.clean_timers();
+        }
         Ok(Imported { id, app_state })
     }
 

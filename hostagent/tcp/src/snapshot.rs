@@ -273,6 +273,34 @@ pub struct TimerSnapshot {
     pub close: Option<Duration>,
 }
 
+/// Remaining µs of each timer, in wire order (flags 19..23): what `Parts`
+/// writes and `parse_into` reads (integers: no `Duration` arithmetic,
+/// whose `as_micros` is a 128-bit division, on the export/import path).
+type TimerMicros = [Option<u64>; 5];
+
+impl TimerSnapshot {
+    fn micros(&self) -> TimerMicros {
+        let us = |d: Option<Duration>| d.map(|d| d.as_micros() as u64);
+        [
+            us(self.retransmit),
+            us(self.persist),
+            us(self.delayed_ack),
+            us(self.keepalive),
+            us(self.close),
+        ]
+    }
+    fn from_micros(t: &TimerMicros) -> TimerSnapshot {
+        let d = |us: Option<u64>| us.map(Duration::from_micros);
+        TimerSnapshot {
+            retransmit: d(t[0]),
+            persist: d(t[1]),
+            delayed_ack: d(t[2]),
+            keepalive: d(t[3]),
+            close: d(t[4]),
+        }
+    }
+}
+
 impl Chunks<'_> {
     /// Same bytes, wherever the ring split them.
     fn same_bytes(&self, o: &Chunks<'_>) -> bool {
@@ -434,7 +462,7 @@ impl<'a> Reader<'a> {
     fn u8(&mut self, f: &'static str) -> Result<u8> {
         Ok(self.take::<1>(f)?[0])
     }
-    #[inline(always)]
+    #[cfg(test)]
     fn u16(&mut self, f: &'static str) -> Result<u16> {
         Ok(u16::from_be_bytes(self.take(f)?))
     }
@@ -462,22 +490,14 @@ impl<'a> Reader<'a> {
         }
         Ok(v)
     }
+    /// A duration (µs) present only when its flag is set.
     #[inline(always)]
-    fn micros(&mut self, f: &'static str) -> Result<Duration> {
-        Ok(Duration::from_micros(self.u64_max(f, MAX_MICROS)?))
-    }
-    /// A duration present only when its flag is set.
-    #[inline(always)]
-    fn opt_micros(&mut self, present: bool, f: &'static str) -> Result<Option<Duration>> {
+    fn opt_micros(&mut self, present: bool, f: &'static str) -> Result<Option<u64>> {
         if present {
-            Ok(Some(self.micros(f)?))
+            Ok(Some(self.u64_max(f, MAX_MICROS)?))
         } else {
             Ok(None)
         }
-    }
-    #[inline(always)]
-    fn count(&mut self, f: &'static str) -> Result<u32> {
-        self.u32_max(f, MAX_COUNT)
     }
     /// A length (u32, below 2^31) and that many bytes.
     #[inline(always)]
@@ -494,6 +514,30 @@ impl<'a> Reader<'a> {
         self.pos += n;
         Ok(s)
     }
+}
+
+/// Big-endian integers at constant offsets of a block read with one
+/// bounds check (`Reader::take`); inlined, the offsets need no check.
+#[inline(always)]
+fn be16<const N: usize>(b: &[u8; N], at: usize) -> u16 {
+    u16::from_be_bytes([b[at], b[at + 1]])
+}
+#[inline(always)]
+fn be32<const N: usize>(b: &[u8; N], at: usize) -> u32 {
+    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+#[inline(always)]
+fn be64<const N: usize>(b: &[u8; N], at: usize) -> u64 {
+    (u64::from(be32(b, at)) << 32) | u64::from(be32(b, at + 4))
+}
+
+/// `v` if at most `max`, else `Invalid` naming `f`.
+#[inline(always)]
+fn at_most<T: PartialOrd>(v: T, max: T, f: &'static str) -> Result<T> {
+    if v > max {
+        return Err(invalid(f, "value out of range"));
+    }
+    Ok(v)
 }
 
 /// Receives the variable part in wire order (see `Parts::walk`).
@@ -610,12 +654,13 @@ struct Parts<'s> {
     ts_recent: u32,
     /// Only the estimator values and backoff are read (not `timed`).
     rtt: &'s RttEstimator,
-    rtt_timed: Option<(SeqNum, Duration)>,
+    /// The timed segment's end and age (µs).
+    rtt_timed: Option<(SeqNum, u64)>,
     cc: &'s Congestion,
     sack: &'s Scoreboard,
     fin: FinState,
     ack: &'s AckState,
-    timers: TimerSnapshot,
+    timers: TimerMicros,
     pending: &'s Pending,
     retries: &'s Retries,
     want_writable: bool,
@@ -648,7 +693,7 @@ fn ooo_chunk<'s>(ooo: &Assembler, data: OooData<'s>, i: usize) -> Chunks<'s> {
 
 impl<'s> Parts<'s> {
     /// `conn` at `now`, as `Snapshot::capture` sees it, without copying it.
-    #[inline]
+    #[inline(always)]
     fn of_connection(conn: &'s Connection, now: Instant, app: &'s [u8]) -> Parts<'s> {
         let (ta, tb) = conn.tx.slices(0, conn.tx.len());
         let (ra, rb) = conn.rx.slices(0, conn.rx.len());
@@ -664,18 +709,18 @@ impl<'s> Parts<'s> {
             tsval: conn.ts_now(now),
             ts_recent: conn.ts.recent,
             rtt: &conn.rtt,
-            rtt_timed: rtt_age(conn, now),
+            rtt_timed: rtt_age_us(conn, now),
             cc: &conn.cc,
             sack: &conn.sack,
             fin: conn.fin,
             ack: &conn.ack,
-            timers: TimerSnapshot {
-                retransmit: remaining(t.retransmit, now),
-                persist: remaining(t.persist, now),
-                delayed_ack: remaining(t.delayed_ack, now),
-                keepalive: remaining(t.keepalive, now),
-                close: remaining(t.close, now),
-            },
+            timers: [
+                remaining_us(t.retransmit, now),
+                remaining_us(t.persist, now),
+                remaining_us(t.delayed_ack, now),
+                remaining_us(t.keepalive, now),
+                remaining_us(t.close, now),
+            ],
             pending: &conn.pending,
             retries: &conn.retries,
             want_writable: conn.want_writable,
@@ -703,13 +748,11 @@ impl<'s> Parts<'s> {
             != 0
     }
 
+    #[inline(always)]
     fn flags(&self) -> u32 {
         let mut f = 0;
-        let mut set = |bit: u32, on: bool| {
-            if on {
-                f |= bit
-            }
-        };
+        // Branch-free: every bit is `on` times its value.
+        let mut set = |bit: u32, on: bool| f |= bit * u32::from(on);
         set(flag::SACK, self.opts.sack);
         set(flag::TIMESTAMPS, self.opts.timestamps);
         set(flag::WINDOW_SCALE, self.opts.window_scale);
@@ -729,98 +772,128 @@ impl<'s> Parts<'s> {
         set(flag::HAS_LAST_OOO, self.ack.last_ooo.is_some());
         set(flag::HAS_RST_REPLY, self.pending.rst_reply.is_some());
         set(flag::HAS_KEEPALIVE, self.keepalive.is_some());
-        set(flag::TIMER_RETRANSMIT, self.timers.retransmit.is_some());
-        set(flag::TIMER_PERSIST, self.timers.persist.is_some());
-        set(flag::TIMER_DELAYED_ACK, self.timers.delayed_ack.is_some());
-        set(flag::TIMER_KEEPALIVE, self.timers.keepalive.is_some());
-        set(flag::TIMER_CLOSE, self.timers.close.is_some());
+        set(flag::TIMER_RETRANSMIT, self.timers[0].is_some());
+        set(flag::TIMER_PERSIST, self.timers[1].is_some());
+        set(flag::TIMER_DELAYED_ACK, self.timers[2].is_some());
+        set(flag::TIMER_KEEPALIVE, self.timers[3].is_some());
+        set(flag::TIMER_CLOSE, self.timers[4].is_some());
         set(flag::HAS_COUNTERS, self.has_counters());
         f
     }
 
     /// Calls `put` with every variable-part integer in wire order, and
     /// `raw` with every byte run. `emit` and `buffer_len` share it so the
-    /// two can never disagree.
+    /// two can never disagree. `flags`: `self.flags()` (computed once per
+    /// export, for the header and here).
     #[inline(always)]
-    fn walk<S: Sink>(&self, out: &mut S) {
+    fn walk<S: Sink>(&self, flags: u32, out: &mut S) {
         let (snd, rcv) = (&self.snd, &self.rcv);
         let una = snd.una;
-        out.put(off(una, snd.iss));
-        out.put(off(snd.nxt, una));
-        out.put(off(snd.max, una));
-        out.put(snd.wnd.to_be_bytes());
-        out.put(snd.max_wnd.to_be_bytes());
-        out.put(off(snd.wl1, rcv.nxt));
-        out.put(off(snd.wl2, una));
-        out.put([(snd.wscale << 4) | (rcv.wscale & 0x0f)]);
-        out.put(snd.smss.to_be_bytes());
-        out.put(rcv.mss.to_be_bytes());
-        out.put(off(rcv.nxt, rcv.irs));
-        out.put(off(rcv.adv_right, rcv.nxt));
+        // Runs of always-present fields go out as one block each (one
+        // bounds check per block, as `parse_into` reads them).
+        let mut a = [0u8; 41]; // #1-#12
+        a[0..4].copy_from_slice(&off(una, snd.iss));
+        a[4..8].copy_from_slice(&off(snd.nxt, una));
+        a[8..12].copy_from_slice(&off(snd.max, una));
+        a[12..16].copy_from_slice(&snd.wnd.to_be_bytes());
+        a[16..20].copy_from_slice(&snd.max_wnd.to_be_bytes());
+        a[20..24].copy_from_slice(&off(snd.wl1, rcv.nxt));
+        a[24..28].copy_from_slice(&off(snd.wl2, una));
+        a[28] = (snd.wscale << 4) | (rcv.wscale & 0x0f);
+        a[29..31].copy_from_slice(&snd.smss.to_be_bytes());
+        a[31..33].copy_from_slice(&rcv.mss.to_be_bytes());
+        a[33..37].copy_from_slice(&off(rcv.nxt, rcv.irs));
+        a[37..41].copy_from_slice(&off(rcv.adv_right, rcv.nxt));
+        out.put(a);
         if let Some(f) = rcv.fin_seq {
             out.put(off(f, rcv.nxt));
         }
-        out.put(self.rtt.srtt_us.to_be_bytes());
-        out.put(self.rtt.rttvar_us.to_be_bytes());
-        out.put(self.rtt.rto_us.to_be_bytes());
+        let mut b = [0u8; 24]; // #14-#16
+        b[0..8].copy_from_slice(&self.rtt.srtt_us.to_be_bytes());
+        b[8..16].copy_from_slice(&self.rtt.rttvar_us.to_be_bytes());
+        b[16..24].copy_from_slice(&self.rtt.rto_us.to_be_bytes());
+        out.put(b);
         if let Some((end, age)) = self.rtt_timed {
-            out.put(off(end, una));
-            out.put((age.as_micros() as u64).to_be_bytes());
+            let mut t = [0u8; 12];
+            t[0..4].copy_from_slice(&off(end, una));
+            t[4..12].copy_from_slice(&age.to_be_bytes());
+            out.put(t);
         }
         let cc = &self.cc;
         out.put(cc.cwnd.to_be_bytes());
         if cc.ssthresh != u32::MAX {
             out.put(cc.ssthresh.to_be_bytes());
         }
-        out.put(off(cc.recover, una));
-        out.put(cc.ca_acked.to_be_bytes());
-        out.put(off(cc.rexmit_next, una));
         let blocks = self.sack.blocks();
-        out.put([blocks.len() as u8]);
+        let mut d = [0u8; 13]; // #20-#23
+        d[0..4].copy_from_slice(&off(cc.recover, una));
+        d[4..8].copy_from_slice(&cc.ca_acked.to_be_bytes());
+        d[8..12].copy_from_slice(&off(cc.rexmit_next, una));
+        d[12] = blocks.len() as u8;
+        out.put(d);
         for &(s, e) in blocks {
-            out.put(off(s, una));
-            out.put(off(e, s));
+            let mut k = [0u8; 8];
+            k[0..4].copy_from_slice(&off(s, una));
+            k[4..8].copy_from_slice(&off(e, s));
+            out.put(k);
         }
-        out.put(self.ack.unacked_bytes.to_be_bytes());
-        out.put(off(self.ack.last_sent, rcv.nxt));
+        let mut e = [0u8; 8]; // #25-#26
+        e[0..4].copy_from_slice(&self.ack.unacked_bytes.to_be_bytes());
+        e[4..8].copy_from_slice(&off(self.ack.last_sent, rcv.nxt));
+        out.put(e);
         if let Some((l, r)) = self.ack.last_ooo {
-            out.put(off(l, rcv.nxt));
-            out.put(off(r, l));
+            let mut o = [0u8; 8];
+            o[0..4].copy_from_slice(&off(l, rcv.nxt));
+            o[4..8].copy_from_slice(&off(r, l));
+            out.put(o);
         }
-        let t = &self.timers;
-        for d in [t.retransmit, t.persist, t.delayed_ack, t.keepalive, t.close]
-            .into_iter()
-            .flatten()
-        {
-            out.put((d.as_micros() as u64).to_be_bytes());
+        for us in self.timers.into_iter().flatten() {
+            out.put(us.to_be_bytes());
         }
         if let Some(seq) = self.pending.rst_reply {
             out.put(seq.0.to_be_bytes());
         }
-        if self.has_counters() {
-            out.put(self.rtt.backoff.to_be_bytes());
-            out.put(cc.dup_acks.to_be_bytes());
-            out.put(self.ack.dup_pending.to_be_bytes());
-            out.put(self.retries.rto.to_be_bytes());
-            out.put(self.retries.persist.to_be_bytes());
-            out.put(self.retries.keepalive.to_be_bytes());
+        if flags & flag::HAS_COUNTERS != 0 {
+            let r = &self.retries;
+            let mut k = [0u8; 24];
+            for (i, v) in [
+                self.rtt.backoff,
+                cc.dup_acks,
+                self.ack.dup_pending,
+                r.rto,
+                r.persist,
+                r.keepalive,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                k[4 * i..4 * i + 4].copy_from_slice(&v.to_be_bytes());
+            }
+            out.put(k);
         }
         if let Some(ka) = self.keepalive {
-            out.put((ka.idle.as_micros() as u64).to_be_bytes());
-            out.put((ka.interval.as_micros() as u64).to_be_bytes());
-            out.put(ka.probes.to_be_bytes());
+            let mut k = [0u8; 20];
+            k[0..8].copy_from_slice(&(ka.idle.as_micros() as u64).to_be_bytes());
+            k[8..16].copy_from_slice(&(ka.interval.as_micros() as u64).to_be_bytes());
+            k[16..20].copy_from_slice(&ka.probes.to_be_bytes());
+            out.put(k);
         }
         let st = &self.stats;
-        for v in [
+        let mut g = [0u8; 44]; // #32 and the send queue's length
+        for (i, v) in [
             st.segments_in,
             st.segments_out,
             st.retransmits,
             st.bytes_acked,
             st.bytes_received,
-        ] {
-            out.put(v.to_be_bytes());
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            g[8 * i..8 * i + 8].copy_from_slice(&v.to_be_bytes());
         }
-        out.put((self.tx.len() as u32).to_be_bytes());
+        g[40..44].copy_from_slice(&(self.tx.len() as u32).to_be_bytes());
+        out.put(g);
         out.raw(self.tx.0);
         out.raw(self.tx.1);
         out.put((self.rx.len() as u32).to_be_bytes());
@@ -842,7 +915,7 @@ impl<'s> Parts<'s> {
     /// Bytes `emit` writes.
     fn buffer_len(&self) -> usize {
         let mut c = Counter(HEADER_LEN);
-        self.walk(&mut c);
+        self.walk(self.flags(), &mut c);
         c.0
     }
 
@@ -869,7 +942,10 @@ impl<'s> Parts<'s> {
     }
 
     /// Writes the snapshot into `buf`; returns the bytes written. Only the
-    /// first (returned) bytes of `buf` are written.
+    /// first (returned) bytes of `buf` are written. Inlined, so that the
+    /// export reads the connection's fields in place instead of building
+    /// `Parts` in memory first.
+    #[inline(always)]
     fn emit(&self, buf: &mut [u8]) -> Result<usize> {
         // A buffer of `max_len` bytes needs no exact sizing walk first.
         if buf.len() < self.max_len() {
@@ -885,13 +961,15 @@ impl<'s> Parts<'s> {
     }
 
     /// `emit` into a buffer known to hold `buffer_len()` bytes.
+    #[inline(always)]
     fn write(&self, buf: &mut [u8]) -> usize {
-        self.header(&mut buf[..HEADER_LEN]);
+        let flags = self.flags();
+        self.header(flags, &mut buf[..HEADER_LEN]);
         let mut w = Writer {
             buf,
             pos: HEADER_LEN,
         };
-        self.walk(&mut w);
+        self.walk(flags, &mut w);
         w.pos
     }
 
@@ -902,16 +980,16 @@ impl<'s> Parts<'s> {
         let start = out.len();
         out.reserve(self.max_len());
         let mut h = [0u8; HEADER_LEN];
-        self.header(&mut h);
+        let flags = self.flags();
+        self.header(flags, &mut h);
         out.extend_from_slice(&h);
-        self.walk(out);
+        self.walk(flags, out);
         out.len() - start
     }
 
     /// Writes the fixed header into `h` (`HEADER_LEN` bytes).
     #[inline(always)]
-    fn header(&self, h: &mut [u8]) {
-        let flags = self.flags();
+    fn header(&self, flags: u32, h: &mut [u8]) {
         h[field::VERSION] = VERSION;
         h[field::STATE] = state_code(self.state) | (reason_code(self.close_reason) << 4);
         h[field::FLAGS].copy_from_slice(&flags.to_be_bytes());
@@ -928,11 +1006,18 @@ impl<'s> Parts<'s> {
 
 /// The timed RTT segment's end and age at `now`.
 fn rtt_age(conn: &Connection, now: Instant) -> Option<(SeqNum, Duration)> {
+    rtt_age_us(conn, now).map(|(end, us)| (end, Duration::from_micros(us)))
+}
+
+/// `rtt_age` in µs.
+#[inline(always)]
+fn rtt_age_us(conn: &Connection, now: Instant) -> Option<(SeqNum, u64)> {
     conn.rtt.timed.map(|(end, sent)| {
         (
             end,
-            now.saturating_since(sent)
-                .min(Duration::from_micros(MAX_MICROS)),
+            now.as_micros()
+                .saturating_sub(sent.as_micros())
+                .min(MAX_MICROS),
         )
     })
 }
@@ -966,9 +1051,16 @@ pub(crate) fn append_connection(
 
 /// Remaining time of a timer at `now` (zero when already due).
 fn remaining(t: Option<Instant>, now: Instant) -> Option<Duration> {
+    remaining_us(t, now).map(Duration::from_micros)
+}
+
+/// `remaining` in µs.
+#[inline(always)]
+fn remaining_us(t: Option<Instant>, now: Instant) -> Option<u64> {
     t.map(|t| {
-        t.saturating_since(now)
-            .min(Duration::from_micros(MAX_MICROS))
+        t.as_micros()
+            .saturating_sub(now.as_micros())
+            .min(MAX_MICROS)
     })
 }
 
@@ -1039,12 +1131,12 @@ impl<'a> Snapshot<'a> {
             tsval: self.tsval,
             ts_recent: self.ts_recent,
             rtt: &self.rtt,
-            rtt_timed: self.rtt_timed,
+            rtt_timed: self.rtt_timed.map(|(e, d)| (e, d.as_micros() as u64)),
             cc: &self.cc,
             sack: &self.sack,
             fin: self.fin,
             ack: &self.ack,
-            timers: self.timers,
+            timers: self.timers.micros(),
             pending: &self.pending,
             retries: &self.retries,
             want_writable: self.want_writable,
@@ -1104,12 +1196,12 @@ impl<'a> Snapshot<'a> {
             tsval: w.tsval,
             ts_recent: w.ts_recent,
             rtt: c.rtt,
-            rtt_timed: w.rtt_timed,
+            rtt_timed: w.rtt_timed.map(|(e, us)| (e, Duration::from_micros(us))),
             cc: c.cc,
             sack: c.sack,
             fin: c.fin,
             ack: c.ack,
-            timers: w.timers,
+            timers: TimerSnapshot::from_micros(&w.timers),
             pending: c.pending,
             retries: c.retries,
             want_writable: c.want_writable,
@@ -1284,14 +1376,14 @@ impl<'a> Snapshot<'a> {
     fn rebased(&self, now: Instant, cfg: &TcpConfig) -> Rebased {
         rebase(
             now,
-            cfg,
+            &ConnParams::from_config(cfg),
             self.keepalive,
             self.rcv.mss,
             self.rtt,
-            self.rtt_timed,
+            self.rtt_timed.map(|(e, d)| (e, d.as_micros() as u64)),
             self.tsval,
             self.ts_recent,
-            &self.timers,
+            &self.timers.micros(),
         )
     }
 }
@@ -1301,8 +1393,9 @@ impl<'a> Snapshot<'a> {
 struct Wire<'a> {
     tsval: u32,
     ts_recent: u32,
-    rtt_timed: Option<(SeqNum, Duration)>,
-    timers: TimerSnapshot,
+    /// The timed segment's end and age (µs).
+    rtt_timed: Option<(SeqNum, u64)>,
+    timers: TimerMicros,
     keepalive: Option<KeepAlive>,
     tx: &'a [u8],
     rx: &'a [u8],
@@ -1321,11 +1414,15 @@ struct Wire<'a> {
 /// scratch or pooled connection, never into a live one.
 #[inline(always)]
 fn parse_into<'a>(bytes: &'a [u8], c: &mut Connection) -> Result<Wire<'a>> {
-    let view = SnapshotView::new_checked(bytes)?;
+    SnapshotView::new_checked(bytes)?;
     if bytes.len() > u32::MAX as usize {
         return Err(invalid("snapshot", "longer than 4 GiB"));
     }
-    let sb = view.state_byte();
+    // The fixed header as one block (`new_checked` checked its length).
+    let h: &[u8; HEADER_LEN] = bytes
+        .first_chunk()
+        .ok_or(SnapshotError::Truncated("header"))?;
+    let sb = h[field::STATE];
     let state = match sb & 0x0f {
         0 => State::Closed,
         1 => State::SynSent,
@@ -1347,54 +1444,62 @@ fn parse_into<'a>(bytes: &'a [u8], c: &mut Connection) -> Result<Wire<'a>> {
             "present exactly when the state is CLOSED",
         ));
     }
-    let f = view.flags();
+    let f = be32(h, field::FLAGS.start);
     if f & flag::RESERVED != 0 {
         return Err(invalid("flags", "reserved bit set"));
     }
     let has = |bit: u32| f & bit != 0;
-    let local = view.local();
-    let remote = view.remote();
+    let local = SocketAddrV4::new(
+        Ipv4Addr::from(be32(h, field::LOCAL_IP.start)),
+        be16(h, field::LOCAL_PORT.start),
+    );
+    let remote = SocketAddrV4::new(
+        Ipv4Addr::from(be32(h, field::REMOTE_IP.start)),
+        be16(h, field::REMOTE_PORT.start),
+    );
     if local.port() == 0 || remote.port() == 0 {
         return Err(invalid("local_port/remote_port", "port 0"));
     }
-    let una = view.snd_una();
-    let rcv_nxt = view.rcv_nxt();
+    let una = SeqNum(be32(h, field::SND_UNA.start));
+    let rcv_nxt = SeqNum(be32(h, field::RCV_NXT.start));
 
     let mut r = Reader {
         buf: bytes,
         pos: HEADER_LEN,
     };
-    let iss = una.sub(r.u32("snd.una-iss")?);
-    let nxt_off = r.u32("snd.nxt-una")?;
-    let max_off = r.u32("snd.max-una")?;
+    // #1-#12: always present, read as one block (one bounds check).
+    let a: [u8; 41] = r.take("snd.una-iss..rcv.adv_right-nxt")?;
+    let iss = una.sub(be32(&a, 0));
+    let nxt_off = be32(&a, 4);
+    let max_off = be32(&a, 8);
     if nxt_off > max_off || max_off > i32::MAX as u32 {
         return Err(invalid(
             "snd.nxt-una",
             "SND.NXT must lie in [SND.UNA, SND.MAX]",
         ));
     }
-    let wnd = r.u32("snd.wnd")?;
-    let max_wnd = r.u32("snd.max_wnd")?;
+    let wnd = be32(&a, 12);
+    let max_wnd = be32(&a, 16);
     if max_wnd < wnd {
         return Err(invalid("snd.max_wnd", "below snd.wnd"));
     }
-    let wl1 = rcv_nxt.add(r.u32("snd.wl1-rcv.nxt")?);
-    let wl2 = una.add(r.u32("snd.wl2-una")?);
-    let ws = r.u8("wscale")?;
+    let wl1 = rcv_nxt.add(be32(&a, 20));
+    let wl2 = una.add(be32(&a, 24));
+    let ws = a[28];
     let (snd_ws, rcv_ws) = (ws >> 4, ws & 0x0f);
     if snd_ws > 14 || rcv_ws > 14 {
         return Err(invalid("wscale", "window scale above 14 (RFC 7323)"));
     }
-    let smss = r.u16("snd.smss")?;
+    let smss = be16(&a, 29);
     if smss == 0 {
         return Err(invalid("snd.smss", "zero"));
     }
-    let mss = r.u16("rcv.mss")?;
+    let mss = be16(&a, 31);
     if mss < 64 {
         return Err(invalid("rcv.mss", "below 64"));
     }
-    let irs = rcv_nxt.sub(r.u32("rcv.nxt-irs")?);
-    let adv_right = rcv_nxt.add(r.u32("rcv.adv_right-nxt")?);
+    let irs = rcv_nxt.sub(be32(&a, 33));
+    let adv_right = rcv_nxt.add(be32(&a, 37));
     let fin_seq = if has(flag::HAS_FIN_SEQ) {
         Some(rcv_nxt.add(r.u32("rcv.fin_seq")?))
     } else {
@@ -1429,17 +1534,20 @@ fn parse_into<'a>(bytes: &'a [u8], c: &mut Connection) -> Result<Wire<'a>> {
         mss,
     };
 
+    // #14-#16, then #18 (cwnd) right after unless #17 is present.
+    let b: [u8; 24] = r.take("rtt.srtt_us..rtt.rto_us")?;
     c.rtt = RttEstimator {
-        srtt_us: r.u64_max("rtt.srtt_us", MAX_MICROS)?,
-        rttvar_us: r.u64_max("rtt.rttvar_us", MAX_MICROS)?,
-        rto_us: r.u64_max("rtt.rto_us", MAX_MICROS)?,
+        srtt_us: at_most(be64(&b, 0), MAX_MICROS, "rtt.srtt_us")?,
+        rttvar_us: at_most(be64(&b, 8), MAX_MICROS, "rtt.rttvar_us")?,
+        rto_us: at_most(be64(&b, 16), MAX_MICROS, "rtt.rto_us")?,
         backoff: 0,
         has_sample: has(flag::RTT_HAS_SAMPLE),
         timed: None,
     };
     let rtt_timed = if has(flag::HAS_RTT_TIMED) {
-        let end = una.add(r.u32("rtt.timed.end")?);
-        Some((end, r.micros("rtt.timed.age")?))
+        let t: [u8; 12] = r.take("rtt.timed")?;
+        let end = una.add(be32(&t, 0));
+        Some((end, at_most(be64(&t, 4), MAX_MICROS, "rtt.timed.age")?))
     } else {
         None
     };
@@ -1453,26 +1561,28 @@ fn parse_into<'a>(bytes: &'a [u8], c: &mut Connection) -> Result<Wire<'a>> {
     } else {
         r.u32("cc.ssthresh")?
     };
+    // #20-#23 as one block.
+    let d: [u8; 13] = r.take("cc.recover..sack.count")?;
     c.cc = Congestion {
         cwnd,
         ssthresh,
         dup_acks: 0,
-        recover: una.add(r.u32("cc.recover")?),
+        recover: una.add(be32(&d, 0)),
         in_recovery: has(flag::IN_RECOVERY),
-        ca_acked: r.u32("cc.ca_acked")?,
+        ca_acked: be32(&d, 4),
         fast_retransmit: has(flag::FAST_RETRANSMIT),
-        rexmit_next: una.add(r.u32("cc.rexmit_next")?),
+        rexmit_next: una.add(be32(&d, 8)),
     };
 
-    let n = r.u8("sack.count")? as usize;
+    let n = d[12] as usize;
     if n > MAX_SCOREBOARD {
         return Err(invalid("sack.count", "value out of range"));
     }
     c.sack.clear();
     let mut prev = 0u32; // end offset of the previous block from SND.UNA
     for i in 0..n {
-        let s = r.u32("sack.block.start")?;
-        let len = r.u32("sack.block.len")?;
+        let blk: [u8; 8] = r.take("sack.block")?;
+        let (s, len) = (be32(&blk, 0), be32(&blk, 4));
         let e = s
             .checked_add(len)
             .ok_or(invalid("sack.block.len", "overflow"))?;
@@ -1491,11 +1601,13 @@ fn parse_into<'a>(bytes: &'a [u8], c: &mut Connection) -> Result<Wire<'a>> {
         prev = e;
     }
 
-    let unacked_bytes = r.u32("ack.unacked_bytes")?;
-    let last_sent = rcv_nxt.add(r.u32("ack.last_sent")?);
+    let e: [u8; 8] = r.take("ack.unacked_bytes..ack.last_sent")?;
+    let unacked_bytes = be32(&e, 0);
+    let last_sent = rcv_nxt.add(be32(&e, 4));
     let last_ooo = if has(flag::HAS_LAST_OOO) {
-        let l = rcv_nxt.add(r.u32("ack.last_ooo.start")?);
-        let len = r.u32("ack.last_ooo.len")?;
+        let o: [u8; 8] = r.take("ack.last_ooo")?;
+        let l = rcv_nxt.add(be32(&o, 0));
+        let len = be32(&o, 4);
         if len == 0 || len > i32::MAX as u32 {
             return Err(invalid("ack.last_ooo.len", "out of range"));
         }
@@ -1511,13 +1623,13 @@ fn parse_into<'a>(bytes: &'a [u8], c: &mut Connection) -> Result<Wire<'a>> {
         dup_pending: 0,
     };
 
-    let timers = TimerSnapshot {
-        retransmit: r.opt_micros(has(flag::TIMER_RETRANSMIT), "timers.retransmit")?,
-        persist: r.opt_micros(has(flag::TIMER_PERSIST), "timers.persist")?,
-        delayed_ack: r.opt_micros(has(flag::TIMER_DELAYED_ACK), "timers.delayed_ack")?,
-        keepalive: r.opt_micros(has(flag::TIMER_KEEPALIVE), "timers.keepalive")?,
-        close: r.opt_micros(has(flag::TIMER_CLOSE), "timers.close")?,
-    };
+    let timers = [
+        r.opt_micros(has(flag::TIMER_RETRANSMIT), "timers.retransmit")?,
+        r.opt_micros(has(flag::TIMER_PERSIST), "timers.persist")?,
+        r.opt_micros(has(flag::TIMER_DELAYED_ACK), "timers.delayed_ack")?,
+        r.opt_micros(has(flag::TIMER_KEEPALIVE), "timers.keepalive")?,
+        r.opt_micros(has(flag::TIMER_CLOSE), "timers.close")?,
+    ];
     let rst_reply = if has(flag::HAS_RST_REPLY) {
         Some(SeqNum(r.u32("pending.rst_reply")?))
     } else {
@@ -1530,13 +1642,14 @@ fn parse_into<'a>(bytes: &'a [u8], c: &mut Connection) -> Result<Wire<'a>> {
     };
     c.retries = Retries::default();
     if has(flag::HAS_COUNTERS) {
-        c.rtt.backoff = r.count("rtt.backoff")?;
-        c.cc.dup_acks = r.count("cc.dup_acks")?;
-        c.ack.dup_pending = r.u32_max("ack.dup_pending", 16)?;
+        let k: [u8; 24] = r.take("counters")?;
+        c.rtt.backoff = at_most(be32(&k, 0), MAX_COUNT, "rtt.backoff")?;
+        c.cc.dup_acks = at_most(be32(&k, 4), MAX_COUNT, "cc.dup_acks")?;
+        c.ack.dup_pending = at_most(be32(&k, 8), 16, "ack.dup_pending")?;
         let rt = &mut c.retries;
-        rt.rto = r.count("retries.rto")?;
-        rt.persist = r.count("retries.persist")?;
-        rt.keepalive = r.count("retries.keepalive")?;
+        rt.rto = at_most(be32(&k, 12), MAX_COUNT, "retries.rto")?;
+        rt.persist = at_most(be32(&k, 16), MAX_COUNT, "retries.persist")?;
+        rt.keepalive = at_most(be32(&k, 20), MAX_COUNT, "retries.keepalive")?;
         if (c.rtt.backoff | c.cc.dup_acks | c.ack.dup_pending | rt.rto | rt.persist | rt.keepalive)
             == 0
         {
@@ -1547,23 +1660,28 @@ fn parse_into<'a>(bytes: &'a [u8], c: &mut Connection) -> Result<Wire<'a>> {
         }
     }
     let keepalive = if has(flag::HAS_KEEPALIVE) {
+        let k: [u8; 20] = r.take("keepalive")?;
+        let us = |at, f| at_most(be64(&k, at), MAX_MICROS, f).map(Duration::from_micros);
         Some(KeepAlive {
-            idle: r.micros("keepalive.idle")?,
-            interval: r.micros("keepalive.interval")?,
-            probes: r.count("keepalive.probes")?,
+            idle: us(0, "keepalive.idle")?,
+            interval: us(8, "keepalive.interval")?,
+            probes: at_most(be32(&k, 16), MAX_COUNT, "keepalive.probes")?,
         })
     } else {
         None
     };
+    // #32 and the send queue's length (#33) as one block.
+    let g: [u8; 44] = r.take("stats..tx.len")?;
     c.stats = ConnStats {
-        segments_in: r.u64_max("stats.segments_in", MAX_STAT)?,
-        segments_out: r.u64_max("stats.segments_out", MAX_STAT)?,
-        retransmits: r.u64_max("stats.retransmits", MAX_STAT)?,
-        bytes_acked: r.u64_max("stats.bytes_acked", MAX_STAT)?,
-        bytes_received: r.u64_max("stats.bytes_received", MAX_STAT)?,
+        segments_in: at_most(be64(&g, 0), MAX_STAT, "stats.segments_in")?,
+        segments_out: at_most(be64(&g, 8), MAX_STAT, "stats.segments_out")?,
+        retransmits: at_most(be64(&g, 16), MAX_STAT, "stats.retransmits")?,
+        bytes_acked: at_most(be64(&g, 24), MAX_STAT, "stats.bytes_acked")?,
+        bytes_received: at_most(be64(&g, 32), MAX_STAT, "stats.bytes_received")?,
     };
 
-    let tx = r.len_bytes("tx.len", "tx.bytes")?;
+    let tx_n = at_most(be32(&g, 40), i32::MAX as u32, "tx.len")?;
+    let tx = r.bytes(tx_n as usize, "tx.bytes")?;
     let tx_len = tx.len();
     let rx = r.len_bytes("rx.len", "rx.bytes")?;
     let rx_len = rx.len();
@@ -1648,8 +1766,8 @@ fn parse_into<'a>(bytes: &'a [u8], c: &mut Connection) -> Result<Wire<'a>> {
     c.fin = fin;
     c.want_writable = has(flag::WANT_WRITABLE);
     Ok(Wire {
-        tsval: view.tsval(),
-        ts_recent: view.ts_recent(),
+        tsval: be32(h, field::TSVAL.start),
+        ts_recent: be32(h, field::TS_RECENT.start),
         rtt_timed,
         timers,
         keepalive,
@@ -1664,13 +1782,14 @@ fn parse_into<'a>(bytes: &'a [u8], c: &mut Connection) -> Result<Wire<'a>> {
 /// (a pooled connection: every field is overwritten, its queue buffers are
 /// reused), then copies the queues into its rings and re-bases it on this
 /// host at `now` (as `Snapshot::restore_into`, without the intermediate
-/// `Snapshot`). Returns where the application state lies in `bytes`. A
+/// `Snapshot`). `params`: `ConnParams::from_config` of the importer's
+/// `TcpConfig` (the endpoint computes it once). Returns where the application state lies in `bytes`. A
 /// snapshot whose queues do not fit `c`'s rings is `QueueTooLarge`. On
 /// error `c` is left half-written (still a valid pool entry).
 pub(crate) fn import_into(
     bytes: &[u8],
     now: Instant,
-    cfg: &TcpConfig,
+    params: &ConnParams,
     c: &mut Connection,
 ) -> Result<std::ops::Range<usize>> {
     let w = parse_into(bytes, c)?;
@@ -1707,7 +1826,7 @@ pub(crate) fn import_into(
     }
     let r = rebase(
         now,
-        cfg,
+        params,
         w.keepalive,
         c.rcv.mss,
         c.rtt,
@@ -1733,26 +1852,23 @@ pub(crate) fn import_into(
 #[inline(always)]
 fn rebase(
     now: Instant,
-    cfg: &TcpConfig,
+    base: &ConnParams,
     keepalive: Option<KeepAlive>,
     mss: u16,
     mut rtt: RttEstimator,
-    rtt_timed: Option<(SeqNum, Duration)>,
+    rtt_timed: Option<(SeqNum, u64)>,
     tsval: u32,
     ts_recent: u32,
-    t: &TimerSnapshot,
+    t: &TimerMicros,
 ) -> Rebased {
-    let mut params = ConnParams::from_config(cfg);
+    let mut params = *base;
     params.keepalive = keepalive;
     params.mss = mss;
-    let at = |d: Option<Duration>| d.map(|d| now + d);
-    let now_ms = (now.as_micros() / 1000) as u32;
-    rtt.timed = rtt_timed.map(|(end, age)| {
-        (
-            end,
-            Instant::from_micros(now.as_micros().saturating_sub(age.as_micros() as u64)),
-        )
-    });
+    let now_us = now.as_micros();
+    // As `now + Duration::from_micros(us)`, in integers.
+    let at = |us: Option<u64>| us.map(|us| Instant::from_micros(now_us.saturating_add(us)));
+    let now_ms = (now_us / 1000) as u32;
+    rtt.timed = rtt_timed.map(|(end, age)| (end, Instant::from_micros(now_us.saturating_sub(age))));
     Rebased {
         params,
         ts: Timestamps {
@@ -1761,11 +1877,11 @@ fn rebase(
         },
         rtt,
         timers: Timers {
-            retransmit: at(t.retransmit),
-            persist: at(t.persist),
-            delayed_ack: at(t.delayed_ack),
-            keepalive: at(t.keepalive),
-            close: at(t.close),
+            retransmit: at(t[0]),
+            persist: at(t[1]),
+            delayed_ack: at(t[2]),
+            keepalive: at(t[3]),
+            close: at(t[4]),
         },
     }
 }
@@ -1853,7 +1969,8 @@ mod tests {
         dirty2.rtt.backoff = 2;
         let mut bytes = vec![0u8; snap.max_len()];
         let n = snap.emit(&mut bytes).unwrap();
-        let app = import_into(&bytes[..n], later, &cfg, &mut dirty2).unwrap();
+        let params = ConnParams::from_config(&cfg);
+        let app = import_into(&bytes[..n], later, &params, &mut dirty2).unwrap();
         assert_eq!(app, n..n);
         assert_eq!(dirty2, fresh);
         assert!(dirty2.tx.is_empty() && dirty2.rx.is_empty());
@@ -1912,7 +2029,8 @@ mod tests {
         }
         snap.stats.bytes_acked = u64::MAX;
         let mut n = FieldBytes(0);
-        snap.parts().walk(&mut n);
+        let parts = snap.parts();
+        parts.walk(parts.flags(), &mut n);
         assert_eq!(snap.sack.blocks().len(), MAX_SCOREBOARD);
         assert_eq!(snap.ooo.ranges().len(), MAX_OOO_RANGES);
         let lists = (MAX_SCOREBOARD + MAX_OOO_RANGES) * LIST_ITEM;
