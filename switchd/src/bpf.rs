@@ -480,6 +480,14 @@ impl DataPlane for BpfDataPlane {
         }
         Ok(out)
     }
+    fn stat_counter(&mut self, idx: usize) -> Result<u64> {
+        Ok(self
+            .maps
+            .stats
+            .lookup_percpu(&(idx as u32).to_ne_bytes(), MapFlags::ANY)
+            .map_err(map_err("stats", "lookup"))?
+            .map_or(0, |v| percpu_sum(&v, 0)))
+    }
     fn insert_flow(&mut self, key: CFlowKey, flow: CFlow) -> Result<()> {
         self.maps
             .flows

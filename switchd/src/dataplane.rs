@@ -65,6 +65,10 @@ pub trait DataPlane {
     fn server_packets(&mut self) -> Result<Vec<u64>>;
     /// Reason counters, indexed like [`STAT_NAMES`].
     fn stats(&mut self) -> Result<Vec<u64>>;
+    /// One stat counter (`crate::abi::stat`), summed over CPUs.
+    fn stat_counter(&mut self, idx: usize) -> Result<u64> {
+        Ok(self.stats()?.get(idx).copied().unwrap_or(0))
+    }
     fn insert_flow(&mut self, key: CFlowKey, flow: CFlow) -> Result<()>;
     fn insert_migration(&mut self, key: CFlowKey, m: CMigration) -> Result<()>;
     fn delete_migration(&mut self, key: CFlowKey) -> Result<()>;

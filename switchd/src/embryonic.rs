@@ -13,13 +13,23 @@
 //! - The walk is incremental and bounded: each [`EmbryonicReaper::step`]
 //!   reads about `budget` entries (one syscall per 4,096) and goes on where
 //!   the previous step stopped, so a huge table never stalls the control
-//!   thread. An entry is reaped between `timeout` and `timeout` + one pass.
+//!   thread. An entry is reaped between `timeout` and `timeout` + one pass
+//!   + [`PACE_GRAIN`].
+//! - A pass runs only when one can find something: [`EmbryonicReaper::tick`]
+//!   watches the data plane's `fwd_new_flow` counter (every entry the walk
+//!   could reap was made by a SYN counted there) and starts a pass once the
+//!   flows created in some [`PACE_GRAIN`] are `timeout` old, so at most one
+//!   pass per grain, and none while no SYN arrives. A kernel walk costs in
+//!   proportion to the table's buckets, not its entries (a sparse 2M-bucket
+//!   table takes one ~7.5 ms syscall that holds a CPU), so walking every
+//!   25 ms cost a third of a core for nothing.
 //! - Each candidate is read again just before it is deleted, so a handshake
 //!   ACK that arrived since the walk read it keeps the flow. (What remains
 //!   is the microsecond between that read and the delete; a Maglev flow hit
 //!   by it is recovered on its next segment, on the same server while the
 //!   pool is unchanged.)
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use capybara_proto::FlowKey;
@@ -66,6 +76,9 @@ pub struct EmbryonicMetrics {
     pub embryonic_last_pass: u64,
 }
 
+/// New flows are dated to this grain; at most one pass starts per grain.
+pub const PACE_GRAIN: Duration = Duration::from_secs(1);
+
 #[derive(Debug)]
 pub struct EmbryonicReaper {
     pub timeout: Duration,
@@ -75,6 +88,14 @@ pub struct EmbryonicReaper {
     embryonic_this_pass: u64,
     batch: Vec<(CFlowKey, CFlow)>,
     pub metrics: EmbryonicMetrics,
+    /// Grains (CLOCK_MONOTONIC ns, multiples of [`PACE_GRAIN`]) in which
+    /// new flows were seen that no pass has covered yet, oldest first; at
+    /// most `timeout / PACE_GRAIN` + 2 entries.
+    pending: VecDeque<u64>,
+    /// The data plane's `fwd_new_flow` counter at the last tick.
+    last_new_flows: Option<u64>,
+    /// When the pass under way started.
+    pass_start_ns: Option<u64>,
 }
 
 impl EmbryonicReaper {
@@ -86,7 +107,48 @@ impl EmbryonicReaper {
             embryonic_this_pass: 0,
             batch: Vec::new(),
             metrics: EmbryonicMetrics::default(),
+            pending: VecDeque::new(),
+            last_new_flows: None,
+            pass_start_ns: None,
         }
+    }
+
+    /// Notes the data plane's new-flow counter at `now_ns`. The first
+    /// reading counts as new flows (entries made before this process
+    /// started get a pass too).
+    pub fn note_new_flows(&mut self, counter: u64, now_ns: u64) {
+        if self.last_new_flows == Some(counter) {
+            return;
+        }
+        self.last_new_flows = Some(counter);
+        let grain = PACE_GRAIN.as_nanos() as u64;
+        let at = now_ns - now_ns % grain;
+        if self.pending.back() != Some(&at) {
+            self.pending.push_back(at);
+        }
+    }
+
+    /// Whether a step should run at `now_ns`: a pass is under way, or the
+    /// flows of the oldest pending grain are `timeout` old.
+    pub fn due(&self, now_ns: u64) -> bool {
+        let ripe = PACE_GRAIN.as_nanos() as u64 + self.timeout.as_nanos() as u64;
+        self.pass_start_ns.is_some() || self.pending.front().is_some_and(|&at| at + ripe <= now_ns)
+    }
+
+    /// What the control loop calls every few ms: reads the new-flow counter
+    /// (one map lookup) and runs a [`Self::step`] only when [`Self::due`].
+    pub fn tick<D: DataPlane>(
+        &mut self,
+        dp: &mut D,
+        now_ns: u64,
+        sink: &mut dyn FlowEventSink,
+    ) -> Result<usize> {
+        let counter = dp.stat_counter(stat("fwd_new_flow"))?;
+        self.note_new_flows(counter, now_ns);
+        if !self.due(now_ns) {
+            return Ok(0);
+        }
+        self.step(dp, now_ns, sink)
     }
 
     /// One bounded step of the walk at `now_ns`: stale embryonic flows are
@@ -99,6 +161,7 @@ impl EmbryonicReaper {
         sink: &mut dyn FlowEventSink,
     ) -> Result<usize> {
         self.batch.clear();
+        let pass_start = *self.pass_start_ns.get_or_insert(now_ns);
         let wrapped = dp.scan_flows(&mut self.cursor, self.budget, &mut self.batch)?;
         self.metrics.scanned_total += self.batch.len() as u64;
         let mut updates = Vec::new();
@@ -131,6 +194,16 @@ impl EmbryonicReaper {
             });
         }
         if wrapped {
+            // The pass saw every flow created `timeout` before it started.
+            self.pass_start_ns = None;
+            let ripe = PACE_GRAIN.as_nanos() as u64 + self.timeout.as_nanos() as u64;
+            while self
+                .pending
+                .front()
+                .is_some_and(|&at| at + ripe <= pass_start)
+            {
+                self.pending.pop_front();
+            }
             self.metrics.passes_total += 1;
             self.metrics.embryonic_last_pass = self.embryonic_this_pass;
             self.embryonic_this_pass = 0;
@@ -202,5 +275,53 @@ mod tests {
             10 * S,
             Duration::from_secs(5)
         ));
+    }
+
+    #[test]
+    fn passes_run_only_when_new_flows_are_old_enough() {
+        const S: u64 = 1_000_000_000;
+        let mut dp = MemDataPlane::new();
+        let new_flows = stat("fwd_new_flow");
+        let syn = |created_ns| CFlow {
+            server: 1,
+            service: 0,
+            flags: 0,
+            created_ns,
+        };
+        let mut r = EmbryonicReaper::new(Duration::from_secs(5), 4096);
+        let mut sink = VecSink::default();
+        // A SYN at 1.2 s: its grain (1 s) is ripe at 1 + 1 + 5 = 7 s.
+        dp.flows.insert(key(1), syn(S + S / 5));
+        dp.stat_counters[new_flows] = 1;
+        for t in [S + S / 2, 3 * S, 6 * S, 7 * S - 1] {
+            r.tick(&mut dp, t, &mut sink).unwrap();
+        }
+        assert_eq!(
+            r.metrics.scanned_total, 0,
+            "no walk before the grain is ripe"
+        );
+        r.tick(&mut dp, 7 * S, &mut sink).unwrap();
+        assert_eq!((r.metrics.passes_total, r.metrics.reaped_total), (1, 1));
+        // Nothing new: no more walks, however long it stays quiet.
+        for t in 8..40 {
+            r.tick(&mut dp, t * S, &mut sink).unwrap();
+        }
+        assert_eq!(r.metrics.passes_total, 1);
+        // Another SYN at 40.5 s: one more pass at 46 s, not before.
+        dp.flows.insert(key(2), syn(40 * S + S / 2));
+        dp.stat_counters[new_flows] = 2;
+        r.tick(&mut dp, 40 * S + S / 2, &mut sink).unwrap();
+        r.tick(&mut dp, 45 * S, &mut sink).unwrap();
+        assert_eq!(r.metrics.passes_total, 1);
+        r.tick(&mut dp, 46 * S, &mut sink).unwrap();
+        assert_eq!((r.metrics.passes_total, r.metrics.reaped_total), (2, 2));
+        assert!(dp.flows.is_empty());
+        // SYNs in every grain: at most one pass per grain.
+        for t in 50..70 {
+            dp.stat_counters[new_flows] += 1;
+            r.tick(&mut dp, t * S, &mut sink).unwrap();
+            r.tick(&mut dp, t * S + S / 2, &mut sink).unwrap();
+        }
+        assert!(r.metrics.passes_total - 2 <= 20 - 5, "{:?}", r.metrics);
     }
 }
