@@ -51,7 +51,14 @@ pub async fn run(
         }
     };
     let id = ServerId(cfg.server_id);
-    let mut seq = 0u64;
+    // This process's instance id, in every REGISTER: the switch tells a
+    // restart (new id: its connections are gone) from a stall (same id).
+    let instance = new_instance();
+    // From the clock, so that a restarted process continues above the seqs
+    // of the one before it: the switch refuses a REGISTER with another
+    // instance whose seq is not above the last it saw from this server (a
+    // replayed old REGISTER must not pass for a restart).
+    let mut seq = initial_seq();
     let mut buf = vec![0u8; 2048];
     let mut rx = vec![0u8; 2048];
     let mut registered = false;
@@ -100,6 +107,7 @@ pub async fn run(
                         data_mac,
                         weight: cfg.weight,
                         services: ServiceList::Slice(&services),
+                        instance,
                     })
                 } else {
                     let (connections, in_flight, load, generation) = stack.with(|i| {
@@ -133,7 +141,7 @@ pub async fn run(
                 match msg.body {
                     ControlBody::RegisterAck(ack) => {
                         if !registered {
-                            eprintln!("hostagent: registered with switch {} as {id}", cfg.switch);
+                            eprintln!("hostagent: registered with switch {} as {id} (instance {instance:#018x})", cfg.switch);
                         }
                         registered = true;
                         tick = tokio::time::interval(Duration::from_millis(u64::from(ack.heartbeat_interval_ms.max(10))));
@@ -197,6 +205,27 @@ pub async fn run(
             }
         }
     }
+}
+
+/// A random, nonzero instance id for this process.
+fn new_instance() -> u64 {
+    loop {
+        let id: u64 = rand::random();
+        if id != 0 {
+            return id;
+        }
+    }
+}
+
+/// The first control-channel seq: microseconds since the Unix epoch. A
+/// process sends far fewer than a million messages a second, so the next
+/// process starts above the last seq of this one (unless the clock went
+/// back by more than this one's lifetime of messages).
+fn initial_seq() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
 }
 
 /// The tunables a POLICY message carries, validated (the error names the

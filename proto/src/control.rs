@@ -36,6 +36,8 @@ pub const MIN_LEN: usize = HEADER_LEN + MAC_LEN;
 pub const MAX_SERVICES: usize = 128;
 /// Longest ERROR text, in bytes.
 pub const MAX_ERROR_TEXT: usize = 512;
+/// REGISTER flag: an 8-byte instance id follows the service list.
+pub const REGISTER_INSTANCE: u16 = 1;
 /// Most reports one MIGRATION_REPORT may carry (20 + 4 + 16 * 72 + 16 =
 /// 1,192 bytes of UDP payload: one Ethernet frame).
 pub const MAX_REPORTS: usize = 16;
@@ -68,12 +70,17 @@ pub mod field {
         pub const DATA_MAC: Field = 8..14;
         pub const WEIGHT: Field = 14..16;
         pub const SERVICE_COUNT: Field = 16..18;
-        pub const RESERVED: Field = 18..20;
+        /// [`crate::control::REGISTER_INSTANCE`]; other bits reserved (sent
+        /// 0, ignored). Was `reserved` (always 0) before instance ids.
+        pub const FLAGS: Field = 18..20;
         pub const SERVICES: usize = 20;
         /// One service entry: VIP, port, reserved.
         pub const SERVICE_LEN: usize = 8;
         pub const SERVICE_IP: Field = 0..4;
         pub const SERVICE_PORT: Field = 4..6;
+        /// After the services when the flag is set: the server process's
+        /// instance id (u64, not 0).
+        pub const INSTANCE_LEN: usize = 8;
     }
 
     /// REGISTER_ACK body (switch -> server).
@@ -278,6 +285,8 @@ pub enum ControlError {
     },
     #[error("REGISTER lists {count} services, at most {MAX_SERVICES}")]
     TooManyServices { count: usize },
+    #[error("REGISTER flags an instance id of 0 (0 means none: leave the flag clear)")]
+    ZeroInstance,
     #[error("ERROR text is {len} bytes, at most {MAX_ERROR_TEXT}")]
     ErrorTextTooLong { len: usize },
     #[error("ERROR text is not UTF-8 (valid up to byte {valid_up_to})")]
@@ -461,6 +470,13 @@ pub struct Register<'a> {
     pub weight: u16,
     /// Services (VIP:port) this server serves.
     pub services: ServiceList<'a>,
+    /// Identifies the server process: drawn at random when it starts, the
+    /// same in every REGISTER it sends. A REGISTER with another instance
+    /// than the switch knows is a restarted server, whose connections are
+    /// gone (the switch drops their entries at once); the same instance is
+    /// a server that stalled and came back. 0: none sent (servers that
+    /// predate it; the switch then cannot tell a restart from a stall).
+    pub instance: u64,
 }
 
 /// REGISTER_ACK: the switch accepted a registration (switch -> server).
@@ -1001,7 +1017,13 @@ impl ControlBody<'_> {
     fn len(&self) -> usize {
         match self {
             ControlBody::Register(r) => {
-                field::register::SERVICES + r.services.len() * field::register::SERVICE_LEN
+                field::register::SERVICES
+                    + r.services.len() * field::register::SERVICE_LEN
+                    + if r.instance != 0 {
+                        field::register::INSTANCE_LEN
+                    } else {
+                        0
+                    }
             }
             ControlBody::RegisterAck(_) => field::register_ack::LEN,
             ControlBody::Heartbeat(_) => field::heartbeat::LEN,
@@ -1063,13 +1085,26 @@ impl<'a> ControlRepr<'a> {
                     if count > MAX_SERVICES {
                         return Err(ControlError::TooManyServices { count });
                     }
-                    exact(f::SERVICES + count * f::SERVICE_LEN)?;
+                    let end = f::SERVICES + count * f::SERVICE_LEN;
+                    let has_instance = rd16(body, f::FLAGS) & REGISTER_INSTANCE != 0;
+                    let instance = if has_instance {
+                        exact(end + f::INSTANCE_LEN)?;
+                        let id = rd64(body, end..end + f::INSTANCE_LEN);
+                        if id == 0 {
+                            return Err(ControlError::ZeroInstance);
+                        }
+                        id
+                    } else {
+                        exact(end)?;
+                        0
+                    };
                     ControlBody::Register(Register {
                         mgmt_addr: Ipv4Addr::from(rd32(body, f::MGMT_ADDR)),
                         data_addr: Ipv4Addr::from(rd32(body, f::DATA_ADDR)),
                         data_mac: rd(body, f::DATA_MAC),
                         weight: rd16(body, f::WEIGHT),
-                        services: ServiceList::Wire(&body[f::SERVICES..]),
+                        services: ServiceList::Wire(&body[f::SERVICES..end]),
+                        instance,
                     })
                 }
                 ControlKind::RegisterAck => {
@@ -1247,12 +1282,17 @@ impl<'a> ControlRepr<'a> {
                 body[f::DATA_MAC].copy_from_slice(&r.data_mac);
                 body[f::WEIGHT].copy_from_slice(&r.weight.to_be_bytes());
                 body[f::SERVICE_COUNT].copy_from_slice(&(r.services.len() as u16).to_be_bytes());
-                for (chunk, s) in body[f::SERVICES..]
+                let end = f::SERVICES + r.services.len() * f::SERVICE_LEN;
+                for (chunk, s) in body[f::SERVICES..end]
                     .chunks_exact_mut(f::SERVICE_LEN)
                     .zip(r.services.iter())
                 {
                     chunk[f::SERVICE_IP].copy_from_slice(&s.ip().octets());
                     chunk[f::SERVICE_PORT].copy_from_slice(&s.port().to_be_bytes());
+                }
+                if r.instance != 0 {
+                    body[f::FLAGS].copy_from_slice(&REGISTER_INSTANCE.to_be_bytes());
+                    body[end..end + f::INSTANCE_LEN].copy_from_slice(&r.instance.to_be_bytes());
                 }
             }
             ControlBody::RegisterAck(a) => {
@@ -1389,6 +1429,15 @@ mod tests {
                 data_mac: [2, 0, 0, 0, 0, 1],
                 weight: 100,
                 services: ServiceList::Slice(&services),
+                instance: 0x0123_4567_89ab_cdef,
+            }),
+            ControlBody::Register(Register {
+                mgmt_addr: Ipv4Addr::new(198, 18, 1, 10),
+                data_addr: Ipv4Addr::new(198, 18, 2, 10),
+                data_mac: [2, 0, 0, 0, 0, 1],
+                weight: 100,
+                services: ServiceList::Slice(&services),
+                instance: 0,
             }),
             ControlBody::RegisterAck(RegisterAck {
                 switch_epoch: 9,
@@ -1624,6 +1673,66 @@ mod tests {
             ControlRepr::parse(&bad_kind[..n]),
             Err(ControlError::UnknownKind { found: 0 })
         );
+    }
+
+    #[test]
+    fn register_instance_is_optional_and_never_zero() {
+        let services = [SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 1), 80)];
+        let reg = |instance| ControlRepr {
+            server_id: ServerId(3),
+            seq: 9,
+            body: ControlBody::Register(Register {
+                mgmt_addr: Ipv4Addr::new(198, 18, 1, 13),
+                data_addr: Ipv4Addr::new(198, 18, 2, 13),
+                data_mac: [2, 0, 0, 0, 0, 3],
+                weight: 1,
+                services: ServiceList::Slice(&services),
+                instance,
+            }),
+        };
+        let mut old = [0u8; 128];
+        let n_old = reg(0).emit(&mut old).unwrap();
+        // The layout of servers that predate instance ids: flags 0, no id.
+        assert_eq!(n_old, HEADER_LEN + 20 + 8 + MAC_LEN);
+        assert_eq!(&old[HEADER_LEN + 18..HEADER_LEN + 20], &[0, 0]);
+        assert_eq!(ControlRepr::parse(&old[..n_old]).unwrap(), reg(0));
+        let mut new = [0u8; 128];
+        let n = reg(0xfeed).emit(&mut new).unwrap();
+        assert_eq!(n, n_old + 8);
+        assert_eq!(&new[HEADER_LEN + 18..HEADER_LEN + 20], &[0, 1]);
+        let parsed = ControlRepr::parse(&new[..n]).unwrap();
+        assert_eq!(parsed, reg(0xfeed));
+        match parsed.body {
+            ControlBody::Register(r) => {
+                assert_eq!(r.services.iter().collect::<Vec<_>>(), services);
+                assert_eq!(r.instance, 0xfeed);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Flagged, but the id is 0: refused (0 means "none").
+        let mut zero = new;
+        zero[n - MAC_LEN - 8..n - MAC_LEN].fill(0);
+        assert_eq!(
+            ControlRepr::parse(&zero[..n]),
+            Err(ControlError::ZeroInstance)
+        );
+        // Flagged without the id, and an id without the flag: wrong length.
+        let mut flagged = old;
+        flagged[HEADER_LEN + 19] = 1;
+        assert!(matches!(
+            ControlRepr::parse(&flagged[..n_old]),
+            Err(ControlError::BadBodyLength { expected: 36, .. })
+        ));
+        let mut unflagged = new;
+        unflagged[HEADER_LEN + 19] = 0;
+        assert!(matches!(
+            ControlRepr::parse(&unflagged[..n]),
+            Err(ControlError::BadBodyLength { expected: 28, .. })
+        ));
+        // Unknown flag bits are ignored (reserved, sent 0).
+        let mut other_bits = new;
+        other_bits[HEADER_LEN + 18] = 0x80;
+        assert_eq!(ControlRepr::parse(&other_bits[..n]).unwrap(), reg(0xfeed));
     }
 
     #[test]

@@ -197,8 +197,12 @@ fn random_bytes_never_panic() {
         if buf.len() >= 4 && rng.chance(2) {
             let magic = [0xCA9Bu16, 0xCA9C, 0xCA9D][rng.below(3)];
             buf[..2].copy_from_slice(&magic.to_be_bytes());
-            // TCPMig is at version 2 (v1 is refused); the others at 1.
-            buf[2] = if magic == 0xCA9B { 2 } else { 1 };
+            // TCPMig at its current version (older ones are refused); the others at 1.
+            buf[2] = if magic == 0xCA9B {
+                capybara_proto::tcpmig::VERSION
+            } else {
+                1
+            };
         }
         check_tcpmig(&buf);
         check_load(&buf);
@@ -289,6 +293,8 @@ fn control_valid_round_trips_and_mutations() {
                 ],
                 weight: rng.u16(),
                 services: ServiceList::Slice(&services),
+                // Half without an instance id (servers that predate it).
+                instance: if rng.below(2) == 0 { 0 } else { rng.next() | 1 },
             }),
             1 => ControlBody::RegisterAck(control::RegisterAck {
                 switch_epoch: rng.next() as u32,

@@ -71,13 +71,14 @@ proptest! {
         server in any::<u32>(), seq in any::<u64>(), mgmt in ip(), data in ip(),
         mac in any::<[u8; 6]>(), weight in any::<u16>(),
         services in proptest::collection::vec((ip(), any::<u16>()), 0..=control::MAX_SERVICES),
+        instance in any::<u64>(),
     ) {
         let services: Vec<_> = services.into_iter().map(|(a, p)| SocketAddrV4::new(a, p)).collect();
         let repr = ControlRepr {
             server_id: ServerId(server), seq,
             body: ControlBody::Register(control::Register {
                 mgmt_addr: mgmt, data_addr: data, data_mac: mac, weight,
-                services: ServiceList::Slice(&services),
+                services: ServiceList::Slice(&services), instance,
             }),
         };
         let mut buf = vec![0u8; repr.buffer_len()];
@@ -86,6 +87,7 @@ proptest! {
         prop_assert_eq!(parsed, repr);
         if let ControlBody::Register(r) = parsed.body {
             prop_assert_eq!(r.services.iter().collect::<Vec<_>>(), services);
+            prop_assert_eq!(r.instance, instance);
         }
     }
 

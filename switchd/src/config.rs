@@ -10,6 +10,7 @@
 //! load_interval_us = 1000
 //! heartbeat_interval_ms = 100
 //! dead_after_ms = 500
+//! dead_flow_grace_ms = 10000           # a dead server's flows kept this long for it to come back
 //! closed_linger_ms = 5000
 //! embryonic_timeout_ms = 10000         # SYN seen, never established: reaped after this
 //! metrics_listen = "127.0.0.1:9102"
@@ -157,6 +158,10 @@ pub struct RawConfig {
     pub heartbeat_interval_ms: u64,
     #[serde(default = "d_dead_after")]
     pub dead_after_ms: u64,
+    /// A DEAD server's flow entries are kept this long (0: removed at
+    /// once): one that stalled and comes back within it loses no connection.
+    #[serde(default = "d_dead_flow_grace")]
+    pub dead_flow_grace_ms: u64,
     #[serde(default = "d_linger")]
     pub closed_linger_ms: u64,
     /// A flow that saw a SYN and no further client segment is removed (flow
@@ -195,6 +200,9 @@ fn d_heartbeat() -> u64 {
 }
 fn d_dead_after() -> u64 {
     500
+}
+fn d_dead_flow_grace() -> u64 {
+    crate::control::DEFAULT_DEAD_FLOW_GRACE.as_millis() as u64
 }
 fn d_linger() -> u64 {
     5000
@@ -296,6 +304,7 @@ pub struct Config {
     pub load_interval: Duration,
     pub heartbeat_interval: Duration,
     pub dead_after: Duration,
+    pub dead_flow_grace: Duration,
     pub closed_linger: Duration,
     pub embryonic_timeout: Duration,
     pub metrics_listen: SocketAddr,
@@ -401,6 +410,16 @@ impl Config {
                     "must be at least 2 x heartbeat_interval_ms ({}) and at most 600000",
                     2 * raw.heartbeat_interval_ms
                 ),
+            ));
+        }
+        // At most 10 minutes: past that a Linux client has given up on an
+        // unanswered connection anyway (tcp_retries2), and the entries of a
+        // server that is really gone only occupy the flow table.
+        if raw.dead_flow_grace_ms > 600_000 {
+            return Err(invalid(
+                "dead_flow_grace_ms",
+                raw.dead_flow_grace_ms,
+                "must be 0..=600000 (0: a dead server's flows are removed at once)",
             ));
         }
         if raw.closed_linger_ms > 3_600_000 {
@@ -621,6 +640,7 @@ impl Config {
             load_interval: Duration::from_micros(raw.load_interval_us),
             heartbeat_interval: Duration::from_millis(raw.heartbeat_interval_ms),
             dead_after: Duration::from_millis(raw.dead_after_ms),
+            dead_flow_grace: Duration::from_millis(raw.dead_flow_grace_ms),
             closed_linger: Duration::from_millis(raw.closed_linger_ms),
             embryonic_timeout: Duration::from_millis(raw.embryonic_timeout_ms),
             metrics_listen,
@@ -684,6 +704,27 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
         assert_eq!(c.services[0].pool[1].weight, 1);
         assert_eq!(c.store, Some(StoreSpec::Sqlite("/tmp/s.db".into())));
         assert_eq!(c.embryonic_timeout, Duration::from_secs(10));
+        assert_eq!(c.dead_flow_grace, Duration::from_secs(10));
+    }
+
+    #[test]
+    fn dead_flow_grace_is_validated() {
+        let with = |v: &str| OK.replace("key_file", &format!("dead_flow_grace_ms = {v}\nkey_file"));
+        assert_eq!(
+            Config::from_toml(&with("0")).unwrap().dead_flow_grace,
+            Duration::ZERO
+        );
+        assert_eq!(
+            Config::from_toml(&with("600000")).unwrap().dead_flow_grace,
+            Duration::from_secs(600)
+        );
+        let e = err(&with("600001"));
+        assert!(
+            e.contains("`dead_flow_grace_ms`") && e.contains("600001") && e.contains("0..=600000"),
+            "{e}"
+        );
+        let e = err(&with("-1"));
+        assert!(e.contains("dead_flow_grace_ms"), "{e}");
     }
 
     #[test]

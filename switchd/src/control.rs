@@ -6,7 +6,16 @@
 //!
 //! Invariants:
 //! - Only LIVE servers appear in Maglev tables, LWRR rings and target rings;
-//!   DRAINING servers keep their flows; DEAD servers lose them.
+//!   DRAINING servers keep their flows.
+//! - A DEAD server (no heartbeat for `dead_after`) is out of placement at
+//!   once, but its flow entries stay for `dead_flow_grace` (the data plane
+//!   drops their packets meanwhile, so clients retransmit): a server that
+//!   stalled (GC pause, CPU starvation, network blip) and heartbeats or
+//!   re-registers as the same instance within the grace gets them back
+//!   untouched. At the end of the grace, or at once when it re-registers as
+//!   another instance (a restart: its connections are gone), they are
+//!   removed and reported closed, so the store forgets a flow exactly when
+//!   the data plane does.
 //! - The shadow copy of every Maglev table is what the data plane holds, so
 //!   a change pushes only the slots that differ.
 
@@ -52,6 +61,15 @@ pub struct Server {
     pub weight: u32,
     pub liveness: Liveness,
     pub last_heartbeat: Instant,
+    /// The server process's instance id from its REGISTER (0: not sent).
+    pub instance: u64,
+    /// When it was declared DEAD (`None` while not dead).
+    pub dead_since: Option<Instant>,
+    /// DEAD with its flow entries kept until this instant (`None`: not
+    /// dead, or its entries are gone).
+    pub flows_kept_until: Option<Instant>,
+    /// What it returns as within the grace (LIVE or DRAINING).
+    revive_as: Liveness,
     /// Packets in the last pool-monitor interval.
     pub load: u64,
     /// Packets per second, exponentially smoothed over [`LOAD_SMOOTHING`]:
@@ -60,6 +78,79 @@ pub struct Server {
     pub load_pps: f64,
     last_counter: u64,
 }
+
+/// What a server needs to register (REGISTER, or a record from the store).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Registration {
+    pub id: ServerId,
+    pub data_ip: Ipv4Addr,
+    pub mac: [u8; 6],
+    pub ifindex: u32,
+    pub src_mac: [u8; 6],
+    pub weight: u32,
+    /// The process's instance id (0: unknown).
+    pub instance: u64,
+}
+
+/// Why a server's flow entries were removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlowsRemovedWhy {
+    /// Declared dead with `dead_flow_grace` 0.
+    DeadNoGrace,
+    /// Dead for the whole grace.
+    GraceEnded,
+    /// It registered as another instance: a restarted process.
+    Restarted { old: u64, new: u64 },
+    /// Another server id registered with its (dead) data address.
+    AddressReused,
+}
+
+/// A liveness transition, for logs, metrics and the store (see
+/// [`ControlPlane::take_liveness_events`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LivenessEvent {
+    /// Missed heartbeats for `dead_after`: out of placement. Its flows are
+    /// kept until `flows_kept_until` (`None`: no grace, removed at once).
+    Died {
+        id: ServerId,
+        flows_kept_until: Option<Instant>,
+    },
+    /// Heartbeat (`by_register` false) or same-instance REGISTER within the
+    /// grace: back in placement with every flow it had.
+    Returned {
+        id: ServerId,
+        dead_for: std::time::Duration,
+        by_register: bool,
+    },
+    /// Its flow entries were removed (and reported closed).
+    FlowsRemoved {
+        id: ServerId,
+        flows: usize,
+        why: FlowsRemovedWhy,
+    },
+}
+
+/// Liveness counters (`/status.liveness`, `/metrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LivenessCounters {
+    pub died_total: u64,
+    /// Came back within the grace (flows kept).
+    pub returned_total: u64,
+    pub grace_ended_total: u64,
+    /// Flow entries removed at the end of a grace (or at death, no grace).
+    pub dead_flows_removed_total: u64,
+    /// REGISTERs as another instance while the old one had flows.
+    pub restarts_total: u64,
+    pub restart_flows_removed_total: u64,
+}
+
+/// Default `dead_flow_grace`: longer than the stalls seen in practice (GC
+/// pauses, CPU starvation under load, VM live migration, a short network
+/// blip: up to a few seconds), short enough that the clients of a server
+/// that is really gone learn it on their next retransmission after it
+/// (TCP backoff puts that within seconds), not after the ~15 minutes a
+/// Linux client retransmits into silence.
+pub const DEFAULT_DEAD_FLOW_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Time constant of the smoothed server loads.
 pub const LOAD_SMOOTHING: std::time::Duration = std::time::Duration::from_millis(20);
@@ -131,6 +222,9 @@ pub struct ControlConfig {
     /// How long the entries of a closed flow stay (last ACKs, TIME-WAIT
     /// retransmissions) before the control plane reaps them.
     pub closed_linger: std::time::Duration,
+    /// How long a DEAD server's flow entries are kept for it to come back
+    /// (0: removed at once).
+    pub dead_flow_grace: std::time::Duration,
 }
 
 impl ControlConfig {
@@ -139,6 +233,7 @@ impl ControlConfig {
             dead_after,
             target_policy,
             closed_linger: std::time::Duration::from_secs(5),
+            dead_flow_grace: DEFAULT_DEAD_FLOW_GRACE,
         }
     }
 }
@@ -174,6 +269,8 @@ pub struct ControlPlane<D: DataPlane> {
     /// Entries removed by the closed-flow reaper so far.
     pub reaped_total: u64,
     last_tick: Option<Instant>,
+    liveness_events: Vec<LivenessEvent>,
+    pub liveness: LivenessCounters,
 }
 
 impl<D: DataPlane> ControlPlane<D> {
@@ -187,7 +284,18 @@ impl<D: DataPlane> ControlPlane<D> {
             closing: VecDeque::new(),
             reaped_total: 0,
             last_tick: None,
+            liveness_events: Vec::new(),
+            liveness: LivenessCounters::default(),
         }
+    }
+
+    /// Liveness transitions since the last call, oldest first.
+    pub fn take_liveness_events(&mut self) -> Vec<LivenessEvent> {
+        std::mem::take(&mut self.liveness_events)
+    }
+
+    pub fn dead_flow_grace(&self) -> std::time::Duration {
+        self.cfg.dead_flow_grace
     }
 
     pub fn target_policy(&self) -> TargetPolicy {
@@ -352,6 +460,40 @@ impl<D: DataPlane> ControlPlane<D> {
         weight: u32,
         wanted: &[SocketAddrV4],
     ) -> std::result::Result<u32, ControlError> {
+        let reg = Registration {
+            id,
+            data_ip,
+            mac,
+            ifindex,
+            src_mac,
+            weight,
+            instance: 0,
+        };
+        self.register_as(now, &reg, wanted)
+    }
+
+    /// Registers (or re-registers) a server; it becomes LIVE and joins the
+    /// services whose pools are open or name it, or `wanted` lists. A
+    /// server DEAD within its grace keeps its flows (it stalled and came
+    /// back), unless it registers as another instance than before (it
+    /// restarted: the old process's flows are removed at once, also while
+    /// it was live). An instance id of 0 on either side cannot tell a
+    /// restart from a stall: the flows are kept.
+    pub fn register_as(
+        &mut self,
+        now: Instant,
+        reg: &Registration,
+        wanted: &[SocketAddrV4],
+    ) -> std::result::Result<u32, ControlError> {
+        let Registration {
+            id,
+            data_ip,
+            mac,
+            ifindex,
+            src_mac,
+            weight,
+            instance,
+        } = *reg;
         if let Some(other) = self
             .servers
             .values()
@@ -368,8 +510,42 @@ impl<D: DataPlane> ControlPlane<D> {
             .find(|s| s.data_ip == data_ip && s.id != id)
             .map(|s| s.id)
         {
-            // A dead server's address taken over by a new id: forget the old one.
+            // A dead server's address taken over by a new id: forget the old
+            // one, and with it any flows its grace still kept.
+            if self.servers[&stale].flows_kept_until.is_some() {
+                self.remove_flows(stale, FlowsRemovedWhy::AddressReused)?;
+            }
             self.forget(stale)?;
+        }
+        if let Some((old_instance, dead_since, kept, was_dead)) = self.servers.get(&id).map(|old| {
+            (
+                old.instance,
+                old.dead_since,
+                old.flows_kept_until.is_some(),
+                old.liveness == Liveness::Dead,
+            )
+        }) {
+            if old_instance != 0 && instance != 0 && old_instance != instance {
+                // A restarted process: the old one's connections are gone.
+                // (After its grace there is nothing left to remove.)
+                if !was_dead || kept {
+                    self.liveness.restarts_total += 1;
+                    self.remove_flows(
+                        id,
+                        FlowsRemovedWhy::Restarted {
+                            old: old_instance,
+                            new: instance,
+                        },
+                    )?;
+                }
+            } else if kept {
+                self.liveness.returned_total += 1;
+                self.liveness_events.push(LivenessEvent::Returned {
+                    id,
+                    dead_for: now.saturating_since(dead_since.unwrap_or(now)),
+                    by_register: true,
+                });
+            }
         }
         let index = match self.servers.get(&id) {
             Some(s) => s.index,
@@ -393,6 +569,10 @@ impl<D: DataPlane> ControlPlane<D> {
             weight: weight.max(1),
             liveness: Liveness::Live,
             last_heartbeat: now,
+            instance,
+            dead_since: None,
+            flows_kept_until: None,
+            revive_as: Liveness::Live,
             load: 0,
             load_pps: 0.0,
             last_counter: self.servers.get(&id).map(|s| s.last_counter).unwrap_or(0),
@@ -412,6 +592,74 @@ impl<D: DataPlane> ControlPlane<D> {
         self.push_server(id)?;
         self.push_tables()?;
         Ok(index)
+    }
+
+    /// A server restored from the store while it was DEAD with flows (a
+    /// standby taking over during its grace): DEAD, out of placement, pool
+    /// member as registered, its flows kept for a full grace from `now` (the
+    /// store does not say when it died), then removed like any dead
+    /// server's. Its data address must not belong to a server that is not
+    /// dead.
+    pub fn restore_dead(
+        &mut self,
+        now: Instant,
+        reg: &Registration,
+    ) -> std::result::Result<u32, ControlError> {
+        let index = self.register_as(now, reg, &[])?;
+        let grace = self.cfg.dead_flow_grace;
+        if let Some(s) = self.servers.get_mut(&reg.id) {
+            s.liveness = Liveness::Dead;
+            s.dead_since = Some(now);
+            s.flows_kept_until = Some(now + grace);
+        }
+        self.push_server(reg.id)?;
+        self.push_tables()?;
+        Ok(index)
+    }
+
+    /// Restarts every liveness clock at `now` (a standby that just took
+    /// over): live servers have `dead_after` to heartbeat, dead ones with
+    /// flows a full grace to come back.
+    pub fn restart_liveness_clocks(&mut self, now: Instant) {
+        let grace = self.cfg.dead_flow_grace;
+        for s in self.servers.values_mut() {
+            if s.liveness != Liveness::Dead {
+                s.last_heartbeat = now;
+            } else if s.flows_kept_until.is_some() {
+                s.dead_since = Some(now);
+                s.flows_kept_until = Some(now + grace);
+            }
+        }
+    }
+
+    /// Removes every flow entry of server `id` (placed on it, or migrated
+    /// to it) and reports them closed.
+    fn remove_flows(&mut self, id: ServerId, why: FlowsRemovedWhy) -> Result<usize> {
+        let Some(s) = self.servers.get_mut(&id) else {
+            return Ok(0);
+        };
+        s.flows_kept_until = None;
+        let idx = s.index;
+        let removed = self.dp.remove_flows_of(idx)?;
+        let n = removed.len();
+        for key in removed {
+            self.events.push(CFlowEvent {
+                key,
+                kind: EV_CLOSED,
+                server: idx,
+                prev_server: idx,
+                ts_ns: 0,
+            });
+        }
+        match why {
+            FlowsRemovedWhy::Restarted { .. } => {
+                self.liveness.restart_flows_removed_total += n as u64
+            }
+            _ => self.liveness.dead_flows_removed_total += n as u64,
+        }
+        self.liveness_events
+            .push(LivenessEvent::FlowsRemoved { id, flows: n, why });
+        Ok(n)
     }
 
     /// Removes a server entirely (slot freed). Its flows must already be gone.
@@ -542,6 +790,21 @@ impl<D: DataPlane> ControlPlane<D> {
             .get_mut(&id)
             .ok_or(ControlError::UnknownServer(id))?;
         s.last_heartbeat = now;
+        if s.liveness == Liveness::Dead && s.flows_kept_until.is_some() {
+            // It stalled and came back within the grace: as it was, flows
+            // untouched.
+            s.liveness = s.revive_as;
+            s.flows_kept_until = None;
+            let dead_for = now.saturating_since(s.dead_since.take().unwrap_or(now));
+            self.liveness.returned_total += 1;
+            self.liveness_events.push(LivenessEvent::Returned {
+                id,
+                dead_for,
+                by_register: false,
+            });
+            self.push_server(id)?;
+            self.push_tables()?;
+        }
         Ok(())
     }
 
@@ -557,6 +820,12 @@ impl<D: DataPlane> ControlPlane<D> {
             .get_mut(&id)
             .ok_or(ControlError::UnknownServer(id))?;
         if s.liveness == Liveness::Dead {
+            // Back within the grace, it returns as the operator wants it.
+            s.revive_as = if draining {
+                Liveness::Draining
+            } else {
+                Liveness::Live
+            };
             return Ok(());
         }
         s.liveness = if draining {
@@ -647,10 +916,21 @@ impl<D: DataPlane> ControlPlane<D> {
 
     /// One pool-monitor interval plus liveness checks. Returns the load
     /// notifications to send. Servers that missed heartbeats for
-    /// `dead_after` become DEAD: out of placement, flows removed (and
-    /// reported as closed to the sink).
+    /// `dead_after` become DEAD: out of placement at once; their flows are
+    /// removed (and reported as closed to the sink) when `dead_flow_grace`
+    /// has passed without a heartbeat or REGISTER.
     pub fn tick(&mut self, now: Instant) -> std::result::Result<Vec<LoadReport>, ControlError> {
         self.reap_closed(now)?;
+        let grace_over: Vec<ServerId> = self
+            .servers
+            .values()
+            .filter(|s| s.flows_kept_until.is_some_and(|t| now >= t))
+            .map(|s| s.id)
+            .collect();
+        for id in grace_over {
+            self.liveness.grace_ended_total += 1;
+            self.remove_flows(id, FlowsRemovedWhy::GraceEnded)?;
+        }
         let newly_dead: Vec<ServerId> = self
             .servers
             .values()
@@ -660,24 +940,27 @@ impl<D: DataPlane> ControlPlane<D> {
             })
             .map(|s| s.id)
             .collect();
+        let grace = self.cfg.dead_flow_grace;
         for id in &newly_dead {
             if let Some(s) = self.servers.get_mut(id) {
+                s.revive_as = s.liveness;
                 s.liveness = Liveness::Dead;
+                s.dead_since = Some(now);
+                s.flows_kept_until = (!grace.is_zero()).then(|| now + grace);
+                self.liveness.died_total += 1;
+                self.liveness_events.push(LivenessEvent::Died {
+                    id: *id,
+                    flows_kept_until: s.flows_kept_until,
+                });
             }
             self.push_server(*id)?;
         }
         if !newly_dead.is_empty() {
+            // Out of placement first, then (without a grace) the entries.
             self.push_tables()?;
-            for id in newly_dead {
-                let idx = self.servers[&id].index;
-                for key in self.dp.remove_flows_of(idx)? {
-                    self.events.push(CFlowEvent {
-                        key,
-                        kind: EV_CLOSED,
-                        server: idx,
-                        prev_server: idx,
-                        ts_ns: 0,
-                    });
+            if grace.is_zero() {
+                for id in newly_dead {
+                    self.remove_flows(id, FlowsRemovedWhy::DeadNoGrace)?;
                 }
             }
         }
@@ -1099,33 +1382,54 @@ mod tests {
         assert_eq!((r[0].own_load, r[0].pool_load), (5, 5));
     }
 
-    #[test]
-    fn dead_server_loses_its_flows_and_only_those() {
-        let mut c = cp(TargetPolicy::RoundRobin);
-        c.dp.place_flow(key(1), 0, 0); // on s1, stays
-        c.dp.place_flow(key(2), 1, 0); // on s2, dies with it
-        c.dp.place_flow(key(3), 1, 0); // placed on s2, migrated to s3: stays
+    /// Three servers (s2 with instance 7, the others none), grace `grace`;
+    /// flows: 1 on s1; 2 on s2; 3 placed on s2, migrated to s3; 4 placed
+    /// on s1, migrated to s2. Events flushed.
+    fn world(grace: Duration) -> ControlPlane<MemDataPlane> {
+        let mut cfg = ControlConfig::new(Duration::from_millis(300), TargetPolicy::RoundRobin);
+        cfg.dead_flow_grace = grace;
+        let mut c = ControlPlane::new(MemDataPlane::new(), cfg);
+        c.add_service(VIP, 80, Placement::Maglev).unwrap();
+        for j in 1..=3u32 {
+            c.register_as(Instant::ZERO, &reg(j, if j == 2 { 7 } else { 0 }), &[])
+                .unwrap();
+        }
+        c.dp.place_flow(key(1), 0, 0);
+        c.dp.place_flow(key(2), 1, 0);
+        c.dp.place_flow(key(3), 1, 0);
         c.dp.migrate_flow(key(3), 2);
-        c.dp.place_flow(key(4), 0, 0); // placed on s1, migrated to s2: dies
+        c.dp.place_flow(key(4), 0, 0);
         c.dp.migrate_flow(key(4), 1);
         let mut sink = VecSink::default();
         c.flush_events(Instant::ZERO, &mut sink).unwrap();
         assert_eq!(sink.0.len(), 6);
-        for t in 1..=5u64 {
-            c.heartbeat(Instant::from_millis(t * 100), ServerId(1))
-                .unwrap();
-            c.heartbeat(Instant::from_millis(t * 100), ServerId(3))
-                .unwrap();
-            c.tick(Instant::from_millis(t * 100)).unwrap();
+        c
+    }
+
+    fn reg(j: u32, instance: u64) -> Registration {
+        Registration {
+            id: ServerId(j),
+            data_ip: Ipv4Addr::new(198, 18, 2, 10 + j as u8),
+            mac: [2, 0, 0, 0, 1, j as u8],
+            ifindex: 5,
+            src_mac: [2; 6],
+            weight: 1,
+            instance,
         }
-        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Dead);
-        assert_eq!(c.server(ServerId(1)).unwrap().liveness, Liveness::Live);
-        assert_eq!(c.dp.current_owner(key(1)), Some(0));
-        assert_eq!(c.dp.current_owner(key(2)), None);
-        assert_eq!(c.dp.current_owner(key(3)), Some(2));
-        assert_eq!(c.dp.current_owner(key(4)), None);
-        assert!(c.dp.maglev[&0].iter().all(|v| *v != 1));
-        assert_eq!(c.dp.servers[&1].state, SERVER_DEAD);
+    }
+
+    /// Heartbeats from s1 and s3 (not s2) and a tick, every 100 ms in
+    /// `from_ms..=to_ms`.
+    fn run_without_s2(c: &mut ControlPlane<MemDataPlane>, from_ms: u64, to_ms: u64) {
+        for t in (from_ms..=to_ms).step_by(100) {
+            let now = Instant::from_millis(t);
+            c.heartbeat(now, ServerId(1)).unwrap();
+            c.heartbeat(now, ServerId(3)).unwrap();
+            c.tick(now).unwrap();
+        }
+    }
+
+    fn closed_ports(c: &mut ControlPlane<MemDataPlane>) -> Vec<u16> {
         let mut sink = VecSink::default();
         c.flush_events(Instant::ZERO, &mut sink).unwrap();
         let mut closed: Vec<u16> = sink
@@ -1135,10 +1439,271 @@ mod tests {
             .map(|e| FlowKey::from(e.key).client_port)
             .collect();
         closed.sort();
-        assert_eq!(closed, vec![2, 4]);
+        closed
+    }
+
+    fn owners(c: &ControlPlane<MemDataPlane>) -> Vec<Option<u32>> {
+        (1..=4).map(|p| c.dp.current_owner(key(p))).collect()
+    }
+
+    #[test]
+    fn dead_server_keeps_its_flows_for_the_grace_then_loses_only_those() {
+        let mut c = world(Duration::from_secs(2));
+        run_without_s2(&mut c, 100, 500);
+        let s2 = c.server(ServerId(2)).unwrap();
+        assert_eq!(s2.liveness, Liveness::Dead);
+        assert_eq!(s2.flows_kept_until, Some(Instant::from_millis(2400)));
+        assert_eq!(c.server(ServerId(1)).unwrap().liveness, Liveness::Live);
+        // Out of placement at once (data plane: its packets are dropped)...
+        assert!(c.dp.maglev[&0].iter().all(|v| *v != 1));
+        assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 2]);
+        assert_eq!(c.dp.servers[&1].state, SERVER_DEAD);
+        // ...but every flow entry stays during the grace, none reported closed.
+        assert_eq!(owners(&c), vec![Some(0), Some(1), Some(2), Some(1)]);
+        assert!(closed_ports(&mut c).is_empty());
+        assert_eq!(
+            c.take_liveness_events(),
+            vec![LivenessEvent::Died {
+                id: ServerId(2),
+                flows_kept_until: Some(Instant::from_millis(2400)),
+            }]
+        );
         // A dead server is not reported to by the pool monitor.
         let r = c.tick(Instant::from_millis(600)).unwrap();
         assert!(r.iter().all(|x| x.server != ServerId(2)) && r.iter().all(|x| x.live_servers == 2));
+        run_without_s2(&mut c, 700, 2300);
+        assert_eq!(owners(&c)[1], Some(1), "still within the grace");
+        // Grace over: the flows on s2 (placed or migrated in) go, the others stay.
+        run_without_s2(&mut c, 2400, 2400);
+        assert_eq!(owners(&c), vec![Some(0), None, Some(2), None]);
+        assert_eq!(closed_ports(&mut c), vec![2, 4]);
+        assert_eq!(
+            c.take_liveness_events(),
+            vec![LivenessEvent::FlowsRemoved {
+                id: ServerId(2),
+                flows: 2,
+                why: FlowsRemovedWhy::GraceEnded,
+            }]
+        );
+        assert_eq!(c.server(ServerId(2)).unwrap().flows_kept_until, None);
+        assert_eq!(
+            (
+                c.liveness.died_total,
+                c.liveness.grace_ended_total,
+                c.liveness.dead_flows_removed_total,
+                c.liveness.returned_total
+            ),
+            (1, 1, 2, 0)
+        );
+        // After the grace a heartbeat alone does not revive it: it must
+        // register again (the daemon answers "register first").
+        c.heartbeat(Instant::from_millis(2500), ServerId(2))
+            .unwrap();
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Dead);
+        c.register_as(Instant::from_millis(2600), &reg(2, 7), &[])
+            .unwrap();
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Live);
+        assert!(closed_ports(&mut c).is_empty());
+        assert!(c.take_liveness_events().is_empty());
+    }
+
+    #[test]
+    fn dead_server_back_within_grace_keeps_its_flows() {
+        let mut c = world(Duration::from_secs(2));
+        let table = c.dp.maglev[&0].clone();
+        run_without_s2(&mut c, 100, 1000);
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Dead);
+        c.take_liveness_events();
+        // A heartbeat (the stall is over): back as it was.
+        c.heartbeat(Instant::from_millis(1050), ServerId(2))
+            .unwrap();
+        let s2 = c.server(ServerId(2)).unwrap();
+        assert_eq!((s2.liveness, s2.flows_kept_until), (Liveness::Live, None));
+        assert_eq!(c.dp.servers[&1].state, SERVER_LIVE);
+        assert_eq!(c.dp.maglev[&0], table, "same placement as before the stall");
+        assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 1, 2]);
+        assert_eq!(
+            c.take_liveness_events(),
+            vec![LivenessEvent::Returned {
+                id: ServerId(2),
+                dead_for: Duration::from_millis(650),
+                by_register: false,
+            }]
+        );
+        // Long past the old grace's end: nothing removed, nothing closed.
+        for t in (1100..=4000u64).step_by(100) {
+            let now = Instant::from_millis(t);
+            for j in 1..=3 {
+                c.heartbeat(now, ServerId(j)).unwrap();
+            }
+            c.tick(now).unwrap();
+        }
+        assert_eq!(owners(&c), vec![Some(0), Some(1), Some(2), Some(1)]);
+        assert!(closed_ports(&mut c).is_empty());
+        assert!(c.take_liveness_events().is_empty());
+
+        // Dead again, back by a REGISTER of the same instance (the switch
+        // had told it to register again): flows kept too.
+        run_without_s2(&mut c, 4100, 4500);
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Dead);
+        c.take_liveness_events();
+        c.register_as(Instant::from_millis(4600), &reg(2, 7), &[])
+            .unwrap();
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Live);
+        assert_eq!(c.dp.maglev[&0], table);
+        assert_eq!(owners(&c), vec![Some(0), Some(1), Some(2), Some(1)]);
+        assert!(closed_ports(&mut c).is_empty());
+        assert!(matches!(
+            c.take_liveness_events()[..],
+            [LivenessEvent::Returned {
+                id: ServerId(2),
+                by_register: true,
+                ..
+            }]
+        ));
+        run_without_s2(&mut c, 4700, 4700);
+        assert_eq!(c.liveness.returned_total, 2);
+        assert_eq!(c.liveness.dead_flows_removed_total, 0);
+
+        // A server that was draining comes back draining.
+        c.set_draining(ServerId(2), true).unwrap();
+        run_without_s2(&mut c, 4800, 5200);
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Dead);
+        c.heartbeat(Instant::from_millis(5300), ServerId(2))
+            .unwrap();
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Draining);
+        assert_eq!(c.dp.servers[&1].state, SERVER_DRAINING);
+    }
+
+    #[test]
+    fn restarted_server_loses_the_old_process_flows_at_once() {
+        let mut c = world(Duration::from_secs(10));
+        run_without_s2(&mut c, 100, 500);
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Dead);
+        c.take_liveness_events();
+        // Within the grace, but another instance: a restarted hostagent.
+        c.register_as(Instant::from_millis(600), &reg(2, 8), &[])
+            .unwrap();
+        let s2 = c.server(ServerId(2)).unwrap();
+        assert_eq!((s2.liveness, s2.instance), (Liveness::Live, 8));
+        assert_eq!(owners(&c), vec![Some(0), None, Some(2), None]);
+        assert_eq!(closed_ports(&mut c), vec![2, 4]);
+        assert_eq!(
+            c.take_liveness_events(),
+            vec![LivenessEvent::FlowsRemoved {
+                id: ServerId(2),
+                flows: 2,
+                why: FlowsRemovedWhy::Restarted { old: 7, new: 8 },
+            }]
+        );
+        assert_eq!(
+            (
+                c.liveness.restarts_total,
+                c.liveness.restart_flows_removed_total
+            ),
+            (1, 2)
+        );
+        // Nothing left for the old grace to remove.
+        c.heartbeat(Instant::from_millis(700), ServerId(2)).unwrap();
+        run_without_s2(&mut c, 700, 700);
+        assert!(c.take_liveness_events().is_empty());
+
+        // A restart faster than dead_after (never declared dead) too.
+        c.dp.place_flow(key(5), 1, 0);
+        c.flush_events(Instant::ZERO, &mut VecSink::default())
+            .unwrap();
+        c.register_as(Instant::from_millis(750), &reg(2, 9), &[])
+            .unwrap();
+        assert_eq!(c.dp.current_owner(key(5)), None);
+        assert_eq!(closed_ports(&mut c), vec![5]);
+        // The same instance registering again (lost REGISTER_ACK) keeps them.
+        c.dp.place_flow(key(6), 1, 0);
+        c.register_as(Instant::from_millis(800), &reg(2, 9), &[])
+            .unwrap();
+        assert_eq!(c.dp.current_owner(key(6)), Some(1));
+        // Without an instance id (an older hostagent) a restart cannot be
+        // told from a stall: kept.
+        c.register_as(Instant::from_millis(850), &reg(2, 0), &[])
+            .unwrap();
+        assert_eq!(c.dp.current_owner(key(6)), Some(1));
+    }
+
+    #[test]
+    fn without_grace_a_dead_server_loses_its_flows_at_once() {
+        let mut c = world(Duration::ZERO);
+        run_without_s2(&mut c, 100, 500);
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Dead);
+        assert_eq!(owners(&c), vec![Some(0), None, Some(2), None]);
+        assert_eq!(closed_ports(&mut c), vec![2, 4]);
+        assert!(matches!(
+            c.take_liveness_events()[..],
+            [
+                LivenessEvent::Died {
+                    flows_kept_until: None,
+                    ..
+                },
+                LivenessEvent::FlowsRemoved {
+                    flows: 2,
+                    why: FlowsRemovedWhy::DeadNoGrace,
+                    ..
+                }
+            ]
+        ));
+        // No grace: a heartbeat does not revive it.
+        c.heartbeat(Instant::from_millis(600), ServerId(2)).unwrap();
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Dead);
+    }
+
+    #[test]
+    fn a_dead_address_taken_by_another_id_loses_the_kept_flows() {
+        let mut c = world(Duration::from_secs(10));
+        run_without_s2(&mut c, 100, 500);
+        c.take_liveness_events();
+        // Server 9 takes s2's data address during s2's grace.
+        let r = Registration {
+            id: ServerId(9),
+            ..reg(2, 0)
+        };
+        c.register_as(Instant::from_millis(600), &r, &[]).unwrap();
+        assert!(c.server(ServerId(2)).is_none());
+        assert_eq!(owners(&c), vec![Some(0), None, Some(2), None]);
+        assert_eq!(closed_ports(&mut c), vec![2, 4]);
+        assert!(matches!(
+            c.take_liveness_events()[..],
+            [LivenessEvent::FlowsRemoved {
+                why: FlowsRemovedWhy::AddressReused,
+                ..
+            }]
+        ));
+    }
+
+    #[test]
+    fn a_takeover_restores_a_dead_server_with_its_flows_for_a_grace() {
+        let mut cfg = ControlConfig::new(Duration::from_millis(300), TargetPolicy::RoundRobin);
+        cfg.dead_flow_grace = Duration::from_secs(2);
+        let mut c = ControlPlane::new(MemDataPlane::new(), cfg);
+        c.add_service(VIP, 80, Placement::Maglev).unwrap();
+        c.register_as(Instant::ZERO, &reg(1, 0), &[]).unwrap();
+        c.restore_dead(Instant::ZERO, &reg(2, 0)).unwrap();
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Dead);
+        assert!(c.dp.maglev[&0].iter().all(|v| *v == 0));
+        let flow = |p| FlowKey::from(key(p));
+        let (loaded, skipped) = c
+            .load_flows(&[(flow(1), ServerId(1)), (flow(2), ServerId(2))])
+            .unwrap();
+        assert_eq!((loaded, skipped), (2, 0));
+        // Taking over at 5 s: the grace counts from then.
+        c.restart_liveness_clocks(Instant::from_millis(5000));
+        c.heartbeat(Instant::from_millis(6900), ServerId(1))
+            .unwrap();
+        c.tick(Instant::from_millis(6900)).unwrap();
+        assert_eq!(c.dp.current_owner(key(2)), Some(1));
+        c.heartbeat(Instant::from_millis(7000), ServerId(1))
+            .unwrap();
+        c.tick(Instant::from_millis(7000)).unwrap();
+        assert_eq!(c.dp.current_owner(key(2)), None);
+        assert_eq!(closed_ports(&mut c), vec![2], "the store forgets it too");
+        assert_eq!(c.dp.current_owner(key(1)), Some(0));
     }
 
     #[test]
@@ -1153,6 +1718,10 @@ mod tests {
             weight,
             liveness: Liveness::Live,
             last_heartbeat: Instant::ZERO,
+            instance: 0,
+            dead_since: None,
+            flows_kept_until: None,
+            revive_as: Liveness::Live,
             load,
             load_pps: load as f64 * 1000.0,
             last_counter: 0,

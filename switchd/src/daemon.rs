@@ -39,7 +39,9 @@ use serde_json::json;
 use crate::abi::*;
 use crate::bpf::{BpfDataPlane, BpfOptions};
 use crate::config::{Config, Role};
-use crate::control::{ControlConfig, ControlPlane, Liveness, PoolSpec};
+use crate::control::{
+    ControlConfig, ControlPlane, FlowsRemovedWhy, Liveness, LivenessEvent, PoolSpec, Registration,
+};
 use crate::dataplane::DataPlane;
 use crate::persist::StoreSink;
 use crate::sys;
@@ -326,6 +328,7 @@ impl Switch {
     ) -> anyhow::Result<Self> {
         let mut ccfg = ControlConfig::new(cfg.dead_after, cfg.target_policy);
         ccfg.closed_linger = cfg.closed_linger;
+        ccfg.dead_flow_grace = cfg.dead_flow_grace;
         let mut cp = ControlPlane::new(dp, ccfg);
         cp.dp.set_config(CConfig::new(cfg.switch_addr()))?;
         for (idx, role, mac) in &ifaces {
@@ -490,17 +493,12 @@ impl Switch {
         let t0 = StdInstant::now();
         self.sync_from_store()?;
         // Restored servers were loaded while standing by: their liveness
-        // clock starts now, and their next heartbeats keep them live.
+        // clock starts now, and their next heartbeats keep them live (dead
+        // ones restored with flows get a full grace from now).
         let now = self.now();
-        let ids: Vec<ServerId> = self
-            .cp
-            .servers()
-            .filter(|s| s.liveness != Liveness::Dead)
-            .map(|s| s.id)
-            .collect();
-        for id in ids {
-            let _ = self.cp.heartbeat(now, id);
-        }
+        self.cp.restart_liveness_clocks(now);
+        // What the standby's syncs noted is not news.
+        self.cp.take_liveness_events();
         self.attach_all()?;
         if self.cfg.ha.claim_vips {
             self.claim_vips();
@@ -737,8 +735,21 @@ impl Switch {
             })
             .context("store did not answer within 5 s")??;
         let now = self.now();
+        // A dead server that still owns stored flows died within its grace
+        // at the previous active: restored DEAD with them (after the live
+        // ones, whose addresses win), so that it can still come back, and
+        // otherwise its flows leave the data plane and the store together.
+        let owners: std::collections::HashSet<ServerId> = flows.iter().map(|m| m.server).collect();
+        let mut servers = servers;
+        servers.sort_by_key(|s| s.state == ServerState::Dead);
         for s in servers {
-            if matches!(s.state, ServerState::Dead | ServerState::Drained) {
+            let dead_with_flows = s.state == ServerState::Dead && owners.contains(&s.id);
+            if matches!(s.state, ServerState::Dead | ServerState::Drained) && !dead_with_flows {
+                continue;
+            }
+            if dead_with_flows
+                && (self.cp.server(s.id).is_some() || self.cp.server_by_addr(s.data_addr).is_some())
+            {
                 continue;
             }
             if self
@@ -771,16 +782,25 @@ impl Switch {
                 }
             };
             let src_mac = sys::iface_mac(&dev)?;
-            self.cp.register_for(
-                now,
-                s.id,
-                s.data_addr,
+            let reg = Registration {
+                id: s.id,
+                data_ip: s.data_addr,
                 mac,
                 ifindex,
                 src_mac,
-                s.weight.max(1),
-                &[],
-            )?;
+                weight: s.weight.max(1),
+                // Not in the store: the next REGISTER cannot be told a
+                // restart, its flows are kept (as for older hostagents).
+                instance: 0,
+            };
+            if dead_with_flows {
+                if let Err(e) = self.cp.restore_dead(now, &reg) {
+                    eprintln!("switchd: stored dead server {}: {e}", s.id);
+                    continue;
+                }
+            } else {
+                self.cp.register_as(now, &reg, &[])?;
+            }
             if s.state == ServerState::Draining {
                 self.cp.set_draining(s.id, true)?;
             }
@@ -918,11 +938,11 @@ impl Switch {
                 let ns = crate::embryonic::monotonic_ns();
                 let fenced = self.writes_fenced();
                 let r = match self.sink.as_mut() {
-                    _ if fenced => self.embryonic.step(&mut self.cp.dp, ns, &mut self.held),
-                    Some(sink) => self.embryonic.step(&mut self.cp.dp, ns, sink),
+                    _ if fenced => self.embryonic.tick(&mut self.cp.dp, ns, &mut self.held),
+                    Some(sink) => self.embryonic.tick(&mut self.cp.dp, ns, sink),
                     None => {
                         let mut devnull = crate::control::VecSink::default();
-                        self.embryonic.step(&mut self.cp.dp, ns, &mut devnull)
+                        self.embryonic.tick(&mut self.cp.dp, ns, &mut devnull)
                     }
                 };
                 if let Err(e) = r {
@@ -931,8 +951,15 @@ impl Switch {
                 next_embryonic = now + Duration::from_millis(25);
             }
             if now >= next_count {
+                // A kernel walk costs in proportion to the table's buckets,
+                // not its entries (~7.5 ms for the default 2M-bucket flow
+                // table, holding a CPU): refreshed every second, or less
+                // often so that counting stays under 0.2% of a core.
+                let t = std::time::Instant::now();
                 self.flow_counts = self.cp.dp.table_sizes()?;
-                next_count = now + Duration::from_secs(1);
+                let every =
+                    (t.elapsed() * 500).clamp(Duration::from_secs(1), Duration::from_secs(10));
+                next_count = now + every;
             }
             if now >= next_status {
                 self.publish();
@@ -994,22 +1021,82 @@ impl Switch {
         Ok(())
     }
 
-    /// Liveness side effects: record newly dead servers in the store, and
-    /// resend pending DRAINs.
+    /// Liveness side effects of the last tick.
     fn after_tick(&mut self, _now: Instant) {
-        let dead: Vec<ServerId> = self
-            .cp
-            .servers()
-            .filter(|s| s.liveness == Liveness::Dead && self.peers.contains_key(&s.id))
-            .map(|s| s.id)
-            .collect();
-        for id in dead {
-            self.peers.remove(&id);
-            eprintln!(
-                "switchd: server {id} missed heartbeats for {:?}: dead, entries removed",
-                self.cfg.dead_after
-            );
-            self.store_state(id, ServerState::Dead);
+        self.note_liveness();
+    }
+
+    /// Logs liveness transitions and records them in the store. A dead
+    /// server keeps its peer entry (so its heartbeats are heard) while its
+    /// flows are kept; once they are removed its next heartbeat is answered
+    /// "register first".
+    fn note_liveness(&mut self) {
+        let grace = self.cfg.dead_flow_grace;
+        for e in self.cp.take_liveness_events() {
+            match e {
+                LivenessEvent::Died {
+                    id,
+                    flows_kept_until,
+                } => {
+                    if flows_kept_until.is_some() {
+                        eprintln!(
+                            "switchd: server {id} missed heartbeats for {:?}: dead, out of placement; its flow entries are kept for {grace:?} (dead_flow_grace_ms) for it to come back",
+                            self.cfg.dead_after
+                        );
+                    } else {
+                        eprintln!(
+                            "switchd: server {id} missed heartbeats for {:?}: dead, out of placement",
+                            self.cfg.dead_after
+                        );
+                    }
+                    self.store_state(id, ServerState::Dead);
+                }
+                LivenessEvent::Returned {
+                    id,
+                    dead_for,
+                    by_register,
+                } => {
+                    let how = if by_register {
+                        "registered again (same instance)"
+                    } else {
+                        "heartbeats again"
+                    };
+                    eprintln!(
+                        "switchd: server {id} {how} after {:.0} ms dead, within the grace: back in placement, every flow kept",
+                        dead_for.as_secs_f64() * 1e3
+                    );
+                    // A REGISTER writes the whole record itself.
+                    if !by_register {
+                        let state = match self.cp.server(id).map(|s| s.liveness) {
+                            Some(Liveness::Draining) => ServerState::Draining,
+                            _ => ServerState::Active,
+                        };
+                        self.store_state(id, state);
+                    }
+                }
+                LivenessEvent::FlowsRemoved { id, flows, why } => {
+                    match why {
+                        FlowsRemovedWhy::DeadNoGrace => {
+                            eprintln!("switchd: server {id} dead: {flows} flow entries removed")
+                        }
+                        FlowsRemovedWhy::GraceEnded => eprintln!(
+                            "switchd: server {id} did not come back within {grace:?}: {flows} flow entries removed"
+                        ),
+                        FlowsRemovedWhy::Restarted { old, new } => eprintln!(
+                            "switchd: server {id} restarted (instance {old:#018x} -> {new:#018x}): {flows} flow entries of the old process removed"
+                        ),
+                        FlowsRemovedWhy::AddressReused => eprintln!(
+                            "switchd: dead server {id}'s data address registered by another server: {flows} flow entries removed"
+                        ),
+                    }
+                    if matches!(
+                        why,
+                        FlowsRemovedWhy::DeadNoGrace | FlowsRemovedWhy::GraceEnded
+                    ) {
+                        self.peers.remove(&id);
+                    }
+                }
+            }
         }
     }
 
@@ -1114,6 +1201,14 @@ impl Switch {
         *self.accepted.entry(kind_name(kind)).or_default() += 1;
         match repr.body {
             ControlBody::Register(r) => {
+                // A REGISTER with an instance id comes from a hostagent whose
+                // seqs continue across restarts (clock-based): one whose seq
+                // is not above the last heard from this server is a replay,
+                // and an old process's REGISTER replayed must not pass for a
+                // restart (which drops the server's flows).
+                if r.instance != 0 && self.peers.get(&id).is_some_and(|p| repr.seq <= p.last_seq) {
+                    return self.drop_msg("replay");
+                }
                 if id.0 == 0 {
                     return self.error_reply(
                         id,
@@ -1153,16 +1248,18 @@ impl Switch {
                     .map(|x| x.2)
                     .unwrap_or_default();
                 let wanted: Vec<SocketAddrV4> = r.services.iter().collect();
-                if let Err(e) = self.cp.register_for(
-                    now,
+                let reg = Registration {
                     id,
-                    r.data_addr,
-                    r.data_mac,
+                    data_ip: r.data_addr,
+                    mac: r.data_mac,
                     ifindex,
                     src_mac,
-                    u32::from(r.weight).max(1),
-                    &wanted,
-                ) {
+                    weight: u32::from(r.weight).max(1),
+                    instance: r.instance,
+                };
+                let registered = self.cp.register_as(now, &reg, &wanted);
+                self.note_liveness();
+                if let Err(e) = registered {
                     let code = if matches!(e, crate::control::ControlError::AddressInUse { .. }) {
                         ErrorCode::IdConflict
                     } else {
@@ -1174,10 +1271,11 @@ impl Switch {
                 peer.last_seq = repr.seq;
                 self.peers.insert(id, peer);
                 eprintln!(
-                    "switchd: registered {id}: data {} mac {} via {dev}, weight {}",
+                    "switchd: registered {id}: data {} mac {} via {dev}, weight {}, instance {:#018x}",
                     r.data_addr,
                     sys::format_mac(&r.data_mac),
-                    r.weight
+                    r.weight,
+                    r.instance
                 );
                 if self.store.is_some() {
                     let mut rec =
@@ -1195,7 +1293,15 @@ impl Switch {
                 self.reply(id, ControlBody::RegisterAck(ack))
             }
             ControlBody::Heartbeat(h) => {
-                if self.cp.heartbeat(now, id).is_err() {
+                let alive = self.cp.heartbeat(now, id).is_ok()
+                    && self
+                        .cp
+                        .server(id)
+                        .is_some_and(|s| s.liveness != Liveness::Dead);
+                self.note_liveness();
+                if !alive {
+                    // Dead and its flows gone: only a REGISTER brings it back.
+                    self.peers.remove(&id);
                     return self.error_reply(
                         id,
                         ErrorCode::NotRegistered,
@@ -1458,12 +1564,13 @@ impl Switch {
 
     fn publish(&mut self) {
         let stats = self.cp.dp.stats().unwrap_or_default();
+        let now = self.now();
         let servers: Vec<serde_json::Value> = self
             .cp
             .servers()
             .map(|s| {
                 let p = self.peers.get(&s.id);
-                json!({
+                let mut v = json!({
                     "id": s.id.0, "index": s.index, "data_addr": s.data_ip.to_string(),
                     "mac": sys::format_mac(&s.mac), "weight": s.weight,
                     "state": format!("{:?}", s.liveness).to_lowercase(), "load": s.load,
@@ -1473,7 +1580,16 @@ impl Switch {
                     "rx_backlog_bytes": p.map(|p| p.rx_backlog_bytes),
                     "draining_acked": p.map(|p| p.draining_acked),
                     "policy_generation": p.map(|p| p.policy_generation),
-                })
+                });
+                // Dead: for how long, and how much longer its flows are kept.
+                v["instance"] = json!(format!("{:#018x}", s.instance));
+                v["dead_ms"] = json!(s
+                    .dead_since
+                    .map(|t| now.saturating_since(t).as_millis() as u64));
+                v["flows_kept_ms"] = json!(s
+                    .flows_kept_until
+                    .map(|t| t.saturating_since(now).as_millis() as u64));
+                v
             })
             .collect();
         let services: Vec<serde_json::Value> = self
@@ -1560,6 +1676,17 @@ impl Switch {
             })),
         });
         let mut status = status;
+        let lv = self.cp.liveness;
+        status["liveness"] = json!({
+            "dead_after_ms": self.cfg.dead_after.as_millis() as u64,
+            "dead_flow_grace_ms": self.cfg.dead_flow_grace.as_millis() as u64,
+            "died_total": lv.died_total,
+            "returned_total": lv.returned_total,
+            "grace_ended_total": lv.grace_ended_total,
+            "dead_flows_removed_total": lv.dead_flows_removed_total,
+            "restarts_total": lv.restarts_total,
+            "restart_flows_removed_total": lv.restart_flows_removed_total,
+        });
         status["embryonic"] = embryonic_status;
         status["lease"] = lease_status;
         if let (Some(m), Some(st)) = (writer.as_ref(), status["store"].as_object_mut()) {
@@ -1593,6 +1720,15 @@ impl Switch {
             self.tick_overruns, self.load_sent
         );
         m += &format!("{p}_reaped_total {}\n", self.cp.reaped_total);
+        m += &format!(
+            "{p}_servers_died_total {}\n{p}_servers_returned_total {}\n{p}_dead_grace_ended_total {}\n{p}_dead_flows_removed_total {}\n{p}_server_restarts_total {}\n{p}_restart_flows_removed_total {}\n",
+            lv.died_total,
+            lv.returned_total,
+            lv.grace_ended_total,
+            lv.dead_flows_removed_total,
+            lv.restarts_total,
+            lv.restart_flows_removed_total
+        );
         m += &format!(
             "{p}_embryonic_reaped_total {}\n{p}_embryonic_scanned_total {}\n{p}_embryonic_scan_passes_total {}\n{p}_embryonic_flows {}\n",
             self.embryonic.metrics.reaped_total,

@@ -374,6 +374,9 @@ impl Lab {
                 data_mac: mac,
                 weight,
                 services: ServiceList::Slice(&services),
+                // A stand-in without an instance id, like servers that
+                // predate it (docs/SWITCHD.md "Stalled and restarted servers").
+                instance: 0,
             }),
         };
         let mut buf = vec![0u8; reg.buffer_len()];

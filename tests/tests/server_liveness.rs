@@ -1,24 +1,41 @@
-//! A server the switch declared dead comes back by itself (root; release
-//! binaries, or `CAPYBARA_BIN_DIR`): switchd and one hostagent in the lab;
-//! the hostagent is frozen (SIGSTOP) past the switch's `dead_after_ms`, the
-//! switch declares it dead and answers its next heartbeat "register
-//! first"; on waking the hostagent registers again instead of
-//! heartbeating into the void, and takes new connections. (Before, a
-//! server starved of CPU for a second stayed out of the pool until it was
-//! restarted.)
+//! Servers that stall or restart behind the switch (root; release binaries,
+//! or `CAPYBARA_BIN_DIR`): switchd and real hostagents in the lab, real
+//! Linux TCP clients (echo connections held by a Python client).
+//!
+//! - A hostagent frozen (SIGSTOP) past `dead_after_ms` but within
+//!   `dead_flow_grace_ms` is out of placement while frozen (new
+//!   connections go to the other server) and, woken, keeps every
+//!   connection: no reset, the echo sent while it was frozen comes back.
+//!   (Before, a hostagent starved of CPU for a second lost every
+//!   connection: the switch removed its flows and the other server reset
+//!   them.)
+//! - Frozen past the grace too, its flows are removed; on waking it is told
+//!   to register again, does, and takes new connections.
+//! - Killed and restarted within the grace (a new instance): its old flows
+//!   are removed at once, so its clients fail fast instead of waiting out
+//!   the grace.
 
 use capybara_systests::{
-    bin, deployment_key, disable_policies, hostagent_migrating_config, output_dir, switchd_config,
-    EchoHolder, Lab,
+    bin, deployment_key, disable_policies, hostagent_migrating_config, metric_sum, output_dir,
+    switchd_config, EchoHolder, Lab,
 };
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
-#[test]
-fn a_server_declared_dead_registers_again_when_it_wakes() {
-    let dir = output_dir("server_liveness");
-    let mut lab = Lab::up("sl", 1);
-    let key = deployment_key(&dir);
-    let sw = switchd_config(&dir, 1, &key);
+/// Sets a top-level switchd config field (before the first table).
+fn switchd_field(cfg: &Path, line: &str) {
+    let text = std::fs::read_to_string(cfg).expect("read switchd config");
+    std::fs::write(cfg, format!("{line}\n{text}")).expect("write switchd config");
+}
+
+/// switchd plus hostagents s1..=s`servers` (policies off: nothing migrates
+/// on its own), all registered. Returns the switchd log and the hostagent pids.
+fn start(lab: &mut Lab, dir: &Path, servers: u32, switchd_extra: &str) -> (PathBuf, Vec<u32>) {
+    let key = deployment_key(dir);
+    let sw = switchd_config(dir, servers, &key);
+    if !switchd_extra.is_empty() {
+        switchd_field(&sw, switchd_extra);
+    }
     let swlog = dir.join("switchd.log");
     lab.spawn_logged(
         "sw",
@@ -26,44 +43,194 @@ fn a_server_declared_dead_registers_again_when_it_wakes() {
         &["--config", sw.to_str().unwrap()],
         &swlog,
     );
-    let cfg = hostagent_migrating_config(&dir, 1, &key, None);
+    let pids = (1..=servers)
+        .map(|j| spawn_hostagent(lab, dir, &key, j, "hostagent"))
+        .collect();
+    for j in 1..=servers {
+        lab.wait_for(
+            &format!("s{j} to register"),
+            Duration::from_secs(30),
+            || log(&swlog).contains(&format!("switchd: registered s{j}:")),
+        );
+    }
+    (swlog, pids)
+}
+
+fn spawn_hostagent(lab: &mut Lab, dir: &Path, key: &Path, j: u32, name: &str) -> u32 {
+    let cfg = hostagent_migrating_config(dir, j, key, None);
     disable_policies(&cfg);
-    let pid = lab.spawn_logged(
-        "s1",
+    let metrics = format!("198.18.1.{}:9100", 10 + j);
+    lab.spawn_logged(
+        &format!("s{j}"),
         bin("hostagent"),
-        &["--config", cfg.to_str().unwrap()],
-        &dir.join("hostagent-s1.log"),
+        &["--config", cfg.to_str().unwrap(), "--metrics", &metrics],
+        &dir.join(format!("{name}-s{j}.log")),
+    )
+}
+
+fn log(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: signalling a hostagent this test started (`ip netns exec`
+    // execs it, so the pid is the hostagent's).
+    unsafe { libc::kill(pid as i32, sig) };
+}
+
+/// Connections server `j` has accepted so far.
+fn accepted(lab: &Lab, j: u32) -> f64 {
+    metric_sum(
+        &lab.server_metrics(j),
+        "capybara_tcp_connections_passive_total",
+        "",
+    )
+    .unwrap_or(-1.0)
+}
+
+/// Runs `body` with `pid` stopped (SIGSTOP), and always continues it
+/// (SIGCONT) before returning or unwinding.
+fn while_stopped<T>(pid: u32, body: impl FnOnce() -> T) -> T {
+    signal(pid, libc::SIGSTOP);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
+    signal(pid, libc::SIGCONT);
+    r.unwrap_or_else(|e| std::panic::resume_unwind(e))
+}
+
+/// Holds echo connections until server 1 has at least one of them.
+fn hold_some_on_s1(lab: &Lab, n: usize) -> EchoHolder {
+    let before = accepted(lab, 1);
+    let h = EchoHolder::start(lab, n);
+    let on_s1 = accepted(lab, 1) - before;
+    assert!(
+        on_s1 >= 1.0,
+        "none of {n} connections landed on s1 ({on_s1})"
     );
-    let log = || std::fs::read_to_string(&swlog).unwrap_or_default();
-    let registrations = || log().matches("switchd: registered s1").count();
-    lab.wait_for("s1 to register", Duration::from_secs(30), || {
-        registrations() >= 1
+    h
+}
+
+#[test]
+fn a_stalled_server_keeps_its_connections_within_the_grace() {
+    let dir = output_dir("server_liveness_stall");
+    let mut lab = Lab::up("sls", 2);
+    // The default grace (10 s); dead after 1 s of silence.
+    let (swlog, pids) = start(&mut lab, &dir, 2, "");
+    let mut held = hold_some_on_s1(&lab, 12);
+    assert_eq!(held.round_trip(), "ok");
+    let s2_before = accepted(&lab, 2);
+
+    let stopped = Instant::now();
+    let echoed = std::thread::scope(|scope| {
+        signal(pids[0], libc::SIGSTOP);
+        // An echo over every held connection while s1 is frozen: those on
+        // s1 are answered only after it wakes.
+        let pending = scope.spawn(|| held.round_trip());
+        let checks = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            lab.wait_for(
+                "the switch to declare s1 dead",
+                Duration::from_secs(10),
+                || log(&swlog).contains("server s1 missed heartbeats"),
+            );
+            assert!(
+                log(&swlog).contains("flow entries are kept"),
+                "{}",
+                log(&swlog)
+            );
+            // New connections while s1 is dead go to s2, and work.
+            let mut fresh = EchoHolder::start(&lab, 6);
+            assert_eq!(fresh.round_trip(), "ok");
+            let to_s2 = accepted(&lab, 2) - s2_before;
+            assert_eq!(
+                to_s2, 6.0,
+                "new connections during the stall went elsewhere"
+            );
+            // Frozen past dead_after (1 s), well within the grace (10 s).
+            while stopped.elapsed() < Duration::from_secs(3) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }));
+        signal(pids[0], libc::SIGCONT);
+        if let Err(e) = checks {
+            std::panic::resume_unwind(e);
+        }
+        // Bounded by the echo client's 20 s socket timeout.
+        pending.join().expect("the echo thread")
     });
+    let frozen = stopped.elapsed();
+    assert_eq!(
+        echoed, "ok",
+        "an echo sent during the stall was lost or reset"
+    );
+    lab.wait_for("s1 to be back", Duration::from_secs(10), || {
+        log(&swlog).contains("server s1 heartbeats again")
+    });
+    assert_eq!(held.round_trip(), "ok");
+    let l = log(&swlog);
+    assert!(!l.contains("flow entries removed"), "{l}");
+    assert_eq!(
+        l.matches("switchd: registered s1:").count(),
+        1,
+        "back by its heartbeats, no REGISTER needed: {l}"
+    );
+    lab.assert_no_resets([1, 2]);
+    eprintln!("s1 frozen {frozen:?}: every connection kept, no reset");
+}
+
+#[test]
+fn a_server_dead_past_the_grace_registers_again_when_it_wakes() {
+    let dir = output_dir("server_liveness_grace");
+    let mut lab = Lab::up("slg", 1);
+    let (swlog, pids) = start(&mut lab, &dir, 1, "dead_flow_grace_ms = 1000");
     let mut before = EchoHolder::start(&lab, 2);
     assert_eq!(before.round_trip(), "ok");
 
-    // SAFETY: signalling the hostagent this test started (`ip netns exec`
-    // execs it, so the pid is the hostagent's).
-    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
-    let waited = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        lab.wait_for(
-            "the switch to declare s1 dead",
-            Duration::from_secs(15),
-            || log().contains("missed heartbeats"),
-        )
-    }));
-    // SAFETY: as above.
-    unsafe { libc::kill(pid as i32, libc::SIGCONT) };
-    if let Err(e) = waited {
-        std::panic::resume_unwind(e);
-    }
-    lab.wait_for("s1 to register again", Duration::from_secs(15), || {
-        registrations() >= 2
+    while_stopped(pids[0], || {
+        lab.wait_for("s1's grace to end", Duration::from_secs(15), || {
+            log(&swlog).contains("server s1 did not come back within 1s:")
+        })
     });
-    let ha = std::fs::read_to_string(dir.join("hostagent-s1.log")).unwrap_or_default();
+    lab.wait_for("s1 to register again", Duration::from_secs(15), || {
+        log(&swlog).matches("switchd: registered s1:").count() >= 2
+    });
+    let ha = log(&dir.join("hostagent-s1.log"));
     assert!(ha.contains("registering again"), "{ha}");
     // New connections reach it again.
     let mut after = EchoHolder::start(&lab, 2);
     assert_eq!(after.round_trip(), "ok");
     drop(before);
+}
+
+#[test]
+fn a_restarted_server_loses_its_old_flows_at_once() {
+    let dir = output_dir("server_liveness_restart");
+    let mut lab = Lab::up("slr", 2);
+    let (swlog, pids) = start(&mut lab, &dir, 2, "");
+    let mut held = hold_some_on_s1(&lab, 12);
+    assert_eq!(held.round_trip(), "ok");
+
+    // A crash and a restart, quicker than dead_after: only the instance id
+    // tells the switch that the connections are gone.
+    signal(pids[0], libc::SIGKILL);
+    let key = dir.join("deployment.key");
+    spawn_hostagent(&mut lab, &dir, &key, 1, "restarted");
+    lab.wait_for("s1 to register again", Duration::from_secs(30), || {
+        log(&swlog).contains("switchd: server s1 restarted")
+    });
+    let l = log(&swlog);
+    assert!(
+        l.contains("flow entries of the old process removed") && !l.contains("did not come back"),
+        "{l}"
+    );
+    // The held connections on s1 fail fast (a reset from whichever server
+    // the client's next segment reaches), not after the grace.
+    let t = Instant::now();
+    assert_ne!(held.round_trip(), "ok");
+    assert!(
+        t.elapsed() < Duration::from_secs(8),
+        "the old connections took {:?} to fail",
+        t.elapsed()
+    );
+    // The restarted server serves new connections.
+    let mut fresh = EchoHolder::start(&lab, 4);
+    assert_eq!(fresh.round_trip(), "ok");
 }

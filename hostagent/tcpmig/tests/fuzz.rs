@@ -90,7 +90,7 @@ fn run(seed: u64, ops: usize) {
                 if n > 4 && rng.below(2) == 0 {
                     buf[0] = 0xCA;
                     buf[1] = 0x9B;
-                    buf[2] = 1;
+                    buf[2] = capybara_proto::tcpmig::VERSION;
                 }
                 assert!(e.handle_message(now, ORIGIN, &buf[..n]).is_err());
             }
