@@ -1322,6 +1322,20 @@ fn embryonic_flows_are_reaped_with_their_store_mappings() {
         .unwrap()
         .is_some());
 
+    // The paced reaper (`tick`) starts passes from the real program's
+    // new-flow counter: the four SYNs were counted there.
+    let new_flows = capybara_switchd::abi::stat("fwd_new_flow");
+    assert!(lab.dp.stat_counter(new_flows).unwrap() >= 4);
+    let mut paced = EmbryonicReaper::new(Duration::from_secs(10), 16_384);
+    assert_eq!(
+        paced.tick(&mut lab.dp, monotonic_ns(), &mut sink).unwrap(),
+        0
+    );
+    assert_eq!(
+        paced.metrics.scanned_total, 0,
+        "no walk before they are old"
+    );
+
     // Too young: nothing goes.
     let mut reaper = EmbryonicReaper::new(Duration::from_secs(10), 16_384);
     assert_eq!(
