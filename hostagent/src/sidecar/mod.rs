@@ -18,7 +18,9 @@
 //! - the target opens its own loopback connection to its local application
 //!   when the connection is imported, and continues;
 //! - `raw` has no request boundaries: it migrates only when the relay holds
-//!   no byte and nothing moved either way for [`RAW_IDLE`];
+//!   no byte and nothing moved either way for [`RAW_IDLE`] after the
+//!   application's last output, or for [`RAW_UNANSWERED`] after bytes the
+//!   application has not answered yet;
 //! - TLS: the session's record-layer state (keys, sequence numbers, a
 //!   partially received record, undelivered plaintext) travels in the
 //!   manager's state, so the connection moves at any byte of the encrypted
@@ -55,8 +57,14 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-/// A raw relay is migratable after this long without a byte either way.
+/// A raw relay is migratable after this long without a byte either way,
+/// when the application's output came last.
 pub const RAW_IDLE: Duration = Duration::from_millis(20);
+/// ... and after this long when bytes went to the application after its
+/// last output (an answer is owed; a loaded machine delays it well past
+/// `RAW_IDLE`, issue #8). An application that never answers (one-way
+/// traffic) still migrates once quiet this long.
+pub const RAW_UNANSWERED: Duration = Duration::from_secs(1);
 /// How long the sidecar waits for the application to accept a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// After the sidecar closes its side, how long it waits for the client's.
@@ -262,7 +270,7 @@ impl Shared {
         let idle = match &self.proto {
             Proto::Http(t) => t.outstanding() == 0 && t.at_boundary(),
             Proto::Resp(r) => r.idle(),
-            Proto::Raw(r) => r.idle(RAW_IDLE),
+            Proto::Raw(r) => r.idle(RAW_IDLE, RAW_UNANSWERED),
         };
         if idle {
             Readiness::Ready
@@ -627,8 +635,8 @@ impl Relay {
                     Poll::Ready(Ok(n)) => {
                         sh.to_app.drain(..n);
                         progress |= n > 0;
-                        if let Proto::Raw(r) = &mut sh.proto {
-                            r.touch();
+                        if let (Proto::Raw(r), 1..) = (&mut sh.proto, n) {
+                            r.to_app();
                         }
                     }
                     Poll::Ready(Err(_)) => {
@@ -725,7 +733,17 @@ impl Relay {
             Proto::Http(t) => t.observe(data).map(|_| ()),
             Proto::Resp(r) => r.observe(data),
             Proto::Raw(r) => {
-                r.touch();
+                if let Some(took) = r.from_app().filter(|t| *t >= RAW_IDLE) {
+                    if debug::enabled() {
+                        // The old rule (idle after RAW_IDLE either way)
+                        // could have migrated the relay before this answer.
+                        println!(
+                            "sidecar peer={} raw answer after {} ms (past the idle window)",
+                            self.peer,
+                            took.as_millis()
+                        );
+                    }
+                }
                 Ok(())
             }
         };
@@ -802,7 +820,7 @@ impl Relay {
             }
         }
         if let Proto::Raw(r) = proto {
-            r.touch();
+            r.from_client();
         }
     }
 
@@ -916,7 +934,72 @@ impl Relay {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     use crate::config::Config;
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+
+    fn raw_shared(app_fd: std::os::fd::RawFd) -> Shared {
+        Shared {
+            proto: Proto::Raw(raw::RawConn::new()),
+            inbuf: Vec::new(),
+            to_app: Vec::new(),
+            to_client: Vec::new(),
+            tls: None,
+            quiesced: true,
+            connecting: false,
+            closing: false,
+            pinned: None,
+            gone: false,
+            waker: None,
+            mid_record: Default::default(),
+            app_fd: Some(app_fd),
+            seal: None,
+            dbg: Default::default(),
+        }
+    }
+
+    /// Issue #8: a raw relay that wrote a command to a slow application
+    /// (over a real loopback connection) must not be a safe point after
+    /// `RAW_IDLE`: the answer is owed. It was, the relay migrated, and the
+    /// answer (redis-server descheduled for 21 ms under CPU load) was
+    /// refused by the closed loopback connection; the client hung.
+    #[test]
+    fn raw_relay_waiting_for_an_answer_is_not_ready() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut relay_side = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut app_side, _) = l.accept().unwrap();
+        let mut sh = raw_shared(relay_side.as_raw_fd());
+
+        // The relay forwards a command; the application reads it and is
+        // slow to answer.
+        relay_side.write_all(b"PING\r\n").unwrap();
+        let sent = std::time::Instant::now();
+        if let Proto::Raw(r) = &mut sh.proto {
+            r.to_app();
+        }
+        let mut cmd = [0u8; 6];
+        app_side.read_exact(&mut cmd).unwrap();
+        std::thread::sleep(RAW_IDLE + Duration::from_millis(5));
+        let owed = sh.readiness();
+        // (Past RAW_UNANSWERED, on a machine that stalled this thread for
+        // a second, Ready would be right.)
+        if sent.elapsed() < RAW_UNANSWERED {
+            assert_eq!(owed, Readiness::NotYet, "answer owed");
+        }
+
+        // The answer arrives: unread, then relayed; then quiet for RAW_IDLE.
+        app_side.write_all(b"+PONG\r\n").unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(sh.readiness(), Readiness::NotYet, "answer unread");
+        let mut ans = [0u8; 7];
+        relay_side.read_exact(&mut ans).unwrap();
+        if let Proto::Raw(r) = &mut sh.proto {
+            assert!(r.from_app().is_some());
+        }
+        std::thread::sleep(RAW_IDLE + Duration::from_millis(5));
+        assert_eq!(sh.readiness(), Readiness::Ready);
+    }
 
     const BASE: &str = "[interface]\nname = \"eth0\"\n[stack]\naddress = \"198.18.2.11\"\ngateway = \"198.18.1.1\"\n[[service]]\nlisten = \"198.18.100.1:80\"\n";
 
