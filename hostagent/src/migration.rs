@@ -111,9 +111,10 @@ pub struct Migrator {
     pub engine: Engine,
     /// Connections served here, by flow (owned: accepted or imported).
     by_flow: Map<FlowKey, ConnId>,
-    /// Origin: handle of each exported connection and its snapshot, kept to
-    /// resume locally if the migration does not happen.
-    exported: Map<MigrationId, (ConnId, FlowKey, Vec<u8>)>,
+    /// Origin: handle of each exported connection. Its snapshot, needed to
+    /// resume locally if the migration does not happen, is the engine's
+    /// (`Engine::take_resumed_snapshot`), or here if the engine refused it.
+    exported: Map<MigrationId, (ConnId, FlowKey, Option<Vec<u8>>)>,
     frozen_flows: Map<FlowKey, ConnId>,
     gone_flows: Map<FlowKey, Instant>,
     handles: Map<ConnId, HandleState>,
@@ -496,6 +497,9 @@ impl Migrator {
         now: Instant,
         buf: &mut [u8],
     ) -> Option<capybara_tcpmig::Transmit> {
+        if !self.engine.has_transmit() {
+            return None;
+        }
         let Some(d) = &mut self.dump else {
             return self.engine.poll_transmit(now, buf);
         };
@@ -555,8 +559,9 @@ impl Migrator {
                         continue;
                     }
                     // `export_to_vec` reserves its cheap upper bound itself
-                    // (one allocation, no sizing walk of the connection).
-                    let mut snap = Vec::new();
+                    // (no sizing walk of the connection), in a buffer the
+                    // engine recycles from an earlier migration out.
+                    let mut snap = self.engine.snapshot_buffer();
                     match tcp.export_to_vec(now, cid, &app, &mut snap) {
                         Ok(_) => {
                             self.by_flow.remove(&flow);
@@ -571,8 +576,11 @@ impl Migrator {
                                 }
                             }
                             self.handles.insert(handle, HandleState::Frozen);
-                            let _ = self.engine.provide_snapshot(now, id, snap.clone());
-                            self.exported.insert(id, (handle, flow, snap));
+                            // The engine keeps the only copy; one it refuses
+                            // comes back (the migration then resumes).
+                            let back = self.engine.offer_snapshot(now, id, snap).err();
+                            self.exported
+                                .insert(id, (handle, flow, back.map(|(_, s)| s)));
                         }
                         Err(_) => {
                             self.managers.resume(handle);
@@ -607,9 +615,12 @@ impl Migrator {
                         // Given up before the export: the manager resumes.
                         self.managers.resume(self.app_handle(cid));
                     }
-                    if let Some((cid, _, snap)) = self.exported.remove(&id) {
+                    if let Some((cid, _, kept)) = self.exported.remove(&id) {
                         self.frozen_flows.remove(&flow);
                         self.forward_to.remove(&flow);
+                        let snap = kept
+                            .or_else(|| self.engine.take_resumed_snapshot(id))
+                            .unwrap_or_default();
                         match tcp.import(now, &snap) {
                             Ok(imp) => {
                                 self.resumed.insert(imp.id, cid);

@@ -358,7 +358,16 @@ pub struct Engine {
     due: Vec<u64>,
     /// Times the heap was full and rebuilt from the live entries.
     timer_rebuilds: u64,
+    /// Buffers of delivered snapshots, for the next exports
+    /// (`Engine::snapshot_buffer`): a migration out then allocates no
+    /// snapshot buffer. Pre-sized to `SPARE_SNAPSHOTS`.
+    spare_snapshots: Vec<Vec<u8>>,
 }
+
+/// Snapshot buffers kept for reuse, and the largest capacity kept (a
+/// full-queue connection's buffer is freed rather than held).
+const SPARE_SNAPSHOTS: usize = 8;
+const SPARE_SNAPSHOT_MAX_BYTES: usize = 64 * 1024;
 
 /// Expiry of finished records (`linger`) is rounded up to this grain in
 /// the timer heap, so that they expire in batches (one `handle_timeout`
@@ -386,6 +395,7 @@ struct Ctx<'a> {
     by_flow_in: &'a mut Map<FlowKey, u64>,
     by_flow_out: &'a mut Map<FlowKey, u64>,
     epochs: &'a mut Map<FlowKey, u64>,
+    spare_snapshots: &'a mut Vec<Vec<u8>>,
 }
 
 impl Ctx<'_> {
@@ -422,6 +432,18 @@ impl Ctx<'_> {
                 b.reassembly.reset();
                 self.pool.push(b);
             }
+        }
+    }
+
+    /// Keeps the buffer of a delivered snapshot for a later export
+    /// (bounded in number and size; others are freed).
+    fn recycle_snapshot(&mut self, mut buf: Vec<u8>) {
+        if self.spare_snapshots.len() < SPARE_SNAPSHOTS
+            && buf.capacity() > 0
+            && buf.capacity() <= SPARE_SNAPSHOT_MAX_BYTES
+        {
+            buf.clear();
+            self.spare_snapshots.push(buf);
         }
     }
 
@@ -498,6 +520,7 @@ impl Engine {
             timer_cap,
             due: Vec::with_capacity(timer_cap),
             timer_rebuilds: 0,
+            spare_snapshots: Vec::with_capacity(SPARE_SNAPSHOTS),
             key,
             cfg,
         })
@@ -642,9 +665,43 @@ impl Engine {
         id: MigrationId,
         snapshot: Vec<u8>,
     ) -> Result<(), MigError> {
+        self.offer_snapshot(now, id, snapshot).map_err(|(e, _)| e)
+    }
+
+    /// [`Engine::provide_snapshot`] that hands the snapshot back on error,
+    /// so that the caller can resume the connection from it without keeping
+    /// a copy of its own. On success the engine holds the only copy: after
+    /// a `Resumed` event [`Engine::take_resumed_snapshot`] returns it.
+    pub fn offer_snapshot(
+        &mut self,
+        now: Instant,
+        id: MigrationId,
+        snapshot: Vec<u8>,
+    ) -> Result<(), (MigError, Vec<u8>)> {
         let res = self.provide_snapshot_inner(now, id, snapshot);
         self.rearm(id.0);
         res
+    }
+
+    /// Origin: the snapshot of a migration that ended `Resumed` after
+    /// [`Engine::offer_snapshot`] (or `provide_snapshot`) took it, for
+    /// re-importing the connection here; `None` if there is none (resumed
+    /// before the export) or it was taken already. A record that expires
+    /// drops it.
+    pub fn take_resumed_snapshot(&mut self, id: MigrationId) -> Option<Vec<u8>> {
+        match self.records.get_mut(&id.0)? {
+            Record::Out(r) if r.kept && !r.snapshot.is_empty() => {
+                Some(std::mem::take(&mut r.snapshot))
+            }
+            _ => None,
+        }
+    }
+
+    /// An empty buffer for the next export (a snapshot buffer of an earlier
+    /// migration out, recycled with its capacity, when one is spare), to be
+    /// handed back through [`Engine::offer_snapshot`].
+    pub fn snapshot_buffer(&mut self) -> Vec<u8> {
+        self.spare_snapshots.pop().unwrap_or_default()
     }
 
     fn provide_snapshot_inner(
@@ -652,25 +709,31 @@ impl Engine {
         now: Instant,
         id: MigrationId,
         snapshot: Vec<u8>,
-    ) -> Result<(), MigError> {
+    ) -> Result<(), (MigError, Vec<u8>)> {
         let (records, mut cx) = self.ctx_parts();
         let r = match records.get_mut(&id.0) {
             Some(Record::Out(r)) => r,
             Some(Record::In(r)) => {
-                return Err(MigError::WrongState {
-                    id,
-                    state: r.phase.name(),
-                    expected: "exporting (origin)",
-                })
+                return Err((
+                    MigError::WrongState {
+                        id,
+                        state: r.phase.name(),
+                        expected: "exporting (origin)",
+                    },
+                    snapshot,
+                ))
             }
-            None => return Err(MigError::UnknownMigration(id)),
+            None => return Err((MigError::UnknownMigration(id), snapshot)),
         };
         if r.phase != OriginPhase::Exporting {
-            return Err(MigError::WrongState {
-                id,
-                state: r.phase.name(),
-                expected: OriginPhase::Exporting.name(),
-            });
+            return Err((
+                MigError::WrongState {
+                    id,
+                    state: r.phase.name(),
+                    expected: OriginPhase::Exporting.name(),
+                },
+                snapshot,
+            ));
         }
         let max = cx.cfg.max_snapshot_bytes;
         let count = if snapshot.len() > max {
@@ -707,7 +770,7 @@ impl Engine {
             Err(e) => {
                 // Nothing was sent: the target cannot commit, we may resume.
                 origin_resume_unilaterally(id.0, r, &mut cx, now, Reason::Cancelled);
-                Err(e)
+                Err((e, snapshot))
             }
         }
     }
@@ -966,6 +1029,22 @@ impl Engine {
     /// Writes the next datagram into `buf` (which must hold `path_mtu - 28`
     /// bytes). `None` when nothing is queued.
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        // The driver asks before every transmit batch and frame; nearly
+        // always nothing is queued: answer without the big frame's setup.
+        if self.tx.is_empty() {
+            return None;
+        }
+        self.poll_transmit_queued(now, buf)
+    }
+
+    /// Whether [`Engine::poll_transmit`] has a datagram to write.
+    #[inline]
+    pub fn has_transmit(&self) -> bool {
+        !self.tx.is_empty()
+    }
+
+    #[inline(never)]
+    fn poll_transmit_queued(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
         let local = self.cfg.local_addr;
         loop {
             let item = *self.tx.front()?;
@@ -1157,31 +1236,9 @@ impl Engine {
     /// record). A finished record only waits to expire: its expiry is
     /// rounded up to `EXPIRY_GRAIN_US` (later is harmless), so that records
     /// expire in batches instead of one wake-up each.
+    #[cfg(test)]
     fn due_of(&self, id: u64) -> Option<Instant> {
-        let expiry = |d: Instant| {
-            Instant::from_micros(d.as_micros().div_ceil(EXPIRY_GRAIN_US) * EXPIRY_GRAIN_US)
-        };
-        let min = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        match self.records.get(&id)? {
-            Record::Out(r) => min(
-                r.retx_at,
-                Some(if r.phase == OriginPhase::Done {
-                    expiry(r.deadline)
-                } else {
-                    r.deadline
-                }),
-            ),
-            Record::In(r) => min(
-                r.retx_at,
-                match r.phase {
-                    TargetPhase::Buffering | TargetPhase::Importing => r.deadline,
-                    _ => r.deadline.map(expiry),
-                },
-            ),
-        }
+        self.records.get(&id).and_then(due_of_record)
     }
 
     fn armed(&self, id: u64) -> Option<Instant> {
@@ -1192,28 +1249,50 @@ impl Engine {
     }
 
     /// Puts the record `id`'s timer in the heap if it changed (the old entry
-    /// becomes stale), then drops stale entries off the top.
+    /// becomes stale), then drops stale entries off the top. One lookup of
+    /// the record; the top is checked only if it is `id`'s entry: before
+    /// this call it was live, and no other record's timer changed.
     fn rearm(&mut self, id: u64) {
-        let due = self.due_of(id);
-        let slot = match self.records.get_mut(&id) {
-            Some(Record::Out(r)) => &mut r.armed,
-            Some(Record::In(r)) => &mut r.armed,
-            None => {
-                self.drop_stale_top();
-                return;
+        let push = match self.records.get_mut(&id) {
+            Some(rec) => {
+                let due = due_of_record(rec);
+                let slot = match rec {
+                    Record::Out(r) => &mut r.armed,
+                    Record::In(r) => &mut r.armed,
+                };
+                if *slot == due {
+                    return;
+                }
+                *slot = due;
+                due
             }
+            // Removed (its entries, if any, are stale now).
+            None => None,
         };
-        if *slot != due {
-            *slot = due;
-            if let Some(t) = due {
-                if self.timers.len() >= self.timer_cap {
-                    self.rebuild_timers();
-                } else {
-                    self.timers.push(Reverse((t, id)));
+        let top_is_id = matches!(self.timers.peek(), Some(&Reverse((_, top))) if top == id);
+        match push {
+            // The top is this record's live entry (the usual case with one
+            // migration at a time): replace it in place, one sift down
+            // instead of a push now and a pop of the stale entry later.
+            Some(t) if top_is_id => {
+                if let Some(mut top) = self.timers.peek_mut() {
+                    *top = Reverse((t, id));
                 }
             }
+            Some(t) => {
+                if self.timers.len() >= self.timer_cap {
+                    self.rebuild_timers();
+                    return;
+                }
+                self.timers.push(Reverse((t, id)));
+                // The former top is untouched: still live.
+                return;
+            }
+            None => {}
         }
-        self.drop_stale_top();
+        if top_is_id {
+            self.drop_stale_top();
+        }
     }
 
     /// Pops entries off the top of the heap until the top is live.
@@ -1260,6 +1339,7 @@ impl Engine {
                 by_flow_in: &mut self.by_flow_in,
                 by_flow_out: &mut self.by_flow_out,
                 epochs: &mut self.epochs,
+                spare_snapshots: &mut self.spare_snapshots,
             },
         )
     }
@@ -1863,7 +1943,14 @@ fn origin_finish(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant, outcom
     r.phase = OriginPhase::Done;
     r.retx_at = None;
     r.deadline = now + cx.cfg.linger;
-    r.snapshot = Vec::new();
+    match outcome {
+        // Kept for `Engine::take_resumed_snapshot`: the stack re-imports
+        // the connection from it (the record's expiry drops it otherwise).
+        Outcome::Resumed(_) => {}
+        // Delivered: its buffer serves a later export.
+        Outcome::MigratedOut => cx.recycle_snapshot(std::mem::take(&mut r.snapshot)),
+        Outcome::Lost(_) | Outcome::Confirmed => r.snapshot = Vec::new(),
+    }
     if cx.by_flow_out.get(&r.flow) == Some(&id) {
         cx.by_flow_out.remove(&r.flow);
     }
@@ -1964,6 +2051,37 @@ fn origin_timer(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant) -> bool
         r.retx_at = Some(now + r.rto);
     }
     true
+}
+
+/// When a record next has timer work (`None`: never). A finished record
+/// only waits to expire: its expiry is rounded up to `EXPIRY_GRAIN_US`
+/// (later is harmless), so that records expire in batches instead of one
+/// wake-up each.
+fn due_of_record(rec: &Record) -> Option<Instant> {
+    let expiry = |d: Instant| {
+        Instant::from_micros(d.as_micros().div_ceil(EXPIRY_GRAIN_US) * EXPIRY_GRAIN_US)
+    };
+    let min = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    match rec {
+        Record::Out(r) => min(
+            r.retx_at,
+            Some(if r.phase == OriginPhase::Done {
+                expiry(r.deadline)
+            } else {
+                r.deadline
+            }),
+        ),
+        Record::In(r) => min(
+            r.retx_at,
+            match r.phase {
+                TargetPhase::Buffering | TargetPhase::Importing => r.deadline,
+                _ => r.deadline.map(expiry),
+            },
+        ),
+    }
 }
 
 /// Target: give the migration up (never after commit). `unsolicited`

@@ -700,3 +700,51 @@ fn bad_mac_version_and_garbage_are_counted_and_dropped() {
     assert_eq!(t.records(), 0);
     assert!(t.poll_transmit(now, &mut buf).is_none());
 }
+
+#[test]
+fn origin_snapshot_is_handed_back_on_resume_and_recycled_after_delivery() {
+    // Resumed after the state went out: the engine held the only copy and
+    // hands it back once, for the local re-import.
+    let mut w = World::serving(N, &[TARGET], Box::new(NoFaults));
+    w.host(TARGET).stack.fail_import = true;
+    let id = w.migrate(None);
+    // Not `settle`: the record (and what it holds) expires after `linger`.
+    while resumed(&w).is_none() {
+        let limit = w.now + Duration::from_secs(1);
+        assert!(w.step(limit), "no resume");
+    }
+    assert_eq!(resumed(&w), Some(Reason::ImportFailed));
+    let e = &mut w.origin().engine;
+    assert_eq!(e.take_resumed_snapshot(id), Some(blob(N)));
+    assert_eq!(e.take_resumed_snapshot(id), None);
+
+    // Refused: the snapshot comes back with the error, the engine keeps none.
+    let mut w = World::serving(N, &[TARGET], Box::new(NoFaults));
+    w.origin().stack.manual_export = true;
+    let id = w.migrate(None);
+    w.run_for(Duration::from_micros(100));
+    let now = w.now;
+    let (err, back) = w
+        .origin()
+        .engine
+        .offer_snapshot(now, id, vec![3; 64 * 1024 + 1])
+        .unwrap_err();
+    assert!(matches!(err, MigError::SnapshotTooLarge { .. }), "{err}");
+    assert_eq!(back, vec![3; 64 * 1024 + 1]);
+    assert_eq!(w.origin().engine.take_resumed_snapshot(id), None);
+
+    // Delivered: nothing to hand back, and the buffer serves the next export.
+    let mut w = World::serving(N, &[TARGET], Box::new(NoFaults));
+    let id = w.migrate(None);
+    while !done_out(&w) {
+        let limit = w.now + Duration::from_secs(1);
+        assert!(w.step(limit), "not migrated");
+    }
+    assert_eq!(w.origin().engine.take_resumed_snapshot(id), None);
+    w.settle();
+    assert_migrated(&w, TARGET);
+    let e = &mut w.origin().engine;
+    let buf = e.snapshot_buffer();
+    assert!(buf.is_empty() && buf.capacity() >= N, "{}", buf.capacity());
+    assert_eq!(e.snapshot_buffer().capacity(), 0, "one buffer was spare");
+}
