@@ -2,6 +2,14 @@
 //! second over a sliding window, receive- and send-queue lengths, and the
 //! server's totals, for the migration policies and the heartbeat.
 //!
+//! A connection's rate counts *request packets*: segments that carry data
+//! (the switch's pool monitor counts the same, docs/POLICIES.md "Load").
+//! Bare ACKs are left out: a busy request/response connection piggybacks
+//! its ACKs on the next request (about one packet per request) while a
+//! light one sends a separate ACK per response (two), so counting every
+//! packet made light connections look up to twice as heavy as busy ones
+//! and a server holding the busy ones look less loaded than it was.
+//!
 //! Costs, by design:
 //! - per received TCP segment ([`Monitor::on_segment`]): one hash lookup by
 //!   flow and a few additions; no allocation (slots and the dirty list are
@@ -114,7 +122,8 @@ struct Slot {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ConnSample {
     pub flow: FlowKey,
-    /// Packets per second received over the window.
+    /// Request packets (segments carrying data) per second received over
+    /// the window.
     pub pps: f64,
     /// Receive-queue backlog, estimated packets and bytes.
     pub rq_packets: u32,
@@ -330,8 +339,8 @@ impl Monitor {
             return; // handshakes, strays: counted in the total only
         };
         let s = &mut self.slots[i as usize];
-        s.pps.add(now_us, self.width_us, 1);
         if payload > 0 {
+            s.pps.add(now_us, self.width_us, 1);
             s.data_segments += 1;
             s.data_bytes += payload as u64;
             self.data_segments += 1;
@@ -550,7 +559,8 @@ mod tests {
             let now = t0 + Duration::from_micros(k * 100); // 10,000 pps
             m.on_segment(now, &flow(1), 100);
             if k % 4 == 0 {
-                m.on_segment(now, &flow(2), 0); // 2,500 pps
+                m.on_segment(now, &flow(2), 10); // 2,500 pps
+                m.on_segment(now, &flow(1), 0); // a bare ACK: not a request
             }
             m.on_segment(now, &flow(9), 0); // unknown: total only
         }
@@ -564,7 +574,8 @@ mod tests {
         assert!((c[1].pps - 2_500.0).abs() < 500.0, "{}", c[1].pps);
         assert!(c[1].migrated_in && !c[0].migrated_in);
         let t = m.totals(now);
-        assert!((t.pps - 22_500.0).abs() < 2_500.0, "{}", t.pps);
+        // The total counts every segment.
+        assert!((t.pps - 25_000.0).abs() < 2_500.0, "{}", t.pps);
         assert_eq!(t.connections, 2);
     }
 

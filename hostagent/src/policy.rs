@@ -47,7 +47,26 @@ pub const LOAD_SMOOTHING: Duration = Duration::from_millis(20);
 /// that Poisson noise (1/sqrt(n), ~3 %) stays well below a 10 % threshold
 /// at low rates; capped at [`MAX_SMOOTHING`].
 pub const SMOOTHING_PACKETS: f64 = 1000.0;
-pub const MAX_SMOOTHING: Duration = Duration::from_millis(500);
+/// (1 s: a load step is followed within ~100 ms whatever the time constant,
+/// see [`STEP_SMOOTHING`]; with 500 ms, request packets at 600/s read with
+/// 4 % noise, close to the 10 % threshold, and balanced servers shed. Load
+/// ordered away counts as gone for about this long, unless a step shows it
+/// sooner: 2 s kept an overloaded server from ordering more for seconds.)
+pub const MAX_SMOOTHING: Duration = Duration::from_secs(1);
+/// Time constant of the fast load averages that tell a load *step* from
+/// noise ([`PolicyEngine::on_load`]).
+pub const STEP_SMOOTHING: Duration = Duration::from_millis(50);
+/// A step: a fast average this many standard deviations of its Poisson
+/// counting noise away from the slow one. At 4 a server at a steady
+/// 600 packets/s sees a false step about once an hour of notifications.
+pub const STEP_SIGMAS: f64 = 4.0;
+/// How long after a load step the slow averages follow the fast ones.
+pub const STEP_TRACK: Duration = Duration::from_millis(150);
+/// A connection carrying less than this share of a rate excess is not
+/// picked to cover it: it would add a migration and almost nothing else
+/// (idle connections, ~0 request packets/s, filled whole decisions'
+/// budgets). Backlog moves take any queue.
+pub const MIN_SHARE: f64 = 0.05;
 /// A selection may exceed the excess by this fraction of it.
 pub const OVERSHOOT: f64 = 0.10;
 /// Most migrations one decision orders.
@@ -164,6 +183,41 @@ pub struct PolicyStats {
     pub reactive_orders: u64,
     /// Decisions that wanted to order more than the rate cap allowed.
     pub rate_limited: u64,
+    /// Load steps detected: the load averages restarted from the last
+    /// [`STEP_SMOOTHING`] of counts ([`PolicyEngine::on_load`]).
+    pub load_steps: u64,
+}
+
+/// An exponentially weighted moving average that starts unbiased: until
+/// its time constant has passed it is the (weighted) mean of what it has
+/// seen, not a fraction of it (an average that starts at 0 reads 33 % of a
+/// new load 200 ms into a 500 ms time constant, and every move looked
+/// three times too big for the targets' headroom).
+#[derive(Debug, Clone, Copy, Default)]
+struct Ewma {
+    sum: f64,
+    weight: f64,
+}
+
+impl Ewma {
+    /// Adds sample `x` with smoothing factor `a` (0..=1).
+    fn add(&mut self, x: f64, a: f64) {
+        self.sum += a * (x - self.sum);
+        self.weight += a * (1.0 - self.weight);
+    }
+    fn value(&self) -> f64 {
+        if self.weight > 0.0 {
+            self.sum / self.weight
+        } else {
+            0.0
+        }
+    }
+    /// Starts over at `value`, holding `weight` (the share of a full
+    /// average that the evidence behind `value` is worth).
+    fn restart(&mut self, value: f64, weight: f64) {
+        self.sum = value * weight;
+        self.weight = weight;
+    }
 }
 
 type FlowMap<V> = HashMap<FlowKey, V, BuildHasherDefault<FlowHasher>>;
@@ -176,6 +230,16 @@ pub struct PolicyEngine {
     last_seq: u64,
     own_pps: f64,
     avg_pps: f64,
+    /// The slow (smoothed) and fast ([`STEP_SMOOTHING`]) averages of the
+    /// switch's counts, packets per second; `own_pps` and `avg_pps` are
+    /// the slow ones.
+    own_slow: Ewma,
+    avg_slow: Ewma,
+    own_fast: Ewma,
+    avg_fast: Ewma,
+    /// After a load step, the slow averages follow the fast ones until
+    /// then (the fast ones are still converging on the new load).
+    track_until: Instant,
     live_servers: u32,
     load_at: Option<Instant>,
     shed_credit: f64,
@@ -211,6 +275,11 @@ impl PolicyEngine {
             last_seq: 0,
             own_pps: 0.0,
             avg_pps: 0.0,
+            own_slow: Ewma::default(),
+            avg_slow: Ewma::default(),
+            own_fast: Ewma::default(),
+            avg_fast: Ewma::default(),
+            track_until: Instant::ZERO,
             live_servers: 0,
             load_at: None,
             shed_credit: 0.0,
@@ -303,17 +372,52 @@ impl PolicyEngine {
             n.pool_load as f64 / f64::from(n.live_servers) * scale
         };
         self.live_servers = n.live_servers;
-        match self.load_at {
-            Some(_) => {
-                let a = 1.0 - (-(f64::from(n.interval_us)) / self.tau_us()).exp();
-                self.own_pps += a * (own - self.own_pps);
-                self.avg_pps += a * (avg - self.avg_pps);
+        let dt = f64::from(n.interval_us);
+        let tau = self.tau_us();
+        let a = 1.0 - (-dt / tau).exp();
+        let fast_us = STEP_SMOOTHING.as_micros() as f64;
+        let af = 1.0 - (-dt / fast_us).exp();
+        self.own_slow.add(own, a);
+        self.avg_slow.add(avg, a);
+        self.own_fast.add(own, af);
+        self.avg_fast.add(avg, af);
+        // A load step (a burst of new load, a server joining or leaving,
+        // load moved): the slow averages would take their time constant
+        // (up to MAX_SMOOTHING) to follow, and meanwhile the headroom and
+        // excess are computed from a load that no longer exists. When a
+        // fast average leaves the slow one by more than its counting
+        // noise can explain (Poisson: variance rate / (2 tau), and / n
+        // for the pool average), the slow ones follow the fast ones for
+        // STEP_TRACK (the fast ones are still converging: restarting
+        // once, mid-rise, left the slow ones ~25 % short), then carry on
+        // from there, worth the evidence of two fast time constants.
+        if self.own_fast.weight > 0.5 {
+            let sd = |fast: &Ewma, slow: &Ewma, n: f64| {
+                (fast.value().max(slow.value()).max(1.0) / (2.0 * fast_us * 1e-6 * n)).sqrt()
+            };
+            let far = |fast: &Ewma, slow: &Ewma, n: f64| {
+                (fast.value() - slow.value()).abs() > STEP_SIGMAS * sd(fast, slow, n)
+            };
+            let servers = f64::from(n.live_servers.max(1));
+            if far(&self.own_fast, &self.own_slow, 1.0)
+                || far(&self.avg_fast, &self.avg_slow, servers)
+            {
+                if now >= self.track_until {
+                    self.stats.load_steps += 1;
+                }
+                self.track_until = now + STEP_TRACK;
             }
-            None => {
-                self.own_pps = own;
-                self.avg_pps = avg;
+            if now < self.track_until {
+                let w = 1.0 - (-2.0 * fast_us / tau).exp();
+                self.own_slow.restart(self.own_fast.value(), w);
+                self.avg_slow.restart(self.avg_fast.value(), w);
+                // The averages now show load ordered away at the fast
+                // rate: so does the credit for it.
+                self.shed_credit *= 1.0 - af;
             }
         }
+        self.own_pps = self.own_slow.value();
+        self.avg_pps = self.avg_slow.value();
         self.load_at = Some(now);
         true
     }
@@ -497,17 +601,12 @@ impl PolicyEngine {
                 let decay = (-(now.saturating_since(self.reactive_at).as_micros() as f64)
                     / REACTIVE_TREND.as_micros() as f64)
                     .exp();
-                // Connections' rates count every segment (acks too).
-                let per_data = if self.arrival_pps > 0.0 && server.pps > self.arrival_pps {
-                    server.pps / self.arrival_pps
-                } else {
-                    1.0
-                };
-                // The growth once the rate already ordered away shows.
-                let growth =
-                    self.arrival_pps - self.drain_pps - self.reactive_credit * decay / per_data;
+                // The growth once the rate already ordered away shows
+                // (connections' rates count request packets, as the
+                // arrival rate does).
+                let growth = self.arrival_pps - self.drain_pps - self.reactive_credit * decay;
                 if growth > 0.0 {
-                    let excess = growth * per_data;
+                    let excess = growth;
                     // No more than a target can take without shedding
                     // it back (the rest goes in later decisions, to the
                     // then least-loaded server).
@@ -517,6 +616,7 @@ impl PolicyEngine {
                             &cands,
                             |c| c.pps,
                             excess,
+                            MIN_SHARE,
                             headroom.map(|h| h * (1.0 + 1e-6)),
                             &mut budget,
                             Reason::Reactive,
@@ -545,6 +645,7 @@ impl PolicyEngine {
                             &cands,
                             |c| f64::from(c.rq_packets),
                             excess,
+                            0.0,
                             None,
                             &mut budget,
                             Reason::Reactive,
@@ -581,6 +682,7 @@ impl PolicyEngine {
                 &cands,
                 |c| c.pps,
                 excess_pps,
+                MIN_SHARE,
                 Some(fallback_below),
                 &mut budget,
                 Reason::Proactive,
@@ -818,6 +920,11 @@ pub fn render_metrics(i: &mut crate::stack::Inner, labels: &str, s: &mut String)
             st.rate_limited as f64,
         ),
         (
+            "capybara_policy_load_steps_total",
+            "counter",
+            st.load_steps as f64,
+        ),
+        (
             "capybara_policy_migrations_started_total",
             "counter",
             p.started as f64,
@@ -848,6 +955,7 @@ fn select(
     cands: &[ConnSample],
     value: impl Fn(&ConnSample) -> f64,
     target: f64,
+    min_share: f64,
     fallback_below: Option<f64>,
     budget: &mut usize,
     reason: Reason,
@@ -860,9 +968,10 @@ fn select(
     let limit = target + tol;
     let band = (target * 0.05).max(1e-9);
     let queue = |c: &ConnSample| u64::from(c.rq_bytes) + u64::from(c.tq_bytes);
+    let least = target * min_share;
     let mut fits: Vec<&ConnSample> = cands
         .iter()
-        .filter(|c| value(c) > 0.0 && value(c) <= limit)
+        .filter(|c| value(c) > 0.0 && value(c) >= least && value(c) <= limit)
         .collect();
     // Largest first; among loads within 5 % of the excess, smaller queues.
     let rank = |a: &&ConnSample, b: &&ConnSample| {
@@ -969,6 +1078,74 @@ mod tests {
             *seq += 1;
             e.on_load(t(end + k - n + 1), &note(*seq, own, pool, live));
         }
+    }
+
+    #[test]
+    fn load_averages_follow_a_step_within_a_hundred_milliseconds() {
+        let mut e = PolicyEngine::new(Tunables::default());
+        let mut seq = 0;
+        // 2 s at 1 of 4 packets per ms (1,000 pps, pool average 1,000).
+        feed(&mut e, &mut seq, 2_000, 2_000, 1, 4, 4);
+        assert_eq!(e.stats.load_steps, 0, "a steady load is no step");
+        let (own, avg) = e.loads();
+        assert!((own - 1_000.0).abs() < 1.0 && (avg - 1_000.0).abs() < 1.0);
+        // Then 3 of 6 (own 3,000, average 1,500): the 500 ms averages
+        // alone would read ~1,400 / ~1,100 100 ms later.
+        feed(&mut e, &mut seq, 2_100, 100, 3, 6, 4);
+        let (own, avg) = e.loads();
+        assert!(e.stats.load_steps >= 1);
+        assert!(own > 0.9 * 3_000.0 && own < 3_000.0 * 1.01, "{own}");
+        assert!(avg > 0.9 * 1_500.0 && avg < 1_500.0 * 1.01, "{avg}");
+    }
+
+    #[test]
+    fn counting_noise_is_not_a_load_step() {
+        // 20 s of Poisson counts: 0.6 packets per ms here, 2.4 in the
+        // pool of 4 (a server at 600 request packets/s).
+        let mut e = PolicyEngine::new(Tunables::default());
+        let mut rng: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut poisson = |mean: f64| {
+            // Inversion with a xorshift uniform.
+            let mut k = 0u64;
+            let mut p = (-mean).exp();
+            let mut cdf = p;
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let u = (rng >> 11) as f64 / (1u64 << 53) as f64;
+            while u > cdf && k < 100 {
+                k += 1;
+                p *= mean / k as f64;
+                cdf += p;
+            }
+            k
+        };
+        for seq in 1..=20_000u64 {
+            let own = poisson(0.6);
+            let pool = own + poisson(1.8);
+            e.on_load(t(seq), &note(seq, own, pool, 4));
+        }
+        assert!(e.stats.load_steps <= 1, "{} steps", e.stats.load_steps);
+        let (own, avg) = e.loads();
+        assert!(
+            (own - 600.0).abs() < 90.0 && (avg - 600.0).abs() < 60.0,
+            "{own} {avg}"
+        );
+    }
+
+    #[test]
+    fn idle_connections_are_not_picked_to_fill_an_excess() {
+        let mut e = PolicyEngine::new(Tunables::default());
+        let mut seq = 0;
+        // Excess 5 kpps (own 15, average 10 kpps); one connection carries
+        // 4 kpps, fifty more next to nothing.
+        feed(&mut e, &mut seq, 200, 200, 15, 20, 2);
+        let mut conns = vec![conn(1, 4_000.0, 0)];
+        conns.extend((10..60).map(|i| conn(i, 10.0, 0)));
+        let mut out = Vec::new();
+        e.decide(t(200), &ServerLoad::default(), conns, &mut out);
+        let flows: Vec<u16> = out.iter().map(|o| o.flow.client_port).collect();
+        assert_eq!(flows, vec![1], "{out:?}");
     }
 
     #[test]

@@ -166,9 +166,10 @@ pub struct LoadRepr {
     pub interval_us: u32,
     /// The server this report is for.
     pub server_id: ServerId,
-    /// Packets forwarded to this server during the interval.
+    /// Request packets (client packets carrying TCP payload) forwarded to
+    /// this server during the interval (before 2026-11-22: every packet).
     pub own_load: u64,
-    /// Packets forwarded to all live servers during the interval.
+    /// Request packets forwarded to all live servers during the interval.
     pub pool_load: u64,
     /// Live servers in the pool (divisor of the pool average).
     pub live_servers: u32,

@@ -216,6 +216,11 @@ struct capy_config {
 struct capy_server_stats {
 	__u64 packets; /* client->server packets forwarded to this server */
 	__u64 bytes;
+	/* Of those, the ones carrying TCP payload (request packets): the pool
+	 * monitor's load (a bare ACK is no work for the server, and a busy
+	 * connection piggybacks its ACKs on requests while a light one does
+	 * not). */
+	__u64 requests;
 };
 
 /* Flow event for the store (through the ring buffer). */
@@ -288,9 +293,15 @@ struct {
 } services SEC(".maps");
 
 /* Maglev lookup tables of all services, row-major: slot
- * service * CAPY_MAGLEV_SIZE + hash % CAPY_MAGLEV_SIZE -> server index. */
+ * service * CAPY_MAGLEV_SIZE + hash % CAPY_MAGLEV_SIZE -> server index.
+ * Mmapable: the control plane writes changed slots through a shared mapping
+ * (plain aligned 32-bit stores, one per slot, each seen whole by the program)
+ * instead of BPF_MAP_UPDATE_BATCH system calls (13-28 ms in all when half
+ * of a table changed; src/bpf.rs, `MaglevMem`). The kernel lays an array's
+ * elements out every round_up(value_size, 8) = 8 bytes. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(map_flags, BPF_F_MMAPABLE);
 	__uint(max_entries, CAPY_MAX_SERVICES * CAPY_MAGLEV_SIZE);
 	__type(key, __u32);
 	__type(value, __u32);

@@ -298,8 +298,12 @@ rewrite:
 		tcp->check = csum_replace4(tcp->check, ip->daddr, new_dst);
 		ip->daddr = new_dst;
 		if (st) {
+			__u32 len = bpf_ntohs(ip->tot_len);
+
 			st->packets += 1;
-			st->bytes += bpf_ntohs(ip->tot_len);
+			st->bytes += len;
+			if (len > (__u32)ip->ihl * 4 + (__u32)tcp->doff * 4)
+				st->requests += 1;
 		}
 		count_only(reason);
 		return forward_l2(eth, srv);

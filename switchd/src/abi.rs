@@ -332,6 +332,8 @@ impl CConfig {
 pub struct CServerStats {
     pub packets: u64,
     pub bytes: u64,
+    /// Packets carrying TCP payload (the pool monitor's load).
+    pub requests: u64,
 }
 unsafe impl Pod for CServerStats {}
 

@@ -63,6 +63,12 @@ pub trait DataPlane {
     fn write_ring(&mut self, service: u32, kind: u32, ring: &CRing) -> Result<()>;
     /// Monotonic packets forwarded to each server index (summed over CPUs).
     fn server_packets(&mut self) -> Result<Vec<u64>>;
+    /// Of those, the packets that carried TCP payload (request packets):
+    /// the pool monitor's load. Defaults to every packet (in-memory data
+    /// planes count requests only).
+    fn server_request_packets(&mut self) -> Result<Vec<u64>> {
+        self.server_packets()
+    }
     /// Reason counters, indexed like [`STAT_NAMES`].
     fn stats(&mut self) -> Result<Vec<u64>>;
     /// One stat counter (`crate::abi::stat`), summed over CPUs.

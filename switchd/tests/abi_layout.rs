@@ -26,7 +26,7 @@ int main(void) {
   S(capy_ring) O(capy_ring, len) O(capy_ring, mode) O(capy_ring, servers)
   S(capy_iface) O(capy_iface, role) O(capy_iface, mac)
   S(capy_config) O(capy_config, switch_server_ip) O(capy_config, flags)
-  S(capy_server_stats) O(capy_server_stats, packets) O(capy_server_stats, bytes)
+  S(capy_server_stats) O(capy_server_stats, packets) O(capy_server_stats, bytes) O(capy_server_stats, requests)
   S(capy_flow_event) O(capy_flow_event, key) O(capy_flow_event, kind) O(capy_flow_event, server) O(capy_flow_event, prev_server) O(capy_flow_event, ts_ns)
   C(CAPY_MAX_SERVERS) C(CAPY_MAX_SERVICES) C(CAPY_MAGLEV_SIZE) C(CAPY_MAX_FLOWS) C(CAPY_MAX_MIGRATIONS) C(CAPY_RING_SIZE) C(CAPY_MAX_IFACES) C(CAPY_HASH_SEED)
   C(CAPY_SERVER_EMPTY) C(CAPY_SERVER_LIVE) C(CAPY_SERVER_DRAINING) C(CAPY_SERVER_DEAD)
@@ -102,7 +102,7 @@ fn c_structs_match_rust() {
     s!("capy_ring", CRing, [len, mode, servers]);
     s!("capy_iface", CIface, [role, mac]);
     s!("capy_config", CConfig, [switch_server_ip, flags]);
-    s!("capy_server_stats", CServerStats, [packets, bytes]);
+    s!("capy_server_stats", CServerStats, [packets, bytes, requests]);
     s!(
         "capy_flow_event",
         CFlowEvent,

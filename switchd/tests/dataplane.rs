@@ -1427,3 +1427,134 @@ fn embryonic_flows_are_reaped_with_their_store_mappings() {
     rt.block_on(writer.close(Duration::from_secs(5))).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The Maglev table is written through a shared mapping of the map, not
+/// with system calls (src/bpf.rs, `MaglevMem`): after placement changes
+/// (s0 leaves, as in a drain; s0 comes back) the kernel reads exactly the
+/// table user space computed, slot for slot, and the program places new
+/// flows by it; a delta with a bad slot writes nothing.
+#[test]
+fn maglev_table_written_through_the_mapping_is_what_the_program_reads() {
+    let mut lab = setup();
+    let both = lab.maglev.clone();
+    assert_eq!(lab.dp.maglev_table(0).unwrap(), both, "initial table");
+    // Service 1 (ring placement) has no table: its row is untouched.
+    assert!(lab.dp.maglev_table(1).unwrap().iter().all(|v| *v == 0));
+
+    // s0 leaves placement (a drain): half of the slots change.
+    let only_s1 = maglev::build_table(
+        &[Backend {
+            id: 11,
+            index: 1,
+            weight: 1,
+        }],
+        MAGLEV_SIZE,
+    );
+    let delta = maglev::diff(&both, &only_s1);
+    assert!(
+        delta.len() > 30_000 && delta.len() < 35_000,
+        "{}",
+        delta.len()
+    );
+    let t = std::time::Instant::now();
+    lab.dp.write_maglev(0, &delta).unwrap();
+    eprintln!(
+        "{} slots written through the mapping in {:?}",
+        delta.len(),
+        t.elapsed()
+    );
+    assert_eq!(lab.dp.maglev_table(0).unwrap(), only_s1, "after s0 left");
+    assert!(lab.dp.maglev_table(1).unwrap().iter().all(|v| *v == 0));
+    lab.maglev = only_s1.clone();
+    // Ports Maglev had put on s0 now go to s1.
+    let moved: Vec<u16> = (41000..42000u16)
+        .filter(|p| {
+            let k = FlowKey::from(flow_key(*p));
+            both[(maglev::flow_hash(&k) % MAGLEV_SIZE) as usize] == 0
+        })
+        .take(20)
+        .collect();
+    assert_eq!(moved.len(), 20);
+    run(
+        &mut lab,
+        moved
+            .iter()
+            .map(|p| {
+                client_to(
+                    "SYN placed by the new table",
+                    *p,
+                    TCP_SYN,
+                    1,
+                    "fwd_new_flow",
+                )
+            })
+            .collect(),
+    );
+
+    // A delta with a slot out of range is refused before any store.
+    let bad = [(0u32, 0u32), (MAGLEV_SIZE, 0)];
+    assert!(lab.dp.write_maglev(0, &bad).is_err());
+    assert!(lab.dp.write_maglev(MAX_SERVICES, &[(0, 0)]).is_err());
+    assert_eq!(lab.dp.maglev_table(0).unwrap(), only_s1, "bad delta wrote");
+
+    // s0 back (undrain): the original table, slot for slot.
+    lab.dp
+        .write_maglev(0, &maglev::diff(&only_s1, &both))
+        .unwrap();
+    assert_eq!(lab.dp.maglev_table(0).unwrap(), both, "after s0 came back");
+    lab.maglev = both;
+    let p = (42000..43000u16)
+        .find(|p| maglev_server(&lab, *p, VIP) == 0)
+        .unwrap();
+    run(
+        &mut lab,
+        vec![client_to(
+            "SYN placed on s0 again",
+            p,
+            TCP_SYN,
+            0,
+            "fwd_new_flow",
+        )],
+    );
+}
+
+/// The pool monitor's load is request packets (TCP payload), not every
+/// packet: a bare ACK or a handshake packet counts in `packets` only.
+#[test]
+fn pool_monitor_counts_request_packets() {
+    let mut lab = setup();
+    let sport = 40777;
+    let owner = maglev_server(&lab, sport, VIP);
+    let request = |payload: &'static [u8]| Case {
+        desc: "a request carries payload",
+        side: Side::Client,
+        input: tcp_frame(CL_MAC, CLIENT_MAC, CLIENT, sport, VIP, 80, TCP_ACK, payload),
+        verdict: XDP_REDIRECT,
+        output: Some(tcp_frame(
+            server_mac(owner),
+            SV_MAC,
+            CLIENT,
+            sport,
+            server_ip(owner),
+            80,
+            TCP_ACK,
+            payload,
+        )),
+        reason: "fwd_established",
+    };
+    let packets0 = lab.dp.server_packets().unwrap()[owner as usize];
+    let requests0 = lab.dp.server_request_packets().unwrap()[owner as usize];
+    run(
+        &mut lab,
+        vec![
+            client_to("SYN", sport, TCP_SYN, owner, "fwd_new_flow"),
+            client_to("bare ACK", sport, TCP_ACK, owner, "fwd_established"),
+            request(b"GET / HTTP/1.1\r\n\r\n"),
+            client_to("another bare ACK", sport, TCP_ACK, owner, "fwd_established"),
+            request(b"x"),
+        ],
+    );
+    let packets = lab.dp.server_packets().unwrap()[owner as usize] - packets0;
+    let requests = lab.dp.server_request_packets().unwrap()[owner as usize] - requests0;
+    assert_eq!((packets, requests), (5, 2));
+}
