@@ -4,9 +4,27 @@
 //! `Instant` is a count of microseconds since an arbitrary epoch chosen by the
 //! driver (a monotonic clock in production, a virtual clock in tests), so the
 //! same code runs at wall speed or on a simulated timeline.
+//!
+//! [`monotonic_ns`] is for the drivers and tools around them (and the data
+//! plane's timestamps), never for a protocol core.
 
 use std::ops::{Add, AddAssign, Sub};
 pub use std::time::Duration;
+
+/// CLOCK_MONOTONIC now, in nanoseconds: the clock of the data plane's
+/// timestamps (`bpf_ktime_get_ns`, e.g. a flow's `created_ns`), of timerfd
+/// deadlines, and of `std::time::Instant` on Linux.
+#[inline]
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a valid pointer;
+    // CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
 
 /// A point in time, microseconds since the driver's epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]

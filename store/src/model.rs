@@ -89,6 +89,20 @@ pub struct Server {
     /// switch can forward to the server before it registers again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_mac: Option<String>,
+    /// The server process's instance id from that REGISTER (docs/TCPMIG.md
+    /// §4.2), so that a standby switch that takes over tells a restarted
+    /// process (another id: the old one's flows are dropped at once) from
+    /// the same one registering again (its flows are kept). `None`: the
+    /// server sent none, or the record predates the field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<u64>,
+    /// The `seq` of that REGISTER (only with `instance`): a standby that
+    /// takes over refuses control messages from the server whose `seq` is
+    /// not above it, as the switch that took the REGISTER does, so that an
+    /// old process's REGISTER replayed after a takeover cannot pass for a
+    /// restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub register_seq: Option<u64>,
 }
 
 impl Server {
@@ -109,6 +123,8 @@ impl Server {
             registered_unix_ms: now,
             updated_unix_ms: now,
             data_mac: None,
+            instance: None,
+            register_seq: None,
         }
     }
 }

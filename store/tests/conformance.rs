@@ -107,6 +107,41 @@ mod cases {
         assert_eq!(s.get_server(ServerId(3)).await.unwrap(), None);
     }
 
+    /// A server record's instance id and REGISTER seq (what a standby that
+    /// takes over tells a restarted hostagent by) round-trip exactly, the
+    /// full 64 bits, through both handles, and survive the state and weight
+    /// read-modify-writes; a record without them reads back without them.
+    pub async fn server_instance_roundtrip(f: &Fixture) {
+        let s = &f.store;
+        let mut rec = server(4);
+        rec.data_mac = Some("02:00:00:00:00:04".into());
+        rec.instance = Some(0xfedc_ba98_7654_3211);
+        rec.register_seq = Some(1_763_800_000_123_456);
+        s.put_server(&rec).await.unwrap();
+        s.put_server(&server(5)).await.unwrap();
+        let got = f.second.get_server(ServerId(4)).await.unwrap().unwrap();
+        assert_eq!(
+            (got.instance, got.register_seq),
+            (rec.instance, rec.register_seq)
+        );
+        s.set_server_state(ServerId(4), ServerState::Dead)
+            .await
+            .unwrap();
+        s.set_server_weight(ServerId(4), 3).await.unwrap();
+        let listed = f.second.list_servers().await.unwrap();
+        let got = listed.iter().find(|r| r.id == ServerId(4)).unwrap();
+        assert_eq!(
+            (got.state, got.weight, got.instance, got.register_seq),
+            (ServerState::Dead, 3, rec.instance, rec.register_seq)
+        );
+        let plain = listed.iter().find(|r| r.id == ServerId(5)).unwrap();
+        assert_eq!((plain.instance, plain.register_seq), (None, None));
+        // Replaced by a REGISTER from a hostagent without an instance id.
+        s.put_server(&server(4)).await.unwrap();
+        let got = s.get_server(ServerId(4)).await.unwrap().unwrap();
+        assert_eq!((got.instance, got.register_seq), (None, None));
+    }
+
     pub async fn server_state_and_weight(f: &Fixture) {
         let s = &f.store;
         s.put_server(&server(7)).await.unwrap();
@@ -956,6 +991,7 @@ macro_rules! conformance {
 
 conformance!(
     servers_crud,
+    server_instance_roundtrip,
     server_state_and_weight,
     services_crud,
     policy_default_roundtrip_and_validation,

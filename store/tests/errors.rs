@@ -185,6 +185,46 @@ async fn sqlite_malformed_values_and_keys_name_the_key() {
     assert!(e.to_string().contains("70000"), "{e}");
 }
 
+/// A server record as written before records had `instance` and
+/// `register_seq` (docs/STORE.md, "Server records").
+const PRE_INSTANCE_SERVER: &[u8] = br#"{"v":1,"data":{"id":5,"name":"s5","mgmt_addr":"198.18.1.15:40000","data_addr":"198.18.2.15","state":"dead","weight":1,"registered_unix_ms":1763800000000,"updated_unix_ms":1763800000000,"data_mac":"02:00:00:00:00:05"}}"#;
+
+/// `s` holds [`PRE_INSTANCE_SERVER`]: it loads, read alone or listed,
+/// without instance id, and a read-modify-write adds none.
+async fn assert_pre_instance_record_loads(s: &dyn Store) {
+    let got = s.get_server(ServerId(5)).await.unwrap().unwrap();
+    assert_eq!(s.list_servers().await.unwrap(), vec![got.clone()]);
+    assert_eq!(
+        (got.id, got.state, got.data_mac.as_deref()),
+        (ServerId(5), ServerState::Dead, Some("02:00:00:00:00:05"))
+    );
+    assert_eq!((got.instance, got.register_seq), (None, None));
+    let w = s.set_server_weight(ServerId(5), 2).await.unwrap();
+    assert_eq!((w.weight, w.instance, w.register_seq), (2, None, None));
+}
+
+#[tokio::test]
+async fn sqlite_server_records_without_instance_still_load() {
+    let dir = tmp();
+    let s = SqliteStore::open(SqliteConfig::at(dir.path().join("s.db")))
+        .await
+        .unwrap();
+    s.inject_raw_server(5, PRE_INSTANCE_SERVER.to_vec())
+        .await
+        .unwrap();
+    assert_pre_instance_record_loads(&s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_server_records_without_instance_still_load() {
+    let cluster = EtcdCluster::start(1).unwrap();
+    let s = EtcdStore::connect(cluster.store_config()).await.unwrap();
+    s.inject_raw("servers/5", PRE_INSTANCE_SERVER.to_vec())
+        .await
+        .unwrap();
+    assert_pre_instance_record_loads(&s).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_malformed_values_and_keys_name_the_key() {
     let cluster = EtcdCluster::start(1).unwrap();

@@ -52,17 +52,11 @@ pub enum Liveness {
 
 #[derive(Debug, Clone)]
 pub struct Server {
-    pub id: ServerId,
+    /// What it registered with (its weight at least 1).
+    pub reg: Registration,
     pub index: u32,
-    pub data_ip: Ipv4Addr,
-    pub mac: [u8; 6],
-    pub ifindex: u32,
-    pub src_mac: [u8; 6],
-    pub weight: u32,
     pub liveness: Liveness,
     pub last_heartbeat: Instant,
-    /// The server process's instance id from its REGISTER (0: not sent).
-    pub instance: u64,
     /// When it was declared DEAD (`None` while not dead).
     pub dead_since: Option<Instant>,
     /// DEAD with its flow entries kept until this instant (`None`: not
@@ -88,7 +82,8 @@ pub struct Registration {
     pub ifindex: u32,
     pub src_mac: [u8; 6],
     pub weight: u32,
-    /// The process's instance id (0: unknown).
+    /// The server process's instance id from its REGISTER (0: not sent, or
+    /// restored from a record that predates it).
     pub instance: u64,
 }
 
@@ -355,7 +350,7 @@ impl<D: DataPlane> ControlPlane<D> {
 
     /// The server that owns data address `addr`.
     pub fn server_by_addr(&self, addr: Ipv4Addr) -> Option<&Server> {
-        self.servers.values().find(|s| s.data_ip == addr)
+        self.servers.values().find(|s| s.reg.data_ip == addr)
     }
 
     pub fn servers(&self) -> impl Iterator<Item = &Server> {
@@ -414,7 +409,7 @@ impl<D: DataPlane> ControlPlane<D> {
         }
         if spec.open {
             for s in self.servers.values() {
-                pool.entry(s.id).or_insert(s.weight);
+                pool.entry(s.reg.id).or_insert(s.reg.weight);
             }
         }
         self.services.push(Service {
@@ -488,27 +483,24 @@ impl<D: DataPlane> ControlPlane<D> {
         let Registration {
             id,
             data_ip,
-            mac,
-            ifindex,
-            src_mac,
-            weight,
             instance,
+            ..
         } = *reg;
         if let Some(other) = self
             .servers
             .values()
-            .find(|s| s.data_ip == data_ip && s.id != id && s.liveness != Liveness::Dead)
+            .find(|s| s.reg.data_ip == data_ip && s.reg.id != id && s.liveness != Liveness::Dead)
         {
             return Err(ControlError::AddressInUse {
                 addr: data_ip,
-                owner: other.id,
+                owner: other.reg.id,
             });
         }
         if let Some(stale) = self
             .servers
             .values()
-            .find(|s| s.data_ip == data_ip && s.id != id)
-            .map(|s| s.id)
+            .find(|s| s.reg.data_ip == data_ip && s.reg.id != id)
+            .map(|s| s.reg.id)
         {
             // A dead server's address taken over by a new id: forget the old
             // one, and with it any flows its grace still kept.
@@ -519,7 +511,7 @@ impl<D: DataPlane> ControlPlane<D> {
         }
         if let Some((old_instance, dead_since, kept, was_dead)) = self.servers.get(&id).map(|old| {
             (
-                old.instance,
+                old.reg.instance,
                 old.dead_since,
                 old.flows_kept_until.is_some(),
                 old.liveness == Liveness::Dead,
@@ -554,22 +546,19 @@ impl<D: DataPlane> ControlPlane<D> {
                 .ok_or(ControlError::ServersFull)?,
         };
         if let Some(old) = self.servers.get(&id) {
-            if old.data_ip != data_ip {
+            if old.reg.data_ip != data_ip {
                 self.dp
-                    .clear_server(old.index, u32::from_ne_bytes(old.data_ip.octets()))?;
+                    .clear_server(old.index, u32::from_ne_bytes(old.reg.data_ip.octets()))?;
             }
         }
         let s = Server {
-            id,
+            reg: Registration {
+                weight: reg.weight.max(1),
+                ..*reg
+            },
             index,
-            data_ip,
-            mac,
-            ifindex,
-            src_mac,
-            weight: weight.max(1),
             liveness: Liveness::Live,
             last_heartbeat: now,
-            instance,
             dead_since: None,
             flows_kept_until: None,
             revive_as: Liveness::Live,
@@ -577,7 +566,7 @@ impl<D: DataPlane> ControlPlane<D> {
             load_pps: 0.0,
             last_counter: self.servers.get(&id).map(|s| s.last_counter).unwrap_or(0),
         };
-        let weight = s.weight;
+        let weight = s.reg.weight;
         self.servers.insert(id, s);
         for svc in &mut self.services {
             let listed = wanted
@@ -615,6 +604,16 @@ impl<D: DataPlane> ControlPlane<D> {
         self.push_server(reg.id)?;
         self.push_tables()?;
         Ok(index)
+    }
+
+    /// Takes the instance id of known server `id` from its store record (a
+    /// standby following the active's records): the active registered it
+    /// since and judged any restart, so nothing else changes here. 0 (a
+    /// record without one) changes nothing.
+    pub fn follow_instance(&mut self, id: ServerId, instance: u64) {
+        if let (Some(s), true) = (self.servers.get_mut(&id), instance != 0) {
+            s.reg.instance = instance;
+        }
     }
 
     /// Restarts every liveness clock at `now` (a standby that just took
@@ -666,7 +665,7 @@ impl<D: DataPlane> ControlPlane<D> {
     fn forget(&mut self, id: ServerId) -> Result<()> {
         if let Some(s) = self.servers.remove(&id) {
             self.dp
-                .clear_server(s.index, u32::from_ne_bytes(s.data_ip.octets()))?;
+                .clear_server(s.index, u32::from_ne_bytes(s.reg.data_ip.octets()))?;
             for svc in &mut self.services {
                 svc.pool.remove(&id);
             }
@@ -833,26 +832,35 @@ impl<D: DataPlane> ControlPlane<D> {
         } else {
             Liveness::Live
         };
-        self.push_server(id)?;
-        self.push_tables()?;
+        // The data plane drops a SYN whose Maglev slot names a server that
+        // is not LIVE: so no slot may name it while it is DRAINING there.
+        // Draining: tables first (no slot names it), then its state;
+        // back to LIVE: its state first, then the tables that name it.
+        if draining {
+            self.push_tables()?;
+            self.push_server(id)?;
+        } else {
+            self.push_server(id)?;
+            self.push_tables()?;
+        }
         Ok(())
     }
 
     fn push_server(&mut self, id: ServerId) -> Result<()> {
         let s = &self.servers[&id];
         let mut c = CServer {
-            ifindex: s.ifindex,
-            mac: s.mac,
-            src_mac: s.src_mac,
+            ifindex: s.reg.ifindex,
+            mac: s.reg.mac,
+            src_mac: s.reg.src_mac,
             state: match s.liveness {
                 Liveness::Live => SERVER_LIVE,
                 Liveness::Draining => SERVER_DRAINING,
                 Liveness::Dead => SERVER_DEAD,
             },
-            weight: s.weight.min(u16::MAX as u32) as u16,
+            weight: s.reg.weight.min(u16::MAX as u32) as u16,
             ..Default::default()
         };
-        c.set_data_addr(s.data_ip);
+        c.set_data_addr(s.reg.data_ip);
         self.dp.set_server(s.index, c)
     }
 
@@ -877,7 +885,10 @@ impl<D: DataPlane> ControlPlane<D> {
             .filter_map(|(id, w)| {
                 let s = self.servers.get(id)?;
                 (s.liveness == Liveness::Live).then(|| Server {
-                    weight: (*w).max(1),
+                    reg: Registration {
+                        weight: (*w).max(1),
+                        ..s.reg
+                    },
                     ..s.clone()
                 })
             })
@@ -894,9 +905,9 @@ impl<D: DataPlane> ControlPlane<D> {
                 let backends: Vec<Backend> = live
                     .iter()
                     .map(|s| Backend {
-                        id: s.id.0,
+                        id: s.reg.id.0,
                         index: s.index,
-                        weight: s.weight,
+                        weight: s.reg.weight,
                     })
                     .collect();
                 let table = maglev::build_table(&backends, MAGLEV_SIZE);
@@ -925,7 +936,7 @@ impl<D: DataPlane> ControlPlane<D> {
             .servers
             .values()
             .filter(|s| s.flows_kept_until.is_some_and(|t| now >= t))
-            .map(|s| s.id)
+            .map(|s| s.reg.id)
             .collect();
         for id in grace_over {
             self.liveness.grace_ended_total += 1;
@@ -938,7 +949,7 @@ impl<D: DataPlane> ControlPlane<D> {
                 s.liveness != Liveness::Dead
                     && now.saturating_since(s.last_heartbeat) > self.cfg.dead_after
             })
-            .map(|s| s.id)
+            .map(|s| s.reg.id)
             .collect();
         let grace = self.cfg.dead_flow_grace;
         for id in &newly_dead {
@@ -964,8 +975,9 @@ impl<D: DataPlane> ControlPlane<D> {
                 }
             }
         }
-        // Pool monitor: counters are monotonic; the load is the delta.
-        let counters = self.dp.server_packets()?;
+        // Pool monitor: counters (request packets, which carry payload) are
+        // monotonic; the load is the delta.
+        let counters = self.dp.server_request_packets()?;
         // The first interval starts at the control plane's time zero.
         let (dt, alpha) = match self.last_tick {
             Some(t) => {
@@ -999,14 +1011,14 @@ impl<D: DataPlane> ControlPlane<D> {
                     .total_cmp(&b.load_pps)
                     .then(a.index.cmp(&b.index))
             })
-            .map(|s| s.data_ip)
+            .map(|s| s.reg.data_ip)
             .unwrap_or(Ipv4Addr::UNSPECIFIED);
         let live_servers = counted.len() as u32;
         let reports = counted
             .iter()
             .map(|s| LoadReport {
-                server: s.id,
-                data_ip: s.data_ip,
+                server: s.reg.id,
+                data_ip: s.reg.data_ip,
                 own_load: s.load,
                 pool_load,
                 live_servers,
@@ -1072,7 +1084,7 @@ impl<D: DataPlane> ControlPlane<D> {
                 .map(|e| FlowUpdate {
                     event: *e,
                     key: FlowKey::from(e.key),
-                    owner: self.server_by_index(e.server).map(|s| s.id),
+                    owner: self.server_by_index(e.server).map(|s| s.reg.id),
                 })
                 .collect();
             sink.write_batch(&updates);
@@ -1236,14 +1248,15 @@ pub fn lwrr_ring(live: &[Server]) -> Vec<u32> {
     }
     let per_w: Vec<f64> = live
         .iter()
-        .map(|s| s.load as f64 / s.weight as f64)
+        .map(|s| s.load as f64 / s.reg.weight as f64)
         .collect();
     let mean = per_w.iter().sum::<f64>() / per_w.len() as f64;
     let eff: Vec<i64> = live
         .iter()
         .zip(&per_w)
         .map(|(s, l)| {
-            ((s.weight as f64 * 16.0 * (mean + 1.0) / (l + 1.0)).round() as i64).clamp(1, 1 << 20)
+            ((s.reg.weight as f64 * 16.0 * (mean + 1.0) / (l + 1.0)).round() as i64)
+                .clamp(1, 1 << 20)
         })
         .collect();
     let total: i64 = eff.iter().sum();
@@ -1286,7 +1299,7 @@ pub fn target_ring(live: &[Server], policy: TargetPolicy) -> CRing {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::dataplane::MemDataPlane;
     use capybara_proto::FlowKey;
@@ -1356,6 +1369,10 @@ mod tests {
         );
         c.set_draining(ServerId(2), false).unwrap();
         assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 1, 2]);
+        assert_eq!(
+            c.dp.draining_while_placed, 0,
+            "a slot named the server while the data plane saw it DRAINING (its SYNs dropped)"
+        );
     }
 
     #[test]
@@ -1406,7 +1423,7 @@ mod tests {
         c
     }
 
-    fn reg(j: u32, instance: u64) -> Registration {
+    pub(crate) fn reg(j: u32, instance: u64) -> Registration {
         Registration {
             id: ServerId(j),
             data_ip: Ipv4Addr::new(198, 18, 2, 10 + j as u8),
@@ -1585,7 +1602,7 @@ mod tests {
         c.register_as(Instant::from_millis(600), &reg(2, 8), &[])
             .unwrap();
         let s2 = c.server(ServerId(2)).unwrap();
-        assert_eq!((s2.liveness, s2.instance), (Liveness::Live, 8));
+        assert_eq!((s2.liveness, s2.reg.instance), (Liveness::Live, 8));
         assert_eq!(owners(&c), vec![Some(0), None, Some(2), None]);
         assert_eq!(closed_ports(&mut c), vec![2, 4]);
         assert_eq!(
@@ -1706,19 +1723,76 @@ mod tests {
         assert_eq!(c.dp.current_owner(key(1)), Some(0));
     }
 
+    /// After a takeover the restored instance ids decide as on the live
+    /// path: a REGISTER of another instance drops the old process's flows at
+    /// once (live or dead within its grace), the same instance keeps them.
+    #[test]
+    fn after_a_takeover_the_restored_instance_tells_a_restart_from_a_stall() {
+        let flow = |p| FlowKey::from(key(p));
+        let standby = || {
+            let mut cfg = ControlConfig::new(Duration::from_millis(300), TargetPolicy::RoundRobin);
+            cfg.dead_flow_grace = Duration::from_secs(2);
+            let mut c = ControlPlane::new(MemDataPlane::new(), cfg);
+            c.add_service(VIP, 80, Placement::Maglev).unwrap();
+            // Restored from the store: s1 live, s2 dead with flows.
+            c.register_as(Instant::ZERO, &reg(1, 7), &[]).unwrap();
+            c.restore_dead(Instant::ZERO, &reg(2, 8)).unwrap();
+            c.load_flows(&[(flow(1), ServerId(1)), (flow(2), ServerId(2))])
+                .unwrap();
+            c.restart_liveness_clocks(Instant::from_millis(100));
+            c.take_liveness_events();
+            c
+        };
+
+        let mut c = standby();
+        c.register_as(Instant::from_millis(200), &reg(1, 17), &[])
+            .unwrap();
+        c.register_as(Instant::from_millis(200), &reg(2, 18), &[])
+            .unwrap();
+        assert_eq!(c.dp.current_owner(key(1)), None);
+        assert_eq!(c.dp.current_owner(key(2)), None);
+        assert_eq!(closed_ports(&mut c), vec![1, 2]);
+        assert_eq!(c.liveness.restarts_total, 2);
+
+        let mut c = standby();
+        c.register_as(Instant::from_millis(200), &reg(1, 7), &[])
+            .unwrap();
+        c.register_as(Instant::from_millis(200), &reg(2, 8), &[])
+            .unwrap();
+        assert_eq!(c.dp.current_owner(key(1)), Some(0));
+        assert_eq!(c.dp.current_owner(key(2)), Some(1));
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Live);
+        assert_eq!(c.liveness.restarts_total, 0);
+
+        // A standby following the records takes a newer instance without
+        // judging it (the active did): the flows stay, and that instance
+        // registering again after the takeover keeps them too.
+        let mut c = standby();
+        c.follow_instance(ServerId(1), 27);
+        c.follow_instance(ServerId(1), 0);
+        assert_eq!(c.server(ServerId(1)).unwrap().reg.instance, 27);
+        assert_eq!(c.dp.current_owner(key(1)), Some(0));
+        c.register_as(Instant::from_millis(200), &reg(1, 27), &[])
+            .unwrap();
+        assert_eq!(c.dp.current_owner(key(1)), Some(0));
+        assert_eq!(c.liveness.restarts_total, 0);
+    }
+
     #[test]
     fn lwrr_favours_idle_servers_and_respects_weights() {
         let mk = |index, weight, load| Server {
-            id: ServerId(index),
+            reg: Registration {
+                id: ServerId(index),
+                data_ip: Ipv4Addr::UNSPECIFIED,
+                mac: [0; 6],
+                ifindex: 0,
+                src_mac: [0; 6],
+                weight,
+                instance: 0,
+            },
             index,
-            data_ip: Ipv4Addr::UNSPECIFIED,
-            mac: [0; 6],
-            ifindex: 0,
-            src_mac: [0; 6],
-            weight,
             liveness: Liveness::Live,
             last_heartbeat: Instant::ZERO,
-            instance: 0,
             dead_since: None,
             flows_kept_until: None,
             revive_as: Liveness::Live,

@@ -743,6 +743,13 @@ impl Switch {
         let mut servers = servers;
         servers.sort_by_key(|s| s.state == ServerState::Dead);
         for s in servers {
+            // Known from an earlier sync: follow its record (the active
+            // registered it since, and judged any restart), so that a
+            // REGISTER after the takeover is judged against it.
+            self.cp.follow_instance(s.id, s.instance.unwrap_or(0));
+            if let Some(p) = self.peers.get_mut(&s.id) {
+                p.last_seq = p.last_seq.max(crate::persist::restored_seq_floor(&s));
+            }
             let dead_with_flows = s.state == ServerState::Dead && owners.contains(&s.id);
             if matches!(s.state, ServerState::Dead | ServerState::Drained) && !dead_with_flows {
                 continue;
@@ -755,7 +762,7 @@ impl Switch {
             if self
                 .cp
                 .server(s.id)
-                .map(|x| x.data_ip == s.data_addr && x.liveness != Liveness::Dead)
+                .map(|x| x.reg.data_ip == s.data_addr && x.liveness != Liveness::Dead)
                 .unwrap_or(false)
             {
                 continue;
@@ -782,17 +789,7 @@ impl Switch {
                 }
             };
             let src_mac = sys::iface_mac(&dev)?;
-            let reg = Registration {
-                id: s.id,
-                data_ip: s.data_addr,
-                mac,
-                ifindex,
-                src_mac,
-                weight: s.weight.max(1),
-                // Not in the store: the next REGISTER cannot be told a
-                // restart, its flows are kept (as for older hostagents).
-                instance: 0,
-            };
+            let reg = crate::persist::restored_registration(&s, mac, ifindex, src_mac);
             if dead_with_flows {
                 if let Err(e) = self.cp.restore_dead(now, &reg) {
                     eprintln!("switchd: stored dead server {}: {e}", s.id);
@@ -805,9 +802,11 @@ impl Switch {
                 self.cp.set_draining(s.id, true)?;
             }
             if let SocketAddr::V4(_) = s.mgmt_addr {
-                self.peers
+                let p = self
+                    .peers
                     .entry(s.id)
                     .or_insert_with(|| new_peer(s.mgmt_addr));
+                p.last_seq = p.last_seq.max(crate::persist::restored_seq_floor(&s));
             }
         }
         let fresh: HashMap<FlowKey, ServerId> = flows.iter().map(|m| (m.key, m.server)).collect();
@@ -1278,10 +1277,7 @@ impl Switch {
                     r.instance
                 );
                 if self.store.is_some() {
-                    let mut rec =
-                        capybara_store::Server::new(id, format!("s{}", id.0), from, r.data_addr);
-                    rec.data_mac = Some(sys::format_mac(&r.data_mac));
-                    rec.weight = u32::from(r.weight).max(1);
+                    let rec = crate::persist::server_record(&reg, from, repr.seq);
                     self.store_server_write(ServerWrite::Put(rec));
                 }
                 let ack = RegisterAck {
@@ -1346,7 +1342,7 @@ impl Switch {
                     p.last_seq = repr.seq;
                 }
                 let owner = match self.cp.server_by_addr(s.owner) {
-                    Some(o) => o.id,
+                    Some(o) => o.reg.id,
                     None => {
                         return self.error_reply(
                             id,
@@ -1395,7 +1391,7 @@ impl Switch {
     /// migration id names (the id's high 32 bits are the origin's data
     /// address); others are counted (`report_mismatch`) and dropped.
     fn take_reports(&mut self, id: ServerId, list: ctl::ReportList<'_>) {
-        let reporter_addr = self.cp.server(id).map(|s| s.data_ip);
+        let reporter_addr = self.cp.server(id).map(|s| s.reg.data_ip);
         let now_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
@@ -1410,7 +1406,10 @@ impl Switch {
                 mismatched += 1;
                 continue;
             }
-            let peer = r.peer.and_then(|a| self.cp.server_by_addr(a)).map(|s| s.id);
+            let peer = r
+                .peer
+                .and_then(|a| self.cp.server_by_addr(a))
+                .map(|s| s.reg.id);
             let finished = now_ms.saturating_sub(u64::from(r.age_us) / 1000);
             pb.migrations.push(id, peer, r, finished);
         }
@@ -1569,10 +1568,10 @@ impl Switch {
             .cp
             .servers()
             .map(|s| {
-                let p = self.peers.get(&s.id);
+                let p = self.peers.get(&s.reg.id);
                 let mut v = json!({
-                    "id": s.id.0, "index": s.index, "data_addr": s.data_ip.to_string(),
-                    "mac": sys::format_mac(&s.mac), "weight": s.weight,
+                    "id": s.reg.id.0, "index": s.index, "data_addr": s.reg.data_ip.to_string(),
+                    "mac": sys::format_mac(&s.reg.mac), "weight": s.reg.weight,
                     "state": format!("{:?}", s.liveness).to_lowercase(), "load": s.load,
                     "mgmt_addr": p.map(|p| p.mgmt.to_string()),
                     "connections": p.map(|p| p.connections), "load_pps": p.map(|p| p.load_pps),
@@ -1582,7 +1581,7 @@ impl Switch {
                     "policy_generation": p.map(|p| p.policy_generation),
                 });
                 // Dead: for how long, and how much longer its flows are kept.
-                v["instance"] = json!(format!("{:#018x}", s.instance));
+                v["instance"] = json!(format!("{:#018x}", s.reg.instance));
                 v["dead_ms"] = json!(s
                     .dead_since
                     .map(|t| now.saturating_since(t).as_millis() as u64));
@@ -1700,7 +1699,7 @@ impl Switch {
         for s in self.cp.servers() {
             m += &format!(
                 "{p}_server_load{{server=\"{}\",state=\"{}\"}} {}\n",
-                s.id.0,
+                s.reg.id.0,
                 format!("{:?}", s.liveness).to_lowercase(),
                 s.load
             );

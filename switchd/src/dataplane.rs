@@ -128,6 +128,9 @@ pub struct MemDataPlane {
     pub events: VecDeque<FlowEvent>,
     /// Maglev slots written so far (tests assert deltas stay small).
     pub maglev_writes: u64,
+    /// Times a server became DRAINING here while a Maglev slot still named
+    /// it (the real program drops such a slot's SYNs: `drop_no_server`).
+    pub draining_while_placed: u64,
 }
 
 impl MemDataPlane {
@@ -211,6 +214,9 @@ impl DataPlane for MemDataPlane {
     }
     fn set_server(&mut self, index: u32, server: CServer) -> Result<()> {
         check_range("server index", index, MAX_SERVERS)?;
+        if server.state == SERVER_DRAINING && self.maglev.values().any(|t| t.contains(&index)) {
+            self.draining_while_placed += 1;
+        }
         self.servers.insert(index, server);
         self.server_by_addr.insert(server.data_ip, index);
         Ok(())

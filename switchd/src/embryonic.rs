@@ -51,15 +51,7 @@ pub fn is_stale_embryonic(flow: &CFlow, now_ns: u64, timeout: Duration) -> bool 
 }
 
 /// CLOCK_MONOTONIC now, in ns (the clock of `CFlow::created_ns`).
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid timespec pointer; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
-}
+pub use capybara_proto::time::monotonic_ns;
 
 /// Counters shown in `/status` (`embryonic`) and `/metrics`.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]

@@ -1,15 +1,71 @@
-//! Flow persistence: a [`FlowEventSink`] on the store's batching
-//! [`FlowWriter`]. NEW / MIGRATED / RETURNED put the flow's owner, CLOSED
-//! deletes it. `try_push` never blocks: when the writer's queue is full the
+//! Persistence: a [`FlowEventSink`] on the store's batching
+//! [`FlowWriter`], and the server record a registration is stored as.
+//!
+//! Flows: NEW / MIGRATED / RETURNED put the flow's owner, CLOSED deletes
+//! it. `try_push` never blocks: when the writer's queue is full the
 //! operation is refused and counted (a standby then recovers that flow by
 //! Maglev, or loses it if it was migrated), never waited for.
+//!
+//! Servers: [`server_record`] is what a REGISTER writes and
+//! [`restored_registration`] what a switch that takes over registers from
+//! it, so that the restored server is the one the REGISTER made, instance
+//! id included: its next REGISTER is judged a restart or not as it would
+//! have been by the switch that took the first one.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use capybara_store::{FlowOp, FlowWriter};
 
 use crate::abi::*;
-use crate::control::{FlowEventSink, FlowUpdate};
+use crate::control::{FlowEventSink, FlowUpdate, Registration};
+
+/// The store record of a server that registered as `reg` from `mgmt` with
+/// a REGISTER of seq `register_seq` (kept only with an instance id, which
+/// is what makes seqs continue across restarts).
+pub fn server_record(
+    reg: &Registration,
+    mgmt: SocketAddr,
+    register_seq: u64,
+) -> capybara_store::Server {
+    let mut rec = capybara_store::Server::new(reg.id, format!("s{}", reg.id.0), mgmt, reg.data_ip);
+    rec.data_mac = Some(crate::sys::format_mac(&reg.mac));
+    rec.weight = reg.weight.max(1);
+    if reg.instance != 0 {
+        rec.instance = Some(reg.instance);
+        rec.register_seq = Some(register_seq);
+    }
+    rec
+}
+
+/// What stored server `rec` registers as on a takeover, reached through
+/// this switch's interface `ifindex` (Ethernet address `src_mac`) at `mac`
+/// (the record's `data_mac`). A record without an instance id (an older
+/// hostagent, or written before records had one) restores 0: the next
+/// REGISTER cannot be told a restart and its flows are kept.
+pub fn restored_registration(
+    rec: &capybara_store::Server,
+    mac: [u8; 6],
+    ifindex: u32,
+    src_mac: [u8; 6],
+) -> Registration {
+    Registration {
+        id: rec.id,
+        data_ip: rec.data_addr,
+        mac,
+        ifindex,
+        src_mac,
+        weight: rec.weight.max(1),
+        instance: rec.instance.unwrap_or(0),
+    }
+}
+
+/// The control-channel seq a switch that takes over expects messages from
+/// stored server `rec` to be above (0: no floor), as the switch that took
+/// its REGISTER does.
+pub fn restored_seq_floor(rec: &capybara_store::Server) -> u64 {
+    rec.instance.and(rec.register_seq).unwrap_or(0)
+}
 
 /// Counters of the sink itself; the writer has its own (batch sizes, lag).
 #[derive(Debug, Default, Clone)]
@@ -158,19 +214,120 @@ mod tests {
         }
     }
 
+    /// A fresh SQLite store in a temp dir named after `test` (removed by
+    /// the caller).
+    async fn sqlite_store(test: &str) -> (std::path::PathBuf, Arc<dyn Store>) {
+        let dir = std::env::temp_dir().join(format!("capy-switchd-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store = SqliteStore::open(SqliteConfig::at(dir.join("s.db")))
+            .await
+            .unwrap();
+        (dir, Arc::new(store))
+    }
+
+    /// The takeover path through a real SQLite store: a switch registers s1
+    /// (instance 7) and s2 (no instance id, an older hostagent), stores
+    /// their records and flows; a second control plane restores them as
+    /// `sync_from_store` does. s1 registering as another instance then
+    /// loses its old flows at once, as the same instance it keeps them; s2
+    /// keeps them either way. A record in the format before instance ids
+    /// (no such field) restores 0.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_takeover_restores_instance_ids_from_the_store() {
+        use crate::control::Placement;
+        use std::net::SocketAddr;
+        let (dir, store) = sqlite_store("takeover").await;
+        let vip = Ipv4Addr::new(198, 18, 100, 1);
+        let reg = crate::control::tests::reg;
+        let mgmt = |j: u32| SocketAddr::from(([198, 18, 1, 10 + j as u8], 40000));
+        let plane = || {
+            let cfg = ControlConfig::new(Duration::from_millis(300), TargetPolicy::RoundRobin);
+            let mut c = ControlPlane::new(MemDataPlane::new(), cfg);
+            c.add_service(vip, 80, Placement::Maglev).unwrap();
+            c
+        };
+
+        let mut active = plane();
+        for (j, instance, seq) in [(1, 7, 1_000), (2, 0, 5)] {
+            active
+                .register_as(Instant::ZERO, &reg(j, instance), &[])
+                .unwrap();
+            store
+                .put_server(&server_record(&reg(j, instance), mgmt(j), seq))
+                .await
+                .unwrap();
+        }
+        let writer = Arc::new(FlowWriter::spawn(
+            store.clone(),
+            FlowWriterConfig::default(),
+        ));
+        let mut sink = StoreSink::new(writer.clone());
+        active.dp.place_flow(CFlowKey::from(key(1)), 0, 0);
+        active.dp.place_flow(CFlowKey::from(key(2)), 1, 0);
+        active.flush_events(Instant::ZERO, &mut sink).unwrap();
+        writer.flush(Duration::from_secs(5)).await.unwrap();
+
+        let recs = store.list_servers().await.unwrap();
+        assert_eq!(
+            recs.iter()
+                .map(|r| (r.instance, restored_seq_floor(r)))
+                .collect::<Vec<_>>(),
+            vec![(Some(7), 1_000), (None, 0)]
+        );
+        let flows: Vec<(FlowKey, ServerId)> = store
+            .scan_flows()
+            .await
+            .unwrap()
+            .iter()
+            .map(|m| (m.key, m.server))
+            .collect();
+        let take_over = || {
+            let mut c = plane();
+            for r in &recs {
+                let mac = crate::sys::parse_mac(r.data_mac.as_deref().unwrap()).unwrap();
+                let restored = restored_registration(r, mac, 5, [2; 6]);
+                assert_eq!(restored, reg(r.id.0, r.instance.unwrap_or(0)));
+                c.register_as(Instant::ZERO, &restored, &[]).unwrap();
+            }
+            assert_eq!(c.load_flows(&flows).unwrap(), (2, 0));
+            c
+        };
+        let owner = |c: &ControlPlane<MemDataPlane>, p| c.dp.current_owner(CFlowKey::from(key(p)));
+
+        let mut c = take_over();
+        c.register_as(Instant::from_millis(10), &reg(1, 8), &[])
+            .unwrap();
+        c.register_as(Instant::from_millis(10), &reg(2, 9), &[])
+            .unwrap();
+        assert_eq!((owner(&c, 1), owner(&c, 2)), (None, Some(1)));
+        assert_eq!(c.liveness.restarts_total, 1);
+
+        let mut c = take_over();
+        c.register_as(Instant::from_millis(10), &reg(1, 7), &[])
+            .unwrap();
+        assert_eq!((owner(&c, 1), owner(&c, 2)), (Some(0), Some(1)));
+        assert_eq!(c.liveness.restarts_total, 0);
+
+        // A record as written before instance ids.
+        let old: capybara_store::Server = serde_json::from_str(
+            r#"{"id":3,"name":"s3","mgmt_addr":"198.18.1.13:40000","data_addr":"198.18.2.13",
+                "state":"active","weight":1,"registered_unix_ms":1,"updated_unix_ms":1,
+                "data_mac":"02:00:00:00:00:03"}"#,
+        )
+        .unwrap();
+        assert_eq!(restored_registration(&old, [2; 6], 3, [2; 6]).instance, 0);
+        assert_eq!(restored_seq_floor(&old), 0);
+        writer.close(Duration::from_secs(5)).await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// Real SQLite store, real writer: events from the control plane end up
     /// as flow mappings; closed flows disappear; migrated flows follow their
     /// target; linger reaps the closed flow's migration entry.
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
     async fn flow_events_become_store_mappings_and_closed_entries_are_reaped() {
-        let dir = std::env::temp_dir().join(format!("capy-switchd-persist-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let store: Arc<dyn Store> = Arc::new(
-            SqliteStore::open(SqliteConfig::at(dir.join("s.db")))
-                .await
-                .unwrap(),
-        );
+        let (dir, store) = sqlite_store("persist").await;
         let writer = Arc::new(FlowWriter::spawn(
             store.clone(),
             FlowWriterConfig::default(),

@@ -14,6 +14,11 @@
 //! - Killed and restarted within the grace (a new instance): its old flows
 //!   are removed at once, so its clients fail fast instead of waiting out
 //!   the grace.
+//! - The same after a takeover: a switchd started on the store (what a
+//!   standby does when it takes over: servers, their instance ids and
+//!   flows restored from the store) keeps every connection of hostagents
+//!   that kept running (same instance), and drops the old flows of one
+//!   restarted meanwhile (new instance) at its first REGISTER.
 
 use capybara_systests::{
     bin, deployment_key, disable_policies, hostagent_migrating_config, metric_sum, output_dir,
@@ -31,18 +36,24 @@ fn switchd_field(cfg: &Path, line: &str) {
 /// switchd plus hostagents s1..=s`servers` (policies off: nothing migrates
 /// on its own), all registered. Returns the switchd log and the hostagent pids.
 fn start(lab: &mut Lab, dir: &Path, servers: u32, switchd_extra: &str) -> (PathBuf, Vec<u32>) {
+    let (swlog, _, pids) = start_with_switchd_pid(lab, dir, servers, switchd_extra);
+    (swlog, pids)
+}
+
+/// [`start`], also returning switchd's pid.
+fn start_with_switchd_pid(
+    lab: &mut Lab,
+    dir: &Path,
+    servers: u32,
+    switchd_extra: &str,
+) -> (PathBuf, u32, Vec<u32>) {
     let key = deployment_key(dir);
     let sw = switchd_config(dir, servers, &key);
     if !switchd_extra.is_empty() {
         switchd_field(&sw, switchd_extra);
     }
     let swlog = dir.join("switchd.log");
-    lab.spawn_logged(
-        "sw",
-        bin("switchd"),
-        &["--config", sw.to_str().unwrap()],
-        &swlog,
-    );
+    let switchd = spawn_switchd(lab, dir, &swlog);
     let pids = (1..=servers)
         .map(|j| spawn_hostagent(lab, dir, &key, j, "hostagent"))
         .collect();
@@ -53,7 +64,19 @@ fn start(lab: &mut Lab, dir: &Path, servers: u32, switchd_extra: &str) -> (PathB
             || log(&swlog).contains(&format!("switchd: registered s{j}:")),
         );
     }
-    (swlog, pids)
+    (swlog, switchd, pids)
+}
+
+/// switchd on the config (and store) `start` wrote into `dir`, logging to
+/// `log`; returns its pid.
+fn spawn_switchd(lab: &mut Lab, dir: &Path, log: &Path) -> u32 {
+    let sw = dir.join("switchd.toml");
+    lab.spawn_logged(
+        "sw",
+        bin("switchd"),
+        &["--config", sw.to_str().unwrap()],
+        log,
+    )
 }
 
 fn spawn_hostagent(lab: &mut Lab, dir: &Path, key: &Path, j: u32, name: &str) -> u32 {
@@ -213,16 +236,30 @@ fn a_restarted_server_loses_its_old_flows_at_once() {
     signal(pids[0], libc::SIGKILL);
     let key = dir.join("deployment.key");
     spawn_hostagent(&mut lab, &dir, &key, 1, "restarted");
+    restart_handled(&lab, &swlog, &mut held);
+}
+
+/// Waits for switchd (logging to `swlog`) to see s1 restarted, and checks
+/// that the old process's flow entries went at once: the held connections
+/// on s1 fail fast (a reset from whichever server the client's next segment
+/// reaches), not after the grace, and the restarted server serves new
+/// connections. Returns how many flow entries were removed.
+fn restart_handled(lab: &Lab, swlog: &Path, held: &mut EchoHolder) -> u32 {
     lab.wait_for("s1 to register again", Duration::from_secs(30), || {
-        log(&swlog).contains("switchd: server s1 restarted")
+        log(swlog).contains("switchd: server s1 restarted")
     });
-    let l = log(&swlog);
+    let l = log(swlog);
     assert!(
         l.contains("flow entries of the old process removed") && !l.contains("did not come back"),
         "{l}"
     );
-    // The held connections on s1 fail fast (a reset from whichever server
-    // the client's next segment reaches), not after the grace.
+    let removed: u32 = l
+        .lines()
+        .find(|x| x.contains("switchd: server s1 restarted"))
+        .and_then(|x| x.split("): ").nth(1))
+        .and_then(|x| x.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
     let t = Instant::now();
     assert_ne!(held.round_trip(), "ok");
     assert!(
@@ -230,7 +267,57 @@ fn a_restarted_server_loses_its_old_flows_at_once() {
         "the old connections took {:?} to fail",
         t.elapsed()
     );
-    // The restarted server serves new connections.
-    let mut fresh = EchoHolder::start(&lab, 4);
+    let mut fresh = EchoHolder::start(lab, 4);
     assert_eq!(fresh.round_trip(), "ok");
+    removed
+}
+
+/// switchd killed and started again on its store: the takeover path (a
+/// standby winning the lease runs the same restore). The first time both
+/// hostagents keep running: restored with their instance ids, they keep
+/// every connection. The second time s1 is restarted while no switchd
+/// runs: its REGISTER names another instance than its stored record, so
+/// the old process's flows are removed at once, as without a takeover
+/// (before, the record had no instance id and they were kept).
+#[test]
+fn after_a_takeover_a_restarted_server_loses_its_old_flows_and_a_running_one_keeps_them() {
+    let dir = output_dir("server_liveness_takeover");
+    let mut lab = Lab::up("slt", 2);
+    let (_, sw1, pids) = start_with_switchd_pid(&mut lab, &dir, 2, "");
+    let mut held = hold_some_on_s1(&lab, 12);
+    assert_eq!(held.round_trip(), "ok");
+    // Flow mappings reach the store within milliseconds (FlowWriter linger).
+    std::thread::sleep(Duration::from_millis(500));
+    signal(sw1, libc::SIGKILL);
+
+    // 1. Same instances: restored from the store, nothing restarted.
+    let swlog2 = dir.join("switchd-2.log");
+    let sw2 = spawn_switchd(&mut lab, &dir, &swlog2);
+    lab.wait_for(
+        "the second switchd to serve",
+        Duration::from_secs(30),
+        || log(&swlog2).contains("switchd: active"),
+    );
+    assert_eq!(held.round_trip(), "ok", "{}", log(&swlog2));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(held.round_trip(), "ok");
+    let l = log(&swlog2);
+    assert!(
+        !l.contains(" restarted (instance")
+            && !l.contains("flow entries removed")
+            && !l.contains("missed heartbeats"),
+        "{l}"
+    );
+    lab.assert_no_resets([1, 2]);
+
+    // 2. s1 restarted while no switchd runs: a new instance.
+    signal(sw2, libc::SIGKILL);
+    signal(pids[0], libc::SIGKILL);
+    let key = dir.join("deployment.key");
+    spawn_hostagent(&mut lab, &dir, &key, 1, "restarted");
+    let swlog3 = dir.join("switchd-3.log");
+    spawn_switchd(&mut lab, &dir, &swlog3);
+    let removed = restart_handled(&lab, &swlog3, &mut held);
+    assert!(removed >= 1, "the old process's flows were not restored");
+    eprintln!("after the takeover: kept every connection of running hostagents; a restarted one lost {removed} old flow entries at once");
 }

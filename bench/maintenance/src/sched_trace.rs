@@ -25,15 +25,7 @@ pub fn enabled() -> bool {
 }
 
 /// CLOCK_MONOTONIC in ns (the clock `std::time::Instant` reads on Linux).
-pub fn mono_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec into a valid pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+pub use capybara_proto::time::monotonic_ns as mono_ns;
 
 struct Sample {
     at_ns: u64,

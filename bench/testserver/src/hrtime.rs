@@ -11,16 +11,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use tokio::io::unix::AsyncFd;
 
 /// Nanoseconds of CLOCK_MONOTONIC.
-#[inline]
-pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid pointer to a timespec; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+pub use capybara_proto::time::monotonic_ns as now_ns;
 
 /// Lower the calling thread's timer slack to 1 ns (default 50 µs), so that
 /// timer wake-ups are not deferred by the kernel to batch them.
