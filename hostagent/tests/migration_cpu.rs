@@ -26,30 +26,9 @@ fn host_cpu_per_migration_warm() {
     std::fs::create_dir_all(&dir).unwrap();
     // Read by `Migrator::new` (each server writes DIR/telemetry-ADDR.log).
     std::env::set_var("CAPYBARA_MIGRATION_TELEMETRY", &dir);
-    let small = |mut c: capybara_tcp::TcpConfig| {
-        // Small queues keep the snapshot near the lab's (~250 bytes: 64-byte
-        // echoes every millisecond): this client streams as fast as it can.
-        c.rx_buffer = 2 * 1024;
-        c.tx_buffer = 2 * 1024;
-        c
-    };
-    let link = LinkConfig {
-        latency: Duration::from_micros(100),
-        ..LinkConfig::default()
-    };
-    let net = Net::every_way(link);
-    let setup = Setup {
-        seed: 5,
-        app: App::Echo,
-        net,
-    };
-    let mut w = World::with(
-        setup,
-        stream(5, 256 << 20),
-        small(client_tcp_config()),
-        |i| small(server_tcp_config(i)),
-        server_mig_config,
-    );
+    // Small queues keep the snapshot near the lab's (~250 bytes: 64-byte
+    // echoes every millisecond): this client streams as fast as it can.
+    let mut w = echo_world_with_queues(2 * 1024);
     let wanted = 2_000;
     let mut next = Instant::from_millis(1);
     let limit = Instant::from_millis(600_000);

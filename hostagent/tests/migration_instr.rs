@@ -41,27 +41,7 @@ fn env_usize(name: &str, default: usize) -> usize {
 fn migrations_for_callgrind() {
     let wanted = env_usize("CAPYBARA_INSTR_MIGRATIONS", 200);
     let queue = env_usize("CAPYBARA_INSTR_QUEUE", 2048);
-    let small = |mut c: capybara_tcp::TcpConfig| {
-        c.rx_buffer = queue;
-        c.tx_buffer = queue;
-        c
-    };
-    let link = LinkConfig {
-        latency: Duration::from_micros(100),
-        ..LinkConfig::default()
-    };
-    let setup = Setup {
-        seed: 5,
-        app: App::Echo,
-        net: Net::every_way(link),
-    };
-    let mut w = World::with(
-        setup,
-        stream(5, 256 << 20),
-        small(client_tcp_config()),
-        |i| small(server_tcp_config(i)),
-        server_mig_config,
-    );
+    let mut w = echo_world_with_queues(queue);
     let mut next = Instant::from_millis(1);
     let limit = Instant::from_millis(600_000);
     while w.started.len() < wanted {

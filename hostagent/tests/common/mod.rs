@@ -1470,3 +1470,30 @@ fn supersedes(owner: Ipv4Addr, id: u64, pending: bool, m: &TcpMigRepr<'_>) -> bo
         && id != m.migration_id
         && (id == m.epoch || (id >> 32 == m.migration_id >> 32 && id < m.migration_id))
 }
+
+/// The CPU-measuring tests' world: one client streaming a 256 MiB echo
+/// (seed 5) with `queue`-byte TCP buffers on every side, 100 µs links.
+#[allow(dead_code)] // not every test binary that includes `common` uses it
+pub fn echo_world_with_queues(queue: usize) -> World {
+    let sized = |mut c: TcpConfig| {
+        c.rx_buffer = queue;
+        c.tx_buffer = queue;
+        c
+    };
+    let link = LinkConfig {
+        latency: Duration::from_micros(100),
+        ..LinkConfig::default()
+    };
+    let setup = Setup {
+        seed: 5,
+        app: App::Echo,
+        net: Net::every_way(link),
+    };
+    World::with(
+        setup,
+        stream(5, 256 << 20),
+        sized(client_tcp_config()),
+        |i| sized(server_tcp_config(i)),
+        server_mig_config,
+    )
+}
