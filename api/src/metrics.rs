@@ -92,7 +92,7 @@ async fn render(state: &AppState) -> ApiResult<String> {
             esc(&s.name)
         );
     }
-    let _ = writeln!(w, "# HELP capybara_server_load_pps Packets per second seen by the pool monitor (absent when not live).");
+    let _ = writeln!(w, "# HELP capybara_server_load_pps Request packets (client packets carrying TCP payload) per second seen by the pool monitor (absent when not live).");
     let _ = writeln!(w, "# TYPE capybara_server_load_pps gauge");
     for s in &servers {
         if let Some(l) = stats.get(&s.id).and_then(|x| x.load_pps) {

@@ -36,7 +36,7 @@ export interface ServerStats {
      */
     connections: number;
     /**
-     * Packets per second seen by the pool monitor; null when not live.
+     * Request packets (client packets carrying TCP payload) per second seen by the pool monitor; null when not live.
      */
     load_pps?: number | null;
 }

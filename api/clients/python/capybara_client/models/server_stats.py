@@ -31,7 +31,7 @@ class ServerStats(BaseModel):
     """ # noqa: E501
     data_source: DataSource
     connections: Annotated[int, Field(strict=True, ge=0)] = Field(description="Connections owned by the server.")
-    load_pps: Optional[Union[StrictFloat, StrictInt]] = Field(default=None, description="Packets per second seen by the pool monitor; null when not live.")
+    load_pps: Optional[Union[StrictFloat, StrictInt]] = Field(default=None, description="Request packets (client packets carrying TCP payload) per second seen by the pool monitor; null when not live.")
     __properties: ClassVar[List[str]] = ["data_source", "connections", "load_pps"]
 
     model_config = ConfigDict(

@@ -18,7 +18,7 @@ pub struct ServerStats {
     /// Connections owned by the server.
     #[serde(rename = "connections")]
     pub connections: i64,
-    /// Packets per second seen by the pool monitor; null when not live.
+    /// Request packets (client packets carrying TCP payload) per second seen by the pool monitor; null when not live.
     #[serde(
         rename = "load_pps",
         default,
