@@ -230,11 +230,20 @@ under Zipf 1.2 the server of the heaviest connection shed that connection with i
 queue; the busiest server also spent most of its orders on one-request connections. The
 policy now moves no queue when the pool is as busy, counts what a server works off at its peak
 drain rate, keeps every move (backlog ones too) within what one target can take, counting all
-recently ordered load against that one target, and leaves connections younger than 200 ms
-(docs/POLICIES.md). What remains in Zipf 1.2's p99 on this machine is mostly the first second
-of a point: the long-lived connections open together and LWRR places them by count, so one
-server can start with the two heaviest connections (~95% of its capacity) and queues until
-migrations have moved the second one off (the per-100 ms timelines in the JSON reports).
+recently ordered load against that one target, and leaves connections younger than 100 ms
+(docs/POLICIES.md).
+
+The first second of a point (issue #7, 2026-11-22 21:00-22:30 UTC). The long-lived connections
+open together and LWRR places them by count, so one server can start with most of the heavy
+connections (63% of the long-flow load, 147% of its capacity, in Zipf 1.2 seed 3). It used to
+stay saturated for 2-3 s (per-100 ms timelines in the JSON reports), ordering dozens of small
+moves: (1) the load was counted in packets, and a busy connection piggybacks its ACKs on its
+next request (~1 packet per request) while a light one sends one per response (~2), so that
+server read only 1.4x the pool average and every target's headroom looked too small for its
+heavy connections; (2) the policy's load averages, with a time constant of up to 500 ms, read
+a fraction of a load that had just started. Both sides now count request packets (TCP
+payload), and the averages follow a load step within ~100 ms (docs/POLICIES.md, "What each
+policy does"); idle connections are no longer picked to fill an excess.
 
 {table}
 
