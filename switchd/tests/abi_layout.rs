@@ -102,7 +102,11 @@ fn c_structs_match_rust() {
     s!("capy_ring", CRing, [len, mode, servers]);
     s!("capy_iface", CIface, [role, mac]);
     s!("capy_config", CConfig, [switch_server_ip, flags]);
-    s!("capy_server_stats", CServerStats, [packets, bytes, requests]);
+    s!(
+        "capy_server_stats",
+        CServerStats,
+        [packets, bytes, requests]
+    );
     s!(
         "capy_flow_event",
         CFlowEvent,
