@@ -430,8 +430,8 @@ def target(ctx: Context) -> str:
 long-lived connections, Zipf {alpha} at {util:.0%}, {ctx.duration_s:g} s per variant and seed
 ({len(ctx.seeds)} seeds: {', '.join(map(str, ctx.seeds))}; medians reported; LWRR's p99 depends on where
 the heavy connections land, see "busiest server's load"). The
-switch picks each migration's target round robin or least loaded (lowest packets/s in the last
-pool-monitor interval); LWRR is the same run without migration. Paper: least loaded 141x below
+switch picks each migration's target round robin or least loaded (lowest request packets/s, smoothed over 20 ms of
+pool-monitor counts); LWRR is the same run without migration. Paper: least loaded 141x below
 LWRR and 2x below round robin.
 
 ![latency CDF by target selection](img/bench-target.png)
