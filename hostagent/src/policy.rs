@@ -228,11 +228,9 @@ pub struct PolicyEngine {
     pub generation: u32,
     epoch: Option<u32>,
     last_seq: u64,
-    own_pps: f64,
-    avg_pps: f64,
-    /// The slow (smoothed) and fast ([`STEP_SMOOTHING`]) averages of the
-    /// switch's counts, packets per second; `own_pps` and `avg_pps` are
-    /// the slow ones.
+    /// The slow (smoothed: what the policies act on) and fast
+    /// ([`STEP_SMOOTHING`]) averages of the switch's counts, packets per
+    /// second.
     own_slow: Ewma,
     avg_slow: Ewma,
     own_fast: Ewma,
@@ -273,8 +271,6 @@ impl PolicyEngine {
             generation: 0,
             epoch: None,
             last_seq: 0,
-            own_pps: 0.0,
-            avg_pps: 0.0,
             own_slow: Ewma::default(),
             avg_slow: Ewma::default(),
             own_fast: Ewma::default(),
@@ -320,7 +316,7 @@ impl PolicyEngine {
 
     /// Smoothed own load and pool average, packets per second.
     pub fn loads(&self) -> (f64, f64) {
-        (self.own_pps, self.avg_pps)
+        (self.own_slow.value(), self.avg_slow.value())
     }
 
     /// Smoothed data packets per second arriving on the receive queues and
@@ -416,8 +412,6 @@ impl PolicyEngine {
                 self.shed_credit *= 1.0 - af;
             }
         }
-        self.own_pps = self.own_slow.value();
-        self.avg_pps = self.avg_slow.value();
         self.load_at = Some(now);
         true
     }
@@ -425,7 +419,7 @@ impl PolicyEngine {
     /// Time constant of the averages now, microseconds: [`LOAD_SMOOTHING`],
     /// longer at low rates (see [`SMOOTHING_PACKETS`]).
     fn tau_us(&self) -> f64 {
-        let by_packets = SMOOTHING_PACKETS / self.avg_pps.max(1.0) * 1e6;
+        let by_packets = SMOOTHING_PACKETS / self.avg_slow.value().max(1.0) * 1e6;
         by_packets.clamp(
             LOAD_SMOOTHING.as_micros() as f64,
             MAX_SMOOTHING.as_micros() as f64,
@@ -467,22 +461,23 @@ impl PolicyEngine {
         let fresh = self
             .load_at
             .is_some_and(|at| now.saturating_since(at) <= STALE_LOAD);
-        if !t.proactive_enabled || !fresh || self.live_servers < 2 || self.avg_pps <= 0.0 {
+        if !t.proactive_enabled || !fresh || self.live_servers < 2 || self.avg_slow.value() <= 0.0 {
             self.shedding = false;
             return 0.0;
         }
         let decay =
             (-(now.saturating_since(self.shed_at).as_micros() as f64) / self.tau_us()).exp();
-        let own = self.own_pps - self.shed_credit * decay;
-        let upper = self.avg_pps * (1.0 + t.proactive_threshold_pct / 100.0);
-        let lower = self.avg_pps * (1.0 + (t.proactive_threshold_pct - t.hysteresis_pct) / 100.0);
+        let own = self.own_slow.value() - self.shed_credit * decay;
+        let upper = self.avg_slow.value() * (1.0 + t.proactive_threshold_pct / 100.0);
+        let lower =
+            self.avg_slow.value() * (1.0 + (t.proactive_threshold_pct - t.hysteresis_pct) / 100.0);
         if own > upper {
             self.shedding = true;
         } else if own < lower {
             self.shedding = false;
         }
         if self.shedding {
-            (own - self.avg_pps).max(0.0)
+            (own - self.avg_slow.value()).max(0.0)
         } else {
             0.0
         }
@@ -506,20 +501,20 @@ impl PolicyEngine {
         let fresh = self
             .load_at
             .is_some_and(|at| now.saturating_since(at) <= STALE_LOAD);
-        if !fresh || self.live_servers < 2 || self.avg_pps <= 0.0 {
+        if !fresh || self.live_servers < 2 || self.avg_slow.value() <= 0.0 {
             return None;
         }
         let decay =
             (-(now.saturating_since(self.shed_at).as_micros() as f64) / self.tau_us()).exp();
         let n = f64::from(self.live_servers);
-        let others = ((self.avg_pps * n - self.own_pps) / (n - 1.0)).max(0.0);
-        let upper = self.avg_pps * (1.0 + self.tunables.proactive_threshold_pct / 100.0);
+        let others = ((self.avg_slow.value() * n - self.own_slow.value()) / (n - 1.0)).max(0.0);
+        let upper = self.avg_slow.value() * (1.0 + self.tunables.proactive_threshold_pct / 100.0);
         // Far above the pool (more than ~1.3 x the average with 4
         // servers) half the gap to that mean is more, and a move of at
         // most half the gap never leaves the target busier than the
         // origin: the one connection that makes a server overloaded (two
         // heavy ones placed together) can leave it.
-        let room = (upper - others).max((self.own_pps - others) / 2.0);
+        let room = (upper - others).max((self.own_slow.value() - others) / 2.0);
         Some((room - self.shed_credit * decay).max(0.0))
     }
 
@@ -536,7 +531,7 @@ impl PolicyEngine {
             .is_some_and(|at| now.saturating_since(at) <= STALE_LOAD);
         let t = &self.tunables;
         let band = 1.0 + (t.proactive_threshold_pct - t.hysteresis_pct) / 100.0;
-        fresh && self.live_servers >= 2 && self.own_pps <= self.avg_pps * band
+        fresh && self.live_servers >= 2 && self.own_slow.value() <= self.avg_slow.value() * band
     }
 
     /// One decision: appends the migrations to start to `out`.
