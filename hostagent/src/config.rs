@@ -261,7 +261,21 @@ pub struct MigrationConfig {
     /// draining).
     #[serde(default = "default_drain_max_in_flight")]
     pub drain_max_in_flight: usize,
+    /// `poll = "sleep"`: while a migration awaits the peer's next TCPMig
+    /// message, the driver polls without sleeping for up to this many
+    /// microseconds per message awaited, then sleeps (0 = never spin; at
+    /// most 1000). docs/HOSTAGENT.md, "Wake-ups".
+    #[serde(default = "default_reply_spin_us")]
+    pub reply_spin_us: u64,
 }
+
+fn default_reply_spin_us() -> u64 {
+    0
+}
+
+/// Upper bound of `reply_spin_us`: the engine's first retransmission
+/// timer (1 ms); a reply later than that is better waited for asleep.
+pub const MAX_REPLY_SPIN_US: u64 = 1000;
 
 fn default_drain_max_in_flight() -> usize {
     crate::drain::DEFAULT_MAX_IN_FLIGHT
@@ -492,6 +506,13 @@ impl Config {
                     "must be 1 to 256",
                 ));
             }
+            if m.reply_spin_us > MAX_REPLY_SPIN_US {
+                return Err(bad(
+                    "migration.reply_spin_us",
+                    m.reply_spin_us.to_string(),
+                    "must be 0 (off) to 1000",
+                ));
+            }
         }
         if let Some(c) = &self.control {
             if c.weight == 0 {
@@ -596,5 +617,20 @@ app = "echo"
         assert!(e.contains("stack.mss = 20"), "{e}");
         let e = check(&GOOD.replace("name = \"eth0\"", "name = \"eth0\"\nspeed = 1")).unwrap_err();
         assert!(e.contains("speed"), "{e}");
+    }
+
+    #[test]
+    fn reply_spin_defaults_off_and_is_bounded() {
+        let mig = |extra: &str| {
+            format!(
+                "{GOOD}[migration]\nkey = \"{}\"\nswitch = \"198.18.1.1\"\n{extra}",
+                "ab".repeat(16)
+            )
+        };
+        assert_eq!(check(&mig("")).unwrap().migration.unwrap().reply_spin_us, 0);
+        let c = check(&mig("reply_spin_us = 100\n")).unwrap();
+        assert_eq!(c.migration.unwrap().reply_spin_us, 100);
+        let e = check(&mig("reply_spin_us = 1001\n")).unwrap_err();
+        assert!(e.contains("migration.reply_spin_us = 1001"), "{e}");
     }
 }

@@ -111,12 +111,10 @@ pub struct Migrator {
     pub engine: Engine,
     /// Connections served here, by flow (owned: accepted or imported).
     by_flow: Map<FlowKey, ConnId>,
-    /// Origin: handle of each exported connection. Its snapshot, needed to
-    /// resume locally if the migration does not happen, is the engine's
-    /// (`Engine::take_resumed_snapshot`), or here if the engine refused it.
-    exported: Map<MigrationId, (ConnId, FlowKey, Option<Vec<u8>>)>,
-    frozen_flows: Map<FlowKey, ConnId>,
-    gone_flows: Map<FlowKey, Instant>,
+    /// Flows frozen (exported, outcome unknown) or gone (migrated out
+    /// recently), with where their late segments go: one entry per flow,
+    /// one lookup for a segment or a migration step ([`Departed`]).
+    departed: Map<FlowKey, Departed>,
     handles: Map<ConnId, HandleState>,
     /// Resumed connections come back through the endpoint's accept queue;
     /// these ids belong to existing handles, not to new connections.
@@ -151,10 +149,6 @@ pub struct Migrator {
     /// (exported, outcome unknown) / gone (migrated out recently).
     pub dropped_frozen: u64,
     pub dropped_gone: u64,
-    /// Target of each frozen (after PREPARE_ACK) or gone (migrated out)
-    /// flow: its late segments are forwarded there instead of dropped
-    /// (docs/MIGRATION.md "Late segments at the origin").
-    forward_to: Map<FlowKey, Ipv4Addr>,
     /// Flow and target of the authenticated PREPARE_ACK being handled.
     msg_target: Option<(FlowKey, Ipv4Addr)>,
     /// Late segments given a [`SegmentVerdict::Forward`] (frozen / gone).
@@ -162,6 +156,38 @@ pub struct Migrator {
     pub forwarded_gone: u64,
     /// Off: late segments are dropped as before (`CAPYBARA_FORWARD_LATE=0`).
     pub forward_late: bool,
+}
+
+/// What the glue keeps of a flow that left this host or is leaving it
+/// (`Migrator::departed`; an entry goes when all three are `None`).
+#[derive(Debug, Default)]
+struct Departed {
+    /// Origin: exported by a migration whose outcome is not known yet.
+    frozen: Option<Frozen>,
+    /// Migrated out (or given up as a target): its late segments are
+    /// forwarded or dropped silently until then, never reset.
+    gone_until: Option<Instant>,
+    /// The target of a frozen (after its PREPARE_ACK) or gone (migrated
+    /// out) flow: its late segments are forwarded there instead of dropped
+    /// (docs/MIGRATION.md "Late segments at the origin").
+    target: Option<Ipv4Addr>,
+}
+
+/// An exported connection.
+#[derive(Debug)]
+struct Frozen {
+    id: MigrationId,
+    /// The application's handle.
+    handle: ConnId,
+    /// The snapshot, if the engine refused it; otherwise the engine keeps
+    /// it (`Engine::take_resumed_snapshot`) for resuming here.
+    kept: Option<Vec<u8>>,
+}
+
+impl Departed {
+    fn is_empty(&self) -> bool {
+        self.frozen.is_none() && self.gone_until.is_none() && self.target.is_none()
+    }
 }
 
 /// What to do with a TCP segment that arrived for this host
@@ -182,9 +208,7 @@ impl Migrator {
         Migrator {
             engine,
             by_flow: map(1024),
-            exported: map(0),
-            frozen_flows: map(0),
-            gone_flows: map(0),
+            departed: map(1024),
             handles: map(0),
             resumed: map(0),
             aliases: map(0),
@@ -201,7 +225,6 @@ impl Migrator {
             dump: TelemetryDump::from_env(local),
             dropped_frozen: 0,
             dropped_gone: 0,
-            forward_to: map(1024),
             msg_target: None,
             forwarded_frozen: 0,
             forwarded_gone: 0,
@@ -212,8 +235,60 @@ impl Migrator {
     /// A connection accepted by the application (new or migrated in).
     pub fn track(&mut self, flow: FlowKey, id: ConnId) {
         self.by_flow.insert(flow, id);
-        self.gone_flows.remove(&flow);
-        self.forward_to.remove(&flow);
+        self.clear_gone(flow);
+    }
+
+    /// The flow is no longer gone (served here again): forget when its
+    /// late segments stop being dropped, and where they went.
+    fn clear_gone(&mut self, flow: FlowKey) {
+        if let std::collections::hash_map::Entry::Occupied(mut o) = self.departed.entry(flow) {
+            let d = o.get_mut();
+            d.gone_until = None;
+            d.target = None;
+            if d.is_empty() {
+                o.remove();
+            }
+        }
+    }
+
+    /// The flow is gone (its late segments dropped silently until
+    /// `until`), forwarded to `target` if known.
+    fn set_gone(&mut self, flow: FlowKey, until: Instant, target: Option<Ipv4Addr>) {
+        let d = self.departed.entry(flow).or_default();
+        d.gone_until = Some(until);
+        d.target = target;
+    }
+
+    /// Takes the frozen connection of the migration `id` of `flow` (the
+    /// flow's target is forgotten too unless `gone_target` names the new
+    /// one, which makes it gone for `GONE_LINGER`).
+    fn take_frozen(
+        &mut self,
+        now: Instant,
+        flow: FlowKey,
+        id: MigrationId,
+        gone_target: Option<Ipv4Addr>,
+    ) -> Option<Frozen> {
+        let std::collections::hash_map::Entry::Occupied(mut o) = self.departed.entry(flow) else {
+            return None;
+        };
+        let d = o.get_mut();
+        match &d.frozen {
+            Some(f) if f.id == id => {}
+            _ => return None,
+        }
+        let f = d.frozen.take();
+        match gone_target {
+            Some(t) => {
+                d.gone_until = Some(now + GONE_LINGER);
+                d.target = Some(t);
+            }
+            None => d.target = None,
+        }
+        if d.is_empty() {
+            o.remove();
+        }
+        f
     }
 
     /// The application released the handle.
@@ -250,6 +325,19 @@ impl Migrator {
     /// Flows served here and not migrating (for policies and test drivers).
     pub fn flows(&self) -> impl Iterator<Item = (&FlowKey, &ConnId)> {
         self.by_flow.iter()
+    }
+
+    /// While a migration of this host is unfinished (an origin before its
+    /// CONN_STATE_ACK, a target before its import), a stamp that changes
+    /// with every TCPMig message received or sent; `None` when none is.
+    /// The driver's reply spin (`Stack::drive`) spins at most its window
+    /// per stamp: per message awaited, not per wake-up.
+    pub fn awaiting_peer(&self) -> Option<u64> {
+        if self.engine.in_progress() == (0, 0) {
+            return None;
+        }
+        let c = self.engine.counters();
+        Some(c.rx.total().wrapping_add(c.tx.total()))
     }
 
     /// What a handle held by the application refers to now.
@@ -292,15 +380,42 @@ impl Migrator {
         self.recent.range(self.recent.len() - new..)
     }
 
-    fn record(&mut self, r: MigrationRecord) {
-        self.queue_report(&r);
-        if let Some(d) = &mut self.dump {
-            d.finished.push(r);
+    /// A migration finished: its report for the switch and its record.
+    /// The telemetry (~200 bytes) is read in place from the engine, which
+    /// keeps finished migrations as tombstones: one lookup, and one copy
+    /// into the recent list for a completed migration (no copy otherwise).
+    fn record(&mut self, id: MigrationId, flow: FlowKey, outcome: Outcome, peer: Ipv4Addr) {
+        let tel = self.engine.telemetry(id);
+        let mut report = wire_report(id, flow, outcome, peer, tel);
+        if report.outcome.is_origin() {
+            if let Some(t) = self.triggers.remove(&flow) {
+                report.trigger = t;
+            }
         }
+        // Bounded, no allocation: the queue is pre-sized.
+        if self.reports.len() >= REPORT_QUEUE {
+            self.reports.pop_front();
+            self.reports_dropped += 1;
+        }
+        self.reports.push_back((self.report_now, report));
         if self.recent.len() == RECENT {
             self.recent.pop_front();
         }
-        self.recent.push_back(r);
+        self.recent.push_back(MigrationRecord {
+            id,
+            flow,
+            outcome,
+            peer,
+            telemetry: None,
+        });
+        if matches!(outcome, Outcome::MigratedOut | Outcome::MigratedIn) {
+            if let (Some(r), Some(t)) = (self.recent.back_mut(), tel) {
+                r.telemetry = Some(*t);
+            }
+        }
+        if let (Some(d), Some(r)) = (&mut self.dump, self.recent.back()) {
+            d.finished.push(*r);
+        }
         self.recorded += 1;
     }
 
@@ -325,8 +440,13 @@ impl Migrator {
         flow: FlowKey,
         segment: &[u8],
     ) -> SegmentVerdict {
-        if self.frozen_flows.contains_key(&flow) {
-            if let (true, Some(&t)) = (self.forward_late, self.forward_to.get(&flow)) {
+        // One lookup: most segments belong to no departed flow.
+        let (frozen, gone_until, target) = match self.departed.get(&flow) {
+            Some(d) => (d.frozen.is_some(), d.gone_until, d.target),
+            None => (false, None, None),
+        };
+        if frozen {
+            if let (true, Some(t)) = (self.forward_late, target) {
                 self.forwarded_frozen += 1;
                 return SegmentVerdict::Forward(t);
             }
@@ -342,17 +462,16 @@ impl Migrator {
         ) {
             return SegmentVerdict::Drop;
         }
-        if let Some(until) = self.gone_flows.get(&flow) {
-            if *until > now {
-                if let (true, Some(&t)) = (self.forward_late, self.forward_to.get(&flow)) {
+        if let Some(until) = gone_until {
+            if until > now {
+                if let (true, Some(t)) = (self.forward_late, target) {
                     self.forwarded_gone += 1;
                     return SegmentVerdict::Forward(t);
                 }
                 self.dropped_gone += 1;
                 return SegmentVerdict::Drop;
             }
-            self.gone_flows.remove(&flow);
-            self.forward_to.remove(&flow);
+            self.clear_gone(flow);
         }
         SegmentVerdict::Process
     }
@@ -423,47 +542,6 @@ impl Migrator {
         self.reports.len()
     }
 
-    /// Queues the switch's report of a finished migration (bounded, no
-    /// allocation: the queue is pre-sized).
-    fn queue_report(&mut self, r: &MigrationRecord) {
-        let tel = self.engine.telemetry(r.id).copied().or(r.telemetry);
-        let (outcome, reason) = match r.outcome {
-            Outcome::MigratedOut => (ReportOutcome::MigratedOut, Reason::None),
-            Outcome::Resumed(x) => (ReportOutcome::Resumed, x),
-            Outcome::Lost(x) => (ReportOutcome::Lost, x),
-            Outcome::MigratedIn => (ReportOutcome::MigratedIn, Reason::None),
-            Outcome::AbortedIn => (ReportOutcome::AbortedIn, Reason::Unspecified),
-            Outcome::ImportFailed => (ReportOutcome::ImportFailed, Reason::ImportFailed),
-        };
-        let trigger = if outcome.is_origin() {
-            self.triggers
-                .remove(&r.flow)
-                .unwrap_or(MigrationTrigger::Unknown)
-        } else {
-            MigrationTrigger::Unknown
-        };
-        let t = tel.unwrap_or_default();
-        let report = WireReport {
-            id: r.id.0,
-            flow: r.flow,
-            peer: (!r.peer.is_unspecified()).then_some(r.peer),
-            outcome,
-            trigger,
-            reason,
-            fragments: t.fragments,
-            age_us: 0,
-            phases_us: report_phases(&t, outcome.is_origin()),
-            snapshot_bytes: t.snapshot_bytes.min(u64::from(u32::MAX)) as u32,
-            segments_buffered: t.segments_buffered,
-            bytes_buffered: t.bytes_buffered,
-        };
-        if self.reports.len() >= REPORT_QUEUE {
-            self.reports.pop_front();
-            self.reports_dropped += 1;
-        }
-        self.reports.push_back((self.report_now, report));
-    }
-
     /// A TCPMig datagram arrived: the engine handles it, then its events are
     /// applied at once, before the next packet of the batch. A segment that
     /// follows an engine decision in the same batch must see its effect:
@@ -492,14 +570,29 @@ impl Migrator {
 
     /// The engine's next datagram (see [`Engine::poll_transmit`]), timed
     /// for the telemetry dump when it is on.
+    #[inline(never)]
     pub fn poll_transmit(
         &mut self,
         now: Instant,
         buf: &mut [u8],
     ) -> Option<capybara_tcpmig::Transmit> {
+        // The driver asks before every frame and nearly always nothing is
+        // queued: that answer costs a load and a branch, without the
+        // frame's setup (which alone cost ~20 instructions per empty poll).
+        // Not inlined: it stays one function for callgrind's
+        // `--toggle-collect` (docs/BENCHMARKS.md, instruction counts).
         if !self.engine.has_transmit() {
             return None;
         }
+        self.poll_transmit_queued(now, buf)
+    }
+
+    #[inline(never)]
+    fn poll_transmit_queued(
+        &mut self,
+        now: Instant,
+        buf: &mut [u8],
+    ) -> Option<capybara_tcpmig::Transmit> {
         let Some(d) = &mut self.dump else {
             return self.engine.poll_transmit(now, buf);
         };
@@ -566,21 +659,20 @@ impl Migrator {
                         Ok(_) => {
                             self.by_flow.remove(&flow);
                             self.aliases.remove(&cid);
-                            self.frozen_flows.insert(flow, handle);
-                            match self.msg_target {
-                                Some((f, t)) if f == flow => {
-                                    self.forward_to.insert(flow, t);
-                                }
-                                _ => {
-                                    self.forward_to.remove(&flow);
-                                }
-                            }
                             self.handles.insert(handle, HandleState::Frozen);
                             // The engine keeps the only copy; one it refuses
                             // comes back (the migration then resumes).
                             let back = self.engine.offer_snapshot(now, id, snap).err();
-                            self.exported
-                                .insert(id, (handle, flow, back.map(|(_, s)| s)));
+                            let d = self.departed.entry(flow).or_default();
+                            d.frozen = Some(Frozen {
+                                id,
+                                handle,
+                                kept: back.map(|(_, s)| s),
+                            });
+                            d.target = match self.msg_target {
+                                Some((f, t)) if f == flow => Some(t),
+                                _ => None,
+                            };
                         }
                         Err(_) => {
                             self.managers.resume(handle);
@@ -588,36 +680,25 @@ impl Migrator {
                         }
                     }
                 }
-                Event::MigratedOut {
-                    id,
-                    flow,
-                    target,
-                    telemetry,
-                } => {
-                    if let Some((cid, _, _)) = self.exported.remove(&id) {
-                        self.frozen_flows.remove(&flow);
-                        self.gone_flows.insert(flow, now + GONE_LINGER);
-                        self.forward_to.insert(flow, target);
+                Event::MigratedOut { id, flow, target } => {
+                    if let Some(Frozen { handle: cid, .. }) =
+                        self.take_frozen(now, flow, id, Some(target))
+                    {
                         self.handles.insert(cid, HandleState::Moved(target));
                         self.managers.gone(cid);
                         woken.push(cid);
                     }
-                    self.record(MigrationRecord {
-                        id,
-                        flow,
-                        outcome: Outcome::MigratedOut,
-                        peer: target,
-                        telemetry: Some(telemetry),
-                    });
+                    self.record(id, flow, Outcome::MigratedOut, target);
                 }
                 Event::Resumed { id, flow, reason } => {
                     if let Some(&cid) = self.by_flow.get(&flow) {
                         // Given up before the export: the manager resumes.
                         self.managers.resume(self.app_handle(cid));
                     }
-                    if let Some((cid, _, kept)) = self.exported.remove(&id) {
-                        self.frozen_flows.remove(&flow);
-                        self.forward_to.remove(&flow);
+                    if let Some(Frozen {
+                        handle: cid, kept, ..
+                    }) = self.take_frozen(now, flow, id, None)
+                    {
                         let snap = kept
                             .or_else(|| self.engine.take_resumed_snapshot(id))
                             .unwrap_or_default();
@@ -634,29 +715,16 @@ impl Migrator {
                         self.managers.resume(cid);
                         woken.push(cid);
                     }
-                    self.record(MigrationRecord {
-                        id,
-                        flow,
-                        outcome: Outcome::Resumed(reason),
-                        peer: Ipv4Addr::UNSPECIFIED,
-                        telemetry: None,
-                    });
+                    self.record(id, flow, Outcome::Resumed(reason), Ipv4Addr::UNSPECIFIED);
                 }
                 Event::Lost { id, flow, reason } => {
-                    if let Some((cid, _, _)) = self.exported.remove(&id) {
-                        self.frozen_flows.remove(&flow);
-                        self.forward_to.remove(&flow);
+                    if let Some(Frozen { handle: cid, .. }) = self.take_frozen(now, flow, id, None)
+                    {
                         self.handles.insert(cid, HandleState::Lost);
                         self.managers.gone(cid);
                         woken.push(cid);
                     }
-                    self.record(MigrationRecord {
-                        id,
-                        flow,
-                        outcome: Outcome::Lost(reason),
-                        peer: Ipv4Addr::UNSPECIFIED,
-                        telemetry: None,
-                    });
+                    self.record(id, flow, Outcome::Lost(reason), Ipv4Addr::UNSPECIFIED);
                 }
                 Event::ImportNow {
                     id, flow, origin, ..
@@ -677,45 +745,30 @@ impl Migrator {
                     });
                     match imported {
                         Ok(imp) => {
-                            let local = self.local;
+                            // The buffered segments straight into the
+                            // imported connection (no flow lookup), its
+                            // events and ACK scheduled once at the end.
+                            let (local, cid) = (self.local, imp.id);
                             let _ = self.engine.import_done(now, id, |seg| {
-                                tcp.handle_segment(now, flow.client_ip, local, seg)
+                                tcp.replay_segment(now, cid, flow.client_ip, local, seg)
                             });
+                            tcp.replay_done(cid);
                             self.by_flow.insert(flow, imp.id);
-                            self.gone_flows.remove(&flow);
-                            self.forward_to.remove(&flow);
+                            self.clear_gone(flow);
                         }
                         Err(_) => {
                             let _ = self.engine.import_failed(now, id);
                             // Like an abort: late segments (some forwarded
                             // by the origin) are dropped, never reset.
                             if !self.by_flow.contains_key(&flow) {
-                                self.gone_flows.insert(flow, now + GONE_LINGER);
-                                self.forward_to.remove(&flow);
+                                self.set_gone(flow, now + GONE_LINGER, None);
                             }
-                            self.record(MigrationRecord {
-                                id,
-                                flow,
-                                outcome: Outcome::ImportFailed,
-                                peer: origin,
-                                telemetry: None,
-                            });
+                            self.record(id, flow, Outcome::ImportFailed, origin);
                         }
                     }
                 }
-                Event::MigratedIn {
-                    id,
-                    flow,
-                    origin,
-                    telemetry,
-                } => {
-                    self.record(MigrationRecord {
-                        id,
-                        flow,
-                        outcome: Outcome::MigratedIn,
-                        peer: origin,
-                        telemetry: Some(telemetry),
-                    });
+                Event::MigratedIn { id, flow, origin } => {
+                    self.record(id, flow, Outcome::MigratedIn, origin);
                 }
                 Event::AbortedIn { id, flow, .. } => {
                     // The switch may still send us the flow's segments (the
@@ -724,19 +777,53 @@ impl Migrator {
                     // silently like those of a gone flow. A RST here would
                     // kill the client's connection, which the origin serves.
                     if !self.by_flow.contains_key(&flow) {
-                        self.gone_flows.insert(flow, now + GONE_LINGER);
-                        self.forward_to.remove(&flow);
+                        self.set_gone(flow, now + GONE_LINGER, None);
                     }
-                    self.record(MigrationRecord {
-                        id,
-                        flow,
-                        outcome: Outcome::AbortedIn,
-                        peer: Ipv4Addr::UNSPECIFIED,
-                        telemetry: None,
-                    });
+                    self.record(id, flow, Outcome::AbortedIn, Ipv4Addr::UNSPECIFIED);
                 }
             }
         }
+    }
+}
+
+/// The switch's report of a finished migration, its trigger unknown.
+/// `tel`: the engine's telemetry of the migration, read in place.
+fn wire_report(
+    id: MigrationId,
+    flow: FlowKey,
+    outcome: Outcome,
+    peer: Ipv4Addr,
+    tel: Option<&Telemetry>,
+) -> WireReport {
+    let (outcome, reason) = match outcome {
+        Outcome::MigratedOut => (ReportOutcome::MigratedOut, Reason::None),
+        Outcome::Resumed(x) => (ReportOutcome::Resumed, x),
+        Outcome::Lost(x) => (ReportOutcome::Lost, x),
+        Outcome::MigratedIn => (ReportOutcome::MigratedIn, Reason::None),
+        Outcome::AbortedIn => (ReportOutcome::AbortedIn, Reason::Unspecified),
+        Outcome::ImportFailed => (ReportOutcome::ImportFailed, Reason::ImportFailed),
+    };
+    let none;
+    let t = match tel {
+        Some(t) => t,
+        None => {
+            none = Telemetry::default();
+            &none
+        }
+    };
+    WireReport {
+        id: id.0,
+        flow,
+        peer: (!peer.is_unspecified()).then_some(peer),
+        outcome,
+        trigger: MigrationTrigger::Unknown,
+        reason,
+        fragments: t.fragments,
+        age_us: 0,
+        phases_us: report_phases(t, outcome.is_origin()),
+        snapshot_bytes: t.snapshot_bytes.min(u64::from(u32::MAX)) as u32,
+        segments_buffered: t.segments_buffered,
+        bytes_buffered: t.bytes_buffered,
     }
 }
 
@@ -1023,11 +1110,15 @@ mod late_segment_tests {
         let seg = [0u8; 20];
         assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Process);
         // Frozen, target unknown (no PREPARE_ACK seen): dropped.
-        m.frozen_flows.insert(f, ConnId(1));
+        m.departed.entry(f).or_default().frozen = Some(Frozen {
+            id: MigrationId(7),
+            handle: ConnId(1),
+            kept: None,
+        });
         assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Drop);
         assert_eq!(m.dropped_frozen, 1);
         // Frozen after PREPARE_ACK: forwarded.
-        m.forward_to.insert(f, target);
+        m.departed.entry(f).or_default().target = Some(target);
         assert_eq!(
             m.segment_verdict(now, f, &seg),
             SegmentVerdict::Forward(target)
@@ -1035,8 +1126,13 @@ mod late_segment_tests {
         // The bool form never forwards.
         assert!(!m.filter_segment(now, f, &seg));
         // Gone (migrated out) within GONE_LINGER: forwarded; after: served.
-        m.frozen_flows.remove(&f);
-        m.gone_flows.insert(f, now + GONE_LINGER);
+        // (Another migration's outcome leaves it frozen.)
+        assert!(m
+            .take_frozen(now, f, MigrationId(8), Some(target))
+            .is_none());
+        assert!(m
+            .take_frozen(now, f, MigrationId(7), Some(target))
+            .is_some());
         assert_eq!(
             m.segment_verdict(now, f, &seg),
             SegmentVerdict::Forward(target)
@@ -1044,12 +1140,12 @@ mod late_segment_tests {
         assert_eq!((m.forwarded_frozen, m.forwarded_gone), (1, 1));
         let later = now + GONE_LINGER + Duration::from_millis(1);
         assert_eq!(m.segment_verdict(later, f, &seg), SegmentVerdict::Process);
-        assert!(!m.forward_to.contains_key(&f));
+        assert!(!m.departed.contains_key(&f));
         // Gone without a target (the target side after an abort): dropped.
-        m.gone_flows.insert(f, later + GONE_LINGER);
+        m.set_gone(f, later + GONE_LINGER, None);
         assert_eq!(m.segment_verdict(later, f, &seg), SegmentVerdict::Drop);
         // Switched off: dropped as before.
-        m.forward_to.insert(f, target);
+        m.departed.entry(f).or_default().target = Some(target);
         m.forward_late = false;
         assert_eq!(m.segment_verdict(later, f, &seg), SegmentVerdict::Drop);
     }

@@ -242,6 +242,11 @@ impl Managers {
     /// Migrations whose manager became ready since the last call, appended
     /// to `ready` as (flow, target). Expired waits are given up (`resume`).
     pub fn poll_waiting(&mut self, now: Instant, ready: &mut Vec<(FlowKey, Option<Ipv4Addr>)>) {
+        if self.waiting.is_empty() {
+            // The usual case, on every TCPMig message: nothing to check.
+            self.next_check = None;
+            return;
+        }
         let mut i = 0;
         while i < self.waiting.len() {
             let w = &self.waiting[i];
@@ -311,7 +316,14 @@ impl Managers {
 
     /// The connection left this host.
     pub fn gone(&mut self, app: ConnId) {
-        self.unclaimed.remove(&app);
+        // (`remove` hashes even on an empty map, `get` does not: these
+        // maps are often empty, and SipHash costs ~100 instructions.)
+        if !self.unclaimed.is_empty() {
+            self.unclaimed.remove(&app);
+        }
+        if self.conns.is_empty() {
+            return;
+        }
         if let Some(mut m) = self.conns.remove(&app) {
             m.gone();
         }

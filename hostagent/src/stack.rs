@@ -234,6 +234,10 @@ pub struct Inner {
     forwarder: Rc<RefCell<Forwarder>>,
     /// Why the driver woke up, and how late (debug counters, `/metrics`).
     pub wake: WakeStats,
+    /// `Sleep` mode: while a migration awaits the peer's next TCPMig
+    /// message, poll without sleeping for up to this long per message
+    /// awaited (`[migration] reply_spin_us`; zero: never spin).
+    pub reply_spin: std::time::Duration,
 }
 
 /// What ended the driver's sleeps in `Sleep` mode.
@@ -265,6 +269,16 @@ pub struct WakeStats {
     /// that transmitted (what a frame's trip holds of its sender's poll;
     /// the driver's clock, 1 µs resolution).
     pub poll_to_tx: LatencyHistogram,
+    /// Reply spins (`Inner::reply_spin`): time spent polling instead of
+    /// sleeping, and how the spins ended: a TCPMig message arrived,
+    /// something else moved (a frame, a timer, a socket call), or the
+    /// window ran out.
+    pub spin_ns: u64,
+    pub spins_reply: u64,
+    pub spins_other: u64,
+    pub spins_expired: u64,
+    /// Waits that did not spin because of the back-off.
+    pub spins_skipped: u64,
     pending: Option<WakeReason>,
 }
 
@@ -313,6 +327,24 @@ impl WakeStats {
             &self.device_delay,
         );
         summary(out, "capybara_driver_poll_to_tx_seconds", &self.poll_to_tx);
+        let _ = writeln!(out, "# TYPE capybara_driver_spin_seconds_total counter");
+        let _ = writeln!(
+            out,
+            "capybara_driver_spin_seconds_total{{{labels}}} {:.6}",
+            self.spin_ns as f64 / 1e9
+        );
+        let _ = writeln!(out, "# TYPE capybara_driver_spins_total counter");
+        for (outcome, n) in [
+            ("reply", self.spins_reply),
+            ("other", self.spins_other),
+            ("expired", self.spins_expired),
+            ("skipped", self.spins_skipped),
+        ] {
+            let _ = writeln!(
+                out,
+                "capybara_driver_spins_total{{{labels},outcome=\"{outcome}\"}} {n}"
+            );
+        }
         if let Some(h) = ring {
             summary(out, "capybara_rx_ring_delay_seconds", h);
         }
@@ -538,6 +570,7 @@ impl Stack {
                 woken: Vec::with_capacity(64),
                 forwarder,
                 wake: WakeStats::default(),
+                reply_spin: std::time::Duration::ZERO,
             })),
         }
     }
@@ -569,6 +602,7 @@ impl Stack {
             ),
             _ => None,
         };
+        let mut spin = SpinState::new();
         loop {
             // Run until quiescent: a batch limit or freshly queued output
             // means there may be more to do right away.
@@ -596,6 +630,9 @@ impl Stack {
                     }
                 }
                 Some(afd) => {
+                    if self.reply_spin(&mut spin).await? {
+                        continue;
+                    }
                     let deadline = {
                         let inner = self.inner.borrow();
                         inner.iface.poll_timeout(&inner.transports).map(|t| {
@@ -628,6 +665,160 @@ impl Stack {
             }
         }
     }
+}
+
+/// The driver's reply spin: the message it spins for and the back-off
+/// after spins the reply did not end.
+struct SpinState {
+    /// `Migrator::awaiting_peer` of the wait in progress.
+    stamp: Option<u64>,
+    /// When the first spin of that wait began.
+    began: std::time::Instant,
+    /// This wait spins (false: sat out by the back-off).
+    spinning: bool,
+    /// This wait's window ran out.
+    expired: bool,
+    /// Waits since the last reply that came during a spin (capped).
+    misses: u32,
+    /// Waits left to sit out.
+    skip: u32,
+}
+
+/// At most 2^6 - 1 = 63 waits sat out after a run of expired spins.
+const SPIN_BACKOFF_MAX: u32 = 6;
+
+impl SpinState {
+    fn new() -> SpinState {
+        SpinState {
+            stamp: None,
+            began: std::time::Instant::now(),
+            spinning: false,
+            expired: false,
+            misses: 0,
+            skip: 0,
+        }
+    }
+
+    /// A wait for `stamp` starts (the previous one, if any, ended with a
+    /// TCPMig message): decides whether it spins.
+    fn start(&mut self, stamp: u64, now: std::time::Instant) {
+        self.stamp = Some(stamp);
+        self.began = now;
+        self.expired = false;
+        if self.skip > 0 {
+            self.skip -= 1;
+            self.spinning = false;
+        } else {
+            self.spinning = true;
+        }
+    }
+
+    /// A reply came during a spin: the back-off starts over.
+    fn hit(&mut self) {
+        self.misses = 0;
+    }
+
+    /// The window of a wait ran out: sit out the next 2^misses - 1 waits
+    /// (a peer that answers late is often one that waits for this CPU).
+    fn miss(&mut self) {
+        self.expired = true;
+        self.misses = (self.misses + 1).min(SPIN_BACKOFF_MAX);
+        self.skip = (1 << self.misses) - 1;
+    }
+}
+
+impl Stack {
+    /// Before the driver sleeps: if a migration awaits the peer's next
+    /// TCPMig message and `reply_spin` is set, polls the device without
+    /// sleeping, letting the application tasks run between polls, until a
+    /// poll moves something (`Ok(true)`: the driver polls on) or the
+    /// window of the awaited message runs out (`Ok(false)`: it sleeps).
+    /// The window counts from the first spin after the last TCPMig message
+    /// sent or received, so one message awaited costs at most one window,
+    /// and a host with no migration never spins. A window that runs out
+    /// makes the next waits sleep at once (exponential back-off, reset by
+    /// a reply that arrives during a spin): on a CPU the peer shares, the
+    /// spin delays the very reply it waits for.
+    async fn reply_spin(&self, st: &mut SpinState) -> Result<bool, String> {
+        let (window, stamp) = {
+            let inner = self.inner.borrow();
+            if inner.reply_spin.is_zero() {
+                return Ok(false);
+            }
+            let stamp = inner
+                .transports
+                .mig
+                .as_ref()
+                .and_then(Migrator::awaiting_peer);
+            (inner.reply_spin, stamp)
+        };
+        let Some(stamp) = stamp else {
+            st.stamp = None;
+            return Ok(false);
+        };
+        let start = std::time::Instant::now();
+        if st.stamp != Some(stamp) {
+            st.start(stamp, start);
+            if !st.spinning {
+                self.inner.borrow_mut().wake.spins_skipped += 1;
+            }
+        }
+        if !st.spinning || st.expired {
+            return Ok(false);
+        }
+        let end = st.began + window;
+        let outcome = loop {
+            if std::time::Instant::now() >= end {
+                break SpinEnd::Expired;
+            }
+            // The application tasks run here (and tokio looks at its
+            // reactor without blocking).
+            tokio::task::yield_now().await;
+            let mut inner = self.inner.borrow_mut();
+            let moved = inner.poll_once();
+            if let Some(e) = inner.device_error.take() {
+                return Err(e);
+            }
+            if moved {
+                let now = inner
+                    .transports
+                    .mig
+                    .as_ref()
+                    .and_then(Migrator::awaiting_peer);
+                break if now == Some(stamp) {
+                    SpinEnd::Other
+                } else {
+                    SpinEnd::Reply
+                };
+            }
+        };
+        let mut inner = self.inner.borrow_mut();
+        inner.wake.spin_ns += start.elapsed().as_nanos() as u64;
+        match outcome {
+            SpinEnd::Reply => {
+                inner.wake.spins_reply += 1;
+                st.hit();
+            }
+            SpinEnd::Other => inner.wake.spins_other += 1,
+            SpinEnd::Expired => {
+                inner.wake.spins_expired += 1;
+                st.miss();
+            }
+        }
+        Ok(outcome != SpinEnd::Expired)
+    }
+}
+
+/// How a reply spin ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SpinEnd {
+    /// A TCPMig message arrived (or a migration moved on).
+    Reply,
+    /// Something else moved (a frame, a timer, a socket call); the spin
+    /// goes on after the driver has polled, within the same window.
+    Other,
+    /// The window ran out.
+    Expired,
 }
 
 /// How the driver's thread asks the kernel's scheduler for prompt wake-ups
@@ -1040,7 +1231,7 @@ mod forward_tests {
 
 #[cfg(test)]
 mod sched_tests {
-    use super::DriverScheduling;
+    use super::{DriverScheduling, SpinState};
 
     #[test]
     fn driver_scheduling_parses_and_rejects() {
@@ -1063,5 +1254,37 @@ mod sched_tests {
         }
         // Inherit changes nothing and cannot fail.
         assert!(DriverScheduling::Inherit.apply().is_ok());
+    }
+
+    #[test]
+    fn reply_spin_backs_off_after_expired_windows() {
+        let now = std::time::Instant::now();
+        let mut st = SpinState::new();
+        st.start(1, now);
+        assert!(st.spinning);
+        // Expired windows: sit out 1, then 3, ... then 63 waits.
+        let mut sat_out = Vec::new();
+        for stamp in 2..9 {
+            st.miss();
+            let mut n = 0;
+            let mut next = stamp * 100;
+            loop {
+                st.start(next, now);
+                if st.spinning {
+                    break;
+                }
+                n += 1;
+                next += 1;
+            }
+            sat_out.push(n);
+        }
+        assert_eq!(sat_out, [1, 3, 7, 15, 31, 63, 63]);
+        // A reply during a spin starts over: the next miss sits out one.
+        st.hit();
+        st.miss();
+        st.start(10_000, now);
+        assert!(!st.spinning);
+        st.start(10_001, now);
+        assert!(st.spinning && !st.expired);
     }
 }

@@ -51,10 +51,13 @@ impl Instant {
 impl Add<Duration> for Instant {
     type Output = Instant;
     fn add(self, d: Duration) -> Instant {
-        Instant(
-            self.0
-                .saturating_add(d.as_micros().min(u128::from(u64::MAX)) as u64),
-        )
+        // `as_micros` in u64 arithmetic (saturating alike): no u128
+        // multiply on the timer paths that add a timeout to `now`.
+        let us = d
+            .as_secs()
+            .saturating_mul(1_000_000)
+            .saturating_add(u64::from(d.subsec_micros()));
+        Instant(self.0.saturating_add(us))
     }
 }
 
@@ -74,5 +77,25 @@ impl Sub<Instant> for Instant {
 impl std::fmt::Display for Instant {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}.{:06}s", self.0 / 1_000_000, self.0 % 1_000_000)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adding_a_duration_counts_whole_microseconds_and_saturates() {
+        let t = Instant::from_micros(5);
+        assert_eq!(t + Duration::from_nanos(1_999), Instant::from_micros(6));
+        assert_eq!(
+            t + Duration::new(3, 250_000_000),
+            Instant::from_micros(3_250_005)
+        );
+        for d in [Duration::MAX, Duration::from_secs(u64::MAX / 1_000_000 + 1)] {
+            assert_eq!((t + d).as_micros(), u64::MAX);
+        }
+        let near = Instant::from_micros(u64::MAX - 1);
+        assert_eq!((near + Duration::from_micros(7)).as_micros(), u64::MAX);
     }
 }

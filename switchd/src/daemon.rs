@@ -102,6 +102,60 @@ struct Published {
     migrations: crate::control::MigrationRing,
     /// The switch epoch (`/migrations` names it: a new epoch restarts `seq`).
     epoch: u32,
+    /// Set by each `GET /status` or `/metrics`: the flow and migration
+    /// counts are taken (a kernel walk of both tables) only while someone
+    /// reads them (`count_pace`).
+    counts_wanted: bool,
+    /// Bumped by each count, published with it.
+    counts_generation: u64,
+    /// When the published counts were taken.
+    counts_at: Option<StdInstant>,
+}
+
+/// The flow and migration table sizes of `/status` and `/metrics`: a
+/// kernel walk costs in proportion to the tables' buckets, not their
+/// entries (~3.5-7.5 ms for the default 2M-bucket flow table, holding a
+/// CPU: this kernel does not preempt a system call). Walking every
+/// 1.75-3.75 s whether or not anyone looked set 10 ms bins of
+/// bench-maintenance at 0.44-0.89 of the median (median 0.73) in nearly
+/// every run (docs/BENCHMARKS.md), so the control loop counts only when a
+/// reader came since the last count, at this pace after a count that took
+/// `took`: at most every second, or less often so that counting stays
+/// under 0.2% of a core for readers polling all the time. A reader that
+/// finds counts older than [`COUNTS_MAX_AGE`] (nobody read for a while)
+/// waits for a fresh count, at most [`COUNTS_WAIT`].
+fn count_pace(took: Duration) -> Duration {
+    (took * 500).clamp(Duration::from_secs(1), COUNTS_MAX_AGE)
+}
+
+/// Counts older than this are refreshed before a reader gets them.
+const COUNTS_MAX_AGE: Duration = Duration::from_secs(10);
+/// The longest a reader waits for that refresh.
+const COUNTS_WAIT: Duration = Duration::from_secs(1);
+
+/// A reader of the counts came: ask for a count, and wait (bounded) for a
+/// fresh one if the published counts are too old.
+fn want_counts(published: &Mutex<Published>) {
+    let stale = {
+        let Ok(mut p) = published.lock() else {
+            return;
+        };
+        p.counts_wanted = true;
+        match p.counts_at {
+            Some(at) if at.elapsed() > COUNTS_MAX_AGE => p.counts_generation,
+            _ => return,
+        }
+    };
+    let until = StdInstant::now() + COUNTS_WAIT;
+    while StdInstant::now() < until {
+        std::thread::sleep(Duration::from_millis(2));
+        if published
+            .lock()
+            .map_or(true, |p| p.counts_generation != stale)
+        {
+            return;
+        }
+    }
 }
 
 /// Per-server facts the data plane does not hold.
@@ -243,6 +297,9 @@ struct Switch {
     ticks: u64,
     load_sent: u64,
     flow_counts: (usize, usize),
+    /// When `flow_counts` were taken, and how many counts so far.
+    counts_at: Option<StdInstant>,
+    counts_generation: u64,
     /// Standby: flows loaded from the store, to apply deltas.
     warm: HashMap<FlowKey, ServerId>,
     warm_syncs: u64,
@@ -429,6 +486,8 @@ impl Switch {
             ticks: 0,
             load_sent: 0,
             flow_counts: (0, 0),
+            counts_at: None,
+            counts_generation: 0,
             warm: HashMap::new(),
             warm_syncs: 0,
             fast_takeover: false,
@@ -950,15 +1009,23 @@ impl Switch {
                 next_embryonic = now + Duration::from_millis(25);
             }
             if now >= next_count {
-                // A kernel walk costs in proportion to the table's buckets,
-                // not its entries (~7.5 ms for the default 2M-bucket flow
-                // table, holding a CPU): refreshed every second, or less
-                // often so that counting stays under 0.2% of a core.
-                let t = std::time::Instant::now();
-                self.flow_counts = self.cp.dp.table_sizes()?;
-                let every =
-                    (t.elapsed() * 500).clamp(Duration::from_secs(1), Duration::from_secs(10));
-                next_count = now + every;
+                // Only for a reader (`count_pace`); the first count at start.
+                let wanted = self
+                    .published
+                    .lock()
+                    .map(|mut p| std::mem::take(&mut p.counts_wanted))
+                    .unwrap_or(false);
+                if wanted || self.counts_at.is_none() {
+                    let t = StdInstant::now();
+                    self.flow_counts = self.cp.dp.table_sizes()?;
+                    next_count = now + count_pace(t.elapsed());
+                    self.counts_at = Some(StdInstant::now());
+                    self.counts_generation += 1;
+                    // Published now: a reader may be waiting for it.
+                    next_status = now;
+                } else {
+                    next_count = now + Duration::from_millis(20);
+                }
             }
             if now >= next_status {
                 self.publish();
@@ -1742,6 +1809,8 @@ impl Switch {
             pb.status = serde_json::to_string_pretty(&status).unwrap_or_default();
             pb.metrics = m;
             pb.epoch = self.epoch;
+            pb.counts_generation = self.counts_generation;
+            pb.counts_at = self.counts_at;
             let ring = format!(
                 "{p}_migration_reports_total {}\n{p}_migration_reports_overwritten_total {}\n",
                 pb.migrations.received, pb.migrations.overwritten
@@ -1881,12 +1950,18 @@ fn route(
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
     let get = |f: fn(&Published) -> String| published.lock().map(|p| f(&p)).unwrap_or_default();
     match (method, path) {
-        ("GET", "/status") => ("200 OK", "application/json", get(|p| p.status.clone())),
-        ("GET", "/metrics") => (
-            "200 OK",
-            "text/plain; version=0.0.4",
-            get(|p| p.metrics.clone()),
-        ),
+        ("GET", "/status") => {
+            want_counts(published);
+            ("200 OK", "application/json", get(|p| p.status.clone()))
+        }
+        ("GET", "/metrics") => {
+            want_counts(published);
+            (
+                "200 OK",
+                "text/plain; version=0.0.4",
+                get(|p| p.metrics.clone()),
+            )
+        }
         ("GET", "/migrations") => {
             // /migrations[?after=SEQ][&limit=N]: reported migrations, oldest first.
             let arg = |k: &str| {
@@ -2043,6 +2118,59 @@ mod tests {
         q.proactive_threshold_pct = 12.5;
         assert_eq!(policy_message(&q).proactive_threshold_bp, 1250);
         assert_ne!(policy_message(&q).generation, m.generation);
+    }
+
+    /// The flow-table counts are taken only for readers: a read asks for
+    /// one; counts older than COUNTS_MAX_AGE make the reader wait for the
+    /// next (bounded), fresh or absent ones do not.
+    #[test]
+    fn status_readers_ask_for_counts_and_wait_only_for_stale_ones() {
+        let published = Arc::new(Mutex::new(Published::default()));
+        let (tx, _rx) = mpsc::channel();
+        let t = StdInstant::now();
+        route("GET", "/status", &published, &tx);
+        assert!(published.lock().unwrap().counts_wanted, "a read asks");
+        published.lock().unwrap().counts_wanted = false;
+        route("POST", "/servers/1/drain", &published, &tx);
+        assert!(!published.lock().unwrap().counts_wanted, "not a read");
+        published.lock().unwrap().counts_at = Some(StdInstant::now());
+        route("GET", "/metrics", &published, &tx);
+        assert!(published.lock().unwrap().counts_wanted);
+        assert!(
+            t.elapsed() < COUNTS_WAIT,
+            "no wait for fresh or absent counts"
+        );
+
+        // Stale: the reader waits until the control loop publishes a count.
+        let Some(old) = StdInstant::now().checked_sub(COUNTS_MAX_AGE * 2) else {
+            return; // (a machine up for less than 20 s)
+        };
+        let old = Some(old);
+        published.lock().unwrap().counts_at = old;
+        published.lock().unwrap().counts_wanted = false;
+        let loop_side = published.clone();
+        let counter = std::thread::spawn(move || {
+            while !loop_side.lock().unwrap().counts_wanted {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            std::thread::sleep(Duration::from_millis(30));
+            let mut p = loop_side.lock().unwrap();
+            p.counts_generation += 1;
+            p.counts_at = Some(StdInstant::now());
+        });
+        let t = StdInstant::now();
+        route("GET", "/status", &published, &tx);
+        let waited = t.elapsed();
+        counter.join().unwrap();
+        assert!(
+            waited >= Duration::from_millis(25) && waited < COUNTS_WAIT,
+            "{waited:?}"
+        );
+        // Nobody counts: the wait is bounded.
+        published.lock().unwrap().counts_at = old;
+        let t = StdInstant::now();
+        route("GET", "/status", &published, &tx);
+        assert!(t.elapsed() >= COUNTS_WAIT && t.elapsed() < COUNTS_WAIT * 3);
     }
 
     #[test]

@@ -60,3 +60,29 @@ impl Drop for ClientGuard {
         let _ = self.0.wait();
     }
 }
+
+/// Binds every thread of process `pid` to CPU `cpu` (benchmarks that model
+/// separate machines on one host). The error names the thread and why.
+pub fn pin_process(pid: u32, cpu: usize) -> Result<(), String> {
+    let tasks =
+        std::fs::read_dir(format!("/proc/{pid}/task")).map_err(|e| format!("pin {pid}: {e}"))?;
+    for t in tasks.flatten() {
+        let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        // SAFETY: `set` is a plain bit set on the stack, passed with its
+        // size; sched_setaffinity only reads it.
+        let rc = unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set)
+        };
+        if rc != 0 {
+            return Err(format!(
+                "pin thread {tid} of process {pid} to CPU {cpu}: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    Ok(())
+}

@@ -200,6 +200,9 @@ struct ModeResult {
     pause_steady: Vec<f64>,
     all_paused_judged_ms: u64,
     all_paused_steady_ms: u64,
+    /// Minor page faults of each lab process (name, in the steady phase's
+    /// last `STEADY`, from the event to the end of `AFTER`).
+    faults: Vec<(String, u64, u64)>,
 }
 
 impl ModeResult {
@@ -232,6 +235,18 @@ impl ModeResult {
             self.all_paused_judged_ms,
             self.all_paused_steady_ms,
             self.request_ms,
+        );
+        let f: Vec<String> = self
+            .faults
+            .iter()
+            .map(|(n, steady, after)| format!("{n} {steady}/{after}"))
+            .collect();
+        println!(
+            "{:9} minor page faults, {} ms before the event / {} ms from it: {}",
+            self.mode.name(),
+            STEADY.as_millis(),
+            AFTER.as_millis(),
+            f.join(", ")
         );
     }
 }
@@ -318,8 +333,20 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
         ("redis2".into(), redis_pid[2]),
     ];
     // For traces taken alongside (`perf sched record` and the like).
-    let pids: Vec<String> = procs.iter().map(|(n, p)| format!("{n}={p}")).collect();
+    let mut pids: Vec<String> = procs.iter().map(|(n, p)| format!("{n}={p}")).collect();
+    pids.push(format!("harness={}", std::process::id()));
     let _ = std::fs::write(dir.join("pids"), pids.join(",") + "\n");
+    if let Ok(spec) = std::env::var("CAPYBARA_BENCH_PIN") {
+        pin(&spec, &procs)?;
+    }
+    let faults_of = |procs: &[(String, u32)]| -> Vec<u64> {
+        procs
+            .iter()
+            .map(|(_, p)| sched_trace::minor_faults(*p))
+            .collect()
+    };
+    let fault_names: Vec<String> = procs.iter().map(|(n, _)| n.clone()).collect();
+    let fault_pids = procs.clone();
     let trace = sched_trace::enabled().then(|| sched_trace::SchedTrace::start(procs));
     // The drain request is made from this process (a thread inside the
     // switch's namespace, connected beforehand), not by spawning
@@ -333,8 +360,10 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
         )?),
         Mode::Reconnect => None,
     };
+    let faults_start = faults_of(&fault_pids);
     sleep(STEADY)?;
 
+    let faults_event = faults_of(&fault_pids);
     send(&mut to_client, "event")?;
     let ok = expect(&from_client, "event_bin", Duration::from_secs(5))?;
     let field = |line: &str, i: usize| -> Result<u64, String> {
@@ -348,6 +377,10 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
     let event_mono_ns = field(&ok, 3)?;
     // For traces taken alongside (e.g. `perf record -k CLOCK_MONOTONIC`).
     let _ = std::fs::write(dir.join("event_mono_ns"), format!("{event_mono_ns}\n"));
+    // CLOCK_MONOTONIC at the start of the bin at ms 0 in `bins.csv` (the
+    // event's bin), to cut traces into the same 10 ms bins.
+    let bin0_mono_ns = event_mono_ns.saturating_sub(event_us % (BIN_MS * 1000) * 1000);
+    let _ = std::fs::write(dir.join("bin0_mono_ns"), format!("{bin0_mono_ns}\n"));
     // The drain request's round trip (to switchd and back): the event is
     // marked before it, so the judged window starts early.
     let mut request_ms = 0;
@@ -370,6 +403,12 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
         }
     }
     sleep(AFTER)?;
+    let faults_end = faults_of(&fault_pids);
+    let faults = fault_names
+        .into_iter()
+        .zip(faults_start.iter().zip(&faults_event).zip(&faults_end))
+        .map(|(n, ((a, b), c))| (n, b.saturating_sub(*a), c.saturating_sub(*b)))
+        .collect();
     send(&mut to_client, "stop")?;
     let report = expect(&from_client, "bins", Duration::from_secs(10))?;
     let stalls_line = expect(&from_client, "stalls", Duration::from_secs(5))?;
@@ -452,6 +491,7 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
         pause_steady: pauses.longest_per_connection(steady_us),
         all_paused_judged_ms: pauses.all_paused_us(judged_us, CONNECTIONS) / 1000,
         all_paused_steady_ms: pauses.all_paused_us(steady_us, CONNECTIONS) / 1000,
+        faults,
     })
 }
 
@@ -483,6 +523,26 @@ fn write_conn_bins(path: &Path, line: &str, event_bin: usize) {
         csv.push('\n');
     }
     let _ = std::fs::write(path, csv);
+}
+
+/// `CAPYBARA_BENCH_PIN=name:cpu,...` (investigations): binds every thread
+/// of the named lab processes (`client`, `switchd`, `agent1`, `redis1`,
+/// `agent2`, `redis2`) to one CPU each.
+fn pin(spec: &str, procs: &[(String, u32)]) -> Result<(), String> {
+    for item in spec.split(',').filter(|i| !i.is_empty()) {
+        let (name, cpu) = item
+            .split_once(':')
+            .and_then(|(n, c)| Some((n, c.parse::<usize>().ok()?)))
+            .ok_or_else(|| format!("CAPYBARA_BENCH_PIN: {item:?} is not name:cpu"))?;
+        let pid = procs
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, p)| *p)
+            .ok_or_else(|| format!("CAPYBARA_BENCH_PIN: no lab process {name:?}"))?;
+        capybara_systests::bench_run::pin_process(pid, cpu)
+            .map_err(|e| format!("CAPYBARA_BENCH_PIN {name}: {e}"))?;
+    }
+    Ok(())
 }
 
 /// The client's record of pauses: per connection, (start µs, length µs) of

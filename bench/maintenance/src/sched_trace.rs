@@ -29,8 +29,9 @@ pub use capybara_proto::time::monotonic_ns as mono_ns;
 
 struct Sample {
     at_ns: u64,
-    /// Per process: (on-CPU ns, runnable-waiting ns), cumulative.
-    procs: Vec<(u64, u64)>,
+    /// Per process: (on-CPU ns, runnable-waiting ns, minor page faults),
+    /// cumulative.
+    procs: Vec<(u64, u64, u64)>,
     /// Per CPU: (user+nice, system, softirq+irq, idle+iowait) in clock
     /// ticks (10 ms: sum several rows before reading them).
     cpus: Vec<[u64; 4]>,
@@ -45,10 +46,24 @@ pub struct SchedTrace {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
-fn proc_sched(pid: u32) -> (u64, u64) {
+/// A process's minor page faults so far, all threads (`/proc/PID/stat`
+/// field 10; first touches of fresh memory are minor faults).
+pub fn minor_faults(pid: u32) -> u64 {
+    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    // The command name (field 2) may hold spaces: count after its ')'.
+    s.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(7))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn proc_sched(pid: u32) -> (u64, u64, u64) {
     let (mut run, mut wait) = (0, 0);
+    let faults = minor_faults(pid);
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return (0, 0);
+        return (0, 0, faults);
     };
     for t in dir.flatten() {
         let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) else {
@@ -58,7 +73,7 @@ fn proc_sched(pid: u32) -> (u64, u64) {
         run += it.next().unwrap_or(0);
         wait += it.next().unwrap_or(0);
     }
-    (run, wait)
+    (run, wait, faults)
 }
 
 fn cpu_times() -> (Vec<[u64; 4]>, u64) {
@@ -129,8 +144,8 @@ impl SchedTrace {
     }
 
     /// Stops sampling and writes `path`: one row per sample interval, the
-    /// time (ms after `event_ns`), per process the ms on a CPU and the ms
-    /// runnable but waiting, the machine's runnable tasks, per CPU the
+    /// time (ms after `event_ns`), per process the ms on a CPU, the ms
+    /// runnable but waiting and the minor page faults, the machine's runnable tasks, per CPU the
     /// clock ticks (10 ms) of user / system / irq+softirq / idle time.
     pub fn finish(mut self, path: &Path, event_ns: u64) {
         self.stop.store(true, Ordering::Relaxed);
@@ -140,7 +155,7 @@ impl SchedTrace {
         let v = self.samples.lock().unwrap_or_else(|e| e.into_inner());
         let mut out = String::from("ms,running");
         for n in &self.names {
-            out.push_str(&format!(",{n}_run_ms,{n}_wait_ms"));
+            out.push_str(&format!(",{n}_run_ms,{n}_wait_ms,{n}_faults"));
         }
         let ncpu = v.first().map_or(0, |s| s.cpus.len());
         for c in 0..ncpu {
@@ -153,9 +168,10 @@ impl SchedTrace {
             out.push_str(&format!("{t:.1},{}", b.running));
             for (pa, pb) in a.procs.iter().zip(&b.procs) {
                 out.push_str(&format!(
-                    ",{:.2},{:.2}",
+                    ",{:.2},{:.2},{}",
                     pb.0.saturating_sub(pa.0) as f64 / 1e6,
-                    pb.1.saturating_sub(pa.1) as f64 / 1e6
+                    pb.1.saturating_sub(pa.1) as f64 / 1e6,
+                    pb.2.saturating_sub(pa.2)
                 ));
             }
             for (ca, cb) in a.cpus.iter().zip(&b.cpus) {

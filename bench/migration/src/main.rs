@@ -56,13 +56,20 @@ struct Options {
     busy: bool,
     /// `CAPYBARA_HOSTAGENT_SCHED` for the hostagents (`--sched SPEC`).
     sched: Option<String>,
+    /// `[migration] reply_spin_us` of the hostagents (`--reply-spin-us N`;
+    /// unset: the hostagent's default).
+    reply_spin_us: Option<u64>,
+    /// Pin server j's hostagent (all its threads) to CPU j-1 (`--pin`):
+    /// each server's stack on a CPU of its own, as on separate machines
+    /// (the peer's wake-up then never queues behind the waker).
+    pin: bool,
 }
 
 fn usage() -> ! {
     eprintln!(
         "usage: bench-migration [--migrations N (10000)] [--connections N (4)] [--churn-ms N (10)] \
          [--interval-us N (1000)] [--max-s N (180)] [--busy] \
-         [--sched inherit|slice=US|fifo=PRIO]"
+         [--sched inherit|slice=US|fifo=PRIO] [--reply-spin-us N (0-1000)] [--pin]"
     );
     std::process::exit(2)
 }
@@ -76,11 +83,17 @@ fn options(args: &[String]) -> Options {
         max_s: 180,
         busy: false,
         sched: None,
+        reply_spin_us: None,
+        pin: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         if a == "--busy" {
             o.busy = true;
+            continue;
+        }
+        if a == "--pin" {
+            o.pin = true;
             continue;
         }
         if a == "--sched" {
@@ -97,6 +110,7 @@ fn options(args: &[String]) -> Options {
             "--churn-ms" if (1..=10_000).contains(&v) => o.churn_ms = v,
             "--interval-us" if (100..=1_000_000).contains(&v) => o.interval_us = v,
             "--max-s" if (1..=3600).contains(&v) => o.max_s = v,
+            "--reply-spin-us" if v <= 1000 => o.reply_spin_us = Some(v),
             _ => usage(),
         }
     }
@@ -155,6 +169,7 @@ fn run(opt: &Options) -> Result<String, String> {
         &["--config", sw.to_str().unwrap()],
         &dir.join("switchd.log"),
     );
+    let mut pids = Vec::new();
     for j in 1..=2u32 {
         // Each server hands its connections to the other one.
         let cfg = hostagent_migrating_config(&dir, j, &key, Some((opt.churn_ms, 3 - j)));
@@ -166,15 +181,27 @@ fn run(opt: &Options) -> Result<String, String> {
                 1,
             );
         }
+        if let Some(us) = opt.reply_spin_us {
+            text = text.replacen(
+                "[control]\n",
+                &format!("reply_spin_us = {us}\n[control]\n"),
+                1,
+            );
+        }
         text.push_str("[policy]\nenabled = false\n");
         std::fs::write(&cfg, text).map_err(|e| e.to_string())?;
         let metrics = format!("198.18.1.{}:9100", 10 + j);
-        lab.spawn_logged(
+        pids.push(lab.spawn_logged(
             &format!("s{j}"),
             bin("hostagent"),
             &["--config", cfg.to_str().unwrap(), "--metrics", &metrics],
             &dir.join(format!("hostagent-s{j}.log")),
-        );
+        ));
+    }
+    if opt.pin {
+        for (cpu, pid) in pids.iter().enumerate() {
+            capybara_systests::bench_run::pin_process(*pid, cpu)?;
+        }
     }
     wait_until(
         "both servers to register with switchd",
@@ -224,6 +251,7 @@ fn run(opt: &Options) -> Result<String, String> {
 
     // Migrate until enough have completed (counted on the origins' dumps).
     let phase_start = Instant::now();
+    let cpu_start = process_cpu_s(&pids);
     let limit = Duration::from_secs(opt.max_s);
     let mut last_print = Instant::now();
     let mut ping: Option<Samples> = None;
@@ -253,6 +281,9 @@ fn run(opt: &Options) -> Result<String, String> {
         }
     }
     let migrate_secs = phase_start.elapsed().as_secs_f64();
+    // The hostagents' CPU time over the migration phase (user + system,
+    // both servers), in ms per second of run.
+    let cpu_ms_per_s = (process_cpu_s(&pids) - cpu_start) * 1e3 / migrate_secs;
     send(&mut to_client, "stop")?;
     let stats = expect(&from_client, "stats", Duration::from_secs(15))?;
     let stat = |name: &str| -> u64 {
@@ -324,7 +355,8 @@ fn run(opt: &Options) -> Result<String, String> {
     Ok(format!(
         "RESULT total_p50_us={:.1} total_p99_us={:.1} host_cpu_p50_us={:.2} host_cpu_p99_us={:.2} \
          migrations={} resumed={} origin_cpu_p50_us={:.2} target_cpu_p50_us={:.2} connections={} churn_ms={} \
-         client_errors={} resets={resets} busy_poll={} sched={} wake_delay_p50_us={} goal_total_p50_us=15 goal_host_cpu_p50_us=3",
+         client_errors={} resets={resets} busy_poll={} sched={} wake_delay_p50_us={} reply_spin_us={} pin={} \
+         hostagent_cpu_ms_per_s={cpu_ms_per_s:.0} spin_ms_per_s={:.0} goal_total_p50_us=15 goal_host_cpu_p50_us=3",
         report.total.p(50.0),
         report.total.p(99.0),
         report.cpu.p(50.0),
@@ -339,7 +371,29 @@ fn run(opt: &Options) -> Result<String, String> {
         u8::from(opt.busy),
         opt.sched.as_deref().unwrap_or("inherit"),
         wake.p50_us,
+        opt.reply_spin_us
+            .map_or("default".to_string(), |v| v.to_string()),
+        u8::from(opt.pin),
+        wake.spin_s * 1e3 / migrate_secs,
     ))
+}
+
+/// User + system CPU seconds of these processes so far (`/proc/PID/stat`;
+/// a process that is gone counts 0).
+fn process_cpu_s(pids: &[u32]) -> f64 {
+    // SAFETY: sysconf has no memory arguments.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    pids.iter()
+        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
+        .filter_map(|stat| {
+            // Fields after the command name (which may hold spaces): state
+            // is the 3rd field, utime and stime the 14th and 15th.
+            let rest = &stat[stat.rfind(')')? + 2..];
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let ticks = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+            Some(ticks / hz)
+        })
+        .sum()
 }
 
 /// Completed migrations written so far by both origins.
@@ -384,6 +438,8 @@ fn kernel_ping(lab: &Lab) -> Samples {
 struct WakeReport {
     text: String,
     p50_us: String,
+    /// Both servers' reply spins (`capybara_driver_spin_seconds_total`).
+    spin_s: f64,
 }
 
 fn wake_report(pages: &[String]) -> WakeReport {
@@ -404,6 +460,14 @@ fn wake_report(pages: &[String]) -> WakeReport {
             )
             .map_or("-".to_string(), |v| format!("{v:.0}"))
         };
+        let spins = |outcome: &str| {
+            metric_sum(
+                page,
+                "capybara_driver_spins_total",
+                &format!("outcome=\"{outcome}\""),
+            )
+            .map_or("-".to_string(), |v| format!("{v:.0}"))
+        };
         let wake = "capybara_driver_wake_delay_seconds";
         let ring = "capybara_rx_ring_delay_seconds";
         if let Some(p) = us(page, wake, "0.5") {
@@ -412,7 +476,7 @@ fn wake_report(pages: &[String]) -> WakeReport {
         text.push_str(&format!(
             "\n  s{}: after a device wake-up p50 {} p90 {} p99 {} ({} wake-ups: {} device, {} timer, {} kick); \
              every receive batch p50 {} p99 {}; poll start -> transmit batch handed over p50 {} p99 {}, \
-             of which the kick (sendto) p50 {} p99 {}",
+             of which the kick (sendto) p50 {} p99 {}; reply spins {} reply, {} other, {} expired, {} skipped, {} s",
             j + 1,
             fmt(us(page, wake, "0.5")),
             fmt(us(page, wake, "0.9")),
@@ -428,6 +492,12 @@ fn wake_report(pages: &[String]) -> WakeReport {
             fmt(us(page, "capybara_driver_poll_to_tx_seconds", "0.99")),
             fmt(us(page, "capybara_tx_kick_seconds", "0.5")),
             fmt(us(page, "capybara_tx_kick_seconds", "0.99")),
+            spins("reply"),
+            spins("other"),
+            spins("expired"),
+            spins("skipped"),
+            metric_sum(page, "capybara_driver_spin_seconds_total", "")
+                .map_or("-".to_string(), |v| format!("{v:.3}")),
         ));
     }
     let p50_us = if p50s.is_empty() {
@@ -435,7 +505,15 @@ fn wake_report(pages: &[String]) -> WakeReport {
     } else {
         format!("{:.1}", p50s.iter().sum::<f64>() / p50s.len() as f64)
     };
-    WakeReport { text, p50_us }
+    let spin_s = pages
+        .iter()
+        .filter_map(|p| metric_sum(p, "capybara_driver_spin_seconds_total", ""))
+        .sum();
+    WakeReport {
+        text,
+        p50_us,
+        spin_s,
+    }
 }
 
 /// The servers' TCP counters (`capybara_tcp_*`) in their metrics pages

@@ -71,6 +71,10 @@ fn main() -> ExitCode {
     }
 }
 
+/// The most memory the import pool is pre-warmed with at startup (the
+/// endpoint's pool of 16 entries is 8 MiB with the default 256 KiB queues).
+const IMPORT_POOL_BYTES: usize = 64 << 20;
+
 fn open_device(cfg: &Config) -> Result<Box<dyn Device>, String> {
     match cfg.interface.backend {
         Backend::AfPacket => {
@@ -115,13 +119,22 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
         }
     }
     let iface = Interface::new(icfg).map_err(|e| format!("interface configuration: {e}"))?;
-    let tcp = Endpoint::new(TcpConfig {
+    let mut tcp = Endpoint::new(TcpConfig {
         mss: cfg.stack.mss,
         rx_buffer: cfg.stack.recv_buffer,
         tx_buffer: cfg.stack.send_buffer,
         isn_key: rand::random(),
         ..TcpConfig::default()
     });
+    if cfg.migration.is_some() {
+        // Imports draw connection entries from the endpoint's pool: fill
+        // it now, pages touched, so that a standby's first migrations in
+        // (a drain onto it) neither allocate nor page-fault (issue #8).
+        // The pool holds this much anyway once as many connections have
+        // left; capped at IMPORT_POOL_BYTES for hosts with huge buffers.
+        let per_entry = (cfg.stack.send_buffer + cfg.stack.recv_buffer).max(1);
+        tcp.prewarm_spare_buffers(IMPORT_POOL_BYTES / per_entry);
+    }
     let mode = match cfg.interface.poll {
         Poll::Busy => PollMode::BusyPoll,
         Poll::Sleep => PollMode::Sleep,
@@ -160,6 +173,11 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
         std::time::Duration::from_millis(cfg.policy.monitor_window_ms),
     );
     let stack = Stack::new(iface, transports, device, mode);
+    if let Some(m) = &cfg.migration {
+        // Reply spin (docs/HOSTAGENT.md, "Wake-ups"); used in `Sleep` mode.
+        let spin = std::time::Duration::from_micros(m.reply_spin_us);
+        stack.with(|i| i.reply_spin = spin);
+    }
     let name: Rc<str> = Rc::from(cfg.name.as_str());
 
     // The driver's wake-up latency (docs/HOSTAGENT.md, "Wake-ups"): how

@@ -663,14 +663,32 @@ impl Endpoint {
 
     /// Keeps up to `limit` spare connection entries (each with a pair of
     /// queue buffers, `tx_buffer + rx_buffer` bytes) for imports and
-    /// allocates them now (pre-warm before a drain or a benchmark).
+    /// allocates them now (`prewarm_spare_buffers`).
     pub fn set_spare_buffers(&mut self, limit: usize) {
         self.spare_limit = limit;
         self.spare.truncate(limit);
-        self.spare.reserve(limit.saturating_sub(self.spare.len()));
-        while self.spare.len() < limit {
-            self.spare.push(blank_entry(&self.cfg));
+        self.prewarm_spare_buffers(limit);
+    }
+
+    /// Fills the import pool up to `count` entries (at most its limit, 16
+    /// unless `set_spare_buffers` changed it), their queue buffers' pages
+    /// touched: a standby's first imports then neither allocate nor
+    /// page-fault through fresh queue memory (a fault per 4 KiB of traffic
+    /// through each new queue; issue #8).
+    pub fn prewarm_spare_buffers(&mut self, count: usize) {
+        let count = count.min(self.spare_limit);
+        self.spare.reserve(count.saturating_sub(self.spare.len()));
+        while self.spare.len() < count {
+            let mut e = blank_entry(&self.cfg);
+            e.conn.tx.prefault();
+            e.conn.rx.prefault();
+            self.spare.push(e);
         }
+    }
+
+    /// The import pool's limit and how many entries it holds now.
+    pub fn spare_buffers(&self) -> (usize, usize) {
+        (self.spare_limit, self.spare.len())
     }
 
     /// Returns a removed connection's entry (and buffers) to the import pool.
@@ -749,11 +767,7 @@ impl Endpoint {
                 && !repr.rst
                 && repr.seq > e.conn.rcv.nxt;
             if !reuse {
-                let last_ack = e.conn.state == State::LastAck;
-                e.conn.process(now, &repr, &mut self.counters);
-                if last_ack && e.conn.state == State::Closed {
-                    self.closed.insert(now, key);
-                }
+                process_on(e, now, &repr, &mut self.counters, &mut self.closed);
                 self.sync(id);
                 return;
             }
@@ -808,6 +822,50 @@ impl Endpoint {
         let conn = Connection::accept_syn(&self.cfg, now, local, remote, &repr, iss, ts_offset);
         self.counters.connections_passive += 1;
         let id = self.insert(conn, Some(repr.dst_port), Stage::HalfOpen);
+        self.sync(id);
+    }
+
+    /// Migration import: feeds `bytes`, a client segment buffered while the
+    /// connection `id` migrated here, to that connection. The checks of
+    /// [`Endpoint::handle_segment`] (length, checksum, header) without its
+    /// flow lookup; a segment that is not for `id`'s tuple, or for a
+    /// connection in TIME-WAIT, or that fails a check takes the generic path
+    /// (which counts and drops it). Events, transmission and timers of `id`
+    /// are published once for the whole replay by [`Endpoint::replay_done`]:
+    /// call it after the last segment.
+    pub fn replay_segment(
+        &mut self,
+        now: Instant,
+        id: ConnId,
+        src: Ipv4Addr,
+        dst: Ipv4Addr,
+        bytes: &[u8],
+    ) {
+        let packet = TcpPacket::new_checked(bytes)
+            .ok()
+            .filter(|p| !self.cfg.verify_checksum || p.verify_checksum(src, dst));
+        let repr = packet.as_ref().and_then(|p| TcpRepr::parse(p).ok());
+        let e = self.conns.get_mut(&id);
+        let (Some(repr), Some(e)) = (repr, e) else {
+            return self.handle_segment(now, src, dst, bytes);
+        };
+        if *e.conn.remote.ip() != src
+            || e.conn.remote.port() != repr.src_port
+            || e.conn.local.port() != repr.dst_port
+            || e.conn.state == State::TimeWait
+        {
+            return self.handle_segment(now, src, dst, bytes);
+        }
+        self.now = now;
+        self.counters.segments_in += 1;
+        process_on(e, now, &repr, &mut self.counters, &mut self.closed);
+    }
+
+    /// Ends a replay ([`Endpoint::replay_segment`]): publishes the
+    /// connection's events and schedules its transmission and timers, as
+    /// `handle_segment` does after each segment (a connection's events are
+    /// flags, so one publication covers all the replayed segments).
+    pub fn replay_done(&mut self, id: ConnId) {
         self.sync(id);
     }
 
@@ -1140,6 +1198,24 @@ fn blank_entry(cfg: &TcpConfig) -> Box<Entry> {
         in_ready: false,
         scheduled: None,
     })
+}
+
+/// A segment for an existing connection entry: processed, and a close from
+/// LAST-ACK remembered (late duplicates of its peer are then dropped, not
+/// reset: `RecentlyClosed`). Fields passed apart so that the caller keeps
+/// its borrow of the entry (no second lookup per segment).
+fn process_on(
+    e: &mut Entry,
+    now: Instant,
+    repr: &TcpRepr,
+    counters: &mut Counters,
+    closed: &mut RecentlyClosed,
+) {
+    let last_ack = e.conn.state == State::LastAck;
+    e.conn.process(now, repr, counters);
+    if last_ack && e.conn.state == State::Closed {
+        closed.insert(now, key_of(&e.conn));
+    }
 }
 
 fn key_of(c: &Connection) -> Key {

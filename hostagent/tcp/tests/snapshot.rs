@@ -490,6 +490,29 @@ fn empty_established_snapshot_is_small() {
     );
 }
 
+/// A standby's pre-warmed import pool: imports take its entries (and the
+/// connection continues byte-exact); the pool never exceeds its limit.
+#[test]
+fn imports_take_prewarmed_pool_entries() {
+    let mut p = pair();
+    let (c, s) = p.connect();
+    p.server.send(s, &data(5_000, 3)).unwrap();
+    p.drive_transmit();
+    let mut snap = vec![0u8; 64 * 1024];
+    let n = p.server.export(p.srv_now(), s, b"", &mut snap).unwrap();
+    snap.truncate(n);
+    let mut target = Endpoint::new(TcpConfig::default());
+    assert_eq!(target.spare_buffers(), (16, 0), "empty until pre-warmed");
+    target.prewarm_spare_buffers(100);
+    assert_eq!(target.spare_buffers(), (16, 16), "capped at the limit");
+    let imp = target.import(p.now, &snap).unwrap();
+    assert_eq!(target.spare_buffers(), (16, 15), "a pooled entry was used");
+    assert_eq!(target.connection(imp.id).unwrap().state, State::Established);
+    assert!(p.client.connection(c).is_some());
+    target.set_spare_buffers(4);
+    assert_eq!(target.spare_buffers(), (4, 4));
+}
+
 #[test]
 fn import_errors_leave_the_endpoint_untouched() {
     let mut p = pair();

@@ -54,12 +54,13 @@ pub enum Event {
     /// frozen connection until `MigratedOut`, `Resumed` or `Lost`.
     ExportNow { id: MigrationId, flow: FlowKey },
     /// Origin: the target imported the connection. Destroy the local copy
-    /// silently (no FIN, no RST); socket calls report "migrated".
+    /// silently (no FIN, no RST); socket calls report "migrated". Its
+    /// [`Engine::telemetry`] is final (the record stays as a tombstone):
+    /// events carry no copy of it, which kept every event ~200 bytes.
     MigratedOut {
         id: MigrationId,
         flow: FlowKey,
         target: Ipv4Addr,
-        telemetry: Telemetry,
     },
     /// Origin: the migration did not happen; unfreeze and keep serving.
     Resumed {
@@ -85,12 +86,12 @@ pub enum Event {
         origin: Ipv4Addr,
         snapshot_len: usize,
     },
-    /// Target: the connection is ours (emitted by `import_done`).
+    /// Target: the connection is ours (emitted by `import_done`). Its
+    /// [`Engine::telemetry`] is final (the record stays as a tombstone).
     MigratedIn {
         id: MigrationId,
         flow: FlowKey,
         origin: Ipv4Addr,
-        telemetry: Telemetry,
     },
     /// Target: a migration in was given up before import; its buffered
     /// segments were discarded (the client retransmits them to the origin).
@@ -353,6 +354,15 @@ pub struct Engine {
     /// `make bench-migration`. Pre-sized to `timer_cap`; when full it is
     /// rebuilt from the records' live entries (never grows).
     timers: BinaryHeap<Reverse<(Instant, u64)>>,
+    /// The live entries of finished records (which only wait for their
+    /// expiry, `linger` after they finished, rounded to `EXPIRY_GRAIN_US`)
+    /// in time order, with the same lazy deletion: such expiries come in
+    /// the order records finish, so a queue holds them without sifting,
+    /// and the heap keeps only the few records in progress (with ~1,500
+    /// lingering records per host in `make bench-migration`, each re-arm
+    /// sifted through all of them). An expiry earlier than the queue's
+    /// back goes to the heap. Pre-sized to `timer_cap`, never grown.
+    expiries: VecDeque<(Instant, u64)>,
     timer_cap: usize,
     /// Ids whose entries `handle_timeout` popped (pre-sized like `timers`).
     due: Vec<u64>,
@@ -517,6 +527,7 @@ impl Engine {
             pool: Vec::with_capacity(cfg.max_concurrent_in),
             counters: Counters::default(),
             timers: BinaryHeap::with_capacity(timer_cap),
+            expiries: VecDeque::with_capacity(timer_cap),
             timer_cap,
             due: Vec::with_capacity(timer_cap),
             timer_rebuilds: 0,
@@ -650,8 +661,11 @@ impl Engine {
         let mut cx = self.ctx_parts().1;
         cx.queue(item, Some(&mut r.queued));
         self.by_flow_out.insert(flow, id);
-        self.records.insert(id, Record::Out(r));
-        self.rearm(id);
+        // Armed before the insert: no lookup of the new record.
+        let mut rec = Record::Out(r);
+        let change = arm_change(&mut rec);
+        self.records.insert(id, rec);
+        self.apply_change(id, change);
         Ok(MigrationId(id))
     }
 
@@ -678,9 +692,16 @@ impl Engine {
         id: MigrationId,
         snapshot: Vec<u8>,
     ) -> Result<(), (MigError, Vec<u8>)> {
-        let res = self.provide_snapshot_inner(now, id, snapshot);
-        self.rearm(id.0);
-        res
+        match self.provide_snapshot_inner(now, id, snapshot) {
+            Ok(change) => {
+                self.apply_change(id.0, change);
+                Ok(())
+            }
+            Err(e) => {
+                self.rearm(id.0);
+                Err(e)
+            }
+        }
     }
 
     /// Origin: the snapshot of a migration that ended `Resumed` after
@@ -709,7 +730,7 @@ impl Engine {
         now: Instant,
         id: MigrationId,
         snapshot: Vec<u8>,
-    ) -> Result<(), (MigError, Vec<u8>)> {
+    ) -> Result<ArmChange, (MigError, Vec<u8>)> {
         let (records, mut cx) = self.ctx_parts();
         let r = match records.get_mut(&id.0) {
             Some(Record::Out(r)) => r,
@@ -765,7 +786,7 @@ impl Engine {
                 r.retx_at = Some(now + r.rto);
                 let item = out_item(id.0, r, Kind::ConnState, r.target, cx.cfg.local_addr);
                 cx.queue(item, Some(&mut r.queued));
-                Ok(())
+                Ok(arm_change_out(r))
             }
             Err(e) => {
                 // Nothing was sent: the target cannot commit, we may resume.
@@ -875,9 +896,16 @@ impl Engine {
         id: MigrationId,
         replay: impl FnMut(&[u8]),
     ) -> Result<ReplaySummary, MigError> {
-        let res = self.import_done_inner(now, id, replay);
-        self.rearm(id.0);
-        res
+        match self.import_done_inner(now, id, replay) {
+            Ok((summary, change)) => {
+                self.apply_change(id.0, change);
+                Ok(summary)
+            }
+            Err(e) => {
+                self.rearm(id.0);
+                Err(e)
+            }
+        }
     }
 
     fn import_done_inner(
@@ -885,7 +913,7 @@ impl Engine {
         now: Instant,
         id: MigrationId,
         mut replay: impl FnMut(&[u8]),
-    ) -> Result<ReplaySummary, MigError> {
+    ) -> Result<(ReplaySummary, ArmChange), MigError> {
         let (records, mut cx) = self.ctx_parts();
         let r = target_record(records, id, TargetPhase::Importing)?;
         let mut summary = ReplaySummary::default();
@@ -921,9 +949,8 @@ impl Engine {
             id,
             flow: r.flow,
             origin: r.origin,
-            telemetry: r.tel,
         });
-        Ok(summary)
+        Ok((summary, arm_change_in(r)))
     }
 
     /// Target: the snapshot could not be imported. Nothing was served, so
@@ -958,12 +985,17 @@ impl Engine {
         let res = self.handle_message_inner(now, src, datagram);
         // The only record a message can touch is the one it names (a
         // message that did not parse touched none: re-arming is a no-op).
+        // The usual messages re-armed it while their handler held it.
+        if let Ok(Some((id, change))) = res {
+            self.apply_change(id, change);
+            return Ok(());
+        }
         if let Some(id) = datagram.get(capybara_proto::tcpmig::field::MIGRATION_ID) {
             let mut b = [0u8; 8];
             b.copy_from_slice(id);
             self.rearm(u64::from_be_bytes(b));
         }
-        res
+        res.map(|_| ())
     }
 
     fn handle_message_inner(
@@ -971,7 +1003,7 @@ impl Engine {
         now: Instant,
         src: Ipv4Addr,
         datagram: &[u8],
-    ) -> Result<(), RxError> {
+    ) -> Result<Option<(u64, ArmChange)>, RxError> {
         let m = match TcpMigRepr::parse_verified(datagram, &self.key) {
             Ok(m) => m,
             Err(e) => {
@@ -1013,12 +1045,12 @@ impl Engine {
             Kind::Prepare => self.on_prepare(now, src, &m, datagram.len()),
             Kind::ConnState => self.on_conn_state(now, src, &m, datagram.len()),
             Kind::PrepareAck => self.on_prepare_ack(now, src, &m),
-            Kind::Reject => self.on_reject(now, src, &m),
+            Kind::Reject => self.on_reject(now, src, &m).map(|()| None),
             Kind::ConnStateAck => self.on_state_ack(now, src, &m),
             // Direction tells request from decision, as at the switch: an
             // ABORT addressed to the origin is the target's decision.
-            Kind::Abort if m.origin == local => self.on_abort_decision(now, src, &m),
-            Kind::Abort => self.on_abort_request(now, src, &m),
+            Kind::Abort if m.origin == local => self.on_abort_decision(now, src, &m).map(|()| None),
+            Kind::Abort => self.on_abort_request(now, src, &m).map(|()| None),
         };
         if let Err(RxError::Unexpected { .. }) = res {
             self.counters.unexpected += 1;
@@ -1100,11 +1132,10 @@ impl Engine {
                     r.retx_at = Some(now + r.rto);
                 }
                 r.tel.wire_bytes_sent += n as u64;
+                // The retransmission timer moved: armed from this lookup.
+                let change = if burst_done { arm_change_out(r) } else { None };
                 self.counters.tx.bump(Kind::ConnState);
-                if burst_done {
-                    // The retransmission timer moved.
-                    self.rearm(item.id);
-                }
+                self.apply_change(item.id, change);
                 return Some(Transmit {
                     dst: item.dst,
                     len: n,
@@ -1112,6 +1143,8 @@ impl Engine {
             }
             self.tx.pop_front();
             let mut seq = 0;
+            // The record's byte counter, from the same lookup.
+            let mut sent: Option<&mut u64> = None;
             if item.recorded {
                 // Stale items (the record moved on since) are not sent: a
                 // PREPARE after resuming would make a target buffer for
@@ -1132,6 +1165,7 @@ impl Engine {
                             if item.kind == Kind::Prepare && r.tel.prepare_sent.is_none() {
                                 r.tel.prepare_sent = Some(now);
                             }
+                            sent = Some(&mut r.tel.wire_bytes_sent);
                         }
                         ok
                     }
@@ -1152,6 +1186,7 @@ impl Engine {
                         if ok {
                             seq = r.seq;
                             r.seq = r.seq.wrapping_add(1);
+                            sent = Some(&mut r.tel.wire_bytes_sent);
                         }
                         ok
                     }
@@ -1166,10 +1201,8 @@ impl Engine {
                 self.counters.tx_queue_full += 1;
                 continue;
             };
-            match self.records.get_mut(&item.id) {
-                Some(Record::Out(r)) if item.recorded => r.tel.wire_bytes_sent += n as u64,
-                Some(Record::In(r)) if item.recorded => r.tel.wire_bytes_sent += n as u64,
-                _ => {}
+            if let Some(sent) = sent {
+                *sent += n as u64;
             }
             self.counters.tx.bump(item.kind);
             match item.kind {
@@ -1190,9 +1223,15 @@ impl Engine {
     }
 
     /// Earliest time `handle_timeout` has work: the top of the timer
-    /// heap (whose top entry is always live, see `Engine::timers`).
+    /// heap or the front of the expiry queue, whichever is earlier (both
+    /// are always live, see `Engine::timers`).
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.timers.peek().map(|Reverse((t, _))| *t)
+        let heap = self.timers.peek().map(|Reverse((t, _))| *t);
+        let queue = self.expiries.front().map(|&(t, _)| t);
+        match (heap, queue) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Runs every timer due at `now`: retransmissions, deadlines, expiry.
@@ -1205,21 +1244,26 @@ impl Engine {
                 break;
             }
             self.timers.pop();
-            if self.armed(id) == Some(t) {
+            // Disarmed when taken: a record with a live entry in both the
+            // heap and the queue (after a rebuild) runs once.
+            if self.take_armed(id, t) {
+                due.push(id);
+            }
+        }
+        while let Some(&(t, id)) = self.expiries.front() {
+            if t > now || due.len() == due.capacity() {
+                break;
+            }
+            self.expiries.pop_front();
+            if self.take_armed(id, t) {
                 due.push(id);
             }
         }
         for &id in &due {
             let (records, mut cx) = self.ctx_parts();
             let keep = match records.get_mut(&id) {
-                Some(Record::Out(r)) => {
-                    r.armed = None;
-                    origin_timer(id, r, &mut cx, now)
-                }
-                Some(Record::In(r)) => {
-                    r.armed = None;
-                    target_timer(id, r, &mut cx, now)
-                }
+                Some(Record::Out(r)) => origin_timer(id, r, &mut cx, now),
+                Some(Record::In(r)) => target_timer(id, r, &mut cx, now),
                 None => continue,
             };
             if keep {
@@ -1248,29 +1292,65 @@ impl Engine {
         }
     }
 
-    /// Puts the record `id`'s timer in the heap if it changed (the old entry
-    /// becomes stale), then drops stale entries off the top. One lookup of
-    /// the record; the top is checked only if it is `id`'s entry: before
-    /// this call it was live, and no other record's timer changed.
-    fn rearm(&mut self, id: u64) {
-        let push = match self.records.get_mut(&id) {
-            Some(rec) => {
-                let due = due_of_record(rec);
-                let slot = match rec {
-                    Record::Out(r) => &mut r.armed,
-                    Record::In(r) => &mut r.armed,
-                };
-                if *slot == due {
-                    return;
-                }
-                *slot = due;
-                due
-            }
-            // Removed (its entries, if any, are stale now).
-            None => None,
+    /// If `(t, id)` is the record's live entry, disarms it (the caller
+    /// runs its timers) and returns true.
+    fn take_armed(&mut self, id: u64, t: Instant) -> bool {
+        let slot = match self.records.get_mut(&id) {
+            Some(Record::Out(r)) => &mut r.armed,
+            Some(Record::In(r)) => &mut r.armed,
+            None => return false,
         };
+        if *slot == Some(t) {
+            *slot = None;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Puts the record `id`'s timer in the heap (or, a finished record's
+    /// expiry, in the expiry queue) if it changed (the old entry becomes
+    /// stale), then drops stale entries off the top. One lookup of the
+    /// record; the tops are checked only if one is `id`'s entry: before
+    /// this call they were live, and no other record's timer changed.
+    fn rearm(&mut self, id: u64) {
+        let (push, lingering) = match self.records.get_mut(&id) {
+            Some(rec) => match arm_change(rec) {
+                Some(change) => change,
+                None => return,
+            },
+            // Removed (its entries, if any, are stale now).
+            None => (None, false),
+        };
+        self.apply_arm(id, push, lingering);
+    }
+
+    /// [`Engine::apply_arm`] when the armed time changed.
+    fn apply_change(&mut self, id: u64, change: ArmChange) {
+        if let Some((push, lingering)) = change {
+            self.apply_arm(id, push, lingering);
+        }
+    }
+
+    /// The rest of [`Engine::rearm`], for a caller that holds the record
+    /// and took its [`arm_change`] (one lookup fewer): `push` is the
+    /// record's new due time, `lingering` whether it is finished.
+    // `is_none_or` needs Rust 1.82; the workspace allows 1.80.
+    #[allow(clippy::unnecessary_map_or)]
+    fn apply_arm(&mut self, id: u64, push: Option<Instant>, lingering: bool) {
         let top_is_id = matches!(self.timers.peek(), Some(&Reverse((_, top))) if top == id);
+        let front_is_id = matches!(self.expiries.front(), Some(&(_, f)) if f == id);
         match push {
+            // Finished: its expiry joins the queue when it is not earlier
+            // than the queue's back (the usual case: records finish in
+            // time order and linger alike).
+            Some(t)
+                if lingering
+                    && self.expiries.len() < self.timer_cap
+                    && self.expiries.back().map_or(true, |&(b, _)| b <= t) =>
+            {
+                self.expiries.push_back((t, id));
+            }
             // The top is this record's live entry (the usual case with one
             // migration at a time): replace it in place, one sift down
             // instead of a push now and a pop of the stale entry later.
@@ -1285,17 +1365,52 @@ impl Engine {
                     return;
                 }
                 self.timers.push(Reverse((t, id)));
-                // The former top is untouched: still live.
-                return;
             }
             None => {}
         }
+        // Only a structure whose first entry was `id`'s can have a stale
+        // one first now; `id`'s own entries are told live without a lookup.
         if top_is_id {
-            self.drop_stale_top();
+            self.drop_stale_heap_top(id, push);
+        }
+        if front_is_id {
+            self.drop_stale_front(id, push);
         }
     }
 
-    /// Pops entries off the top of the heap until the top is live.
+    /// `drop_stale_top` for the heap, `known` being the record `id`'s live
+    /// time (its entries are checked without a lookup).
+    fn drop_stale_heap_top(&mut self, id: u64, known: Option<Instant>) {
+        while let Some(&Reverse((t, top))) = self.timers.peek() {
+            if self.entry_live(t, top, id, known) {
+                break;
+            }
+            self.timers.pop();
+        }
+    }
+
+    /// Whether the timer entry `(t, entry)` is its record's live one;
+    /// record `id`'s live time is `known` (told without a lookup).
+    fn entry_live(&self, t: Instant, entry: u64, id: u64, known: Option<Instant>) -> bool {
+        if entry == id {
+            known == Some(t)
+        } else {
+            self.armed(entry) == Some(t)
+        }
+    }
+
+    /// `drop_stale_top` for the expiry queue (see `drop_stale_heap_top`).
+    fn drop_stale_front(&mut self, id: u64, known: Option<Instant>) {
+        while let Some(&(t, front)) = self.expiries.front() {
+            if self.entry_live(t, front, id, known) {
+                break;
+            }
+            self.expiries.pop_front();
+        }
+    }
+
+    /// Pops entries off the top of the heap and the front of the expiry
+    /// queue until both are live.
     fn drop_stale_top(&mut self) {
         while let Some(&Reverse((t, id))) = self.timers.peek() {
             if self.armed(id) == Some(t) {
@@ -1303,14 +1418,22 @@ impl Engine {
             }
             self.timers.pop();
         }
+        while let Some(&(t, id)) = self.expiries.front() {
+            if self.armed(id) == Some(t) {
+                break;
+            }
+            self.expiries.pop_front();
+        }
     }
 
     /// The heap is full of stale entries: keep only the live ones (one per
-    /// record, and records are fewer than half the capacity).
+    /// record, and records are fewer than half the capacity), the expiry
+    /// queue's included (it starts again empty).
     fn rebuild_timers(&mut self) {
         self.timer_rebuilds += 1;
         let mut heap = std::mem::take(&mut self.timers).into_vec();
         heap.clear();
+        self.expiries.clear();
         for (&id, rec) in &self.records {
             let armed = match rec {
                 Record::Out(r) => r.armed,
@@ -1350,7 +1473,7 @@ impl Engine {
         src: Ipv4Addr,
         m: &TcpMigRepr<'_>,
         wire: usize,
-    ) -> Result<(), RxError> {
+    ) -> Result<Option<(u64, ArmChange)>, RxError> {
         let id = m.migration_id;
         let unexpected = |why| RxError::Unexpected {
             kind: m.kind,
@@ -1388,7 +1511,7 @@ impl Engine {
                     let item = in_item(id, r, kind, reason, local);
                     cx.queue(item, Some(&mut r.queued));
                 }
-                return Ok(());
+                return Ok(None);
             }
             Some(Record::Out(_)) => {
                 return Err(unexpected("PREPARE for a migration this host originates"))
@@ -1440,10 +1563,13 @@ impl Engine {
                 let item = in_item(id, &r, Kind::PrepareAck, Reason::None, local);
                 cx.queue(item, Some(&mut r.queued));
                 cx.by_flow_in.insert(m.flow, id);
+                // Armed before the insert: no lookup of the new record.
+                let change = arm_change_in(&mut r);
                 records.insert(id, Record::In(r));
+                return Ok(Some((id, change)));
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Target admission policy for a new PREPARE.
@@ -1479,7 +1605,7 @@ impl Engine {
         src: Ipv4Addr,
         m: &TcpMigRepr<'_>,
         wire: usize,
-    ) -> Result<(), RxError> {
+    ) -> Result<Option<(u64, ArmChange)>, RxError> {
         let id = m.migration_id;
         let local = self.cfg.local_addr;
         let unexpected = |why| RxError::Unexpected {
@@ -1562,7 +1688,7 @@ impl Engine {
                         }
                     }
                 }
-                Ok(())
+                Ok(Some((id, arm_change_in(r))))
             }
             Some(Record::Out(_)) => Err(unexpected(
                 "CONN_STATE for a migration this host originates",
@@ -1591,7 +1717,7 @@ impl Engine {
         now: Instant,
         src: Ipv4Addr,
         m: &TcpMigRepr<'_>,
-    ) -> Result<(), RxError> {
+    ) -> Result<Option<(u64, ArmChange)>, RxError> {
         let id = m.migration_id;
         let local = self.cfg.local_addr;
         let unexpected = |why| RxError::Unexpected {
@@ -1638,14 +1764,14 @@ impl Engine {
                             id: MigrationId(id),
                             flow: r.flow,
                         });
-                        Ok(())
+                        Ok(Some((id, arm_change_out(r))))
                     }
                     OriginPhase::AbortNotify if r.target.is_unspecified() => {
                         // Learned who holds the buffer: tell it directly.
                         r.target = m.target;
                         let item = out_item(id, r, Kind::Abort, m.target, local);
                         cx.queue(item, Some(&mut r.queued));
-                        Ok(())
+                        Ok(None)
                     }
                     _ if r.target != m.target => {
                         cx.queue(let_go, None);
@@ -1657,11 +1783,11 @@ impl Engine {
                         // target's answer to this ABORT resets the entry.
                         cx.counters.duplicates += 1;
                         cx.queue(let_go, None);
-                        Ok(())
+                        Ok(None)
                     }
                     _ => {
                         cx.counters.duplicates += 1;
-                        Ok(())
+                        Ok(None)
                     }
                 }
             }
@@ -1723,7 +1849,7 @@ impl Engine {
         now: Instant,
         src: Ipv4Addr,
         m: &TcpMigRepr<'_>,
-    ) -> Result<(), RxError> {
+    ) -> Result<Option<(u64, ArmChange)>, RxError> {
         let id = m.migration_id;
         let unexpected = |why| RxError::Unexpected {
             kind: m.kind,
@@ -1738,11 +1864,11 @@ impl Engine {
                     OriginPhase::Sending | OriginPhase::InDoubt => {
                         r.tel.state_ack_received = Some(now);
                         origin_finish(id, r, &mut cx, now, Outcome::MigratedOut);
-                        Ok(())
+                        Ok(Some((id, arm_change_out(r))))
                     }
                     OriginPhase::Done => {
                         cx.counters.duplicates += 1;
-                        Ok(())
+                        Ok(None)
                     }
                     _ => Err(unexpected("CONN_STATE_ACK before any state was sent")),
                 }
@@ -1917,7 +2043,6 @@ fn origin_finish(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant, outcom
                 id: mid,
                 flow: r.flow,
                 target: r.target,
-                telemetry: r.tel,
             });
         }
         Outcome::Resumed(reason) => {
@@ -2057,31 +2182,100 @@ fn origin_timer(id: u64, r: &mut OutMig, cx: &mut Ctx<'_>, now: Instant) -> bool
 /// only waits to expire: its expiry is rounded up to `EXPIRY_GRAIN_US`
 /// (later is harmless), so that records expire in batches instead of one
 /// wake-up each.
-fn due_of_record(rec: &Record) -> Option<Instant> {
-    let expiry = |d: Instant| {
-        Instant::from_micros(d.as_micros().div_ceil(EXPIRY_GRAIN_US) * EXPIRY_GRAIN_US)
+/// A record's new due time and whether it is lingering, when its armed
+/// time changed (`None`: the armed entry is current).
+type ArmChange = Option<(Option<Instant>, bool)>;
+
+/// Records `rec`'s due time as armed; its change for [`Engine::apply_arm`].
+fn arm_change(rec: &mut Record) -> ArmChange {
+    let due = due_of_record(rec);
+    let lingering = is_lingering(rec);
+    let slot = match rec {
+        Record::Out(r) => &mut r.armed,
+        Record::In(r) => &mut r.armed,
     };
-    let min = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
+    if *slot == due {
+        return None;
+    }
+    *slot = due;
+    Some((due, lingering))
+}
+
+fn due_of_record(rec: &Record) -> Option<Instant> {
+    match rec {
+        Record::Out(r) => due_of_out(r),
+        Record::In(r) => due_of_in(r),
+    }
+}
+
+/// A finished record's expiry, rounded up to `EXPIRY_GRAIN_US`.
+fn expiry(d: Instant) -> Instant {
+    Instant::from_micros(d.as_micros().div_ceil(EXPIRY_GRAIN_US) * EXPIRY_GRAIN_US)
+}
+
+fn min_due(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
-    };
-    match rec {
-        Record::Out(r) => min(
-            r.retx_at,
-            Some(if r.phase == OriginPhase::Done {
-                expiry(r.deadline)
-            } else {
-                r.deadline
-            }),
-        ),
-        Record::In(r) => min(
-            r.retx_at,
-            match r.phase {
-                TargetPhase::Buffering | TargetPhase::Importing => r.deadline,
-                _ => r.deadline.map(expiry),
-            },
-        ),
     }
+}
+
+fn due_of_out(r: &OutMig) -> Option<Instant> {
+    min_due(
+        r.retx_at,
+        Some(if r.phase == OriginPhase::Done {
+            expiry(r.deadline)
+        } else {
+            r.deadline
+        }),
+    )
+}
+
+fn due_of_in(r: &InMig) -> Option<Instant> {
+    min_due(
+        r.retx_at,
+        match r.phase {
+            TargetPhase::Buffering | TargetPhase::Importing => r.deadline,
+            _ => r.deadline.map(expiry),
+        },
+    )
+}
+
+/// Whether the record's only timer is its expiry (finished, nothing to
+/// retransmit): its entry may go to `Engine::expiries`.
+fn is_lingering(rec: &Record) -> bool {
+    match rec {
+        Record::Out(r) => is_lingering_out(r),
+        Record::In(r) => is_lingering_in(r),
+    }
+}
+
+fn is_lingering_in(r: &InMig) -> bool {
+    !matches!(r.phase, TargetPhase::Buffering | TargetPhase::Importing) && r.retx_at.is_none()
+}
+
+/// [`arm_change`] for a migration in held without its `Record`.
+fn arm_change_in(r: &mut InMig) -> ArmChange {
+    let due = due_of_in(r);
+    if r.armed == due {
+        return None;
+    }
+    r.armed = due;
+    Some((due, is_lingering_in(r)))
+}
+
+fn is_lingering_out(r: &OutMig) -> bool {
+    r.phase == OriginPhase::Done && r.retx_at.is_none()
+}
+
+/// [`arm_change`] for a migration out held without its `Record`.
+fn arm_change_out(r: &mut OutMig) -> ArmChange {
+    let due = due_of_out(r);
+    if r.armed == due {
+        return None;
+    }
+    r.armed = due;
+    Some((due, is_lingering_out(r)))
 }
 
 /// Target: give the migration up (never after commit). `unsolicited`
@@ -2183,6 +2377,7 @@ mod timer_tests {
         let scan = |e: &Engine| e.records.keys().filter_map(|&id| e.due_of(id)).min();
         let mut buf = vec![0u8; 1500];
         let mut now = Instant::from_micros(1_000_000);
+        let mut queued_expiries = 0;
         for i in 0..20_000u32 {
             now = now + Duration::from_micros(u64::from(i % 5) * 37 + 1);
             let f = flow((i % 11) as u16);
@@ -2202,7 +2397,10 @@ mod timer_tests {
             while e.poll_event().is_some() {}
             assert_eq!(e.poll_timeout(), scan(&e), "step {i}");
             assert!(e.timers.len() <= cap, "heap grew past {cap}");
+            assert!(e.expiries.len() <= cap, "expiry queue grew past {cap}");
+            queued_expiries = queued_expiries.max(e.expiries.len());
         }
+        assert!(queued_expiries > 0, "no expiry went to the queue");
         // Everything expires: the heap empties with the records.
         for _ in 0..10_000 {
             match e.poll_timeout() {
@@ -2217,6 +2415,7 @@ mod timer_tests {
         }
         assert_eq!(e.records(), 0);
         assert!(e.timers.is_empty());
+        assert!(e.expiries.is_empty());
 
         // Stale entries below a live top pile up until the heap is full:
         // it is rebuilt from the live entries, never grown.

@@ -58,14 +58,9 @@ fn happy_path_switch_chooses_target() {
     assert_migrated(&w, TARGET);
     assert_eq!(w.max_owners_seen, 1);
     let tel = w.events(ORIGIN).iter().find_map(|e| match e {
-        Event::MigratedOut {
-            telemetry,
-            target,
-            id: i,
-            ..
-        } => {
+        Event::MigratedOut { target, id: i, .. } => {
             assert_eq!((*target, *i), (TARGET, id));
-            Some(*telemetry)
+            telemetry_of(&w, ORIGIN, id)
         }
         _ => None,
     });
@@ -88,11 +83,9 @@ fn happy_path_switch_chooses_target() {
     // Four hops of 5 us for PREPARE/ACK, four more for the state and its ack.
     assert_eq!(tel.total_origin(), Some(Duration::from_micros(40)));
     let tin = w.events(TARGET).iter().find_map(|e| match e {
-        Event::MigratedIn {
-            telemetry, origin, ..
-        } => {
-            assert_eq!(*origin, ORIGIN);
-            Some(*telemetry)
+        Event::MigratedIn { origin, id: i, .. } => {
+            assert_eq!((*origin, *i), (ORIGIN, id));
+            telemetry_of(&w, TARGET, id)
         }
         _ => None,
     });
@@ -747,4 +740,14 @@ fn origin_snapshot_is_handed_back_on_resume_and_recycled_after_delivery() {
     let buf = e.snapshot_buffer();
     assert!(buf.is_empty() && buf.capacity() >= N, "{}", buf.capacity());
     assert_eq!(e.snapshot_buffer().capacity(), 0, "one buffer was spare");
+}
+
+/// The telemetry host `a` read when migration `id` finished there.
+fn telemetry_of(w: &World, a: std::net::Ipv4Addr, id: MigrationId) -> Option<Telemetry> {
+    let h = w.hosts.iter().find(|h| h.addr == a)?;
+    h.stack
+        .telemetry
+        .iter()
+        .find(|(i, _)| *i == id)
+        .map(|&(_, t)| t)
 }

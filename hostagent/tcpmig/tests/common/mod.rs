@@ -282,6 +282,10 @@ pub struct FakeStack {
     pub pending_exports: Vec<(MigrationId, FlowKey)>,
     pub pending_imports: Vec<(MigrationId, FlowKey)>,
     pub events: Vec<Event>,
+    /// The engine's telemetry of each migration finished here, read when
+    /// its `MigratedOut` / `MigratedIn` event is polled (as the hostagent
+    /// does: events carry none, the record expires later).
+    pub telemetry: Vec<(MigrationId, Telemetry)>,
     pub imported: Vec<Vec<u8>>,
     /// Client segments arriving at a host that neither serves nor buffers
     /// the flow: a real stack would answer them with RST.
@@ -490,6 +494,11 @@ impl World {
         while let Some(ev) = h.engine.poll_event() {
             progress = true;
             h.stack.events.push(ev);
+            if let Event::MigratedOut { id, .. } | Event::MigratedIn { id, .. } = ev {
+                if let Some(t) = h.engine.telemetry(id) {
+                    h.stack.telemetry.push((id, *t));
+                }
+            }
             match ev {
                 Event::ExportNow { id, flow } => {
                     if let Some(c) = h.stack.conns.get_mut(&flow) {
