@@ -125,6 +125,26 @@ impl Lab {
         pid
     }
 
+    /// Kills (SIGKILL) a process started by [`Lab::spawn`] or
+    /// [`Lab::spawn_logged`] and waits until it has exited, as a supervisor
+    /// does before starting it again: until then its sockets (metrics and
+    /// control listeners) and XDP links may still be held. Bounded: gives
+    /// up waiting after 10 s.
+    pub fn kill_and_wait(&mut self, pid: u32) {
+        let Some(c) = self.children.iter_mut().find(|c| c.id() == pid) else {
+            panic!("pid {pid} was not started by this lab");
+        };
+        let _ = c.kill();
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            if let Ok(Some(_)) = c.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!("pid {pid} still running 10 s after SIGKILL");
+    }
+
     /// Server `j`'s hostagent metrics (Prometheus text, from its management
     /// address 198.18.1.(10+j):9100); empty if the page cannot be fetched.
     pub fn server_metrics(&self, j: u32) -> String {

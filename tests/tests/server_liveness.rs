@@ -233,10 +233,10 @@ fn a_restarted_server_loses_its_old_flows_at_once() {
 
     // A crash and a restart, quicker than dead_after: only the instance id
     // tells the switch that the connections are gone.
-    signal(pids[0], libc::SIGKILL);
+    lab.kill_and_wait(pids[0]);
     let key = dir.join("deployment.key");
     spawn_hostagent(&mut lab, &dir, &key, 1, "restarted");
-    restart_handled(&lab, &swlog, &mut held);
+    restart_handled(&lab, &swlog, &dir, &mut held);
 }
 
 /// Waits for switchd (logging to `swlog`) to see s1 restarted, and checks
@@ -244,10 +244,17 @@ fn a_restarted_server_loses_its_old_flows_at_once() {
 /// on s1 fail fast (a reset from whichever server the client's next segment
 /// reaches), not after the grace, and the restarted server serves new
 /// connections. Returns how many flow entries were removed.
-fn restart_handled(lab: &Lab, swlog: &Path, held: &mut EchoHolder) -> u32 {
-    lab.wait_for("s1 to register again", Duration::from_secs(30), || {
-        log(swlog).contains("switchd: server s1 restarted")
-    });
+fn restart_handled(lab: &Lab, swlog: &Path, dir: &Path, held: &mut EchoHolder) -> u32 {
+    let t = Instant::now();
+    while !log(swlog).contains("switchd: server s1 restarted") {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "timed out after 30 s waiting for s1 to register again; switchd:\n{}\nrestarted s1:\n{}",
+            log(swlog),
+            log(&dir.join("restarted-s1.log"))
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let l = log(swlog);
     assert!(
         l.contains("flow entries of the old process removed") && !l.contains("did not come back"),
@@ -288,7 +295,9 @@ fn after_a_takeover_a_restarted_server_loses_its_old_flows_and_a_running_one_kee
     assert_eq!(held.round_trip(), "ok");
     // Flow mappings reach the store within milliseconds (FlowWriter linger).
     std::thread::sleep(Duration::from_millis(500));
-    signal(sw1, libc::SIGKILL);
+    // Killed, and gone (its sockets and XDP links released) before the
+    // next one starts, as under a supervisor.
+    lab.kill_and_wait(sw1);
 
     // 1. Same instances: restored from the store, nothing restarted.
     let swlog2 = dir.join("switchd-2.log");
@@ -311,13 +320,13 @@ fn after_a_takeover_a_restarted_server_loses_its_old_flows_and_a_running_one_kee
     lab.assert_no_resets([1, 2]);
 
     // 2. s1 restarted while no switchd runs: a new instance.
-    signal(sw2, libc::SIGKILL);
-    signal(pids[0], libc::SIGKILL);
+    lab.kill_and_wait(sw2);
+    lab.kill_and_wait(pids[0]);
     let key = dir.join("deployment.key");
     spawn_hostagent(&mut lab, &dir, &key, 1, "restarted");
     let swlog3 = dir.join("switchd-3.log");
     spawn_switchd(&mut lab, &dir, &swlog3);
-    let removed = restart_handled(&lab, &swlog3, &mut held);
+    let removed = restart_handled(&lab, &swlog3, &dir, &mut held);
     assert!(removed >= 1, "the old process's flows were not restored");
     eprintln!("after the takeover: kept every connection of running hostagents; a restarted one lost {removed} old flow entries at once");
 }
