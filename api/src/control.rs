@@ -12,6 +12,7 @@
 //!   left, and at the deadline `force` mode deletes the remaining mappings
 //!   (a switchd implementation resets those connections) while `migrate`
 //!   mode stops with `timed_out`, leaving them untouched.
+//!
 //! The switchd-backed implementation replaces all of this with live data.
 
 use std::collections::{BTreeMap, HashMap, HashSet};

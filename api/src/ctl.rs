@@ -252,8 +252,8 @@ async fn servers(cfg: &Configuration) -> Result<(), CtlError> {
         .await
         .map_err(api_err)?;
     println!(
-        "{:>5}  {:<16} {:<9} {:>6} {:>11} {:>10}  {}",
-        "ID", "NAME", "STATE", "WEIGHT", "CONNECTIONS", "LOAD_PPS", "DATA_ADDR"
+        "{:>5}  {:<16} {:<9} {:>6} {:>11} {:>10}  DATA_ADDR",
+        "ID", "NAME", "STATE", "WEIGHT", "CONNECTIONS", "LOAD_PPS"
     );
     for s in list.items {
         let load = s
@@ -280,7 +280,7 @@ async fn services(cfg: &Configuration) -> Result<(), CtlError> {
     let list = apis::services_api::list_services(cfg)
         .await
         .map_err(api_err)?;
-    println!("{:<20} {:<21} {}", "NAME", "VIP:PORT", "POOL");
+    println!("{:<20} {:<21} POOL", "NAME", "VIP:PORT");
     for s in list.items {
         let pool: Vec<String> = s.pool.iter().map(|p| p.to_string()).collect();
         println!(

@@ -228,7 +228,7 @@ impl Migrator {
             msg_target: None,
             forwarded_frozen: 0,
             forwarded_gone: 0,
-            forward_late: std::env::var_os("CAPYBARA_FORWARD_LATE").map_or(true, |v| v != "0"),
+            forward_late: std::env::var_os("CAPYBARA_FORWARD_LATE").is_none_or(|v| v != "0"),
         }
     }
 

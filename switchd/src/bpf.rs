@@ -426,11 +426,13 @@ impl BpfDataPlane {
         ctx[12..16].copy_from_slice(&ingress_ifindex.to_ne_bytes());
         let mut out = vec![0u8; packet.len() + 256];
         let r = self.with_prog(|p| {
-            let mut input = libbpf_rs::ProgramInput::default();
-            input.data_in = Some(packet);
-            input.data_out = Some(&mut out);
-            input.context_in = Some(&mut ctx);
-            input.repeat = repeat;
+            let input = libbpf_rs::ProgramInput {
+                data_in: Some(packet),
+                data_out: Some(&mut out),
+                context_in: Some(&mut ctx),
+                repeat,
+                ..Default::default()
+            };
             p.test_run(input).map(|o| {
                 (
                     o.return_value,

@@ -142,8 +142,8 @@ fn bench_ours(iterations: usize, q: usize) -> Ours {
         if k >= warm {
             samples.push(dt / BATCH as u64);
         }
-        drain(&mut a, now);
-        drain(&mut b, now);
+        drain(a, now);
+        drain(b, now);
         black_box(&buf);
     }
     let st = a.connection(id).unwrap();
@@ -163,8 +163,8 @@ fn bench_ours(iterations: usize, q: usize) -> Ours {
         export_only.push(dt);
         id = b.import(now, &buf[..n]).unwrap().id;
         std::mem::swap(&mut a, &mut b);
-        drain(&mut a, now);
-        drain(&mut b, now);
+        drain(a, now);
+        drain(b, now);
     }
     // Parse alone (validation, no endpoint), same batching as above.
     let n = a.export(now, id, &app, &mut buf).unwrap();

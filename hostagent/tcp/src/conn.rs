@@ -663,7 +663,7 @@ impl Connection {
         }
         if let Some(pto) = self.probe_timeout() {
             let at = now + pto;
-            if self.timers.retransmit.map_or(true, |rto| at < rto) {
+            if self.timers.retransmit.is_none_or(|rto| at < rto) {
                 self.loss.probe = Some(at);
             }
         }

@@ -243,7 +243,9 @@ pub struct Endpoint {
     /// Min-heap of (deadline, connection), lazily deleted (see module doc).
     timers: BinaryHeap<Reverse<(Instant, ConnId)>>,
     /// Recycled entries of removed connections (queue buffers of this
-    /// endpoint's capacities included), for imports.
+    /// endpoint's capacities included), for imports. Boxed: an entry moves
+    /// into and out of the connection table as one pointer.
+    #[allow(clippy::vec_box)]
     spare: Vec<Box<Entry>>,
     spare_limit: usize,
     next_id: u64,

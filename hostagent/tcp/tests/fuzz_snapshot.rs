@@ -31,10 +31,10 @@ fn corpus() -> Vec<Vec<u8>> {
         sent.0 += p.client.send(c, &payload[sent.0..]).unwrap_or(0);
         sent.1 += p.server.send(s, &payload[sent.1..]).unwrap_or(0);
         k += 1;
-        if k % 7 == 0 {
+        if k.is_multiple_of(7) {
             let _ = p.client.recv(c, &mut [0u8; 5000]);
         }
-        if k % 25 == 0 {
+        if k.is_multiple_of(25) {
             for (_, conn) in p.server.connections().chain(p.client.connections()) {
                 let snap = Snapshot::capture(conn, p.now, b"app-state");
                 let mut b = vec![0u8; snap.buffer_len()];

@@ -65,7 +65,7 @@ fn connection_exported_between_rto_and_retransmission_retransmits_on_target() {
         assert!(p.step(), "nothing pending before the RTO");
         assert!(p.now.as_micros() < 30_000_000, "no RTO within 30 s");
     };
-    p.now = p.now.max(p.from_srv(rto_at));
+    p.now = p.now.max(p.srv_to_client(rto_at));
     p.server.handle_timeout(rto_at);
     {
         let conn = p.server.connection(s).expect("server connection");
@@ -94,7 +94,7 @@ fn connection_exported_between_rto_and_retransmission_retransmits_on_target() {
             got.extend_from_slice(&buf[..n]);
         }
         let srv = p.server.connection(s2).expect("imported connection");
-        got.len() == reply.len() && srv.snd.una == srv.snd.max && srv.tx.len() == 0
+        got.len() == reply.len() && srv.snd.una == srv.snd.max && srv.tx.is_empty()
     });
     let srv = p.server.connection(s2).expect("imported connection");
     assert!(

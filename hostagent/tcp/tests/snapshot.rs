@@ -119,7 +119,7 @@ fn migrate_checked(p: &mut Pair, s: ConnId, seed: u64) -> ConnId {
     let t_exp = p.srv_now();
     let app = data((seed % 300) as usize, seed);
     // Alternate target clocks ahead of and behind the origin's.
-    let target_clock = if seed % 2 == 0 {
+    let target_clock = if seed.is_multiple_of(2) {
         5_000_000_000 + seed * 1_234
     } else {
         seed * 7
@@ -258,7 +258,7 @@ fn established_with_both_queues_round_trips_and_continues() {
         p.step();
     }
     let conn = p.server.connection(s).unwrap();
-    assert!(conn.rx.len() > 0 && conn.unacked() > 0 && conn.tx.len() > conn.unacked() as usize);
+    assert!(!conn.rx.is_empty() && conn.unacked() > 0 && conn.tx.len() > conn.unacked() as usize);
     let s = migrate_checked(&mut p, s, 4);
     let mut got_up = Vec::new();
     let mut got_down = Vec::new();
@@ -419,7 +419,7 @@ fn repeated_migration_mid_transfer_is_invisible_to_the_peer() {
             fin.1 = true;
         }
         slow += 1;
-        if slow % 3 == 0 {
+        if slow.is_multiple_of(3) {
             drain(&mut p.server, s, &mut got_up);
         }
         drain(&mut p.client, c, &mut got_down);
@@ -441,7 +441,7 @@ fn repeated_migration_mid_transfer_is_invisible_to_the_peer() {
             let x = p.server.connection(s).unwrap();
             saw.0 |= !x.ooo.is_empty();
             saw.1 |= x.unacked() > 0;
-            saw.2 |= x.rx.len() > 0;
+            saw.2 |= !x.rx.is_empty();
             migrations += 1;
             s = migrate_checked(p, s, 100 + migrations);
             next_migration = p.now + Duration::from_millis(100 + 37 * (migrations % 5));
@@ -485,7 +485,7 @@ fn empty_established_snapshot_is_small() {
     // Version 2: fixed-width fields (docs/SNAPSHOT.md, "Size"): 177 bytes
     // plus 8 per armed timer; still far below one packet.
     assert!(
-        (177..=177 + 5 * 8).contains(&m) && (m - 177) % 8 == 0,
+        (177..=177 + 5 * 8).contains(&m) && (m - 177).is_multiple_of(8),
         "empty established snapshot is {m} bytes"
     );
 }

@@ -2379,11 +2379,11 @@ mod timer_tests {
         let mut now = Instant::from_micros(1_000_000);
         let mut queued_expiries = 0;
         for i in 0..20_000u32 {
-            now = now + Duration::from_micros(u64::from(i % 5) * 37 + 1);
+            now += Duration::from_micros(u64::from(i % 5) * 37 + 1);
             let f = flow((i % 11) as u16);
             if let Ok(id) = e.migrate_out(now, f, None) {
                 if i % 2 == 0 {
-                    now = now + Duration::from_micros(3);
+                    now += Duration::from_micros(3);
                     let _ = e.abort_out(now, id);
                 }
             }

@@ -452,6 +452,8 @@ fn realtime_ns() -> i64 {
     };
     // SAFETY: a valid out-pointer; CLOCK_REALTIME always exists.
     unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut now) };
+    // time_t and c_long are 32-bit on 32-bit targets.
+    #[allow(clippy::unnecessary_cast)]
     (now.tv_sec as i64)
         .wrapping_mul(1_000_000_000)
         .wrapping_add(now.tv_nsec as i64)

@@ -138,7 +138,7 @@ impl Pair {
     }
 
     /// A server-clock instant on the pair's (client) timeline.
-    pub fn from_srv(&self, t: Instant) -> Instant {
+    pub fn srv_to_client(&self, t: Instant) -> Instant {
         Instant::from_micros(t.as_micros().saturating_sub(self.server_clock))
     }
 
@@ -278,7 +278,7 @@ impl Pair {
             self.to_server.front().map(|p| p.at),
             self.to_client.front().map(|p| p.at),
             self.client.poll_timeout(),
-            self.server.poll_timeout().map(|t| self.from_srv(t)),
+            self.server.poll_timeout().map(|t| self.srv_to_client(t)),
         ]
         .into_iter()
         .flatten()
