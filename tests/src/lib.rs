@@ -84,6 +84,22 @@ impl Lab {
         run_with_timeout(c, limit)
     }
 
+    /// [`Lab::run`] for probes that are retried (conditions polled with
+    /// [`Lab::wait_for`], metrics scrapes): `None` when the command
+    /// outlived `limit`, which on a loaded machine says nothing about the
+    /// lab (`ip netns exec` alone took 0.5 s at load average 11 here).
+    pub fn try_run(
+        &self,
+        node: &str,
+        program: &str,
+        args: &[&str],
+        limit: Duration,
+    ) -> Option<Output> {
+        let mut c = self.command(node, program);
+        c.args(args);
+        try_run_with_timeout(c, limit).ok()
+    }
+
     /// Starts a long-running process inside `node`; it is killed when the lab
     /// guard drops (and by `lab down` in any case).
     pub fn spawn(
@@ -146,16 +162,29 @@ impl Lab {
     }
 
     /// Server `j`'s hostagent metrics (Prometheus text, from its management
-    /// address 198.18.1.(10+j):9100); empty if the page cannot be fetched.
+    /// address 198.18.1.(10+j):9100); empty if the page cannot be fetched
+    /// within 20 s. A scrape that fails or times out is tried again: under
+    /// CPU contention one `curl` in the namespace can outlive any fixed
+    /// limit while the hostagent is fine (the server_liveness flake: a 5 s
+    /// limit on one scrape, at load average 9 on 2 vCPUs).
     pub fn server_metrics(&self, j: u32) -> String {
         let url = format!("http://198.18.1.{}:9100/metrics", 10 + j);
-        let out = self.run(
-            &format!("s{j}"),
-            "curl",
-            &["-s", "-m", "2", &url],
-            Duration::from_secs(5),
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        let start = Instant::now();
+        loop {
+            let out = self.try_run(
+                &format!("s{j}"),
+                "curl",
+                &["-s", "-m", "5", &url],
+                Duration::from_secs(10),
+            );
+            match out {
+                Some(o) if o.status.success() && !o.stdout.is_empty() => {
+                    return String::from_utf8_lossy(&o.stdout).into_owned()
+                }
+                _ if start.elapsed() >= Duration::from_secs(20) => return String::new(),
+                _ => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
     }
 
     /// Panics unless every server in `servers` reports zero TCP resets sent.
@@ -293,7 +322,9 @@ impl Lab {
             args.extend(["-H", "Content-Type: application/json", "-d", j]);
         }
         args.push(&url);
-        let out = self.run("sw", "curl", &args, Duration::from_secs(10));
+        let Some(out) = self.try_run("sw", "curl", &args, Duration::from_secs(10)) else {
+            return (0, String::new());
+        };
         let text = String::from_utf8_lossy(&out.stdout).to_string();
         let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
         (code.trim().parse().unwrap_or(0), body.to_string())
@@ -448,27 +479,82 @@ pub fn send_line(to: &mut std::process::ChildStdin, line: &str) -> Result<(), St
 }
 
 /// Runs `cmd`, killing it if it outlives `limit`.
-pub fn run_with_timeout(mut cmd: Command, limit: Duration) -> Output {
+pub fn run_with_timeout(cmd: Command, limit: Duration) -> Output {
+    let shown = format!("{cmd:?}");
+    try_run_with_timeout(cmd, limit).unwrap_or_else(|out| {
+        panic!(
+            "command timed out after {limit:?}: {shown}\nstdout: {}\nstderr: {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+/// Runs `cmd` to completion: `Ok` with its output, or `Err` with what it
+/// wrote before it was killed for outliving `limit`. Its stdout and stderr
+/// are read while it runs (a child writing more than a pipe holds would
+/// otherwise block until the limit).
+pub fn try_run_with_timeout(mut cmd: Command, limit: Duration) -> Result<Output, Output> {
+    use std::io::Read;
     let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn");
+    let drain = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut buf);
+            }
+            buf
+        })
+    };
+    let out = drain(
+        child
+            .stdout
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    );
+    let err = drain(
+        child
+            .stderr
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    );
     let start = Instant::now();
-    loop {
-        if child.try_wait().expect("wait").is_some() {
-            return child.wait_with_output().expect("output");
+    let (status, timed_out) = loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            break (st, false);
         }
         if start.elapsed() > limit {
             let _ = child.kill();
-            let out = child.wait_with_output().expect("output");
-            panic!(
-                "command timed out after {limit:?}: {cmd:?}\nstdout: {}\nstderr: {}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
+            break (child.wait().expect("wait"), true);
         }
         std::thread::sleep(Duration::from_millis(10));
+    };
+    // The pipes close when the child exits, unless it left a process of its
+    // own holding them: wait for those a bounded time, not forever.
+    let join = |h: std::thread::JoinHandle<Vec<u8>>| {
+        let t = Instant::now();
+        while !h.is_finished() && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if h.is_finished() {
+            h.join().unwrap_or_default()
+        } else {
+            Vec::new()
+        }
+    };
+    let output = Output {
+        status,
+        stdout: join(out),
+        stderr: join(err),
+    };
+    if timed_out {
+        Err(output)
+    } else {
+        Ok(output)
     }
 }
 

@@ -53,14 +53,13 @@ fn start(lab: &mut Lab, dir: &std::path::Path, servers: u32, churn_ms: u64) {
         registered,
     );
     let answers = || {
-        lab.run(
+        lab.try_run(
             "c1",
             "curl",
             &["-s", "-m", "1", "-o", "/dev/null", "http://198.18.100.1/"],
             Duration::from_secs(5),
         )
-        .status
-        .success()
+        .is_some_and(|o| o.status.success())
     };
     lab.wait_for("the VIP to answer", Duration::from_secs(30), answers);
 }

@@ -120,16 +120,21 @@ fn while_stopped<T>(pid: u32, body: impl FnOnce() -> T) -> T {
     r.unwrap_or_else(|e| std::panic::resume_unwind(e))
 }
 
-/// Holds echo connections until server 1 has at least one of them.
+/// Holds `n` echo connections, at least one of them on server 1. Maglev
+/// places by the client's random port, so all `n` land on s2 now and then
+/// (1 in 4,096 for 12 of them on two servers): such a set is closed and
+/// another one opened, a bounded number of times.
 fn hold_some_on_s1(lab: &Lab, n: usize) -> EchoHolder {
-    let before = accepted(lab, 1);
-    let h = EchoHolder::start(lab, n);
-    let on_s1 = accepted(lab, 1) - before;
-    assert!(
-        on_s1 >= 1.0,
-        "none of {n} connections landed on s1 ({on_s1})"
-    );
-    h
+    for _ in 0..5 {
+        let before = accepted(lab, 1);
+        assert!(before >= 0.0, "s1's metrics are unreachable");
+        let h = EchoHolder::start(lab, n);
+        let on_s1 = accepted(lab, 1) - before;
+        if on_s1 >= 1.0 {
+            return h;
+        }
+    }
+    panic!("none of 5 sets of {n} connections had one on s1");
 }
 
 #[test]

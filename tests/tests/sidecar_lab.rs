@@ -229,7 +229,7 @@ fn start(tag: &str, test: &str) -> Setup {
         registered,
     );
     let answers = || {
-        lab.run(
+        lab.try_run(
             "c1",
             "curl",
             &[
@@ -242,8 +242,7 @@ fn start(tag: &str, test: &str) -> Setup {
             ],
             Duration::from_secs(5),
         )
-        .status
-        .success()
+        .is_some_and(|o| o.status.success())
     };
     lab.wait_for(
         "nginx through the sidecar",
@@ -251,13 +250,13 @@ fn start(tag: &str, test: &str) -> Setup {
         answers,
     );
     let redis_up = || {
-        let o = lab.run(
+        let o = lab.try_run(
             "c1",
             "redis-cli",
             &["-h", VIP, "-p", "6379", "PING"],
             Duration::from_secs(5),
         );
-        String::from_utf8_lossy(&o.stdout).contains("PONG")
+        o.is_some_and(|o| String::from_utf8_lossy(&o.stdout).contains("PONG"))
     };
     lab.wait_for(
         "redis through the sidecar",

@@ -19,14 +19,13 @@ fn start_stack(lab: &mut Lab, dir: &std::path::Path, backend: &str) {
         &log,
     );
     let ping_ok = || {
-        lab.run(
+        lab.try_run(
             "c1",
             "ping",
             &["-c", "1", "-W", "1", DATA],
             Duration::from_secs(5),
         )
-        .status
-        .success()
+        .is_some_and(|o| o.status.success())
     };
     lab.wait_for("the stack to answer ping", Duration::from_secs(30), ping_ok);
 }
