@@ -2188,19 +2188,22 @@ type ArmChange = Option<(Option<Instant>, bool)>;
 
 /// Records `rec`'s due time as armed; its change for [`Engine::apply_arm`].
 fn arm_change(rec: &mut Record) -> ArmChange {
-    let due = due_of_record(rec);
-    let lingering = is_lingering(rec);
-    let slot = match rec {
-        Record::Out(r) => &mut r.armed,
-        Record::In(r) => &mut r.armed,
-    };
-    if *slot == due {
+    match rec {
+        Record::Out(r) => arm_change_out(r),
+        Record::In(r) => arm_change_in(r),
+    }
+}
+
+/// Records `due` in `armed`: the change to make, if it is one.
+fn rearm(armed: &mut Option<Instant>, due: Option<Instant>, lingering: bool) -> ArmChange {
+    if *armed == due {
         return None;
     }
-    *slot = due;
+    *armed = due;
     Some((due, lingering))
 }
 
+#[cfg(test)]
 fn due_of_record(rec: &Record) -> Option<Instant> {
     match rec {
         Record::Out(r) => due_of_out(r),
@@ -2243,25 +2246,14 @@ fn due_of_in(r: &InMig) -> Option<Instant> {
 
 /// Whether the record's only timer is its expiry (finished, nothing to
 /// retransmit): its entry may go to `Engine::expiries`.
-fn is_lingering(rec: &Record) -> bool {
-    match rec {
-        Record::Out(r) => is_lingering_out(r),
-        Record::In(r) => is_lingering_in(r),
-    }
-}
-
 fn is_lingering_in(r: &InMig) -> bool {
     !matches!(r.phase, TargetPhase::Buffering | TargetPhase::Importing) && r.retx_at.is_none()
 }
 
 /// [`arm_change`] for a migration in held without its `Record`.
 fn arm_change_in(r: &mut InMig) -> ArmChange {
-    let due = due_of_in(r);
-    if r.armed == due {
-        return None;
-    }
-    r.armed = due;
-    Some((due, is_lingering_in(r)))
+    let (due, lingering) = (due_of_in(r), is_lingering_in(r));
+    rearm(&mut r.armed, due, lingering)
 }
 
 fn is_lingering_out(r: &OutMig) -> bool {
@@ -2270,12 +2262,8 @@ fn is_lingering_out(r: &OutMig) -> bool {
 
 /// [`arm_change`] for a migration out held without its `Record`.
 fn arm_change_out(r: &mut OutMig) -> ArmChange {
-    let due = due_of_out(r);
-    if r.armed == due {
-        return None;
-    }
-    r.armed = due;
-    Some((due, is_lingering_out(r)))
+    let (due, lingering) = (due_of_out(r), is_lingering_out(r));
+    rearm(&mut r.armed, due, lingering)
 }
 
 /// Target: give the migration up (never after commit). `unsolicited`
