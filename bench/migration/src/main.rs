@@ -452,21 +452,21 @@ fn wake_report(pages: &[String]) -> WakeReport {
     );
     let mut p50s = Vec::new();
     for (j, page) in pages.iter().enumerate() {
+        // A counter's total over the label sets that contain `label`.
+        let count = |name: &str, label: &str| {
+            metric_sum(page, name, label).map_or("-".to_string(), |v| format!("{v:.0}"))
+        };
         let wakes = |reason: &str| {
-            metric_sum(
-                page,
+            count(
                 "capybara_driver_wakeups_total",
                 &format!("reason=\"{reason}\""),
             )
-            .map_or("-".to_string(), |v| format!("{v:.0}"))
         };
         let spins = |outcome: &str| {
-            metric_sum(
-                page,
+            count(
                 "capybara_driver_spins_total",
                 &format!("outcome=\"{outcome}\""),
             )
-            .map_or("-".to_string(), |v| format!("{v:.0}"))
         };
         let wake = "capybara_driver_wake_delay_seconds";
         let ring = "capybara_rx_ring_delay_seconds";
@@ -481,8 +481,7 @@ fn wake_report(pages: &[String]) -> WakeReport {
             fmt(us(page, wake, "0.5")),
             fmt(us(page, wake, "0.9")),
             fmt(us(page, wake, "0.99")),
-            metric_sum(page, "capybara_driver_wakeups_total", "")
-                .map_or("-".to_string(), |v| format!("{v:.0}")),
+            count("capybara_driver_wakeups_total", ""),
             wakes("device"),
             wakes("timer"),
             wakes("kick"),
