@@ -61,8 +61,96 @@ pub static SWITCH_BPF_OBJ: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/swi
 
 const PROG_NAME: &str = "capy_switch";
 
-/// Most entries [`DataPlane::table_sizes`] counts per table.
+/// The compiled table counter (`bpf/count.bpf.c`), loaded after the XDP
+/// object with that object's `flows` and `migrations` maps.
+pub static COUNT_BPF_OBJ: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/count.bpf.o"));
+
+const COUNT_PROG_NAME: &str = "capy_count";
+
+/// Most entries the fallback walk counts per table (kernels without
+/// `bpf_map_sum_elem_count`, see [`TableCounts`]).
 pub const TABLE_COUNT_CAP: usize = 100_000;
+
+/// Entries in the flow and migration tables ([`BpfDataPlane::table_counts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TableCounts {
+    pub flows: usize,
+    pub migrations: usize,
+    /// True: read from the kernel's per-CPU element counters of both maps
+    /// (Linux 6.6 and later), exact and O(1). False: the fallback, a walk of
+    /// both maps (`BPF_MAP_LOOKUP_BATCH`, in proportion to their buckets)
+    /// that stops at [`TABLE_COUNT_CAP`] entries each ("at least").
+    pub exact: bool,
+}
+
+/// The loaded `bpf/count.bpf.c`: a syscall program that reads both tables'
+/// element counters with the kfunc `bpf_map_sum_elem_count`, run with one
+/// BPF_PROG_TEST_RUN (its context, two s64, is copied back).
+struct Counter {
+    obj: Object,
+}
+
+impl Counter {
+    /// Loads the counter on `flows` and `migrations`; the error says why it
+    /// cannot run here (e.g. a kernel before 6.6 has no such kfunc).
+    fn load(flows: &MapHandle, migrations: &MapHandle) -> std::result::Result<Self, String> {
+        use std::os::fd::AsFd;
+        let mut open = ObjectBuilder::default()
+            .open_memory(COUNT_BPF_OBJ)
+            .map_err(|e| e.to_string())?;
+        for mut m in open.maps_mut() {
+            let fd = match m.name().to_str() {
+                Some("flows") => flows.as_fd(),
+                Some("migrations") => migrations.as_fd(),
+                _ => continue,
+            };
+            m.reuse_fd(fd).map_err(|e| format!("reuse map fd: {e}"))?;
+        }
+        let c = Counter {
+            obj: open.load().map_err(|e| e.to_string())?,
+        };
+        // Run once: a kernel that loads the program but cannot run it is a
+        // fallback case too, found here rather than at the first /status.
+        c.run().map_err(|e| e.to_string())?;
+        Ok(c)
+    }
+
+    /// (flows, migrations) as the kernel counts them.
+    fn run(&self) -> Result<(usize, usize)> {
+        let p = self
+            .obj
+            .progs_mut()
+            .find(|p| p.name() == COUNT_PROG_NAME)
+            .ok_or_else(|| DataPlaneError::Load(format!("program {COUNT_PROG_NAME} missing")))?;
+        // struct capy_table_counts: two s64, written by the program.
+        let mut ctx = [0u8; 16];
+        let out = p
+            .test_run(libbpf_rs::ProgramInput {
+                context_in: Some(&mut ctx),
+                ..Default::default()
+            })
+            .map_err(|e| DataPlaneError::Map {
+                map: "flows",
+                op: "count",
+                detail: e.to_string(),
+            })?;
+        if out.return_value != 0 {
+            return Err(DataPlaneError::Map {
+                map: "flows",
+                op: "count",
+                detail: format!("counter returned {}", out.return_value),
+            });
+        }
+        // A per-CPU sum read while other CPUs insert and delete is exact
+        // only at rest; it is never below 0 for long, but clamp anyway.
+        let at = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&ctx[i * 8..i * 8 + 8]);
+            usize::try_from(i64::from_ne_bytes(b)).unwrap_or(0)
+        };
+        Ok((at(0), at(1)))
+    }
+}
 
 /// Map capacities chosen at load time (defaults: the header's).
 #[derive(Debug, Clone, Copy)]
@@ -264,6 +352,8 @@ pub struct BpfDataPlane {
     /// Attach in generic (SKB) mode ([`Self::set_generic_xdp`]).
     generic_xdp: bool,
     live_servers: BTreeSet<u32>,
+    /// Exact table counts; `None`: this kernel cannot, counts walk the maps.
+    counter: Option<Counter>,
     obj: Object,
 }
 
@@ -334,6 +424,17 @@ impl BpfDataPlane {
             })
             .map_err(map_err("flow_events", "ringbuf"))?;
         let ringbuf = builder.build().map_err(map_err("flow_events", "ringbuf"))?;
+        let counter = match Counter::load(&maps.flows, &maps.migrations) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                // Once per load: the process keeps the walk from then on.
+                eprintln!(
+                    "switchd: exact table counts unavailable ({e}); flow and migration \
+                     counts walk the maps, up to {TABLE_COUNT_CAP} entries each"
+                );
+                None
+            }
+        };
         Ok(BpfDataPlane {
             ringbuf,
             pending,
@@ -343,8 +444,56 @@ impl BpfDataPlane {
             links: Vec::new(),
             generic_xdp: false,
             live_servers: BTreeSet::new(),
+            counter,
             obj,
         })
+    }
+
+    /// Entries in the flow and migration tables: exact from the kernel's
+    /// element counters (one system call of a few microseconds whatever
+    /// the tables hold), or, where the kernel has no counter, walked and
+    /// capped ([`TableCounts::exact`]).
+    pub fn table_counts(&mut self) -> Result<TableCounts> {
+        if let Some(c) = &self.counter {
+            match c.run() {
+                Ok((flows, migrations)) => {
+                    return Ok(TableCounts {
+                        flows,
+                        migrations,
+                        exact: true,
+                    })
+                }
+                // Not seen; but a count is for status only: never an error
+                // that stops the caller, and logged once.
+                Err(e) => {
+                    eprintln!(
+                        "switchd: exact table count failed ({e}); flow and migration counts \
+                         walk the maps from now on, up to {TABLE_COUNT_CAP} entries each"
+                    );
+                    self.counter = None;
+                }
+            }
+        }
+        Ok(TableCounts {
+            flows: count_entries::<CFlowKey, CFlow>(&self.maps.flows, "flows", TABLE_COUNT_CAP)?,
+            migrations: count_entries::<CFlowKey, CMigration>(
+                &self.maps.migrations,
+                "migrations",
+                TABLE_COUNT_CAP,
+            )?,
+            exact: false,
+        })
+    }
+
+    /// Whether [`Self::table_counts`] is exact (the kernel's counters).
+    pub fn exact_counts(&self) -> bool {
+        self.counter.is_some()
+    }
+
+    /// Drops the exact counter: counts walk the maps from then on, as on a
+    /// kernel without one (tests of that fallback, and measuring it).
+    pub fn use_walk_counts(&mut self) {
+        self.counter = None;
     }
 
     fn with_prog<T>(&self, f: impl FnOnce(&libbpf_rs::ProgramMut<'_>) -> T) -> Result<T> {
@@ -504,19 +653,138 @@ fn batch_update<K: Pod, V: Pod>(
     Ok(())
 }
 
-/// Up to `limit` entries of a hash map, read in batches of 4,096.
+/// Reads a hash map in batches of [`BatchReader::CHUNK`] entries, one
+/// BPF_MAP_LOOKUP_BATCH each, resumable from the kernel's token (a bucket
+/// index for hash maps) whatever changed in between.
+///
+/// Not libbpf-rs's `lookup_batch` iterator: it takes a short batch for the
+/// last one, and the kernel returns short batches all along a hash map (it
+/// fills a batch with whole buckets only), so that iterator stopped after
+/// the first ~4,095 entries of a larger table.
+struct BatchReader<'m, K, V> {
+    map: &'m MapHandle,
+    name: &'static str,
+    keys: Vec<u8>,
+    vals: Vec<u8>,
+    _kv: std::marker::PhantomData<(K, V)>,
+}
+
+impl<'m, K: Pod, V: Pod> BatchReader<'m, K, V> {
+    /// Whole chunks: a smaller count could be below one bucket's length,
+    /// which the kernel refuses (ENOSPC).
+    const CHUNK: usize = 4096;
+
+    fn new(map: &'m MapHandle, name: &'static str) -> Result<Self> {
+        let (ksz, vsz) = (std::mem::size_of::<K>(), std::mem::size_of::<V>());
+        if map.key_size() as usize != ksz || map.value_size() as usize != vsz {
+            return Err(DataPlaneError::Map {
+                map: name,
+                op: "lookup_batch",
+                detail: format!(
+                    "key/value sizes {}/{} where {ksz}/{vsz} were expected",
+                    map.key_size(),
+                    map.value_size()
+                ),
+            });
+        }
+        Ok(BatchReader {
+            map,
+            name,
+            keys: vec![0u8; Self::CHUNK * ksz],
+            vals: vec![0u8; Self::CHUNK * vsz],
+            _kv: std::marker::PhantomData,
+        })
+    }
+
+    /// Appends the batch at `token` (`None`: the start of the map) to
+    /// `out`; returns the token of the next batch, `None` at the end.
+    fn read(&mut self, token: Option<u32>, out: &mut Vec<(K, V)>) -> Result<Option<u32>> {
+        use libbpf_rs::libbpf_sys;
+        use std::os::fd::{AsFd, AsRawFd};
+        let (ksz, vsz) = (std::mem::size_of::<K>(), std::mem::size_of::<V>());
+        let opts = libbpf_sys::bpf_map_batch_opts {
+            sz: std::mem::size_of::<libbpf_sys::bpf_map_batch_opts>() as _,
+            elem_flags: 0,
+            flags: 0,
+        };
+        let mut in_batch: u32 = token.unwrap_or(0);
+        let mut out_batch: u32 = 0;
+        let mut count: u32 = Self::CHUNK as u32;
+        // SAFETY: the buffers hold `count` keys and values of the map's
+        // sizes (checked in `new`); the tokens are u32 as the kernel expects
+        // for hash maps; `in_batch` is NULL at the start of a pass.
+        let rc = unsafe {
+            libbpf_sys::bpf_map_lookup_batch(
+                self.map.as_fd().as_raw_fd(),
+                if token.is_some() {
+                    &mut in_batch as *mut u32 as *mut _
+                } else {
+                    std::ptr::null_mut()
+                },
+                &mut out_batch as *mut u32 as *mut _,
+                self.keys.as_mut_ptr() as *mut _,
+                self.vals.as_mut_ptr() as *mut _,
+                &mut count,
+                &opts,
+            )
+        };
+        if rc < 0 && rc != -libc::ENOENT {
+            return Err(DataPlaneError::Map {
+                map: self.name,
+                op: "lookup_batch",
+                detail: std::io::Error::from_raw_os_error(-rc).to_string(),
+            });
+        }
+        for i in 0..(count as usize).min(Self::CHUNK) {
+            if let (Some(k), Some(v)) = (
+                K::from_bytes(&self.keys[i * ksz..]),
+                V::from_bytes(&self.vals[i * vsz..]),
+            ) {
+                out.push((k, v));
+            }
+        }
+        Ok((rc != -libc::ENOENT).then_some(out_batch))
+    }
+}
+
+/// How many entries a hash map holds, counting up to `limit` (the
+/// fallback of [`BpfDataPlane::table_counts`]).
+fn count_entries<K: Pod, V: Pod>(
+    map: &MapHandle,
+    name: &'static str,
+    limit: usize,
+) -> Result<usize> {
+    let mut reader = BatchReader::<K, V>::new(map, name)?;
+    let mut batch = Vec::with_capacity(BatchReader::<K, V>::CHUNK);
+    let (mut n, mut token) = (0usize, None);
+    // Bounded by the table: each read moves the token past >= 1 bucket.
+    loop {
+        batch.clear();
+        token = reader.read(token, &mut batch)?;
+        n += batch.len();
+        if token.is_none() || n >= limit {
+            return Ok(n.min(limit));
+        }
+    }
+}
+
+/// Up to `limit` entries of a hash map (a batch read past `limit` is cut).
 fn entries<K: Pod, V: Pod>(
     map: &MapHandle,
     name: &'static str,
     limit: usize,
 ) -> Result<Vec<(K, V)>> {
-    let it = map
-        .lookup_batch(4096, MapFlags::ANY, MapFlags::ANY)
-        .map_err(map_err(name, "lookup_batch"))?;
-    Ok(it
-        .take(limit)
-        .filter_map(|(k, v)| Some((K::from_bytes(&k)?, V::from_bytes(&v)?)))
-        .collect())
+    let mut reader = BatchReader::<K, V>::new(map, name)?;
+    let mut out = Vec::new();
+    let mut token = None;
+    // Bounded by the table: each read moves the token past >= 1 bucket.
+    loop {
+        token = reader.read(token, &mut out)?;
+        if token.is_none() || out.len() >= limit {
+            out.truncate(limit);
+            return Ok(out);
+        }
+    }
 }
 
 fn percpu_sum(values: &[Vec<u8>], offset: usize) -> u64 {
@@ -679,13 +947,8 @@ impl DataPlane for BpfDataPlane {
         batch_update(&self.maps.flows, "flows", &keys, &vals)
     }
     fn table_sizes(&mut self) -> Result<(usize, usize)> {
-        // One syscall per key: capped so that a huge table cannot stall
-        // the control loop (reported as the cap, i.e. "at least").
-        Ok((
-            entries::<CFlowKey, CFlow>(&self.maps.flows, "flows", TABLE_COUNT_CAP)?.len(),
-            entries::<CFlowKey, CMigration>(&self.maps.migrations, "migrations", TABLE_COUNT_CAP)?
-                .len(),
-        ))
+        let c = self.table_counts()?;
+        Ok((c.flows, c.migrations))
     }
     fn lookup_flow(&mut self, key: CFlowKey) -> Result<Option<CFlow>> {
         Ok(self
@@ -734,73 +997,27 @@ impl DataPlane for BpfDataPlane {
         budget: usize,
         out: &mut Vec<(CFlowKey, CFlow)>,
     ) -> Result<bool> {
-        use libbpf_rs::libbpf_sys;
-        use std::os::fd::{AsFd, AsRawFd};
-        // BPF_MAP_LOOKUP_BATCH with the kernel's token (a hash bucket
-        // index for hash maps) carried across calls: one syscall per
-        // chunk, resumable whatever changed in between.
-        const CHUNK: usize = 4096;
-        let ksz = std::mem::size_of::<CFlowKey>();
-        let vsz = std::mem::size_of::<CFlow>();
-        let fd = self.maps.flows.as_fd().as_raw_fd();
-        let mut keys = vec![0u8; CHUNK * ksz];
-        let mut vals = vec![0u8; CHUNK * vsz];
-        let mut taken = 0usize;
-        let opts = libbpf_sys::bpf_map_batch_opts {
-            sz: std::mem::size_of::<libbpf_sys::bpf_map_batch_opts>() as _,
-            elem_flags: 0,
-            flags: 0,
-        };
+        // One BPF_MAP_LOOKUP_BATCH per chunk, resumable whatever changed
+        // in between (`BatchReader`).
+        let mut reader = BatchReader::<CFlowKey, CFlow>::new(&self.maps.flows, "flows")?;
+        let start = out.len();
         // Bounded by `budget` (at least one chunk) or the end of the table.
         loop {
-            let mut in_batch: u32 = cursor.pos.unwrap_or(0) as u32;
-            let mut out_batch: u32 = 0;
-            // Whole chunks: a smaller count could be below one bucket's
-            // length, which the kernel refuses (ENOSPC).
-            let mut count: u32 = CHUNK as u32;
-            // SAFETY: the buffers hold `count` keys and values of the map's
-            // sizes; the batch tokens are u32 as the kernel expects for hash
-            // maps; `in_batch` is NULL at the start of a pass.
-            let rc = unsafe {
-                libbpf_sys::bpf_map_lookup_batch(
-                    fd,
-                    if cursor.pos.is_some() {
-                        &mut in_batch as *mut u32 as *mut _
-                    } else {
-                        std::ptr::null_mut()
-                    },
-                    &mut out_batch as *mut u32 as *mut _,
-                    keys.as_mut_ptr() as *mut _,
-                    vals.as_mut_ptr() as *mut _,
-                    &mut count,
-                    &opts,
-                )
-            };
-            let n = (count as usize).min(CHUNK);
-            for i in 0..n {
-                if let (Some(k), Some(v)) = (
-                    CFlowKey::from_bytes(&keys[i * ksz..]),
-                    CFlow::from_bytes(&vals[i * vsz..]),
-                ) {
-                    out.push((k, v));
+            match reader.read(cursor.pos.map(|p| p as u32), out) {
+                Err(e) => {
+                    cursor.pos = None;
+                    return Err(e);
                 }
-            }
-            taken += n;
-            if rc == -libc::ENOENT {
-                cursor.pos = None;
-                return Ok(true);
-            }
-            if rc < 0 {
-                cursor.pos = None;
-                return Err(DataPlaneError::Map {
-                    map: "flows",
-                    op: "lookup_batch",
-                    detail: std::io::Error::from_raw_os_error(-rc).to_string(),
-                });
-            }
-            cursor.pos = Some(u64::from(out_batch));
-            if taken >= budget {
-                return Ok(false);
+                Ok(None) => {
+                    cursor.pos = None;
+                    return Ok(true);
+                }
+                Ok(Some(next)) => {
+                    cursor.pos = Some(u64::from(next));
+                    if out.len() - start >= budget {
+                        return Ok(false);
+                    }
+                }
             }
         }
     }

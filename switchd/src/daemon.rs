@@ -102,61 +102,20 @@ struct Published {
     migrations: crate::control::MigrationRing,
     /// The switch epoch (`/migrations` names it: a new epoch restarts `seq`).
     epoch: u32,
-    /// Set by each `GET /status` or `/metrics`: the flow and migration
-    /// counts are taken (a kernel walk of both tables) only while someone
-    /// reads them (`count_pace`).
-    counts_wanted: bool,
-    /// Bumped by each count, published with it.
-    counts_generation: u64,
-    /// When the published counts were taken.
-    counts_at: Option<StdInstant>,
 }
 
-/// The flow and migration table sizes of `/status` and `/metrics`: a
-/// kernel walk costs in proportion to the tables' buckets, not their
-/// entries (~3.5-7.5 ms for the default 2M-bucket flow table, holding a
-/// CPU: this kernel does not preempt a system call). Walking every
-/// 1.75-3.75 s whether or not anyone looked set 10 ms bins of
-/// bench-maintenance at 0.44-0.89 of the median (median 0.73) in nearly
-/// every run (docs/BENCHMARKS.md), so the control loop counts only when a
-/// reader came since the last count, at this pace after a count that took
-/// `took`: at most every second, or less often so that counting stays
-/// under 0.2% of a core for readers polling all the time. A reader that
-/// finds counts older than [`COUNTS_MAX_AGE`] (nobody read for a while)
-/// waits for a fresh count, at most [`COUNTS_WAIT`].
-fn count_pace(took: Duration) -> Duration {
-    (took * 500).clamp(Duration::from_secs(1), COUNTS_MAX_AGE)
-}
-
-/// Counts older than this are refreshed before a reader gets them.
-const COUNTS_MAX_AGE: Duration = Duration::from_secs(10);
-/// The longest a reader waits for that refresh.
-const COUNTS_WAIT: Duration = Duration::from_secs(1);
-
-/// A reader of the counts came: ask for a count, and wait (bounded) for a
-/// fresh one if the published counts are too old.
-fn want_counts(published: &Mutex<Published>) {
-    let stale = {
-        let Ok(mut p) = published.lock() else {
-            return;
-        };
-        p.counts_wanted = true;
-        match p.counts_at {
-            Some(at) if at.elapsed() > COUNTS_MAX_AGE => p.counts_generation,
-            _ => return,
-        }
-    };
-    let until = StdInstant::now() + COUNTS_WAIT;
-    while StdInstant::now() < until {
-        std::thread::sleep(Duration::from_millis(2));
-        if published
-            .lock()
-            .map_or(true, |p| p.counts_generation != stale)
-        {
-            return;
-        }
-    }
-}
+/// How often the flow and migration counts of `/status` and `/metrics`
+/// are taken. From the kernel's element counters (`BpfDataPlane::
+/// table_counts`, Linux 6.6 and later): one system call of a few
+/// microseconds whatever the tables hold, before each publication. On a
+/// kernel without them the fallback walks both tables, which costs in
+/// proportion to their buckets (~3.5-7.5 ms holding a CPU for the default
+/// 2M-bucket flow table: this kernel does not preempt a system call), so
+/// it runs only every [`WALK_COUNT_EVERY`] (docs/BENCHMARKS.md: walking
+/// every 1.75-3.75 s set the worst 10 ms bins of bench-maintenance).
+const EXACT_COUNT_EVERY: Duration = Duration::from_millis(200);
+/// See [`EXACT_COUNT_EVERY`].
+const WALK_COUNT_EVERY: Duration = Duration::from_secs(10);
 
 /// Per-server facts the data plane does not hold.
 #[derive(Debug, Clone)]
@@ -297,9 +256,9 @@ struct Switch {
     ticks: u64,
     load_sent: u64,
     flow_counts: (usize, usize),
-    /// When `flow_counts` were taken, and how many counts so far.
-    counts_at: Option<StdInstant>,
-    counts_generation: u64,
+    /// `flow_counts` are exact (the kernel's element counters), not a
+    /// walk capped at `TABLE_COUNT_CAP` entries per table.
+    counts_exact: bool,
     /// Standby: flows loaded from the store, to apply deltas.
     warm: HashMap<FlowKey, ServerId>,
     warm_syncs: u64,
@@ -486,8 +445,7 @@ impl Switch {
             ticks: 0,
             load_sent: 0,
             flow_counts: (0, 0),
-            counts_at: None,
-            counts_generation: 0,
+            counts_exact: false,
             warm: HashMap::new(),
             warm_syncs: 0,
             fast_takeover: false,
@@ -1009,23 +967,17 @@ impl Switch {
                 next_embryonic = now + Duration::from_millis(25);
             }
             if now >= next_count {
-                // Only for a reader (`count_pace`); the first count at start.
-                let wanted = self
-                    .published
-                    .lock()
-                    .map(|mut p| std::mem::take(&mut p.counts_wanted))
-                    .unwrap_or(false);
-                if wanted || self.counts_at.is_none() {
-                    let t = StdInstant::now();
-                    self.flow_counts = self.cp.dp.table_sizes()?;
-                    next_count = now + count_pace(t.elapsed());
-                    self.counts_at = Some(StdInstant::now());
-                    self.counts_generation += 1;
-                    // Published now: a reader may be waiting for it.
-                    next_status = now;
-                } else {
-                    next_count = now + Duration::from_millis(20);
-                }
+                let c = self.cp.dp.table_counts()?;
+                self.flow_counts = (c.flows, c.migrations);
+                self.counts_exact = c.exact;
+                next_count = now
+                    + if c.exact {
+                        EXACT_COUNT_EVERY
+                    } else {
+                        WALK_COUNT_EVERY
+                    };
+                // Published with the counts just taken.
+                next_status = now;
             }
             if now >= next_status {
                 self.publish();
@@ -1711,6 +1663,7 @@ impl Switch {
             "services": services,
             "flows": self.flow_counts.0,
             "migrations": self.flow_counts.1,
+            "counts_exact": self.counts_exact,
             "closing_lingering": self.cp.closing_len(),
             "reaped_total": self.cp.reaped_total,
             "restored_flows": self.restored_flows,
@@ -1772,8 +1725,10 @@ impl Switch {
             );
         }
         m += &format!(
-            "{p}_flows {}\n{p}_migrations {}\n",
-            self.flow_counts.0, self.flow_counts.1
+            "{p}_flows {}\n{p}_migrations {}\n{p}_table_counts_exact {}\n",
+            self.flow_counts.0,
+            self.flow_counts.1,
+            u8::from(self.counts_exact)
         );
         for (n, v) in STAT_NAMES.iter().zip(stats.iter()) {
             m += &format!("{p}_dataplane_packets_total{{reason=\"{n}\"}} {v}\n");
@@ -1809,8 +1764,6 @@ impl Switch {
             pb.status = serde_json::to_string_pretty(&status).unwrap_or_default();
             pb.metrics = m;
             pb.epoch = self.epoch;
-            pb.counts_generation = self.counts_generation;
-            pb.counts_at = self.counts_at;
             let ring = format!(
                 "{p}_migration_reports_total {}\n{p}_migration_reports_overwritten_total {}\n",
                 pb.migrations.received, pb.migrations.overwritten
@@ -1950,18 +1903,12 @@ fn route(
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
     let get = |f: fn(&Published) -> String| published.lock().map(|p| f(&p)).unwrap_or_default();
     match (method, path) {
-        ("GET", "/status") => {
-            want_counts(published);
-            ("200 OK", "application/json", get(|p| p.status.clone()))
-        }
-        ("GET", "/metrics") => {
-            want_counts(published);
-            (
-                "200 OK",
-                "text/plain; version=0.0.4",
-                get(|p| p.metrics.clone()),
-            )
-        }
+        ("GET", "/status") => ("200 OK", "application/json", get(|p| p.status.clone())),
+        ("GET", "/metrics") => (
+            "200 OK",
+            "text/plain; version=0.0.4",
+            get(|p| p.metrics.clone()),
+        ),
         ("GET", "/migrations") => {
             // /migrations[?after=SEQ][&limit=N]: reported migrations, oldest first.
             let arg = |k: &str| {
@@ -2118,59 +2065,6 @@ mod tests {
         q.proactive_threshold_pct = 12.5;
         assert_eq!(policy_message(&q).proactive_threshold_bp, 1250);
         assert_ne!(policy_message(&q).generation, m.generation);
-    }
-
-    /// The flow-table counts are taken only for readers: a read asks for
-    /// one; counts older than COUNTS_MAX_AGE make the reader wait for the
-    /// next (bounded), fresh or absent ones do not.
-    #[test]
-    fn status_readers_ask_for_counts_and_wait_only_for_stale_ones() {
-        let published = Arc::new(Mutex::new(Published::default()));
-        let (tx, _rx) = mpsc::channel();
-        let t = StdInstant::now();
-        route("GET", "/status", &published, &tx);
-        assert!(published.lock().unwrap().counts_wanted, "a read asks");
-        published.lock().unwrap().counts_wanted = false;
-        route("POST", "/servers/1/drain", &published, &tx);
-        assert!(!published.lock().unwrap().counts_wanted, "not a read");
-        published.lock().unwrap().counts_at = Some(StdInstant::now());
-        route("GET", "/metrics", &published, &tx);
-        assert!(published.lock().unwrap().counts_wanted);
-        assert!(
-            t.elapsed() < COUNTS_WAIT,
-            "no wait for fresh or absent counts"
-        );
-
-        // Stale: the reader waits until the control loop publishes a count.
-        let Some(old) = StdInstant::now().checked_sub(COUNTS_MAX_AGE * 2) else {
-            return; // (a machine up for less than 20 s)
-        };
-        let old = Some(old);
-        published.lock().unwrap().counts_at = old;
-        published.lock().unwrap().counts_wanted = false;
-        let loop_side = published.clone();
-        let counter = std::thread::spawn(move || {
-            while !loop_side.lock().unwrap().counts_wanted {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            std::thread::sleep(Duration::from_millis(30));
-            let mut p = loop_side.lock().unwrap();
-            p.counts_generation += 1;
-            p.counts_at = Some(StdInstant::now());
-        });
-        let t = StdInstant::now();
-        route("GET", "/status", &published, &tx);
-        let waited = t.elapsed();
-        counter.join().unwrap();
-        assert!(
-            waited >= Duration::from_millis(25) && waited < COUNTS_WAIT,
-            "{waited:?}"
-        );
-        // Nobody counts: the wait is bounded.
-        published.lock().unwrap().counts_at = old;
-        let t = StdInstant::now();
-        route("GET", "/status", &published, &tx);
-        assert!(t.elapsed() >= COUNTS_WAIT && t.elapsed() < COUNTS_WAIT * 3);
     }
 
     #[test]
