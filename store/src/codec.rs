@@ -77,6 +77,18 @@ pub struct FlowValue {
     pub server: u32,
 }
 
+/// Stored value of a control-channel seq floor (`seq_floors/{id}`).
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SeqFloorValue {
+    pub instance: u64,
+    pub seq: u64,
+}
+
+pub fn seq_floor_key(id: ServerId) -> String {
+    format!("seq_floors/{}", id.0)
+}
+
 pub fn server_key(id: ServerId) -> String {
     format!("servers/{}", id.0)
 }

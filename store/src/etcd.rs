@@ -12,6 +12,8 @@
 //! {prefix}/records/leader/{election}      {candidate, lease_id}, attached to the lease;
 //!                                         term = the key's create_revision
 //! {prefix}/counters/audit                 last audit seq (u64)
+//! {prefix}/seq_floors/{server id}         {instance, seq}: control-channel
+//!                                         seq floor (not watched)
 //! {prefix}/flows/{cip}:{cport}->{vip}:{vport}   {server}
 //! ```
 //!
@@ -28,6 +30,7 @@
 //! losing a minority of members costs at most the requests in flight, which
 //! callers (and `FlowWriter`) retry.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -194,7 +197,10 @@ impl EtcdStore {
     /// etcd key of a logical key. Watched records share `records/` so one
     /// watcher (one ordered event stream) covers them without seeing flows.
     fn full(&self, logical: &str) -> String {
-        if logical.starts_with("flows/") || logical.starts_with("counters/") {
+        if logical.starts_with("flows/")
+            || logical.starts_with("counters/")
+            || logical.starts_with("seq_floors/")
+        {
             format!("{}/{}", self.config.prefix, logical)
         } else {
             format!("{}/records/{}", self.config.prefix, logical)
@@ -356,6 +362,31 @@ impl EtcdStore {
             if !more {
                 break;
             }
+        }
+        Ok(out)
+    }
+
+    /// Every stored seq floor with its key's mod_revision.
+    async fn floors_with_revisions(&self, op: &'static str) -> Result<Vec<(SeqFloor, i64)>> {
+        let mut out = Vec::new();
+        for kv in self.range(op, "seq_floors/").await? {
+            let logical = self.logical(kv.key())?;
+            let Some(id) = logical
+                .strip_prefix("seq_floors/")
+                .and_then(|i| i.parse::<u32>().ok())
+            else {
+                return Err(StoreError::MalformedKey {
+                    key: logical.to_string(),
+                    reason: "not seq_floors/{server id}".into(),
+                });
+            };
+            let v: codec::SeqFloorValue = decode(logical, kv.value())?;
+            let floor = SeqFloor {
+                server: ServerId(id),
+                instance: v.instance,
+                seq: v.seq,
+            };
+            out.push((floor, kv.mod_revision()));
         }
         Ok(out)
     }
@@ -595,8 +626,12 @@ impl Store for EtcdStore {
     }
 
     async fn delete_server(&self, id: ServerId) -> Result<bool> {
-        self.delete_key("delete_server", &codec::server_key(id))
-            .await
+        let deleted = self
+            .delete_key("delete_server", &codec::server_key(id))
+            .await?;
+        self.delete_key("delete_server", &codec::seq_floor_key(id))
+            .await?;
+        Ok(deleted)
     }
 
     async fn put_service(&self, service: &Service) -> Result<()> {
@@ -694,6 +729,79 @@ impl Store for EtcdStore {
             })
             .await?;
         Ok(resp.count().max(0) as u64)
+    }
+
+    async fn raise_seq_floors(&self, floors: &[SeqFloor]) -> Result<()> {
+        const OP: &str = "raise_seq_floors";
+        for f in floors {
+            for (what, v) in [("instance", f.instance), ("seq", f.seq)] {
+                if i64::try_from(v).is_err() {
+                    return Err(StoreError::Invalid {
+                        what,
+                        reason: format!("{v} is above {} (the largest the store keeps)", i64::MAX),
+                    });
+                }
+            }
+        }
+        let mut pending: Vec<SeqFloor> = floors.to_vec();
+        for _ in 0..CAS_ATTEMPTS {
+            // One read of every floor, then compare-and-swap on each key's
+            // mod_revision (0: absent) in transactions of max_txn_ops.
+            let stored: HashMap<u32, (SeqFloor, i64)> = self
+                .floors_with_revisions(OP)
+                .await?
+                .into_iter()
+                .map(|(f, rev)| (f.server.0, (f, rev)))
+                .collect();
+            pending.retain(|f| match stored.get(&f.server.0) {
+                Some((v, _)) => v.instance != f.instance || v.seq < f.seq,
+                None => true,
+            });
+            let mut lost = Vec::new();
+            for chunk in pending.chunks(self.config.max_txn_ops.max(1)) {
+                let mut when = Vec::with_capacity(chunk.len());
+                let mut then = Vec::with_capacity(chunk.len());
+                for f in chunk {
+                    let key = self.full(&codec::seq_floor_key(f.server));
+                    let rev = stored.get(&f.server.0).map_or(0, |(_, r)| *r);
+                    when.push(Compare::mod_revision(key.clone(), CompareOp::Equal, rev));
+                    let v = codec::SeqFloorValue {
+                        instance: f.instance,
+                        seq: f.seq,
+                    };
+                    then.push(TxnOp::put(key, encode(&v), None));
+                }
+                let txn = Txn::new().when(when).and_then(then);
+                let ok = self
+                    .retry(OP, |mut c| {
+                        let t = txn.clone();
+                        async move { c.txn(t).await }
+                    })
+                    .await?
+                    .succeeded();
+                if !ok {
+                    lost.extend_from_slice(chunk);
+                }
+            }
+            if lost.is_empty() {
+                return Ok(());
+            }
+            pending = lost;
+        }
+        Err(StoreError::Internal(format!(
+            "{OP}: seq floors changed concurrently {CAS_ATTEMPTS} times in a row"
+        )))
+    }
+
+    async fn seq_floors(&self) -> Result<Vec<SeqFloor>> {
+        let mut out: Vec<SeqFloor> = self
+            .floors_with_revisions("seq_floors")
+            .await?
+            .into_iter()
+            .map(|(f, _)| f)
+            .collect();
+        out.sort_by_key(|f| f.server.0);
+        Ok(out)
     }
 
     async fn put_drain(&self, drain: &Drain) -> Result<()> {

@@ -98,6 +98,16 @@ pub trait Store: Send + Sync + 'static {
     async fn scan_flows(&self) -> Result<Vec<FlowMapping>>;
     async fn count_flows(&self) -> Result<u64>;
 
+    // ---- control-channel seq floors (replay protection across takeovers)
+    /// Raises each server's stored floor to `seq` (the active switch, every
+    /// few seconds): kept when the stored floor is of the same `instance`
+    /// and not below; replaced when it is of another instance (the server
+    /// restarted). Not watched, not in the change log. A `seq` above
+    /// `i64::MAX` is refused (`Invalid`).
+    async fn raise_seq_floors(&self, floors: &[SeqFloor]) -> Result<()>;
+    /// Every stored floor, by server id.
+    async fn seq_floors(&self) -> Result<Vec<SeqFloor>>;
+
     // ----- drains
     /// Starts or replaces the drain of `drain.server`.
     async fn put_drain(&self, drain: &Drain) -> Result<()>;

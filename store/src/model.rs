@@ -129,6 +129,21 @@ impl Server {
     }
 }
 
+/// The highest control-channel `seq` a switch accepted from one process of
+/// a server (its REGISTER's instance id), written by the active switch every
+/// few seconds so that a standby that takes over refuses messages of that
+/// process at or below it (replays captured before the takeover), not only
+/// those at or below the REGISTER's `seq` ([`Server::register_seq`]). Kept
+/// apart from the server record: it changes with every heartbeat, and
+/// watchers of servers must not see it as a change of the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqFloor {
+    pub server: ServerId,
+    /// The process (REGISTER instance id, never 0) the seq belongs to.
+    pub instance: u64,
+    pub seq: u64,
+}
+
 /// A service: a VIP:port and the pool of servers behind it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -272,7 +272,24 @@ fn open_blocking(config: &SqliteConfig) -> Result<Connection> {
     conn.pragma_update(None, "synchronous", sync)
         .map_err(|e| corrupt_or(&path, "set synchronous", e))?;
     migrate(&mut conn, &path, version, SCHEMA_VERSION)?;
+    conn.execute_batch(SEQ_FLOORS_TABLE)
+        .map_err(|e| corrupt_or(&path, "create seq_floors", e))?;
     Ok(conn)
+}
+
+/// The control-channel seq floors (`Store::raise_seq_floors`): an additive
+/// table outside the versioned schema, so that a file the newer build opened
+/// still opens in an older one (switchd and the api may be upgraded one
+/// after the other), which ignores the table.
+const SEQ_FLOORS_TABLE: &str = "CREATE TABLE IF NOT EXISTS seq_floors (
+    server INTEGER PRIMARY KEY, instance INTEGER NOT NULL, seq INTEGER NOT NULL)";
+
+/// A u64 of a seq floor as an SQLite integer (i64).
+fn seq_column(what: &'static str, v: u64) -> Result<i64> {
+    i64::try_from(v).map_err(|_| StoreError::Invalid {
+        what,
+        reason: format!("{v} is above {} (the largest the store keeps)", i64::MAX),
+    })
 }
 
 /// Appends a change-log row inside the caller's transaction.
@@ -851,14 +868,24 @@ impl Store for SqliteStore {
     }
 
     async fn delete_server(&self, id: ServerId) -> Result<bool> {
-        self.delete_record(
-            "delete_server",
-            "servers",
-            "id",
-            i64::from(id.0).into(),
-            codec::server_key(id),
-        )
-        .await
+        let deleted = self
+            .delete_record(
+                "delete_server",
+                "servers",
+                "id",
+                i64::from(id.0).into(),
+                codec::server_key(id),
+            )
+            .await?;
+        self.run("delete_server", move |conn| {
+            conn.execute(
+                "DELETE FROM seq_floors WHERE server = ?1",
+                [i64::from(id.0)],
+            )
+            .map_err(StoreError::sqlite("delete_server"))
+        })
+        .await?;
+        Ok(deleted)
     }
 
     async fn put_service(&self, service: &Service) -> Result<()> {
@@ -998,6 +1025,73 @@ impl Store for SqliteStore {
             conn.query_row("SELECT COUNT(*) FROM flows", [], |r| r.get::<_, i64>(0))
                 .map(|n| n.max(0) as u64)
                 .map_err(StoreError::sqlite("count_flows"))
+        })
+        .await
+    }
+
+    async fn raise_seq_floors(&self, floors: &[SeqFloor]) -> Result<()> {
+        let rows = floors
+            .iter()
+            .map(|f| {
+                Ok((
+                    i64::from(f.server.0),
+                    seq_column("instance", f.instance)?,
+                    seq_column("seq", f.seq)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // Not watched: no change-log rows and no poller wake-up.
+        self.run("raise_seq_floors", move |conn| {
+            let op = "raise_seq_floors";
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(StoreError::sqlite(op))?;
+            {
+                let mut up = tx
+                    .prepare_cached(
+                        "INSERT INTO seq_floors (server, instance, seq) VALUES (?1, ?2, ?3)
+                         ON CONFLICT (server) DO UPDATE SET
+                           seq = CASE WHEN instance = excluded.instance THEN max(seq, excluded.seq) ELSE excluded.seq END,
+                           instance = excluded.instance",
+                    )
+                    .map_err(StoreError::sqlite(op))?;
+                for r in &rows {
+                    up.execute(params![r.0, r.1, r.2]).map_err(StoreError::sqlite(op))?;
+                }
+            }
+            tx.commit().map_err(StoreError::sqlite(op))
+        })
+        .await
+    }
+
+    async fn seq_floors(&self) -> Result<Vec<SeqFloor>> {
+        self.run("seq_floors", |conn| {
+            let op = "seq_floors";
+            let mut q = conn
+                .prepare_cached("SELECT server, instance, seq FROM seq_floors ORDER BY server")
+                .map_err(StoreError::sqlite(op))?;
+            let rows = q
+                .query_map([], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, i64>(2)?,
+                    ))
+                })
+                .map_err(StoreError::sqlite(op))?;
+            let mut out = Vec::new();
+            for row in rows {
+                let (server, instance, seq) = row.map_err(StoreError::sqlite(op))?;
+                let key = format!("seq_floors/{server}");
+                let bad = |what: &str, v: i64| StoreError::MalformedValue {
+                    key: key.clone(),
+                    reason: format!("{what} {v} out of range"),
+                };
+                out.push(SeqFloor {
+                    server: ServerId(u32::try_from(server).map_err(|_| bad("server id", server))?),
+                    instance: u64::try_from(instance).map_err(|_| bad("instance", instance))?,
+                    seq: u64::try_from(seq).map_err(|_| bad("seq", seq))?,
+                });
+            }
+            Ok(out)
         })
         .await
     }

@@ -142,6 +142,51 @@ mod cases {
         assert_eq!((got.instance, got.register_seq), (None, None));
     }
 
+    pub async fn seq_floors_raise_per_instance(f: &Fixture) {
+        let s = &f.store;
+        let floor = |id: u32, instance: u64, seq: u64| SeqFloor {
+            server: ServerId(id),
+            instance,
+            seq,
+        };
+        // Servers watchers must not see floor writes as server changes.
+        let mut w = f.second.watch(&[WatchKind::Servers]).await.unwrap();
+        assert_eq!(s.seq_floors().await.unwrap(), vec![]);
+        s.raise_seq_floors(&[floor(2, 7, 100), floor(1, 9, 50)])
+            .await
+            .unwrap();
+        assert_eq!(
+            f.second.seq_floors().await.unwrap(),
+            vec![floor(1, 9, 50), floor(2, 7, 100)]
+        );
+        // Same instance: never lowered; raised.
+        s.raise_seq_floors(&[floor(2, 7, 90), floor(1, 9, 60)])
+            .await
+            .unwrap();
+        assert_eq!(
+            s.seq_floors().await.unwrap(),
+            vec![floor(1, 9, 60), floor(2, 7, 100)]
+        );
+        // Another instance (the server restarted): replaced, even if lower.
+        f.second.raise_seq_floors(&[floor(2, 8, 10)]).await.unwrap();
+        assert_eq!(
+            s.seq_floors().await.unwrap(),
+            vec![floor(1, 9, 60), floor(2, 8, 10)]
+        );
+        // Out of the store's range: a clear error, nothing written.
+        let e = s
+            .raise_seq_floors(&[floor(1, 9, u64::MAX)])
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("seq"), "{e}");
+        assert_eq!(s.seq_floors().await.unwrap()[0], floor(1, 9, 60));
+        no_event(&mut w, Duration::from_millis(300)).await;
+        // Deleting the server deletes its floor.
+        s.put_server(&server(2)).await.unwrap();
+        assert!(s.delete_server(ServerId(2)).await.unwrap());
+        assert_eq!(s.seq_floors().await.unwrap(), vec![floor(1, 9, 60)]);
+    }
+
     pub async fn server_state_and_weight(f: &Fixture) {
         let s = &f.store;
         s.put_server(&server(7)).await.unwrap();
@@ -992,6 +1037,7 @@ macro_rules! conformance {
 conformance!(
     servers_crud,
     server_instance_roundtrip,
+    seq_floors_raise_per_instance,
     server_state_and_weight,
     services_crud,
     policy_default_roundtrip_and_validation,

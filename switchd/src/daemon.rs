@@ -117,6 +117,12 @@ const EXACT_COUNT_EVERY: Duration = Duration::from_millis(200);
 /// See [`EXACT_COUNT_EVERY`].
 const WALK_COUNT_EVERY: Duration = Duration::from_secs(10);
 
+/// How often the active switch stores each server's last accepted
+/// control-channel seq (`Switch::write_seq_floors`): after a takeover or a
+/// restart, messages captured in the last interval before it can still be
+/// replayed once each; older ones are refused.
+const SEQ_FLOOR_INTERVAL: Duration = Duration::from_secs(2);
+
 /// Per-server facts the data plane does not hold.
 #[derive(Debug, Clone)]
 struct Peer {
@@ -291,6 +297,8 @@ struct Switch {
     held: crate::persist::HeldUpdates,
     /// Server record writes held while serving without the lease.
     held_servers: HeldServerWrites,
+    /// The seq floors last handed to the store, by server.
+    floors_written: HashMap<ServerId, capybara_store::SeqFloor>,
     lease_losses: u64,
     lease_regained: u64,
     /// HA: the lease the flow writer writes under (`apply_flows_fenced`):
@@ -464,6 +472,7 @@ impl Switch {
             newer_leader: Arc::new(Mutex::new(None)),
             held: crate::persist::HeldUpdates::new(1 << 20),
             held_servers: HeldServerWrites::default(),
+            floors_written: HashMap::new(),
             lease_losses: 0,
             lease_regained: 0,
             fence,
@@ -733,6 +742,74 @@ impl Switch {
         });
     }
 
+    /// The stored control-channel seq floors by server. Without them a
+    /// takeover still works (floors from the REGISTERs only): an error is
+    /// logged, not returned.
+    fn read_seq_floors(
+        &self,
+        store: &Arc<dyn Store>,
+    ) -> HashMap<ServerId, capybara_store::SeqFloor> {
+        let read = self.rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(2), store.seq_floors()).await
+        });
+        match read {
+            Ok(Ok(floors)) => floors.into_iter().map(|f| (f.server, f)).collect(),
+            Ok(Err(e)) => {
+                eprintln!(
+                    "switchd: store: seq floors: {e}; judging replays by the stored REGISTERs only"
+                );
+                HashMap::new()
+            }
+            Err(_) => {
+                eprintln!("switchd: store: seq floors: no answer within 2 s; judging replays by the stored REGISTERs only");
+                HashMap::new()
+            }
+        }
+    }
+
+    /// Stores each registered server's last accepted control-channel seq
+    /// (with its instance id), so that a switch that takes over, or this
+    /// one restarted, refuses replays of messages older than
+    /// [`SEQ_FLOOR_INTERVAL`] before that. Only the lease holder writes;
+    /// writes are max-merged per process, so a late one never lowers a
+    /// floor.
+    fn write_seq_floors(&mut self) {
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        if self.writes_fenced() {
+            return;
+        }
+        let floors: Vec<capybara_store::SeqFloor> = self
+            .peers
+            .iter()
+            .filter_map(|(id, p)| {
+                let instance = self.cp.server(*id)?.reg.instance;
+                let f = capybara_store::SeqFloor {
+                    server: *id,
+                    instance,
+                    seq: p.last_seq,
+                };
+                (instance != 0 && self.floors_written.get(id) != Some(&f)).then_some(f)
+            })
+            .collect();
+        if floors.is_empty() {
+            return;
+        }
+        for f in &floors {
+            self.floors_written.insert(f.server, *f);
+        }
+        self.rt.spawn(async move {
+            match tokio::time::timeout(Duration::from_secs(2), store.raise_seq_floors(&floors))
+                .await
+            {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => eprintln!("switchd: store: seq floors: {e}"),
+                Err(_) => eprintln!("switchd: store: seq floors: no answer within 2 s"),
+            }
+        });
+    }
+
     /// Servers and flows from the store into the (attached or not) data
     /// plane, as a delta against what was loaded before.
     fn sync_from_store(&mut self) -> anyhow::Result<()> {
@@ -751,6 +828,7 @@ impl Switch {
                 .await
             })
             .context("store did not answer within 5 s")??;
+        let floors = self.read_seq_floors(&store);
         let now = self.now();
         // A dead server that still owns stored flows died within its grace
         // at the previous active: restored DEAD with them (after the live
@@ -764,8 +842,9 @@ impl Switch {
             // registered it since, and judged any restart), so that a
             // REGISTER after the takeover is judged against it.
             self.cp.follow_instance(s.id, s.instance.unwrap_or(0));
+            let seq_floor = crate::persist::restored_seq_floor(&s, floors.get(&s.id));
             if let Some(p) = self.peers.get_mut(&s.id) {
-                p.last_seq = p.last_seq.max(crate::persist::restored_seq_floor(&s));
+                p.last_seq = p.last_seq.max(seq_floor);
             }
             let dead_with_flows = s.state == ServerState::Dead && owners.contains(&s.id);
             if matches!(s.state, ServerState::Dead | ServerState::Drained) && !dead_with_flows {
@@ -823,7 +902,7 @@ impl Switch {
                     .peers
                     .entry(s.id)
                     .or_insert_with(|| new_peer(s.mgmt_addr));
-                p.last_seq = p.last_seq.max(crate::persist::restored_seq_floor(&s));
+                p.last_seq = p.last_seq.max(seq_floor);
             }
         }
         let fresh: HashMap<FlowKey, ServerId> = flows.iter().map(|m| (m.key, m.server)).collect();
@@ -865,6 +944,7 @@ impl Switch {
         let mut next_count = self.now();
         let mut next_renew = self.now();
         let mut next_embryonic = self.now();
+        let mut next_floors = self.now() + SEQ_FLOOR_INTERVAL;
         let mut buf = vec![0u8; 2048];
         // Bounded by SHUTDOWN; each iteration waits at most one interval.
         while !SHUTDOWN.load(Ordering::SeqCst) {
@@ -1011,6 +1091,10 @@ impl Switch {
             if self.lease.is_some() && now >= next_renew {
                 self.renew_lease();
                 next_renew = now + Duration::from_millis(self.cfg.ha.lease_ttl_ms.max(1000) / 4);
+            }
+            if now >= next_floors {
+                self.write_seq_floors();
+                next_floors = now + SEQ_FLOOR_INTERVAL;
             }
             while let Ok(cmd) = self.cmd_rx.try_recv() {
                 self.command(&sock, cmd);

@@ -347,8 +347,22 @@ impl Lab {
     }
 
     /// Registers server `j` and heartbeats every 100 ms until the returned
-    /// handle is stopped or dropped.
+    /// handle is stopped or dropped. A stand-in without an instance id, like
+    /// servers that predate it (docs/SWITCHD.md "Stalled and restarted
+    /// servers"): its seqs start at 1.
     pub fn register_server(&self, j: u32, weight: u16) -> anyhow::Result<ServerAgent> {
+        self.register_server_as(j, weight, 0, 1)
+    }
+
+    /// [`Lab::register_server`] as process `instance` (0: none) whose
+    /// REGISTER has seq `first_seq`, each heartbeat one more.
+    pub fn register_server_as(
+        &self,
+        j: u32,
+        weight: u16,
+        instance: u64,
+        first_seq: u64,
+    ) -> anyhow::Result<ServerAgent> {
         let ns = self.ns(&format!("s{j}"));
         let out = sh(&["ip", "-n", &ns, "-o", "link", "show", "eth0"])?;
         let mac = out
@@ -363,7 +377,7 @@ impl Lab {
         sock.set_read_timeout(Some(Duration::from_millis(200)))?;
         let key = MigrationKey::from_hex(KEY_HEX)?;
         let switch = SocketAddrV4::new(SWITCH_SV, capybara_proto::ports::CONTROL);
-        let mut seq = 1u64;
+        let mut seq = first_seq;
         let services = [SocketAddrV4::new(VIP, 80)];
         let reg = ControlRepr {
             server_id: ServerId(j),
@@ -374,9 +388,7 @@ impl Lab {
                 data_mac: mac,
                 weight,
                 services: ServiceList::Slice(&services),
-                // A stand-in without an instance id, like servers that
-                // predate it (docs/SWITCHD.md "Stalled and restarted servers").
-                instance: 0,
+                instance,
             }),
         };
         let mut buf = vec![0u8; reg.buffer_len()];

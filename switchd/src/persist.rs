@@ -62,9 +62,21 @@ pub fn restored_registration(
 
 /// The control-channel seq a switch that takes over expects messages from
 /// stored server `rec` to be above (0: no floor), as the switch that took
-/// its REGISTER does.
-pub fn restored_seq_floor(rec: &capybara_store::Server) -> u64 {
-    rec.instance.and(rec.register_seq).unwrap_or(0)
+/// its REGISTER does: the REGISTER's seq, raised by the stored `floor` (the
+/// last seq the active accepted, written every few seconds) when that is of
+/// the same process. Only with an instance id: without one, seqs restart
+/// with the process.
+pub fn restored_seq_floor(
+    rec: &capybara_store::Server,
+    floor: Option<&capybara_store::SeqFloor>,
+) -> u64 {
+    let Some(instance) = rec.instance else {
+        return 0;
+    };
+    let accepted = floor
+        .filter(|f| f.server == rec.id && f.instance == instance)
+        .map_or(0, |f| f.seq);
+    rec.register_seq.unwrap_or(0).max(accepted)
 }
 
 /// Counters of the sink itself; the writer has its own (batch sizes, lag).
@@ -271,10 +283,20 @@ mod tests {
         let recs = store.list_servers().await.unwrap();
         assert_eq!(
             recs.iter()
-                .map(|r| (r.instance, restored_seq_floor(r)))
+                .map(|r| (r.instance, restored_seq_floor(r, None)))
                 .collect::<Vec<_>>(),
             vec![(Some(7), 1_000), (None, 0)]
         );
+        // The active's later floor raises it, for the same process only.
+        let floor = |instance, seq| capybara_store::SeqFloor {
+            server: ServerId(1),
+            instance,
+            seq,
+        };
+        let s1 = recs.iter().find(|r| r.id == ServerId(1)).unwrap();
+        assert_eq!(restored_seq_floor(s1, Some(&floor(7, 5_000))), 5_000);
+        assert_eq!(restored_seq_floor(s1, Some(&floor(7, 10))), 1_000);
+        assert_eq!(restored_seq_floor(s1, Some(&floor(6, 5_000))), 1_000);
         let flows: Vec<(FlowKey, ServerId)> = store
             .scan_flows()
             .await
@@ -317,7 +339,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(restored_registration(&old, [2; 6], 3, [2; 6]).instance, 0);
-        assert_eq!(restored_seq_floor(&old), 0);
+        assert_eq!(restored_seq_floor(&old, None), 0);
         writer.close(Duration::from_secs(5)).await.unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -337,6 +337,102 @@ fn placement_liveness_and_persistence() {
     drop(agents);
 }
 
+/// A server's control messages captured before a switch restart (or a
+/// takeover: the same restore from the store) cannot be replayed to the new
+/// process to keep the server live after it stopped: its seq floor is the
+/// last seq the old process stored (every 2 s), not only the server's
+/// REGISTER. (While the server runs, its own next heartbeat raises the
+/// floor anyway; the attack is on a server that went silent.)
+#[test]
+fn replayed_heartbeats_are_refused_after_a_restart() {
+    if skip() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut lab = Lab::up("swr", 1).expect("lab up");
+    let cfg = lab.switchd_config("a", 1, &[1], 9102, "").unwrap();
+    let a = lab.start_switchd(&switchd_bin(), &cfg, "a.log").unwrap();
+    lab.wait_status(9102, Duration::from_secs(10), "switchd active", |s| {
+        s["role"] == "active"
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", lab.log("a.log")));
+    // Seqs as a hostagent's: from the clock at its start, one per message.
+    let first = 1_763_800_000_000_000u64;
+    let agent = lab
+        .register_server_as(1, 1, 0x5eed, first)
+        .unwrap_or_else(|e| panic!("{e}\n{}", lab.log("a.log")));
+    // Heartbeats every 100 ms; floors are stored every 2 s: after 45
+    // (4.5 s) the stored floor is above the first 20, which the attacker
+    // captured (the last 2 s before the restart can still be replayed once
+    // each: docs/SWITCHD.md).
+    let t = Instant::now();
+    while agent.heartbeats.load(std::sync::atomic::Ordering::Relaxed) < 45
+        && t.elapsed() < Duration::from_secs(10)
+    {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The server goes silent; the switch restarts on its store.
+    agent.stop();
+    std::thread::sleep(Duration::from_millis(200));
+    lab.kill(a, libc::SIGKILL);
+    lab.wait(a, Duration::from_secs(5))
+        .expect("killed switchd exits");
+    lab.start_switchd(&switchd_bin(), &cfg, "b.log").unwrap();
+    lab.wait_status(
+        9102,
+        Duration::from_secs(10),
+        "restarted switchd active",
+        |s| s["role"] == "active",
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", lab.log("b.log")));
+
+    use capybara_proto::control::{ControlBody, ControlRepr, Heartbeat};
+    let key = capybara_proto::MigrationKey::from_hex(labkit::KEY_HEX).unwrap();
+    let captured = |seq| {
+        let r = ControlRepr {
+            server_id: capybara_proto::ServerId(1),
+            seq,
+            body: ControlBody::Heartbeat(Heartbeat {
+                connections: 0,
+                migrations_in_flight: 0,
+                load_pps: 0,
+                rx_backlog_bytes: 0,
+                flags: 0,
+                policy_generation: 0,
+            }),
+        };
+        let mut b = vec![0u8; r.buffer_len()];
+        r.emit_with_mac(&mut b, &key).unwrap();
+        b
+    };
+    // Bounded: 20 captured heartbeats, 100 ms apart, as the attacker
+    // would send them to keep the silent server live.
+    for i in 0..20 {
+        lab.send_raw_control(1, vec![captured(first + 1 + i)])
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (s, _) = lab
+        .wait_status(
+            9102,
+            Duration::from_secs(3),
+            "the silent server dead",
+            |s| {
+                s["servers"]
+                    .as_array()
+                    .is_some_and(|a| a.iter().any(|x| x["id"] == 1 && x["state"] == "dead"))
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{}", lab.log("b.log")));
+    eprintln!("control drops after the restart: {}", s["control_drops"]);
+    assert_eq!(
+        s["control_drops"]["replay"].as_u64(),
+        Some(20),
+        "captured heartbeats accepted after the restart: {}",
+        s["control_drops"]
+    );
+}
+
 fn check_failover(r: &labkit::FailoverResult, mode: &str) {
     eprintln!(
         "{mode}: RESULT takeover_ms={:.0} connections_lost={} max_stall_ms={:.0} attach_ms={:.1} flows_restored={}",
