@@ -241,6 +241,8 @@ fn run(path: &str) -> Result<(), String> {
                 cfg.stack.address,
                 mac.0,
                 services,
+                // No sidecar services: nothing to health-check.
+                std::rc::Rc::new(capybara_hostagent::health::Board::new(&cfg.health, &[])),
             ));
         }
         if mig.churn_every_ms > 0 {

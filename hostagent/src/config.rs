@@ -331,6 +331,54 @@ fn default_monitor_window_ms() -> u64 {
     50
 }
 
+/// Health checks of the applications behind sidecar services
+/// (`crate::health`, docs/OPERATIONS.md "Application health checks").
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HealthConfig {
+    /// false: no checks; every service counts as up (as before).
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Time between two probes of a service, milliseconds.
+    #[serde(default = "default_health_interval_ms")]
+    pub interval_ms: u64,
+    /// A probe's connect not done within this is a failure, milliseconds.
+    #[serde(default = "default_health_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Consecutive failed checks (probes, or relays that could not
+    /// connect) that take a service down.
+    #[serde(default = "default_health_fall")]
+    pub fall: u32,
+    /// Consecutive successful probes that bring it back up.
+    #[serde(default = "default_health_rise")]
+    pub rise: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            enabled: true,
+            interval_ms: default_health_interval_ms(),
+            timeout_ms: default_health_timeout_ms(),
+            fall: default_health_fall(),
+            rise: default_health_rise(),
+        }
+    }
+}
+
+fn default_health_interval_ms() -> u64 {
+    500
+}
+fn default_health_timeout_ms() -> u64 {
+    250
+}
+fn default_health_fall() -> u32 {
+    2
+}
+fn default_health_rise() -> u32 {
+    2
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -347,6 +395,8 @@ pub struct Config {
     pub control: Option<ControlConfig>,
     #[serde(default)]
     pub policy: PolicyConfig,
+    #[serde(default)]
+    pub health: HealthConfig,
 }
 
 impl MigrationConfig {
@@ -519,6 +569,18 @@ impl Config {
                 return Err(bad("control.weight", "0".into(), "must be at least 1"));
             }
         }
+        let h = &self.health;
+        for (field, v, range) in [
+            ("health.interval_ms", h.interval_ms, 10..=60_000),
+            ("health.timeout_ms", h.timeout_ms, 1..=60_000),
+            ("health.fall", u64::from(h.fall), 1..=100),
+            ("health.rise", u64::from(h.rise), 1..=100),
+        ] {
+            if !range.contains(&v) {
+                let why = format!("must be {} to {}", range.start(), range.end());
+                return Err(bad(field, v.to_string(), &why));
+            }
+        }
         if !(1..=10_000).contains(&self.policy.monitor_window_ms) {
             return Err(bad(
                 "policy.monitor_window_ms",
@@ -617,6 +679,32 @@ app = "echo"
         assert!(e.contains("stack.mss = 20"), "{e}");
         let e = check(&GOOD.replace("name = \"eth0\"", "name = \"eth0\"\nspeed = 1")).unwrap_err();
         assert!(e.contains("speed"), "{e}");
+    }
+
+    #[test]
+    fn health_checks_default_on_and_are_bounded() {
+        let h = check(GOOD).unwrap().health;
+        assert_eq!(h, HealthConfig::default());
+        assert!(h.enabled);
+        assert_eq!(
+            (h.interval_ms, h.timeout_ms, h.fall, h.rise),
+            (500, 250, 2, 2)
+        );
+        let c = check(&format!(
+            "{GOOD}[health]\nenabled = false\ninterval_ms = 100\nfall = 1\n"
+        ))
+        .unwrap();
+        assert!(!c.health.enabled);
+        assert_eq!(
+            (c.health.interval_ms, c.health.fall, c.health.rise),
+            (100, 1, 2)
+        );
+        let e = check(&format!("{GOOD}[health]\nfall = 0\n")).unwrap_err();
+        assert!(e.contains("health.fall = 0: must be 1 to 100"), "{e}");
+        let e = check(&format!("{GOOD}[health]\ninterval_ms = 5\n")).unwrap_err();
+        assert!(e.contains("health.interval_ms = 5"), "{e}");
+        let e = check(&format!("{GOOD}[health]\nintervl_ms = 5\n")).unwrap_err();
+        assert!(e.contains("intervl_ms"), "{e}");
     }
 
     #[test]

@@ -39,6 +39,7 @@ pub async fn run(
     data_addr: Ipv4Addr,
     data_mac: [u8; 6],
     services: Vec<SocketAddrV4>,
+    health: std::rc::Rc<crate::health::Board>,
 ) {
     let sock = match tokio::net::UdpSocket::bind(SocketAddrV4::new(cfg.management, 0)).await {
         Ok(s) => s,
@@ -99,6 +100,14 @@ pub async fn run(
                     }
                 }
             }
+            _ = health.changed.notified(), if registered => {
+                // A backend went down or came back: tell the switch now,
+                // not at the next heartbeat.
+                let body = heartbeat(&stack, draining, &health);
+                if let Some(n) = send(body, &mut buf, &mut seq) {
+                    let _ = sock.send_to(&buf[..n], cfg.switch).await;
+                }
+            }
             _ = tick.tick() => {
                 let body = if !registered {
                     ControlBody::Register(Register {
@@ -110,23 +119,7 @@ pub async fn run(
                         instance,
                     })
                 } else {
-                    let (connections, in_flight, load, generation) = stack.with(|i| {
-                        let now = i.clock.now();
-                        let t = &mut i.transports;
-                        t.monitor.refresh(&t.tcp);
-                        let load = t.monitor.totals(now);
-                        let mig = t.mig.as_ref().map_or((0, 0), |m| m.engine.in_progress());
-                        let generation = t.policy.as_ref().map_or(0, |p| p.engine.generation);
-                        (t.tcp.connection_count() as u32, (mig.0 + mig.1) as u32, load, generation)
-                    });
-                    ControlBody::Heartbeat(Heartbeat {
-                        connections,
-                        migrations_in_flight: in_flight,
-                        load_pps: load.pps.round() as u64,
-                        rx_backlog_bytes: load.rx_backlog_bytes,
-                        flags: if draining { HEARTBEAT_DRAINING } else { 0 },
-                        policy_generation: generation,
-                    })
+                    heartbeat(&stack, draining, &health)
                 };
                 if let Some(n) = send(body, &mut buf, &mut seq) {
                     let _ = sock.send_to(&buf[..n], cfg.switch).await;
@@ -205,6 +198,34 @@ pub async fn run(
             }
         }
     }
+}
+
+/// A HEARTBEAT with the counters summary, the drain flag and the backends'
+/// health.
+fn heartbeat(stack: &Stack, draining: bool, health: &crate::health::Board) -> ControlBody<'static> {
+    let (connections, in_flight, load, generation) = stack.with(|i| {
+        let now = i.clock.now();
+        let t = &mut i.transports;
+        t.monitor.refresh(&t.tcp);
+        let load = t.monitor.totals(now);
+        let mig = t.mig.as_ref().map_or((0, 0), |m| m.engine.in_progress());
+        let generation = t.policy.as_ref().map_or(0, |p| p.engine.generation);
+        (
+            t.tcp.connection_count() as u32,
+            (mig.0 + mig.1) as u32,
+            load,
+            generation,
+        )
+    });
+    let drain = if draining { HEARTBEAT_DRAINING } else { 0 };
+    ControlBody::Heartbeat(Heartbeat {
+        connections,
+        migrations_in_flight: in_flight,
+        load_pps: load.pps.round() as u64,
+        rx_backlog_bytes: load.rx_backlog_bytes,
+        flags: drain | health.heartbeat_flags(),
+        policy_generation: generation,
+    })
 }
 
 /// A random, nonzero instance id for this process.

@@ -38,6 +38,7 @@ use capybara_proto::time::{Duration, Instant};
 use capybara_proto::FlowKey;
 use capybara_tcp::ConnId;
 use std::collections::VecDeque;
+use std::net::SocketAddrV4;
 
 /// Migrations a drain keeps under way at once, unless its deadline needs
 /// more (`[migration] drain_max_in_flight`).
@@ -139,6 +140,8 @@ impl Timings {
 }
 
 struct Run {
+    /// Only connections of these services (empty: every connection).
+    only: Vec<SocketAddrV4>,
     started: Instant,
     deadline: Instant,
     queue: VecDeque<(FlowKey, ConnId, u32)>,
@@ -195,6 +198,8 @@ pub struct DrainProgress {
 pub struct Drainer {
     /// Migrations kept under way at once, unless the deadline needs more.
     pub max_in_flight: usize,
+    /// Names it in log lines ("drain", "health drain").
+    label: &'static str,
     run: Option<Run>,
     last: DrainProgress,
     /// "No connection to migrate" was logged for the drain in force.
@@ -209,7 +214,14 @@ impl Default for Drainer {
 
 impl Drainer {
     pub fn new(max_in_flight: usize) -> Drainer {
+        Drainer::labelled("", max_in_flight)
+    }
+
+    /// A drainer whose log lines say `<label> drain` (e.g. the health
+    /// checks' migration of a down service's connections).
+    pub fn labelled(label: &'static str, max_in_flight: usize) -> Drainer {
         Drainer {
+            label,
             max_in_flight: max_in_flight.clamp(1, MAX_IN_FLIGHT_LIMIT),
             run: None,
             last: DrainProgress::default(),
@@ -226,6 +238,22 @@ impl Drainer {
     /// way keeps going with the new deadline (the switch repeats DRAIN until
     /// a heartbeat shows it). Returns the connections queued.
     pub fn start(&mut self, now: Instant, deadline: Duration, m: &Migrator) -> usize {
+        self.start_for(now, deadline, m, &[])
+    }
+
+    /// [`Drainer::start`] for the connections of the services `only` lists
+    /// (empty: every connection). A run under way for other services is
+    /// cancelled first (its migrations under way finish).
+    pub fn start_for(
+        &mut self,
+        now: Instant,
+        deadline: Duration,
+        m: &Migrator,
+        only: &[SocketAddrV4],
+    ) -> usize {
+        if self.run.as_ref().is_some_and(|r| r.only != only) {
+            self.cancel(now);
+        }
         let deadline = if deadline.is_zero() {
             DEFAULT_DEADLINE
         } else {
@@ -237,6 +265,7 @@ impl Drainer {
         }
         let queue: VecDeque<_> = m
             .flows()
+            .filter(|(f, _)| wanted(only, f))
             .map(|(f, id)| (*f, m.app_handle(*id), 0))
             .collect();
         let total = queue.len();
@@ -244,17 +273,22 @@ impl Drainer {
             // Nothing here (or a DRAIN repeated after the drain finished):
             // said once, until the drain is cancelled.
             if !self.said_empty {
-                println!("hostagent: drain: no connection to migrate");
+                println!(
+                    "hostagent: {}drain: no connection to migrate",
+                    self.prefix()
+                );
                 self.said_empty = true;
             }
             return 0;
         }
         println!(
-            "hostagent: drain: {total} connection(s), at most {} migration(s) at once, deadline {} ms",
+            "hostagent: {}drain: {total} connection(s), at most {} migration(s) at once, deadline {} ms",
+            self.prefix(),
             self.max_in_flight,
             deadline.as_millis()
         );
         self.run = Some(Run {
+            only: only.to_vec(),
             started: now,
             deadline: now + deadline,
             queue,
@@ -331,7 +365,7 @@ impl Drainer {
             let known = |f: &FlowKey| r.in_flight.iter().any(|p| p.flow == *f);
             let late: Vec<_> = m
                 .flows()
-                .filter(|(f, _)| !known(f))
+                .filter(|(f, _)| !known(f) && wanted(&r.only, f))
                 .map(|(f, id)| (*f, m.app_handle(*id), 0))
                 .collect();
             if late.is_empty() {
@@ -349,7 +383,9 @@ impl Drainer {
         if now >= r.next_progress {
             r.next_progress = now + PROGRESS_EVERY;
             println!(
-                "hostagent: drain: {}/{} migrated, {} in flight, {} left, {} lost, {} closed, {} retried, {} ms",
+                "hostagent: {}{}drain: {}/{} migrated, {} in flight, {} left, {} lost, {} closed, {} retried, {} ms",
+                self.label,
+                if self.label.is_empty() { "" } else { " " },
                 r.migrated,
                 r.total,
                 r.in_flight.len(),
@@ -502,8 +538,9 @@ impl Drainer {
     fn finish(&mut self, now: Instant, mut r: Run, how: &str) {
         let remaining = r.queue.len() + r.retry.len() + r.in_flight.len();
         println!(
-            "hostagent: drain {how} after {} ms: {}/{} migrated, {} lost, {} closed, {} left, {} retried, \
+            "hostagent: {}drain {how} after {} ms: {}/{} migrated, {} lost, {} closed, {} left, {} retried, \
              at most {} at once; per migration p50/p90/max ms:{}",
+            self.prefix(),
             (now - r.started).as_millis(),
             r.migrated,
             r.total,
@@ -527,9 +564,45 @@ impl Drainer {
     }
 }
 
+impl Drainer {
+    /// `""` or `"<label> "`, before "drain" in log lines.
+    fn prefix(&self) -> String {
+        if self.label.is_empty() {
+            String::new()
+        } else {
+            format!("{} ", self.label)
+        }
+    }
+}
+
+/// Whether a drain restricted to `only` (empty: none) takes `flow`.
+fn wanted(only: &[SocketAddrV4], flow: &FlowKey) -> bool {
+    only.is_empty()
+        || only
+            .iter()
+            .any(|s| *s.ip() == flow.service_ip && s.port() == flow.service_port)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_restricted_drain_takes_only_its_services() {
+        use std::net::Ipv4Addr;
+        let flow = |port| FlowKey {
+            client_ip: Ipv4Addr::new(10, 1, 0, 9),
+            client_port: 4000,
+            service_ip: Ipv4Addr::new(198, 18, 100, 1),
+            service_port: port,
+        };
+        let web = SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 1), 80);
+        assert!(wanted(&[], &flow(80)) && wanted(&[], &flow(6379)));
+        assert!(wanted(&[web], &flow(80)));
+        assert!(!wanted(&[web], &flow(6379)));
+        let other_vip = SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 2), 80);
+        assert!(!wanted(&[other_vip], &flow(80)));
+    }
 
     #[test]
     fn the_limit_is_the_configured_one_while_the_deadline_is_far() {

@@ -16,6 +16,7 @@ pub mod apps;
 pub mod config;
 pub mod control;
 pub mod drain;
+pub mod health;
 pub mod metrics;
 pub mod migration;
 pub mod monitor;

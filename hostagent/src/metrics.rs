@@ -140,6 +140,26 @@ pub fn render(stack: &Stack, name: &str) -> String {
             }
         }
         crate::policy::render_metrics(i, &l, &mut s);
+        if let Some(h) = &i.transports.health {
+            h.render_metrics(&l, &mut s);
+            if !h.checks.is_empty() {
+                // The migration of down services' connections (the run
+                // under way, or the last one).
+                let p = i.transports.health_drain.progress();
+                let _ = writeln!(
+                    s,
+                    "# TYPE capybara_health_drain_active gauge
+capybara_health_drain_active{{{l}}} {}
+                     # TYPE capybara_health_drain_migrated gauge
+capybara_health_drain_migrated{{{l}}} {}
+                     # TYPE capybara_health_drain_remaining gauge
+capybara_health_drain_remaining{{{l}}} {}",
+                    u8::from(p.active),
+                    p.migrated,
+                    p.remaining
+                );
+            }
+        }
         i.wake
             .render(&mut s, &l, i.device.rx_delay(), i.device.tx_kick());
         s

@@ -48,6 +48,11 @@ pub struct Transports {
     pub policy: Option<crate::policy::PolicyRuntime>,
     /// The drain of this server (a bounded number of migrations at once).
     pub drain: crate::drain::Drainer,
+    /// Connections of services whose application is down, migrating away
+    /// (`crate::health`): a drain restricted to those services.
+    pub health_drain: crate::drain::Drainer,
+    /// The backend health checks (`crate::health`), for metrics.
+    pub health: Option<Rc<crate::health::Board>>,
     /// Late segments forwarded to a migration's target (shared with the
     /// runtime's device wrapper, which copies and sends the frames).
     pub forwarder: Rc<RefCell<Forwarder>>,
@@ -64,6 +69,11 @@ impl Transports {
             monitor: crate::monitor::Monitor::new(capybara_proto::time::Duration::from_millis(50)),
             policy: None,
             drain: Default::default(),
+            health_drain: crate::drain::Drainer::labelled(
+                "health",
+                crate::drain::DEFAULT_MAX_IN_FLIGHT,
+            ),
+            health: None,
             forwarder: Rc::new(RefCell::new(Forwarder::new(FORWARD_SLOTS))),
         }
     }
@@ -191,6 +201,10 @@ impl Transport for Transports {
             }
         });
         let mig = match (mig, self.drain.poll_timeout()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let mig = match (mig, self.health_drain.poll_timeout()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
@@ -450,6 +464,9 @@ impl Inner {
             // The drain starts its next migrations as soon as earlier ones
             // finish (one branch when no drain is active).
             if self.transports.drain.poll(now, m) {
+                events = true;
+            }
+            if self.transports.health_drain.poll(now, m) {
                 events = true;
             }
         }

@@ -197,6 +197,17 @@ pub mod field {
 
 /// HEARTBEAT flag: the server is draining (acknowledges a DRAIN).
 pub const HEARTBEAT_DRAINING: u32 = 1 << 0;
+/// HEARTBEAT flag: the server health-checks the applications behind its
+/// services, and bits [`HEARTBEAT_DOWN_SHIFT`].. carry the result. Without
+/// it (servers that predate health checks, or checks switched off) every
+/// service counts as up and the down bits are ignored.
+pub const HEARTBEAT_HEALTH: u32 = 1 << 1;
+/// HEARTBEAT: bit `HEARTBEAT_DOWN_SHIFT + i` set: the backend of service
+/// `i` of the server's REGISTER list is down (with [`HEARTBEAT_HEALTH`]).
+pub const HEARTBEAT_DOWN_SHIFT: u32 = 8;
+/// Services whose health a HEARTBEAT carries: the first 24 of the
+/// REGISTER list (a later one always counts as up at the switch).
+pub const HEALTH_MAX_SERVICES: usize = (32 - HEARTBEAT_DOWN_SHIFT) as usize;
 /// DRAIN flag: cancel a drain in progress (undrain).
 pub const DRAIN_CANCEL: u32 = 1 << 0;
 /// POLICY flag: the proactive policy is on.
@@ -504,11 +515,39 @@ pub struct Heartbeat {
     pub load_pps: u64,
     /// Bytes waiting in receive queues (reactive policy's signal).
     pub rx_backlog_bytes: u64,
-    /// [`HEARTBEAT_DRAINING`], other bits reserved (sent 0, ignored).
+    /// [`HEARTBEAT_DRAINING`], [`HEARTBEAT_HEALTH`] and the per-service
+    /// down bits ([`Heartbeat::backend_down`]); other bits reserved (sent
+    /// 0, ignored).
     pub flags: u32,
     /// Generation of the POLICY the server applies (0: none yet); the
     /// switch re-sends POLICY while it differs from the current one.
     pub policy_generation: u32,
+}
+
+impl Heartbeat {
+    /// Flags reporting health: [`HEARTBEAT_HEALTH`] and a down bit for each
+    /// index of `down` below [`HEALTH_MAX_SERVICES`] (others are left out:
+    /// they cannot be carried).
+    pub fn health_flags(down: impl IntoIterator<Item = usize>) -> u32 {
+        down.into_iter()
+            .filter(|&i| i < HEALTH_MAX_SERVICES)
+            .fold(HEARTBEAT_HEALTH, |f, i| {
+                f | 1 << (HEARTBEAT_DOWN_SHIFT + i as u32)
+            })
+    }
+
+    /// Whether the heartbeat reports health at all ([`HEARTBEAT_HEALTH`]).
+    pub fn reports_health(&self) -> bool {
+        self.flags & HEARTBEAT_HEALTH != 0
+    }
+
+    /// Whether service `index` of the REGISTER list has its backend down:
+    /// false without [`HEARTBEAT_HEALTH`] and beyond [`HEALTH_MAX_SERVICES`].
+    pub fn backend_down(&self, index: usize) -> bool {
+        self.reports_health()
+            && index < HEALTH_MAX_SERVICES
+            && self.flags & 1 << (HEARTBEAT_DOWN_SHIFT + index as u32) != 0
+    }
 }
 
 /// POLICY: the migration-policy tunables a server applies (switch ->
@@ -1397,6 +1436,46 @@ mod tests {
             ControlRepr::parse_verified(&buf[..n], &key()),
             Err(ControlError::BadMac)
         );
+    }
+
+    #[test]
+    fn heartbeat_health_bits() {
+        let hb = |flags| Heartbeat {
+            connections: 0,
+            migrations_in_flight: 0,
+            load_pps: 0,
+            rx_backlog_bytes: 0,
+            flags,
+            policy_generation: 0,
+        };
+        // An older server: no HEALTH flag, so nothing is down whatever
+        // the (reserved, 0) bits say.
+        let old = hb(HEARTBEAT_DRAINING | 1 << 9);
+        assert!(!old.reports_health());
+        assert!((0..64).all(|i| !old.backend_down(i)));
+        let f = Heartbeat::health_flags([0, 3, 23, 24, 127]) | HEARTBEAT_DRAINING;
+        assert_eq!(
+            f,
+            HEARTBEAT_DRAINING | HEARTBEAT_HEALTH | 1 << 8 | 1 << 11 | 1 << 31
+        );
+        let h = hb(f);
+        let down: Vec<usize> = (0..200).filter(|&i| h.backend_down(i)).collect();
+        assert_eq!(down, [0, 3, 23]);
+        assert_eq!(Heartbeat::health_flags([]), HEARTBEAT_HEALTH);
+        // The bits survive the wire.
+        let msg = ControlRepr {
+            server_id: ServerId(4),
+            seq: 9,
+            body: ControlBody::Heartbeat(h),
+        };
+        let mut buf = [0u8; 128];
+        let n = msg.emit_with_mac(&mut buf, &key()).unwrap();
+        let back = ControlRepr::parse_verified(&buf[..n], &key()).unwrap();
+        assert_eq!(back, msg);
+        match back.body {
+            ControlBody::Heartbeat(b) => assert!(b.backend_down(23) && !b.backend_down(1)),
+            _ => panic!("not a heartbeat"),
+        }
     }
 
     #[test]

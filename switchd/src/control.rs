@@ -18,8 +18,14 @@
 //!   the data plane does.
 //! - The shadow copy of every Maglev table is what the data plane holds, so
 //!   a change pushes only the slots that differ.
+//! - A LIVE server that reports its application down for a service (HEARTBEAT
+//!   health bits) leaves that service's placement and target rings, and only
+//!   those: its state stays LIVE, its flows keep their entries. When every
+//!   live member of a service is down, placement keeps them all (fail open:
+//!   some errors rather than none served), targets keep none. Health changes
+//!   rewrite tables at most once per [`HEALTH_PUSH_EVERY`].
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use capybara_proto::{FlowKey, Instant, ServerId};
@@ -71,6 +77,19 @@ pub struct Server {
     /// handful of packets, too noisy to rank on).
     pub load_pps: f64,
     last_counter: u64,
+    /// Services whose application this server reports down (HEARTBEAT
+    /// health bits): out of their placement and targets.
+    pub backend_down: BTreeSet<SocketAddrV4>,
+    /// Its heartbeats report application health at all (a hostagent that
+    /// predates health checks, or runs without them, does not).
+    pub health_reported: bool,
+}
+
+impl Server {
+    /// Whether it reports the application of service `vip:port` down.
+    pub fn backend_is_down(&self, vip: Ipv4Addr, port: u16) -> bool {
+        self.backend_down.contains(&SocketAddrV4::new(vip, port))
+    }
 }
 
 /// What a server needs to register (REGISTER, or a record from the store).
@@ -150,6 +169,27 @@ pub const DEFAULT_DEAD_FLOW_GRACE: std::time::Duration = std::time::Duration::fr
 /// Time constant of the smoothed server loads.
 pub const LOAD_SMOOTHING: std::time::Duration = std::time::Duration::from_millis(20);
 
+/// Health changes rewrite the tables at most this often (a burst of
+/// changes within it is applied together at the end); the hostagents'
+/// fall/rise thresholds already damp a flapping application.
+pub const HEALTH_PUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// An application-health change, for logs and counters (see
+/// [`ControlPlane::take_health_events`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HealthEvent {
+    /// Server `id` reports the application of `service` down (`down`) or
+    /// back up.
+    Backend {
+        id: ServerId,
+        service: SocketAddrV4,
+        down: bool,
+    },
+    /// Every live member of `service` is down: placement keeps them all
+    /// (`on`), or a member is up again (`!on`).
+    FailOpen { service: SocketAddrV4, on: bool },
+}
+
 #[derive(Debug, Clone)]
 pub struct Service {
     pub vip: Ipv4Addr,
@@ -163,6 +203,9 @@ pub struct Service {
     /// Every registered server joins (configured with an empty pool).
     pub open: bool,
     maglev_shadow: Vec<u32>,
+    /// Every live member reports its application down: placement keeps them
+    /// all (fail open).
+    pub fail_open: bool,
 }
 
 /// How a service's pool is formed (see `config::ServiceConfig`).
@@ -266,6 +309,14 @@ pub struct ControlPlane<D: DataPlane> {
     last_tick: Option<Instant>,
     liveness_events: Vec<LivenessEvent>,
     pub liveness: LivenessCounters,
+    health_events: Vec<HealthEvent>,
+    /// Health changes not yet in the tables (rate limit).
+    health_dirty: bool,
+    last_health_push: Option<Instant>,
+    /// Application-health changes reported by servers.
+    pub health_changes_total: u64,
+    /// Table rewrites for health changes.
+    pub health_pushes_total: u64,
 }
 
 impl<D: DataPlane> ControlPlane<D> {
@@ -281,7 +332,74 @@ impl<D: DataPlane> ControlPlane<D> {
             last_tick: None,
             liveness_events: Vec::new(),
             liveness: LivenessCounters::default(),
+            health_events: Vec::new(),
+            health_dirty: false,
+            last_health_push: None,
+            health_changes_total: 0,
+            health_pushes_total: 0,
         }
+    }
+
+    /// Application-health changes since the last call, oldest first.
+    pub fn take_health_events(&mut self) -> Vec<HealthEvent> {
+        std::mem::take(&mut self.health_events)
+    }
+
+    /// What server `id`'s heartbeat says of its applications: `reported`
+    /// false (no health bits: every service up), else the services whose
+    /// application is down. A change leaves (or rejoins) those services'
+    /// placement and targets: at once, or at the end of
+    /// [`HEALTH_PUSH_EVERY`] after the previous health rewrite (see
+    /// [`Self::tick`]). Unknown server: nothing to do.
+    pub fn set_backend_health(
+        &mut self,
+        now: Instant,
+        id: ServerId,
+        reported: bool,
+        down: &[SocketAddrV4],
+    ) -> Result<()> {
+        let Some(s) = self.servers.get_mut(&id) else {
+            return Ok(());
+        };
+        s.health_reported = reported;
+        let new: BTreeSet<SocketAddrV4> = if reported {
+            down.iter().copied().collect()
+        } else {
+            BTreeSet::new()
+        };
+        if new == s.backend_down {
+            return Ok(());
+        }
+        for svc in s.backend_down.symmetric_difference(&new) {
+            self.health_changes_total += 1;
+            self.health_events.push(HealthEvent::Backend {
+                id,
+                service: *svc,
+                down: new.contains(svc),
+            });
+        }
+        s.backend_down = new;
+        self.health_dirty = true;
+        self.apply_health(now)
+    }
+
+    /// Pushes pending health changes unless the last health rewrite was
+    /// less than [`HEALTH_PUSH_EVERY`] ago.
+    fn apply_health(&mut self, now: Instant) -> Result<()> {
+        if !self.health_dirty
+            || self
+                .last_health_push
+                .is_some_and(|t| now.saturating_since(t) < HEALTH_PUSH_EVERY)
+        {
+            return Ok(());
+        }
+        self.health_dirty = false;
+        self.last_health_push = Some(now);
+        self.health_pushes_total += 1;
+        // Only the per-service tables change: the server stays LIVE in the
+        // data plane (its other services, its flows), so no slot ever names
+        // a server the data plane would drop a SYN for.
+        self.push_tables()
     }
 
     /// Liveness transitions since the last call, oldest first.
@@ -421,6 +539,7 @@ impl<D: DataPlane> ControlPlane<D> {
             configured,
             open: spec.open,
             maglev_shadow: Vec::new(),
+            fail_open: false,
         });
         self.push_tables()?;
         Ok(index)
@@ -565,6 +684,17 @@ impl<D: DataPlane> ControlPlane<D> {
             load: 0,
             load_pps: 0.0,
             last_counter: self.servers.get(&id).map(|s| s.last_counter).unwrap_or(0),
+            // The same process re-registering keeps what it reported; a
+            // new one reports again with its first heartbeat.
+            backend_down: self
+                .servers
+                .get(&id)
+                .filter(|o| o.reg.instance != 0 && o.reg.instance == instance)
+                .map(|o| o.backend_down.clone())
+                .unwrap_or_default(),
+            health_reported: self.servers.get(&id).is_some_and(|o| {
+                o.reg.instance != 0 && o.reg.instance == instance && o.health_reported
+            }),
         };
         let weight = s.reg.weight;
         self.servers.insert(id, s);
@@ -895,11 +1025,38 @@ impl<D: DataPlane> ControlPlane<D> {
             .collect()
     }
 
+    /// Service `i`'s members for placement and for migration targets: the
+    /// live members whose application is up; when none is, placement fails
+    /// open to every live member (targets stay empty: moving a connection
+    /// to another down server helps nobody). Also whether it fails open.
+    fn members(&self, i: usize) -> (Vec<Server>, Vec<Server>, bool) {
+        let svc = &self.services[i];
+        let live = self.live_members(i);
+        let healthy: Vec<Server> = live
+            .iter()
+            .filter(|s| !s.backend_is_down(svc.vip, svc.port))
+            .cloned()
+            .collect();
+        if healthy.is_empty() && !live.is_empty() {
+            (live, healthy, true)
+        } else {
+            (healthy.clone(), healthy, false)
+        }
+    }
+
     /// Rings always; Maglev tables only with `maglev` (they depend on the
     /// pool, not on load, and cost a 65,537-slot rebuild each).
     fn push(&mut self, maglev: bool) -> Result<()> {
         for i in 0..self.services.len() {
-            let live = self.live_members(i);
+            let (live, targets, fail_open) = self.members(i);
+            let svc = &mut self.services[i];
+            if svc.fail_open != fail_open {
+                svc.fail_open = fail_open;
+                self.health_events.push(HealthEvent::FailOpen {
+                    service: SocketAddrV4::new(svc.vip, svc.port),
+                    on: fail_open,
+                });
+            }
             let svc_index = self.services[i].index;
             if maglev {
                 let backends: Vec<Backend> = live
@@ -918,7 +1075,7 @@ impl<D: DataPlane> ControlPlane<D> {
                 }
             }
             let lwrr = CRing::from_slice(RING_ROTATE, &lwrr_ring(&live));
-            let target = target_ring(&live, self.cfg.target_policy);
+            let target = target_ring(&targets, self.cfg.target_policy);
             self.dp.write_ring(svc_index, RING_PLACEMENT, &lwrr)?;
             self.dp.write_ring(svc_index, RING_TARGET, &target)?;
         }
@@ -932,6 +1089,7 @@ impl<D: DataPlane> ControlPlane<D> {
     /// has passed without a heartbeat or REGISTER.
     pub fn tick(&mut self, now: Instant) -> std::result::Result<Vec<LoadReport>, ControlError> {
         self.reap_closed(now)?;
+        self.apply_health(now)?;
         let grace_over: Vec<ServerId> = self
             .servers
             .values()
@@ -1376,6 +1534,107 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_down_backend_leaves_its_service_placement_only() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let web = SocketAddrV4::new(VIP, 80);
+        c.add_service(VIP, 6379, Placement::Lwrr).unwrap();
+        let redis = SocketAddrV4::new(VIP, 6379);
+        c.dp.place_flow(key(1), 1, 0);
+        let t0 = Instant::from_millis(1000);
+        c.set_backend_health(t0, ServerId(2), true, &[web]).unwrap();
+        assert_eq!(
+            c.take_health_events(),
+            vec![HealthEvent::Backend {
+                id: ServerId(2),
+                service: web,
+                down: true
+            }]
+        );
+        assert!(
+            c.dp.maglev[&0].iter().all(|v| *v != 1),
+            "out of web's placement"
+        );
+        assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 2]);
+        assert!(c.dp.maglev[&1].contains(&1), "still in redis's");
+        assert_eq!(c.dp.rings[&(1, RING_TARGET)].as_slice(), &[0, 1, 2]);
+        assert_eq!(
+            c.dp.servers[&1].state, SERVER_LIVE,
+            "its state is untouched"
+        );
+        assert_eq!(
+            c.dp.current_owner(key(1)),
+            Some(1),
+            "existing flow untouched"
+        );
+        assert!(!c.services()[0].fail_open);
+        // The same report again: nothing to do.
+        let pushes = c.health_pushes_total;
+        c.set_backend_health(t0, ServerId(2), true, &[web]).unwrap();
+        assert_eq!(c.health_pushes_total, pushes);
+        // Back up within HEALTH_PUSH_EVERY: applied at the end of it (tick).
+        let t1 = t0 + Duration::from_millis(50);
+        c.set_backend_health(t1, ServerId(2), true, &[]).unwrap();
+        assert!(c.dp.maglev[&0].iter().all(|v| *v != 1), "rate-limited");
+        // (Heartbeats keep the servers alive through the ticks.)
+        let tick = |c: &mut ControlPlane<MemDataPlane>, t: Instant| {
+            for j in 1..=3 {
+                c.heartbeat(t, ServerId(j)).unwrap();
+            }
+            c.tick(t).unwrap();
+        };
+        tick(&mut c, t1 + Duration::from_millis(10));
+        assert!(c.dp.maglev[&0].iter().all(|v| *v != 1), "rate-limited");
+        tick(&mut c, t0 + HEALTH_PUSH_EVERY);
+        assert!(c.dp.maglev[&0].contains(&1), "back in web's placement");
+        assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 1, 2]);
+        assert_eq!(c.health_pushes_total, pushes + 1);
+        // A heartbeat without health bits (an older hostagent): all up.
+        let t2 = t0 + Duration::from_secs(1);
+        c.set_backend_health(t2, ServerId(3), true, &[redis])
+            .unwrap();
+        assert!(c.dp.maglev[&1].iter().all(|v| *v != 2));
+        c.set_backend_health(t2 + HEALTH_PUSH_EVERY, ServerId(3), false, &[redis])
+            .unwrap();
+        assert!(c.dp.maglev[&1].contains(&2));
+        assert!(!c.server(ServerId(3)).unwrap().health_reported);
+        assert_eq!(c.dp.draining_while_placed, 0);
+    }
+
+    #[test]
+    fn when_every_backend_is_down_placement_fails_open() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let web = SocketAddrV4::new(VIP, 80);
+        let mut t = Instant::from_millis(1000);
+        for j in 1..=3 {
+            c.set_backend_health(t, ServerId(j), true, &[web]).unwrap();
+            t += HEALTH_PUSH_EVERY;
+        }
+        let events = c.take_health_events();
+        assert_eq!(
+            events.last(),
+            Some(&HealthEvent::FailOpen {
+                service: web,
+                on: true
+            })
+        );
+        assert!(c.services()[0].fail_open);
+        // Placement keeps everybody, no migration target is left.
+        for j in 0..3 {
+            assert!(c.dp.maglev[&0].contains(&j));
+        }
+        assert!(c.dp.rings[&(0, RING_TARGET)].as_slice().is_empty());
+        // One comes back: only it is placed on.
+        c.set_backend_health(t, ServerId(2), true, &[]).unwrap();
+        assert!(c.dp.maglev[&0].iter().all(|v| *v == 1));
+        assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[1]);
+        assert!(!c.services()[0].fail_open);
+        assert!(c.take_health_events().contains(&HealthEvent::FailOpen {
+            service: web,
+            on: false
+        }));
+    }
+
+    #[test]
     fn pool_monitor_reports_interval_loads_and_least_loaded() {
         let mut c = cp(TargetPolicy::LeastLoaded);
         c.dp.count_packets(0, 100);
@@ -1799,6 +2058,8 @@ pub(crate) mod tests {
             load,
             load_pps: load as f64 * 1000.0,
             last_counter: 0,
+            backend_down: Default::default(),
+            health_reported: false,
         };
         let count = |r: &[u32], i: u32| r.iter().filter(|v| **v == i).count();
         let r = lwrr_ring(&[mk(0, 1, 0), mk(1, 3, 0)]);

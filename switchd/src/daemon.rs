@@ -40,7 +40,8 @@ use crate::abi::*;
 use crate::bpf::{BpfDataPlane, BpfOptions};
 use crate::config::{Config, Role};
 use crate::control::{
-    ControlConfig, ControlPlane, FlowsRemovedWhy, Liveness, LivenessEvent, PoolSpec, Registration,
+    ControlConfig, ControlPlane, FlowsRemovedWhy, HealthEvent, Liveness, LivenessEvent, PoolSpec,
+    Registration,
 };
 use crate::dataplane::DataPlane;
 use crate::persist::StoreSink;
@@ -137,6 +138,9 @@ struct Peer {
     pending_drain: Option<(u32, bool, u32)>,
     /// POLICY generation the server reports applying.
     policy_generation: u32,
+    /// The REGISTER's service list: a HEARTBEAT's health bit `i` is about
+    /// service `i` of it.
+    services: Vec<SocketAddrV4>,
 }
 
 /// The hostagent-side tunables of a policy as a POLICY message; the
@@ -1126,6 +1130,36 @@ impl Switch {
     /// Liveness side effects of the last tick.
     fn after_tick(&mut self, _now: Instant) {
         self.note_liveness();
+        self.note_health();
+    }
+
+    /// Logs application-health changes (HEARTBEAT health bits) and the
+    /// services that fail open.
+    fn note_health(&mut self) {
+        for e in self.cp.take_health_events() {
+            match e {
+                HealthEvent::Backend {
+                    id,
+                    service,
+                    down: true,
+                } => eprintln!(
+                    "switchd: server {id} reports the application of {service} down: out of {service}'s placement and migration targets (its flows stay)"
+                ),
+                HealthEvent::Backend {
+                    id,
+                    service,
+                    down: false,
+                } => eprintln!(
+                    "switchd: server {id} reports the application of {service} up: back in {service}'s placement"
+                ),
+                HealthEvent::FailOpen { service, on: true } => eprintln!(
+                    "switchd: every live server of {service} reports its application down: placement keeps them all (fail open)"
+                ),
+                HealthEvent::FailOpen { service, on: false } => eprintln!(
+                    "switchd: {service} has a server with its application up again: fail open ended"
+                ),
+            }
+        }
     }
 
     /// Logs liveness transitions and records them in the store. A dead
@@ -1371,6 +1405,7 @@ impl Switch {
                 }
                 let mut peer = new_peer(from);
                 peer.last_seq = repr.seq;
+                peer.services = wanted;
                 self.peers.insert(id, peer);
                 eprintln!(
                     "switchd: registered {id}: data {} mac {} via {dev}, weight {}, instance {:#018x}",
@@ -1409,6 +1444,24 @@ impl Switch {
                         "register first",
                     );
                 }
+                // Application health: the services of the REGISTER list
+                // whose bit is set (none without the HEALTH flag: an older
+                // hostagent, or checks switched off).
+                let down: Vec<SocketAddrV4> = self.peers.get(&id).map_or(Vec::new(), |p| {
+                    p.services
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| h.backend_down(*i))
+                        .map(|(_, s)| *s)
+                        .collect()
+                });
+                if let Err(e) = self
+                    .cp
+                    .set_backend_health(now, id, h.reports_health(), &down)
+                {
+                    eprintln!("switchd: server {id}: applying its health report: {e}");
+                }
+                self.note_health();
                 let mut resend = None;
                 let stale_policy = h.policy_generation != self.policy_msg.generation;
                 if let Some(p) = self.peers.get_mut(&id) {
@@ -1691,6 +1744,17 @@ impl Switch {
                 v["flows_kept_ms"] = json!(s
                     .flows_kept_until
                     .map(|t| t.saturating_since(now).as_millis() as u64));
+                // Application health per registered service ("up": null
+                // when its heartbeats do not report health).
+                v["health_reported"] = json!(s.health_reported);
+                v["backends"] = json!(p.map_or(Vec::new(), |p| p
+                    .services
+                    .iter()
+                    .map(|svc| json!({
+                        "service": svc.to_string(),
+                        "up": s.health_reported.then(|| !s.backend_down.contains(svc)),
+                    }))
+                    .collect::<Vec<_>>()));
                 v
             })
             .collect();
@@ -1699,7 +1763,9 @@ impl Switch {
             .services()
             .iter()
             .map(|s| json!({"vip": format!("{}:{}", s.vip, s.port), "index": s.index, "placement": format!("{:?}", s.placement).to_lowercase(),
-                 "pool": s.pool.iter().map(|(id, w)| json!({"server": id.0, "weight": w})).collect::<Vec<_>>()}))
+                 "pool": s.pool.iter().map(|(id, w)| json!({"server": id.0, "weight": w})).collect::<Vec<_>>(),
+                 "fail_open": s.fail_open,
+                 "backend_down": self.cp.servers().filter(|v| v.backend_is_down(s.vip, s.port)).map(|v| v.reg.id.0).collect::<Vec<_>>()}))
             .collect();
         let dp_counters: serde_json::Map<String, serde_json::Value> = STAT_NAMES
             .iter()
@@ -1790,6 +1856,11 @@ impl Switch {
             "restarts_total": lv.restarts_total,
             "restart_flows_removed_total": lv.restart_flows_removed_total,
         });
+        status["health"] = json!({
+            "changes_total": self.cp.health_changes_total,
+            "table_pushes_total": self.cp.health_pushes_total,
+            "fail_open": self.cp.services().iter().filter(|s| s.fail_open).map(|s| format!("{}:{}", s.vip, s.port)).collect::<Vec<_>>(),
+        });
         status["embryonic"] = embryonic_status;
         status["lease"] = lease_status;
         if let (Some(m), Some(st)) = (writer.as_ref(), status["store"].as_object_mut()) {
@@ -1825,6 +1896,33 @@ impl Switch {
             self.tick_overruns, self.load_sent
         );
         m += &format!("{p}_reaped_total {}\n", self.cp.reaped_total);
+        for s in self.cp.servers() {
+            let Some(peer) = self.peers.get(&s.reg.id) else {
+                continue;
+            };
+            if !s.health_reported {
+                continue;
+            }
+            for svc in &peer.services {
+                m += &format!(
+                    "{p}_backend_up{{server=\"{}\",service=\"{svc}\"}} {}\n",
+                    s.reg.id.0,
+                    u8::from(!s.backend_down.contains(svc))
+                );
+            }
+        }
+        for s in self.cp.services() {
+            m += &format!(
+                "{p}_service_fail_open{{service=\"{}:{}\"}} {}\n",
+                s.vip,
+                s.port,
+                u8::from(s.fail_open)
+            );
+        }
+        m += &format!(
+            "{p}_health_changes_total {}\n{p}_health_table_pushes_total {}\n",
+            self.cp.health_changes_total, self.cp.health_pushes_total
+        );
         m += &format!(
             "{p}_servers_died_total {}\n{p}_servers_returned_total {}\n{p}_dead_grace_ended_total {}\n{p}_dead_flows_removed_total {}\n{p}_server_restarts_total {}\n{p}_restart_flows_removed_total {}\n",
             lv.died_total,
@@ -1916,6 +2014,7 @@ fn new_peer(mgmt: SocketAddr) -> Peer {
         draining_acked: false,
         pending_drain: None,
         policy_generation: 0,
+        services: Vec::new(),
     }
 }
 

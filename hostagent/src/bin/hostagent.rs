@@ -172,6 +172,29 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
     transports.monitor = capybara_hostagent::monitor::Monitor::new(
         std::time::Duration::from_millis(cfg.policy.monitor_window_ms),
     );
+    // Backend health checks, one per sidecar service, indexed like the
+    // REGISTER's service list (the heartbeat's down bits).
+    let checked: Vec<_> = cfg
+        .services
+        .iter()
+        .map(|s| (s.listen, s.backend.filter(|_| s.app == App::Sidecar)))
+        .collect();
+    let board = Rc::new(capybara_hostagent::health::Board::new(
+        &cfg.health,
+        &checked,
+    ));
+    if let Some(c) = board
+        .checks
+        .iter()
+        .find(|c| c.index >= capybara_proto::control::HEALTH_MAX_SERVICES)
+    {
+        eprintln!(
+            "hostagent: health: service {} is beyond the first {} services: checked here, but the switch is not told",
+            c.listen,
+            capybara_proto::control::HEALTH_MAX_SERVICES
+        );
+    }
+    transports.health = Some(board.clone());
     let stack = Stack::new(iface, transports, device, mode);
     if let Some(m) = &cfg.migration {
         // Reply spin (docs/HOSTAGENT.md, "Wake-ups"); used in `Sleep` mode.
@@ -221,6 +244,7 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
                             svc.seal = Some(std::sync::Arc::new(seal));
                         }
                     }
+                    svc.health = board.check_of(s.listen);
                     tokio::task::spawn_local(capybara_hostagent::sidecar::serve(l, Rc::new(svc)))
                 }
             };
@@ -234,8 +258,10 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
                 cfg.stack.address,
                 mac.0,
                 services,
+                board.clone(),
             ));
         }
+        capybara_hostagent::health::spawn(stack.clone(), board.clone());
         if let Some(m) = cfg.migration.as_ref().filter(|m| m.churn_every_ms > 0) {
             let (every, to) = (m.churn_every_ms, m.churn_to);
             tokio::task::spawn_local(churn(stack.clone(), every, to));

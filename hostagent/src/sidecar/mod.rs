@@ -86,6 +86,9 @@ pub struct Service {
     /// a migration, with a key derived from the deployment secret: without
     /// it a TLS connection does not migrate (docs/TLS.md, sealed snapshots).
     pub seal: Option<std::sync::Arc<capybara_tls::SealKey>>,
+    /// The application's health check (`crate::health`): a relay that
+    /// cannot connect reports it at once.
+    pub health: Option<Rc<crate::health::Check>>,
     relay_buffers: RelayBuffers,
 }
 
@@ -145,6 +148,7 @@ impl Service {
             max_request: s.max_request_bytes.unwrap_or(1 << 20),
             tls,
             seal: None,
+            health: None,
             relay_buffers: RelayBuffers::prewarmed(RELAY_POOL),
         })
     }
@@ -188,6 +192,17 @@ struct Importer {
 
 impl StateImporter for Importer {
     fn import_state(&self, _flow: FlowKey, bytes: &[u8]) -> Result<Box<dyn Any>, String> {
+        if let Some(h) = &self.svc.health {
+            if h.state() == crate::health::State::Down {
+                // Its relay could only answer errors here: the origin
+                // keeps the connection (an explicitly named target; the
+                // switch's own choices skip this server).
+                return Err(format!(
+                    "the application at {} is down (health check)",
+                    self.svc.backend
+                ));
+            }
+        }
         if bytes.is_empty() {
             // Exported before the sidecar saw it (still in the accept
             // queue): it starts like a new connection, unless TLS is on and
@@ -446,6 +461,9 @@ async fn run_connection(
         Ok(a) => Some(a),
         Err(e) => {
             println!("sidecar peer={peer} backend={} error={e}", svc.backend);
+            if let Some(h) = &svc.health {
+                h.report_connect_failure();
+            }
             None
         }
     };
@@ -470,6 +488,7 @@ async fn run_connection(
         handshaking,
         peer,
         requests: 0,
+        orphan: None,
     };
     if relay.app.is_none() {
         relay.backend_failed("refused or unreachable");
@@ -540,12 +559,32 @@ struct Relay {
     handshaking: bool,
     peer: SocketAddrV4,
     requests: u64,
+    /// The application closed the connection while idle (`Relay::orphan`).
+    orphan: Option<Orphan>,
+}
+
+/// A relay whose application closed its idle connection, on a service with
+/// a health check: the client's connection stays open, migratable (nothing
+/// is owed either way). Either the application died (its health check
+/// goes down and the connection migrates to a server whose application
+/// is up, `crate::health`), or it closed an idle connection on purpose
+/// (keep-alive timeout: the check stays up and the relay closes after
+/// `grace`, as it did at once before). A request that comes meanwhile
+/// opens a new application connection (refused: the usual error).
+struct Orphan {
+    grace: Pin<Box<tokio::time::Sleep>>,
+    connect: Option<Pin<Box<dyn std::future::Future<Output = io::Result<tokio::net::TcpStream>>>>>,
 }
 
 impl Relay {
     fn backend_failed(&mut self, why: &str) {
+        let sh_rc = self.sh.clone();
+        let mut sh = sh_rc.borrow_mut();
+        self.backend_failed_locked(&mut sh, why);
+    }
+
+    fn backend_failed_locked(&mut self, sh: &mut Shared, why: &str) {
         let msg = format!("application at {} {why}", self.svc.backend);
-        let mut sh = self.sh.borrow_mut();
         sh.closing = true;
         self.fatal = match sh.proto {
             Proto::Http(_) => Some(http1::error_response(
@@ -598,6 +637,11 @@ impl Relay {
         }
         let mut progress = false;
 
+        // 0. Application connection closed while idle (`Orphan`).
+        if self.orphan.is_some() {
+            progress |= self.poll_orphan(sh, cx);
+        }
+
         // 1. Bytes the sidecar itself owes the client go first.
         if !sh.to_client.is_empty() {
             match self.client.poll_send_capacity(cx) {
@@ -628,16 +672,20 @@ impl Relay {
                             let n = rb.filled().len();
                             progress = true;
                             if n == 0 {
-                                self.app_eof = true;
-                                self.on_app_eof(sh);
+                                if !self.orphan(sh) {
+                                    self.app_eof = true;
+                                    self.on_app_eof(sh);
+                                }
                             } else {
                                 self.relay_from_app(sh, n)?;
                             }
                         }
                         Poll::Ready(Err(_)) => {
                             progress = true;
-                            self.app_eof = true;
-                            self.on_app_eof(sh);
+                            if !self.orphan(sh) {
+                                self.app_eof = true;
+                                self.on_app_eof(sh);
+                            }
                         }
                         Poll::Pending => {}
                     }
@@ -724,7 +772,7 @@ impl Relay {
         }
 
         // 7. Close the client side once nothing more can come.
-        let app_done = self.app_eof || self.app.is_none();
+        let app_done = (self.app_eof || self.app.is_none()) && self.orphan.is_none();
         let finished = (app_done && (self.fatal.is_none() || self.fatal_sent))
             || (self.fatal_sent && self.fatal.is_some());
         if finished && sh.to_client.is_empty() && !self.client_shut {
@@ -886,7 +934,8 @@ impl Relay {
                 break;
             }
             if self.app.is_none() {
-                // Refused backend: the error answers the first request.
+                // Refused backend: the error answers the first request
+                // (orphaned: the request waits for a new connection).
                 break;
             }
             let framed: Result<Option<usize>, Vec<u8>> = match proto {
@@ -932,11 +981,122 @@ impl Relay {
         if !matches!(proto, Proto::Raw(_)) {
             self.requests += forwarded;
         }
-        if self.app.is_none() && !inbuf.is_empty() && !self.fatal_sent {
+        if self.app.is_none() && self.orphan.is_none() && !inbuf.is_empty() && !self.fatal_sent {
             // The backend failed: the error answers the first request.
             inbuf.clear();
         }
         off > 0
+    }
+
+    /// The application closed (or broke) its connection: with nothing owed
+    /// either way on a health-checked service, keep the client's connection
+    /// as an [`Orphan`] and ask for a health probe now. Returns whether it
+    /// did.
+    fn orphan(&mut self, sh: &mut Shared) -> bool {
+        let Some(h) = &self.svc.health else {
+            return false;
+        };
+        let idle = match &sh.proto {
+            Proto::Http(t) => t.outstanding() == 0 && t.at_boundary(),
+            Proto::Resp(r) => r.idle(),
+            Proto::Raw(_) => false,
+        };
+        if !idle
+            || self.fatal.is_some()
+            || self.client_eof
+            || sh.closing
+            || sh.pinned.is_some()
+            || !sh.to_app.is_empty()
+        {
+            return false;
+        }
+        // The descriptor goes before the connection it names.
+        sh.app_fd = None;
+        self.app = None;
+        self.orphan = Some(Orphan {
+            grace: Box::pin(tokio::time::sleep(h.detect_within)),
+            connect: None,
+        });
+        h.probe_now();
+        println!(
+            "sidecar peer={} the application closed the idle connection: kept open for a request or a migration",
+            self.peer
+        );
+        true
+    }
+
+    /// Advances an [`Orphan`]: a new application connection for a request,
+    /// or the end of its grace. Returns whether anything changed.
+    fn poll_orphan(&mut self, sh: &mut Shared, cx: &mut Context<'_>) -> bool {
+        use std::os::fd::AsRawFd;
+        let Some(o) = self.orphan.as_mut() else {
+            return false;
+        };
+        if self.client_eof || sh.closing {
+            // The client is done: close as without an orphan.
+            self.orphan = None;
+            self.app_eof = true;
+            sh.connecting = false;
+            return true;
+        }
+        if let Some(c) = o.connect.as_mut() {
+            return match c.as_mut().poll(cx) {
+                Poll::Ready(Ok(app)) => {
+                    sh.app_fd = Some(app.as_raw_fd());
+                    self.app = Some(app);
+                    sh.connecting = false;
+                    self.orphan = None;
+                    true
+                }
+                Poll::Ready(Err(e)) => {
+                    println!(
+                        "sidecar peer={} backend={} error={e}",
+                        self.peer, self.svc.backend
+                    );
+                    if let Some(h) = &self.svc.health {
+                        h.report_connect_failure();
+                    }
+                    sh.connecting = false;
+                    self.orphan = None;
+                    self.backend_failed_locked(sh, "refused or unreachable");
+                    true
+                }
+                Poll::Pending => false,
+            };
+        }
+        if !sh.inbuf.is_empty() && !sh.quiesced {
+            // A request (or part of one): a new application connection.
+            let svc = self.svc.clone();
+            let db = match &sh.proto {
+                Proto::Resp(r) => r.db,
+                _ => None,
+            };
+            o.connect = Some(Box::pin(async move { connect_app(&svc, db).await }));
+            sh.connecting = true;
+            return true;
+        }
+        if std::future::Future::poll(o.grace.as_mut(), cx).is_ready() {
+            let up = self
+                .svc
+                .health
+                .as_ref()
+                .is_some_and(|h| h.state() == crate::health::State::Up);
+            if up {
+                // Its check says up: it closed an idle connection on
+                // purpose. Close, as the application wanted.
+                self.orphan = None;
+                self.app_eof = true;
+                sh.closing = true;
+                return true;
+            }
+            // Down: the connection waits for its migration (or, when no
+            // server can take it, for a request once the application is
+            // back). The timer is spent; nothing re-arms it.
+            o.grace
+                .as_mut()
+                .reset(tokio::time::Instant::now() + Duration::from_secs(3600));
+        }
+        false
     }
 
     fn on_app_eof(&mut self, sh: &mut Shared) {
