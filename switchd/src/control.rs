@@ -994,17 +994,30 @@ impl<D: DataPlane> ControlPlane<D> {
         self.dp.set_server(s.index, c)
     }
 
-    fn live(&self) -> Vec<&Server> {
-        self.servers
-            .values()
-            .filter(|s| s.liveness == Liveness::Live)
-            .collect()
-    }
-
     /// Recomputes Maglev tables (pushing only changed slots), LWRR rings and
     /// target rings from each service's live pool members.
     fn push_tables(&mut self) -> Result<()> {
         self.push(true)
+    }
+
+    /// Live, and a placement and migration target of at least one of its
+    /// services (or in none): counted in the pool load of LOAD-NOTIFICATION.
+    fn takes_load(&self, s: &Server) -> bool {
+        if s.liveness != Liveness::Live {
+            return false;
+        }
+        let mut member = false;
+        for svc in self
+            .services
+            .iter()
+            .filter(|v| v.pool.iter().any(|(id, _)| *id == s.reg.id))
+        {
+            member = true;
+            if !s.backend_is_down(svc.vip, svc.port) || svc.fail_open {
+                return true;
+            }
+        }
+        !member
     }
 
     /// Live members of service `i`, with their pool weights.
@@ -1155,15 +1168,21 @@ impl<D: DataPlane> ControlPlane<D> {
                 s.load_pps += alpha * (pps - s.load_pps);
             }
         }
-        let counted: Vec<&Server> = self
+        // The pool the policies balance: servers that take connections.
+        // A draining (or drained) server, or one whose every service's
+        // application is down, carries no new load and takes no migration:
+        // counted in the average, it dragged it down and every other server
+        // looked busier than the pool for good (they shed connections to
+        // each other for the whole maintenance, ~48 migrations/s in the
+        // demo). It still gets its own report.
+        let in_pool: Vec<&Server> = self
             .servers
             .values()
-            .filter(|s| s.liveness != Liveness::Dead)
+            .filter(|s| self.takes_load(s))
             .collect();
-        let pool_load: u64 = counted.iter().map(|s| s.load).sum();
-        let least = self
-            .live()
-            .into_iter()
+        let pool_load: u64 = in_pool.iter().map(|s| s.load).sum();
+        let least = in_pool
+            .iter()
             .min_by(|a, b| {
                 a.load_pps
                     .total_cmp(&b.load_pps)
@@ -1171,9 +1190,11 @@ impl<D: DataPlane> ControlPlane<D> {
             })
             .map(|s| s.reg.data_ip)
             .unwrap_or(Ipv4Addr::UNSPECIFIED);
-        let live_servers = counted.len() as u32;
-        let reports = counted
-            .iter()
+        let live_servers = in_pool.len() as u32;
+        let reports = self
+            .servers
+            .values()
+            .filter(|s| s.liveness != Liveness::Dead)
             .map(|s| LoadReport {
                 server: s.reg.id,
                 data_ip: s.reg.data_ip,
@@ -1656,6 +1677,43 @@ pub(crate) mod tests {
         c.dp.count_packets(0, 5);
         let r = c.tick(Instant::from_millis(2)).unwrap();
         assert_eq!((r[0].own_load, r[0].pool_load), (5, 5));
+    }
+
+    /// A draining server, and one whose only service's application is
+    /// down, are out of the pool the load notifications average over: with
+    /// them in, the two others each looked busier than the pool for good
+    /// and shed connections to each other for the whole maintenance. They
+    /// still get their own report.
+    #[test]
+    fn pool_load_counts_only_servers_that_take_load() {
+        let mut c = cp(TargetPolicy::LeastLoaded);
+        c.set_draining(ServerId(2), true).unwrap();
+        c.dp.count_packets(0, 100);
+        c.dp.count_packets(1, 0);
+        c.dp.count_packets(2, 60);
+        let r = c.tick(Instant::from_millis(1)).unwrap();
+        assert_eq!(r.len(), 3, "the draining server is still told its load");
+        assert!(
+            r.iter().all(|x| x.pool_load == 160 && x.live_servers == 2),
+            "{r:?}"
+        );
+        assert_eq!(r[0].least_loaded, Ipv4Addr::new(198, 18, 2, 13));
+        let web = SocketAddrV4::new(c.services()[0].vip, c.services()[0].port);
+        c.set_backend_health(Instant::from_millis(1), ServerId(3), true, &[web])
+            .unwrap();
+        c.dp.count_packets(0, 10);
+        let r = c.tick(Instant::from_millis(2)).unwrap();
+        assert!(
+            r.iter().all(|x| x.pool_load == 10 && x.live_servers == 1),
+            "{r:?}"
+        );
+        assert_eq!(r[0].least_loaded, Ipv4Addr::new(198, 18, 2, 11));
+        // Back in: counted again.
+        c.set_draining(ServerId(2), false).unwrap();
+        c.set_backend_health(Instant::from_millis(3), ServerId(3), true, &[])
+            .unwrap();
+        let r = c.tick(Instant::from_millis(3)).unwrap();
+        assert!(r.iter().all(|x| x.live_servers == 3), "{r:?}");
     }
 
     /// Three servers (s2 with instance 7, the others none), grace `grace`;
