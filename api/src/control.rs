@@ -88,6 +88,10 @@ pub struct ServerStats {
     pub data_source: DataSource,
     pub connections: u64,
     pub load_pps: Option<f64>,
+    /// Services of the server whose application its health checks report
+    /// down (None: the server does not report application health, or the
+    /// source does not know).
+    pub apps_down: Option<u32>,
 }
 
 #[derive(Debug, Clone, Serialize, Default)]
@@ -197,6 +201,11 @@ pub trait ControlPlane: Send + Sync + 'static {
 /// How often a drain supervisor re-reads the server's flows.
 const DRAIN_POLL: Duration = Duration::from_millis(200);
 const REMAINING_LISTED: usize = 1000;
+/// Steps of `DRAIN_POLL` after a completed drain during which a late
+/// `draining` written by switchd is corrected (`settle_drained`): 10 s,
+/// which also covers a switchd that took over fast and replays its held
+/// server writes once it wins the lease.
+const DRAIN_SETTLE_STEPS: u32 = 50;
 
 pub struct StoreControlPlane {
     store: Arc<dyn Store>,
@@ -254,6 +263,7 @@ impl StoreControlPlane {
                     }
                 }
             }
+            me.settle_drained(server, started).await;
         });
         if let Some(old) = self
             .supervisors
@@ -326,6 +336,37 @@ impl StoreControlPlane {
                 .await?;
         }
         Ok(true)
+    }
+
+    /// switchd records a draining server as `draining` in the store
+    /// itself, asynchronously, after the API's drain request reaches it: a
+    /// drain that completed first (a server with no connection completes at
+    /// once) would leave the server `draining` for good. For a short while
+    /// after the completion, `drained` is put back.
+    async fn settle_drained(&self, server: ServerId, started: u64) {
+        for _ in 0..DRAIN_SETTLE_STEPS {
+            tokio::time::sleep(DRAIN_POLL).await;
+            let same_drain = matches!(
+                self.store.get_drain(server).await,
+                Ok(Some(d)) if d.state == DrainState::Completed && d.started_unix_ms == started
+            );
+            if !same_drain {
+                return;
+            }
+            match self.store.get_server(server).await {
+                Ok(Some(s)) if s.state == ServerState::Draining => {
+                    if let Err(e) = self
+                        .store
+                        .set_server_state(server, ServerState::Drained)
+                        .await
+                    {
+                        tracing::warn!(server = %server, error = %e, "marking a drained server drained");
+                    }
+                }
+                Ok(Some(_)) => {}
+                _ => return,
+            }
+        }
     }
 
     async fn finish(
@@ -444,6 +485,7 @@ impl ControlPlane for Arc<StoreControlPlane> {
                     data_source: DataSource::Store,
                     connections: 0,
                     load_pps: None,
+                    apps_down: None,
                 },
             );
         }
@@ -453,6 +495,7 @@ impl ControlPlane for Arc<StoreControlPlane> {
                     data_source: DataSource::Store,
                     connections: 0,
                     load_pps: None,
+                    apps_down: None,
                 })
                 .connections += 1;
         }
@@ -516,9 +559,13 @@ impl ControlPlane for Arc<StoreControlPlane> {
         }
         if let Some(d) = self.store.get_drain(server).await? {
             if d.state == DrainState::Running {
+                let left_s = d
+                    .deadline_unix_ms
+                    .saturating_sub(unix_ms_now())
+                    .div_ceil(1000);
                 return Err(Problem::conflict(format!(
-                    "server {} is already draining (deadline {} ms since epoch); undrain it first",
-                    server.0, d.deadline_unix_ms
+                    "server {} is already draining (deadline in {left_s} s); undrain it first",
+                    server.0
                 )));
             }
         }

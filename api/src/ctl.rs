@@ -6,12 +6,16 @@
 //!   servers                               list servers with state, weight, connections
 //!   drain SERVER [--deadline 30s] [--force] [--wait]
 //!   undrain SERVER
+//!   weight SERVER WEIGHT
+//!   connections [--server SERVER] [--service NAME] [--limit N]
 //!   migrate CONN [--target SERVER]
 //!   policy get | policy set KEY=VALUE...
 //!   migrations [--follow [--for 10s]]
 //!   services
 //! ```
 //! `--api` and `--token` default to `CAPYBARA_API` and `CAPYBARA_TOKEN`.
+//! A flag the command does not take is a usage error (a mistyped `--force`
+//! must not start a `migrate` drain).
 //! Exit codes: 0 success, 1 the API refused or failed, 2 usage error,
 //! 3 a waited-for drain ended without completing.
 
@@ -28,6 +32,8 @@ commands:
   servers
   drain SERVER [--deadline 30s] [--force] [--wait]
   undrain SERVER
+  weight SERVER WEIGHT
+  connections [--server SERVER] [--service NAME] [--limit N]
   migrate CONN [--target SERVER]
   policy get
   policy set KEY=VALUE [KEY=VALUE...]
@@ -59,9 +65,44 @@ fn api_err<T: std::fmt::Debug>(e: ClientError<T>) -> CtlError {
             let detail = serde_json::from_str::<Value>(&r.content)
                 .ok()
                 .and_then(|v| v.get("detail").and_then(|d| d.as_str()).map(str::to_string))
-                .unwrap_or(r.content);
-            CtlError::Api(format!("API error {}: {detail}", r.status.as_u16()))
+                .unwrap_or_else(|| {
+                    // Not a problem document: not the Capybara API (or a
+                    // proxy in front of it) answered.
+                    let body: String = r.content.trim().chars().take(200).collect();
+                    format!("{body:?}: not an answer of the Capybara API (is --api right?)")
+                });
+            let hint = if r.status.as_u16() == 401 {
+                " (check --token or CAPYBARA_TOKEN)"
+            } else {
+                ""
+            };
+            CtlError::Api(format!("API error {}: {detail}{hint}", r.status.as_u16()))
         }
+        ClientError::Reqwest(e) => {
+            // reqwest's own message stops at "error sending request"; the
+            // cause (connection refused, timed out, no such host) is in
+            // its sources.
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                let part = s.to_string();
+                if !msg.contains(&part) {
+                    msg.push_str(": ");
+                    msg.push_str(&part);
+                }
+                src = s.source();
+            }
+            if e.is_connect() || e.is_timeout() {
+                CtlError::Api(format!(
+                    "cannot reach the API: {msg} (is the appliance running? --api URL or CAPYBARA_API)"
+                ))
+            } else {
+                CtlError::Api(format!("request failed: {msg}"))
+            }
+        }
+        ClientError::Serde(e) => CtlError::Api(format!(
+            "the answer is not the Capybara API's ({e}): is --api the API's URL?"
+        )),
         other => CtlError::Api(format!("request failed: {other}")),
     }
 }
@@ -90,7 +131,18 @@ struct Args {
 
 impl Args {
     /// Flags that take a value.
-    const VALUED: [&'static str; 5] = ["--api", "--token", "--deadline", "--target", "--for"];
+    const VALUED: [&'static str; 8] = [
+        "--api",
+        "--token",
+        "--deadline",
+        "--target",
+        "--for",
+        "--server",
+        "--service",
+        "--limit",
+    ];
+    /// Flags every command takes.
+    const GLOBAL: [&'static str; 3] = ["--api", "--token", "--help"];
 
     fn parse(args: Vec<String>) -> Result<Self, CtlError> {
         let mut positional = Vec::new();
@@ -106,6 +158,8 @@ impl Args {
                 flags.push((a, Some(v)));
             } else if a.starts_with("--") {
                 flags.push((a, None));
+            } else if a == "-h" {
+                flags.push(("--help".into(), None));
             } else {
                 positional.push(a);
             }
@@ -121,6 +175,39 @@ impl Args {
     }
     fn has(&self, k: &str) -> bool {
         self.flags.iter().any(|(f, _)| f == k)
+    }
+
+    /// Refuses a flag `cmd` does not take, and a value on a switch
+    /// (`--force=false` would otherwise force).
+    fn check_flags(&self, cmd: &str) -> Result<(), CtlError> {
+        let own = command_flags(cmd);
+        for (f, v) in &self.flags {
+            if !Self::GLOBAL.contains(&f.as_str()) && !own.contains(&f.as_str()) {
+                let takes = if own.is_empty() {
+                    "no flags".to_string()
+                } else {
+                    own.join(", ")
+                };
+                return Err(CtlError::Usage(format!(
+                    "unknown flag {f} for `{cmd}` (it takes {takes})"
+                )));
+            }
+            if v.is_some() && !Self::VALUED.contains(&f.as_str()) {
+                return Err(CtlError::Usage(format!("{f} takes no value")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The flags of each command, besides `--api`, `--token` and `--help`.
+fn command_flags(cmd: &str) -> &'static [&'static str] {
+    match cmd {
+        "drain" => &["--deadline", "--force", "--wait"],
+        "migrate" => &["--target"],
+        "migrations" => &["--follow", "--for"],
+        "connections" => &["--server", "--service", "--limit"],
+        _ => &[],
     }
 }
 
@@ -185,10 +272,41 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
         .map(str::to_string)
         .or_else(|| std::env::var("CAPYBARA_TOKEN").ok());
     cfg.user_agent = Some("capybara-ctl".into());
+    // Bounded: a wrong --api (a filtered port, an address nobody answers)
+    // fails in seconds instead of hanging.
+    cfg.client = capybara_api_client::apis::configuration::Client::builder()
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(30))
+        .build()
+        .map_err(|e| CtlError::Api(format!("building the HTTP client: {e}")))?;
+    if !cfg.base_path.starts_with("http://") && !cfg.base_path.starts_with("https://") {
+        return Err(CtlError::Usage(format!(
+            "--api (or CAPYBARA_API) must be a URL such as http://127.0.0.1:8080, got {:?}",
+            cfg.base_path
+        )));
+    }
     let pos: Vec<&str> = a.positional.iter().map(String::as_str).collect();
+    a.check_flags(pos[0])?;
     match pos.as_slice() {
         ["servers"] => servers(&cfg).await,
         ["services"] => services(&cfg).await,
+        ["connections"] => connections(&cfg, &a).await,
+        ["weight", s, w] => {
+            let weight = w
+                .parse::<u16>()
+                .map_err(|_| CtlError::Usage(format!("WEIGHT must be 0 to 65535, got {w:?}")))?;
+            let srv = apis::servers_api::set_server_weight(
+                &cfg,
+                server_id(s)?,
+                models::WeightUpdate {
+                    weight: weight.into(),
+                },
+            )
+            .await
+            .map_err(api_err)?;
+            println!("server {} ({}) has weight {}", srv.id, srv.name, srv.weight);
+            Ok(())
+        }
         ["drain", s] => drain(&cfg, server_id(s)?, &a).await,
         ["undrain", s] => {
             let srv = apis::servers_api::undrain_server(&cfg, server_id(s)?)
@@ -209,8 +327,11 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
                 .await
                 .map_err(api_err)?;
             println!(
-                "migration {} of {} from server {} started ({:?})",
-                m.id, m.connection, m.origin, m.outcome
+                "migration {} of {} from server {} started ({}; follow it with `migrations --follow`)",
+                m.id,
+                m.connection,
+                m.origin,
+                outcome_str(m.outcome)
             );
             Ok(())
         }
@@ -231,6 +352,21 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
         }
         ["policy", "set", kvs @ ..] if !kvs.is_empty() => policy_set(&cfg, kvs).await,
         ["migrations"] => migrations(&cfg, &a).await,
+        [cmd @ ("drain" | "undrain"), ..] => Err(CtlError::Usage(format!(
+            "`{cmd}` takes one SERVER, got {:?}",
+            &pos[1..]
+        ))),
+        ["weight", ..] => Err(CtlError::Usage(format!(
+            "`weight` takes SERVER and WEIGHT, got {:?}",
+            &pos[1..]
+        ))),
+        ["migrate", ..] => Err(CtlError::Usage(format!(
+            "`migrate` takes one CONN (CLIENT_IP:PORT-VIP:PORT, see `connections`), got {:?}",
+            &pos[1..]
+        ))),
+        ["policy", ..] => Err(CtlError::Usage(
+            "`policy get`, or `policy set KEY=VALUE...`".into(),
+        )),
         _ => Err(CtlError::Usage(format!(
             "unknown command {:?}",
             a.positional.join(" ")
@@ -293,6 +429,39 @@ async fn services(cfg: &Configuration) -> Result<(), CtlError> {
     Ok(())
 }
 
+async fn connections(cfg: &Configuration, a: &Args) -> Result<(), CtlError> {
+    let server = a.value("--server").map(server_id).transpose()?;
+    let limit = match a.value("--limit") {
+        None => None,
+        Some(l) => Some(
+            l.parse::<i32>()
+                .ok()
+                .filter(|n| (1..=10_000).contains(n))
+                .ok_or_else(|| CtlError::Usage(format!("--limit must be 1 to 10000, got {l:?}")))?,
+        ),
+    };
+    let list = apis::connections_api::list_connections(cfg, server, a.value("--service"), limit)
+        .await
+        .map_err(api_err)?;
+    println!("{:<44} {:>6}  SERVICE", "ID", "SERVER");
+    for c in &list.items {
+        println!(
+            "{:<44} {:>6}  {}",
+            c.id,
+            c.server,
+            c.service.clone().flatten().unwrap_or_else(|| "-".into())
+        );
+    }
+    if list.truncated {
+        eprintln!(
+            "{} of {} connections shown (--limit, --server, --service)",
+            list.items.len(),
+            list.total
+        );
+    }
+    Ok(())
+}
+
 /// Parses `KEY=VALUE` into a JSON value: booleans and numbers as such,
 /// anything else as a string; the API validates and names a bad key.
 fn policy_value(v: &str) -> Value {
@@ -311,8 +480,14 @@ async fn policy_set(cfg: &Configuration, kvs: &[&str]) -> Result<(), CtlError> {
         patch.insert(k.to_string(), policy_value(v));
     }
     // Through the generated model, so an unknown key fails here with its name.
-    let p: models::PolicyPatch = serde_json::from_value(Value::Object(patch.clone()))
-        .map_err(|e| CtlError::Usage(format!("bad policy setting: {e}")))?;
+    let p: models::PolicyPatch = serde_path_to_error::deserialize(Value::Object(patch.clone()))
+        .map_err(|e| {
+            CtlError::Usage(format!(
+                "bad policy setting {}: {} (see `policy get`)",
+                e.path(),
+                e.inner()
+            ))
+        })?;
     let known = serde_json::to_value(&p).unwrap_or_default();
     if let Some(k) = patch.keys().find(|k| known.get(k.as_str()).is_none()) {
         return Err(CtlError::Usage(format!(
@@ -367,12 +542,17 @@ fn progress_line(d: &models::Drain) -> String {
 
 async fn drain(cfg: &Configuration, id: i64, a: &Args) -> Result<(), CtlError> {
     let deadline = match a.value("--deadline") {
-        Some(d) => parse_duration(d).ok_or_else(|| {
-            CtlError::Usage(format!("--deadline: bad duration {d:?} (e.g. 30s, 5m)"))
-        })?,
+        Some(d) => parse_duration(d)
+            .filter(|t| t.subsec_nanos() == 0 && (1..=86_400).contains(&t.as_secs()))
+            .ok_or_else(|| {
+                CtlError::Usage(format!(
+                    "--deadline: expected whole seconds from 1s to 24h (e.g. 30s, 5m), got {d:?}"
+                ))
+            })?,
         None => Duration::from_secs(30),
     };
-    let secs = deadline.as_secs().max(1) as i32;
+    // In [1, 86400] (checked above): fits.
+    let secs = deadline.as_secs() as i32;
     let mode = if a.has("--force") {
         models::DrainMode::Force
     } else {
@@ -465,6 +645,9 @@ async fn migrations(cfg: &Configuration, a: &Args) -> Result<(), CtlError> {
         ),
         None => None,
     };
+    if stop_after.is_some() && !follow {
+        return Err(CtlError::Usage("--for goes with --follow".into()));
+    }
     let started = Instant::now();
     let mut after = 0i64;
     println!(

@@ -262,6 +262,7 @@ pub async fn server_view(
                 data_source: state.cp.data_source(),
                 connections: 0,
                 load_pps: None,
+                apps_down: None,
             }),
     };
     let drain = state.cp.drain_status(s.id).await?;
@@ -303,6 +304,7 @@ async fn list_servers(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<
                     data_source: state.cp.data_source(),
                     connections: 0,
                     load_pps: None,
+                    apps_down: None,
                 })),
             )
             .await?,
@@ -1205,6 +1207,7 @@ pub async fn server_event(
                     data_source: state.cp.data_source(),
                     connections: 0,
                     load_pps: None,
+                    apps_down: None,
                 })),
             )
             .await?,

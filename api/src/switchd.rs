@@ -76,6 +76,19 @@ pub struct StatusServer {
     pub connections: Option<u64>,
     #[serde(default)]
     pub load_pps: Option<f64>,
+    /// Its heartbeats report application health (switchd since 2026-11-23).
+    #[serde(default)]
+    pub health_reported: bool,
+    #[serde(default)]
+    pub backends: Vec<StatusBackend>,
+}
+
+/// One service of a server in switchd's `/status` (`servers[].backends`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct StatusBackend {
+    /// Whether its application is up (null: not reported).
+    #[serde(default)]
+    pub up: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -97,6 +110,9 @@ pub fn parse_status(body: &str) -> Result<HashMap<ServerId, ServerStats>, Proble
                 data_source: DataSource::Switchd,
                 connections: s.connections.unwrap_or(0),
                 load_pps: s.load_pps.or(s.load),
+                apps_down: s
+                    .health_reported
+                    .then(|| s.backends.iter().filter(|b| b.up == Some(false)).count() as u32),
             };
             (ServerId(s.id), stats)
         })
@@ -718,12 +734,23 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
     }
 
     async fn server_stats(&self) -> Result<HashMap<ServerId, ServerStats>, Problem> {
-        let mut out = self.http.server_stats().await?;
+        let mut out = match self.http.server_stats().await {
+            Ok(out) => out,
+            Err(p) => {
+                // switchd unreachable (restarting, failing over, a wrong
+                // URL): servers are still listed and registered, with the
+                // store's view of their connections (`data_source: store`,
+                // load unknown), instead of every server read failing.
+                tracing::debug!(error = %p, "switchd unreachable: server stats from the store");
+                return self.inner.server_stats().await;
+            }
+        };
         for s in self.store.list_servers().await? {
             out.entry(s.id).or_insert(ServerStats {
                 data_source: DataSource::Switchd,
                 connections: 0,
                 load_pps: None,
+                apps_down: None,
             });
         }
         Ok(out)
@@ -898,6 +925,26 @@ mod tests {
         assert_eq!(s2.load_pps, Some(7.0));
         assert!(parse_status(r#"{"servers": []}"#).unwrap().is_empty());
         assert!(parse_status("{}").unwrap().is_empty());
+    }
+
+    #[test]
+    fn status_counts_the_applications_a_server_reports_down() {
+        let m = parse_status(
+            r#"{"servers": [
+              {"id": 1, "health_reported": true, "backends": [
+                {"service": "198.18.100.1:80", "up": false},
+                {"service": "198.18.100.1:6379", "up": true}]},
+              {"id": 2, "health_reported": false, "backends": [
+                {"service": "198.18.100.1:80", "up": null}]},
+              {"id": 3}
+            ]}"#,
+        )
+        .unwrap();
+        assert_eq!(m[&ServerId(1)].apps_down, Some(1));
+        // A hostagent (or switchd) that predates health checks: unknown.
+        assert_eq!(m[&ServerId(2)].apps_down, None);
+        assert_eq!(m[&ServerId(3)].apps_down, None);
+        assert_eq!(parse_status(STATUS).unwrap()[&ServerId(1)].apps_down, None);
     }
 
     #[test]

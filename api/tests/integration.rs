@@ -552,3 +552,258 @@ async fn ctl_commands() {
     assert_eq!(code, 2);
     api.stop().await;
 }
+
+/// switchd writes `draining` into the store itself, asynchronously, once the
+/// API's drain request reaches it; a server with no connection has completed
+/// its drain by then. The server must end `drained`, not stay `draining`
+/// (seen in `make demo`: drain of an already drained server).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_completed_before_switchd_records_draining_ends_drained() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let token = api.token("ops", Role::Operator);
+    let a = register(&api, &token, "a").await;
+    let (s, v, _) = call(
+        "POST",
+        format!("{}/v1/servers/{a}/drain", api.url),
+        Some(&token),
+        Some(json!({"deadline_seconds": 5})),
+    )
+    .await;
+    assert_eq!(s, 202, "{v}");
+    wait_drain(&api, &token, a, "completed").await;
+    // What switchd's late store write does.
+    api.store
+        .set_server_state(ServerId(a as u32), capybara_store::ServerState::Draining)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, srv, _) = call(
+            "GET",
+            format!("{}/v1/servers/{a}", api.url),
+            Some(&token),
+            None,
+        )
+        .await;
+        if srv["state"] == "drained" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "server stayed {} after its drain completed",
+            srv["state"]
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A second drain while one runs is refused with a readable deadline.
+    api.store
+        .apply_flows(&[FlowOp::Put {
+            key: flow(30),
+            server: ServerId(a as u32),
+        }])
+        .await
+        .unwrap();
+    let url = format!("{}/v1/servers/{a}/drain", api.url);
+    let (s, _, _) = call("POST", url.clone(), Some(&token), Some(json!({}))).await;
+    assert_eq!(s, 202);
+    let (s, v, _) = call("POST", url, Some(&token), Some(json!({}))).await;
+    assert_eq!(s, 409, "{v}");
+    let detail = v["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("already draining (deadline in ") && !detail.contains("since epoch"),
+        "{detail}"
+    );
+    api.stop().await;
+}
+
+/// The mistakes operators make with `capybara ctl` get a usage error (exit
+/// 2) naming the mistake, before anything is sent; `weight` and
+/// `connections` cover what the dashboard shows and `migrate` needs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctl_refuses_mistakes_and_lists_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let token = api.token("ops", Role::Operator);
+    let a = register(&api, &token, "web1").await;
+    api.store
+        .apply_flows(&[FlowOp::Put {
+            key: flow(40),
+            server: ServerId(a as u32),
+        }])
+        .await
+        .unwrap();
+    let (url, t) = (api.url.clone(), token.clone());
+    let run = move |args: Vec<&'static str>| {
+        let (url, t) = (url.clone(), t.clone());
+        tokio::task::spawn_blocking(move || ctl(&url, &t, &args))
+    };
+    for (args, want) in [
+        // A mistyped --force must not start a migrate drain.
+        (
+            vec!["drain", "1", "--forse"],
+            "unknown flag --forse for `drain`",
+        ),
+        (
+            vec!["drain", "1", "--force=false"],
+            "--force takes no value",
+        ),
+        (
+            vec!["servers", "--wait"],
+            "unknown flag --wait for `servers`",
+        ),
+        (
+            vec!["drain", "1", "--deadline", "500ms"],
+            "whole seconds from 1s to 24h",
+        ),
+        (
+            vec!["drain", "1", "--deadline", "99999999999s"],
+            "whole seconds",
+        ),
+        (vec!["drain"], "`drain` takes one SERVER"),
+        (vec!["weight", "1"], "`weight` takes SERVER and WEIGHT"),
+        (vec!["weight", "1", "70000"], "WEIGHT must be 0 to 65535"),
+        (vec!["policy"], "`policy get`"),
+        (
+            vec!["policy", "set", "proactive_threshold_pct=abc"],
+            "proactive_threshold_pct",
+        ),
+        (
+            vec!["connections", "--limit", "0"],
+            "--limit must be 1 to 10000",
+        ),
+        (
+            vec!["migrations", "--for", "5s"],
+            "--for goes with --follow",
+        ),
+    ] {
+        let (code, _, err) = run(args.clone()).await.unwrap();
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    // Nothing was started by the refused drains.
+    let (_, srv, _) = call(
+        "GET",
+        format!("{}/v1/servers/{a}", api.url),
+        Some(&token),
+        None,
+    )
+    .await;
+    assert_eq!(srv["state"], "active", "{srv}");
+    let (code, out, _) = run(vec!["-h"]).await.unwrap();
+    assert!(code == 0 && out.contains("connections"), "{out}");
+    let (code, out, err) = run(vec!["weight", "1", "7"]).await.unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("weight 7"), "{out}");
+    let (code, out, err) = run(vec!["connections", "--server", "1"]).await.unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("192.0.2.1:40-10.0.0.100:80"), "{out}");
+    // OPERATIONS.md: exit status 3 when a waited-for drain does not
+    // complete; what remains is named (no data plane here: nothing moves).
+    let (code, out, err) = run(vec!["drain", "1", "--deadline", "1s", "--wait"])
+        .await
+        .unwrap();
+    assert_eq!(code, 3, "{out} {err}");
+    assert!(out.trim_end().ends_with("timed_out"), "{out}");
+    assert!(
+        err.contains("1 connections remain: 192.0.2.1:40-10.0.0.100:80"),
+        "{err}"
+    );
+    // A wrong token says which setting to check.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_capybara-ctl"))
+        .args(["--api", &api.url, "--token", "capy_00", "servers"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        err.contains("401") && err.contains("CAPYBARA_TOKEN"),
+        "{err}"
+    );
+    // An --api without a scheme, and an API that is not running.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_capybara-ctl"))
+        .args(["--api", api.url.trim_start_matches("http://"), "servers"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("must be a URL such as"));
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_url = format!("http://{}", dead.local_addr().unwrap());
+    drop(dead);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_capybara-ctl"))
+        .args(["--api", &dead_url, "--token", &token, "servers"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        err.contains("cannot reach the API") && err.to_lowercase().contains("connection refused"),
+        "{err}"
+    );
+    api.stop().await;
+}
+
+/// The API configured with a switchd that does not answer (restarting, or a
+/// wrong URL): registering a server answers 201 (it did register; a 503 made
+/// a retry fail with 409) and servers are listed from the store
+/// (`data_source: store`) instead of every server read failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn servers_are_listed_from_the_store_while_switchd_is_unreachable() {
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn Store> = Arc::new(
+        SqliteStore::open(SqliteConfig {
+            path: dir.path().join("store.db"),
+            ..SqliteConfig::default()
+        })
+        .await
+        .unwrap(),
+    );
+    let db = Arc::new(ApiDb::open(&dir.path().join("api.db")).unwrap());
+    let inner = StoreControlPlane::new(store.clone(), db.clone())
+        .await
+        .unwrap();
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_url = format!("http://{}", dead.local_addr().unwrap());
+    drop(dead);
+    let cp =
+        capybara_api::switchd::SwitchdControlPlane::new(inner.clone(), store.clone(), &dead_url)
+            .unwrap();
+    let running = capybara_api::start(ApiConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        store: store.clone(),
+        control_plane: Arc::new(cp),
+        db: db.clone(),
+        static_dir: None,
+        workers: 1,
+    })
+    .await
+    .unwrap();
+    let url = format!("http://{}", running.addr);
+    let token = db.create("ops", Role::Operator, "test").unwrap().1;
+    let body = json!({ "name": "w1", "mgmt_addr": "10.0.1.11:7000", "data_addr": "10.0.2.11" });
+    let (s, v, _) = call(
+        "POST",
+        format!("{url}/v1/servers"),
+        Some(&token),
+        Some(body),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(v["stats"]["data_source"], "store", "{v}");
+    let (s, v, _) = call("GET", format!("{url}/v1/servers"), Some(&token), None).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["items"][0]["name"], "w1", "{v}");
+    assert_eq!(v["items"][0]["stats"]["data_source"], "store", "{v}");
+    // What needs the switch still says it is unreachable.
+    let (s, v, _) = call(
+        "POST",
+        format!("{url}/v1/servers/1/drain"),
+        Some(&token),
+        Some(json!({})),
+    )
+    .await;
+    assert_eq!(s, 503, "{v}");
+    assert!(v["detail"].as_str().unwrap().contains("unreachable"), "{v}");
+    inner.shutdown();
+    running.stop().await;
+}

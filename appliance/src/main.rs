@@ -50,8 +50,9 @@ enum Command {
         command: LabCommand,
     },
     /// Operate a running appliance through its REST API: `capybara ctl
-    /// servers`, `drain SERVER --deadline 30s --wait`, `undrain`, `migrate`,
-    /// `policy get|set`, `migrations --follow`, `services` (`ctl --help`).
+    /// servers`, `drain SERVER --deadline 30s --wait`, `undrain`, `weight`,
+    /// `connections`, `migrate`, `policy get|set`, `migrations --follow`,
+    /// `services` (`ctl --help`).
     #[command(disable_help_flag = true)]
     Ctl {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]

@@ -153,6 +153,15 @@ function ServerCard({
         <span className={`badge badge-${s.state}`} data-testid={`server-state-${s.id}`}>
           {s.state}
         </span>
+        {(s.stats.apps_down ?? 0) > 0 && (
+          <span
+            className="badge badge-draining"
+            title="its application health checks report these services down: no new connections of them (docs/OPERATIONS.md, Application health checks)"
+            data-testid={`server-apps-down-${s.id}`}
+          >
+            {s.stats.apps_down} app{s.stats.apps_down === 1 ? '' : 's'} down
+          </span>
+        )}
       </div>
       <dl className="stats">
         <dt>Connections</dt>

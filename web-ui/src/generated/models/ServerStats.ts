@@ -39,6 +39,15 @@ export interface ServerStats {
      * Request packets (client packets carrying TCP payload) per second seen by the pool monitor; null when not live.
      */
     load_pps?: number | null;
+    /**
+     * Services of this server whose application (behind the sidecar)
+     * its health checks report down; such a server gets no new
+     * connections of those services (docs/OPERATIONS.md, "Application
+     * health checks"). Null when the server does not report
+     * application health.
+     * 
+     */
+    apps_down?: number | null;
 }
 
 
@@ -65,6 +74,7 @@ export function ServerStatsFromJSONTyped(json: any, ignoreDiscriminator: boolean
         'data_source': DataSourceFromJSON(json['data_source']),
         'connections': json['connections'],
         'load_pps': json['load_pps'] === undefined ? undefined : json['load_pps'] === null ? null : json['load_pps'],
+        'apps_down': json['apps_down'] === undefined ? undefined : json['apps_down'] === null ? null : json['apps_down'],
     };
 }
 
@@ -82,6 +92,7 @@ export function ServerStatsToJSONTyped(value?: ServerStats | null, ignoreDiscrim
         'data_source': DataSourceToJSON(value['data_source']),
         'connections': value['connections'],
         'load_pps': value['load_pps'],
+        'apps_down': value['apps_down'],
     };
 }
 

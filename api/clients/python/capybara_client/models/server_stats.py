@@ -32,7 +32,8 @@ class ServerStats(BaseModel):
     data_source: DataSource
     connections: Annotated[int, Field(strict=True, ge=0)] = Field(description="Connections owned by the server.")
     load_pps: Optional[Union[StrictFloat, StrictInt]] = Field(default=None, description="Request packets (client packets carrying TCP payload) per second seen by the pool monitor; null when not live.")
-    __properties: ClassVar[List[str]] = ["data_source", "connections", "load_pps"]
+    apps_down: Optional[Annotated[int, Field(strict=True, ge=0)]] = Field(default=None, description="Services of this server whose application (behind the sidecar) its health checks report down; such a server gets no new connections of those services (docs/OPERATIONS.md, \"Application health checks\"). Null when the server does not report application health. ")
+    __properties: ClassVar[List[str]] = ["data_source", "connections", "load_pps", "apps_down"]
 
     model_config = ConfigDict(
         validate_by_name=True,
@@ -78,6 +79,11 @@ class ServerStats(BaseModel):
         if self.load_pps is None and "load_pps" in self.model_fields_set:
             _dict['load_pps'] = None
 
+        # set to None if apps_down (nullable) is None
+        # and model_fields_set contains the field
+        if self.apps_down is None and "apps_down" in self.model_fields_set:
+            _dict['apps_down'] = None
+
         return _dict
 
     @classmethod
@@ -92,7 +98,8 @@ class ServerStats(BaseModel):
         _obj = cls.model_validate({
             "data_source": obj.get("data_source"),
             "connections": obj.get("connections"),
-            "load_pps": obj.get("load_pps")
+            "load_pps": obj.get("load_pps"),
+            "apps_down": obj.get("apps_down")
         })
         return _obj
 

@@ -26,6 +26,14 @@ pub struct ServerStats {
         skip_serializing_if = "Option::is_none"
     )]
     pub load_pps: Option<Option<f64>>,
+    /// Services of this server whose application (behind the sidecar) its health checks report down; such a server gets no new connections of those services (docs/OPERATIONS.md, \"Application health checks\"). Null when the server does not report application health.
+    #[serde(
+        rename = "apps_down",
+        default,
+        with = "::serde_with::rust::double_option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub apps_down: Option<Option<i32>>,
 }
 
 impl ServerStats {
@@ -34,6 +42,7 @@ impl ServerStats {
             data_source,
             connections,
             load_pps: None,
+            apps_down: None,
         }
     }
 }
