@@ -424,20 +424,8 @@ impl Lab {
             // Bounded by the stop flag.
             while !stop2.load(Ordering::Relaxed) {
                 seq += 1;
-                let hb = ControlRepr {
-                    server_id: ServerId(j),
-                    seq,
-                    body: ControlBody::Heartbeat(Heartbeat {
-                        connections: 0,
-                        migrations_in_flight: 0,
-                        load_pps: 0,
-                        rx_backlog_bytes: 0,
-                        flags: 0,
-                        policy_generation: 0,
-                    }),
-                };
-                let mut b = vec![0u8; hb.buffer_len()];
-                if hb.emit_with_mac(&mut b, &key).is_ok() && sock.send_to(&b, switch).is_ok() {
+                let b = idle_heartbeat(j, seq, &key);
+                if sock.send_to(&b, switch).is_ok() {
                     sent2.fetch_add(1, Ordering::Relaxed);
                 }
                 // Replies are counted, not acted on, by the stand-in.
@@ -773,4 +761,26 @@ pub fn failover_run<G>(
     // Switchds first, then the store they talk to.
     drop(lab);
     Ok(result)
+}
+
+/// A HEARTBEAT of server `j` with sequence number `seq` reporting nothing
+/// (no connections, no load), MAC'd with `key`: what the stand-in agents
+/// send, and what hostile-input tests replay or forge.
+pub fn idle_heartbeat(j: u32, seq: u64, key: &MigrationKey) -> Vec<u8> {
+    let hb = ControlRepr {
+        server_id: ServerId(j),
+        seq,
+        body: ControlBody::Heartbeat(Heartbeat {
+            connections: 0,
+            migrations_in_flight: 0,
+            load_pps: 0,
+            rx_backlog_bytes: 0,
+            flags: 0,
+            policy_generation: 0,
+        }),
+    };
+    let mut b = vec![0u8; hb.buffer_len()];
+    hb.emit_with_mac(&mut b, key)
+        .expect("a buffer of buffer_len() bytes fits the message");
+    b
 }

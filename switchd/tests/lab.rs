@@ -218,41 +218,24 @@ fn placement_liveness_and_persistence() {
     // Hostile control traffic is counted by reason and dropped; the
     // switch keeps serving.
     {
-        use capybara_proto::control::{ControlBody, ControlRepr, Heartbeat};
-        let hb = |seq: u64, id: u32| ControlRepr {
-            server_id: capybara_proto::ServerId(id),
-            seq,
-            body: ControlBody::Heartbeat(Heartbeat {
-                connections: 0,
-                migrations_in_flight: 0,
-                load_pps: 0,
-                rx_backlog_bytes: 0,
-                flags: 0,
-                policy_generation: 0,
-            }),
-        };
         let key = capybara_proto::MigrationKey::from_hex(labkit::KEY_HEX).unwrap();
         let wrong = capybara_proto::MigrationKey::from_hex(&"ab".repeat(32)).unwrap();
-        let emit = |r: ControlRepr<'_>, k: &capybara_proto::MigrationKey| {
-            let mut b = vec![0u8; r.buffer_len()];
-            r.emit_with_mac(&mut b, k).unwrap();
-            b
-        };
-        let mut bad_version = emit(hb(1 << 40, 1), &key);
+        let hb = |seq: u64, id: u32, k| labkit::idle_heartbeat(id, seq, k);
+        let mut bad_version = hb(1 << 40, 1, &key);
         bad_version[2] = 9;
-        let mut truncated = emit(hb(1 << 40, 1), &key);
+        let mut truncated = hb(1 << 40, 1, &key);
         truncated.truncate(30);
         let garbage: Vec<u8> = (0..200u32).map(|i| (i * 37 % 251) as u8).collect();
         lab.send_raw_control(
             1,
             vec![
-                emit(hb(1 << 40, 1), &wrong), // bad MAC
-                bad_version,                  // unknown version
-                truncated,                    // truncated
-                garbage,                      // not a control message
-                emit(hb(1, 1), &key),         // replayed sequence number
-                emit(hb(1 << 40, 77), &key),  // unregistered server
-                vec![],                       // empty datagram
+                hb(1 << 40, 1, &wrong), // bad MAC
+                bad_version,            // unknown version
+                truncated,              // truncated
+                garbage,                // not a control message
+                hb(1, 1, &key),         // replayed sequence number
+                hb(1 << 40, 77, &key),  // unregistered server
+                vec![],                 // empty datagram
             ],
         )
         .unwrap();
@@ -386,29 +369,11 @@ fn replayed_heartbeats_are_refused_after_a_restart() {
     )
     .unwrap_or_else(|e| panic!("{e}\n{}", lab.log("b.log")));
 
-    use capybara_proto::control::{ControlBody, ControlRepr, Heartbeat};
     let key = capybara_proto::MigrationKey::from_hex(labkit::KEY_HEX).unwrap();
-    let captured = |seq| {
-        let r = ControlRepr {
-            server_id: capybara_proto::ServerId(1),
-            seq,
-            body: ControlBody::Heartbeat(Heartbeat {
-                connections: 0,
-                migrations_in_flight: 0,
-                load_pps: 0,
-                rx_backlog_bytes: 0,
-                flags: 0,
-                policy_generation: 0,
-            }),
-        };
-        let mut b = vec![0u8; r.buffer_len()];
-        r.emit_with_mac(&mut b, &key).unwrap();
-        b
-    };
     // Bounded: 20 captured heartbeats, 100 ms apart, as the attacker
     // would send them to keep the silent server live.
     for i in 0..20 {
-        lab.send_raw_control(1, vec![captured(first + 1 + i)])
+        lab.send_raw_control(1, vec![labkit::idle_heartbeat(1, first + 1 + i, &key)])
             .unwrap();
         std::thread::sleep(Duration::from_millis(100));
     }

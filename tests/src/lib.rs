@@ -120,6 +120,21 @@ impl Lab {
         pid
     }
 
+    /// Starts a hostagent on server `j` with config `cfg`, its metrics on
+    /// the server's management address (198.18.1.(10+j):9100, where
+    /// [`Lab::server_metrics`] reads them), stdout and stderr to `log`.
+    /// Returns its pid.
+    pub fn spawn_hostagent(&mut self, j: u32, cfg: &std::path::Path, log: &std::path::Path) -> u32 {
+        let metrics = format!("198.18.1.{}:9100", 10 + j);
+        let cfg = cfg.to_str().expect("config path is UTF-8");
+        self.spawn_logged(
+            &format!("s{j}"),
+            bin("hostagent"),
+            &["--config", cfg, "--metrics", &metrics],
+            log,
+        )
+    }
+
     /// Starts a process with its stdout captured to `log`.
     pub fn spawn_logged(
         &mut self,

@@ -117,13 +117,7 @@ fn restart_keeps_flow_mappings_and_established_connections() {
         // Only this test moves connections: a policy's move would race the
         // explicit migration below.
         capybara_systests::disable_policies(&cfg);
-        let metrics = format!("198.18.1.{}:9100", 10 + j);
-        lab.spawn_logged(
-            &format!("s{j}"),
-            bin("hostagent"),
-            &["--config", cfg.to_str().unwrap(), "--metrics", &metrics],
-            &dir.join(format!("hostagent-s{j}.log")),
-        );
+        lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
     }
     lab.wait_for("every server to register", Duration::from_secs(30), || {
         let l = log_of(&log1);

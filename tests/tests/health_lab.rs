@@ -275,13 +275,7 @@ fn a_dead_application_leaves_placement_and_its_idle_connections_migrate() {
     for j in 1..=2u32 {
         nginx[j as usize] = start_nginx(&mut lab, &dir, j);
         let cfg = hostagent_config(&dir, j, &key);
-        let metrics = format!("198.18.1.{}:9100", 10 + j);
-        lab.spawn_logged(
-            &format!("s{j}"),
-            bin("hostagent"),
-            &["--config", cfg.to_str().unwrap(), "--metrics", &metrics],
-            &dir.join(format!("hostagent-s{j}.log")),
-        );
+        lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
     }
     let log = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap_or_default();
     lab.wait_for("both servers to register", Duration::from_secs(30), || {

@@ -118,13 +118,7 @@ fn churn_and_requested_migrations_reach_the_api_with_phase_timings() {
         // moving the connection the test picked would make its MIGRATE
         // find nothing to move.
         capybara_systests::disable_policies(&cfg);
-        let metrics = format!("198.18.1.{}:9100", 10 + j);
-        lab.spawn_logged(
-            &format!("s{j}"),
-            bin("hostagent"),
-            &["--config", cfg.to_str().unwrap(), "--metrics", &metrics],
-            &dir.join(format!("hostagent-s{j}.log")),
-        );
+        lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
     }
     let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
     lab.wait_for("every server to register", Duration::from_secs(30), || {

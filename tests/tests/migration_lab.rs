@@ -35,13 +35,7 @@ fn start(lab: &mut Lab, dir: &std::path::Path, servers: u32, churn_ms: u64) {
             capybara_systests::disable_policies(&cfg);
         }
         let log = dir.join(format!("hostagent-s{j}.log"));
-        let metrics = format!("198.18.1.{}:9100", 10 + j);
-        lab.spawn_logged(
-            &format!("s{j}"),
-            bin("hostagent"),
-            &["--config", cfg.to_str().unwrap(), "--metrics", &metrics],
-            &log,
-        );
+        lab.spawn_hostagent(j, &cfg, &log);
     }
     let registered = || {
         let log = std::fs::read_to_string(dir.join("switchd.log")).unwrap_or_default();

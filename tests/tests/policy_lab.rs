@@ -78,13 +78,7 @@ fn start(lab: &mut Lab, dir: &Path, policies: bool) {
     );
     for j in 1..=2 {
         let cfg = hostagent_config(dir, j, &key, policies);
-        let metrics = format!("198.18.1.{}:9100", 10 + j);
-        lab.spawn_logged(
-            &format!("s{j}"),
-            bin("hostagent"),
-            &["--config", cfg.to_str().unwrap(), "--metrics", &metrics],
-            &dir.join(format!("hostagent-s{j}.log")),
-        );
+        lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
     }
     lab.wait_for("both servers to register", Duration::from_secs(30), || {
         let log = std::fs::read_to_string(dir.join("switchd.log")).unwrap_or_default();

@@ -82,13 +82,7 @@ fn spawn_switchd(lab: &mut Lab, dir: &Path, log: &Path) -> u32 {
 fn spawn_hostagent(lab: &mut Lab, dir: &Path, key: &Path, j: u32, name: &str) -> u32 {
     let cfg = hostagent_migrating_config(dir, j, key, None);
     disable_policies(&cfg);
-    let metrics = format!("198.18.1.{}:9100", 10 + j);
-    lab.spawn_logged(
-        &format!("s{j}"),
-        bin("hostagent"),
-        &["--config", cfg.to_str().unwrap(), "--metrics", &metrics],
-        &dir.join(format!("{name}-s{j}.log")),
-    )
+    lab.spawn_hostagent(j, &cfg, &dir.join(format!("{name}-s{j}.log")))
 }
 
 fn log(path: &Path) -> String {

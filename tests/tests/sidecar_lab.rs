@@ -211,13 +211,7 @@ fn start(tag: &str, test: &str) -> Setup {
             );
         }
         let cfg = hostagent_config(&dir, j, &key, &cert);
-        let metrics = format!("198.18.1.{}:9100", 10 + j);
-        lab.spawn_logged(
-            &node,
-            bin("hostagent"),
-            &["--config", cfg.to_str().unwrap(), "--metrics", &metrics],
-            &dir.join(format!("hostagent-s{j}.log")),
-        );
+        lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
     }
     let registered = || {
         let log = std::fs::read_to_string(dir.join("switchd.log")).unwrap_or_default();
