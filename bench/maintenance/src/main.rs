@@ -15,7 +15,9 @@
 //! - `capybara`: `POST /servers/1/drain` on switchd; the primary migrates
 //!   every connection (TCP + sidecar + TLS state) to the backup;
 //! - `reconnect` (the usual alternative): the primary's redis-server is
-//!   killed, the sidecar closes the client connections, and the clients
+//!   killed, the sidecar closes the client connections (application health
+//!   checks are off in this mode: with them the hostagent would migrate
+//!   idle connections of the dead redis), and the clients
 //!   reconnect (new TCP + TLS handshakes) until they reach a server that
 //!   answers (the switch still has the primary in its pool, as a load
 //!   balancer does until its health check notices, so a reconnect may land
@@ -288,7 +290,7 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
         );
     }
     let start_agent = |lab: &mut Lab, j: u32| {
-        let cfg = hostagent_config(&dir, j, &key, &cert);
+        let cfg = hostagent_config(&dir, j, &key, &cert, mode);
         lab.spawn_logged(
             &format!("s{j}"),
             bin("hostagent"),
@@ -732,7 +734,12 @@ fn switchd_config(dir: &Path, key: &Path) -> PathBuf {
     path
 }
 
-fn hostagent_config(dir: &Path, j: u32, key: &Path, cert: &Path) -> PathBuf {
+/// In `reconnect` mode the application health checks are off: that mode
+/// is the usual alternative (a balancer that does not move connections),
+/// and with them on, the hostagent would migrate the dead redis's idle
+/// connections to the backup (docs/OPERATIONS.md, "Application health
+/// checks"), which the baseline must not do.
+fn hostagent_config(dir: &Path, j: u32, key: &Path, cert: &Path, mode: Mode) -> PathBuf {
     // `[migration] drain_max_in_flight` (the hostagent's default when unset).
     let in_flight = std::env::var("CAPYBARA_BENCH_DRAIN_IN_FLIGHT")
         .ok()
@@ -744,11 +751,15 @@ fn hostagent_config(dir: &Path, j: u32, key: &Path, cert: &Path) -> PathBuf {
          tls_cert = \"{}\"\ntls_key = \"{}\"\n\
          [migration]\nkey_file = \"{}\"\nswitch = \"198.18.1.1\"\n{in_flight}\
          [control]\nswitch = \"198.18.1.1:7692\"\nserver_id = {j}\nmanagement = \"198.18.1.{data}\"\n\
-         [policy]\nenabled = false\n",
+         [policy]\nenabled = false\n{health}",
         cert.display(),
         cert.with_file_name("key.pem").display(),
         key.display(),
         data = 10 + j,
+        health = match mode {
+            Mode::Capybara => "",
+            Mode::Reconnect => "[health]\nenabled = false\n",
+        },
     );
     let path = dir.join(format!("hostagent-s{j}.toml"));
     std::fs::write(&path, t).expect("write hostagent config");
