@@ -1980,11 +1980,28 @@ async fn write_server(store: Arc<dyn Store>, w: ServerWrite) {
             }
         }
         ServerWrite::State(id, state) => {
+            // switchd's draining covers drained: a drain's record is
+            // written `draining` by whoever starts it (the API does before
+            // it asks switchd) and `drained` by the API when it completes,
+            // so a `draining` from here that lands after the completion (a
+            // server with no connection completes at once), or a drained
+            // server's heartbeats coming back, must not undo `drained`.
+            // Writes that change nothing are skipped (no watch event).
+            if let Ok(Some(rec)) = store.get_server(id).await {
+                if !state_write_changes(rec.state, state) {
+                    return;
+                }
+            }
             if let Err(e) = store.set_server_state(id, state).await {
                 eprintln!("switchd: store: server {id} -> {state:?}: {e}");
             }
         }
     }
+}
+
+/// Whether switchd writing `to` over a stored `from` says something new.
+fn state_write_changes(from: ServerState, to: ServerState) -> bool {
+    !(from == to || (from == ServerState::Drained && to == ServerState::Draining))
 }
 
 /// Waits until `sock` is readable or `timeout` passed (nanosecond timer).
@@ -2224,6 +2241,52 @@ pub fn fetch(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
 
 #[cfg(test)]
 mod tests {
+    /// A late `draining` never turns a drained record back (the API's
+    /// completed drain), and a write that changes nothing is skipped;
+    /// real SQLite store.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_late_draining_write_keeps_a_drained_record() {
+        use super::*;
+        let dir = std::env::temp_dir().join(format!("capybara-drained-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store: Arc<dyn Store> = Arc::new(
+            capybara_store::SqliteStore::open(capybara_store::SqliteConfig::at(dir.join("s.db")))
+                .await
+                .unwrap(),
+        );
+        let id = ServerId(4);
+        let rec = capybara_store::Server::new(
+            id,
+            "s4",
+            "198.18.1.14:40000".parse().unwrap(),
+            Ipv4Addr::new(198, 18, 2, 14),
+        );
+        store.put_server(&rec).await.unwrap();
+        let state = || async { store.get_server(id).await.unwrap().unwrap().state };
+        write_server(store.clone(), ServerWrite::State(id, ServerState::Draining)).await;
+        assert_eq!(state().await, ServerState::Draining);
+        store
+            .set_server_state(id, ServerState::Drained)
+            .await
+            .unwrap();
+        write_server(store.clone(), ServerWrite::State(id, ServerState::Draining)).await;
+        assert_eq!(
+            state().await,
+            ServerState::Drained,
+            "a late draining undid drained"
+        );
+        for s in [ServerState::Active, ServerState::Dead, ServerState::Active] {
+            write_server(store.clone(), ServerWrite::State(id, s)).await;
+            assert_eq!(state().await, s);
+        }
+        assert!(!state_write_changes(
+            ServerState::Active,
+            ServerState::Active
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     use super::*;
 
     #[test]
