@@ -275,7 +275,7 @@ impl Drainer {
             if !self.said_empty {
                 println!(
                     "hostagent: {}drain: no connection to migrate",
-                    self.prefix()
+                    log_prefix(self.label)
                 );
                 self.said_empty = true;
             }
@@ -283,7 +283,7 @@ impl Drainer {
         }
         println!(
             "hostagent: {}drain: {total} connection(s), at most {} migration(s) at once, deadline {} ms",
-            self.prefix(),
+            log_prefix(self.label),
             self.max_in_flight,
             deadline.as_millis()
         );
@@ -383,9 +383,8 @@ impl Drainer {
         if now >= r.next_progress {
             r.next_progress = now + PROGRESS_EVERY;
             println!(
-                "hostagent: {}{}drain: {}/{} migrated, {} in flight, {} left, {} lost, {} closed, {} retried, {} ms",
-                self.label,
-                if self.label.is_empty() { "" } else { " " },
+                "hostagent: {}drain: {}/{} migrated, {} in flight, {} left, {} lost, {} closed, {} retried, {} ms",
+                log_prefix(self.label),
                 r.migrated,
                 r.total,
                 r.in_flight.len(),
@@ -540,7 +539,7 @@ impl Drainer {
         println!(
             "hostagent: {}drain {how} after {} ms: {}/{} migrated, {} lost, {} closed, {} left, {} retried, \
              at most {} at once; per migration p50/p90/max ms:{}",
-            self.prefix(),
+            log_prefix(self.label),
             (now - r.started).as_millis(),
             r.migrated,
             r.total,
@@ -564,14 +563,12 @@ impl Drainer {
     }
 }
 
-impl Drainer {
-    /// `""` or `"<label> "`, before "drain" in log lines.
-    fn prefix(&self) -> String {
-        if self.label.is_empty() {
-            String::new()
-        } else {
-            format!("{} ", self.label)
-        }
+/// `""` or `"<label> "`, before "drain" in a drainer's log lines.
+fn log_prefix(label: &str) -> String {
+    if label.is_empty() {
+        String::new()
+    } else {
+        format!("{label} ")
     }
 }
 

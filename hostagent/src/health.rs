@@ -165,7 +165,6 @@ impl Check {
 
 /// Every health check of this hostagent.
 pub struct Board {
-    pub enabled: bool,
     pub cfg: HealthConfig,
     pub checks: Vec<Rc<Check>>,
     /// Notified on every transition: the control channel sends a HEARTBEAT
@@ -200,7 +199,6 @@ impl Board {
             Vec::new()
         };
         Board {
-            enabled: cfg.enabled,
             cfg: cfg.clone(),
             checks,
             changed: tokio::sync::Notify::new(),
@@ -232,7 +230,7 @@ impl Board {
     /// The HEARTBEAT flags reporting health (0 when checks are off, as an
     /// older hostagent sends).
     pub fn heartbeat_flags(&self) -> u32 {
-        if !self.enabled {
+        if !self.cfg.enabled {
             return 0;
         }
         capybara_proto::control::Heartbeat::health_flags(self.down_indexes())
@@ -272,7 +270,7 @@ impl Board {
 
 /// Spawns one probe task per check (on the current `LocalSet`).
 pub fn spawn(stack: Stack, board: Rc<Board>) {
-    if !board.enabled {
+    if !board.cfg.enabled {
         return;
     }
     for c in board.checks.clone() {

@@ -9,7 +9,8 @@
 //! `cargo test --release -p capybara-systests --test health_lab`.
 
 use capybara_systests::{
-    bin, deployment_key, disable_policies, metric_sum, output_dir, stdout_lines, Lab,
+    bin, deployment_key, disable_policies, metric_sum, output_dir, stdout_lines, switchd_config,
+    Lab,
 };
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -70,22 +71,6 @@ else:
             print("conn %d error %s" % (i, str(e).replace(" ", "_")), flush=True)
     print("done", flush=True)
 "#;
-
-fn switchd_config(dir: &Path, key: &Path) -> PathBuf {
-    let t = format!(
-        "control_listen = \"198.18.1.1:7692\"\nkey_file = \"{}\"\nplacement = \"maglev\"\n\
-         target_selection = \"round_robin\"\nload_interval_us = 1000\nheartbeat_interval_ms = 100\n\
-         dead_after_ms = 1000\nclosed_linger_ms = 5000\nmetrics_listen = \"127.0.0.1:9102\"\n\
-         store = \"sqlite:{}\"\n[ha]\nenabled = false\n[[interfaces]]\nname = \"cl1\"\nrole = \"client\"\n\
-         [[interfaces]]\nname = \"sv1\"\nrole = \"server\"\n[[interfaces]]\nname = \"sv2\"\nrole = \"server\"\n\
-         [[services]]\nname = \"web\"\nvip = \"{VIP}:80\"\npool = []\n",
-        key.display(),
-        dir.join("store.db").display()
-    );
-    let path = dir.join("switchd.toml");
-    std::fs::write(&path, t).expect("write switchd config");
-    path
-}
 
 fn hostagent_config(dir: &Path, j: u32, key: &Path) -> PathBuf {
     let t = format!(
@@ -264,7 +249,7 @@ fn a_dead_application_leaves_placement_and_its_idle_connections_migrate() {
     let dir = output_dir("health_lab");
     let mut lab = Lab::up("hl", 2);
     let key = deployment_key(&dir);
-    let sw = switchd_config(&dir, &key);
+    let sw = switchd_config(&dir, 2, &key);
     lab.spawn_logged(
         "sw",
         bin("switchd"),

@@ -131,6 +131,15 @@ impl RelayBuffers {
 }
 
 impl Service {
+    /// A connect to the application for client `peer` failed: logged, and
+    /// passive evidence for its health check.
+    fn app_connect_failed(&self, peer: SocketAddrV4, e: &dyn std::fmt::Display) {
+        println!("sidecar peer={peer} backend={} error={e}", self.backend);
+        if let Some(h) = &self.health {
+            h.report_connect_failure();
+        }
+    }
+
     pub fn from_config(s: &crate::config::ServiceConfig) -> Result<Service, String> {
         s.check_sidecar()
             .map_err(|(f, v, why)| format!("{f} = {v}: {why}"))?;
@@ -460,10 +469,7 @@ async fn run_connection(
     let app = match app {
         Ok(a) => Some(a),
         Err(e) => {
-            println!("sidecar peer={peer} backend={} error={e}", svc.backend);
-            if let Some(h) = &svc.health {
-                h.report_connect_failure();
-            }
+            svc.app_connect_failed(peer, &e);
             None
         }
     };
@@ -1049,13 +1055,7 @@ impl Relay {
                     true
                 }
                 Poll::Ready(Err(e)) => {
-                    println!(
-                        "sidecar peer={} backend={} error={e}",
-                        self.peer, self.svc.backend
-                    );
-                    if let Some(h) = &self.svc.health {
-                        h.report_connect_failure();
-                    }
+                    self.svc.app_connect_failed(self.peer, &e);
                     sh.connecting = false;
                     self.orphan = None;
                     self.backend_failed_locked(sh, "refused or unreachable");
