@@ -628,6 +628,9 @@ fn service_view(s: &Service) -> ServiceView {
     }
 }
 
+/// Services the data plane can serve at once (switchd's `MAX_SERVICES`).
+const MAX_SERVICES: usize = 16;
+
 /// Validates a service body against the registered servers and the other
 /// services (unique VIP:port).
 async fn check_service(state: &AppState, name: String, b: ServiceBody) -> ApiResult<Service> {
@@ -737,6 +740,11 @@ async fn create_service(
     if state.store.get_service(&name).await?.is_some() {
         return Err(Problem::conflict(format!(
             "service {name:?} already exists"
+        )));
+    }
+    if state.store.list_services().await?.len() >= MAX_SERVICES {
+        return Err(Problem::conflict(format!(
+            "at most {MAX_SERVICES} services can be served (the data plane's service slots); delete one first"
         )));
     }
     state.store.put_service(&svc).await?;

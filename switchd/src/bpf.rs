@@ -991,6 +991,33 @@ impl DataPlane for BpfDataPlane {
         }
         Ok(removed)
     }
+    fn remove_flows_of_service(&mut self, key: CServiceKey) -> Result<Vec<(CFlowKey, u32)>> {
+        // Runs only when a service is removed: reads both tables in batches
+        // and deletes the service's entries one by one (as remove_flows_of).
+        let of = |k: &CFlowKey| k.service_ip == key.vip && k.service_port == key.port;
+        let mut owner = std::collections::HashMap::new();
+        for (k, m) in
+            entries::<CFlowKey, CMigration>(&self.maps.migrations, "migrations", usize::MAX)?
+        {
+            if of(&k) {
+                owner.insert(k, m.server);
+            }
+        }
+        let mut removed = Vec::new();
+        for (k, f) in entries::<CFlowKey, CFlow>(&self.maps.flows, "flows", usize::MAX)? {
+            if of(&k) {
+                let _ = self.maps.flows.delete(k.as_bytes());
+                let server = owner.remove(&k).unwrap_or(f.server);
+                let _ = self.maps.migrations.delete(k.as_bytes());
+                removed.push((k, server));
+            }
+        }
+        for (k, server) in owner {
+            let _ = self.maps.migrations.delete(k.as_bytes());
+            removed.push((k, server));
+        }
+        Ok(removed)
+    }
     fn scan_flows(
         &mut self,
         cursor: &mut FlowScanCursor,

@@ -493,8 +493,13 @@ impl Config {
                 format!("at most {}", crate::abi::MAX_IFACES),
             ));
         }
-        if raw.services.is_empty() {
-            return Err(invalid("services", "[]", "at least one service"));
+        if raw.services.is_empty() && raw.store.is_none() {
+            // With a store, the store's services (the API's) are served.
+            return Err(invalid(
+                "services",
+                "[]",
+                "at least one service (or a `store`, whose services are served)",
+            ));
         }
         if raw.services.len() > crate::abi::MAX_SERVICES as usize {
             return Err(invalid(

@@ -83,6 +83,9 @@ pub struct Server {
     /// Its heartbeats report application health at all (a hostagent that
     /// predates health checks, or runs without them, does not).
     pub health_reported: bool,
+    /// The services its REGISTER listed: it joins them (also ones added
+    /// later) whatever their configured pool.
+    pub wanted: Vec<SocketAddrV4>,
 }
 
 impl Server {
@@ -192,6 +195,11 @@ pub enum HealthEvent {
 
 #[derive(Debug, Clone)]
 pub struct Service {
+    /// The operators' name (the store's record, or the config's).
+    pub name: String,
+    /// Follows the policy's global placement (the config names none of
+    /// its own for it).
+    pub follows_global: bool,
     pub vip: Ipv4Addr,
     pub port: u16,
     pub index: u32,
@@ -209,12 +217,45 @@ pub struct Service {
 }
 
 /// How a service's pool is formed (see `config::ServiceConfig`).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolSpec {
-    /// Configured members and weights.
+    /// Configured members and weights (0: the weight of its REGISTER).
     pub members: Vec<(ServerId, u32)>,
     /// Every registered server joins (with its REGISTER weight).
     pub open: bool,
+}
+
+/// A service as the store (or the config) describes it: what
+/// [`ControlPlane::apply_services`] makes the data plane serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceSpec {
+    pub name: String,
+    pub addr: SocketAddrV4,
+    pub placement: Placement,
+    /// Follows the policy's global placement when it changes.
+    pub follows_global: bool,
+    pub pool: PoolSpec,
+}
+
+/// What [`ControlPlane::apply_services`] changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServiceChanges {
+    pub added: Vec<String>,
+    pub updated: Vec<String>,
+    /// Removed services and how many flow entries went with them.
+    pub removed: Vec<(String, usize)>,
+    /// Specs not applied, and why (a VIP:port or name used twice, no free
+    /// service slot).
+    pub rejected: Vec<(String, String)>,
+}
+
+impl ServiceChanges {
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty()
+            && self.updated.is_empty()
+            && self.removed.is_empty()
+            && self.rejected.is_empty()
+    }
 }
 
 /// One LOAD-NOTIFICATION to send (the driver encodes it with
@@ -446,10 +487,7 @@ impl<D: DataPlane> ControlPlane<D> {
             key,
             CService {
                 index,
-                placement: match placement {
-                    Placement::Maglev => PLACE_MAGLEV,
-                    Placement::Lwrr => PLACE_RING,
-                },
+                placement: place_code(placement),
             },
         )?;
         // LWRR rings follow the load of every interval once one service
@@ -503,46 +541,194 @@ impl<D: DataPlane> ControlPlane<D> {
         placement: Placement,
         spec: PoolSpec,
     ) -> std::result::Result<u32, ControlError> {
-        let index = self.services.len() as u32;
-        if index >= MAX_SERVICES {
-            return Err(ControlError::ServicesFull);
-        }
-        let place = match placement {
-            Placement::Maglev => PLACE_MAGLEV,
-            Placement::Lwrr => PLACE_RING,
-        };
+        let index = self.add_service_unpushed(&ServiceSpec {
+            name: format!("{vip}:{port}"),
+            addr: SocketAddrV4::new(vip, port),
+            placement,
+            follows_global: true,
+            pool: spec,
+        })?;
+        self.push_tables()?;
+        Ok(index)
+    }
+
+    /// Adds a service in the lowest free slot; the caller pushes tables.
+    fn add_service_unpushed(
+        &mut self,
+        spec: &ServiceSpec,
+    ) -> std::result::Result<u32, ControlError> {
+        let index = (0..MAX_SERVICES)
+            .find(|i| !self.services.iter().any(|s| s.index == *i))
+            .ok_or(ControlError::ServicesFull)?;
+        let (vip, port) = (*spec.addr.ip(), spec.addr.port());
         self.dp.set_service(
             CServiceKey::tcp(vip, port),
             CService {
                 index,
-                placement: place,
+                placement: place_code(spec.placement),
             },
         )?;
-        let configured: BTreeMap<ServerId, u32> = spec.members.iter().copied().collect();
-        let mut pool = BTreeMap::new();
-        for (id, w) in &configured {
-            if self.servers.contains_key(id) {
-                pool.insert(*id, *w);
-            }
-        }
-        if spec.open {
-            for s in self.servers.values() {
-                pool.entry(s.reg.id).or_insert(s.reg.weight);
-            }
-        }
-        self.services.push(Service {
+        let mut svc = Service {
+            name: spec.name.clone(),
+            follows_global: spec.follows_global,
             vip,
             port,
             index,
-            placement,
-            pool,
-            configured,
-            open: spec.open,
+            placement: spec.placement,
+            pool: BTreeMap::new(),
+            configured: spec.pool.members.iter().copied().collect(),
+            open: spec.pool.open,
             maglev_shadow: Vec::new(),
             fail_open: false,
-        });
-        self.push_tables()?;
+        };
+        svc.pool = self.pool_of(&svc);
+        self.services.push(svc);
         Ok(index)
+    }
+
+    /// The members of `svc` among the known servers: configured ones (with
+    /// the configured weight, 0 meaning the REGISTER's), then, with their
+    /// REGISTER weight, every server if the pool is open, and those whose
+    /// REGISTER lists the service.
+    fn pool_of(&self, svc: &Service) -> BTreeMap<ServerId, u32> {
+        let addr = SocketAddrV4::new(svc.vip, svc.port);
+        self.servers
+            .values()
+            .filter_map(|s| match svc.configured.get(&s.reg.id) {
+                Some(w) if *w > 0 => Some((s.reg.id, *w)),
+                Some(_) => Some((s.reg.id, s.reg.weight)),
+                None if svc.open || s.wanted.contains(&addr) => Some((s.reg.id, s.reg.weight)),
+                None => None,
+            })
+            .collect()
+    }
+
+    /// Makes the served services exactly `specs` (the store's services,
+    /// read again): adds new VIP:ports, updates the name, pool and
+    /// placement of known ones, and removes the rest with their flow
+    /// entries (reported closed: those connections end, as with any load
+    /// balancer whose virtual service is deleted). A VIP:port or name
+    /// listed twice keeps its first entry; what finds no free slot is
+    /// rejected. Tables are pushed once, only if anything changed. A standby
+    /// following the store passes `report_closed` false: the active reports
+    /// those flows, and a standby writes nothing.
+    pub fn apply_services(
+        &mut self,
+        specs: &[ServiceSpec],
+        report_closed: bool,
+    ) -> std::result::Result<ServiceChanges, ControlError> {
+        let mut ch = ServiceChanges::default();
+        let mut wanted: Vec<&ServiceSpec> = Vec::new();
+        for spec in specs {
+            if let Some(first) = wanted
+                .iter()
+                .find(|w| w.addr == spec.addr || w.name == spec.name)
+            {
+                let why = if first.addr == spec.addr {
+                    format!(
+                        "{} is already the address of service {:?}",
+                        spec.addr, first.name
+                    )
+                } else {
+                    format!(
+                        "a service named {:?} is already at {}",
+                        first.name, first.addr
+                    )
+                };
+                ch.rejected.push((spec.name.clone(), why));
+                continue;
+            }
+            wanted.push(spec);
+        }
+        let gone: Vec<usize> = (0..self.services.len())
+            .rev()
+            .filter(|i| {
+                let s = &self.services[*i];
+                !wanted
+                    .iter()
+                    .any(|w| w.addr == SocketAddrV4::new(s.vip, s.port))
+            })
+            .collect();
+        for i in gone {
+            let name = self.services[i].name.clone();
+            let flows = self.remove_service_at(i, report_closed)?;
+            ch.removed.push((name, flows));
+        }
+        for spec in wanted {
+            let pos = self
+                .services
+                .iter()
+                .position(|s| SocketAddrV4::new(s.vip, s.port) == spec.addr);
+            let Some(i) = pos else {
+                match self.add_service_unpushed(spec) {
+                    Ok(_) => ch.added.push(spec.name.clone()),
+                    Err(ControlError::ServicesFull) => ch.rejected.push((
+                        spec.name.clone(),
+                        format!("no free service slot (at most {MAX_SERVICES} services)"),
+                    )),
+                    Err(e) => return Err(e),
+                }
+                continue;
+            };
+            let configured: BTreeMap<ServerId, u32> = spec.pool.members.iter().copied().collect();
+            let svc = &mut self.services[i];
+            let changed = svc.name != spec.name
+                || svc.follows_global != spec.follows_global
+                || svc.placement != spec.placement
+                || svc.configured != configured
+                || svc.open != spec.pool.open;
+            if !changed {
+                continue;
+            }
+            svc.name = spec.name.clone();
+            svc.follows_global = spec.follows_global;
+            svc.configured = configured;
+            svc.open = spec.pool.open;
+            if svc.placement != spec.placement {
+                svc.placement = spec.placement;
+                let (key, index) = (CServiceKey::tcp(svc.vip, svc.port), svc.index);
+                self.dp.set_service(
+                    key,
+                    CService {
+                        index,
+                        placement: place_code(spec.placement),
+                    },
+                )?;
+            }
+            let pool = self.pool_of(&self.services[i]);
+            self.services[i].pool = pool;
+            ch.updated.push(spec.name.clone());
+        }
+        if !(ch.added.is_empty() && ch.updated.is_empty() && ch.removed.is_empty()) {
+            self.push_tables()?;
+        }
+        Ok(ch)
+    }
+
+    /// Removes service `i`: no new connection is placed on it, and its flow
+    /// and migration entries go (reported closed with `report`, so the
+    /// store forgets them too). Returns how many flow entries went.
+    fn remove_service_at(&mut self, i: usize, report: bool) -> Result<usize> {
+        let svc = self.services.remove(i);
+        let key = CServiceKey::tcp(svc.vip, svc.port);
+        self.dp.remove_service(key)?;
+        let removed = self.dp.remove_flows_of_service(key)?;
+        let n = removed.len();
+        for (key, server) in removed.into_iter().filter(|_| report) {
+            self.events.push(CFlowEvent {
+                key,
+                kind: EV_CLOSED,
+                server,
+                prev_server: server,
+                ts_ns: 0,
+            });
+        }
+        // The slot's rings empty (no stale target for a PREPARE); its Maglev
+        // table is rewritten whole when the slot is used again.
+        let empty = CRing::from_slice(RING_ROTATE, &[]);
+        self.dp.write_ring(svc.index, RING_PLACEMENT, &empty)?;
+        self.dp.write_ring(svc.index, RING_TARGET, &empty)?;
+        Ok(n)
     }
 
     /// Registers (or re-registers) a server; it becomes LIVE and joins the
@@ -695,18 +881,17 @@ impl<D: DataPlane> ControlPlane<D> {
             health_reported: self.servers.get(&id).is_some_and(|o| {
                 o.reg.instance != 0 && o.reg.instance == instance && o.health_reported
             }),
+            // A record from the store lists no services: the same process
+            // keeps what its REGISTER listed.
+            wanted: match self.servers.get(&id) {
+                Some(o) if wanted.is_empty() && o.reg.instance == instance => o.wanted.clone(),
+                _ => wanted.to_vec(),
+            },
         };
-        let weight = s.reg.weight;
         self.servers.insert(id, s);
-        for svc in &mut self.services {
-            let listed = wanted
-                .iter()
-                .any(|w| *w.ip() == svc.vip && w.port() == svc.port);
-            if let Some(w) = svc.configured.get(&id) {
-                svc.pool.insert(id, *w);
-            } else if svc.open || listed {
-                svc.pool.insert(id, weight);
-            }
+        for i in 0..self.services.len() {
+            let pool = self.pool_of(&self.services[i]);
+            self.services[i].pool = pool;
         }
         self.push_server(id)?;
         self.push_tables()?;
@@ -1421,6 +1606,13 @@ impl MigrationRing {
 /// LWRR placement ring: weights scaled down by measured load per weight
 /// unit (busier servers get fewer new flows), interleaved by smooth
 /// weighted round robin so consecutive SYNs spread out.
+fn place_code(p: Placement) -> u32 {
+    match p {
+        Placement::Maglev => PLACE_MAGLEV,
+        Placement::Lwrr => PLACE_RING,
+    }
+}
+
 pub fn lwrr_ring(live: &[Server]) -> Vec<u32> {
     if live.is_empty() {
         return Vec::new();
@@ -2118,6 +2310,7 @@ pub(crate) mod tests {
             last_counter: 0,
             backend_down: Default::default(),
             health_reported: false,
+            wanted: Vec::new(),
         };
         let count = |r: &[u32], i: u32| r.iter().filter(|v| **v == i).count();
         let r = lwrr_ring(&[mk(0, 1, 0), mk(1, 3, 0)]);
@@ -2188,6 +2381,164 @@ pub(crate) mod tests {
             Err(ControlError::SetOwnerRefused { .. })
         ));
         assert_eq!(c.dp.current_owner(CFlowKey::from(k)), Some(1));
+    }
+
+    fn spec(name: &str, addr: SocketAddrV4, members: &[u32], open: bool) -> ServiceSpec {
+        ServiceSpec {
+            name: name.into(),
+            addr,
+            placement: Placement::Maglev,
+            follows_global: true,
+            pool: PoolSpec {
+                members: members.iter().map(|j| (ServerId(*j), 0)).collect(),
+                open,
+            },
+        }
+    }
+
+    #[test]
+    fn services_follow_the_store_at_run_time() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let web = SocketAddrV4::new(VIP, 80);
+        let api = SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 3), 8080);
+        let api_key = |port: u16| {
+            CFlowKey::from(FlowKey {
+                client_ip: Ipv4Addr::new(198, 18, 0, 11),
+                client_port: port,
+                service_ip: *api.ip(),
+                service_port: api.port(),
+            })
+        };
+        // Added: a slot, a Maglev table and rings of its one member.
+        let ch = c
+            .apply_services(
+                &[spec("web", web, &[], true), spec("api", api, &[2], false)],
+                true,
+            )
+            .unwrap();
+        assert_eq!(ch.added, ["api"]);
+        assert_eq!(ch.updated, ["web"], "the name came with the store");
+        let akey = CServiceKey::tcp(*api.ip(), api.port());
+        assert_eq!(c.dp.services[&akey].index, 1);
+        assert!(c.dp.maglev[&1].iter().all(|v| *v == 1));
+        assert_eq!(c.dp.rings[&(1, RING_TARGET)].as_slice(), &[1]);
+        // The same list again changes nothing.
+        let same = [spec("web", web, &[], true), spec("api", api, &[2], false)];
+        assert!(c.apply_services(&same, true).unwrap().is_empty());
+        // Pool edited: the table follows.
+        let ch = c
+            .apply_services(
+                &[
+                    spec("web", web, &[], true),
+                    spec("api", api, &[2, 3], false),
+                ],
+                true,
+            )
+            .unwrap();
+        assert_eq!(ch.updated, ["api"]);
+        let mut members: Vec<u32> = c.dp.maglev[&1].clone();
+        members.sort();
+        members.dedup();
+        assert_eq!(members, [1, 2]);
+        // Removed: the key goes, its flows and migrations with it (reported
+        // closed), web's stay.
+        c.dp.place_flow(api_key(1), 1, 1);
+        c.dp.place_flow(api_key(2), 2, 1);
+        c.dp.place_flow(key(3), 0, 0);
+        let ch = c
+            .apply_services(&[spec("web", web, &[], true)], true)
+            .unwrap();
+        assert_eq!(ch.removed, [("api".to_string(), 2)]);
+        assert!(!c.dp.services.contains_key(&akey));
+        assert_eq!(c.dp.current_owner(api_key(1)), None);
+        assert_eq!(c.dp.current_owner(key(3)), Some(0));
+        assert!(c.dp.rings[&(1, RING_TARGET)].as_slice().is_empty());
+        let mut sink = VecSink::default();
+        c.flush_events(Instant::ZERO, &mut sink).unwrap();
+        let mut closed: Vec<(u16, u32)> = sink
+            .0
+            .iter()
+            .filter(|e| e.kind == EV_CLOSED)
+            .map(|e| (FlowKey::from(e.key).client_port, e.server))
+            .collect();
+        closed.sort();
+        assert_eq!(closed, [(1, 1), (2, 2)]);
+        // A new service takes the free slot, with a whole table.
+        let cache = SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 4), 6379);
+        let ch = c
+            .apply_services(
+                &[
+                    spec("web", web, &[], true),
+                    spec("cache", cache, &[1], false),
+                ],
+                true,
+            )
+            .unwrap();
+        assert_eq!(ch.added, ["cache"]);
+        assert!(c.dp.maglev[&1].iter().all(|v| *v == 0));
+        // A standby removes without reporting.
+        c.dp.place_flow(key(4), 0, 0);
+        let ch = c
+            .apply_services(&[spec("cache", cache, &[1], false)], false)
+            .unwrap();
+        assert_eq!(ch.removed, [("web".to_string(), 2)]);
+        let mut sink = VecSink::default();
+        c.flush_events(Instant::ZERO, &mut sink).unwrap();
+        assert!(sink.0.iter().all(|e| e.kind != EV_CLOSED), "{:?}", sink.0);
+    }
+
+    #[test]
+    fn services_listed_twice_or_beyond_the_slots_are_rejected() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let addr = |i: u8| SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, i), 80);
+        let mut specs = vec![
+            spec("a", addr(1), &[], true),
+            spec("b", addr(1), &[], true),
+            spec("a", addr(2), &[], true),
+        ];
+        for i in 0..MAX_SERVICES as u8 {
+            specs.push(spec(&format!("s{i}"), addr(10 + i), &[], true));
+        }
+        let ch = c.apply_services(&specs, true).unwrap();
+        let rejected: Vec<&str> = ch.rejected.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(rejected, ["b", "a", "s15"], "{:?}", ch.rejected);
+        assert!(ch.rejected[0]
+            .1
+            .contains("already the address of service \"a\""));
+        assert!(ch.rejected[2].1.contains("no free service slot"));
+        assert_eq!(c.services().len(), MAX_SERVICES as usize);
+    }
+
+    #[test]
+    fn a_service_added_later_takes_the_servers_that_registered_for_it() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let api = SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 3), 8080);
+        c.register_for(
+            Instant::ZERO,
+            ServerId(4),
+            Ipv4Addr::new(198, 18, 2, 14),
+            [2, 0, 0, 0, 1, 4],
+            5,
+            [2; 6],
+            1,
+            &[api],
+        )
+        .unwrap();
+        // Pool [1]: server 1 by the pool, server 4 by its REGISTER.
+        c.apply_services(
+            &[
+                spec("web", SocketAddrV4::new(VIP, 80), &[], true),
+                spec("api", api, &[1], false),
+            ],
+            true,
+        )
+        .unwrap();
+        let pool: Vec<u32> = c.services()[1].pool.keys().map(|k| k.0).collect();
+        assert_eq!(pool, [1, 4]);
+        // A store record (no list) of the same process keeps the list.
+        let r = c.server(ServerId(4)).unwrap().reg;
+        c.register_as(Instant::ZERO, &r, &[]).unwrap();
+        assert_eq!(c.server(ServerId(4)).unwrap().wanted, [api]);
     }
 
     #[test]

@@ -40,7 +40,7 @@ use crate::abi::*;
 use crate::bpf::{BpfDataPlane, BpfOptions};
 use crate::config::{Config, Role};
 use crate::control::{
-    ControlConfig, ControlPlane, FlowsRemovedWhy, HealthEvent, Liveness, LivenessEvent, PoolSpec,
+    ControlConfig, ControlPlane, FlowsRemovedWhy, HealthEvent, Liveness, LivenessEvent,
     Registration,
 };
 use crate::dataplane::DataPlane;
@@ -287,6 +287,13 @@ struct Switch {
     policy_changes: u64,
     policy_sent: u64,
     policy_rejected: u64,
+    /// The store's services as the poller last read them (taken by the
+    /// control thread).
+    services_slot: Arc<Mutex<Option<Vec<capybara_store::Service>>>>,
+    /// Services added, updated or removed from the store's records.
+    service_changes: u64,
+    /// Stored services that could not be served (see `apply_services`).
+    service_rejections: u64,
     /// Reaps flows that saw a SYN and nothing after (docs/SWITCHD.md).
     embryonic: crate::embryonic::EmbryonicReaper,
     /// HA fencing: the term of the last lease this switchd held (`None`
@@ -374,16 +381,11 @@ impl Switch {
             )?;
             cp.dp.add_tx_port(*idx)?;
         }
-        for s in &cfg.services {
-            let spec = PoolSpec {
-                members: s
-                    .pool
-                    .iter()
-                    .map(|m| (ServerId(m.server), m.weight))
-                    .collect(),
-                open: s.pool.is_empty(),
-            };
-            cp.add_service_with_pool(*s.vip.ip(), s.vip.port(), s.placement, spec)?;
+        // The config's services until the store's are read (with a store,
+        // its records are what is served: crate::services).
+        let ch = cp.apply_services(&crate::services::config_specs(&cfg), false)?;
+        if let Some((name, why)) = ch.rejected.first() {
+            anyhow::bail!("service {name:?}: {why}");
         }
         // HA: flow writes are fenced by the lease in the store itself, so a
         // switchd that lost its lease (paused, cut off) cannot overwrite what
@@ -470,6 +472,9 @@ impl Switch {
             policy_changes: 0,
             policy_sent: 0,
             policy_rejected: 0,
+            services_slot: Arc::new(Mutex::new(None)),
+            service_changes: 0,
+            service_rejections: 0,
             embryonic,
             held_term: None,
             lost_lease_id: Arc::new(std::sync::atomic::AtomicI64::new(0)),
@@ -521,7 +526,7 @@ impl Switch {
             }
         }
         let t0 = StdInstant::now();
-        self.sync_from_store()?;
+        self.sync_from_store(true)?;
         // Restored servers were loaded while standing by: their liveness
         // clock starts now, and their next heartbeats keep them live (dead
         // ones restored with flows get a full grace from now).
@@ -656,7 +661,7 @@ impl Switch {
                 Err(_) => eprintln!("switchd: campaign timed out"),
             }
             if StdInstant::now() >= next_sync {
-                if let Err(e) = self.sync_from_store() {
+                if let Err(e) = self.sync_from_store(false) {
                     eprintln!("switchd: standby flow sync: {e:#}");
                 }
                 self.warm_syncs += 1;
@@ -668,7 +673,7 @@ impl Switch {
 
     /// Gratuitous ARP for every VIP on every client-side interface.
     fn claim_vips(&mut self) {
-        let mut vips: Vec<Ipv4Addr> = self.cfg.services.iter().map(|s| *s.vip.ip()).collect();
+        let mut vips: Vec<Ipv4Addr> = self.cp.services().iter().map(|s| s.vip).collect();
         vips.sort();
         vips.dedup();
         for (idx, role, mac) in &self.ifaces {
@@ -816,16 +821,36 @@ impl Switch {
 
     /// Servers and flows from the store into the (attached or not) data
     /// plane, as a delta against what was loaded before.
-    fn sync_from_store(&mut self) -> anyhow::Result<()> {
+    /// Reads servers, services and flows from the store into the data
+    /// plane: at start and at a takeover (`active`: also seeds the store
+    /// with the config's services it lacks), and periodically on a standby.
+    fn sync_from_store(&mut self, active: bool) -> anyhow::Result<()> {
         let Some(store) = self.store.clone() else {
             return Ok(());
         };
-        let (servers, flows) = self
+        let seed_cfg = self.cfg.clone();
+        let (servers, services, flows) = self
             .rt
             .block_on(async {
                 tokio::time::timeout(Duration::from_secs(5), async {
+                    let mut services = store.list_services().await?;
+                    if active {
+                        let (put, notes) = crate::services::seed(&services, &seed_cfg);
+                        for n in notes {
+                            eprintln!("switchd: {n}");
+                        }
+                        for s in put {
+                            store.put_service(&s).await?;
+                            eprintln!(
+                                "switchd: wrote configured service {:?} ({}:{}) to the store",
+                                s.name, s.vip, s.port
+                            );
+                            services.push(s);
+                        }
+                    }
                     Ok::<_, capybara_store::StoreError>((
                         store.list_servers().await?,
+                        services,
                         store.scan_flows().await?,
                     ))
                 })
@@ -909,6 +934,9 @@ impl Switch {
                 p.last_seq = p.last_seq.max(seq_floor);
             }
         }
+        // Services before flows: a stored flow of a service not served
+        // would be skipped.
+        self.apply_store_services(&services, active);
         let fresh: HashMap<FlowKey, ServerId> = flows.iter().map(|m| (m.key, m.server)).collect();
         let changed: Vec<(FlowKey, ServerId)> = fresh
             .iter()
@@ -991,6 +1019,7 @@ impl Switch {
             }
             let now = self.now();
             self.take_policy(&sock);
+            self.take_services();
             let interval = self.cfg.load_interval;
             if now >= next_tick {
                 self.ticks += 1;
@@ -1575,16 +1604,30 @@ impl Switch {
         }
     }
 
-    /// Polls the store's policy every 250 ms on the store runtime (a
-    /// change applies within a second, never waiting on the control thread).
+    /// Polls the store's services and policy every 250 ms on the store
+    /// runtime (a change applies within a second, never waiting on the
+    /// control thread).
     fn start_policy_poller(&mut self) {
         let Some(store) = self.store.clone() else {
             return;
         };
         let slot = self.policy_slot.clone();
+        let services_slot = self.services_slot.clone();
         self.rt.spawn(async move {
             let mut last: Option<capybara_store::Policy> = None;
+            let mut last_services: Option<Vec<capybara_store::Service>> = None;
             while !SHUTDOWN.load(Ordering::SeqCst) {
+                match tokio::time::timeout(Duration::from_secs(2), store.list_services()).await {
+                    Ok(Ok(s)) if last_services.as_ref() != Some(&s) => {
+                        last_services = Some(s.clone());
+                        if let Ok(mut slot) = services_slot.lock() {
+                            *slot = Some(s);
+                        }
+                    }
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => eprintln!("switchd: store: reading the services: {e}"),
+                    Err(_) => eprintln!("switchd: store: reading the services timed out"),
+                }
                 match tokio::time::timeout(Duration::from_secs(2), store.get_policy()).await {
                     Ok(Ok(p)) if last.as_ref() != Some(&p) => {
                         last = Some(p.clone());
@@ -1599,6 +1642,63 @@ impl Switch {
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
         });
+    }
+
+    /// Applies the services the poller read.
+    fn take_services(&mut self) {
+        let Some(list) = self
+            .services_slot
+            .try_lock()
+            .ok()
+            .and_then(|mut s| s.take())
+        else {
+            return;
+        };
+        self.apply_store_services(&list, true);
+    }
+
+    /// Serves exactly the store's services (`crate::services`); `active`:
+    /// flows of a removed service are reported closed (a standby writes
+    /// nothing). Announces new VIPs when configured to claim them.
+    fn apply_store_services(&mut self, stored: &[capybara_store::Service], active: bool) {
+        let global = match self.policy.placement {
+            capybara_store::Placement::Maglev => crate::control::Placement::Maglev,
+            capybara_store::Placement::Lwrr => crate::control::Placement::Lwrr,
+        };
+        let specs = crate::services::store_specs(stored, &self.cfg, global);
+        let ch = match self.cp.apply_services(&specs, active) {
+            Ok(ch) => ch,
+            Err(e) => {
+                eprintln!("switchd: applying the store's services: {e}");
+                return;
+            }
+        };
+        let role = if active { "" } else { " (standby)" };
+        for name in &ch.added {
+            if let Some(s) = self.cp.services().iter().find(|s| &s.name == name) {
+                eprintln!(
+                    "switchd{role}: serving service {name:?} at {}:{} ({} pool members{})",
+                    s.vip,
+                    s.port,
+                    s.pool.len(),
+                    if s.open { ", open pool" } else { "" }
+                );
+            }
+        }
+        for name in &ch.updated {
+            eprintln!("switchd{role}: service {name:?} updated from the store");
+        }
+        for (name, flows) in &ch.removed {
+            eprintln!("switchd{role}: service {name:?} removed (not in the store); {flows} flow entries removed with it");
+        }
+        for (name, why) in &ch.rejected {
+            eprintln!("switchd{role}: stored service {name:?} not served: {why}");
+        }
+        self.service_changes += (ch.added.len() + ch.updated.len() + ch.removed.len()) as u64;
+        self.service_rejections += ch.rejected.len() as u64;
+        if active && !ch.added.is_empty() && self.cfg.ha.claim_vips && self.role == "active" {
+            self.claim_vips();
+        }
     }
 
     /// Applies a policy the poller read: target selection and the
@@ -1635,9 +1735,8 @@ impl Switch {
             .cp
             .services()
             .iter()
-            .zip(&self.cfg.services)
-            .filter(|(_, c)| c.placement == self.cfg.placement)
-            .map(|(s, _)| s.index)
+            .filter(|s| s.follows_global)
+            .map(|s| s.index)
             .collect();
         for index in follow {
             if let Err(e) = self.cp.set_placement(index, placement) {
@@ -1762,7 +1861,7 @@ impl Switch {
             .cp
             .services()
             .iter()
-            .map(|s| json!({"vip": format!("{}:{}", s.vip, s.port), "index": s.index, "placement": format!("{:?}", s.placement).to_lowercase(),
+            .map(|s| json!({"name": s.name, "vip": format!("{}:{}", s.vip, s.port), "index": s.index, "placement": format!("{:?}", s.placement).to_lowercase(),
                  "pool": s.pool.iter().map(|(id, w)| json!({"server": id.0, "weight": w})).collect::<Vec<_>>(),
                  "fail_open": s.fail_open,
                  "backend_down": self.cp.servers().filter(|v| v.backend_is_down(s.vip, s.port)).map(|v| v.reg.id.0).collect::<Vec<_>>()}))
@@ -1919,6 +2018,12 @@ impl Switch {
                 u8::from(s.fail_open)
             );
         }
+        m += &format!(
+            "{p}_services {}\n{p}_service_changes_total {}\n{p}_service_rejections_total {}\n",
+            self.cp.services().len(),
+            self.service_changes,
+            self.service_rejections
+        );
         m += &format!(
             "{p}_health_changes_total {}\n{p}_health_table_pushes_total {}\n",
             self.cp.health_changes_total, self.cp.health_pushes_total

@@ -95,6 +95,10 @@ pub trait DataPlane {
     /// it, and flow entries placed on it that did not migrate away).
     /// Returns the removed keys. Flows owned by other servers are untouched.
     fn remove_flows_of(&mut self, server: u32) -> Result<Vec<CFlowKey>>;
+    /// Removes every flow and migration entry of service `key` (a service
+    /// removed at run time). Returns the removed keys with their owner
+    /// (the migration entry's server where there is one).
+    fn remove_flows_of_service(&mut self, key: CServiceKey) -> Result<Vec<(CFlowKey, u32)>>;
     /// Moves pending flow events into `out`; never blocks.
     fn drain_events(&mut self, out: &mut Vec<FlowEvent>) -> Result<usize>;
     /// Appends up to about `budget` flow-table entries to `out`, continuing
@@ -307,6 +311,26 @@ impl DataPlane for MemDataPlane {
             self.flows.remove(k);
         }
         removed.extend(stay);
+        Ok(removed)
+    }
+    fn remove_flows_of_service(&mut self, key: CServiceKey) -> Result<Vec<(CFlowKey, u32)>> {
+        let of = |k: &CFlowKey| k.service_ip == key.vip && k.service_port == key.port;
+        let mut removed: Vec<(CFlowKey, u32)> = self
+            .flows
+            .iter()
+            .filter(|(k, _)| of(k))
+            .map(|(k, f)| (*k, self.migrations.get(k).map_or(f.server, |m| m.server)))
+            .collect();
+        removed.extend(
+            self.migrations
+                .iter()
+                .filter(|(k, _)| of(k) && !self.flows.contains_key(k))
+                .map(|(k, m)| (*k, m.server)),
+        );
+        for (k, _) in &removed {
+            self.flows.remove(k);
+            self.migrations.remove(k);
+        }
         Ok(removed)
     }
     fn drain_events(&mut self, out: &mut Vec<FlowEvent>) -> Result<usize> {

@@ -18,6 +18,7 @@ pub mod embryonic;
 pub mod labkit;
 pub mod maglev;
 pub mod persist;
+pub mod services;
 pub mod sys;
 
 pub use dataplane::{DataPlane, DataPlaneError, MemDataPlane};

@@ -2,7 +2,8 @@
 //! (`BpfDataPlane::table_counts`) on the real maps: exact from the kernel's
 //! element counters (bpf/count.bpf.c) through bulk inserts, updates,
 //! deletes, LRU evictions and the XDP program's own inserts, checked
-//! against full walks of the maps; and the fallback walk, capped.
+//! against full walks of the maps; and the fallback walk, capped. Also the
+//! removal of one service's entries (a service deleted at run time).
 //!
 //! Needs root (CAP_BPF) and Linux 6.6 or later for the exact counts. The
 //! cost of a count against the walk, with an empty and a 1M-entry default
@@ -310,4 +311,52 @@ fn count_cost_exact_against_walk() {
         );
     }
     println!("{line}");
+}
+
+#[test]
+fn a_removed_services_flows_and_migrations_leave_the_real_maps() {
+    // Two services, 20,000 flows each (several batches of a walk), 2,000
+    // migrations of each: removing one service removes exactly
+    // its entries, with the owner each connection had (the migration's
+    // server where there is one).
+    let mut dp = load(262_144);
+    let other = |i: u32| {
+        let mut k = key(i);
+        k.service_port = 8080u16.to_be();
+        k
+    };
+    let (fk, fv) = flows(0..20_000);
+    dp.insert_flows_batch(&fk, &fv).unwrap();
+    let ok: Vec<CFlowKey> = (0..20_000).map(other).collect();
+    dp.insert_flows_batch(&ok, &fv).unwrap();
+    let (mk, mv) = migrations(0..2_000);
+    // Migrated to the next server: owner (i + 1) % 4, not the placement.
+    let mv: Vec<CMigration> = mv
+        .iter()
+        .zip(0u32..)
+        .map(|(m, i)| CMigration::owner((i + 1) % 4, m.migration_id))
+        .collect();
+    dp.insert_migrations_batch(&mk, &mv).unwrap();
+    let omk: Vec<CFlowKey> = (0..2_000).map(other).collect();
+    dp.insert_migrations_batch(&omk, &mv).unwrap();
+    assert_eq!(dp.table_counts().unwrap(), exact(40_000, 4_000));
+
+    let svc = CServiceKey::tcp(VIP, 80);
+    let mut removed = dp.remove_flows_of_service(svc).unwrap();
+    removed.sort_by_key(|(k, _)| {
+        let f = FlowKey::from(*k);
+        (f.client_ip, f.client_port)
+    });
+    assert_eq!(removed.len(), 20_000);
+    for (i, (k, owner)) in (0u32..).zip(&removed) {
+        assert_eq!(*k, key(i));
+        let want = if i < 2_000 { (i + 1) % 4 } else { i % 4 };
+        assert_eq!(*owner, want, "owner of flow {i}");
+    }
+    assert_eq!(dp.table_counts().unwrap(), exact(20_000, 2_000));
+    assert!(walk_flows(&mut dp)
+        .iter()
+        .all(|(k, _)| k.service_port == 8080u16.to_be()));
+    // Nothing left of it: a second removal finds nothing.
+    assert!(dp.remove_flows_of_service(svc).unwrap().is_empty());
 }

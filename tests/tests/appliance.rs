@@ -4,7 +4,10 @@
 //! migrated through the API (so its owner is no longer the one Maglev would
 //! pick), the appliance gets SIGTERM and is started again from the same
 //! config: every flow mapping is back, with the same owners, and every
-//! established connection keeps working byte-exact.
+//! established connection keeps working byte-exact. And services: the
+//! config's are written to the store, and a service created through the
+//! REST API is served by the data plane (also after a restart) until it is
+//! deleted.
 
 use capybara_systests::{bin, deployment_key, hostagent_migrating_config, output_dir, Lab};
 use std::collections::BTreeMap;
@@ -16,6 +19,14 @@ const SERVERS: u32 = 2;
 const CONNS: usize = 20;
 const API: &str = "http://127.0.0.1:18081";
 const CLIENT_IP: &str = "198.18.0.11";
+
+/// The two labs run one at a time (each runs an appliance and two
+/// hostagents on a 2-core machine).
+static ONE_LAB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_lab() -> std::sync::MutexGuard<'static, ()> {
+    ONE_LAB.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 fn appliance_config(dir: &Path, key: &Path) -> PathBuf {
     capybara_systests::appliance_config(dir, SERVERS, key, "127.0.0.1:18081")
@@ -96,6 +107,7 @@ fn owners(lab: &Lab, token: &str) -> BTreeMap<u16, u32> {
 
 #[test]
 fn restart_keeps_flow_mappings_and_established_connections() {
+    let _one = one_lab();
     let dir = output_dir("appliance");
     let mut lab = Lab::up("ap", SERVERS);
     let key = deployment_key(&dir);
@@ -204,6 +216,158 @@ fn restart_keeps_flow_mappings_and_established_connections() {
         start.elapsed(),
         dir.display()
     );
+    let st = stop_appliance(&mut app);
+    assert!(st.success(), "second run exited with {st}");
+}
+
+/// One echo round trip from client c1 to `addr` (VIP:port): connect within
+/// 2 s, send, read the same bytes back within 2 s.
+fn echo_once(lab: &Lab, addr: &str) -> bool {
+    const ONCE: &str = r#"
+import socket, sys
+host, port = sys.argv[1].split(":")
+try:
+    s = socket.create_connection((host, int(port)), timeout=2)
+    s.sendall(b"capybara-once")
+    got = b""
+    while len(got) < 13:
+        c = s.recv(64)
+        if not c:
+            break
+        got += c
+    sys.exit(0 if got == b"capybara-once" else 1)
+except OSError:
+    sys.exit(2)
+"#;
+    lab.command("c1", "timeout")
+        .args(["5", "python3", "-c", ONCE, addr])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+#[test]
+fn services_created_through_the_api_are_served() {
+    let _one = one_lab();
+    let dir = output_dir("appliance-services");
+    let mut lab = Lab::up("asv", SERVERS);
+    let key = deployment_key(&dir);
+    let config = appliance_config(&dir, &key);
+    let log1 = dir.join("capybara-1.log");
+    let mut app = start_appliance(&lab, &config, &log1);
+    // Both servers also serve echo on a VIP the appliance's config does not
+    // name: nothing reaches it until an operator creates the service.
+    const NEW: &str = "198.18.100.2:17";
+    for j in 1..=SERVERS {
+        let cfg = hostagent_migrating_config(&dir, j, &key, None);
+        capybara_systests::disable_policies(&cfg);
+        let mut t = std::fs::read_to_string(&cfg).expect("read hostagent config");
+        t.push_str(&format!(
+            "[[service]]\nlisten = \"{NEW}\"\napp = \"echo\"\n"
+        ));
+        std::fs::write(&cfg, t).expect("write hostagent config");
+        lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
+    }
+    lab.wait_for("every server to register", Duration::from_secs(30), || {
+        let l = log_of(&log1);
+        (1..=SERVERS).all(|j| l.contains(&format!("registered s{j}")))
+    });
+    lab.wait_for("the API", Duration::from_secs(30), || {
+        api(&lab, "", "GET", "/healthz").0 == 200
+    });
+    let token = std::fs::read_to_string(dir.join("admin-token"))
+        .expect("admin token file")
+        .trim()
+        .to_string();
+
+    // The config's services are in the store, so the API lists them.
+    let (code, body) = api(&lab, &token, "GET", "/v1/services");
+    assert_eq!(code, 200, "{body}");
+    for name in ["echo", "web"] {
+        assert!(
+            body.contains(&format!("\"name\":\"{name}\"")),
+            "configured service {name} not listed: {body}"
+        );
+    }
+    assert!(echo_once(&lab, "198.18.100.1:7"), "configured echo service");
+    assert!(
+        !echo_once(&lab, NEW),
+        "{NEW} answered before any service named it"
+    );
+
+    // Created through the API: served within a store poll.
+    let (code, body) = api_with(
+        &lab,
+        &token,
+        "POST",
+        "/v1/services",
+        Some(r#"{"name": "echo2", "vip": "198.18.100.2", "port": 17, "pool": []}"#),
+    );
+    assert_eq!(code, 201, "create: {body}");
+    lab.wait_for("the new service to answer", Duration::from_secs(10), || {
+        echo_once(&lab, NEW)
+    });
+    assert!(
+        log_of(&log1).contains("serving service \"echo2\" at 198.18.100.2:17"),
+        "{}",
+        log_of(&log1)
+    );
+    // A pool edit reaches switchd.
+    let (code, body) = api_with(
+        &lab,
+        &token,
+        "PUT",
+        "/v1/services/echo2",
+        Some(r#"{"vip": "198.18.100.2", "port": 17, "pool": [1, 2]}"#),
+    );
+    assert_eq!(code, 200, "update: {body}");
+    lab.wait_for("switchd to apply the pool", Duration::from_secs(10), || {
+        log_of(&log1).contains("service \"echo2\" updated from the store")
+    });
+    assert!(echo_once(&lab, NEW), "after the pool edit");
+
+    // A restart serves it from the store (the config does not name it),
+    // and writes no second copy of the configured services.
+    let st = stop_appliance(&mut app);
+    assert!(st.success(), "capybara run exited with {st}");
+    let log2 = dir.join("capybara-2.log");
+    let mut app = start_appliance(&lab, &config, &log2);
+    lab.wait_for("the restarted switchd", Duration::from_secs(30), || {
+        log_of(&log2).contains("flows from the store")
+    });
+    assert!(
+        log_of(&log2).contains("serving service \"echo2\""),
+        "{}",
+        log_of(&log2)
+    );
+    assert!(
+        !log_of(&log2).contains("wrote configured service"),
+        "{}",
+        log_of(&log2)
+    );
+    lab.wait_for(
+        "the new service after the restart",
+        Duration::from_secs(10),
+        || echo_once(&lab, NEW),
+    );
+
+    // Deleted: no longer served; the configured ones still are.
+    lab.wait_for("the restarted API", Duration::from_secs(30), || {
+        api(&lab, "", "GET", "/healthz").0 == 200
+    });
+    let (code, body) = api(&lab, &token, "DELETE", "/v1/services/echo2");
+    assert_eq!(code, 204, "delete: {body}");
+    lab.wait_for(
+        "the deleted service to stop answering",
+        Duration::from_secs(10),
+        || !echo_once(&lab, NEW),
+    );
+    assert!(
+        log_of(&log2).contains("service \"echo2\" removed"),
+        "{}",
+        log_of(&log2)
+    );
+    assert!(echo_once(&lab, "198.18.100.1:7"), "configured echo service");
     let st = stop_appliance(&mut app);
     assert!(st.success(), "second run exited with {st}");
 }
