@@ -467,6 +467,37 @@ async fn drain_deadline_reports_remaining_or_breaks_in_force_mode() {
     api.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seventeenth_service_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let admin = api.token("root", Role::Admin);
+    // The data plane has 16 service slots: a 17th service is refused up
+    // front (409 naming the limit) rather than stored and never served.
+    for i in 1..=17u32 {
+        let svc = json!({ "name": format!("s{i}"), "vip": format!("10.0.1.{i}"), "port": 80, "pool": [] });
+        let (s, v, _) = call(
+            "POST",
+            format!("{}/v1/services", api.url),
+            Some(&admin),
+            Some(svc),
+        )
+        .await;
+        if i <= 16 {
+            assert_eq!(s, 201, "service {i}: {v}");
+        } else {
+            assert_eq!(s, 409, "{v}");
+            assert!(
+                v["detail"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains("at most 16 services"),
+                "{v}"
+            );
+        }
+    }
+}
+
 fn ctl(url: &str, token: &str, args: &[&str]) -> (i32, String, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_capybara-ctl"))
         .args(["--api", url, "--token", token])
