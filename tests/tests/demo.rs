@@ -300,6 +300,20 @@ fn demo_serves_the_dashboard_rebalances_and_tears_down() {
         servers_connections(&servers)
     );
 
+    // Its configured service is in the store (switchd writes it there), so
+    // the dashboard's Services page and the connections list name it.
+    let (code, services) = curl(&["-H", &auth, &format!("{api}/v1/services")]);
+    assert_eq!(code, 200, "{services}");
+    assert!(
+        services.contains("\"name\":\"web\"") && services.contains("\"vip\":\"198.18.100.1\""),
+        "GET /v1/services: {services}"
+    );
+    let (code, conns) = curl(&["-H", &auth, &format!("{api}/v1/connections?limit=5")]);
+    assert!(
+        code == 200 && conns.contains("\"service\":\"web\""),
+        "GET /v1/connections: {code} {conns}"
+    );
+
     // The demo application answers through the VIP (nginx behind the sidecar).
     let page = Command::new("ip")
         .args(["netns", "exec", &format!("{prefix}-c1")])
