@@ -196,6 +196,14 @@ pub trait ControlPlane: Send + Sync + 'static {
     async fn drain_status(&self, server: ServerId) -> Result<Option<DrainView>, Problem>;
     fn subscribe(&self) -> broadcast::Receiver<ControlEvent>;
     fn migration_metrics(&self) -> MigrationMetrics;
+    /// Readiness (`GET /readyz`): whether switchd's control endpoint
+    /// answers, within about `limit` (never longer: a readiness probe must
+    /// answer while switchd is down). `None`: this control plane has no
+    /// switchd (the store-only one).
+    async fn probe_switchd(&self, limit: Duration) -> Option<Result<(), Problem>> {
+        let _ = limit;
+        None
+    }
 }
 
 /// How often a drain supervisor re-reads the server's flows.

@@ -12,6 +12,7 @@
 //!   policy get | policy set KEY=VALUE...
 //!   migrations [--follow [--for 10s]]
 //!   services
+//!   ready                                 readiness: the store answers; switchd reachable?
 //! ```
 //! `--api` and `--token` default to `CAPYBARA_API` and `CAPYBARA_TOKEN`.
 //! A flag the command does not take is a usage error (a mistyped `--force`
@@ -39,6 +40,7 @@ commands:
   policy set KEY=VALUE [KEY=VALUE...]
   migrations [--follow [--for DURATION]]
   services
+  ready
 environment: CAPYBARA_API (default http://127.0.0.1:8080), CAPYBARA_TOKEN";
 
 #[derive(Debug)]
@@ -290,6 +292,7 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
     match pos.as_slice() {
         ["servers"] => servers(&cfg).await,
         ["services"] => services(&cfg).await,
+        ["ready"] => ready(&cfg).await,
         ["connections"] => connections(&cfg, &a).await,
         ["weight", s, w] => {
             let weight = w
@@ -372,6 +375,28 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
             a.positional.join(" ")
         ))),
     }
+}
+
+/// `GET /readyz`: exit 0 when the API is ready (its store answers), 1 with
+/// the API's 503 when it is not; a ready API also says whether switchd's
+/// control endpoint answered.
+async fn ready(cfg: &Configuration) -> Result<(), CtlError> {
+    let r = apis::health_api::readyz(cfg).await.map_err(api_err)?;
+    println!(
+        "ready: store {} answers; control plane {}",
+        r.store, r.control_plane
+    );
+    match r.switchd {
+        models::SwitchdReachability::Reachable => println!("switchd: reachable"),
+        models::SwitchdReachability::Unreachable => println!(
+            "switchd: unreachable: {} (reads come from the store; drains and migrations fail)",
+            r.switchd_error.as_deref().unwrap_or("no reason given")
+        ),
+        models::SwitchdReachability::NotConfigured => {
+            println!("switchd: not configured (the API runs from the store alone)")
+        }
+    }
+    Ok(())
 }
 
 fn state_str(s: models::ServerState) -> &'static str {

@@ -1186,14 +1186,33 @@ async fn healthz(data: web::Data<AppState>) -> HttpResponse {
     ok(&json!({ "status": "ok", "store": data.store.backend(), "control_plane": data.cp.name() }))
 }
 
+/// 200 or 503 as the store answers (only the store: the API serves reads
+/// from it while switchd is down). The 200 body also says whether switchd's
+/// control endpoint answered, probed at the same time as the store and for
+/// at most `SWITCHD_PROBE`, so that the answer stays well within a second
+/// when switchd is down.
 async fn readyz(data: web::Data<AppState>) -> HttpResponse {
-    let started = Instant::now();
-    match tokio::time::timeout(Duration::from_secs(2), data.store.get_policy()).await {
+    const SWITCHD_PROBE: Duration = Duration::from_millis(500);
+    let store = async {
+        let started = Instant::now();
+        let r = tokio::time::timeout(Duration::from_secs(2), data.store.get_policy()).await;
+        (r, started.elapsed())
+    };
+    let ((store, took), switchd) = tokio::join!(store, data.cp.probe_switchd(SWITCHD_PROBE));
+    match store {
         Ok(Ok(_)) => {
-            data.metrics.record_store_probe(Some(started.elapsed()));
-            ok(
-                &json!({ "status": "ok", "store": data.store.backend(), "control_plane": data.cp.name() }),
-            )
+            data.metrics.record_store_probe(Some(took));
+            let mut body = json!({ "status": "ok", "store": data.store.backend(),
+                                   "control_plane": data.cp.name() });
+            match switchd {
+                None => body["switchd"] = json!("not_configured"),
+                Some(Ok(())) => body["switchd"] = json!("reachable"),
+                Some(Err(p)) => {
+                    body["switchd"] = json!("unreachable");
+                    body["switchd_error"] = json!(p.detail);
+                }
+            }
+            ok(&body)
         }
         Ok(Err(e)) => Problem::unavailable(format!("store not ready: {e}")).error_response(),
         Err(_) => Problem::unavailable("store did not answer within 2 s").error_response(),

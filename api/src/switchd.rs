@@ -199,6 +199,71 @@ impl SwitchdHttp {
     pub async fn server_stats(&self) -> Result<HashMap<ServerId, ServerStats>, Problem> {
         parse_status(&self.get("/status").await?)
     }
+
+    /// Readiness probe: `GET /status`, all of it (connect included) within
+    /// `limit`. `Ok` with switchd's `role` (`active`, `standby`,
+    /// `starting`; empty when its status has none) once it answered a
+    /// readable status; else a 503 problem saying why (the cause chain of a
+    /// connection error, e.g. `Connection refused`).
+    pub async fn probe(&self, limit: Duration) -> Result<String, Problem> {
+        let what = "GET /status";
+        let attempt = async {
+            let resp = self
+                .client
+                .get(format!("{}/status", self.base))
+                .timeout(limit)
+                .send()
+                .await
+                .map_err(|e| self.unreachable(what, error_chain(&e)))?;
+            let status = resp.status().as_u16();
+            let body = resp
+                .text()
+                .await
+                .map_err(|e| self.unreachable(what, error_chain(&e)))?;
+            if !(200..300).contains(&status) {
+                return Err(Problem::unavailable(format!(
+                    "switchd at {} refused {what}: HTTP {status}",
+                    self.base
+                )));
+            }
+            match serde_json::from_str::<serde_json::Value>(&body) {
+                Ok(serde_json::Value::Object(m)) => Ok(m
+                    .get("role")
+                    .and_then(|r| r.as_str())
+                    .unwrap_or_default()
+                    .to_string()),
+                _ => Err(Problem::unavailable(format!(
+                    "switchd at {} answered {what} with something other than a switchd \
+                     status (not a JSON object)",
+                    self.base
+                ))),
+            }
+        };
+        match tokio::time::timeout(limit, attempt).await {
+            Ok(r) => r,
+            Err(_) => Err(Problem::unavailable(format!(
+                "switchd at {} did not answer {what} within {} ms",
+                self.base,
+                limit.as_millis()
+            ))),
+        }
+    }
+}
+
+/// `e` and its causes, `: `-separated (reqwest's own text names the URL but
+/// not why the request failed).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cause = c.source();
+    }
+    s
 }
 
 /// One entry of switchd's `GET /migrations` (a server's MIGRATION_REPORT).
@@ -722,6 +787,12 @@ impl SwitchdControlPlane {
 impl ControlPlane for Arc<SwitchdControlPlane> {
     fn name(&self) -> &'static str {
         "switchd"
+    }
+
+    /// Reachable once switchd answered a readable `/status`, whatever its
+    /// role.
+    async fn probe_switchd(&self, limit: Duration) -> Option<Result<(), Problem>> {
+        Some(self.http.probe(limit).await.map(|_| ()))
     }
     fn data_source(&self) -> DataSource {
         DataSource::Switchd

@@ -838,3 +838,224 @@ async fn servers_are_listed_from_the_store_while_switchd_is_unreachable() {
     inner.shutdown();
     running.stop().await;
 }
+
+/// The API on a fresh store whose control plane is switchd at `switchd_url`.
+async fn start_with_switchd(
+    dir: &Path,
+    switchd_url: &str,
+) -> (RunningApi, Arc<StoreControlPlane>, String) {
+    let store: Arc<dyn Store> = Arc::new(
+        SqliteStore::open(SqliteConfig {
+            path: dir.join("store.db"),
+            ..SqliteConfig::default()
+        })
+        .await
+        .unwrap(),
+    );
+    let db = Arc::new(ApiDb::open(&dir.join("api.db")).unwrap());
+    let inner = StoreControlPlane::new(store.clone(), db.clone())
+        .await
+        .unwrap();
+    let cp =
+        capybara_api::switchd::SwitchdControlPlane::new(inner.clone(), store.clone(), switchd_url)
+            .unwrap();
+    let running = capybara_api::start(ApiConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        store,
+        control_plane: Arc::new(cp),
+        db,
+        static_dir: None,
+        workers: 1,
+    })
+    .await
+    .unwrap();
+    let url = format!("http://{}", running.addr);
+    (running, inner, url)
+}
+
+/// How a stand-in for switchd's HTTP endpoint behaves.
+#[derive(Clone, Copy)]
+enum Endpoint {
+    /// Answers `GET /status` and `GET /migrations` as switchd's
+    /// `metrics_listen` does (HTTP/1.1, `Connection: close`).
+    Switchd,
+    /// Accepts connections and never answers (a stuck switchd).
+    Silent,
+    /// Answers 200 with a page that is not a switchd status (a wrong URL).
+    NotSwitchd,
+}
+
+/// A stand-in endpoint on 127.0.0.1 (free port): its URL, and the task to
+/// abort when done.
+async fn switchd_endpoint(kind: Endpoint) -> (String, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            let Ok((mut c, _)) = listener.accept().await else {
+                continue;
+            };
+            if let Endpoint::Silent = kind {
+                held.push(c);
+                continue;
+            }
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut n = 0;
+                while n < buf.len() {
+                    match c.read(&mut buf[n..]).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(k) => {
+                            n += k;
+                            if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                                break;
+                            }
+                        }
+                    }
+                }
+                let head = String::from_utf8_lossy(&buf[..n]).to_string();
+                let path = head.split_whitespace().nth(1).unwrap_or("");
+                let (code, body) = match (kind, path.split('?').next().unwrap_or("")) {
+                    (Endpoint::NotSwitchd, _) => ("200 OK", "<html>welcome</html>".to_string()),
+                    (_, "/status") => (
+                        "200 OK",
+                        json!({ "role": "active", "servers": [] }).to_string(),
+                    ),
+                    (_, "/migrations") => (
+                        "200 OK",
+                        json!({ "epoch": 1, "next": 1, "items": [] }).to_string(),
+                    ),
+                    _ => ("404 Not Found", "not found\n".to_string()),
+                };
+                let _ = c
+                    .write_all(
+                        format!(
+                            "HTTP/1.1 {code}\r\nContent-Type: application/json\r\n\
+                             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                            body.len()
+                        )
+                        .as_bytes(),
+                    )
+                    .await;
+            });
+        }
+    });
+    (url, task)
+}
+
+/// `GET /readyz`: (status, body, how long it took).
+async fn readyz(url: &str) -> (u16, Value, Duration) {
+    let started = Instant::now();
+    let (s, v, _) = call("GET", format!("{url}/readyz"), None, None).await;
+    (s, v, started.elapsed())
+}
+
+/// Readiness stays 200 while the store answers, whatever switchd does (the
+/// API serves reads from the store meanwhile), and its body says whether
+/// switchd's control endpoint answered: `not_configured` without switchd,
+/// `unreachable` (with the reason) when nothing listens at its address,
+/// when it accepts but never answers, or when something else answers
+/// there, and `reachable` when it answers. Always within a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_says_whether_switchd_answers() {
+    // Store-only control plane.
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let (s, v, _) = readyz(&api.url).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["switchd"], "not_configured", "{v}");
+    assert_eq!(v["control_plane"], "store", "{v}");
+    assert!(v.get("switchd_error").is_none(), "{v}");
+    api.stop().await;
+
+    // Nothing listens at switchd's address.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_url = format!("http://{}", dead.local_addr().unwrap());
+    drop(dead);
+    let dir = tempfile::tempdir().unwrap();
+    let (running, inner, url) = start_with_switchd(dir.path(), &dead_url).await;
+    let (s, v, took) = readyz(&url).await;
+    assert_eq!(s, 200, "the store answers: {v}");
+    assert_eq!(v["status"], "ok", "{v}");
+    assert_eq!(v["store"], "sqlite", "{v}");
+    assert_eq!(v["control_plane"], "switchd", "{v}");
+    assert_eq!(v["switchd"], "unreachable", "{v}");
+    let err = v["switchd_error"].as_str().unwrap();
+    assert!(
+        err.contains(&dead_url) && err.to_lowercase().contains("connection refused"),
+        "{v}"
+    );
+    assert!(took < Duration::from_secs(1), "readyz took {took:?}");
+    // Operators see it in `capybara ctl ready` (exit 0: the API is ready).
+    let (u, t) = (url.clone(), String::new());
+    let (code, out, err) = tokio::task::spawn_blocking(move || ctl(&u, &t, &["ready"]))
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("store sqlite answers") && out.contains("switchd: unreachable"),
+        "{out}"
+    );
+    assert!(out.contains(&dead_url), "{out}");
+    inner.shutdown();
+    running.stop().await;
+
+    // switchd accepts but never answers: the probe gives up in time.
+    let (silent_url, silent) = switchd_endpoint(Endpoint::Silent).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (running, inner, url) = start_with_switchd(dir.path(), &silent_url).await;
+    let (s, v, took) = readyz(&url).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["switchd"], "unreachable", "{v}");
+    let err = v["switchd_error"].as_str().unwrap();
+    assert!(err.contains(&silent_url), "{v}");
+    assert!(took < Duration::from_secs(1), "readyz took {took:?}: {v}");
+    inner.shutdown();
+    running.stop().await;
+    silent.abort();
+
+    // Something other than switchd answers there (a wrong URL).
+    let (other_url, other) = switchd_endpoint(Endpoint::NotSwitchd).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (running, inner, url) = start_with_switchd(dir.path(), &other_url).await;
+    let (s, v, _) = readyz(&url).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["switchd"], "unreachable", "{v}");
+    assert!(
+        v["switchd_error"]
+            .as_str()
+            .unwrap()
+            .contains("not a JSON object"),
+        "{v}"
+    );
+    inner.shutdown();
+    running.stop().await;
+    other.abort();
+
+    // switchd's endpoint answers.
+    let (live_url, live) = switchd_endpoint(Endpoint::Switchd).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (running, inner, url) = start_with_switchd(dir.path(), &live_url).await;
+    let (s, v, took) = readyz(&url).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["switchd"], "reachable", "{v}");
+    assert!(v.get("switchd_error").is_none(), "{v}");
+    assert!(took < Duration::from_secs(1), "readyz took {took:?}");
+    let (u, t) = (url.clone(), String::new());
+    let (code, out, err) = tokio::task::spawn_blocking(move || ctl(&u, &t, &["ready"]))
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("switchd: reachable"), "{out}");
+    // switchd goes away: the next probe says so, readiness stays 200.
+    live.abort();
+    let _ = live.await;
+    let (s, v, took) = readyz(&url).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["switchd"], "unreachable", "{v}");
+    assert!(took < Duration::from_secs(1), "readyz took {took:?}");
+    inner.shutdown();
+    running.stop().await;
+}

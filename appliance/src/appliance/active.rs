@@ -161,4 +161,36 @@ impl ControlPlane for ActiveSwitchd {
         let idx = self.cached().unwrap_or(0);
         self.planes[idx].migration_metrics()
     }
+    /// Reachable when an endpoint answers as the active one (live
+    /// operations need it); every endpoint is probed at once, so the answer
+    /// comes within `limit` however many are down.
+    async fn probe_switchd(&self, limit: Duration) -> Option<Result<(), Problem>> {
+        let probes: Vec<_> = self
+            .planes
+            .iter()
+            .map(|p| {
+                let http = p.http().clone();
+                tokio::spawn(async move { http.probe(limit).await })
+            })
+            .collect();
+        let mut seen = Vec::new();
+        let mut active = false;
+        for (p, probe) in self.planes.iter().zip(probes) {
+            match probe.await {
+                Ok(Ok(role)) if role == "active" => active = true,
+                Ok(Ok(role)) => seen.push(format!("{}: {role}", p.http().base())),
+                // The detail names the endpoint.
+                Ok(Err(e)) => seen.push(e.detail),
+                Err(e) => seen.push(format!("{}: probe failed: {e}", p.http().base())),
+            }
+        }
+        Some(if active {
+            Ok(())
+        } else {
+            Err(Problem::unavailable(format!(
+                "no active switchd ({})",
+                seen.join("; ")
+            )))
+        })
+    }
 }

@@ -60,6 +60,7 @@ __all__ = [
     "Policy",
     "PolicyPatch",
     "Problem",
+    "Readiness",
     "Server",
     "ServerEvent",
     "ServerList",
@@ -70,6 +71,7 @@ __all__ = [
     "ServiceEvent",
     "ServiceList",
     "ServiceUpdate",
+    "SwitchdReachability",
     "Token",
     "TokenList",
     "TokenRequest",
@@ -124,6 +126,7 @@ from capybara_client.models.migration_trigger import MigrationTrigger as Migrati
 from capybara_client.models.policy import Policy as Policy
 from capybara_client.models.policy_patch import PolicyPatch as PolicyPatch
 from capybara_client.models.problem import Problem as Problem
+from capybara_client.models.readiness import Readiness as Readiness
 from capybara_client.models.server import Server as Server
 from capybara_client.models.server_event import ServerEvent as ServerEvent
 from capybara_client.models.server_list import ServerList as ServerList
@@ -134,6 +137,7 @@ from capybara_client.models.service import Service as Service
 from capybara_client.models.service_event import ServiceEvent as ServiceEvent
 from capybara_client.models.service_list import ServiceList as ServiceList
 from capybara_client.models.service_update import ServiceUpdate as ServiceUpdate
+from capybara_client.models.switchd_reachability import SwitchdReachability as SwitchdReachability
 from capybara_client.models.token import Token as Token
 from capybara_client.models.token_list import TokenList as TokenList
 from capybara_client.models.token_request import TokenRequest as TokenRequest

@@ -23,6 +23,11 @@ import {
     ProblemFromJSON,
     ProblemToJSON,
 } from '../models/Problem';
+import {
+    type Readiness,
+    ReadinessFromJSON,
+    ReadinessToJSON,
+} from '../models/Readiness';
 
 /**
  * HealthApi - interface
@@ -82,18 +87,19 @@ export interface HealthApiInterface {
     readyzRequestOpts(): Promise<runtime.RequestOpts>;
 
     /**
-     * 
-     * @summary Readiness (the store answers)
+     * 200 when the store answers within 2 s, else 503: the status code depends on the store alone, since the API answers reads from the store while switchd is down. The 200 body also says whether switchd\'s control endpoint answered (`switchd`, with the reason in `switchd_error` when it did not); switchd is probed for at most 500 ms, so this answers within about a second even when switchd is down. 
+     * @summary Readiness (the store answers; says whether switchd does)
      * @param {*} [options] Override http request option.
      * @throws {RequiredError}
      * @memberof HealthApiInterface
      */
-    readyzRaw(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Health>>;
+    readyzRaw(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Readiness>>;
 
     /**
-     * Readiness (the store answers)
+     * 200 when the store answers within 2 s, else 503: the status code depends on the store alone, since the API answers reads from the store while switchd is down. The 200 body also says whether switchd\'s control endpoint answered (`switchd`, with the reason in `switchd_error` when it did not); switchd is probed for at most 500 ms, so this answers within about a second even when switchd is down. 
+     * Readiness (the store answers; says whether switchd does)
      */
-    readyz(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Health>;
+    readyz(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Readiness>;
 
 }
 
@@ -202,19 +208,21 @@ export class HealthApi extends runtime.BaseAPI implements HealthApiInterface {
     }
 
     /**
-     * Readiness (the store answers)
+     * 200 when the store answers within 2 s, else 503: the status code depends on the store alone, since the API answers reads from the store while switchd is down. The 200 body also says whether switchd\'s control endpoint answered (`switchd`, with the reason in `switchd_error` when it did not); switchd is probed for at most 500 ms, so this answers within about a second even when switchd is down. 
+     * Readiness (the store answers; says whether switchd does)
      */
-    async readyzRaw(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Health>> {
+    async readyzRaw(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Readiness>> {
         const requestOptions = await this.readyzRequestOpts();
         const response = await this.request(requestOptions, initOverrides);
 
-        return new runtime.JSONApiResponse(response, (jsonValue) => HealthFromJSON(jsonValue));
+        return new runtime.JSONApiResponse(response, (jsonValue) => ReadinessFromJSON(jsonValue));
     }
 
     /**
-     * Readiness (the store answers)
+     * 200 when the store answers within 2 s, else 503: the status code depends on the store alone, since the API answers reads from the store while switchd is down. The 200 body also says whether switchd\'s control endpoint answered (`switchd`, with the reason in `switchd_error` when it did not); switchd is probed for at most 500 ms, so this answers within about a second even when switchd is down. 
+     * Readiness (the store answers; says whether switchd does)
      */
-    async readyz(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Health> {
+    async readyz(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Readiness> {
         const response = await this.readyzRaw(initOverrides);
         return await response.value();
     }

@@ -17,6 +17,7 @@ from typing_extensions import Annotated
 
 from pydantic import StrictStr
 from capybara_client.models.health import Health
+from capybara_client.models.readiness import Readiness
 
 from capybara_client.api_client import ApiClient, RequestSerialized
 from capybara_client.api_response import ApiResponse
@@ -542,9 +543,10 @@ class HealthApi:
         _content_type: Optional[StrictStr] = None,
         _headers: Optional[Dict[StrictStr, Any]] = None,
         _host_index: Annotated[StrictInt, Field(ge=0, le=0)] = 0,
-    ) -> Health:
-        """Readiness (the store answers)
+    ) -> Readiness:
+        """Readiness (the store answers; says whether switchd does)
 
+        200 when the store answers within 2 s, else 503: the status code depends on the store alone, since the API answers reads from the store while switchd is down. The 200 body also says whether switchd's control endpoint answered (`switchd`, with the reason in `switchd_error` when it did not); switchd is probed for at most 500 ms, so this answers within about a second even when switchd is down. 
 
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
@@ -576,7 +578,7 @@ class HealthApi:
         )
 
         _response_types_map: Dict[str, Optional[str]] = {
-            '200': "Health",
+            '200': "Readiness",
             '503': "Problem",
         }
         response_data = self.api_client.call_api(
@@ -605,9 +607,10 @@ class HealthApi:
         _content_type: Optional[StrictStr] = None,
         _headers: Optional[Dict[StrictStr, Any]] = None,
         _host_index: Annotated[StrictInt, Field(ge=0, le=0)] = 0,
-    ) -> ApiResponse[Health]:
-        """Readiness (the store answers)
+    ) -> ApiResponse[Readiness]:
+        """Readiness (the store answers; says whether switchd does)
 
+        200 when the store answers within 2 s, else 503: the status code depends on the store alone, since the API answers reads from the store while switchd is down. The 200 body also says whether switchd's control endpoint answered (`switchd`, with the reason in `switchd_error` when it did not); switchd is probed for at most 500 ms, so this answers within about a second even when switchd is down. 
 
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
@@ -639,7 +642,7 @@ class HealthApi:
         )
 
         _response_types_map: Dict[str, Optional[str]] = {
-            '200': "Health",
+            '200': "Readiness",
             '503': "Problem",
         }
         response_data = self.api_client.call_api(
@@ -669,8 +672,9 @@ class HealthApi:
         _headers: Optional[Dict[StrictStr, Any]] = None,
         _host_index: Annotated[StrictInt, Field(ge=0, le=0)] = 0,
     ) -> RESTResponseType:
-        """Readiness (the store answers)
+        """Readiness (the store answers; says whether switchd does)
 
+        200 when the store answers within 2 s, else 503: the status code depends on the store alone, since the API answers reads from the store while switchd is down. The 200 body also says whether switchd's control endpoint answered (`switchd`, with the reason in `switchd_error` when it did not); switchd is probed for at most 500 ms, so this answers within about a second even when switchd is down. 
 
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
@@ -702,7 +706,7 @@ class HealthApi:
         )
 
         _response_types_map: Dict[str, Optional[str]] = {
-            '200': "Health",
+            '200': "Readiness",
             '503': "Problem",
         }
         response_data = self.api_client.call_api(

@@ -37,6 +37,7 @@ from capybara_client.models.migration_trigger import MigrationTrigger
 from capybara_client.models.policy import Policy
 from capybara_client.models.policy_patch import PolicyPatch
 from capybara_client.models.problem import Problem
+from capybara_client.models.readiness import Readiness
 from capybara_client.models.server import Server
 from capybara_client.models.server_event import ServerEvent
 from capybara_client.models.server_list import ServerList
@@ -47,6 +48,7 @@ from capybara_client.models.service import Service
 from capybara_client.models.service_event import ServiceEvent
 from capybara_client.models.service_list import ServiceList
 from capybara_client.models.service_update import ServiceUpdate
+from capybara_client.models.switchd_reachability import SwitchdReachability
 from capybara_client.models.token import Token
 from capybara_client.models.token_list import TokenList
 from capybara_client.models.token_request import TokenRequest

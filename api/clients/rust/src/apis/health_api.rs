@@ -115,9 +115,10 @@ pub async fn metrics(
     }
 }
 
+/// 200 when the store answers within 2 s, else 503: the status code depends on the store alone, since the API answers reads from the store while switchd is down. The 200 body also says whether switchd's control endpoint answered (`switchd`, with the reason in `switchd_error` when it did not); switchd is probed for at most 500 ms, so this answers within about a second even when switchd is down.
 pub async fn readyz(
     configuration: &configuration::Configuration,
-) -> Result<models::Health, Error<ReadyzError>> {
+) -> Result<models::Readiness, Error<ReadyzError>> {
     let uri_str = format!("{}/readyz", configuration.base_path);
     let mut req_builder = configuration.client.request(reqwest::Method::GET, &uri_str);
 
@@ -140,8 +141,8 @@ pub async fn readyz(
         let content = resp.text().await?;
         match content_type {
             ContentType::Json => serde_json::from_str(&content).map_err(Error::from),
-            ContentType::Text => return Err(Error::from(serde_json::Error::custom("Received `text/plain` content type response that cannot be converted to `models::Health`"))),
-            ContentType::Unsupported(unknown_type) => return Err(Error::from(serde_json::Error::custom(format!("Received `{unknown_type}` content type response that cannot be converted to `models::Health`")))),
+            ContentType::Text => return Err(Error::from(serde_json::Error::custom("Received `text/plain` content type response that cannot be converted to `models::Readiness`"))),
+            ContentType::Unsupported(unknown_type) => return Err(Error::from(serde_json::Error::custom(format!("Received `{unknown_type}` content type response that cannot be converted to `models::Readiness`")))),
         }
     } else {
         let content = resp.text().await?;
