@@ -12,6 +12,9 @@
 //!   policy get | policy set KEY=VALUE...
 //!   migrations [--follow [--for 10s]]
 //!   services
+//!   service add NAME VIP:PORT [--pool 1,2]   create (empty pool: every server)
+//!   service set NAME VIP:PORT [--pool 1,2]   change address (and pool)
+//!   service delete NAME                      its connections end
 //!   ready                                 readiness: the store answers; switchd reachable?
 //! ```
 //! `--api` and `--token` default to `CAPYBARA_API` and `CAPYBARA_TOKEN`.
@@ -40,6 +43,9 @@ commands:
   policy set KEY=VALUE [KEY=VALUE...]
   migrations [--follow [--for DURATION]]
   services
+  service add NAME VIP:PORT [--pool 1,2]
+  service set NAME VIP:PORT [--pool 1,2]
+  service delete NAME
   ready
 environment: CAPYBARA_API (default http://127.0.0.1:8080), CAPYBARA_TOKEN";
 
@@ -133,7 +139,8 @@ struct Args {
 
 impl Args {
     /// Flags that take a value.
-    const VALUED: [&'static str; 8] = [
+    const VALUED: [&'static str; 9] = [
+        "--pool",
         "--api",
         "--token",
         "--deadline",
@@ -209,6 +216,7 @@ fn command_flags(cmd: &str) -> &'static [&'static str] {
         "migrate" => &["--target"],
         "migrations" => &["--follow", "--for"],
         "connections" => &["--server", "--service", "--limit"],
+        "service" => &["--pool"],
         _ => &[],
     }
 }
@@ -292,6 +300,18 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
     match pos.as_slice() {
         ["servers"] => servers(&cfg).await,
         ["services"] => services(&cfg).await,
+        ["service", "add", name, addr] => service_put(&cfg, name, addr, &a, true).await,
+        ["service", "set", name, addr] => service_put(&cfg, name, addr, &a, false).await,
+        ["service", "delete", name] => {
+            apis::services_api::delete_service(&cfg, name)
+                .await
+                .map_err(api_err)?;
+            println!("service {name} deleted (switchd stops serving it within a second; its connections end)");
+            Ok(())
+        }
+        ["service", ..] => Err(CtlError::Usage(
+            "`service add NAME VIP:PORT [--pool 1,2]`, `service set NAME VIP:PORT [--pool 1,2]` or `service delete NAME`".into(),
+        )),
         ["ready"] => ready(&cfg).await,
         ["connections"] => connections(&cfg, &a).await,
         ["weight", s, w] => {
@@ -451,6 +471,66 @@ async fn services(cfg: &Configuration) -> Result<(), CtlError> {
             pool.join(",")
         );
     }
+    Ok(())
+}
+
+/// `service add|set NAME VIP:PORT [--pool 1,2]`: `--pool` lists server
+/// ids (`s2` works too); without it `add` creates an open pool (every
+/// registered server) and `set` keeps the current pool.
+async fn service_put(
+    cfg: &Configuration,
+    name: &str,
+    addr: &str,
+    a: &Args,
+    create: bool,
+) -> Result<(), CtlError> {
+    let sa: std::net::SocketAddrV4 = addr.parse().map_err(|_| {
+        CtlError::Usage(format!(
+            "VIP:PORT must be an IPv4 address and a port, e.g. 198.18.100.2:8080, got {addr:?}"
+        ))
+    })?;
+    let pool = match a.value("--pool") {
+        Some("") => Some(Vec::new()),
+        Some(p) => Some(
+            p.split(',')
+                .map(|s| server_id(s.trim()))
+                .collect::<Result<Vec<i64>, _>>()?,
+        ),
+        None => None,
+    };
+    let (vip, port) = (sa.ip().to_string(), i32::from(sa.port()));
+    let s = if create {
+        let body = models::Service::new(name.to_string(), vip, port, pool.unwrap_or_default());
+        apis::services_api::create_service(cfg, body)
+            .await
+            .map_err(api_err)?
+    } else {
+        let pool = match pool {
+            Some(p) => p,
+            None => {
+                apis::services_api::get_service(cfg, name)
+                    .await
+                    .map_err(api_err)?
+                    .pool
+            }
+        };
+        let body = models::ServiceUpdate::new(vip, port, pool);
+        apis::services_api::update_service(cfg, name, body)
+            .await
+            .map_err(api_err)?
+    };
+    let pool: Vec<String> = s.pool.iter().map(|p| p.to_string()).collect();
+    println!(
+        "service {} at {}:{}, pool {} (switchd applies it within a second)",
+        s.name,
+        s.vip,
+        s.port,
+        if pool.is_empty() {
+            "open (every registered server)".to_string()
+        } else {
+            pool.join(",")
+        }
+    );
     Ok(())
 }
 

@@ -512,6 +512,79 @@ fn ctl(url: &str, token: &str, args: &[&str]) -> (i32, String, String) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctl_manages_services() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let admin = api.token("root", Role::Admin);
+    register(&api, &admin, "web1").await;
+    register(&api, &admin, "web2").await;
+    let (url, t) = (api.url.clone(), admin.clone());
+    let run = move |args: Vec<&'static str>| {
+        let (url, t) = (url.clone(), t.clone());
+        tokio::task::spawn_blocking(move || ctl(&url, &t, &args))
+    };
+    let (code, out, err) = run(vec!["service", "add", "api", "198.18.100.2:8080"])
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("198.18.100.2:8080, pool open"), "{out}");
+    let (code, out, err) = run(vec![
+        "service",
+        "set",
+        "api",
+        "198.18.100.2:8081",
+        "--pool",
+        "s2,1",
+    ])
+    .await
+    .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("198.18.100.2:8081, pool 2,1"), "{out}");
+    // `set` without --pool keeps the pool.
+    let (code, out, err) = run(vec!["service", "set", "api", "198.18.100.3:80"])
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("198.18.100.3:80, pool 2,1"), "{out}");
+    let (code, out, _) = run(vec!["services"]).await.unwrap();
+    assert!(
+        code == 0 && out.contains("198.18.100.3:80") && out.contains("2,1"),
+        "{out}"
+    );
+    // Mistakes: a clear usage error (2) or the API's refusal (1).
+    let (code, _, err) = run(vec!["service", "add", "x", "198.18.100.4"])
+        .await
+        .unwrap();
+    assert!(code == 2 && err.contains("VIP:PORT"), "{err}");
+    let (code, _, err) = run(vec![
+        "service",
+        "add",
+        "x",
+        "198.18.100.4:80",
+        "--pool",
+        "9",
+    ])
+    .await
+    .unwrap();
+    assert!(
+        code == 1 && (err.contains("pool[0]") || err.contains("not registered")),
+        "{code} {err}"
+    );
+    let (code, _, err) = run(vec!["service", "add", "dup", "198.18.100.3:80"])
+        .await
+        .unwrap();
+    assert!(code == 1 && err.contains("409"), "{code} {err}");
+    let (code, _, err) = run(vec!["service", "remove", "api"]).await.unwrap();
+    assert_eq!(code, 2, "{err}");
+    let (code, out, err) = run(vec!["service", "delete", "api"]).await.unwrap();
+    assert!(code == 0 && out.contains("deleted"), "{out} {err}");
+    let (code, out, _) = run(vec!["services"]).await.unwrap();
+    assert!(code == 0 && !out.contains("api "), "{out}");
+    let (code, _, err) = run(vec!["service", "delete", "api"]).await.unwrap();
+    assert!(code == 1 && err.contains("404"), "{code} {err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctl_commands() {
     let dir = tempfile::tempdir().unwrap();
     let api = start(dir.path()).await;
