@@ -497,7 +497,22 @@ async fn run_connection(
         orphan: None,
     };
     if relay.app.is_none() {
-        relay.backend_failed("refused or unreachable");
+        // A connection that migrated in idle owes nothing either way: on a
+        // health-checked service it waits as an orphan (its application
+        // may have died after this server's check last looked, and the
+        // check will move it on) instead of answering an error nobody
+        // asked for and closing.
+        let kept = migrated_in && {
+            let sh_rc = relay.sh.clone();
+            let mut sh = sh_rc.borrow_mut();
+            relay.orphan(
+                &mut sh,
+                "migrated in and the application refused the connection",
+            )
+        };
+        if !kept {
+            relay.backend_failed("refused or unreachable");
+        }
     }
     let end = poll_fn(|cx| relay.poll(cx)).await;
     let end = match end {
@@ -549,6 +564,9 @@ async fn connect_app(svc: &Service, db: Option<u32>) -> io::Result<tokio::net::T
     Ok(app)
 }
 
+/// The log's word for an application that closed an idle connection.
+const APP_CLOSED_IDLE: &str = "the application closed the idle connection";
+
 struct Relay {
     client: TcpStream,
     app: Option<tokio::net::TcpStream>,
@@ -576,7 +594,9 @@ struct Relay {
 /// is up, `crate::health`), or it closed an idle connection on purpose
 /// (keep-alive timeout: the check stays up and the relay closes after
 /// `grace`, as it did at once before). A request that comes meanwhile
-/// opens a new application connection (refused: the usual error).
+/// opens a new application connection (refused: the usual error). A
+/// connection that migrated in idle and whose first connect was refused
+/// starts as one (`run_connection`).
 struct Orphan {
     grace: Pin<Box<tokio::time::Sleep>>,
     connect: Option<Pin<Box<dyn std::future::Future<Output = io::Result<tokio::net::TcpStream>>>>>,
@@ -678,7 +698,7 @@ impl Relay {
                             let n = rb.filled().len();
                             progress = true;
                             if n == 0 {
-                                if !self.orphan(sh) {
+                                if !self.orphan(sh, APP_CLOSED_IDLE) {
                                     self.app_eof = true;
                                     self.on_app_eof(sh);
                                 }
@@ -688,7 +708,7 @@ impl Relay {
                         }
                         Poll::Ready(Err(_)) => {
                             progress = true;
-                            if !self.orphan(sh) {
+                            if !self.orphan(sh, APP_CLOSED_IDLE) {
                                 self.app_eof = true;
                                 self.on_app_eof(sh);
                             }
@@ -994,11 +1014,12 @@ impl Relay {
         off > 0
     }
 
-    /// The application closed (or broke) its connection: with nothing owed
-    /// either way on a health-checked service, keep the client's connection
-    /// as an [`Orphan`] and ask for a health probe now. Returns whether it
-    /// did.
-    fn orphan(&mut self, sh: &mut Shared) -> bool {
+    /// The application closed (or broke) its connection, or refused the
+    /// first one of a connection that migrated in (`what` says which, for
+    /// the log): with nothing owed either way on a health-checked service,
+    /// keep the client's connection as an [`Orphan`] and ask for a health
+    /// probe now. Returns whether it did.
+    fn orphan(&mut self, sh: &mut Shared, what: &str) -> bool {
         let Some(h) = &self.svc.health else {
             return false;
         };
@@ -1025,7 +1046,7 @@ impl Relay {
         });
         h.probe_now();
         println!(
-            "sidecar peer={} the application closed the idle connection: kept open for a request or a migration",
+            "sidecar peer={} {what}: kept open for a request or a migration",
             self.peer
         );
         true
@@ -1202,6 +1223,182 @@ mod tests {
         }
         std::thread::sleep(RAW_IDLE + Duration::from_millis(5));
         assert_eq!(sh.readiness(), Readiness::Ready);
+    }
+
+    /// A stack on one end of an in-memory link (the peer's address is its
+    /// gateway, so it answers ARP directly).
+    fn mem_stack(
+        dev: capybara_net::device::memory::MemoryDevice,
+        mac: u8,
+        ip: std::net::Ipv4Addr,
+        peer: std::net::Ipv4Addr,
+    ) -> crate::stack::Stack {
+        use capybara_net::wire::EthernetAddress;
+        let mac = EthernetAddress([2, 0, 0, 0, 0, mac]);
+        let iface = capybara_net::Interface::new(capybara_net::InterfaceConfig::new(mac, ip, peer))
+            .unwrap();
+        let t = crate::stack::Transports::new(
+            capybara_tcp::Endpoint::new(capybara_tcp::TcpConfig::default()),
+            ip,
+        );
+        crate::stack::Stack::new(
+            iface,
+            t,
+            Box::new(dev.with_mac(mac)),
+            capybara_net::PollMode::Sleep,
+        )
+    }
+
+    /// Reads from the client's connection until `until` holds for what
+    /// arrived, the stream ends (`true` in the result), or `limit` passes.
+    async fn client_read(
+        client: &crate::stack::Stack,
+        id: capybara_tcp::ConnId,
+        limit: Duration,
+        until: impl Fn(&[u8]) -> bool,
+    ) -> (Vec<u8>, bool) {
+        let end = tokio::time::Instant::now() + limit;
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while tokio::time::Instant::now() < end && !until(&got) {
+            match client.with(|i| i.transports.tcp.recv(id, &mut buf)) {
+                Ok(0) => return (got, true),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(capybara_tcp::TcpError::WouldBlock) => {
+                    tokio::time::sleep(Duration::from_millis(1)).await
+                }
+                Err(e) => panic!("client connection failed: {e:?}"),
+            }
+        }
+        (got, false)
+    }
+
+    /// The lab's every-redis-down race (`tests/tests/health_resp_lab.rs`):
+    /// s1's health check moved its idle RESP connections to s2, whose
+    /// redis-server had died a moment before s2's check noticed. The
+    /// migrated-in relay's first connect to the application failed and it
+    /// answered `-ERR sidecar: ... refused or unreachable`, nobody having
+    /// asked anything, and closed: a connection idle through the outage
+    /// was lost. It is an orphan now (nothing is owed either way), and
+    /// the next request after the application is back is answered, on
+    /// the database the connection had selected. Real stacks over an
+    /// in-memory link, a real loopback "application".
+    #[test]
+    fn an_idle_connection_migrated_in_survives_a_refused_first_connect() {
+        use std::net::Ipv4Addr;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let local = tokio::task::LocalSet::new();
+        local.block_on(&rt, async {
+            let (cip, sip) = (Ipv4Addr::new(198, 18, 0, 11), Ipv4Addr::new(198, 18, 2, 12));
+            let (a, b) = capybara_net::device::memory::pair(Default::default());
+            let client = mem_stack(a, 1, cip, sip);
+            let server = mem_stack(b, 2, sip, cip);
+            tokio::task::spawn_local(client.clone().drive());
+            tokio::task::spawn_local(server.clone().drive());
+
+            // Nothing listens on the application's port (it died).
+            let app = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let backend = match app.local_addr().unwrap() {
+                std::net::SocketAddr::V4(a) => a,
+                _ => unreachable!(),
+            };
+            drop(app);
+            let listen = SocketAddrV4::new(sip, 6379);
+            // Checks far apart: the service stays UP for the whole test, as
+            // on s2 before its check noticed.
+            let cfg = crate::config::HealthConfig {
+                interval_ms: 10_000,
+                ..Default::default()
+            };
+            let board = crate::health::Board::new(&cfg, &[(listen, Some(backend))]);
+            let svc = Rc::new(Service {
+                listen,
+                backend,
+                protocol: SidecarProtocol::Resp,
+                max_request: 1 << 20,
+                tls: None,
+                seal: None,
+                health: board.check_of(listen),
+                relay_buffers: RelayBuffers::prewarmed(1),
+            });
+
+            let listener = TcpListener::bind(&server, listen).unwrap();
+            let id = client.with(|i| {
+                let now = i.clock.now();
+                i.transports
+                    .tcp
+                    .connect(now, SocketAddrV4::new(cip, 0), listen)
+                    .unwrap()
+            });
+            let (stream, peer) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+                .await
+                .expect("accepted within 10 s")
+                .unwrap();
+            // As the importer rebuilds an idle connection that had
+            // selected database 3.
+            let imported = Imported {
+                inbuf: Vec::new(),
+                db: Some(3),
+                tls: None,
+            };
+            let relay =
+                tokio::task::spawn_local(run_connection(stream, peer, svc.clone(), Some(imported)));
+
+            // Nothing comes: no error nobody asked for, no close.
+            let (got, ended) =
+                client_read(&client, id, Duration::from_millis(300), |g| !g.is_empty()).await;
+            assert!(
+                got.is_empty() && !ended,
+                "an idle migrated-in connection got {:?} (closed: {ended})",
+                String::from_utf8_lossy(&got)
+            );
+            assert!(!relay.is_finished());
+
+            // The application is back; a request comes.
+            let app = tokio::net::TcpListener::bind(std::net::SocketAddr::V4(backend))
+                .await
+                .expect("the application's port again");
+            let serve = tokio::task::spawn_local(async move {
+                let (mut c, _) = app.accept().await.unwrap();
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 1024];
+                // SELECT 3 first (replayed by the sidecar), then the
+                // client's PING.
+                while !seen.ends_with(b"PING\r\n") {
+                    let n = c.read(&mut buf).await.unwrap();
+                    assert!(n > 0, "the sidecar closed: {seen:?}");
+                    seen.extend_from_slice(&buf[..n]);
+                    if seen.ends_with(b"$1\r\n3\r\n") {
+                        c.write_all(b"+OK\r\n").await.unwrap();
+                    }
+                }
+                c.write_all(b"+PONG\r\n").await.unwrap();
+                // Held open until the test ends.
+                std::future::pending::<()>().await;
+                drop(c);
+                seen
+            });
+            client.with(|i| i.transports.tcp.send(id, b"*1\r\n$4\r\nPING\r\n").unwrap());
+            let (got, ended) = client_read(&client, id, Duration::from_secs(10), |g| {
+                g.ends_with(b"\r\n")
+            })
+            .await;
+            assert_eq!(
+                String::from_utf8_lossy(&got),
+                "+PONG\r\n",
+                "the request after the application came back (closed: {ended})"
+            );
+            assert!(
+                !serve.is_finished(),
+                "the application saw SELECT 3 and PING"
+            );
+            relay.abort();
+            serve.abort();
+        });
     }
 
     const BASE: &str = "[interface]\nname = \"eth0\"\n[stack]\naddress = \"198.18.2.11\"\ngateway = \"198.18.1.1\"\n[[service]]\nlisten = \"198.18.100.1:80\"\n";
