@@ -8,14 +8,15 @@
 //! Needs root, nginx, curl and python3 (`make setup`). Run:
 //! `cargo test --release -p capybara-systests --test health_lab`.
 
-use capybara_systests::{
-    bin, deployment_key, disable_policies, metric_sum, output_dir, stdout_lines, switchd_config,
-    Lab,
-};
-use std::io::Write;
+mod health_common;
+
+use capybara_systests::{bin, deployment_key, output_dir, switchd_config, Lab};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
+
+use health_common::{
+    backend_up, migrated_out, run_client, switchd_backend_up, switchd_metrics, LineClient,
+};
 
 const VIP: &str = "198.18.100.1";
 /// Keep-alive connections held across the failure.
@@ -73,20 +74,7 @@ else:
 "#;
 
 fn hostagent_config(dir: &Path, j: u32, key: &Path) -> PathBuf {
-    let t = format!(
-        "name = \"s{j}\"\n[interface]\nname = \"eth0\"\n[stack]\naddress = \"198.18.2.{}\"\ngateway = \"198.18.1.1\"\n\
-         [[service]]\nlisten = \"{VIP}:80\"\napp = \"sidecar\"\nbackend = \"127.0.0.1:8080\"\nprotocol = \"http1\"\n\
-         [migration]\nkey_file = \"{}\"\nswitch = \"198.18.1.1\"\n\
-         [control]\nswitch = \"198.18.1.1:7692\"\nserver_id = {j}\nmanagement = \"198.18.1.{}\"\n\
-         [health]\ninterval_ms = 200\ntimeout_ms = 200\nfall = 2\nrise = 2\n",
-        10 + j,
-        key.display(),
-        10 + j
-    );
-    let path = dir.join(format!("hostagent-s{j}.toml"));
-    std::fs::write(&path, t).expect("write hostagent config");
-    disable_policies(&path);
-    path
+    health_common::hostagent_config(dir, j, key, &format!("{VIP}:80"), "127.0.0.1:8080", "http1")
 }
 
 /// nginx on 127.0.0.1:8080 of server `j`, serving `/whoami` = `sJ`.
@@ -149,68 +137,30 @@ fn parse(lines: &[String]) -> Vec<Answer> {
 
 /// `HELD` keep-alive connections in the client namespace; killed when
 /// dropped.
-struct Holder {
-    child: Child,
-    rx: std::sync::mpsc::Receiver<String>,
-}
+struct Holder(LineClient);
 
 impl Holder {
     fn start(lab: &Lab) -> Holder {
-        let mut child = lab
-            .command("c1", "python3")
-            .args(["-c", CLIENT, "hold", &HELD.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start the keep-alive client");
-        let rx = stdout_lines(child.stdout.take().unwrap());
-        Holder { child, rx }
+        Holder(LineClient::start(
+            lab,
+            CLIENT,
+            &["hold", &HELD.to_string()],
+            "keep-alive client",
+        ))
     }
 
     /// One GET on every held connection.
     fn round(&mut self) -> Vec<Answer> {
-        let stdin = self.child.stdin.as_mut().expect("stdin");
-        writeln!(stdin, "go")
-            .and_then(|_| stdin.flush())
-            .expect("signal the client");
-        let mut lines = Vec::new();
-        let end = Instant::now() + Duration::from_secs(60);
-        loop {
-            let left = end.saturating_duration_since(Instant::now());
-            match self.rx.recv_timeout(left) {
-                Ok(l) if l == "done" => break,
-                Ok(l) => lines.push(l),
-                Err(e) => panic!("keep-alive client: no round within 60 s ({e}): {lines:?}"),
-            }
-        }
-        parse(&lines)
-    }
-}
-
-impl Drop for Holder {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        parse(&self.0.ask("go"))
     }
 }
 
 /// `n` requests, each on a new connection.
 fn fresh(lab: &Lab, n: usize) -> Vec<Answer> {
-    let out = lab.try_run(
-        "c1",
-        "python3",
-        &["-c", CLIENT, "fresh", &n.to_string()],
-        Duration::from_secs(60),
-    );
-    let Some(out) = out else {
-        return vec![Answer::Failed("the client outlived 60 s".into())];
-    };
-    let lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_string)
-        .collect();
-    parse(&lines)
+    match run_client(lab, CLIENT, &["fresh", &n.to_string()]) {
+        Some(lines) => parse(&lines),
+        None => vec![Answer::Failed("the client outlived 60 s".into())],
+    }
 }
 
 fn count(answers: &[Answer], who: &str) -> usize {
@@ -218,30 +168,6 @@ fn count(answers: &[Answer], who: &str) -> usize {
         .iter()
         .filter(|a| **a == Answer::Ok(who.into()))
         .count()
-}
-
-fn switchd_metrics(lab: &Lab, sw: &Path) -> String {
-    lab.try_run(
-        "sw",
-        bin("switchd").to_str().unwrap(),
-        &["--config", sw.to_str().unwrap(), "--dump", "/metrics"],
-        Duration::from_secs(10),
-    )
-    .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-    .unwrap_or_default()
-}
-
-fn backend_up(lab: &Lab, j: u32) -> Option<f64> {
-    metric_sum(&lab.server_metrics(j), "capybara_backend_up", "")
-}
-
-fn migrated_out(lab: &Lab, j: u32) -> f64 {
-    metric_sum(
-        &lab.server_metrics(j),
-        "capybara_tcpmig_events_total",
-        "event=\"migrated_out\"",
-    )
-    .unwrap_or(-1.0)
 }
 
 #[test]
@@ -301,11 +227,7 @@ fn a_dead_application_leaves_placement_and_its_idle_connections_migrate() {
     lab.wait_for(
         "switchd to take s1 out of web's placement",
         Duration::from_secs(10),
-        || {
-            switchd_metrics(&lab, &sw).contains(&format!(
-                "capybara_switchd_backend_up{{server=\"1\",service=\"{VIP}:80\"}} 0"
-            ))
-        },
+        || switchd_backend_up(&lab, &sw, 1, &format!("{VIP}:80"), false),
     );
     let detected = killed.elapsed();
     // The idle connections it held migrate to s2.

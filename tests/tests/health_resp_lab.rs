@@ -22,15 +22,14 @@
 //! Needs root, redis-server, redis-cli, curl and python3 (`make setup`).
 //! Run: `cargo test --release -p capybara-systests --test health_resp_lab`.
 
-use capybara_systests::{
-    bin, deployment_key, disable_policies, metric_sum, output_dir, stdout_lines, switchd_config,
-    Lab,
-};
-use std::io::Write;
+mod health_common;
+
+use capybara_systests::{bin, deployment_key, metric_sum, output_dir, switchd_config, Lab};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use health_common::{backend_up, migrated_out, run_client, switchd_metrics, LineClient};
 
 const VIP: &str = "198.18.100.1";
 const PORT: u16 = 6379;
@@ -167,20 +166,14 @@ else:
 "#;
 
 fn hostagent_config(dir: &Path, j: u32, key: &Path) -> PathBuf {
-    let t = format!(
-        "name = \"s{j}\"\n[interface]\nname = \"eth0\"\n[stack]\naddress = \"198.18.2.{}\"\ngateway = \"198.18.1.1\"\n\
-         [[service]]\nlisten = \"{VIP}:{PORT}\"\napp = \"sidecar\"\nbackend = \"127.0.0.1:6379\"\nprotocol = \"resp\"\n\
-         [migration]\nkey_file = \"{}\"\nswitch = \"198.18.1.1\"\n\
-         [control]\nswitch = \"198.18.1.1:7692\"\nserver_id = {j}\nmanagement = \"198.18.1.{}\"\n\
-         [health]\ninterval_ms = 200\ntimeout_ms = 200\nfall = 2\nrise = 2\n",
-        10 + j,
-        key.display(),
-        10 + j
-    );
-    let path = dir.join(format!("hostagent-s{j}.toml"));
-    std::fs::write(&path, t).expect("write hostagent config");
-    disable_policies(&path);
-    path
+    health_common::hostagent_config(
+        dir,
+        j,
+        key,
+        &format!("{VIP}:{PORT}"),
+        "127.0.0.1:6379",
+        "resp",
+    )
 }
 
 /// redis-server on 127.0.0.1:6379 of server `j` (nothing saved), with
@@ -253,23 +246,16 @@ fn parse(lines: &[String]) -> Vec<Answer> {
 }
 
 /// `HELD` idle connections in the client namespace; killed when dropped.
-struct Holder {
-    child: Child,
-    rx: std::sync::mpsc::Receiver<String>,
-}
+struct Holder(LineClient);
 
 impl Holder {
     fn start(lab: &Lab) -> Holder {
-        let mut child = lab
-            .command("c1", "python3")
-            .args(["-c", CLIENT, "hold", &HELD.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start the RESP client");
-        let rx = stdout_lines(child.stdout.take().unwrap());
-        Holder { child, rx }
+        Holder(LineClient::start(
+            lab,
+            CLIENT,
+            &["hold", &HELD.to_string()],
+            "RESP client",
+        ))
     }
 
     /// One round on every held connection.
@@ -279,50 +265,19 @@ impl Holder {
 
     /// One round on the held connections `range`.
     fn round_on(&mut self, range: std::ops::Range<usize>) -> Vec<Answer> {
-        let stdin = self.child.stdin.as_mut().expect("stdin");
-        writeln!(stdin, "go {} {}", range.start, range.end)
-            .and_then(|_| stdin.flush())
-            .expect("signal the client");
-        let mut lines = Vec::new();
-        let end = Instant::now() + Duration::from_secs(60);
-        loop {
-            let left = end.saturating_duration_since(Instant::now());
-            match self.rx.recv_timeout(left) {
-                Ok(l) if l == "done" => break,
-                Ok(l) => lines.push(l),
-                Err(e) => panic!("RESP client: no round within 60 s ({e}): {lines:?}"),
-            }
-        }
-        parse(&lines)
-    }
-}
-
-impl Drop for Holder {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        parse(&self.0.ask(&format!("go {} {}", range.start, range.end)))
     }
 }
 
 /// `n` rounds, each on a new connection.
 fn fresh(lab: &Lab, n: usize) -> Vec<Answer> {
-    let out = lab.try_run(
-        "c1",
-        "python3",
-        &["-c", CLIENT, "fresh", &n.to_string()],
-        Duration::from_secs(60),
-    );
-    let Some(out) = out else {
-        return vec![Answer::Failed(
+    match run_client(lab, CLIENT, &["fresh", &n.to_string()]) {
+        Some(lines) => parse(&lines),
+        None => vec![Answer::Failed(
             "hang".into(),
             "the client outlived 60 s".into(),
-        )];
-    };
-    let lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_string)
-        .collect();
-    parse(&lines)
+        )],
+    }
 }
 
 /// `fresh` until all `n` answers satisfy `good`, for at most `limit`.
@@ -375,41 +330,10 @@ fn kinds(answers: &[Answer]) -> String {
     format!("{m:?}")
 }
 
-fn switchd_metrics(lab: &Lab, sw: &Path) -> String {
-    lab.try_run(
-        "sw",
-        bin("switchd").to_str().unwrap(),
-        &["--config", sw.to_str().unwrap(), "--dump", "/metrics"],
-        Duration::from_secs(10),
-    )
-    .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-    .unwrap_or_default()
-}
-
 fn switchd_backend_up(lab: &Lab, sw: &Path, j: u32, up: bool) -> bool {
-    switchd_metrics(lab, sw).contains(&format!(
-        "capybara_switchd_backend_up{{server=\"{j}\",service=\"{VIP}:{PORT}\"}} {}",
-        u8::from(up)
-    ))
+    health_common::switchd_backend_up(lab, sw, j, &format!("{VIP}:{PORT}"), up)
 }
 
-fn backend_up(lab: &Lab, j: u32) -> Option<f64> {
-    metric_sum(&lab.server_metrics(j), "capybara_backend_up", "")
-}
-
-fn migrated_out(lab: &Lab, j: u32) -> f64 {
-    metric_sum(
-        &lab.server_metrics(j),
-        "capybara_tcpmig_events_total",
-        "event=\"migrated_out\"",
-    )
-    .unwrap_or(-1.0)
-}
-
-/// A lab with switchd (the shared config plus a `cache` service on
-/// VIP:6379), redis-server and a hostagent on each of two servers, both
-/// registered and serving. Returns the lab, its output directory, the
-/// switchd config and the redis pids (index = server).
 fn setup(test: &str, tag: &str) -> (Lab, PathBuf, PathBuf, [u32; 3]) {
     let dir = output_dir(test);
     let mut lab = Lab::up(tag, 2);
