@@ -61,6 +61,40 @@ fn stop_appliance(child: &mut Child) -> std::process::ExitStatus {
     }
 }
 
+/// The appliance, then a hostagent on every server (policies off; `extra`
+/// appended to each config), once all registered and the API answers:
+/// the appliance and its admin token.
+fn start_with_servers(
+    lab: &mut Lab,
+    dir: &Path,
+    key: &Path,
+    config: &Path,
+    log: &Path,
+    extra: &str,
+) -> (Child, String) {
+    let app = start_appliance(lab, config, log);
+    for j in 1..=SERVERS {
+        let cfg = hostagent_migrating_config(dir, j, key, None);
+        capybara_systests::disable_policies(&cfg);
+        let mut t = std::fs::read_to_string(&cfg).expect("read hostagent config");
+        t.push_str(extra);
+        std::fs::write(&cfg, t).expect("write hostagent config");
+        lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
+    }
+    lab.wait_for("every server to register", Duration::from_secs(30), || {
+        let l = log_of(log);
+        (1..=SERVERS).all(|j| l.contains(&format!("registered s{j}")))
+    });
+    lab.wait_for("the API", Duration::from_secs(30), || {
+        api(lab, "", "GET", "/healthz").0 == 200
+    });
+    let token = std::fs::read_to_string(dir.join("admin-token"))
+        .expect("admin token file")
+        .trim()
+        .to_string();
+    (app, token)
+}
+
 fn log_of(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
@@ -123,25 +157,9 @@ fn restart_keeps_flow_mappings_and_established_connections() {
     );
 
     let log1 = dir.join("capybara-1.log");
-    let mut app = start_appliance(&lab, &config, &log1);
-    for j in 1..=SERVERS {
-        let cfg = hostagent_migrating_config(&dir, j, &key, None);
-        // Only this test moves connections: a policy's move would race the
-        // explicit migration below.
-        capybara_systests::disable_policies(&cfg);
-        lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
-    }
-    lab.wait_for("every server to register", Duration::from_secs(30), || {
-        let l = log_of(&log1);
-        (1..=SERVERS).all(|j| l.contains(&format!("registered s{j}")))
-    });
-    lab.wait_for("the API", Duration::from_secs(30), || {
-        api(&lab, "", "GET", "/healthz").0 == 200
-    });
-    let token = std::fs::read_to_string(dir.join("admin-token"))
-        .expect("admin token file")
-        .trim()
-        .to_string();
+    // Only this test moves connections: a policy's move would race the
+    // explicit migration below (policies are off).
+    let (mut app, token) = start_with_servers(&mut lab, &dir, &key, &config, &log1, "");
 
     // Established connections from a real Linux client.
     let mut holder = capybara_systests::EchoHolder::start(&lab, CONNS);
@@ -253,32 +271,12 @@ fn services_created_through_the_api_are_served() {
     let mut lab = Lab::up("asv", SERVERS);
     let key = deployment_key(&dir);
     let config = appliance_config(&dir, &key);
-    let log1 = dir.join("capybara-1.log");
-    let mut app = start_appliance(&lab, &config, &log1);
     // Both servers also serve echo on a VIP the appliance's config does not
     // name: nothing reaches it until an operator creates the service.
     const NEW: &str = "198.18.100.2:17";
-    for j in 1..=SERVERS {
-        let cfg = hostagent_migrating_config(&dir, j, &key, None);
-        capybara_systests::disable_policies(&cfg);
-        let mut t = std::fs::read_to_string(&cfg).expect("read hostagent config");
-        t.push_str(&format!(
-            "[[service]]\nlisten = \"{NEW}\"\napp = \"echo\"\n"
-        ));
-        std::fs::write(&cfg, t).expect("write hostagent config");
-        lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
-    }
-    lab.wait_for("every server to register", Duration::from_secs(30), || {
-        let l = log_of(&log1);
-        (1..=SERVERS).all(|j| l.contains(&format!("registered s{j}")))
-    });
-    lab.wait_for("the API", Duration::from_secs(30), || {
-        api(&lab, "", "GET", "/healthz").0 == 200
-    });
-    let token = std::fs::read_to_string(dir.join("admin-token"))
-        .expect("admin token file")
-        .trim()
-        .to_string();
+    let log1 = dir.join("capybara-1.log");
+    let extra = format!("[[service]]\nlisten = \"{NEW}\"\napp = \"echo\"\n");
+    let (mut app, token) = start_with_servers(&mut lab, &dir, &key, &config, &log1, &extra);
 
     // The config's services are in the store, so the API lists them.
     let (code, body) = api(&lab, &token, "GET", "/v1/services");
