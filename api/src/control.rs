@@ -204,6 +204,20 @@ pub trait ControlPlane: Send + Sync + 'static {
         let _ = limit;
         None
     }
+    /// What the data plane does with each service it serves, by VIP:port
+    /// (switchd's `/status`). `None`: no switchd, or it did not answer.
+    async fn service_serving(&self) -> Option<HashMap<(Ipv4Addr, u16), ServiceServing>> {
+        None
+    }
+}
+
+/// switchd's view of one served service (`ServiceServing` in the API).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ServiceServing {
+    pub served: bool,
+    pub members: Vec<u32>,
+    pub apps_down: Vec<u32>,
+    pub fail_open: bool,
 }
 
 /// How often a drain supervisor re-reads the server's flows.

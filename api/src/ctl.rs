@@ -461,14 +461,37 @@ async fn services(cfg: &Configuration) -> Result<(), CtlError> {
     let list = apis::services_api::list_services(cfg)
         .await
         .map_err(api_err)?;
-    println!("{:<20} {:<21} POOL", "NAME", "VIP:PORT");
+    println!("{:<20} {:<21} {:<16} SERVED BY", "NAME", "VIP:PORT", "POOL");
     for s in list.items {
-        let pool: Vec<String> = s.pool.iter().map(|p| p.to_string()).collect();
+        let ids = |v: &[i64]| {
+            v.iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let pool = if s.pool.is_empty() {
+            "every server".to_string()
+        } else {
+            ids(&s.pool)
+        };
+        // switchd's view: the servers it places on (`-`: it did not answer).
+        let served = match &s.serving {
+            None => "- (switchd did not answer)".to_string(),
+            Some(v) if !v.served => "not served (see switchd's log)".to_string(),
+            Some(v) => {
+                let mut t = ids(&v.members);
+                if !v.apps_down.is_empty() {
+                    t.push_str(&format!(" (app down on {})", ids(&v.apps_down)));
+                }
+                t
+            }
+        };
         println!(
-            "{:<20} {:<21} {}",
+            "{:<20} {:<21} {:<16} {}",
             s.name,
             format!("{}:{}", s.vip, s.port),
-            pool.join(",")
+            pool,
+            served
         );
     }
     Ok(())

@@ -24,7 +24,7 @@ use crate::apidb::{ApiDb, ApiDbError, DrainMode, Role};
 use crate::auth::{authorize, Principal};
 use crate::control::{
     parse_connection_id, ConnectionFilter, ControlPlane, DataSource, DrainSpec, DrainView,
-    ServerStats,
+    ServerStats, ServiceServing,
 };
 use crate::events::{self, SseMessage};
 use crate::metrics::Metrics;
@@ -617,6 +617,9 @@ struct ServiceView {
     vip: String,
     port: u16,
     pool: Vec<u32>,
+    /// switchd's view (`GET` only; absent without switchd).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    serving: Option<ServiceServing>,
 }
 
 fn service_view(s: &Service) -> ServiceView {
@@ -625,7 +628,19 @@ fn service_view(s: &Service) -> ServiceView {
         vip: s.vip.to_string(),
         port: s.port,
         pool: s.pool.iter().map(|p| p.0).collect(),
+        serving: None,
     }
+}
+
+/// A stored service with switchd's view of it (`serving`), when switchd
+/// answered: a VIP:port it does not list is not served.
+fn serving_view(
+    s: &Service,
+    serving: Option<&HashMap<(Ipv4Addr, u16), ServiceServing>>,
+) -> ServiceView {
+    let mut v = service_view(s);
+    v.serving = serving.map(|m| m.get(&(s.vip, s.port)).cloned().unwrap_or_default());
+    v
 }
 
 /// Services the data plane can serve at once (switchd's `MAX_SERVICES`).
@@ -707,12 +722,11 @@ fn check_service_name(raw: &str) -> ApiResult<()> {
 async fn list_services(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
-    let items: Vec<_> = state
-        .store
-        .list_services()
-        .await?
+    let services = state.store.list_services().await?;
+    let serving = state.cp.service_serving().await;
+    let items: Vec<_> = services
         .iter()
-        .map(service_view)
+        .map(|s| serving_view(s, serving.as_ref()))
         .collect();
     Ok(ok(&json!({ "items": items })))
 }
@@ -772,7 +786,10 @@ async fn get_service(
     authorize(&req, state, Role::Viewer, false)?;
     check_service_name(&path)?;
     match state.store.get_service(&path).await? {
-        Some(s) => Ok(ok(&service_view(&s))),
+        Some(s) => {
+            let serving = state.cp.service_serving().await;
+            Ok(ok(&serving_view(&s, serving.as_ref())))
+        }
         None => Err(Problem::not_found(format!(
             "service {:?} not found",
             path.as_str()

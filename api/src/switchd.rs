@@ -42,7 +42,7 @@ use tokio::sync::broadcast;
 use crate::control::{
     connection_id, ConnectionFilter, ConnectionPage, ControlEvent, ControlPlane, DataSource,
     DrainSpec, DrainView, Histogram, MigrationMetrics, MigrationPhases, MigrationView, ServerStats,
-    StoreControlPlane, MIGRATION_OUTCOMES, MIGRATION_PHASES, PHASE_BUCKETS_SECONDS,
+    ServiceServing, StoreControlPlane, MIGRATION_OUTCOMES, MIGRATION_PHASES, PHASE_BUCKETS_SECONDS,
 };
 use crate::problem::Problem;
 
@@ -91,10 +91,53 @@ pub struct StatusBackend {
     pub up: Option<bool>,
 }
 
+/// One served service of switchd's `/status` (`services[]`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct StatusService {
+    /// `VIP:port`.
+    pub vip: String,
+    #[serde(default)]
+    pub pool: Vec<StatusPoolMember>,
+    #[serde(default)]
+    pub fail_open: bool,
+    #[serde(default)]
+    pub backend_down: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct StatusPoolMember {
+    pub server: u32,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct Status {
     #[serde(default)]
     pub servers: Vec<StatusServer>,
+    #[serde(default)]
+    pub services: Vec<StatusService>,
+}
+
+/// Parses the served services of switchd's `/status`, by VIP:port.
+pub fn parse_status_services(
+    body: &str,
+) -> Result<HashMap<(Ipv4Addr, u16), ServiceServing>, Problem> {
+    let st: Status = serde_json::from_str(body).map_err(|e| {
+        Problem::unavailable(format!("switchd returned an unreadable /status: {e}"))
+    })?;
+    Ok(st
+        .services
+        .into_iter()
+        .filter_map(|s| {
+            let addr: std::net::SocketAddrV4 = s.vip.parse().ok()?;
+            let view = ServiceServing {
+                served: true,
+                members: s.pool.iter().map(|m| m.server).collect(),
+                apps_down: s.backend_down,
+                fail_open: s.fail_open,
+            };
+            Some(((*addr.ip(), addr.port()), view))
+        })
+        .collect())
 }
 
 /// Parses switchd's `/status` body into per-server stats.
@@ -802,6 +845,11 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
     /// flow mappings switchd persists in the store.
     async fn connections(&self, filter: &ConnectionFilter) -> Result<ConnectionPage, Problem> {
         self.inner.connections(filter).await
+    }
+
+    async fn service_serving(&self) -> Option<HashMap<(Ipv4Addr, u16), ServiceServing>> {
+        let body = self.http.get("/status").await.ok()?;
+        parse_status_services(&body).ok()
     }
 
     async fn server_stats(&self) -> Result<HashMap<ServerId, ServerStats>, Problem> {

@@ -310,6 +310,21 @@ fn services_created_through_the_api_are_served() {
         "{}",
         log_of(&log1)
     );
+    // The API shows what the data plane does with it (switchd's status is
+    // published a few times a second).
+    let mut body = String::new();
+    lab.wait_for(
+        "the API to show echo2 served",
+        Duration::from_secs(5),
+        || {
+            body = api(&lab, &token, "GET", "/v1/services/echo2").1;
+            body.contains("\"served\":true")
+        },
+    );
+    assert!(
+        body.contains("\"members\":[1,2]"),
+        "GET /v1/services/echo2: {body}"
+    );
     // A pool edit reaches switchd.
     let (code, body) = api_with(
         &lab,
@@ -355,6 +370,8 @@ fn services_created_through_the_api_are_served() {
     });
     let (code, body) = api(&lab, &token, "DELETE", "/v1/services/echo2");
     assert_eq!(code, 204, "delete: {body}");
+    let (_, body) = api(&lab, &token, "GET", "/v1/services");
+    assert!(body.contains("\"served\":true"), "{body}");
     lab.wait_for(
         "the deleted service to stop answering",
         Duration::from_secs(10),

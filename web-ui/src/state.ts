@@ -1,6 +1,6 @@
 // The dashboard's live model: filled by listing the REST resources when the
 // event stream (re)opens, then kept current by the stream's events.
-import type { DataSource, Drain, LoadEvent, Migration, Policy, Server, Service } from './generated';
+import type { DataSource, Drain, LoadEvent, Migration, Policy, Server, ServiceView } from './generated';
 
 /** One sample of a server's load, from a `load` event or a server listing. */
 export interface LoadPoint {
@@ -13,7 +13,7 @@ export type StreamStatus = 'connecting' | 'live' | 'reconnecting';
 
 export interface State {
   servers: Record<number, Server>;
-  services: Record<string, Service>;
+  services: Record<string, ServiceView>;
   policy: Policy | null;
   /** Bumped on every policy seen from the server (list or event). */
   policySeq: number;
@@ -48,8 +48,8 @@ export type Action =
   | { type: 'server'; id: number; server: Server | null }
   | { type: 'drain'; drain: Drain }
   | { type: 'load'; event: LoadEvent }
-  | { type: 'services'; items: Service[] }
-  | { type: 'service'; name: string; service: Service | null }
+  | { type: 'services'; items: ServiceView[] }
+  | { type: 'service'; name: string; service: ServiceView | null }
   | { type: 'policy'; policy: Policy }
   | { type: 'migrations'; items: Migration[] }
   | { type: 'migrationsError'; message: string }
@@ -125,7 +125,9 @@ export function reducer(state: State, a: Action): State {
     }
     case 'service': {
       const services = { ...state.services };
-      if (a.service) services[a.name] = a.service;
+      // A store event has no switchd view: keep the last one until the
+      // page's next re-list.
+      if (a.service) services[a.name] = { serving: state.services[a.name]?.serving, ...a.service };
       else delete services[a.name];
       return { ...state, services };
     }

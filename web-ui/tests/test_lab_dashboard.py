@@ -207,3 +207,18 @@ def test_policy_change_reaches_the_data_plane(page: Page, lab: DemoLab, shot):
         return len(st["servers"]) == 3 and all(s.get("policy_generation") == gen for s in st["servers"])
     wait_for("every server to apply the new policy", servers_applied, 10)
     shot(page, "lab-05-policy-applied")
+
+
+def test_services_page_shows_what_the_data_plane_serves(page: Page, lab: DemoLab, shot):
+    # The demo's configured service is in the store (switchd writes it
+    # there) and switchd serves it on every server: the Services page says
+    # so from switchd's view, and refreshes it on its own.
+    page.set_default_timeout(30_000)
+    login(page, lab)
+    page.get_by_test_id("nav-services").click()
+    expect(page.get_by_test_id("service-row-web")).to_be_visible()
+    cell = page.get_by_test_id("service-serving-web")
+    expect(cell.locator("[data-served='true']")).to_be_visible()
+    for name in ("s1", "s2", "s3"):
+        expect(cell).to_contain_text(name)
+    shot(page, "lab-06-services")

@@ -5,13 +5,14 @@
 //! its takeover time, and the next call finds it).
 
 use std::collections::HashMap;
+use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use capybara_api::control::{
     ConnectionFilter, ConnectionPage, ControlEvent, DataSource, DrainSpec, DrainView,
-    MigrationMetrics, MigrationView, ServerStats,
+    MigrationMetrics, MigrationView, ServerStats, ServiceServing,
 };
 use capybara_api::problem::Problem;
 use capybara_api::switchd::SwitchdControlPlane;
@@ -125,6 +126,10 @@ impl ControlPlane for ActiveSwitchd {
     }
     async fn server_stats(&self) -> Result<HashMap<ServerId, ServerStats>, Problem> {
         self.on_active(|p| Box::pin(p.server_stats())).await
+    }
+    async fn service_serving(&self) -> Option<HashMap<(Ipv4Addr, u16), ServiceServing>> {
+        let p = self.active().await.ok()?;
+        p.service_serving().await
     }
     async fn migrate(
         &self,

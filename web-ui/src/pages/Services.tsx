@@ -1,6 +1,6 @@
-import { useMemo, useState } from 'react';
+import { useEffect, useMemo, useState } from 'react';
 import type { FormEvent } from 'react';
-import type { Server, Service } from '../generated';
+import type { Server, Service, ServiceView } from '../generated';
 import type { PageProps } from '../App';
 import { allows, problemText, toProblem } from '../api';
 
@@ -31,6 +31,15 @@ export function ServicesPage({ state, clients, dispatch, role }: PageProps) {
   const [editing, setEditing] = useState<string | null>(null); // service name, or '' for a new one
   const [error, setError] = useState<string | null>(null);
 
+  // What the data plane does with each service (switchd's view) changes
+  // without a store event: re-list every 2 s while the page is open.
+  useEffect(() => {
+    const t = window.setInterval(() => {
+      clients.services.listServices().then((l) => dispatch({ type: 'services', items: l.items }), () => {});
+    }, 2000);
+    return () => window.clearInterval(t);
+  }, [clients, dispatch]);
+
   const remove = async (name: string) => {
     if (!window.confirm(`Delete service ${name}?`)) return;
     setError(null);
@@ -53,13 +62,14 @@ export function ServicesPage({ state, clients, dispatch, role }: PageProps) {
             <th>Name</th>
             <th>VIP:port</th>
             <th>Pool</th>
+            <th>Data plane</th>
             <th />
           </tr>
         </thead>
         <tbody>
           {services.length === 0 && (
             <tr>
-              <td colSpan={4} className="muted">
+              <td colSpan={5} className="muted">
                 No service yet.
               </td>
             </tr>
@@ -67,7 +77,7 @@ export function ServicesPage({ state, clients, dispatch, role }: PageProps) {
           {services.map((svc) =>
             editing === svc.name ? (
               <tr key={svc.name}>
-                <td colSpan={4}>
+                <td colSpan={5}>
                   <ServiceForm service={svc} servers={servers} clients={clients} onDone={(s) => { if (s) dispatch({ type: 'service', name: s.name, service: s }); setEditing(null); }} />
                 </td>
               </tr>
@@ -77,6 +87,9 @@ export function ServicesPage({ state, clients, dispatch, role }: PageProps) {
                 <td className="mono">{svc.vip}:{svc.port}</td>
                 <td>
                   <Pool pool={svc.pool} servers={state.servers} />
+                </td>
+                <td data-testid={`service-serving-${svc.name}`}>
+                  <Serving svc={svc} servers={state.servers} />
                 </td>
                 <td className="actions">
                   {admin && <>
@@ -102,7 +115,7 @@ export function ServicesPage({ state, clients, dispatch, role }: PageProps) {
 
 function Pool({ pool: poolSet, servers }: { pool: Set<number>; servers: Record<number, Server> }) {
   const pool = Array.from(poolSet).sort((a, b) => a - b);
-  if (pool.length === 0) return <span className="muted">empty</span>;
+  if (pool.length === 0) return <span className="muted">every server</span>;
   return (
     <span className="pool">
       {pool.map((id) => {
@@ -212,5 +225,25 @@ function ServiceForm({
         <button type="button" className="link" onClick={() => onDone(null)}>Cancel</button>
       </div>
     </form>
+  );
+}
+
+/** switchd's view: served or not, the servers it places on, apps down. */
+function Serving({ svc, servers }: { svc: ServiceView; servers: Record<number, Server> }) {
+  const v = svc.serving;
+  if (!v) return <span className="muted" title="switchd did not answer: the store's record only" data-served="unknown">unknown</span>;
+  if (!v.served) return <span className="chip badge-dead" title="switchd does not serve this VIP:port (its log says why)" data-served="false">not served</span>;
+  const down = new Set(v.apps_down);
+  return (
+    <span className="pool" data-served="true">
+      <span className="chip badge-active">served</span>
+      {v.members.length === 0 && <span className="muted">no server</span>}
+      {[...v.members].sort((a, b) => a - b).map((id) => (
+        <span key={id} className={`chip badge-${down.has(id) ? 'dead' : servers[id]?.state ?? 'dead'}`} title={down.has(id) ? 'application down' : servers[id]?.state ?? 'unknown server'}>
+          {servers[id]?.name ?? `#${id}`}{down.has(id) ? ' (app down)' : ''}
+        </span>
+      ))}
+      {v.fail_open && <span className="chip badge-draining" title="every member reports its application down">fail open</span>}
+    </span>
   );
 }

@@ -70,7 +70,9 @@ __all__ = [
     "Service",
     "ServiceEvent",
     "ServiceList",
+    "ServiceServing",
     "ServiceUpdate",
+    "ServiceView",
     "SwitchdReachability",
     "Token",
     "TokenList",
@@ -136,7 +138,9 @@ from capybara_client.models.server_stats import ServerStats as ServerStats
 from capybara_client.models.service import Service as Service
 from capybara_client.models.service_event import ServiceEvent as ServiceEvent
 from capybara_client.models.service_list import ServiceList as ServiceList
+from capybara_client.models.service_serving import ServiceServing as ServiceServing
 from capybara_client.models.service_update import ServiceUpdate as ServiceUpdate
+from capybara_client.models.service_view import ServiceView as ServiceView
 from capybara_client.models.switchd_reachability import SwitchdReachability as SwitchdReachability
 from capybara_client.models.token import Token as Token
 from capybara_client.models.token_list import TokenList as TokenList

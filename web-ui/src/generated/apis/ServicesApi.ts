@@ -33,6 +33,11 @@ import {
     ServiceUpdateFromJSON,
     ServiceUpdateToJSON,
 } from '../models/ServiceUpdate';
+import {
+    type ServiceView,
+    ServiceViewFromJSON,
+    ServiceViewToJSON,
+} from '../models/ServiceView';
 
 export interface CreateServiceRequest {
     /**
@@ -136,12 +141,12 @@ export interface ServicesApiInterface {
      * @throws {RequiredError}
      * @memberof ServicesApiInterface
      */
-    getServiceRaw(requestParameters: GetServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Service>>;
+    getServiceRaw(requestParameters: GetServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<ServiceView>>;
 
     /**
      * One service
      */
-    getService(requestParameters: GetServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Service>;
+    getService(requestParameters: GetServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<ServiceView>;
 
     /**
      * Creates request options for listServices without sending the request
@@ -343,17 +348,17 @@ export class ServicesApi extends runtime.BaseAPI implements ServicesApiInterface
     /**
      * One service
      */
-    async getServiceRaw(requestParameters: GetServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Service>> {
+    async getServiceRaw(requestParameters: GetServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<ServiceView>> {
         const requestOptions = await this.getServiceRequestOpts(requestParameters);
         const response = await this.request(requestOptions, initOverrides);
 
-        return new runtime.JSONApiResponse(response, (jsonValue) => ServiceFromJSON(jsonValue));
+        return new runtime.JSONApiResponse(response, (jsonValue) => ServiceViewFromJSON(jsonValue));
     }
 
     /**
      * One service
      */
-    async getService(requestParameters: GetServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Service> {
+    async getService(requestParameters: GetServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<ServiceView> {
         const response = await this.getServiceRaw(requestParameters, initOverrides);
         return await response.value();
     }

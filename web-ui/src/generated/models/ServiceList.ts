@@ -13,13 +13,13 @@
  */
 
 import { mapValues } from '../runtime';
-import type { Service } from './Service';
+import type { ServiceView } from './ServiceView';
 import {
-    ServiceFromJSON,
-    ServiceFromJSONTyped,
-    ServiceToJSON,
-    ServiceToJSONTyped,
-} from './Service';
+    ServiceViewFromJSON,
+    ServiceViewFromJSONTyped,
+    ServiceViewToJSON,
+    ServiceViewToJSONTyped,
+} from './ServiceView';
 
 /**
  * 
@@ -30,7 +30,7 @@ export interface ServiceList {
     /**
      * 
      */
-    items: Array<Service>;
+    items: Array<ServiceView>;
 }
 
 /**
@@ -51,7 +51,7 @@ export function ServiceListFromJSONTyped(json: any, ignoreDiscriminator: boolean
     }
     return {
         
-        'items': ((json['items'] as Array<any>).map(ServiceFromJSON)),
+        'items': ((json['items'] as Array<any>).map(ServiceViewFromJSON)),
     };
 }
 
@@ -66,7 +66,7 @@ export function ServiceListToJSONTyped(value?: ServiceList | null, ignoreDiscrim
 
     return {
         
-        'items': ((value['items'] as Array<any>).map(ServiceToJSON)),
+        'items': ((value['items'] as Array<any>).map(ServiceViewToJSON)),
     };
 }
 

@@ -20,6 +20,7 @@ from typing_extensions import Annotated
 from capybara_client.models.service import Service
 from capybara_client.models.service_list import ServiceList
 from capybara_client.models.service_update import ServiceUpdate
+from capybara_client.models.service_view import ServiceView
 
 from capybara_client.api_client import ApiClient, RequestSerialized
 from capybara_client.api_response import ApiResponse
@@ -633,7 +634,7 @@ class ServicesApi:
         _content_type: Optional[StrictStr] = None,
         _headers: Optional[Dict[StrictStr, Any]] = None,
         _host_index: Annotated[StrictInt, Field(ge=0, le=0)] = 0,
-    ) -> Service:
+    ) -> ServiceView:
         """One service
 
 
@@ -670,7 +671,7 @@ class ServicesApi:
         )
 
         _response_types_map: Dict[str, Optional[str]] = {
-            '200': "Service",
+            '200': "ServiceView",
             '400': "Problem",
             '401': "Problem",
             '403': "Problem",
@@ -705,7 +706,7 @@ class ServicesApi:
         _content_type: Optional[StrictStr] = None,
         _headers: Optional[Dict[StrictStr, Any]] = None,
         _host_index: Annotated[StrictInt, Field(ge=0, le=0)] = 0,
-    ) -> ApiResponse[Service]:
+    ) -> ApiResponse[ServiceView]:
         """One service
 
 
@@ -742,7 +743,7 @@ class ServicesApi:
         )
 
         _response_types_map: Dict[str, Optional[str]] = {
-            '200': "Service",
+            '200': "ServiceView",
             '400': "Problem",
             '401': "Problem",
             '403': "Problem",
@@ -814,7 +815,7 @@ class ServicesApi:
         )
 
         _response_types_map: Dict[str, Optional[str]] = {
-            '200': "Service",
+            '200': "ServiceView",
             '400': "Problem",
             '401': "Problem",
             '403': "Problem",

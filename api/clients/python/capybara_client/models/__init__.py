@@ -47,7 +47,9 @@ from capybara_client.models.server_stats import ServerStats
 from capybara_client.models.service import Service
 from capybara_client.models.service_event import ServiceEvent
 from capybara_client.models.service_list import ServiceList
+from capybara_client.models.service_serving import ServiceServing
 from capybara_client.models.service_update import ServiceUpdate
+from capybara_client.models.service_view import ServiceView
 from capybara_client.models.switchd_reachability import SwitchdReachability
 from capybara_client.models.token import Token
 from capybara_client.models.token_list import TokenList

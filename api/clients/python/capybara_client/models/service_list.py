@@ -19,7 +19,7 @@ import json
 
 from pydantic import BaseModel, ConfigDict
 from typing import Any, ClassVar, Dict, List
-from capybara_client.models.service import Service
+from capybara_client.models.service_view import ServiceView
 from typing import Optional, Set
 from typing_extensions import Self
 from pydantic_core import to_jsonable_python
@@ -28,7 +28,7 @@ class ServiceList(BaseModel):
     """
     ServiceList
     """ # noqa: E501
-    items: List[Service]
+    items: List[ServiceView]
     __properties: ClassVar[List[str]] = ["items"]
 
     model_config = ConfigDict(
@@ -88,7 +88,7 @@ class ServiceList(BaseModel):
             return cls.model_validate(obj)
 
         _obj = cls.model_validate({
-            "items": [Service.from_dict(_item) for _item in obj["items"]] if obj.get("items") is not None else None
+            "items": [ServiceView.from_dict(_item) for _item in obj["items"]] if obj.get("items") is not None else None
         })
         return _obj
 

@@ -177,7 +177,7 @@ pub async fn delete_service(
 pub async fn get_service(
     configuration: &configuration::Configuration,
     service_name: &str,
-) -> Result<models::Service, Error<GetServiceError>> {
+) -> Result<models::ServiceView, Error<GetServiceError>> {
     // add a prefix to parameters to efficiently prevent name collisions
     let p_path_service_name = service_name;
 
@@ -210,8 +210,8 @@ pub async fn get_service(
         let content = resp.text().await?;
         match content_type {
             ContentType::Json => serde_json::from_str(&content).map_err(Error::from),
-            ContentType::Text => return Err(Error::from(serde_json::Error::custom("Received `text/plain` content type response that cannot be converted to `models::Service`"))),
-            ContentType::Unsupported(unknown_type) => return Err(Error::from(serde_json::Error::custom(format!("Received `{unknown_type}` content type response that cannot be converted to `models::Service`")))),
+            ContentType::Text => return Err(Error::from(serde_json::Error::custom("Received `text/plain` content type response that cannot be converted to `models::ServiceView`"))),
+            ContentType::Unsupported(unknown_type) => return Err(Error::from(serde_json::Error::custom(format!("Received `{unknown_type}` content type response that cannot be converted to `models::ServiceView`")))),
         }
     } else {
         let content = resp.text().await?;

@@ -14,11 +14,11 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Default, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ServiceList {
     #[serde(rename = "items")]
-    pub items: Vec<models::Service>,
+    pub items: Vec<models::ServiceView>,
 }
 
 impl ServiceList {
-    pub fn new(items: Vec<models::Service>) -> ServiceList {
+    pub fn new(items: Vec<models::ServiceView>) -> ServiceList {
         ServiceList { items }
     }
 }
