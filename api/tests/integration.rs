@@ -20,7 +20,8 @@ struct Api {
     url: String,
 }
 
-async fn start(dir: &Path) -> Api {
+/// A fresh SQLite store and token database in `dir`.
+async fn store_and_db(dir: &Path) -> (Arc<dyn Store>, Arc<ApiDb>) {
     let store: Arc<dyn Store> = Arc::new(
         SqliteStore::open(SqliteConfig {
             path: dir.join("store.db"),
@@ -30,6 +31,11 @@ async fn start(dir: &Path) -> Api {
         .unwrap(),
     );
     let db = Arc::new(ApiDb::open(&dir.join("api.db")).unwrap());
+    (store, db)
+}
+
+async fn start(dir: &Path) -> Api {
+    let (store, db) = store_and_db(dir).await;
     let cp = StoreControlPlane::new(store.clone(), db.clone())
         .await
         .unwrap();
@@ -917,15 +923,7 @@ async fn start_with_switchd(
     dir: &Path,
     switchd_url: &str,
 ) -> (RunningApi, Arc<StoreControlPlane>, String) {
-    let store: Arc<dyn Store> = Arc::new(
-        SqliteStore::open(SqliteConfig {
-            path: dir.join("store.db"),
-            ..SqliteConfig::default()
-        })
-        .await
-        .unwrap(),
-    );
-    let db = Arc::new(ApiDb::open(&dir.join("api.db")).unwrap());
+    let (store, db) = store_and_db(dir).await;
     let inner = StoreControlPlane::new(store.clone(), db.clone())
         .await
         .unwrap();
