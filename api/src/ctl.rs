@@ -90,16 +90,7 @@ fn api_err<T: std::fmt::Debug>(e: ClientError<T>) -> CtlError {
             // reqwest's own message stops at "error sending request"; the
             // cause (connection refused, timed out, no such host) is in
             // its sources.
-            let mut msg = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                let part = s.to_string();
-                if !msg.contains(&part) {
-                    msg.push_str(": ");
-                    msg.push_str(&part);
-                }
-                src = s.source();
-            }
+            let msg = crate::switchd::error_chain(&e);
             if e.is_connect() || e.is_timeout() {
                 CtlError::Api(format!(
                     "cannot reach the API: {msg} (is the appliance running? --api URL or CAPYBARA_API)"

@@ -295,7 +295,7 @@ impl SwitchdHttp {
 
 /// `e` and its causes, `: `-separated (reqwest's own text names the URL but
 /// not why the request failed).
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cause = e.source();
     while let Some(c) = cause {

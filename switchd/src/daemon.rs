@@ -828,14 +828,14 @@ impl Switch {
         let Some(store) = self.store.clone() else {
             return Ok(());
         };
-        let seed_cfg = self.cfg.clone();
+        let seed_cfg = &self.cfg;
         let (servers, services, flows) = self
             .rt
             .block_on(async {
                 tokio::time::timeout(Duration::from_secs(5), async {
                     let mut services = store.list_services().await?;
                     if active {
-                        let (put, notes) = crate::services::seed(&services, &seed_cfg);
+                        let (put, notes) = crate::services::seed(&services, seed_cfg);
                         for n in notes {
                             eprintln!("switchd: {n}");
                         }
