@@ -14,7 +14,7 @@
 //!   services
 //!   service add NAME VIP:PORT [--pool 1,2]   create (empty pool: every server)
 //!   service set NAME VIP:PORT [--pool 1,2]   change address (and pool)
-//!   service delete NAME                      its connections end
+//!   service delete NAME                      no new connections; open ones kept until they end
 //!   ready                                 readiness: the store answers; switchd reachable?
 //! ```
 //! `--api` and `--token` default to `CAPYBARA_API` and `CAPYBARA_TOKEN`.
@@ -297,7 +297,7 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
             apis::services_api::delete_service(&cfg, name)
                 .await
                 .map_err(api_err)?;
-            println!("service {name} deleted (switchd stops serving it within a second; its connections end)");
+            println!("service {name} deleted: switchd takes no new connection to it within a second; its open connections are kept until they end (at most service_retire_timeout_ms, 5 minutes by default)");
             Ok(())
         }
         ["service", ..] => Err(CtlError::Usage(

@@ -102,6 +102,9 @@ pub struct StatusService {
     pub fail_open: bool,
     #[serde(default)]
     pub backend_down: Vec<u32>,
+    /// Deleted, its open connections still served (none placed).
+    #[serde(default)]
+    pub retiring: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -127,6 +130,7 @@ pub fn parse_status_services(
     Ok(st
         .services
         .into_iter()
+        .filter(|s| !s.retiring)
         .filter_map(|s| {
             let addr: std::net::SocketAddrV4 = s.vip.parse().ok()?;
             let view = ServiceServing {
@@ -1064,6 +1068,20 @@ mod tests {
         assert_eq!(m[&ServerId(2)].apps_down, None);
         assert_eq!(m[&ServerId(3)].apps_down, None);
         assert_eq!(parse_status(STATUS).unwrap()[&ServerId(1)].apps_down, None);
+    }
+
+    #[test]
+    fn a_retiring_service_is_not_served() {
+        let m = parse_status_services(
+            r#"{"services": [
+              {"name": "web", "vip": "198.18.100.1:80", "pool": [{"server": 1}], "fail_open": false},
+              {"name": "old", "vip": "198.18.100.2:80", "pool": [{"server": 1}], "retiring": true,
+               "retiring_for_ms": 1200}
+            ]}"#,
+        )
+        .unwrap();
+        assert_eq!(m.len(), 1);
+        assert!(m[&(Ipv4Addr::new(198, 18, 100, 1), 80)].served);
     }
 
     #[test]

@@ -103,6 +103,12 @@ pub struct Server {
     /// restart.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub register_seq: Option<u64>,
+    /// The services (VIP:port) that REGISTER listed, in its order, so that
+    /// a standby switch that takes over keeps the server in the pools it
+    /// joined by them and reads its heartbeats' application-health bits
+    /// (one per listed service, by position) before it registers again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub services: Vec<std::net::SocketAddrV4>,
 }
 
 impl Server {
@@ -125,6 +131,7 @@ impl Server {
             data_mac: None,
             instance: None,
             register_seq: None,
+            services: Vec::new(),
         }
     }
 }

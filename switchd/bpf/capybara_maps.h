@@ -63,6 +63,9 @@
 /* capy_service.placement */
 #define CAPY_PLACE_MAGLEV 0 /* new flows hashed into the service's Maglev table */
 #define CAPY_PLACE_RING 1   /* new flows take the next slot of the LWRR ring    */
+#define CAPY_PLACE_NONE 2   /* retiring (deleted) service: established flows    *
+			     * are forwarded, nothing new is placed (to the     *
+			     * kernel, as for a VIP:port that is no service)    */
 
 /* capy_flow.flags */
 #define CAPY_FLOW_MIGRATED 0x1   /* a migration-table entry exists or existed   */

@@ -201,7 +201,7 @@ static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, st
 			bpf_map_delete_elem(&migrations, &key);
 			mig = NULL;
 			srv = bpf_map_lookup_elem(&servers, &last);
-			if (srv && srv->state == CAPY_SERVER_LIVE) {
+			if (srv && srv->state == CAPY_SERVER_LIVE && svc->placement != CAPY_PLACE_NONE) {
 				struct capy_flow nf = { .server = last,
 							.service = (__u16)svc->index,
 							.flags = 0,
@@ -250,7 +250,11 @@ static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, st
 		goto forward;
 	}
 
-	/* No entry (or a SYN reusing a closed 4-tuple): place the flow. */
+	/* No entry (or a SYN reusing a closed 4-tuple): place the flow. A
+	 * retiring (deleted) service places nothing: the packet goes to the
+	 * kernel as for a VIP:port that is no service. */
+	if (svc->placement == CAPY_PLACE_NONE)
+		return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);
 	if (svc->placement == CAPY_PLACE_MAGLEV) {
 		__u32 slot = svc->index * CAPY_MAGLEV_SIZE + flow_hash(&key) % CAPY_MAGLEV_SIZE;
 		__u32 *s = bpf_map_lookup_elem(&maglev, &slot);

@@ -29,6 +29,10 @@ pub const IFACE_SERVER: u32 = 2;
 
 pub const PLACE_MAGLEV: u32 = 0;
 pub const PLACE_RING: u32 = 1;
+/// A retiring (deleted) service: established flows are forwarded, no new
+/// flow is placed (the packet goes to the kernel, as for a VIP:port that is
+/// no service).
+pub const PLACE_NONE: u32 = 2;
 
 pub const FLOW_MIGRATED: u16 = 0x1;
 pub const FLOW_CLOSING: u16 = 0x2;

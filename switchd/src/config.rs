@@ -12,6 +12,7 @@
 //! dead_after_ms = 500
 //! dead_flow_grace_ms = 10000           # a dead server's flows kept this long for it to come back
 //! closed_linger_ms = 5000
+//! service_retire_timeout_ms = 300000   # a deleted service's open connections kept at most this long
 //! embryonic_timeout_ms = 10000         # SYN seen, never established: reaped after this
 //! metrics_listen = "127.0.0.1:9102"
 //! store = "sqlite:/var/lib/capybara/store.db"   # or "etcd:http://a:2379,http://b:2379"
@@ -164,6 +165,11 @@ pub struct RawConfig {
     pub dead_flow_grace_ms: u64,
     #[serde(default = "d_linger")]
     pub closed_linger_ms: u64,
+    /// A service deleted from the store places no new connection; its open
+    /// connections are kept until they end, at most this long (0: they end
+    /// with it at once).
+    #[serde(default = "d_retire")]
+    pub service_retire_timeout_ms: u64,
     /// A flow that saw a SYN and no further client segment is removed (flow
     /// entry and store mapping) once this old.
     #[serde(default = "d_embryonic")]
@@ -206,6 +212,9 @@ fn d_dead_flow_grace() -> u64 {
 }
 fn d_linger() -> u64 {
     5000
+}
+fn d_retire() -> u64 {
+    crate::control::DEFAULT_SERVICE_RETIRE_TIMEOUT.as_millis() as u64
 }
 fn d_embryonic() -> u64 {
     10_000
@@ -306,6 +315,7 @@ pub struct Config {
     pub dead_after: Duration,
     pub dead_flow_grace: Duration,
     pub closed_linger: Duration,
+    pub service_retire_timeout: Duration,
     pub embryonic_timeout: Duration,
     pub metrics_listen: SocketAddr,
     pub store: Option<StoreSpec>,
@@ -420,6 +430,15 @@ impl Config {
                 "dead_flow_grace_ms",
                 raw.dead_flow_grace_ms,
                 "must be 0..=600000 (0: a dead server's flows are removed at once)",
+            ));
+        }
+        // At most a day: a connection of a deleted service should not hold
+        // its data-plane slot for good.
+        if raw.service_retire_timeout_ms > 86_400_000 {
+            return Err(invalid(
+                "service_retire_timeout_ms",
+                raw.service_retire_timeout_ms,
+                "must be 0..=86400000 (0: a deleted service's connections end at once)",
             ));
         }
         if raw.closed_linger_ms > 3_600_000 {
@@ -647,6 +666,7 @@ impl Config {
             dead_after: Duration::from_millis(raw.dead_after_ms),
             dead_flow_grace: Duration::from_millis(raw.dead_flow_grace_ms),
             closed_linger: Duration::from_millis(raw.closed_linger_ms),
+            service_retire_timeout: Duration::from_millis(raw.service_retire_timeout_ms),
             embryonic_timeout: Duration::from_millis(raw.embryonic_timeout_ms),
             metrics_listen,
             store,
@@ -710,6 +730,28 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
         assert_eq!(c.store, Some(StoreSpec::Sqlite("/tmp/s.db".into())));
         assert_eq!(c.embryonic_timeout, Duration::from_secs(10));
         assert_eq!(c.dead_flow_grace, Duration::from_secs(10));
+        assert_eq!(c.service_retire_timeout, Duration::from_secs(300));
+    }
+
+    #[test]
+    fn service_retire_timeout_is_validated() {
+        let with = |v: &str| {
+            OK.replace(
+                "key_file",
+                &format!("service_retire_timeout_ms = {v}\nkey_file"),
+            )
+        };
+        assert_eq!(
+            Config::from_toml(&with("0"))
+                .unwrap()
+                .service_retire_timeout,
+            Duration::ZERO
+        );
+        let e = err(&with("86400001"));
+        assert!(
+            e.contains("`service_retire_timeout_ms`") && e.contains("0..=86400000"),
+            "{e}"
+        );
     }
 
     #[test]

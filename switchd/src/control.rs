@@ -214,6 +214,12 @@ pub struct Service {
     /// Every live member reports its application down: placement keeps them
     /// all (fail open).
     pub fail_open: bool,
+    /// Deleted (no longer in the store) at this time: its established
+    /// connections are still forwarded and migrated, nothing new is placed
+    /// on it; it goes when none is left, or after
+    /// [`ControlConfig::service_retire_timeout`] (see
+    /// [`ControlPlane::end_retired`]).
+    pub retiring: Option<Instant>,
 }
 
 /// How a service's pool is formed (see `config::ServiceConfig`).
@@ -244,6 +250,9 @@ pub struct ServiceChanges {
     pub updated: Vec<String>,
     /// Removed services and how many flow entries went with them.
     pub removed: Vec<(String, usize)>,
+    /// Deleted services whose open connections are kept until they end
+    /// (retiring; removed later by [`ControlPlane::end_retired`]).
+    pub retiring: Vec<String>,
     /// Specs not applied, and why (a VIP:port or name used twice, no free
     /// service slot).
     pub rejected: Vec<(String, String)>,
@@ -254,6 +263,7 @@ impl ServiceChanges {
         self.added.is_empty()
             && self.updated.is_empty()
             && self.removed.is_empty()
+            && self.retiring.is_empty()
             && self.rejected.is_empty()
     }
 }
@@ -304,6 +314,51 @@ pub struct ControlConfig {
     /// How long a DEAD server's flow entries are kept for it to come back
     /// (0: removed at once).
     pub dead_flow_grace: std::time::Duration,
+    /// How long a deleted service's open connections are kept (retiring)
+    /// before they are ended (0: ended at once, with the service).
+    pub service_retire_timeout: std::time::Duration,
+}
+
+/// Default `service_retire_timeout`: as long as the connection draining of
+/// common load balancers (5 minutes): long enough for requests and
+/// downloads in progress, short enough that a forgotten connection does not
+/// hold a service slot for good.
+pub const DEFAULT_SERVICE_RETIRE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// A retiring service whose flow table holds none of its connections in
+/// this many consecutive complete scans is removed (a scan of a table that
+/// changes under it may miss an entry once; twice in a row it would have to
+/// miss it in two independent passes).
+const RETIRE_EMPTY_SCANS: u32 = 2;
+
+/// Flow entries read per [`ControlPlane::end_retired`] call.
+const RETIRE_SCAN_BUDGET: usize = 16 * 1024;
+
+/// A service that [`ControlPlane::end_retired`] removed, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetiredService {
+    pub name: String,
+    pub addr: SocketAddrV4,
+    /// Flow entries removed with it (connections ended: 0 when its last
+    /// connection had closed).
+    pub flows: usize,
+    /// The retire timeout ended it (else: no connection was left).
+    pub timed_out: bool,
+}
+
+/// The flow-table pass that tells whether retiring services still have
+/// connections.
+#[derive(Debug, Default)]
+struct RetireScan {
+    cursor: crate::dataplane::FlowScanCursor,
+    /// When the pass in progress started (services retired later are not
+    /// judged by it).
+    started: Option<Instant>,
+    /// Connections seen so far in this pass, by service address.
+    seen: BTreeSet<SocketAddrV4>,
+    /// Consecutive complete passes without a connection, by service.
+    empty_passes: BTreeMap<SocketAddrV4, u32>,
+    buf: Vec<(CFlowKey, CFlow)>,
 }
 
 impl ControlConfig {
@@ -313,6 +368,7 @@ impl ControlConfig {
             target_policy,
             closed_linger: std::time::Duration::from_secs(5),
             dead_flow_grace: DEFAULT_DEAD_FLOW_GRACE,
+            service_retire_timeout: DEFAULT_SERVICE_RETIRE_TIMEOUT,
         }
     }
 }
@@ -358,6 +414,7 @@ pub struct ControlPlane<D: DataPlane> {
     pub health_changes_total: u64,
     /// Table rewrites for health changes.
     pub health_pushes_total: u64,
+    retire_scan: RetireScan,
 }
 
 impl<D: DataPlane> ControlPlane<D> {
@@ -378,6 +435,7 @@ impl<D: DataPlane> ControlPlane<D> {
             last_health_push: None,
             health_changes_total: 0,
             health_pushes_total: 0,
+            retire_scan: RetireScan::default(),
         }
     }
 
@@ -475,21 +533,16 @@ impl<D: DataPlane> ControlPlane<D> {
     /// service whatever it uses, so this only flips the data plane's
     /// selector. Unknown index: nothing to do.
     pub fn set_placement(&mut self, index: u32, placement: Placement) -> Result<()> {
-        let Some(s) = self.services.iter_mut().find(|s| s.index == index) else {
+        let Some(i) = self.services.iter().position(|s| s.index == index) else {
             return Ok(());
         };
-        if s.placement == placement {
+        if self.services[i].placement == placement {
             return Ok(());
         }
-        s.placement = placement;
-        let key = CServiceKey::tcp(s.vip, s.port);
-        self.dp.set_service(
-            key,
-            CService {
-                index,
-                placement: place_code(placement),
-            },
-        )?;
+        self.services[i].placement = placement;
+        // A retiring service keeps placing nothing (it places this way if
+        // it is created again).
+        self.write_service_key(i)?;
         // LWRR rings follow the load of every interval once one service
         // uses them (see `tick`): bring them up to date now.
         self.push(false)
@@ -580,6 +633,7 @@ impl<D: DataPlane> ControlPlane<D> {
             open: spec.pool.open,
             maglev_shadow: Vec::new(),
             fail_open: false,
+            retiring: None,
         };
         svc.pool = self.pool_of(&svc);
         self.services.push(svc);
@@ -605,15 +659,22 @@ impl<D: DataPlane> ControlPlane<D> {
 
     /// Makes the served services exactly `specs` (the store's services,
     /// read again): adds new VIP:ports, updates the name, pool and
-    /// placement of known ones, and removes the rest with their flow
-    /// entries (reported closed: those connections end, as with any load
-    /// balancer whose virtual service is deleted). A VIP:port or name
-    /// listed twice keeps its first entry; what finds no free slot is
-    /// rejected. Tables are pushed once, only if anything changed. A standby
-    /// following the store passes `report_closed` false: the active reports
-    /// those flows, and a standby writes nothing.
+    /// placement of known ones, and retires the rest: a deleted service
+    /// places no new connection from `now` on (its VIP:port is answered as
+    /// no service), while its open connections are still forwarded and
+    /// migrated until they end, at most `service_retire_timeout`
+    /// ([`Self::end_retired`] removes it then). With a zero timeout it is
+    /// removed at once with its flow entries (reported closed: those
+    /// connections end). A spec naming a retiring service's VIP:port
+    /// revives it, connections and all. A VIP:port or name listed twice
+    /// keeps its first entry; what finds no free slot ends the oldest
+    /// retiring service to take its slot, or is rejected. Tables are pushed
+    /// once, only if anything changed. A standby following the store passes
+    /// `report_closed` false: the active reports those flows, and a standby
+    /// writes nothing.
     pub fn apply_services(
         &mut self,
+        now: Instant,
         specs: &[ServiceSpec],
         report_closed: bool,
     ) -> std::result::Result<ServiceChanges, ControlError> {
@@ -644,15 +705,22 @@ impl<D: DataPlane> ControlPlane<D> {
             .rev()
             .filter(|i| {
                 let s = &self.services[*i];
-                !wanted
-                    .iter()
-                    .any(|w| w.addr == SocketAddrV4::new(s.vip, s.port))
+                s.retiring.is_none()
+                    && !wanted
+                        .iter()
+                        .any(|w| w.addr == SocketAddrV4::new(s.vip, s.port))
             })
             .collect();
+        let retire = !self.cfg.service_retire_timeout.is_zero();
         for i in gone {
             let name = self.services[i].name.clone();
-            let flows = self.remove_service_at(i, report_closed)?;
-            ch.removed.push((name, flows));
+            if retire {
+                self.retire_service_at(now, i)?;
+                ch.retiring.push(name);
+            } else {
+                let flows = self.remove_service_at(i, report_closed)?;
+                ch.removed.push((name, flows));
+            }
         }
         for spec in wanted {
             let pos = self
@@ -660,7 +728,23 @@ impl<D: DataPlane> ControlPlane<D> {
                 .iter()
                 .position(|s| SocketAddrV4::new(s.vip, s.port) == spec.addr);
             let Some(i) = pos else {
-                match self.add_service_unpushed(spec) {
+                let added = loop {
+                    match self.add_service_unpushed(spec) {
+                        Err(ControlError::ServicesFull) => {}
+                        other => break other,
+                    }
+                    // The oldest retiring service gives up its slot.
+                    let Some(i) = (0..self.services.len())
+                        .filter(|i| self.services[*i].retiring.is_some())
+                        .min_by_key(|i| self.services[*i].retiring)
+                    else {
+                        break Err(ControlError::ServicesFull);
+                    };
+                    let name = self.services[i].name.clone();
+                    let flows = self.remove_service_at(i, report_closed)?;
+                    ch.removed.push((name, flows));
+                };
+                match added {
                     Ok(_) => ch.added.push(spec.name.clone()),
                     Err(ControlError::ServicesFull) => ch.rejected.push((
                         spec.name.clone(),
@@ -672,7 +756,9 @@ impl<D: DataPlane> ControlPlane<D> {
             };
             let configured: BTreeMap<ServerId, u32> = spec.pool.members.iter().copied().collect();
             let svc = &mut self.services[i];
-            let changed = svc.name != spec.name
+            let revived = svc.retiring.take().is_some();
+            let changed = revived
+                || svc.name != spec.name
                 || svc.follows_global != spec.follows_global
                 || svc.placement != spec.placement
                 || svc.configured != configured
@@ -684,25 +770,143 @@ impl<D: DataPlane> ControlPlane<D> {
             svc.follows_global = spec.follows_global;
             svc.configured = configured;
             svc.open = spec.pool.open;
-            if svc.placement != spec.placement {
+            if revived || svc.placement != spec.placement {
                 svc.placement = spec.placement;
-                let (key, index) = (CServiceKey::tcp(svc.vip, svc.port), svc.index);
-                self.dp.set_service(
-                    key,
-                    CService {
-                        index,
-                        placement: place_code(spec.placement),
-                    },
-                )?;
+                self.write_service_key(i)?;
             }
             let pool = self.pool_of(&self.services[i]);
             self.services[i].pool = pool;
             ch.updated.push(spec.name.clone());
         }
-        if !(ch.added.is_empty() && ch.updated.is_empty() && ch.removed.is_empty()) {
+        if !(ch.added.is_empty()
+            && ch.updated.is_empty()
+            && ch.removed.is_empty()
+            && ch.retiring.is_empty())
+        {
             self.push_tables()?;
         }
         Ok(ch)
+    }
+
+    /// Service `i` stops placing new connections; its flows stay.
+    fn retire_service_at(&mut self, now: Instant, i: usize) -> Result<()> {
+        self.services[i].retiring = Some(now);
+        self.write_service_key(i)
+    }
+
+    /// Writes service `i`'s data-plane key: its slot and how it places new
+    /// connections (nothing while it retires).
+    fn write_service_key(&mut self, i: usize) -> Result<()> {
+        let svc = &self.services[i];
+        let placement = if svc.retiring.is_some() {
+            PLACE_NONE
+        } else {
+            place_code(svc.placement)
+        };
+        self.dp.set_service(
+            CServiceKey::tcp(svc.vip, svc.port),
+            CService {
+                index: svc.index,
+                placement,
+            },
+        )
+    }
+
+    /// Retiring services: how many, and the time the oldest was deleted.
+    pub fn retiring(&self) -> impl Iterator<Item = &Service> {
+        self.services.iter().filter(|s| s.retiring.is_some())
+    }
+
+    /// Removes the retiring services whose connections have all ended
+    /// (their flow entries gone in [`RETIRE_EMPTY_SCANS`] consecutive passes
+    /// over the flow table, read [`RETIRE_SCAN_BUDGET`] entries per call)
+    /// and those retiring for `service_retire_timeout` (their flow entries
+    /// go with them, reported closed with `report`). Call it periodically,
+    /// off the packet path; it does nothing while no service retires.
+    pub fn end_retired(
+        &mut self,
+        now: Instant,
+        report: bool,
+    ) -> std::result::Result<Vec<RetiredService>, ControlError> {
+        let mut ended = Vec::new();
+        if !self.services.iter().any(|s| s.retiring.is_some()) {
+            self.retire_scan = RetireScan::default();
+            return Ok(ended);
+        }
+        let timeout = self.cfg.service_retire_timeout;
+        while let Some(i) = self.services.iter().position(|s| {
+            s.retiring
+                .is_some_and(|t| now.saturating_since(t) >= timeout)
+        }) {
+            let (name, addr) = (
+                self.services[i].name.clone(),
+                SocketAddrV4::new(self.services[i].vip, self.services[i].port),
+            );
+            let flows = self.remove_service_at(i, report)?;
+            self.retire_scan.empty_passes.remove(&addr);
+            ended.push(RetiredService {
+                name,
+                addr,
+                flows,
+                timed_out: true,
+            });
+        }
+        let scan = &mut self.retire_scan;
+        let started = *scan.started.get_or_insert(now);
+        scan.buf.clear();
+        let done = self
+            .dp
+            .scan_flows(&mut scan.cursor, RETIRE_SCAN_BUDGET, &mut scan.buf)?;
+        for (k, _) in &scan.buf {
+            let k = FlowKey::from(*k);
+            scan.seen
+                .insert(SocketAddrV4::new(k.service_ip, k.service_port));
+        }
+        if done {
+            let seen = std::mem::take(&mut scan.seen);
+            scan.started = None;
+            let mut empty = Vec::new();
+            for s in self.services.iter().filter(|s| s.retiring.is_some()) {
+                let addr = SocketAddrV4::new(s.vip, s.port);
+                let passes = scan.empty_passes.entry(addr).or_insert(0);
+                // Judged only by passes that started after it retired.
+                if seen.contains(&addr) || s.retiring.is_some_and(|t| t > started) {
+                    *passes = 0;
+                    continue;
+                }
+                *passes += 1;
+                if *passes >= RETIRE_EMPTY_SCANS {
+                    empty.push(addr);
+                }
+            }
+            scan.empty_passes.retain(|a, _| {
+                self.services
+                    .iter()
+                    .any(|s| s.retiring.is_some() && SocketAddrV4::new(s.vip, s.port) == *a)
+            });
+            for addr in empty {
+                self.retire_scan.empty_passes.remove(&addr);
+                let Some(i) = self
+                    .services
+                    .iter()
+                    .position(|s| SocketAddrV4::new(s.vip, s.port) == addr)
+                else {
+                    continue;
+                };
+                let name = self.services[i].name.clone();
+                let flows = self.remove_service_at(i, report)?;
+                ended.push(RetiredService {
+                    name,
+                    addr,
+                    flows,
+                    timed_out: false,
+                });
+            }
+        }
+        if !ended.is_empty() {
+            self.push_tables()?;
+        }
+        Ok(ended)
     }
 
     /// Removes service `i`: no new connection is placed on it, and its flow
@@ -2399,6 +2603,8 @@ pub(crate) mod tests {
     #[test]
     fn services_follow_the_store_at_run_time() {
         let mut c = cp(TargetPolicy::RoundRobin);
+        // Deleted services end at once (retiring: the next test).
+        c.cfg.service_retire_timeout = Duration::ZERO;
         let web = SocketAddrV4::new(VIP, 80);
         let api = SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 3), 8080);
         let api_key = |port: u16| {
@@ -2412,6 +2618,7 @@ pub(crate) mod tests {
         // Added: a slot, a Maglev table and rings of its one member.
         let ch = c
             .apply_services(
+                Instant::ZERO,
                 &[spec("web", web, &[], true), spec("api", api, &[2], false)],
                 true,
             )
@@ -2424,10 +2631,14 @@ pub(crate) mod tests {
         assert_eq!(c.dp.rings[&(1, RING_TARGET)].as_slice(), &[1]);
         // The same list again changes nothing.
         let same = [spec("web", web, &[], true), spec("api", api, &[2], false)];
-        assert!(c.apply_services(&same, true).unwrap().is_empty());
+        assert!(c
+            .apply_services(Instant::ZERO, &same, true)
+            .unwrap()
+            .is_empty());
         // Pool edited: the table follows.
         let ch = c
             .apply_services(
+                Instant::ZERO,
                 &[
                     spec("web", web, &[], true),
                     spec("api", api, &[2, 3], false),
@@ -2446,7 +2657,7 @@ pub(crate) mod tests {
         c.dp.place_flow(api_key(2), 2, 1);
         c.dp.place_flow(key(3), 0, 0);
         let ch = c
-            .apply_services(&[spec("web", web, &[], true)], true)
+            .apply_services(Instant::ZERO, &[spec("web", web, &[], true)], true)
             .unwrap();
         assert_eq!(ch.removed, [("api".to_string(), 2)]);
         assert!(!c.dp.services.contains_key(&akey));
@@ -2467,6 +2678,7 @@ pub(crate) mod tests {
         let cache = SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 4), 6379);
         let ch = c
             .apply_services(
+                Instant::ZERO,
                 &[
                     spec("web", web, &[], true),
                     spec("cache", cache, &[1], false),
@@ -2479,12 +2691,159 @@ pub(crate) mod tests {
         // A standby removes without reporting.
         c.dp.place_flow(key(4), 0, 0);
         let ch = c
-            .apply_services(&[spec("cache", cache, &[1], false)], false)
+            .apply_services(Instant::ZERO, &[spec("cache", cache, &[1], false)], false)
             .unwrap();
         assert_eq!(ch.removed, [("web".to_string(), 2)]);
         let mut sink = VecSink::default();
         c.flush_events(Instant::ZERO, &mut sink).unwrap();
         assert!(sink.0.iter().all(|e| e.kind != EV_CLOSED), "{:?}", sink.0);
+    }
+
+    #[test]
+    fn a_deleted_service_keeps_its_connections_until_they_end() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let web = SocketAddrV4::new(VIP, 80);
+        let api = SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 3), 8080);
+        let akey = CServiceKey::tcp(*api.ip(), api.port());
+        let api_key = |port: u16| {
+            CFlowKey::from(FlowKey {
+                client_ip: Ipv4Addr::new(198, 18, 0, 11),
+                client_port: port,
+                service_ip: *api.ip(),
+                service_port: api.port(),
+            })
+        };
+        let both = [
+            spec("web", web, &[], true),
+            spec("api", api, &[2, 3], false),
+        ];
+        let only_web = [spec("web", web, &[], true)];
+        c.apply_services(Instant::ZERO, &both, true).unwrap();
+        c.dp.place_flow(api_key(1), 1, 1);
+        c.dp.place_flow(api_key(2), 2, 1);
+        c.dp.place_flow(key(3), 0, 0);
+        // Deleted: nothing new is placed, the connections stay, migrations
+        // still find targets.
+        let t0 = Instant::ZERO + Duration::from_secs(10);
+        let ch = c.apply_services(t0, &only_web, true).unwrap();
+        assert_eq!(ch.retiring, ["api"]);
+        assert!(ch.removed.is_empty());
+        assert_eq!(c.dp.services[&akey].placement, PLACE_NONE);
+        assert_eq!(c.dp.current_owner(api_key(1)), Some(1));
+        assert_eq!(c.dp.rings[&(1, RING_TARGET)].as_slice().len(), 2);
+        assert_eq!(c.retiring().count(), 1);
+        // Listed again: nothing more to do; the store's placement does not
+        // make it place again.
+        assert!(c.apply_services(t0, &only_web, true).unwrap().is_empty());
+        c.set_placement(1, Placement::Lwrr).unwrap();
+        assert_eq!(c.dp.services[&akey].placement, PLACE_NONE);
+        // Connections open: it stays, however many passes.
+        for _ in 0..4 {
+            assert!(c.end_retired(t0, true).unwrap().is_empty());
+        }
+        // Restored (the operator created it again): placing, flows kept.
+        let ch = c.apply_services(t0, &both, true).unwrap();
+        assert_eq!(ch.updated, ["api"]);
+        assert_eq!(c.services()[1].placement, Placement::Maglev);
+        assert_eq!(
+            c.dp.services[&akey].placement,
+            place_code(Placement::Maglev)
+        );
+        assert_eq!(c.retiring().count(), 0);
+        // Deleted again; its last connections end: it goes after two
+        // empty passes, nothing reported closed (they closed themselves).
+        c.apply_services(t0, &only_web, true).unwrap();
+        c.dp.flows.remove(&api_key(1));
+        c.dp.flows.remove(&api_key(2));
+        let t1 = t0 + Duration::from_secs(1);
+        assert!(c.end_retired(t1, true).unwrap().is_empty());
+        let ended = c.end_retired(t1, true).unwrap();
+        assert_eq!(
+            ended,
+            [RetiredService {
+                name: "api".into(),
+                addr: api,
+                flows: 0,
+                timed_out: false
+            }]
+        );
+        assert!(!c.dp.services.contains_key(&akey));
+        assert_eq!(c.dp.current_owner(key(3)), Some(0), "web's flows stay");
+        assert!(c.dp.rings[&(1, RING_TARGET)].as_slice().is_empty());
+        // The timeout ends what is left, reported closed.
+        c.apply_services(t1, &both, true).unwrap();
+        c.dp.place_flow(api_key(5), 1, 1);
+        c.apply_services(t1, &only_web, true).unwrap();
+        let mut sink = VecSink::default();
+        c.flush_events(t1, &mut sink).unwrap();
+        let late = t1 + (DEFAULT_SERVICE_RETIRE_TIMEOUT - Duration::from_millis(1));
+        assert!(c.end_retired(late, true).unwrap().is_empty());
+        let ended = c
+            .end_retired(t1 + DEFAULT_SERVICE_RETIRE_TIMEOUT, true)
+            .unwrap();
+        assert_eq!(ended.len(), 1);
+        assert!(ended[0].timed_out);
+        assert_eq!(ended[0].flows, 1);
+        assert_eq!(c.dp.current_owner(api_key(5)), None);
+        let mut sink = VecSink::default();
+        c.flush_events(t1, &mut sink).unwrap();
+        assert_eq!(
+            sink.0.iter().filter(|e| e.kind == EV_CLOSED).count(),
+            1,
+            "{:?}",
+            sink.0
+        );
+        // Nothing retires: the scan stays idle.
+        assert!(c.end_retired(late, true).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_new_service_takes_the_slot_of_the_oldest_retiring_one() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let addr = |i: u8| SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, i), 80);
+        let mut specs: Vec<ServiceSpec> = (0..MAX_SERVICES as u8)
+            .map(|i| spec(&format!("s{i}"), addr(10 + i), &[], true))
+            .collect();
+        c.apply_services(Instant::ZERO, &specs, true).unwrap();
+        // s3 then s5 deleted, with a connection each.
+        for (i, at) in [(3u8, 1u64), (5, 2)] {
+            c.dp.place_flow(
+                CFlowKey::from(FlowKey {
+                    client_ip: Ipv4Addr::new(198, 18, 0, 11),
+                    client_port: 1000,
+                    service_ip: *addr(10 + i).ip(),
+                    service_port: 80,
+                }),
+                0,
+                i as u16,
+            );
+            specs.retain(|s| s.name != format!("s{i}"));
+            let ch = c
+                .apply_services(Instant::ZERO + Duration::from_secs(at), &specs, true)
+                .unwrap();
+            assert_eq!(ch.retiring, [format!("s{i}")]);
+        }
+        // A new service: s3, the oldest, gives its slot (its connection
+        // ends, reported closed); s5 keeps retiring.
+        specs.push(spec("new", addr(99), &[], true));
+        let ch = c
+            .apply_services(Instant::ZERO + Duration::from_secs(3), &specs, true)
+            .unwrap();
+        assert_eq!(ch.added, ["new"]);
+        assert_eq!(ch.removed, [("s3".to_string(), 1)]);
+        assert!(ch.rejected.is_empty(), "{:?}", ch.rejected);
+        let retiring: Vec<&str> = c.retiring().map(|s| s.name.as_str()).collect();
+        assert_eq!(retiring, ["s5"]);
+        // One more takes s5's; then there is no slot left.
+        specs.push(spec("new2", addr(98), &[], true));
+        specs.push(spec("new3", addr(97), &[], true));
+        let ch = c
+            .apply_services(Instant::ZERO + Duration::from_secs(4), &specs, true)
+            .unwrap();
+        assert_eq!(ch.added, ["new2"]);
+        assert_eq!(ch.removed, [("s5".to_string(), 1)]);
+        assert_eq!(ch.rejected.len(), 1);
+        assert_eq!(ch.rejected[0].0, "new3");
     }
 
     #[test]
@@ -2499,7 +2858,7 @@ pub(crate) mod tests {
         for i in 0..MAX_SERVICES as u8 {
             specs.push(spec(&format!("s{i}"), addr(10 + i), &[], true));
         }
-        let ch = c.apply_services(&specs, true).unwrap();
+        let ch = c.apply_services(Instant::ZERO, &specs, true).unwrap();
         let rejected: Vec<&str> = ch.rejected.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(rejected, ["b", "a", "s15"], "{:?}", ch.rejected);
         assert!(ch.rejected[0]
@@ -2526,6 +2885,7 @@ pub(crate) mod tests {
         .unwrap();
         // Pool [1]: server 1 by the pool, server 4 by its REGISTER.
         c.apply_services(
+            Instant::ZERO,
             &[
                 spec("web", SocketAddrV4::new(VIP, 80), &[], true),
                 spec("api", api, &[1], false),

@@ -294,6 +294,10 @@ struct Switch {
     service_changes: u64,
     /// Stored services that could not be served (see `apply_services`).
     service_rejections: u64,
+    /// Retiring services removed: their connections had ended, or the
+    /// retire timeout ended them.
+    services_retired: u64,
+    service_retire_timeouts: u64,
     /// Reaps flows that saw a SYN and nothing after (docs/SWITCHD.md).
     embryonic: crate::embryonic::EmbryonicReaper,
     /// HA fencing: the term of the last lease this switchd held (`None`
@@ -364,6 +368,7 @@ impl Switch {
         let mut ccfg = ControlConfig::new(cfg.dead_after, cfg.target_policy);
         ccfg.closed_linger = cfg.closed_linger;
         ccfg.dead_flow_grace = cfg.dead_flow_grace;
+        ccfg.service_retire_timeout = cfg.service_retire_timeout;
         let mut cp = ControlPlane::new(dp, ccfg);
         cp.dp.set_config(CConfig::new(cfg.switch_addr()))?;
         for (idx, role, mac) in &ifaces {
@@ -383,7 +388,7 @@ impl Switch {
         }
         // The config's services until the store's are read (with a store,
         // its records are what is served: crate::services).
-        let ch = cp.apply_services(&crate::services::config_specs(&cfg), false)?;
+        let ch = cp.apply_services(Instant::ZERO, &crate::services::config_specs(&cfg), false)?;
         if let Some((name, why)) = ch.rejected.first() {
             anyhow::bail!("service {name:?}: {why}");
         }
@@ -475,6 +480,8 @@ impl Switch {
             services_slot: Arc::new(Mutex::new(None)),
             service_changes: 0,
             service_rejections: 0,
+            services_retired: 0,
+            service_retire_timeouts: 0,
             embryonic,
             held_term: None,
             lost_lease_id: Arc::new(std::sync::atomic::AtomicI64::new(0)),
@@ -664,6 +671,7 @@ impl Switch {
                 if let Err(e) = self.sync_from_store(false) {
                     eprintln!("switchd: standby flow sync: {e:#}");
                 }
+                self.end_retired(false);
                 self.warm_syncs += 1;
                 next_sync = StdInstant::now() + sync_every;
                 self.publish();
@@ -921,7 +929,9 @@ impl Switch {
                     continue;
                 }
             } else {
-                self.cp.register_as(now, &reg, &[])?;
+                // The services its REGISTER listed: the pools it joined by
+                // them, and how its heartbeats' health bits read.
+                self.cp.register_as(now, &reg, &s.services)?;
             }
             if s.state == ServerState::Draining {
                 self.cp.set_draining(s.id, true)?;
@@ -932,6 +942,9 @@ impl Switch {
                     .entry(s.id)
                     .or_insert_with(|| new_peer(s.mgmt_addr));
                 p.last_seq = p.last_seq.max(seq_floor);
+                if !s.services.is_empty() {
+                    p.services = s.services.clone();
+                }
             }
         }
         // Services before flows: a stored flow of a service not served
@@ -977,6 +990,7 @@ impl Switch {
         let mut next_renew = self.now();
         let mut next_embryonic = self.now();
         let mut next_floors = self.now() + SEQ_FLOOR_INTERVAL;
+        let mut next_retire = self.now();
         let mut buf = vec![0u8; 2048];
         // Bounded by SHUTDOWN; each iteration waits at most one interval.
         while !SHUTDOWN.load(Ordering::SeqCst) {
@@ -1091,6 +1105,10 @@ impl Switch {
                     };
                 // Published with the counts just taken.
                 next_status = now;
+            }
+            if now >= next_retire {
+                self.end_retired(true);
+                next_retire = now + Duration::from_millis(250);
             }
             if now >= next_status {
                 self.publish();
@@ -1434,7 +1452,7 @@ impl Switch {
                 }
                 let mut peer = new_peer(from);
                 peer.last_seq = repr.seq;
-                peer.services = wanted;
+                peer.services = wanted.clone();
                 self.peers.insert(id, peer);
                 eprintln!(
                     "switchd: registered {id}: data {} mac {} via {dev}, weight {}, instance {:#018x}",
@@ -1444,7 +1462,7 @@ impl Switch {
                     r.instance
                 );
                 if self.store.is_some() {
-                    let rec = crate::persist::server_record(&reg, from, repr.seq);
+                    let rec = crate::persist::server_record(&reg, from, repr.seq, &wanted);
                     self.store_server_write(ServerWrite::Put(rec));
                 }
                 let ack = RegisterAck {
@@ -1666,7 +1684,8 @@ impl Switch {
             capybara_store::Placement::Lwrr => crate::control::Placement::Lwrr,
         };
         let specs = crate::services::store_specs(stored, &self.cfg, global);
-        let ch = match self.cp.apply_services(&specs, active) {
+        let now = self.now();
+        let ch = match self.cp.apply_services(now, &specs, active) {
             Ok(ch) => ch,
             Err(e) => {
                 eprintln!("switchd: applying the store's services: {e}");
@@ -1675,7 +1694,12 @@ impl Switch {
         };
         let role = if active { "" } else { " (standby)" };
         for name in &ch.added {
-            if let Some(s) = self.cp.services().iter().find(|s| &s.name == name) {
+            if let Some(s) = self
+                .cp
+                .services()
+                .iter()
+                .find(|s| &s.name == name && s.retiring.is_none())
+            {
                 eprintln!(
                     "switchd{role}: serving service {name:?} at {}:{} ({} pool members{})",
                     s.vip,
@@ -1691,13 +1715,50 @@ impl Switch {
         for (name, flows) in &ch.removed {
             eprintln!("switchd{role}: service {name:?} removed (not in the store); {flows} flow entries removed with it");
         }
+        for name in &ch.retiring {
+            eprintln!(
+                "switchd{role}: service {name:?} deleted from the store: retiring (no new connections; open ones kept until they end, at most {:?}: service_retire_timeout_ms)",
+                self.cfg.service_retire_timeout
+            );
+        }
         for (name, why) in &ch.rejected {
             eprintln!("switchd{role}: stored service {name:?} not served: {why}");
         }
-        self.service_changes += (ch.added.len() + ch.updated.len() + ch.removed.len()) as u64;
+        self.service_changes +=
+            (ch.added.len() + ch.updated.len() + ch.removed.len() + ch.retiring.len()) as u64;
         self.service_rejections += ch.rejected.len() as u64;
         if active && !ch.added.is_empty() && self.cfg.ha.claim_vips && self.role == "active" {
             self.claim_vips();
+        }
+    }
+
+    /// Removes the retiring services whose connections have all ended, or
+    /// whose `service_retire_timeout` passed (`active`: the flows that ends
+    /// are reported closed; a standby writes nothing).
+    fn end_retired(&mut self, active: bool) {
+        let now = self.now();
+        let ended = match self.cp.end_retired(now, active) {
+            Ok(e) => e,
+            Err(e) => {
+                eprintln!("switchd: retiring services: {e}");
+                return;
+            }
+        };
+        let role = if active { "" } else { " (standby)" };
+        for r in ended {
+            self.services_retired += 1;
+            if r.timed_out {
+                self.service_retire_timeouts += 1;
+                eprintln!(
+                    "switchd{role}: retired service {:?} ({}) removed: service_retire_timeout_ms passed; its {} remaining connections end",
+                    r.name, r.addr, r.flows
+                );
+            } else {
+                eprintln!(
+                    "switchd{role}: retired service {:?} ({}) removed: its last connection ended",
+                    r.name, r.addr
+                );
+            }
         }
     }
 
@@ -1864,6 +1925,8 @@ impl Switch {
             .map(|s| json!({"name": s.name, "vip": format!("{}:{}", s.vip, s.port), "index": s.index, "placement": format!("{:?}", s.placement).to_lowercase(),
                  "pool": s.pool.iter().map(|(id, w)| json!({"server": id.0, "weight": w})).collect::<Vec<_>>(),
                  "fail_open": s.fail_open,
+                 "retiring": s.retiring.is_some(),
+                 "retiring_for_ms": s.retiring.map(|t| now.saturating_since(t).as_millis() as u64),
                  "backend_down": self.cp.servers().filter(|v| v.backend_is_down(s.vip, s.port)).map(|v| v.reg.id.0).collect::<Vec<_>>()}))
             .collect();
         let dp_counters: serde_json::Map<String, serde_json::Value> = STAT_NAMES
@@ -2019,8 +2082,11 @@ impl Switch {
             );
         }
         m += &format!(
-            "{p}_services {}\n{p}_service_changes_total {}\n{p}_service_rejections_total {}\n",
+            "{p}_services {}\n{p}_services_retiring {}\n{p}_services_retired_total {}\n{p}_service_retire_timeouts_total {}\n{p}_service_changes_total {}\n{p}_service_rejections_total {}\n",
             self.cp.services().len(),
+            self.cp.retiring().count(),
+            self.services_retired,
+            self.service_retire_timeouts,
             self.service_changes,
             self.service_rejections
         );

@@ -22,14 +22,16 @@ use crate::control::{FlowEventSink, FlowUpdate, Registration};
 
 /// The store record of a server that registered as `reg` from `mgmt` with
 /// a REGISTER of seq `register_seq` (kept only with an instance id, which
-/// is what makes seqs continue across restarts).
+/// is what makes seqs continue across restarts) listing `services`.
 pub fn server_record(
     reg: &Registration,
     mgmt: SocketAddr,
     register_seq: u64,
+    services: &[std::net::SocketAddrV4],
 ) -> capybara_store::Server {
     let mut rec = capybara_store::Server::new(reg.id, format!("s{}", reg.id.0), mgmt, reg.data_ip);
     rec.data_mac = Some(crate::sys::format_mac(&reg.mac));
+    rec.services = services.to_vec();
     rec.weight = reg.weight.max(1);
     if reg.instance != 0 {
         rec.instance = Some(reg.instance);
@@ -260,13 +262,18 @@ mod tests {
             c
         };
 
+        // s1's REGISTER also lists a service whose pool is only the
+        // servers that serve it.
+        let cache = std::net::SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 4), 6379);
+        let web = std::net::SocketAddrV4::new(vip, 80);
+        let lists = |j: u32| if j == 1 { vec![web, cache] } else { vec![] };
         let mut active = plane();
         for (j, instance, seq) in [(1, 7, 1_000), (2, 0, 5)] {
             active
-                .register_as(Instant::ZERO, &reg(j, instance), &[])
+                .register_as(Instant::ZERO, &reg(j, instance), &lists(j))
                 .unwrap();
             store
-                .put_server(&server_record(&reg(j, instance), mgmt(j), seq))
+                .put_server(&server_record(&reg(j, instance), mgmt(j), seq, &lists(j)))
                 .await
                 .unwrap();
         }
@@ -281,6 +288,12 @@ mod tests {
         writer.flush(Duration::from_secs(5)).await.unwrap();
 
         let recs = store.list_servers().await.unwrap();
+        // The REGISTER's list comes back in its order (heartbeat health
+        // bits are positions in it).
+        assert_eq!(
+            recs.iter().map(|r| r.services.clone()).collect::<Vec<_>>(),
+            vec![vec![web, cache], vec![]]
+        );
         assert_eq!(
             recs.iter()
                 .map(|r| (r.instance, restored_seq_floor(r, None)))
@@ -310,8 +323,10 @@ mod tests {
                 let mac = crate::sys::parse_mac(r.data_mac.as_deref().unwrap()).unwrap();
                 let restored = restored_registration(r, mac, 5, [2; 6]);
                 assert_eq!(restored, reg(r.id.0, r.instance.unwrap_or(0)));
-                c.register_as(Instant::ZERO, &restored, &[]).unwrap();
+                c.register_as(Instant::ZERO, &restored, &r.services)
+                    .unwrap();
             }
+            assert_eq!(c.server(ServerId(1)).unwrap().wanted, [web, cache]);
             assert_eq!(c.load_flows(&flows).unwrap(), (2, 0));
             c
         };

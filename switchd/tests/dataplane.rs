@@ -1163,6 +1163,72 @@ fn syn_reusing_a_closed_migrated_tuple_gets_its_own_flow() {
     );
 }
 
+/// A retiring (deleted) service: its established flows are forwarded as
+/// before, nothing new is placed (SYNs and strays go to the kernel, as for
+/// a VIP:port that is no service); restored, it places again.
+#[test]
+fn a_retiring_service_forwards_its_flows_and_places_nothing() {
+    let mut lab = setup();
+    let (open, new, stray) = (40201, 40202, 40203);
+    let owner = maglev_server(&lab, open, VIP);
+    let placing = |placement| CService {
+        index: 0,
+        placement,
+    };
+    let to_kernel = |desc, sport, flags| Case {
+        desc,
+        side: Side::Client,
+        input: client_tcp(VIP, sport, flags),
+        verdict: XDP_PASS,
+        output: None,
+        reason: "pass_not_service",
+    };
+    run(
+        &mut lab,
+        vec![
+            client_to("SYN placed", open, TCP_SYN, owner, "fwd_new_flow"),
+            client_to("handshake ACK", open, TCP_ACK, owner, "fwd_established"),
+        ],
+    );
+    lab.dp
+        .set_service(CServiceKey::tcp(VIP, 80), placing(PLACE_NONE))
+        .unwrap();
+    run(
+        &mut lab,
+        vec![
+            client_to(
+                "retiring: the open connection is forwarded",
+                open,
+                TCP_ACK | TCP_PSH,
+                owner,
+                "fwd_established",
+            ),
+            to_kernel("retiring: a new SYN is not placed", new, TCP_SYN),
+            to_kernel(
+                "retiring: a segment without entry is not recovered by Maglev",
+                stray,
+                TCP_ACK,
+            ),
+        ],
+    );
+    assert_eq!(lab.dp.lookup_flow(flow_key(new)).unwrap(), None);
+    assert_eq!(lab.dp.lookup_flow(flow_key(stray)).unwrap(), None);
+    lab.dp
+        .set_service(CServiceKey::tcp(VIP, 80), placing(PLACE_MAGLEV))
+        .unwrap();
+    let s = maglev_server(&lab, new, VIP);
+    run(
+        &mut lab,
+        vec![client_to(
+            "restored: SYN placed again",
+            new,
+            TCP_SYN,
+            s,
+            "fwd_new_flow",
+        )],
+    );
+}
+
 /// Embryonic flows (a SYN, nothing after) are reaped once older than the
 /// timeout, with their store mappings; flows that carried a client non-SYN
 /// segment, migrated flows, half-closed flows, young SYNs and entries

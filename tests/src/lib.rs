@@ -347,9 +347,10 @@ impl Lab {
 }
 
 /// A Python client in the client namespace `c1` holding established echo
-/// connections to the service 198.18.100.1:7: one checked round trip on
-/// each when it starts, then another on each for every
-/// [`EchoHolder::round_trip`]. Killed when dropped.
+/// connections to the service 198.18.100.1:7 (or another VIP:port:
+/// [`EchoHolder::start_to`]): one checked round trip on each when it
+/// starts, then another on each for every [`EchoHolder::round_trip`];
+/// [`EchoHolder::close`] closes them cleanly. Killed when dropped.
 pub struct EchoHolder {
     child: Child,
     stdin: std::process::ChildStdin,
@@ -361,7 +362,8 @@ pub struct EchoHolder {
 const ECHO_HOLDER: &str = r#"
 import socket, sys
 n = int(sys.argv[1])
-socks = [socket.create_connection(("198.18.100.1", 7), timeout=20) for _ in range(n)]
+host, port = sys.argv[2].split(":")
+socks = [socket.create_connection((host, int(port)), timeout=20) for _ in range(n)]
 def roundtrip(tag):
     for i, s in enumerate(socks):
         msg = ("%s-%d;" % (tag, i)).encode() * 50
@@ -380,6 +382,14 @@ for s in socks:
 print("ready", flush=True)
 k = 0
 for line in sys.stdin:
+    if line.strip() == "close":
+        for s in socks:
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(65536):
+                pass
+            s.close()
+        print("closed", flush=True)
+        break
     k += 1
     roundtrip("round%d" % k)
     print("ok", flush=True)
@@ -388,9 +398,14 @@ for line in sys.stdin:
 impl EchoHolder {
     /// Opens `n` connections (each echoes once) and returns when all are up.
     pub fn start(lab: &Lab, n: usize) -> EchoHolder {
+        Self::start_to(lab, "198.18.100.1:7", n)
+    }
+
+    /// [`Self::start`] to the echo service at `addr` (VIP:port).
+    pub fn start_to(lab: &Lab, addr: &str, n: usize) -> EchoHolder {
         let mut child = lab
             .command("c1", "python3")
-            .args(["-c", ECHO_HOLDER, &n.to_string()])
+            .args(["-c", ECHO_HOLDER, &n.to_string(), addr])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -419,6 +434,14 @@ impl EchoHolder {
     pub fn round_trip(&mut self) -> String {
         use std::io::Write;
         writeln!(self.stdin, "go").expect("signal the echo client");
+        self.line()
+    }
+
+    /// Closes every connection cleanly (FIN, then the peer's FIN read):
+    /// `closed` when done.
+    pub fn close(&mut self) -> String {
+        use std::io::Write;
+        writeln!(self.stdin, "close").expect("signal the echo client");
         self.line()
     }
 

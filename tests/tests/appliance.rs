@@ -111,6 +111,11 @@ fn api_with(lab: &Lab, token: &str, method: &str, path: &str, json: Option<&str>
 /// Owners of the client's connections to the echo service, from
 /// `GET /v1/connections` (ids `198.18.0.11:PORT-198.18.100.1:7`).
 fn owners(lab: &Lab, token: &str) -> BTreeMap<u16, u32> {
+    owners_of(lab, token, "198.18.100.1:7")
+}
+
+/// [`owners`] of the connections to the service at `addr` (VIP:port).
+fn owners_of(lab: &Lab, token: &str, addr: &str) -> BTreeMap<u16, u32> {
     let (code, body) = api(lab, token, "GET", "/v1/connections?limit=10000");
     let mut m = BTreeMap::new();
     if code != 200 {
@@ -121,7 +126,7 @@ fn owners(lab: &Lab, token: &str) -> BTreeMap<u16, u32> {
         let Some((port, rest)) = item.split_once('-') else {
             continue;
         };
-        if !rest.starts_with("198.18.100.1:7\"") {
+        if !rest.starts_with(&format!("{addr}\"")) {
             continue;
         }
         let server = rest
@@ -364,24 +369,64 @@ fn services_created_through_the_api_are_served() {
         || echo_once(&lab, NEW),
     );
 
-    // Deleted: no longer served; the configured ones still are.
+    // Deleted: new connections are refused at once, the open ones go on
+    // (and still migrate) until they close; then it is gone. The
+    // configured services are untouched.
     lab.wait_for("the restarted API", Duration::from_secs(30), || {
         api(&lab, "", "GET", "/healthz").0 == 200
     });
+    let mut open = capybara_systests::EchoHolder::start_to(&lab, NEW, 2);
+    lab.wait_for(
+        "the open connections in the store",
+        Duration::from_secs(10),
+        || owners_of(&lab, &token, NEW).len() == 2,
+    );
     let (code, body) = api(&lab, &token, "DELETE", "/v1/services/echo2");
     assert_eq!(code, 204, "delete: {body}");
     let (_, body) = api(&lab, &token, "GET", "/v1/services");
     assert!(body.contains("\"served\":true"), "{body}");
-    lab.wait_for(
-        "the deleted service to stop answering",
-        Duration::from_secs(10),
-        || !echo_once(&lab, NEW),
-    );
+    lab.wait_for("switchd to retire echo2", Duration::from_secs(10), || {
+        log_of(&log2).contains("service \"echo2\" deleted from the store: retiring")
+    });
     assert!(
-        log_of(&log2).contains("service \"echo2\" removed"),
-        "{}",
+        !echo_once(&lab, NEW),
+        "a new connection to a deleted service"
+    );
+    assert_eq!(open.round_trip(), "ok", "open connections after the delete");
+    // One of them moves to the other server and goes on there.
+    let o = owners_of(&lab, &token, NEW);
+    let (&moved, &from) = o.iter().next().expect("an open connection");
+    let to = from % SERVERS + 1;
+    let (code, body) = api_with(
+        &lab,
+        &token,
+        "POST",
+        &format!("/v1/connections/{CLIENT_IP}:{moved}-{NEW}/migrate"),
+        Some(&format!("{{\"target\": {to}}}")),
+    );
+    assert!(code == 200 || code == 202, "migrate: {code} {body}");
+    lab.wait_for(
+        "the retiring service's connection on its new server",
+        Duration::from_secs(10),
+        || owners_of(&lab, &token, NEW).get(&moved) == Some(&to),
+    );
+    assert_eq!(open.round_trip(), "ok", "open connections after the move");
+    assert!(
+        !log_of(&log2).contains("retired service \"echo2\""),
+        "removed while connections were open: {}",
         log_of(&log2)
     );
+    assert_eq!(open.close(), "closed");
+    lab.wait_for(
+        "the retired service to go with its last connection",
+        Duration::from_secs(30),
+        || {
+            log_of(&log2).contains(
+                "retired service \"echo2\" (198.18.100.2:17) removed: its last connection ended",
+            )
+        },
+    );
+    assert!(!echo_once(&lab, NEW), "after the retired service went");
     assert!(echo_once(&lab, "198.18.100.1:7"), "configured echo service");
     let st = stop_appliance(&mut app);
     assert!(st.success(), "second run exited with {st}");

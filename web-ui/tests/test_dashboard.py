@@ -202,6 +202,32 @@ def test_services_page_lists_vip_and_pool(page: Page, api: Api, shot):
     expect(page.get_by_test_id("service-row-api")).to_contain_text("10.0.0.101:443")
     assert api.get("/v1/services/api")["pool"] == [1]
 
+    # Deleting asks first and says what happens to the open connections;
+    # dismissed, nothing is deleted; accepted, the row goes.
+    asked = []
+
+    def answer(accept):
+        def on_dialog(d):
+            asked.append(d.message)
+            if accept:
+                d.accept()
+            else:
+                d.dismiss()
+
+        return on_dialog
+
+    page.once("dialog", answer(False))
+    page.get_by_test_id("service-delete-api").click()
+    expect(page.get_by_test_id("service-row-api")).to_be_visible()
+    assert api.get("/v1/services/api")["name"] == "api"
+    page.once("dialog", answer(True))
+    page.get_by_test_id("service-delete-api").click()
+    expect(page.get_by_test_id("service-row-api")).to_have_count(0)
+    assert len(asked) == 2, asked
+    assert "Delete service api?" in asked[0], asked
+    assert "open connections are kept until they end" in asked[0], asked
+    api.req("GET", "/v1/services/api", 404)
+
 
 def test_live_updates_without_reload(page: Page, api: Api, shot):
     """Changes made by someone else (here: the REST API) reach the open page through the event stream."""

@@ -41,7 +41,13 @@ export function ServicesPage({ state, clients, dispatch, role }: PageProps) {
   }, [clients, dispatch]);
 
   const remove = async (name: string) => {
-    if (!window.confirm(`Delete service ${name}?`)) return;
+    if (
+      !window.confirm(
+        `Delete service ${name}?\n\nNew connections to it are no longer accepted (within a second). Its open connections are kept until they end, ` +
+          `at most switchd's service_retire_timeout_ms (5 minutes by default); then the rest are closed.`,
+      )
+    )
+      return;
     setError(null);
     try {
       await clients.services.deleteService({ serviceName: name });

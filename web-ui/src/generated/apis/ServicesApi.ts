@@ -111,7 +111,7 @@ export interface ServicesApiInterface {
     deleteServiceRequestOpts(requestParameters: DeleteServiceRequest): Promise<runtime.RequestOpts>;
 
     /**
-     * 
+     * From the next store poll on (within about a second) switchd places no new connection on its VIP:port. Its open connections are kept, and still migrate, until they end, at most switchd\'s `service_retire_timeout_ms` (default 5 minutes), after which the remaining ones are ended. Creating a service at the same VIP:port before then serves them again. 
      * @summary Delete a service (admin)
      * @param {string} serviceName 
      * @param {*} [options] Override http request option.
@@ -121,6 +121,7 @@ export interface ServicesApiInterface {
     deleteServiceRaw(requestParameters: DeleteServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<void>>;
 
     /**
+     * From the next store poll on (within about a second) switchd places no new connection on its VIP:port. Its open connections are kept, and still migrate, until they end, at most switchd\'s `service_retire_timeout_ms` (default 5 minutes), after which the remaining ones are ended. Creating a service at the same VIP:port before then serves them again. 
      * Delete a service (admin)
      */
     deleteService(requestParameters: DeleteServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<void>;
@@ -294,6 +295,7 @@ export class ServicesApi extends runtime.BaseAPI implements ServicesApiInterface
     }
 
     /**
+     * From the next store poll on (within about a second) switchd places no new connection on its VIP:port. Its open connections are kept, and still migrate, until they end, at most switchd\'s `service_retire_timeout_ms` (default 5 minutes), after which the remaining ones are ended. Creating a service at the same VIP:port before then serves them again. 
      * Delete a service (admin)
      */
     async deleteServiceRaw(requestParameters: DeleteServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<void>> {
@@ -304,6 +306,7 @@ export class ServicesApi extends runtime.BaseAPI implements ServicesApiInterface
     }
 
     /**
+     * From the next store poll on (within about a second) switchd places no new connection on its VIP:port. Its open connections are kept, and still migrate, until they end, at most switchd\'s `service_retire_timeout_ms` (default 5 minutes), after which the remaining ones are ended. Creating a service at the same VIP:port before then serves them again. 
      * Delete a service (admin)
      */
     async deleteService(requestParameters: DeleteServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<void> {

@@ -361,6 +361,7 @@ class ServicesApi:
     ) -> None:
         """Delete a service (admin)
 
+        From the next store poll on (within about a second) switchd places no new connection on its VIP:port. Its open connections are kept, and still migrate, until they end, at most switchd's `service_retire_timeout_ms` (default 5 minutes), after which the remaining ones are ended. Creating a service at the same VIP:port before then serves them again. 
 
         :param service_name: (required)
         :type service_name: str
@@ -433,6 +434,7 @@ class ServicesApi:
     ) -> ApiResponse[None]:
         """Delete a service (admin)
 
+        From the next store poll on (within about a second) switchd places no new connection on its VIP:port. Its open connections are kept, and still migrate, until they end, at most switchd's `service_retire_timeout_ms` (default 5 minutes), after which the remaining ones are ended. Creating a service at the same VIP:port before then serves them again. 
 
         :param service_name: (required)
         :type service_name: str
@@ -505,6 +507,7 @@ class ServicesApi:
     ) -> RESTResponseType:
         """Delete a service (admin)
 
+        From the next store poll on (within about a second) switchd places no new connection on its VIP:port. Its open connections are kept, and still migrate, until they end, at most switchd's `service_retire_timeout_ms` (default 5 minutes), after which the remaining ones are ended. Creating a service at the same VIP:port before then serves them again. 
 
         :param service_name: (required)
         :type service_name: str

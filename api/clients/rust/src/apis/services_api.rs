@@ -133,6 +133,7 @@ pub async fn create_service(
     }
 }
 
+/// From the next store poll on (within about a second) switchd places no new connection on its VIP:port. Its open connections are kept, and still migrate, until they end, at most switchd's `service_retire_timeout_ms` (default 5 minutes), after which the remaining ones are ended. Creating a service at the same VIP:port before then serves them again.
 pub async fn delete_service(
     configuration: &configuration::Configuration,
     service_name: &str,
