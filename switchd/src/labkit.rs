@@ -418,13 +418,15 @@ impl Lab {
         let stop = Arc::new(AtomicBool::new(false));
         let sent = Arc::new(AtomicU64::new(0));
         let drains = Arc::new(AtomicU64::new(0));
-        let (stop2, sent2, drains2) = (stop.clone(), sent.clone(), drains.clone());
+        let flags = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let (stop2, sent2, drains2, flags2) =
+            (stop.clone(), sent.clone(), drains.clone(), flags.clone());
         let _ = sock.set_nonblocking(true);
         std::thread::spawn(move || {
             // Bounded by the stop flag.
             while !stop2.load(Ordering::Relaxed) {
                 seq += 1;
-                let b = idle_heartbeat(j, seq, &key);
+                let b = heartbeat_with_flags(j, seq, &key, flags2.load(Ordering::Relaxed));
                 if sock.send_to(&b, switch).is_ok() {
                     sent2.fetch_add(1, Ordering::Relaxed);
                 }
@@ -446,6 +448,7 @@ impl Lab {
             stop,
             heartbeats: sent,
             drains_received: drains,
+            flags,
         })
     }
 
@@ -541,11 +544,25 @@ pub struct ServerAgent {
     pub heartbeats: Arc<AtomicU64>,
     /// Authenticated DRAIN messages received from the switch.
     pub drains_received: Arc<AtomicU64>,
+    /// The `flags` of the heartbeats it sends from now on (health bits:
+    /// [`ServerAgent::report_health`]).
+    flags: Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl ServerAgent {
     pub fn stop(&self) {
         self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// From the next heartbeat on, reports application health: the
+    /// services of its REGISTER list (the lab's VIP:80 only, index 0) whose
+    /// application is down.
+    pub fn report_health(&self, down: &[usize]) {
+        use capybara_proto::control::{HEARTBEAT_DOWN_SHIFT, HEARTBEAT_HEALTH};
+        let bits = down.iter().fold(HEARTBEAT_HEALTH, |f, i| {
+            f | 1 << (HEARTBEAT_DOWN_SHIFT + *i as u32)
+        });
+        self.flags.store(bits, Ordering::Relaxed);
     }
 }
 
@@ -767,6 +784,11 @@ pub fn failover_run<G>(
 /// (no connections, no load), MAC'd with `key`: what the stand-in agents
 /// send, and what hostile-input tests replay or forge.
 pub fn idle_heartbeat(j: u32, seq: u64, key: &MigrationKey) -> Vec<u8> {
+    heartbeat_with_flags(j, seq, key, 0)
+}
+
+/// [`idle_heartbeat`] with heartbeat `flags` (draining, health bits).
+pub fn heartbeat_with_flags(j: u32, seq: u64, key: &MigrationKey, flags: u32) -> Vec<u8> {
     let hb = ControlRepr {
         server_id: ServerId(j),
         seq,
@@ -775,7 +797,7 @@ pub fn idle_heartbeat(j: u32, seq: u64, key: &MigrationKey) -> Vec<u8> {
             migrations_in_flight: 0,
             load_pps: 0,
             rx_backlog_bytes: 0,
-            flags: 0,
+            flags,
             policy_generation: 0,
         }),
     };

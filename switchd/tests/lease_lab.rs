@@ -394,3 +394,56 @@ fn fast_takeover_steps_down_for_a_newer_leader() {
     drop(lab);
     drop(etcd);
 }
+
+/// A standby that takes over reads the servers' application health as the
+/// active did: s1 reports its application of VIP:80 down (a heartbeat
+/// bit, a position in its REGISTER's service list); the new active, which
+/// never saw that REGISTER, knows the list from the store's server record,
+/// so it keeps s1 out of placement and new connections all go to s2.
+#[test]
+fn a_takeover_keeps_the_servers_application_health() {
+    if skip() {
+        return;
+    }
+    let Started {
+        mut lab,
+        etcd,
+        configs,
+        active: ia,
+        mut held,
+        _agents,
+        ..
+    } = start("sgh", &[("a", 9105, false), ("b", 9106, true)]);
+    let down_on = |st: &serde_json::Value| st["services"][0]["backend_down"].clone();
+    _agents[0].report_health(&[0]);
+    lab.wait_status(9105, Duration::from_secs(10), "a sees s1 down", |s| {
+        down_on(s) == serde_json::json!([1])
+    })
+    .unwrap_or_else(|e| fail(&lab, e));
+    lab.start_switchd(&switchd_bin(), &configs[1], "b.log")
+        .unwrap();
+    lab.wait_status(9106, Duration::from_secs(15), "standby and warm", |s| {
+        s["role"] == "standby" && s["warm_flows"].as_u64().unwrap_or(0) >= 20
+    })
+    .unwrap_or_else(|e| fail(&lab, e));
+    lab.kill(ia, libc::SIGKILL);
+    lab.wait_status(9106, Duration::from_secs(10), "b took over", |s| {
+        s["role"] == "active"
+    })
+    .unwrap_or_else(|e| fail(&lab, e));
+    lab.wait_status(9106, Duration::from_secs(5), "b sees s1 down", |s| {
+        down_on(s) == serde_json::json!([1])
+    })
+    .unwrap_or_else(|e| fail(&lab, e));
+    assert_eq!(ping_all(&mut held, "after the takeover"), 0);
+    let fresh = lab
+        .connect_many(10, false)
+        .unwrap_or_else(|e| fail(&lab, e));
+    assert!(
+        fresh.iter().all(|(_, s, _)| *s == 2),
+        "new connections avoid s1, whose application is down: {:?}",
+        fresh.iter().map(|(_, s, _)| *s).collect::<Vec<_>>()
+    );
+    drop(lab);
+    drop(etcd);
+}
