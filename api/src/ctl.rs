@@ -540,7 +540,7 @@ async fn service_put(
         s.vip,
         s.port,
         if pool.is_empty() {
-            "open (every registered server)".to_string()
+            "open (every registered server that serves it)".to_string()
         } else {
             pool.join(",")
         }

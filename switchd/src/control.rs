@@ -93,6 +93,14 @@ impl Server {
     pub fn backend_is_down(&self, vip: Ipv4Addr, port: u16) -> bool {
         self.backend_down.contains(&SocketAddrV4::new(vip, port))
     }
+
+    /// Whether its REGISTER lists service `addr` (a listed 0.0.0.0:port
+    /// stands for every VIP on that port: the stack matches by port).
+    fn lists(&self, addr: SocketAddrV4) -> bool {
+        self.wanted
+            .iter()
+            .any(|w| *w == addr || (w.ip().is_unspecified() && w.port() == addr.port()))
+    }
 }
 
 /// What a server needs to register (REGISTER, or a record from the store).
@@ -642,8 +650,10 @@ impl<D: DataPlane> ControlPlane<D> {
 
     /// The members of `svc` among the known servers: configured ones (with
     /// the configured weight, 0 meaning the REGISTER's), then, with their
-    /// REGISTER weight, every server if the pool is open, and those whose
-    /// REGISTER lists the service.
+    /// REGISTER weight, those whose REGISTER lists the service and, if the
+    /// pool is open, every server whose REGISTER lists no service at all (a
+    /// server that lists others does not serve this one: placed there, its
+    /// connections would be reset).
     fn pool_of(&self, svc: &Service) -> BTreeMap<ServerId, u32> {
         let addr = SocketAddrV4::new(svc.vip, svc.port);
         self.servers
@@ -651,7 +661,9 @@ impl<D: DataPlane> ControlPlane<D> {
             .filter_map(|s| match svc.configured.get(&s.reg.id) {
                 Some(w) if *w > 0 => Some((s.reg.id, *w)),
                 Some(_) => Some((s.reg.id, s.reg.weight)),
-                None if svc.open || s.wanted.contains(&addr) => Some((s.reg.id, s.reg.weight)),
+                None if s.lists(addr) || (svc.open && s.wanted.is_empty()) => {
+                    Some((s.reg.id, s.reg.weight))
+                }
                 None => None,
             })
             .collect()
@@ -2899,6 +2911,54 @@ pub(crate) mod tests {
         let r = c.server(ServerId(4)).unwrap().reg;
         c.register_as(Instant::ZERO, &r, &[]).unwrap();
         assert_eq!(c.server(ServerId(4)).unwrap().wanted, [api]);
+    }
+
+    #[test]
+    fn an_open_pool_leaves_out_servers_that_list_only_other_services() {
+        let mut c = ControlPlane::new(
+            MemDataPlane::new(),
+            ControlConfig::new(Duration::from_millis(300), TargetPolicy::RoundRobin),
+        );
+        let web = SocketAddrV4::new(VIP, 80);
+        let cache = SocketAddrV4::new(VIP, 6379);
+        c.apply_services(
+            Instant::ZERO,
+            &[spec("web", web, &[], true), spec("cache", cache, &[], true)],
+            true,
+        )
+        .unwrap();
+        let any_cache = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 6379);
+        for (j, wanted) in [(1u32, vec![]), (2, vec![web]), (3, vec![any_cache])] {
+            c.register_for(
+                Instant::ZERO,
+                ServerId(j),
+                Ipv4Addr::new(198, 18, 2, 10 + j as u8),
+                [2, 0, 0, 0, 1, j as u8],
+                5,
+                [2; 6],
+                1,
+                &wanted,
+            )
+            .unwrap();
+        }
+        let pool = |c: &ControlPlane<MemDataPlane>, i: usize| -> Vec<u32> {
+            c.services()[i].pool.keys().map(|k| k.0).collect()
+        };
+        // s1 lists nothing (it may serve anything): in both; s2 serves web
+        // only; s3 every VIP on the cache's port.
+        assert_eq!(pool(&c, 0), [1, 2]);
+        assert_eq!(pool(&c, 1), [1, 3]);
+        // A configured member stays whatever it lists.
+        c.apply_services(
+            Instant::ZERO,
+            &[
+                spec("web", web, &[3], false),
+                spec("cache", cache, &[], true),
+            ],
+            true,
+        )
+        .unwrap();
+        assert_eq!(pool(&c, 0), [2, 3]);
     }
 
     #[test]

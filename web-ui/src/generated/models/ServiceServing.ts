@@ -27,10 +27,11 @@ export interface ServiceServing {
      */
     served: boolean;
     /**
-     * The servers switchd resolved as the pool: the named ones, those
-     * whose hostagent serves the VIP:port, or every registered server
-     * for an empty pool. New connections go to those that are active
-     * and whose application is up.
+     * The servers switchd resolved as the pool: the named ones and
+     * those whose hostagent serves the VIP:port; for an empty pool
+     * also every registered server whose hostagent lists no service.
+     * New connections go to those that are active and whose
+     * application is up.
      * 
      */
     members: Array<number>;

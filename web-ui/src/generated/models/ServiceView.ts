@@ -40,8 +40,10 @@ export interface ServiceView {
      */
     port: number;
     /**
-     * Servers named for the service. Empty: every registered server.
-     * A server whose hostagent serves the VIP:port joins in any case.
+     * Servers named for the service. Empty: every registered server
+     * that serves it (a server whose hostagent lists other services
+     * only is left out). A server whose hostagent serves the VIP:port
+     * joins in any case.
      * 
      */
     pool: Set<number>;

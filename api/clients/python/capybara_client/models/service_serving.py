@@ -29,7 +29,7 @@ class ServiceServing(BaseModel):
     ServiceServing
     """ # noqa: E501
     served: StrictBool = Field(description="The data plane serves this VIP:port (switchd applies the store's services within about a second; false also when it could not, e.g. no free service slot: switchd's log says why). ")
-    members: List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]] = Field(description="The servers switchd resolved as the pool: the named ones, those whose hostagent serves the VIP:port, or every registered server for an empty pool. New connections go to those that are active and whose application is up. ")
+    members: List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]] = Field(description="The servers switchd resolved as the pool: the named ones and those whose hostagent serves the VIP:port; for an empty pool also every registered server whose hostagent lists no service. New connections go to those that are active and whose application is up. ")
     apps_down: List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]] = Field(description="Members whose application of this service their health checks report down.")
     fail_open: StrictBool = Field(description="Every live member reports its application down, so placement keeps them all.")
     __properties: ClassVar[List[str]] = ["served", "members", "apps_down", "fail_open"]

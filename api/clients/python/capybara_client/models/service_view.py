@@ -32,7 +32,7 @@ class ServiceView(BaseModel):
     name: Annotated[str, Field(min_length=1, strict=True, max_length=64)]
     vip: Annotated[str, Field(strict=True, max_length=64)]
     port: Annotated[int, Field(le=65535, strict=True, ge=1)]
-    pool: Annotated[List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]], Field(max_length=1024)] = Field(description="Servers named for the service. Empty: every registered server. A server whose hostagent serves the VIP:port joins in any case. ")
+    pool: Annotated[List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]], Field(max_length=1024)] = Field(description="Servers named for the service. Empty: every registered server that serves it (a server whose hostagent lists other services only is left out). A server whose hostagent serves the VIP:port joins in any case. ")
     serving: Optional[ServiceServing] = Field(default=None, description="switchd's view of the service; absent when switchd is unreachable or not configured (the API then answers from the store alone). ")
     __properties: ClassVar[List[str]] = ["name", "vip", "port", "pool", "serving"]
 

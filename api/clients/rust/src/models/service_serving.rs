@@ -16,7 +16,7 @@ pub struct ServiceServing {
     /// The data plane serves this VIP:port (switchd applies the store's services within about a second; false also when it could not, e.g. no free service slot: switchd's log says why).
     #[serde(rename = "served")]
     pub served: bool,
-    /// The servers switchd resolved as the pool: the named ones, those whose hostagent serves the VIP:port, or every registered server for an empty pool. New connections go to those that are active and whose application is up.
+    /// The servers switchd resolved as the pool: the named ones and those whose hostagent serves the VIP:port; for an empty pool also every registered server whose hostagent lists no service. New connections go to those that are active and whose application is up.
     #[serde(rename = "members")]
     pub members: Vec<i64>,
     /// Members whose application of this service their health checks report down.

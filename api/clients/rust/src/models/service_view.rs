@@ -20,7 +20,7 @@ pub struct ServiceView {
     pub vip: String,
     #[serde(rename = "port")]
     pub port: i32,
-    /// Servers named for the service. Empty: every registered server. A server whose hostagent serves the VIP:port joins in any case.
+    /// Servers named for the service. Empty: every registered server that serves it (a server whose hostagent lists other services only is left out). A server whose hostagent serves the VIP:port joins in any case.
     #[serde(rename = "pool")]
     pub pool: Vec<i64>,
     /// switchd's view of the service; absent when switchd is unreachable or not configured (the API then answers from the store alone).
