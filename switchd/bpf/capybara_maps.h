@@ -64,8 +64,8 @@
 #define CAPY_PLACE_MAGLEV 0 /* new flows hashed into the service's Maglev table */
 #define CAPY_PLACE_RING 1   /* new flows take the next slot of the LWRR ring    */
 #define CAPY_PLACE_NONE 2   /* retiring (deleted) service: established flows    *
-			     * are forwarded, nothing new is placed (to the     *
-			     * kernel, as for a VIP:port that is no service)    */
+			     * are forwarded, nothing new is placed: a segment  *
+			     * without a flow is answered with a reset          */
 
 /* capy_flow.flags */
 #define CAPY_FLOW_MIGRATED 0x1   /* a migration-table entry exists or existed   */
@@ -130,6 +130,7 @@ enum capy_stat {
 	CAPY_STAT_DROP_PREPARE_ACK_STALE, /* PREPARE-ACK of an old migration, or the flow is mid-migration */
 	CAPY_STAT_DROP_ABORT_UNMATCHED,   /* ABORT request to the switch, no pending entry of that id */
 	CAPY_STAT_EVENT_LOST,             /* flow event not delivered: ring buffer full (not a verdict) */
+	CAPY_STAT_RESET_RETIRED,          /* segment to a retiring service without a flow: answered with a reset */
 	CAPY_STAT_MAX,
 };
 

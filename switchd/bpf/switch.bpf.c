@@ -87,6 +87,97 @@ static __always_inline __u16 csum_replace4(__u16 check, __u32 from, __u32 to)
 	return (__u16)~sum;
 }
 
+/* One's-complement sum of the 10 16-bit words at `w` (an IPv4 or TCP header
+ * without options), added to `sum`, in memory order like the header. */
+static __always_inline __u32 csum_10_words(const __u16 *w, __u32 sum)
+{
+#pragma unroll
+	for (int i = 0; i < 10; i++)
+		sum += w[i];
+	return sum;
+}
+
+static __always_inline __u16 csum_fold(__u32 sum)
+{
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	return (__u16)~sum;
+}
+
+/* A client segment that no flow owns, to a retiring (deleted) service: the
+ * VIP:port answers as a host does for a closed port (RFC 9293 3.10.7.1), a
+ * reset back out the interface it came in (XDP_TX), so that the client
+ * fails at once instead of retrying its SYN for minutes. <SEQ=SEG.ACK><RST>
+ * for a segment with ACK, else <SEQ=0><ACK=SEG.SEQ+SEG.LEN><RST,ACK>. A
+ * reset is never answered. The frame is rewritten in place to Ethernet +
+ * IPv4 (no options) + TCP (no options, no payload): every field is read
+ * before the first write. `tcp` is bounds-checked, and its header length
+ * checked against the IP total length, by the caller. */
+static __always_inline int reset_client(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *ip,
+					struct tcphdr *tcp)
+{
+	__u8 client_mac[ETH_ALEN], our_mac[ETH_ALEN];
+	__be32 client = ip->saddr, vip = ip->daddr;
+	__be16 cport = tcp->source, vport = tcp->dest;
+	__u32 seg_len, seq, ack, sum;
+	int with_ack = tcp->ack;
+	void *data, *data_end;
+	int len, want;
+
+	if (tcp->rst)
+		return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);
+	seg_len = bpf_ntohs(ip->tot_len) - ip->ihl * 4 - tcp->doff * 4 + tcp->syn + tcp->fin;
+	seq = with_ack ? bpf_ntohl(tcp->ack_seq) : 0;
+	ack = bpf_ntohl(tcp->seq) + seg_len;
+	__builtin_memcpy(client_mac, eth->h_source, ETH_ALEN);
+	__builtin_memcpy(our_mac, eth->h_dest, ETH_ALEN);
+
+	data = (void *)(long)ctx->data;
+	data_end = (void *)(long)ctx->data_end;
+	len = data_end - data;
+	want = sizeof(struct ethhdr) + sizeof(struct iphdr) + sizeof(struct tcphdr);
+	if (len > want && bpf_xdp_adjust_tail(ctx, want - len))
+		return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);
+	data = (void *)(long)ctx->data;
+	data_end = (void *)(long)ctx->data_end;
+	eth = data;
+	ip = (void *)(eth + 1);
+	tcp = (void *)(ip + 1);
+	if ((void *)(tcp + 1) > data_end)
+		return verdict(CAPY_STAT_DROP_SHORT_L4, XDP_DROP);
+
+	__builtin_memcpy(eth->h_dest, client_mac, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, our_mac, ETH_ALEN);
+	eth->h_proto = bpf_htons(ETH_P_IP);
+
+	__builtin_memset(ip, 0, sizeof(*ip));
+	ip->version = 4;
+	ip->ihl = 5;
+	ip->tot_len = bpf_htons(sizeof(struct iphdr) + sizeof(struct tcphdr));
+	ip->frag_off = bpf_htons(0x4000); /* DF */
+	ip->ttl = 64;
+	ip->protocol = IPPROTO_TCP;
+	ip->saddr = vip;
+	ip->daddr = client;
+	ip->check = csum_fold(csum_10_words((__u16 *)ip, 0));
+
+	__builtin_memset(tcp, 0, sizeof(*tcp));
+	tcp->source = vport;
+	tcp->dest = cport;
+	tcp->seq = bpf_htonl(seq);
+	tcp->doff = 5;
+	tcp->rst = 1;
+	if (!with_ack) {
+		tcp->ack_seq = bpf_htonl(ack);
+		tcp->ack = 1;
+	}
+	/* Pseudo-header: addresses, protocol and TCP length, in memory order. */
+	sum = (vip & 0xffff) + (vip >> 16) + (client & 0xffff) + (client >> 16) +
+	      bpf_htons(IPPROTO_TCP) + bpf_htons(sizeof(struct tcphdr));
+	tcp->check = csum_fold(csum_10_words((__u16 *)tcp, sum));
+	return verdict(CAPY_STAT_RESET_RETIRED, XDP_TX);
+}
+
 static __always_inline void emit_event(const struct capy_flow_key *key, __u32 kind,
 				       __u32 server, __u32 prev)
 {
@@ -251,10 +342,9 @@ static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, st
 	}
 
 	/* No entry (or a SYN reusing a closed 4-tuple): place the flow. A
-	 * retiring (deleted) service places nothing: the packet goes to the
-	 * kernel as for a VIP:port that is no service. */
+	 * retiring (deleted) service places nothing: a reset answers. */
 	if (svc->placement == CAPY_PLACE_NONE)
-		return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);
+		return reset_client(ctx, eth, ip, tcp);
 	if (svc->placement == CAPY_PLACE_MAGLEV) {
 		__u32 slot = svc->index * CAPY_MAGLEV_SIZE + flow_hash(&key) % CAPY_MAGLEV_SIZE;
 		__u32 *s = bpf_map_lookup_elem(&maglev, &slot);

@@ -30,8 +30,7 @@ pub const IFACE_SERVER: u32 = 2;
 pub const PLACE_MAGLEV: u32 = 0;
 pub const PLACE_RING: u32 = 1;
 /// A retiring (deleted) service: established flows are forwarded, no new
-/// flow is placed (the packet goes to the kernel, as for a VIP:port that is
-/// no service).
+/// flow is placed (a segment without a flow is answered with a reset).
 pub const PLACE_NONE: u32 = 2;
 
 pub const FLOW_MIGRATED: u16 = 0x1;
@@ -61,7 +60,7 @@ pub const RING_FIRST: u32 = 1;
 pub const NO_SERVER: u32 = u32::MAX;
 
 /// `enum capy_stat`, in order. Index = counter slot in the `stats` map.
-pub const STAT_NAMES: [&str; 25] = [
+pub const STAT_NAMES: [&str; 26] = [
     "pass_not_ipv4",
     "pass_not_service",
     "pass_unknown_iface",
@@ -87,6 +86,7 @@ pub const STAT_NAMES: [&str; 25] = [
     "drop_prepare_ack_stale",
     "drop_abort_unmatched",
     "event_lost",
+    "reset_retired",
 ];
 pub const STAT_MAX: u32 = STAT_NAMES.len() as u32;
 

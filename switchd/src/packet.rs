@@ -1,6 +1,7 @@
 //! Builders of Ethernet/IPv4/TCP/UDP frames with correct checksums, for
-//! the data-plane tests and the benchmark (the switch itself never builds
-//! client packets).
+//! the data-plane tests and the benchmark (the switch itself builds no
+//! packet but the reset a retiring service answers with, in its XDP
+//! program: [`tcp_reset_frame`] is what it must emit).
 
 use std::net::Ipv4Addr;
 
@@ -69,6 +70,37 @@ pub fn tcp_frame(
     let c = checksum::transport(src, dst, 6, &t);
     t[16..18].copy_from_slice(&c.to_be_bytes());
     ipv4_frame(dst_mac, src_mac, src, dst, 6, &t)
+}
+
+/// A bare TCP reset (20-byte header, no payload) from `src`, with IP id 0,
+/// DF, TTL 64: `seq`, and `ack` with the ACK flag when `Some`.
+#[allow(clippy::too_many_arguments)]
+pub fn tcp_reset_frame(
+    dst_mac: Mac,
+    src_mac: Mac,
+    src: Ipv4Addr,
+    sport: u16,
+    dst: Ipv4Addr,
+    dport: u16,
+    seq: u32,
+    ack: Option<u32>,
+) -> Vec<u8> {
+    let mut t = vec![0u8; 20];
+    t[0..2].copy_from_slice(&sport.to_be_bytes());
+    t[2..4].copy_from_slice(&dport.to_be_bytes());
+    t[4..8].copy_from_slice(&seq.to_be_bytes());
+    t[8..12].copy_from_slice(&ack.unwrap_or(0).to_be_bytes());
+    t[12] = 5 << 4;
+    t[13] = TCP_RST | if ack.is_some() { TCP_ACK } else { 0 };
+    let c = checksum::transport(src, dst, 6, &t);
+    t[16..18].copy_from_slice(&c.to_be_bytes());
+    let mut f = ipv4_frame(dst_mac, src_mac, src, dst, 6, &t);
+    // IP id 0, as a host's reset; the header checksum again.
+    f[18..20].copy_from_slice(&[0, 0]);
+    f[24..26].copy_from_slice(&[0, 0]);
+    let c = checksum::checksum(&f[14..34]);
+    f[24..26].copy_from_slice(&c.to_be_bytes());
+    f
 }
 
 /// A UDP datagram with its checksum (0xffff if it computes to 0).

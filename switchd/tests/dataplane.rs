@@ -1164,8 +1164,9 @@ fn syn_reusing_a_closed_migrated_tuple_gets_its_own_flow() {
 }
 
 /// A retiring (deleted) service: its established flows are forwarded as
-/// before, nothing new is placed (SYNs and strays go to the kernel, as for
-/// a VIP:port that is no service); restored, it places again.
+/// before, nothing new is placed: a SYN, or a stray segment, is answered
+/// with a reset from the VIP (a reset is not answered); restored, it
+/// places again.
 #[test]
 fn a_retiring_service_forwards_its_flows_and_places_nothing() {
     let mut lab = setup();
@@ -1175,13 +1176,16 @@ fn a_retiring_service_forwards_its_flows_and_places_nothing() {
         index: 0,
         placement,
     };
-    let to_kernel = |desc, sport, flags| Case {
+    // client_tcp sends seq 1000, and ack 2000 with ACK.
+    let reset = |desc, sport, flags, seq, ack| Case {
         desc,
         side: Side::Client,
         input: client_tcp(VIP, sport, flags),
-        verdict: XDP_PASS,
-        output: None,
-        reason: "pass_not_service",
+        verdict: XDP_TX,
+        output: Some(tcp_reset_frame(
+            CLIENT_MAC, CL_MAC, VIP, 80, CLIENT, sport, seq, ack,
+        )),
+        reason: "reset_retired",
     };
     run(
         &mut lab,
@@ -1203,12 +1207,54 @@ fn a_retiring_service_forwards_its_flows_and_places_nothing() {
                 owner,
                 "fwd_established",
             ),
-            to_kernel("retiring: a new SYN is not placed", new, TCP_SYN),
-            to_kernel(
-                "retiring: a segment without entry is not recovered by Maglev",
+            reset(
+                "retiring: a new SYN is reset (ACK = its SEQ + 1)",
+                new,
+                TCP_SYN,
+                0,
+                Some(1001),
+            ),
+            reset(
+                "retiring: a segment without entry is reset (SEQ = its ACK), not recovered by Maglev",
                 stray,
                 TCP_ACK,
+                2000,
+                None,
             ),
+            Case {
+                desc: "retiring: data without entry: a bare reset (the payload cut off)",
+                side: Side::Client,
+                input: tcp_frame(
+                    CL_MAC,
+                    CLIENT_MAC,
+                    CLIENT,
+                    stray,
+                    VIP,
+                    80,
+                    TCP_ACK | TCP_PSH,
+                    &[7u8; 300],
+                ),
+                verdict: XDP_TX,
+                output: Some(tcp_reset_frame(
+                    CLIENT_MAC, CL_MAC, VIP, 80, CLIENT, stray, 2000, None,
+                )),
+                reason: "reset_retired",
+            },
+            reset(
+                "retiring: a FIN without entry counts one (ACK = SEQ + 1)",
+                stray,
+                TCP_FIN,
+                0,
+                Some(1001),
+            ),
+            Case {
+                desc: "retiring: a reset is not answered",
+                side: Side::Client,
+                input: client_tcp(VIP, stray, TCP_RST),
+                verdict: XDP_PASS,
+                output: None,
+                reason: "pass_not_service",
+            },
         ],
     );
     assert_eq!(lab.dp.lookup_flow(flow_key(new)).unwrap(), None);

@@ -388,9 +388,15 @@ fn services_created_through_the_api_are_served() {
     lab.wait_for("switchd to retire echo2", Duration::from_secs(10), || {
         log_of(&log2).contains("service \"echo2\" deleted from the store: retiring")
     });
+    let refused = Instant::now();
     assert!(
         !echo_once(&lab, NEW),
         "a new connection to a deleted service"
+    );
+    assert!(
+        refused.elapsed() < Duration::from_secs(1),
+        "refused at once (the switch's reset), not left to time out: {:?}",
+        refused.elapsed()
     );
     assert_eq!(open.round_trip(), "ok", "open connections after the delete");
     // One of them moves to the other server and goes on there.

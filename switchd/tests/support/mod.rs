@@ -10,7 +10,9 @@ pub use std::net::Ipv4Addr;
 pub use capybara_proto::tcpmig::{Kind, Reason, TcpMigRepr};
 pub use capybara_proto::FlowKey;
 pub use capybara_switchd::abi::*;
-pub use capybara_switchd::bpf::{BpfDataPlane, BpfOptions, XDP_DROP, XDP_PASS, XDP_REDIRECT};
+pub use capybara_switchd::bpf::{
+    BpfDataPlane, BpfOptions, XDP_DROP, XDP_PASS, XDP_REDIRECT, XDP_TX,
+};
 pub use capybara_switchd::dataplane::DataPlane;
 pub use capybara_switchd::maglev::{self, Backend};
 pub use capybara_switchd::netns::TestNetns;
