@@ -824,7 +824,7 @@ impl<D: DataPlane> ControlPlane<D> {
         )
     }
 
-    /// Retiring services: how many, and the time the oldest was deleted.
+    /// The retiring services (deleted, their open connections still served).
     pub fn retiring(&self) -> impl Iterator<Item = &Service> {
         self.services.iter().filter(|s| s.retiring.is_some())
     }
