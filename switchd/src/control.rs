@@ -2929,17 +2929,7 @@ pub(crate) mod tests {
         .unwrap();
         let any_cache = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 6379);
         for (j, wanted) in [(1u32, vec![]), (2, vec![web]), (3, vec![any_cache])] {
-            c.register_for(
-                Instant::ZERO,
-                ServerId(j),
-                Ipv4Addr::new(198, 18, 2, 10 + j as u8),
-                [2, 0, 0, 0, 1, j as u8],
-                5,
-                [2; 6],
-                1,
-                &wanted,
-            )
-            .unwrap();
+            c.register_as(Instant::ZERO, &reg(j, 0), &wanted).unwrap();
         }
         let pool = |c: &ControlPlane<MemDataPlane>, i: usize| -> Vec<u32> {
             c.services()[i].pool.keys().map(|k| k.0).collect()

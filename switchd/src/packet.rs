@@ -58,14 +58,8 @@ pub fn tcp_frame(
     flags: u8,
     payload: &[u8],
 ) -> Vec<u8> {
-    let mut t = vec![0u8; 20];
-    t[0..2].copy_from_slice(&sport.to_be_bytes());
-    t[2..4].copy_from_slice(&dport.to_be_bytes());
-    t[4..8].copy_from_slice(&1000u32.to_be_bytes());
-    t[8..12].copy_from_slice(&(if flags & TCP_ACK != 0 { 2000u32 } else { 0 }).to_be_bytes());
-    t[12] = 5 << 4;
-    t[13] = flags;
-    t[14..16].copy_from_slice(&65535u16.to_be_bytes());
+    let ack = if flags & TCP_ACK != 0 { 2000 } else { 0 };
+    let mut t = tcp_header(sport, dport, 1000, ack, flags, 65535);
     t.extend_from_slice(payload);
     let c = checksum::transport(src, dst, 6, &t);
     t[16..18].copy_from_slice(&c.to_be_bytes());
@@ -85,13 +79,8 @@ pub fn tcp_reset_frame(
     seq: u32,
     ack: Option<u32>,
 ) -> Vec<u8> {
-    let mut t = vec![0u8; 20];
-    t[0..2].copy_from_slice(&sport.to_be_bytes());
-    t[2..4].copy_from_slice(&dport.to_be_bytes());
-    t[4..8].copy_from_slice(&seq.to_be_bytes());
-    t[8..12].copy_from_slice(&ack.unwrap_or(0).to_be_bytes());
-    t[12] = 5 << 4;
-    t[13] = TCP_RST | if ack.is_some() { TCP_ACK } else { 0 };
+    let flags = TCP_RST | if ack.is_some() { TCP_ACK } else { 0 };
+    let mut t = tcp_header(sport, dport, seq, ack.unwrap_or(0), flags, 0);
     let c = checksum::transport(src, dst, 6, &t);
     t[16..18].copy_from_slice(&c.to_be_bytes());
     let mut f = ipv4_frame(dst_mac, src_mac, src, dst, 6, &t);
@@ -101,6 +90,19 @@ pub fn tcp_reset_frame(
     let c = checksum::checksum(&f[14..34]);
     f[24..26].copy_from_slice(&c.to_be_bytes());
     f
+}
+
+/// A 20-byte TCP header, checksum 0.
+fn tcp_header(sport: u16, dport: u16, seq: u32, ack: u32, flags: u8, window: u16) -> Vec<u8> {
+    let mut t = vec![0u8; 20];
+    t[0..2].copy_from_slice(&sport.to_be_bytes());
+    t[2..4].copy_from_slice(&dport.to_be_bytes());
+    t[4..8].copy_from_slice(&seq.to_be_bytes());
+    t[8..12].copy_from_slice(&ack.to_be_bytes());
+    t[12] = 5 << 4;
+    t[13] = flags;
+    t[14..16].copy_from_slice(&window.to_be_bytes());
+    t
 }
 
 /// A UDP datagram with its checksum (0xffff if it computes to 0).
