@@ -16,7 +16,7 @@
 //! consecutive successful probes bring it back UP (passive failures also
 //! restart the rise count). Services start UP.
 //!
-//! On a transition ([`run`]): one log line, an immediate HEARTBEAT to the
+//! On a transition (`transition`): one log line, an immediate HEARTBEAT to the
 //! switch (which takes the server out of that service's placement), and
 //! the connections of DOWN services migrate away the way a drain moves
 //! them ([`crate::drain::Drainer`] restricted to those services). Metrics:
@@ -160,6 +160,36 @@ impl Check {
 
     pub fn state(&self) -> State {
         self.tracker.borrow().state()
+    }
+
+    /// A count that grows with every failed check of the application
+    /// (probes, and relay connects, counted or still pending) and every
+    /// transition: the same value at two readings means the application
+    /// answered every check in between and the state did not change. The
+    /// sidecar's orphans tell with it an application that closed an idle
+    /// connection on purpose (its checks all succeed) from one that died,
+    /// even when it is back (UP again) by the time they decide.
+    pub fn trouble(&self) -> u64 {
+        let t = self.tracker.borrow();
+        t.probe_failures_total
+            + t.passive_failures_total
+            + t.transitions_total
+            + self.pending_passive.get()
+    }
+}
+
+#[cfg(test)]
+impl Check {
+    /// An active probe's result, as the probe task records it (tests drive
+    /// the state machine with it instead of a probe task).
+    pub(crate) fn record_probe(&self, ok: bool) -> Option<State> {
+        self.tracker.borrow_mut().probe(ok)
+    }
+
+    /// Waits until something asked for a probe (a relay's failed connect,
+    /// an orphan), as the probe task does.
+    pub(crate) async fn probe_requested(&self) {
+        self.wake.notified().await
     }
 }
 
@@ -417,6 +447,34 @@ mod tests {
         let mut t = Tracker::new(1, 1);
         assert_eq!(t.passive_failure(), Some(State::Down));
         assert_eq!(t.probe(true), Some(State::Up));
+    }
+
+    #[test]
+    fn trouble_grows_with_every_failed_check_and_transition_only() {
+        let a = SocketAddrV4::new(std::net::Ipv4Addr::new(198, 18, 100, 1), 6379);
+        let b = Some(SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 6379));
+        let board = Board::new(&HealthConfig::default(), &[(a, b)]);
+        let c = board.check_of(a).unwrap();
+        let t0 = c.trouble();
+        // Successful probes: no trouble (an application that closed an
+        // idle connection on purpose).
+        assert_eq!(c.record_probe(true), None);
+        assert_eq!(c.trouble(), t0);
+        // A relay's failed connect counts at once, before the probe task
+        // has counted it, and not twice once it has.
+        c.report_connect_failure();
+        let t1 = c.trouble();
+        assert!(t1 > t0);
+        let pending = c.pending_passive.replace(0);
+        c.tracker.borrow_mut().passive_failures_total += pending;
+        assert_eq!(c.trouble(), t1);
+        // Down and up again: the count moved, though the state is UP as
+        // before (an application that died and came back).
+        let t2 = c.trouble();
+        while c.record_probe(false).is_none() {}
+        while c.record_probe(true).is_none() {}
+        assert_eq!(c.state(), State::Up);
+        assert!(c.trouble() > t2);
     }
 
     #[test]

@@ -19,8 +19,9 @@
 //!   when the connection is imported, and continues;
 //! - `raw` has no request boundaries: it migrates only when the relay holds
 //!   no byte and nothing moved either way for [`RAW_IDLE`] after the
-//!   application's last output, or for [`RAW_UNANSWERED`] after bytes the
-//!   application has not answered yet;
+//!   application's last output (longer, up to [`RAW_PIECES_MAX`], once the
+//!   application was seen to pause between pieces of an answer), or for
+//!   [`RAW_UNANSWERED`] after bytes the application has not answered yet;
 //! - TLS: the session's record-layer state (keys, sequence numbers, a
 //!   partially received record, undelivered plaintext) travels in the
 //!   manager's state, so the connection moves at any byte of the encrypted
@@ -65,6 +66,11 @@ pub const RAW_IDLE: Duration = Duration::from_millis(20);
 /// `RAW_IDLE`, issue #8). An application that never answers (one-way
 /// traffic) still migrates once quiet this long.
 pub const RAW_UNANSWERED: Duration = Duration::from_secs(1);
+/// ... and, once the application was seen to pause between two pieces of
+/// an answer, twice the longest such pause after its last output, at most
+/// this long (`raw::RawConn`): a relay that waited longer between pieces
+/// would let unsolicited output more frequent than that block migration.
+pub const RAW_PIECES_MAX: Duration = Duration::from_millis(250);
 /// How long the sidecar waits for the application to accept a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// After the sidecar closes its side, how long it waits for the client's.
@@ -336,7 +342,7 @@ impl Shared {
         let idle = match &self.proto {
             Proto::Http(t) => t.outstanding() == 0 && t.at_boundary(),
             Proto::Resp(r) => r.idle(),
-            Proto::Raw(r) => r.idle(RAW_IDLE, RAW_UNANSWERED),
+            Proto::Raw(r) => r.idle(RAW_IDLE, RAW_UNANSWERED, RAW_PIECES_MAX),
         };
         if idle {
             Readiness::Ready
@@ -465,6 +471,8 @@ async fn run_connection(
     // export state the manager does not know about.
     client.set_manager(Box::new(Manager(sh.clone())));
 
+    // The check's evidence before this connect: a refusal below adds to it.
+    let trouble_before = svc.health.as_ref().map(|h| h.trouble());
     let app = connect_app(&svc, db).await;
     let app = match app {
         Ok(a) => Some(a),
@@ -508,6 +516,7 @@ async fn run_connection(
             relay.orphan(
                 &mut sh,
                 "migrated in and the application refused the connection",
+                trouble_before,
             )
         };
         if !kept {
@@ -591,14 +600,27 @@ struct Relay {
 /// a health check: the client's connection stays open, migratable (nothing
 /// is owed either way). Either the application died (its health check
 /// goes down and the connection migrates to a server whose application
-/// is up, `crate::health`), or it closed an idle connection on purpose
-/// (keep-alive timeout: the check stays up and the relay closes after
-/// `grace`, as it did at once before). A request that comes meanwhile
-/// opens a new application connection (refused: the usual error). A
-/// connection that migrated in idle and whose first connect was refused
-/// starts as one (`run_connection`).
+/// is up, `crate::health`; or, with no such server, it waits here for the
+/// application to come back), or it closed an idle connection on purpose
+/// (keep-alive timeout: the relay closes after `grace`, as it did at once
+/// before, if every check since then succeeded). A request that comes
+/// meanwhile opens a new application connection (refused: the usual
+/// error). A connection that migrated in idle and whose first connect was
+/// refused starts as one (`run_connection`).
 struct Orphan {
-    grace: Pin<Box<tokio::time::Sleep>>,
+    /// Until it ends, the relay cannot tell an application that closed the
+    /// connection on purpose from one that died (its check has not probed
+    /// enough yet). `None` once it decided to keep the connection.
+    grace: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The check's [`crate::health::Check::trouble`] when the application
+    /// closed the connection (or before the refused connect): unchanged at
+    /// the end of the grace, and the check UP, means the application
+    /// answered every check meanwhile, so it closed on purpose. Looking at
+    /// the state alone was wrong: an application that died and came back
+    /// within the grace (the check DOWN, then UP again) looked like one
+    /// that closed on purpose, and connections idle through the outage
+    /// were closed (docs/SIDECAR.md, known issues).
+    trouble: u64,
     connect: Option<Pin<Box<dyn std::future::Future<Output = io::Result<tokio::net::TcpStream>>>>>,
 }
 
@@ -698,17 +720,20 @@ impl Relay {
                             let n = rb.filled().len();
                             progress = true;
                             if n == 0 {
-                                if !self.orphan(sh, APP_CLOSED_IDLE) {
+                                if !self.orphan(sh, APP_CLOSED_IDLE, None) {
                                     self.app_eof = true;
                                     self.on_app_eof(sh);
                                 }
                             } else {
-                                self.relay_from_app(sh, n)?;
+                                // Less than asked for: the application had
+                                // nothing more (`raw`: a pause, if more
+                                // comes without a request in between).
+                                self.relay_from_app(sh, n, n < want)?;
                             }
                         }
                         Poll::Ready(Err(_)) => {
                             progress = true;
-                            if !self.orphan(sh, APP_CLOSED_IDLE) {
+                            if !self.orphan(sh, APP_CLOSED_IDLE, None) {
                                 self.app_eof = true;
                                 self.on_app_eof(sh);
                             }
@@ -843,14 +868,25 @@ impl Relay {
         }
     }
 
-    /// `n` bytes from the application are in `self.buf`.
-    fn relay_from_app(&mut self, sh: &mut Shared, n: usize) -> Result<(), End> {
+    /// `n` bytes from the application are in `self.buf`; `drained`: its
+    /// socket had no more.
+    fn relay_from_app(&mut self, sh: &mut Shared, n: usize, drained: bool) -> Result<(), End> {
         let data = &self.buf[..n];
         let observed = match &mut sh.proto {
             Proto::Http(t) => t.observe(data).map(|_| ()),
             Proto::Resp(r) => r.observe(data),
             Proto::Raw(r) => {
-                if let Some(took) = r.from_app().filter(|t| *t >= RAW_IDLE) {
+                let gap = r.piece_gap();
+                let took = r.from_app(drained);
+                if debug::enabled() && r.piece_gap() > gap && r.piece_gap() >= RAW_IDLE {
+                    // The rule before piece gaps could have cut this answer.
+                    println!(
+                        "sidecar peer={} raw answer piece after a {} ms pause (past the idle window)",
+                        self.peer,
+                        r.piece_gap().as_millis()
+                    );
+                }
+                if let Some(took) = took.filter(|t| *t >= RAW_IDLE) {
                     if debug::enabled() {
                         // The old rule (idle after RAW_IDLE either way)
                         // could have migrated the relay before this answer.
@@ -1018,8 +1054,9 @@ impl Relay {
     /// first one of a connection that migrated in (`what` says which, for
     /// the log): with nothing owed either way on a health-checked service,
     /// keep the client's connection as an [`Orphan`] and ask for a health
-    /// probe now. Returns whether it did.
-    fn orphan(&mut self, sh: &mut Shared, what: &str) -> bool {
+    /// probe now. `trouble_before`: the check's evidence counter from
+    /// before the event (default: now). Returns whether it did.
+    fn orphan(&mut self, sh: &mut Shared, what: &str, trouble_before: Option<u64>) -> bool {
         let Some(h) = &self.svc.health else {
             return false;
         };
@@ -1041,7 +1078,8 @@ impl Relay {
         sh.app_fd = None;
         self.app = None;
         self.orphan = Some(Orphan {
-            grace: Box::pin(tokio::time::sleep(h.detect_within)),
+            grace: Some(Box::pin(tokio::time::sleep(h.detect_within))),
+            trouble: trouble_before.unwrap_or_else(|| h.trouble()),
             connect: None,
         });
         h.probe_now();
@@ -1096,26 +1134,46 @@ impl Relay {
             sh.connecting = true;
             return true;
         }
-        if std::future::Future::poll(o.grace.as_mut(), cx).is_ready() {
-            let up = self
-                .svc
-                .health
-                .as_ref()
-                .is_some_and(|h| h.state() == crate::health::State::Up);
-            if up {
-                // Its check says up: it closed an idle connection on
-                // purpose. Close, as the application wanted.
+        let grace_over = o
+            .grace
+            .as_mut()
+            .is_some_and(|g| std::future::Future::poll(g.as_mut(), cx).is_ready());
+        if grace_over {
+            o.grace = None;
+            let on_purpose =
+                self.svc.health.as_ref().is_some_and(|h| {
+                    h.state() == crate::health::State::Up && h.trouble() == o.trouble
+                });
+            if on_purpose {
+                // Every check since it closed the connection succeeded:
+                // it closed an idle connection on purpose. Close, as the
+                // application wanted.
+                println!(
+                    "sidecar peer={} the application passed every check since it closed the idle connection: closing",
+                    self.peer
+                );
                 self.orphan = None;
                 self.app_eof = true;
                 sh.closing = true;
                 return true;
             }
-            // Down: the connection waits for its migration (or, when no
-            // server can take it, for a request once the application is
-            // back). The timer is spent; nothing re-arms it.
-            o.grace
-                .as_mut()
-                .reset(tokio::time::Instant::now() + Duration::from_secs(3600));
+            // It died (the check failed since, or says down): the
+            // connection waits for its migration or, when no server can
+            // take it, for the client's next request, which opens a new
+            // application connection (answered once the application is
+            // back, even if it is back already). No second grace.
+            // (`check now up`: the application is back already; the old
+            // rule, the state alone, closed these.)
+            let now = self
+                .svc
+                .health
+                .as_ref()
+                .map_or("off", |h| h.state().as_str());
+            println!(
+                "sidecar peer={} the application failed its checks since (check now {now}): \
+                 kept open until a request, a migration or the client's close",
+                self.peer
+            );
         }
         false
     }
@@ -1219,9 +1277,78 @@ mod tests {
         let mut ans = [0u8; 7];
         relay_side.read_exact(&mut ans).unwrap();
         if let Proto::Raw(r) = &mut sh.proto {
-            assert!(r.from_app().is_some());
+            assert!(r.from_app(true).is_some());
         }
         std::thread::sleep(RAW_IDLE + Duration::from_millis(5));
+        assert_eq!(sh.readiness(), Readiness::Ready);
+    }
+
+    /// An application that answers in two pieces 30 ms apart (more than
+    /// `RAW_IDLE`), over a real loopback connection: once the relay has
+    /// seen it do so, its next answer is not a safe point between the
+    /// pieces (the old rule, `RAW_IDLE` after any output, cut it there and
+    /// the second piece went to a closed connection); it is once the
+    /// application has been quiet for twice that pause.
+    #[test]
+    fn raw_relay_does_not_cut_an_answer_between_its_pieces() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut relay_side = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut app_side, _) = l.accept().unwrap();
+        let mut sh = raw_shared(relay_side.as_raw_fd());
+        let pause = Duration::from_millis(30);
+        let mut buf = vec![0u8; RELAY_CHUNK];
+        // The relay reads what is there, as its step 2 does.
+        let mut relay_read = |sh: &mut Shared, relay: &mut std::net::TcpStream| {
+            let n = relay.read(&mut buf).unwrap();
+            assert!(n > 0);
+            if let Proto::Raw(r) = &mut sh.proto {
+                r.from_app(n < buf.len());
+            }
+            std::time::Instant::now()
+        };
+        let ask = |sh: &mut Shared,
+                   relay: &mut std::net::TcpStream,
+                   app_side: &mut std::net::TcpStream| {
+            relay.write_all(b"GET\r\n").unwrap();
+            if let Proto::Raw(r) = &mut sh.proto {
+                r.to_app();
+            }
+            let mut cmd = [0u8; 5];
+            app_side.read_exact(&mut cmd).unwrap();
+            app_side.write_all(b"+first").unwrap();
+        };
+
+        // The first answer in pieces: the relay learns the pause.
+        ask(&mut sh, &mut relay_side, &mut app_side);
+        relay_read(&mut sh, &mut relay_side);
+        std::thread::sleep(pause);
+        app_side.write_all(b" second\r\n").unwrap();
+        let last = relay_read(&mut sh, &mut relay_side);
+        let learned = match &sh.proto {
+            Proto::Raw(r) => r.piece_gap(),
+            _ => unreachable!(),
+        };
+        assert!(learned >= pause, "learned {learned:?}");
+        while last.elapsed() < RAW_IDLE.max((learned * 2).min(RAW_PIECES_MAX)) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(sh.readiness(), Readiness::Ready, "quiet after the answer");
+
+        // The next one: after its first piece, past RAW_IDLE, the rest is
+        // still to come.
+        ask(&mut sh, &mut relay_side, &mut app_side);
+        let first = relay_read(&mut sh, &mut relay_side);
+        std::thread::sleep(RAW_IDLE + Duration::from_millis(5));
+        let cut = sh.readiness();
+        // (A thread stalled past twice the pause could rightly say Ready.)
+        if first.elapsed() < learned * 2 {
+            assert_eq!(cut, Readiness::NotYet, "between the pieces of an answer");
+        }
+        app_side.write_all(b" second\r\n").unwrap();
+        let last = relay_read(&mut sh, &mut relay_side);
+        while last.elapsed() < RAW_IDLE.max((learned * 2).min(RAW_PIECES_MAX)) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         assert_eq!(sh.readiness(), Readiness::Ready);
     }
 
@@ -1399,6 +1526,214 @@ mod tests {
             relay.abort();
             serve.abort();
         });
+    }
+
+    /// A tiny RESP application on `listener`: answers `SELECT` with `+OK`
+    /// and `PING` with `+PONG` on every connection, and records the
+    /// commands it saw (`NAME` or `NAME ARG`) in `seen`. Aborting its task
+    /// closes its port and every connection it accepted (it dies).
+    async fn resp_app(listener: tokio::net::TcpListener, seen: Rc<RefCell<Vec<String>>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut conns = tokio::task::JoinSet::new();
+        loop {
+            let Ok((mut c, _)) = listener.accept().await else {
+                return;
+            };
+            let seen = seen.clone();
+            conns.spawn_local(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 1024];
+                loop {
+                    match c.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                    while let Ok(Some(cmd)) = resp::parse_command(&buf, 1 << 20) {
+                        buf.drain(..cmd.len);
+                        let answer: &[u8] = match cmd.name.as_str() {
+                            "SELECT" => b"+OK\r\n",
+                            "PING" => b"+PONG\r\n",
+                            _ => b"-ERR unknown\r\n",
+                        };
+                        seen.borrow_mut().push(match cmd.arg1 {
+                            Some(a) => format!("{} {a}", cmd.name),
+                            None => cmd.name.clone(),
+                        });
+                        if c.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    }
+
+    /// The lab's total outage (`tests/tests/health_resp_lab.rs`,
+    /// every-redis-down case), one idle RESP connection of it: its
+    /// application dies while the connection is idle (the relay keeps it as
+    /// an orphan), the health check declares the application DOWN, the
+    /// application comes back and the check says UP again, all before the
+    /// orphan's grace (`Check::detect_within`) ends. At the end of the
+    /// grace the relay used to look only at the check's state, saw UP,
+    /// concluded that the application had closed the idle connection on
+    /// purpose and closed the client's connection: a connection idle
+    /// through the outage was lost (the CI run's 8 clean closes). It must
+    /// stay open and answer its next request, on its database. Two ways
+    /// in: the application closes the relay's connection as it dies
+    /// (`migrated_in = false`), or the connection migrates in idle onto the
+    /// dead application and its first connect is refused (`true`). Real
+    /// stacks over an in-memory link, a real loopback application; the
+    /// check is driven by hand (no probe task), in the order its probes
+    /// would see it.
+    fn idle_through_an_outage(migrated_in: bool) {
+        use std::net::Ipv4Addr;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let local = tokio::task::LocalSet::new();
+        local.block_on(&rt, async {
+            let (cip, sip) = (Ipv4Addr::new(198, 18, 0, 11), Ipv4Addr::new(198, 18, 2, 12));
+            let (a, b) = capybara_net::device::memory::pair(Default::default());
+            let client = mem_stack(a, 1, cip, sip);
+            let server = mem_stack(b, 2, sip, cip);
+            tokio::task::spawn_local(client.clone().drive());
+            tokio::task::spawn_local(server.clone().drive());
+
+            let seen = Rc::new(RefCell::new(Vec::new()));
+            let app = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let backend = match app.local_addr().unwrap() {
+                std::net::SocketAddr::V4(a) => a,
+                _ => unreachable!(),
+            };
+            // Migrated in: the application is already dead.
+            let mut app_task = if migrated_in {
+                drop(app);
+                None
+            } else {
+                Some(tokio::task::spawn_local(resp_app(app, seen.clone())))
+            };
+            let listen = SocketAddrV4::new(sip, 6379);
+            let board = crate::health::Board::new(
+                &crate::config::HealthConfig::default(),
+                &[(listen, Some(backend))],
+            );
+            let check = board.check_of(listen).unwrap();
+            let svc = Rc::new(Service {
+                listen,
+                backend,
+                protocol: SidecarProtocol::Resp,
+                max_request: 1 << 20,
+                tls: None,
+                seal: None,
+                health: Some(check.clone()),
+                relay_buffers: RelayBuffers::prewarmed(1),
+            });
+            let listener = TcpListener::bind(&server, listen).unwrap();
+            let id = client.with(|i| {
+                let now = i.clock.now();
+                i.transports
+                    .tcp
+                    .connect(now, SocketAddrV4::new(cip, 0), listen)
+                    .unwrap()
+            });
+            let (stream, peer) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+                .await
+                .expect("accepted within 10 s")
+                .unwrap();
+            let ping = |c: &crate::stack::Stack| {
+                c.with(|i| i.transports.tcp.send(id, b"*1\r\n$4\r\nPING\r\n").unwrap());
+            };
+            let relay = if migrated_in {
+                // An idle connection that had selected database 3, as the
+                // importer rebuilds it.
+                let imported = Imported {
+                    inbuf: Vec::new(),
+                    db: Some(3),
+                    tls: None,
+                };
+                tokio::task::spawn_local(run_connection(stream, peer, svc.clone(), Some(imported)))
+            } else {
+                let relay =
+                    tokio::task::spawn_local(run_connection(stream, peer, svc.clone(), None));
+                // It works, then goes idle.
+                ping(&client);
+                let (got, _) = client_read(&client, id, Duration::from_secs(10), |g| {
+                    g.ends_with(b"\r\n")
+                })
+                .await;
+                assert_eq!(String::from_utf8_lossy(&got), "+PONG\r\n");
+                // The application dies: its connections and its port close.
+                let t = app_task.take().unwrap();
+                t.abort();
+                let _ = t.await;
+                relay
+            };
+
+            // The relay, now an orphan, asks its check for a probe.
+            tokio::time::timeout(Duration::from_secs(10), check.probe_requested())
+                .await
+                .expect("the orphan asks for a probe");
+            assert!(!relay.is_finished(), "the relay kept the connection");
+            // The probes fail: DOWN (the switch fails open: no target, the
+            // connection stays here).
+            assert_eq!(check.record_probe(false), None);
+            assert_eq!(check.record_probe(false), Some(crate::health::State::Down));
+            // The application comes back on its port; the probes succeed:
+            // UP, well within the orphan's grace.
+            let app = tokio::net::TcpListener::bind(std::net::SocketAddr::V4(backend))
+                .await
+                .expect("the application's port again");
+            let _app_task = tokio::task::spawn_local(resp_app(app, seen.clone()));
+            assert_eq!(check.record_probe(true), None);
+            assert_eq!(check.record_probe(true), Some(crate::health::State::Up));
+
+            // Past the grace: still open, nothing sent.
+            let (got, ended) = client_read(
+                &client,
+                id,
+                check.detect_within + Duration::from_millis(500),
+                |g| !g.is_empty(),
+            )
+            .await;
+            assert!(
+                got.is_empty() && !ended,
+                "a connection idle through the outage got {:?} (closed: {ended}) after the grace",
+                String::from_utf8_lossy(&got)
+            );
+            assert!(!relay.is_finished());
+
+            // Its next request is answered by the application that came
+            // back, on the connection's database.
+            seen.borrow_mut().clear();
+            ping(&client);
+            let (got, ended) = client_read(&client, id, Duration::from_secs(10), |g| {
+                g.ends_with(b"\r\n")
+            })
+            .await;
+            assert_eq!(
+                String::from_utf8_lossy(&got),
+                "+PONG\r\n",
+                "the request after the application came back (closed: {ended})"
+            );
+            let want: &[&str] = if migrated_in {
+                &["SELECT 3", "PING"]
+            } else {
+                &["PING"]
+            };
+            assert_eq!(*seen.borrow(), want);
+            relay.abort();
+        });
+    }
+
+    #[test]
+    fn an_idle_connection_survives_an_outage_shorter_than_the_orphan_grace() {
+        idle_through_an_outage(false);
+    }
+
+    #[test]
+    fn an_idle_connection_migrated_onto_a_dead_application_survives_its_return() {
+        idle_through_an_outage(true);
     }
 
     const BASE: &str = "[interface]\nname = \"eth0\"\n[stack]\naddress = \"198.18.2.11\"\ngateway = \"198.18.1.1\"\n[[service]]\nlisten = \"198.18.100.1:80\"\n";
