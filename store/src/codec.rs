@@ -89,6 +89,16 @@ pub fn seq_floor_key(id: ServerId) -> String {
     format!("seq_floors/{}", id.0)
 }
 
+/// Stored value of a seeded mark (`seeded/{name}`): its presence is the
+/// mark; no fields yet (unknown ones are ignored, for later additions).
+#[derive(Serialize, Deserialize)]
+pub struct SeededValue {}
+
+/// Key of a configured service name switchd seeded (`Store::mark_seeded`).
+pub fn seeded_key(name: &str) -> String {
+    format!("seeded/{name}")
+}
+
 pub fn server_key(id: ServerId) -> String {
     format!("servers/{}", id.0)
 }

@@ -14,6 +14,8 @@
 //! {prefix}/counters/audit                 last audit seq (u64)
 //! {prefix}/seq_floors/{server id}         {instance, seq}: control-channel
 //!                                         seq floor (not watched)
+//! {prefix}/seeded/{service name}          {}: switchd seeded this configured
+//!                                         service once (not watched)
 //! {prefix}/flows/{cip}:{cport}->{vip}:{vport}   {server}
 //! ```
 //!
@@ -200,6 +202,7 @@ impl EtcdStore {
         if logical.starts_with("flows/")
             || logical.starts_with("counters/")
             || logical.starts_with("seq_floors/")
+            || logical.starts_with("seeded/")
         {
             format!("{}/{}", self.config.prefix, logical)
         } else {
@@ -801,6 +804,49 @@ impl Store for EtcdStore {
             .map(|(f, _)| f)
             .collect();
         out.sort_by_key(|f| f.server.0);
+        Ok(out)
+    }
+
+    async fn mark_seeded(&self, names: &[String]) -> Result<()> {
+        const OP: &str = "mark_seeded";
+        for n in names {
+            check_name("service name", n)?;
+        }
+        // Plain puts (idempotent, so a retried chunk is harmless), in
+        // transactions of at most max_txn_ops.
+        let value = encode(&codec::SeededValue {});
+        let mut names: Vec<&String> = names.iter().collect();
+        names.sort();
+        names.dedup();
+        for chunk in names.chunks(self.config.max_txn_ops.max(1)) {
+            let then: Vec<TxnOp> = chunk
+                .iter()
+                .map(|n| TxnOp::put(self.full(&codec::seeded_key(n)), value.clone(), None))
+                .collect();
+            let txn = Txn::new().and_then(then);
+            self.retry(OP, |mut c| {
+                let t = txn.clone();
+                async move { c.txn(t).await }
+            })
+            .await?;
+        }
+        Ok(())
+    }
+
+    async fn seeded_services(&self) -> Result<Vec<String>> {
+        const OP: &str = "seeded_services";
+        let mut out = Vec::new();
+        for kv in self.range(OP, "seeded/").await? {
+            let logical = self.logical(kv.key())?;
+            let name = logical.strip_prefix("seeded/").unwrap_or(logical);
+            check_name("service name", name).map_err(|e| StoreError::MalformedKey {
+                key: logical.to_string(),
+                reason: e.to_string(),
+            })?;
+            let _: codec::SeededValue = decode(logical, kv.value())?;
+            out.push(name.to_string());
+        }
+        out.sort();
         Ok(out)
     }
 

@@ -74,6 +74,17 @@ pub trait Store: Send + Sync + 'static {
     async fn list_services(&self) -> Result<Vec<Service>>;
     async fn delete_service(&self, name: &str) -> Result<bool>;
 
+    // ----- seeded configured services (switchd's `[[services]]`)
+    /// Remembers that these configured service names were seeded (written
+    /// to the store from switchd's config, or found there), so that switchd
+    /// never seeds them again: a service deleted through the API stays
+    /// deleted. Idempotent; names are checked like service names. Not
+    /// watched, not in the change log; `delete_service` keeps the mark.
+    async fn mark_seeded(&self, names: &[String]) -> Result<()>;
+    /// Every name `mark_seeded` recorded, sorted. Empty in a store written
+    /// before marks existed.
+    async fn seeded_services(&self) -> Result<Vec<String>>;
+
     // ----- policies
     /// The stored policy, or `Policy::default()` if none was stored.
     async fn get_policy(&self) -> Result<Policy>;

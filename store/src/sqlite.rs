@@ -274,6 +274,8 @@ fn open_blocking(config: &SqliteConfig) -> Result<Connection> {
     migrate(&mut conn, &path, version, SCHEMA_VERSION)?;
     conn.execute_batch(SEQ_FLOORS_TABLE)
         .map_err(|e| corrupt_or(&path, "create seq_floors", e))?;
+    conn.execute_batch(SEEDED_SERVICES_TABLE)
+        .map_err(|e| corrupt_or(&path, "create seeded_services", e))?;
     Ok(conn)
 }
 
@@ -283,6 +285,12 @@ fn open_blocking(config: &SqliteConfig) -> Result<Connection> {
 /// after the other), which ignores the table.
 const SEQ_FLOORS_TABLE: &str = "CREATE TABLE IF NOT EXISTS seq_floors (
     server INTEGER PRIMARY KEY, instance INTEGER NOT NULL, seq INTEGER NOT NULL)";
+
+/// The configured service names switchd seeded (`Store::mark_seeded`):
+/// additive like `seq_floors`, so a file without it (written before it
+/// existed) opens and gets it empty, and an older build ignores it.
+const SEEDED_SERVICES_TABLE: &str =
+    "CREATE TABLE IF NOT EXISTS seeded_services (name TEXT PRIMARY KEY)";
 
 /// A u64 of a seq floor as an SQLite integer (i64).
 fn seq_column(what: &'static str, v: u64) -> Result<i64> {
@@ -1090,6 +1098,56 @@ impl Store for SqliteStore {
                     instance: u64::try_from(instance).map_err(|_| bad("instance", instance))?,
                     seq: u64::try_from(seq).map_err(|_| bad("seq", seq))?,
                 });
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn mark_seeded(&self, names: &[String]) -> Result<()> {
+        for n in names {
+            check_name("service name", n)?;
+        }
+        if names.is_empty() {
+            return Ok(());
+        }
+        let names = names.to_vec();
+        // Not watched: no change-log rows and no poller wake-up.
+        self.run("mark_seeded", move |conn| {
+            let op = "mark_seeded";
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(StoreError::sqlite(op))?;
+            {
+                let mut ins = tx
+                    .prepare_cached("INSERT OR IGNORE INTO seeded_services (name) VALUES (?1)")
+                    .map_err(StoreError::sqlite(op))?;
+                for n in &names {
+                    ins.execute(params![n]).map_err(StoreError::sqlite(op))?;
+                }
+            }
+            tx.commit().map_err(StoreError::sqlite(op))
+        })
+        .await
+    }
+
+    async fn seeded_services(&self) -> Result<Vec<String>> {
+        self.run("seeded_services", |conn| {
+            let op = "seeded_services";
+            let mut q = conn
+                .prepare_cached("SELECT name FROM seeded_services ORDER BY name")
+                .map_err(StoreError::sqlite(op))?;
+            let rows = q
+                .query_map([], |r| r.get::<_, String>(0))
+                .map_err(StoreError::sqlite(op))?;
+            let mut out = Vec::new();
+            for row in rows {
+                let name = row.map_err(StoreError::sqlite(op))?;
+                check_name("service name", &name).map_err(|e| StoreError::MalformedKey {
+                    key: codec::seeded_key(&name),
+                    reason: e.to_string(),
+                })?;
+                out.push(name);
             }
             Ok(out)
         })

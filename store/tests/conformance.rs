@@ -259,6 +259,61 @@ mod cases {
         assert!(s.get_service("").await.is_err());
     }
 
+    /// The seeded marks of configured services (what keeps a service
+    /// deleted through the API from being seeded again): idempotent,
+    /// shared by every handle, kept when the service is deleted, never
+    /// seen by watchers, names checked like service names.
+    pub async fn seeded_marks(f: &Fixture) {
+        let s = &f.store;
+        let names = |v: &[&str]| v.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        let mut w = f.second.watch(&[WatchKind::Services]).await.unwrap();
+        assert_eq!(s.seeded_services().await.unwrap(), Vec::<String>::new());
+        s.mark_seeded(&[]).await.unwrap();
+        s.mark_seeded(&names(&["web", "echo"])).await.unwrap();
+        f.second
+            .mark_seeded(&names(&["web", "cache", "web"]))
+            .await
+            .unwrap();
+        assert_eq!(
+            f.second.seeded_services().await.unwrap(),
+            names(&["cache", "echo", "web"])
+        );
+        no_event(&mut w, Duration::from_millis(300)).await;
+        // A mark is no service, and deleting the service keeps the mark.
+        assert!(s.list_services().await.unwrap().is_empty());
+        s.put_service(&service("web", &[1])).await.unwrap();
+        assert!(s.delete_service("web").await.unwrap());
+        assert_eq!(
+            s.seeded_services().await.unwrap(),
+            names(&["cache", "echo", "web"])
+        );
+        // A bad name: refused, nothing of the batch written.
+        let e = s
+            .mark_seeded(&names(&["api", "bad/name"]))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                StoreError::Invalid {
+                    what: "service name",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            s.seeded_services().await.unwrap(),
+            names(&["cache", "echo", "web"])
+        );
+        // Many at once (more than one etcd transaction's worth).
+        let many: Vec<String> = (0..1200).map(|i| format!("svc-{i:04}")).collect();
+        s.mark_seeded(&many).await.unwrap();
+        let got = f.second.seeded_services().await.unwrap();
+        assert_eq!(got.len(), 1203);
+        assert!(got.windows(2).all(|p| p[0] < p[1]), "sorted");
+    }
+
     pub async fn policy_default_roundtrip_and_validation(f: &Fixture) {
         let s = &f.store;
         assert_eq!(s.get_policy().await.unwrap(), Policy::default());
@@ -1040,6 +1095,7 @@ conformance!(
     seq_floors_raise_per_instance,
     server_state_and_weight,
     services_crud,
+    seeded_marks,
     policy_default_roundtrip_and_validation,
     flows_batch_semantics,
     flows_large_batch_and_scan,

@@ -149,6 +149,74 @@ async fn newer_schema_is_refused_and_older_is_migrated() {
     .unwrap();
 }
 
+/// A file written before seeded marks existed (no `seeded_services`
+/// table) opens with no marks and takes them, without a schema version
+/// bump (an older build still opens it); a bad stored mark names its key.
+#[tokio::test]
+async fn sqlite_file_without_seeded_marks_opens_and_takes_them() {
+    let dir = tmp();
+    let path = dir.path().join("pre-seeded.db");
+    let version = capybara_store::sqlite::SCHEMA_VERSION;
+    capybara_store::sqlite::create_at_schema_version(&path, version).unwrap();
+    let tables = |p: &std::path::Path| -> Vec<String> {
+        let c = rusqlite::Connection::open(p).unwrap();
+        let mut st = c
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
+            .unwrap();
+        let names = st.query_map([], |r| r.get(0)).unwrap();
+        names.map(|n| n.unwrap()).collect()
+    };
+    assert!(!tables(&path).contains(&"seeded_services".to_string()));
+    let s = SqliteStore::open(SqliteConfig::at(&path)).await.unwrap();
+    assert!(tables(&path).contains(&"seeded_services".to_string()));
+    assert_eq!(s.seeded_services().await.unwrap(), Vec::<String>::new());
+    s.mark_seeded(&["web".to_string()]).await.unwrap();
+    drop(s);
+    let s = SqliteStore::open(SqliteConfig::at(&path)).await.unwrap();
+    assert_eq!(s.seeded_services().await.unwrap(), vec!["web".to_string()]);
+    let v: i64 = rusqlite::Connection::open(&path)
+        .unwrap()
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(v, version, "no schema version bump");
+    rusqlite::Connection::open(&path)
+        .unwrap()
+        .execute("INSERT INTO seeded_services VALUES ('bad name')", [])
+        .unwrap();
+    let e = s.seeded_services().await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::MalformedKey { ref key, .. } if key == "seeded/bad name"),
+        "{e}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_malformed_seeded_marks_name_the_key() {
+    let cluster = EtcdCluster::start(1).unwrap();
+    let s = EtcdStore::connect(cluster.store_config()).await.unwrap();
+    s.mark_seeded(&["web".to_string()]).await.unwrap();
+    s.inject_raw("seeded/echo", b"garbage".to_vec())
+        .await
+        .unwrap();
+    let e = s.seeded_services().await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::MalformedValue { ref key, .. } if key == "seeded/echo"),
+        "{e}"
+    );
+    s.inject_raw("seeded/echo", br#"{"v":1,"data":{}}"#.to_vec())
+        .await
+        .unwrap();
+    assert_eq!(s.seeded_services().await.unwrap(), ["echo", "web"]);
+    s.inject_raw("seeded/bad name", br#"{"v":1,"data":{}}"#.to_vec())
+        .await
+        .unwrap();
+    let e = s.seeded_services().await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::MalformedKey { ref key, .. } if key == "seeded/bad name"),
+        "{e}"
+    );
+}
+
 #[tokio::test]
 async fn sqlite_malformed_values_and_keys_name_the_key() {
     let dir = tmp();

@@ -228,6 +228,10 @@ pub struct Service {
     /// [`ControlConfig::service_retire_timeout`] (see
     /// [`ControlPlane::end_retired`]).
     pub retiring: Option<Instant>,
+    /// From the config at start, not yet confirmed by the store
+    /// ([`ControlPlane::mark_provisional`]): if the store does not list it,
+    /// it goes at once (nothing was ever placed on it).
+    provisional: bool,
 }
 
 /// How a service's pool is formed (see `config::ServiceConfig`).
@@ -362,10 +366,12 @@ struct RetireScan {
     /// When the pass in progress started (services retired later are not
     /// judged by it).
     started: Option<Instant>,
-    /// Connections seen so far in this pass, by service address.
-    seen: BTreeSet<SocketAddrV4>,
+    /// Flow entries seen so far in this pass, by service address.
+    seen: BTreeMap<SocketAddrV4, usize>,
     /// Consecutive complete passes without a connection, by service.
     empty_passes: BTreeMap<SocketAddrV4, u32>,
+    /// Flow entries of each retiring service at the last complete pass.
+    last_counts: BTreeMap<SocketAddrV4, usize>,
     buf: Vec<(CFlowKey, CFlow)>,
 }
 
@@ -642,6 +648,7 @@ impl<D: DataPlane> ControlPlane<D> {
             maglev_shadow: Vec::new(),
             fail_open: false,
             retiring: None,
+            provisional: false,
         };
         svc.pool = self.pool_of(&svc);
         self.services.push(svc);
@@ -726,7 +733,7 @@ impl<D: DataPlane> ControlPlane<D> {
         let retire = !self.cfg.service_retire_timeout.is_zero();
         for i in gone {
             let name = self.services[i].name.clone();
-            if retire {
+            if retire && !self.services[i].provisional {
                 self.retire_service_at(now, i)?;
                 ch.retiring.push(name);
             } else {
@@ -768,6 +775,7 @@ impl<D: DataPlane> ControlPlane<D> {
             };
             let configured: BTreeMap<ServerId, u32> = spec.pool.members.iter().copied().collect();
             let svc = &mut self.services[i];
+            svc.provisional = false;
             let revived = svc.retiring.take().is_some();
             let changed = revived
                 || svc.name != spec.name
@@ -800,6 +808,16 @@ impl<D: DataPlane> ControlPlane<D> {
         Ok(ch)
     }
 
+    /// Marks every service served now as provisional: the config's, before
+    /// the store is read. One that the store's list does not name is then
+    /// removed at once instead of retiring: the data plane was not attached
+    /// yet, so it has no connection to keep (and an operator deleted it).
+    pub fn mark_provisional(&mut self) {
+        for s in &mut self.services {
+            s.provisional = true;
+        }
+    }
+
     /// Service `i` stops placing new connections; its flows stay.
     fn retire_service_at(&mut self, now: Instant, i: usize) -> Result<()> {
         self.services[i].retiring = Some(now);
@@ -829,6 +847,13 @@ impl<D: DataPlane> ControlPlane<D> {
         self.services.iter().filter(|s| s.retiring.is_some())
     }
 
+    /// How many flow entries retiring service `addr` had at the last
+    /// complete pass of [`Self::end_retired`] (its open connections, and
+    /// closed ones not yet reaped); `None` before the first pass.
+    pub fn retiring_flows(&self, addr: SocketAddrV4) -> Option<usize> {
+        self.retire_scan.last_counts.get(&addr).copied()
+    }
+
     /// Removes the retiring services whose connections have all ended
     /// (their flow entries gone in [`RETIRE_EMPTY_SCANS`] consecutive passes
     /// over the flow table, read [`RETIRE_SCAN_BUDGET`] entries per call)
@@ -856,6 +881,7 @@ impl<D: DataPlane> ControlPlane<D> {
             );
             let flows = self.remove_service_at(i, report)?;
             self.retire_scan.empty_passes.remove(&addr);
+            self.retire_scan.last_counts.remove(&addr);
             ended.push(RetiredService {
                 name,
                 addr,
@@ -871,8 +897,10 @@ impl<D: DataPlane> ControlPlane<D> {
             .scan_flows(&mut scan.cursor, RETIRE_SCAN_BUDGET, &mut scan.buf)?;
         for (k, _) in &scan.buf {
             let k = FlowKey::from(*k);
-            scan.seen
-                .insert(SocketAddrV4::new(k.service_ip, k.service_port));
+            *scan
+                .seen
+                .entry(SocketAddrV4::new(k.service_ip, k.service_port))
+                .or_insert(0) += 1;
         }
         if done {
             let seen = std::mem::take(&mut scan.seen);
@@ -882,7 +910,9 @@ impl<D: DataPlane> ControlPlane<D> {
                 let addr = SocketAddrV4::new(s.vip, s.port);
                 let passes = scan.empty_passes.entry(addr).or_insert(0);
                 // Judged only by passes that started after it retired.
-                if seen.contains(&addr) || s.retiring.is_some_and(|t| t > started) {
+                let n = seen.get(&addr).copied().unwrap_or(0);
+                scan.last_counts.insert(addr, n);
+                if n > 0 || s.retiring.is_some_and(|t| t > started) {
                     *passes = 0;
                     continue;
                 }
@@ -891,13 +921,16 @@ impl<D: DataPlane> ControlPlane<D> {
                     empty.push(addr);
                 }
             }
-            scan.empty_passes.retain(|a, _| {
+            let retiring = |a: &SocketAddrV4| {
                 self.services
                     .iter()
                     .any(|s| s.retiring.is_some() && SocketAddrV4::new(s.vip, s.port) == *a)
-            });
+            };
+            scan.empty_passes.retain(|a, _| retiring(a));
+            scan.last_counts.retain(|a, _| retiring(a));
             for addr in empty {
                 self.retire_scan.empty_passes.remove(&addr);
+                self.retire_scan.last_counts.remove(&addr);
                 let Some(i) = self
                     .services
                     .iter()
@@ -2750,9 +2783,11 @@ pub(crate) mod tests {
         c.set_placement(1, Placement::Lwrr).unwrap();
         assert_eq!(c.dp.services[&akey].placement, PLACE_NONE);
         // Connections open: it stays, however many passes.
+        assert_eq!(c.retiring_flows(api), None, "before a pass");
         for _ in 0..4 {
             assert!(c.end_retired(t0, true).unwrap().is_empty());
         }
+        assert_eq!(c.retiring_flows(api), Some(2));
         // Restored (the operator created it again): placing, flows kept.
         let ch = c.apply_services(t0, &both, true).unwrap();
         assert_eq!(ch.updated, ["api"]);
@@ -2807,6 +2842,23 @@ pub(crate) mod tests {
         );
         // Nothing retires: the scan stays idle.
         assert!(c.end_retired(late, true).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_configured_service_the_store_does_not_list_goes_at_once() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let web = SocketAddrV4::new(VIP, 80);
+        let api = SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 3), 8080);
+        let both = [spec("web", web, &[], true), spec("api", api, &[], true)];
+        c.apply_services(Instant::ZERO, &both, false).unwrap();
+        c.mark_provisional();
+        // The store lists web only (api was deleted through the API).
+        let ch = c.apply_services(Instant::ZERO, &both[..1], true).unwrap();
+        assert_eq!(ch.removed, [("api".to_string(), 0)]);
+        assert!(ch.retiring.is_empty());
+        // web was confirmed: deleted later, it retires.
+        let ch = c.apply_services(Instant::ZERO, &[], true).unwrap();
+        assert_eq!(ch.retiring, ["web"]);
     }
 
     #[test]

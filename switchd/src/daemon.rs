@@ -392,6 +392,9 @@ impl Switch {
         if let Some((name, why)) = ch.rejected.first() {
             anyhow::bail!("service {name:?}: {why}");
         }
+        // Until the store confirms them: one it does not list (deleted
+        // through the API) goes at once at the first read, not retiring.
+        cp.mark_provisional();
         // HA: flow writes are fenced by the lease in the store itself, so a
         // switchd that lost its lease (paused, cut off) cannot overwrite what
         // a newer leader wrote, even with batches it queued before.
@@ -831,7 +834,8 @@ impl Switch {
     /// plane, as a delta against what was loaded before.
     /// Reads servers, services and flows from the store into the data
     /// plane: at start and at a takeover (`active`: also seeds the store
-    /// with the config's services it lacks), and periodically on a standby.
+    /// with the config's services never seeded before, `services::seed`),
+    /// and periodically on a standby.
     fn sync_from_store(&mut self, active: bool) -> anyhow::Result<()> {
         let Some(store) = self.store.clone() else {
             return Ok(());
@@ -843,11 +847,15 @@ impl Switch {
                 tokio::time::timeout(Duration::from_secs(5), async {
                     let mut services = store.list_services().await?;
                     if active {
-                        let (put, notes) = crate::services::seed(&services, seed_cfg);
-                        for n in notes {
+                        // Records first, then their marks: a stop between
+                        // the two leaves a held record without a mark,
+                        // which the next start marks.
+                        let seeded = store.seeded_services().await?;
+                        let seeding = crate::services::seed(&services, &seeded, seed_cfg);
+                        for n in seeding.notes {
                             eprintln!("switchd: {n}");
                         }
-                        for s in put {
+                        for s in seeding.put {
                             store.put_service(&s).await?;
                             eprintln!(
                                 "switchd: wrote configured service {:?} ({}:{}) to the store",
@@ -855,6 +863,7 @@ impl Switch {
                             );
                             services.push(s);
                         }
+                        store.mark_seeded(&seeding.mark).await?;
                     }
                     Ok::<_, capybara_store::StoreError>((
                         store.list_servers().await?,
@@ -1927,6 +1936,7 @@ impl Switch {
                  "fail_open": s.fail_open,
                  "retiring": s.retiring.is_some(),
                  "retiring_for_ms": s.retiring.map(|t| now.saturating_since(t).as_millis() as u64),
+                 "retiring_flows": s.retiring.and_then(|_| self.cp.retiring_flows(SocketAddrV4::new(s.vip, s.port))),
                  "backend_down": self.cp.servers().filter(|v| v.backend_is_down(s.vip, s.port)).map(|v| v.reg.id.0).collect::<Vec<_>>()}))
             .collect();
         let dp_counters: serde_json::Map<String, serde_json::Value> = STAT_NAMES

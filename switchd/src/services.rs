@@ -3,13 +3,19 @@
 //! With a store, the store's service records (what `POST /v1/services`,
 //! `PUT` and `DELETE` write) are the services served: switchd reads them at
 //! start and at every takeover, then polls them, and the data plane follows
-//! within a poll. The config's `[[services]]` seed the store: at start (and
-//! at a takeover) the active switchd writes each configured service whose
-//! name the store does not hold, unless another stored service already has
-//! its VIP:port. From then on the stored record is the truth (an operator's
-//! edit of a configured service stays); a configured service deleted
-//! through the API comes back at the next start unless it is also removed
-//! from the config. Without a store the config's services are served.
+//! within a poll. The config's `[[services]]` seed the store, once per
+//! name: at start (and at a takeover) the active switchd writes each
+//! configured service whose name was never seeded before (the store keeps
+//! a mark per seeded name, `Store::seeded_services`) and the store does not
+//! hold, unless another stored service already has its VIP:port; then it
+//! marks the name. From then on the stored record is the truth: an
+//! operator's edit of a configured service stays, and so does a delete
+//! through the API (the next start logs that it skipped the service; to
+//! serve it again, create it through the API). A service added to the
+//! config, or renamed there, is seeded once. A store written before the
+//! marks existed has none: a configured name it holds counts as seeded
+//! (and is marked), one it does not hold is seeded once. Without a store
+//! the config's services are served.
 //!
 //! A configured service keeps what the store has no field for: its own
 //! `placement` (when it names one other than the global one) and its pool
@@ -76,42 +82,67 @@ pub fn store_specs(
         .collect()
 }
 
-/// What the active switchd writes to the store at start: the configured
-/// services the store has no record of (by name) and whose VIP:port no
-/// stored service uses. Also a note for each configured service that is
-/// not written because the store differs.
-pub fn seed(
-    stored: &[capybara_store::Service],
-    cfg: &Config,
-) -> (Vec<capybara_store::Service>, Vec<String>) {
-    let mut put = Vec::new();
-    let mut notes = Vec::new();
+/// What the active switchd does with the config's services at start (and
+/// at a takeover): see [`seed`].
+#[derive(Debug, Default, PartialEq)]
+pub struct Seeding {
+    /// Configured services to write to the store.
+    pub put: Vec<capybara_store::Service>,
+    /// Names to mark seeded once `put` is written: the written ones, and
+    /// configured ones the store holds without a mark (a store written
+    /// before marks existed, or a record created through the API first).
+    pub mark: Vec<String>,
+    /// One line for each configured service not written because the
+    /// store differs, or because it was seeded before and deleted since.
+    pub notes: Vec<String>,
+}
+
+/// The seeding of the store from the config: a configured service is
+/// written only if its name was never seeded (`seeded`, the store's marks)
+/// and the store has no record of it, and no stored service uses its
+/// VIP:port (then it is left unmarked, so it is seeded once the address is
+/// free). So a configured service deleted through the API stays deleted;
+/// one added to the config (or renamed) is seeded once.
+pub fn seed(stored: &[capybara_store::Service], seeded: &[String], cfg: &Config) -> Seeding {
+    let mut out = Seeding::default();
+    let marked = |name: &str| seeded.iter().any(|n| n == name);
     for c in &cfg.services {
         let (vip, port) = (*c.vip.ip(), c.vip.port());
         if let Some(s) = stored.iter().find(|s| s.name == c.name) {
+            if !marked(&c.name) {
+                out.mark.push(c.name.clone());
+            }
             if s.vip != vip || s.port != port {
-                notes.push(format!(
+                out.notes.push(format!(
                     "configured service {:?} ({}) is {}:{} in the store: the stored record applies (config services only seed the store)",
                     c.name, c.vip, s.vip, s.port
                 ));
             }
             continue;
         }
+        if marked(&c.name) {
+            out.notes.push(format!(
+                "configured service {:?} not written: deleted through the API earlier (create it again through the API to serve it)",
+                c.name
+            ));
+            continue;
+        }
         if let Some(s) = stored.iter().find(|s| s.vip == vip && s.port == port) {
-            notes.push(format!(
+            out.notes.push(format!(
                 "configured service {:?} not written to the store: {} is the address of stored service {:?}",
                 c.name, c.vip, s.name
             ));
             continue;
         }
-        put.push(capybara_store::Service {
+        out.put.push(capybara_store::Service {
             name: c.name.clone(),
             vip,
             port,
             pool: c.pool.iter().map(|m| ServerId(m.server)).collect(),
         });
+        out.mark.push(c.name.clone());
     }
-    (put, notes)
+    out
 }
 
 #[cfg(test)]
@@ -150,36 +181,110 @@ placement = "lwrr"
         }
     }
 
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|n| n.to_string()).collect()
+    }
+
     #[test]
     fn an_empty_store_is_seeded_with_every_configured_service() {
-        let (put, notes) = seed(&[], &cfg());
-        assert!(notes.is_empty());
+        let out = seed(&[], &[], &cfg());
+        assert!(out.notes.is_empty());
         assert_eq!(
-            put,
+            out.put,
             vec![
                 stored("web", "198.18.100.1:80", &[1, 2]),
                 stored("cache", "198.18.100.2:6379", &[]),
             ]
         );
+        assert_eq!(out.mark, names(&["web", "cache"]));
     }
 
     #[test]
     fn stored_records_win_over_the_config() {
         // "web" edited through the API (other VIP), "cache"'s address taken
-        // by another stored service: nothing is written, both are noted.
+        // by another stored service: nothing is written, both are noted;
+        // "web" is marked (the store holds it), "cache" is not (never
+        // written: seeded once its address is free).
         let s = [
             stored("web", "198.18.100.9:80", &[2]),
             stored("other", "198.18.100.2:6379", &[]),
         ];
-        let (put, notes) = seed(&s, &cfg());
-        assert!(put.is_empty());
-        assert_eq!(notes.len(), 2, "{notes:?}");
-        assert!(notes[0].contains("stored record applies"), "{notes:?}");
-        assert!(notes[1].contains("\"other\""), "{notes:?}");
-        // An unchanged record is no news.
-        let (put, notes) = seed(&[stored("web", "198.18.100.1:80", &[1])], &cfg());
-        assert_eq!(put, vec![stored("cache", "198.18.100.2:6379", &[])]);
-        assert!(notes.is_empty());
+        let out = seed(&s, &[], &cfg());
+        assert!(out.put.is_empty());
+        assert_eq!(out.mark, names(&["web"]));
+        assert_eq!(out.notes.len(), 2, "{:?}", out.notes);
+        assert!(
+            out.notes[0].contains("stored record applies"),
+            "{:?}",
+            out.notes
+        );
+        assert!(out.notes[1].contains("\"other\""), "{:?}", out.notes);
+        // An unchanged, marked record is no news.
+        let out = seed(
+            &[stored("web", "198.18.100.1:80", &[1])],
+            &names(&["web"]),
+            &cfg(),
+        );
+        assert_eq!(out.put, vec![stored("cache", "198.18.100.2:6379", &[])]);
+        assert_eq!(out.mark, names(&["cache"]));
+        assert!(out.notes.is_empty());
+    }
+
+    #[test]
+    fn a_seeded_service_deleted_since_is_not_written_again() {
+        // Both seeded before; "web" deleted through the API since.
+        let out = seed(
+            &[stored("cache", "198.18.100.2:6379", &[])],
+            &names(&["cache", "web"]),
+            &cfg(),
+        );
+        assert_eq!(out, Seeding {
+            put: vec![],
+            mark: vec![],
+            notes: vec!["configured service \"web\" not written: deleted through the API earlier (create it again through the API to serve it)".into()],
+        });
+        // Created again through the API (its record is back): served from
+        // the store as any other, nothing to write or say.
+        let out = seed(
+            &[
+                stored("cache", "198.18.100.2:6379", &[]),
+                stored("web", "198.18.100.1:80", &[]),
+            ],
+            &names(&["cache", "web"]),
+            &cfg(),
+        );
+        assert_eq!(out, Seeding::default());
+        // Marks of names no longer configured change nothing.
+        let out = seed(&[], &names(&["old", "other"]), &cfg());
+        assert_eq!(out.put.len(), 2);
+    }
+
+    #[test]
+    fn a_store_without_marks_counts_what_it_holds_as_seeded() {
+        // Written before marks existed: "web" is held (marked, not
+        // rewritten), "cache" is not (seeded once, as before).
+        let out = seed(&[stored("web", "198.18.100.1:80", &[1, 2])], &[], &cfg());
+        assert_eq!(out.put, vec![stored("cache", "198.18.100.2:6379", &[])]);
+        assert_eq!(out.mark, names(&["web", "cache"]));
+        assert!(out.notes.is_empty());
+    }
+
+    #[test]
+    fn a_service_renamed_in_the_config_is_seeded_once() {
+        // "web" seeded, then renamed "www" in the config (same VIP): the
+        // stored "web" keeps the address, so "www" is not written and not
+        // marked; once "web" is deleted through the API, "www" is seeded.
+        let mut c = cfg();
+        c.services[0].name = "www".into();
+        let held = [stored("web", "198.18.100.1:80", &[1, 2])];
+        let seeded = names(&["cache", "web"]);
+        let out = seed(&held, &seeded, &c);
+        assert!(out.put.is_empty() && out.mark.is_empty());
+        assert!(out.notes[0].contains("\"www\""), "{:?}", out.notes);
+        let out = seed(&[], &seeded, &c);
+        assert_eq!(out.put, vec![stored("www", "198.18.100.1:80", &[1, 2])]);
+        assert_eq!(out.mark, names(&["www"]));
+        assert!(out.notes[0].contains("\"cache\" not written: deleted through the API"));
     }
 
     #[test]

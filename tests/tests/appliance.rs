@@ -437,3 +437,85 @@ fn services_created_through_the_api_are_served() {
     let st = stop_appliance(&mut app);
     assert!(st.success(), "second run exited with {st}");
 }
+
+/// A configured service deleted through the API stays deleted: the store
+/// remembers that switchd seeded it, so a restart with the same config
+/// neither serves nor lists it, and says why in its log; created again
+/// through the API, it is served again.
+#[test]
+fn a_configured_service_deleted_through_the_api_stays_deleted() {
+    let _one = one_lab();
+    let dir = output_dir("appliance-seeded");
+    let mut lab = Lab::up("asd", SERVERS);
+    let key = deployment_key(&dir);
+    let config = appliance_config(&dir, &key);
+    const ECHO: &str = "198.18.100.1:7";
+    let log1 = dir.join("capybara-1.log");
+    let (mut app, token) = start_with_servers(&mut lab, &dir, &key, &config, &log1, "");
+    assert!(
+        log_of(&log1).contains("wrote configured service \"echo\""),
+        "{}",
+        log_of(&log1)
+    );
+    lab.wait_for(
+        "the configured echo service",
+        Duration::from_secs(10),
+        || echo_once(&lab, ECHO),
+    );
+
+    let (code, body) = api(&lab, &token, "DELETE", "/v1/services/echo");
+    assert_eq!(code, 204, "delete: {body}");
+    lab.wait_for("switchd to retire echo", Duration::from_secs(10), || {
+        log_of(&log1).contains("service \"echo\" deleted from the store: retiring")
+    });
+    assert!(!echo_once(&lab, ECHO), "a deleted service answered");
+    let st = stop_appliance(&mut app);
+    assert!(st.success(), "capybara run exited with {st}");
+
+    // The same config again: "echo" is not written back.
+    let log2 = dir.join("capybara-2.log");
+    let mut app = start_appliance(&lab, &config, &log2);
+    lab.wait_for("the restarted switchd", Duration::from_secs(30), || {
+        log_of(&log2).contains("flows from the store")
+    });
+    lab.wait_for("the restarted API", Duration::from_secs(30), || {
+        api(&lab, "", "GET", "/healthz").0 == 200
+    });
+    let l2 = log_of(&log2);
+    let why = "configured service \"echo\" not written: deleted through the API earlier (create it again through the API to serve it)";
+    assert_eq!(l2.matches(why).count(), 1, "said once, at the start: {l2}");
+    assert!(!l2.contains("wrote configured service"), "{l2}");
+    assert!(!l2.contains("serving service \"echo\""), "{l2}");
+    let (code, body) = api(&lab, &token, "GET", "/v1/services");
+    assert_eq!(code, 200, "{body}");
+    assert!(!body.contains("\"name\":\"echo\""), "echo listed: {body}");
+    assert!(body.contains("\"name\":\"web\""), "web not listed: {body}");
+    let (code, body) = api(&lab, &token, "GET", "/v1/services/echo");
+    assert_eq!(code, 404, "GET /v1/services/echo: {body}");
+    assert!(
+        !echo_once(&lab, ECHO),
+        "the deleted service answered after the restart"
+    );
+
+    // Created again through the API: served again.
+    let (code, body) = api_with(
+        &lab,
+        &token,
+        "POST",
+        "/v1/services",
+        Some(r#"{"name": "echo", "vip": "198.18.100.1", "port": 7, "pool": []}"#),
+    );
+    assert_eq!(code, 201, "create: {body}");
+    lab.wait_for(
+        "the service created again to answer",
+        Duration::from_secs(10),
+        || echo_once(&lab, ECHO),
+    );
+    assert!(
+        log_of(&log2).contains("serving service \"echo\" at 198.18.100.1:7"),
+        "{}",
+        log_of(&log2)
+    );
+    let st = stop_appliance(&mut app);
+    assert!(st.success(), "second run exited with {st}");
+}
