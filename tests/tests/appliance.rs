@@ -95,6 +95,19 @@ fn start_with_servers(
     (app, token)
 }
 
+/// [`start_appliance`] again (same config and store), once its switchd has
+/// read the store and its API answers.
+fn restart_appliance(lab: &Lab, config: &Path, log: &Path) -> Child {
+    let app = start_appliance(lab, config, log);
+    lab.wait_for("the restarted switchd", Duration::from_secs(30), || {
+        log_of(log).contains("flows from the store")
+    });
+    lab.wait_for("the restarted API", Duration::from_secs(30), || {
+        api(lab, "", "GET", "/healthz").0 == 200
+    });
+    app
+}
+
 fn log_of(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
@@ -213,13 +226,7 @@ fn restart_keeps_flow_mappings_and_established_connections() {
     );
 
     let log2 = dir.join("capybara-2.log");
-    let mut app = start_appliance(&lab, &config, &log2);
-    lab.wait_for("the restarted switchd", Duration::from_secs(30), || {
-        log_of(&log2).contains("flows from the store")
-    });
-    lab.wait_for("the restarted API", Duration::from_secs(30), || {
-        api(&lab, "", "GET", "/healthz").0 == 200
-    });
+    let mut app = restart_appliance(&lab, &config, &log2);
     let after = owners(&lab, &token);
     for p in &ports {
         assert_eq!(
@@ -349,10 +356,7 @@ fn services_created_through_the_api_are_served() {
     let st = stop_appliance(&mut app);
     assert!(st.success(), "capybara run exited with {st}");
     let log2 = dir.join("capybara-2.log");
-    let mut app = start_appliance(&lab, &config, &log2);
-    lab.wait_for("the restarted switchd", Duration::from_secs(30), || {
-        log_of(&log2).contains("flows from the store")
-    });
+    let mut app = restart_appliance(&lab, &config, &log2);
     assert!(
         log_of(&log2).contains("serving service \"echo2\""),
         "{}",
@@ -372,9 +376,6 @@ fn services_created_through_the_api_are_served() {
     // Deleted: new connections are refused at once, the open ones go on
     // (and still migrate) until they close; then it is gone. The
     // configured services are untouched.
-    lab.wait_for("the restarted API", Duration::from_secs(30), || {
-        api(&lab, "", "GET", "/healthz").0 == 200
-    });
     let mut open = capybara_systests::EchoHolder::start_to(&lab, NEW, 2);
     lab.wait_for(
         "the open connections in the store",
@@ -474,13 +475,7 @@ fn a_configured_service_deleted_through_the_api_stays_deleted() {
 
     // The same config again: "echo" is not written back.
     let log2 = dir.join("capybara-2.log");
-    let mut app = start_appliance(&lab, &config, &log2);
-    lab.wait_for("the restarted switchd", Duration::from_secs(30), || {
-        log_of(&log2).contains("flows from the store")
-    });
-    lab.wait_for("the restarted API", Duration::from_secs(30), || {
-        api(&lab, "", "GET", "/healthz").0 == 200
-    });
+    let mut app = restart_appliance(&lab, &config, &log2);
     let l2 = log_of(&log2);
     let why = "configured service \"echo\" not written: deleted through the API earlier (create it again through the API to serve it)";
     assert_eq!(l2.matches(why).count(), 1, "said once, at the start: {l2}");
