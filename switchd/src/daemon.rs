@@ -830,10 +830,9 @@ impl Switch {
         });
     }
 
-    /// Servers and flows from the store into the (attached or not) data
-    /// plane, as a delta against what was loaded before.
-    /// Reads servers, services and flows from the store into the data
-    /// plane: at start and at a takeover (`active`: also seeds the store
+    /// Reads servers, services and flows from the store into the (attached
+    /// or not) data plane, flows as a delta against what was loaded
+    /// before: at start and at a takeover (`active`: also seeds the store
     /// with the config's services never seeded before, `services::seed`),
     /// and periodically on a standby.
     fn sync_from_store(&mut self, active: bool) -> anyhow::Result<()> {
