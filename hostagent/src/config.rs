@@ -441,6 +441,38 @@ fn default_name() -> String {
     "hostagent".into()
 }
 
+/// The keys of the file's top level (`Config`'s fields as spelled in TOML).
+const TOP_LEVEL_KEYS: &[&str] = &[
+    "name",
+    "interface",
+    "stack",
+    "service",
+    "migration",
+    "control",
+    "policy",
+    "health",
+];
+
+/// TOML puts every key written after a `[table]` header into that table, so
+/// a top-level key appended at the end of a file comes out as an "unknown
+/// field" of the last table, which names the table's fields but not the
+/// cause. When the unknown field is a top-level key, this says so.
+pub fn misplaced_top_level_hint(message: &str, top_level: &[&str]) -> String {
+    let Some(rest) = message.split("unknown field `").nth(1) else {
+        return String::new();
+    };
+    let Some(field) = rest.split('`').next() else {
+        return String::new();
+    };
+    if top_level.contains(&field) {
+        format!(
+            "; `{field}` is a top-level key: a key written after a [section] header belongs to that section, so move `{field}` above the first [section]"
+        )
+    } else {
+        String::new()
+    }
+}
+
 /// A configuration error, naming the field and the value.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -475,6 +507,7 @@ impl Config {
     /// Parses TOML text; `origin` names it in errors.
     pub fn parse(origin: &str, text: &str) -> Result<Config, ConfigError> {
         toml::from_str(text).map_err(|e| {
+            let hint = misplaced_top_level_hint(e.message(), TOP_LEVEL_KEYS);
             let at = e
                 .span()
                 .map(|s| {
@@ -487,7 +520,7 @@ impl Config {
                 .unwrap_or_default();
             ConfigError::Parse {
                 path: origin.into(),
-                message: format!("{}{at}", e.message().replace('\n', " ")),
+                message: format!("{}{at}{hint}", e.message().replace('\n', " ")),
             }
         })
     }
@@ -567,6 +600,35 @@ impl Config {
         if let Some(c) = &self.control {
             if c.weight == 0 {
                 return Err(bad("control.weight", "0".into(), "must be at least 1"));
+            }
+            // switchd answers a REGISTER from server 0 with an error and the
+            // server never joins: say so here, before anything starts.
+            if c.server_id == 0 {
+                return Err(bad(
+                    "control.server_id",
+                    "0".into(),
+                    "must be at least 1 (0 is reserved; switchd refuses it)",
+                ));
+            }
+            // The kernel owns the management address and the stack the data
+            // address; one address for both would have the kernel answer
+            // (and reset) the stack's connections.
+            if c.management == s.address {
+                return Err(bad(
+                    "control.management",
+                    c.management.to_string(),
+                    "must be the kernel's management address, not the stack's data address (stack.address)",
+                ));
+            }
+            if c.management.is_unspecified()
+                || c.management.is_broadcast()
+                || c.management.is_multicast()
+            {
+                return Err(bad(
+                    "control.management",
+                    c.management.to_string(),
+                    "must be a unicast address",
+                ));
             }
         }
         let h = &self.health;
@@ -679,6 +741,50 @@ app = "echo"
         assert!(e.contains("stack.mss = 20"), "{e}");
         let e = check(&GOOD.replace("name = \"eth0\"", "name = \"eth0\"\nspeed = 1")).unwrap_err();
         assert!(e.contains("speed"), "{e}");
+    }
+
+    #[test]
+    fn control_section_names_a_reserved_id_and_a_shared_address() {
+        let ctl = |id: u32, mgmt: &str| {
+            format!(
+                "{GOOD}[control]\nswitch = \"198.18.1.1:7692\"\nserver_id = {id}\nmanagement = \"{mgmt}\"\n"
+            )
+        };
+        assert_eq!(
+            check(&ctl(3, "198.18.1.13"))
+                .unwrap()
+                .control
+                .unwrap()
+                .server_id,
+            3
+        );
+        let e = check(&ctl(0, "198.18.1.13")).unwrap_err();
+        assert!(
+            e.contains("control.server_id = 0") && e.contains("reserved"),
+            "{e}"
+        );
+        let e = check(&ctl(1, "198.18.2.11")).unwrap_err();
+        assert!(
+            e.contains("control.management = 198.18.2.11") && e.contains("stack.address"),
+            "{e}"
+        );
+        let e = check(&ctl(1, "0.0.0.0")).unwrap_err();
+        assert!(e.contains("control.management = 0.0.0.0"), "{e}");
+    }
+
+    #[test]
+    fn a_top_level_key_after_a_section_is_explained() {
+        // `name` appended at the end lands in [[service]].
+        let e = check(&format!("{GOOD}name = \"s9\"\n")).unwrap_err();
+        assert!(
+            e.contains("unknown field `name`")
+                && e.contains("top-level key")
+                && e.contains("move `name` above"),
+            "{e}"
+        );
+        // A key unknown everywhere gets no such hint.
+        let e = check(&format!("{GOOD}nme = \"s9\"\n")).unwrap_err();
+        assert!(e.contains("nme") && !e.contains("top-level"), "{e}");
     }
 
     #[test]

@@ -229,6 +229,51 @@ fn d_max_flows() -> u32 {
     crate::abi::MAX_FLOWS
 }
 
+/// The keys of a switchd config's top level (`RawConfig`'s fields).
+pub const TOP_LEVEL_KEYS: &[&str] = &[
+    "control_listen",
+    "key_file",
+    "placement",
+    "target_selection",
+    "load_interval_us",
+    "heartbeat_interval_ms",
+    "dead_after_ms",
+    "dead_flow_grace_ms",
+    "closed_linger_ms",
+    "service_retire_timeout_ms",
+    "embryonic_timeout_ms",
+    "metrics_listen",
+    "store",
+    "max_flows",
+    "xdp_mode",
+    "interfaces",
+    "services",
+    "ha",
+];
+
+/// TOML puts every key written after a `[table]` or `[[array]]` header into
+/// that table, so a top-level setting appended at the end of a file (after
+/// `[[services]]`, say) is reported as an unknown field of the service,
+/// which names the service's fields but not the cause. When the unknown
+/// field of a toml error `message` is a top-level key, this says so (empty
+/// otherwise). The appliance's `[switchd]` section has the same trap.
+pub fn misplaced_key_hint(message: &str) -> String {
+    let Some(field) = message
+        .split("unknown field `")
+        .nth(1)
+        .and_then(|rest| rest.split('`').next())
+    else {
+        return String::new();
+    };
+    if TOP_LEVEL_KEYS.contains(&field) {
+        format!(
+            "\n`{field}` is a top-level key: a key written after a [section] or [[section]] header belongs to that section; move `{field}` above the first one"
+        )
+    } else {
+        String::new()
+    }
+}
+
 /// Where flow mappings, servers and the leader lease live.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreSpec {
@@ -357,7 +402,7 @@ impl Config {
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: String::new(),
-            err: e.to_string(),
+            err: format!("{}{}", e, misplaced_key_hint(e.message())),
         })?;
         Self::validate(raw)
     }
@@ -531,8 +576,10 @@ impl Config {
         let mut seen = BTreeSet::new();
         for (i, s) in raw.services.iter().enumerate() {
             let f = |n: &str| format!("services[{i}].{n}");
+            // At most 64: the REST API takes no longer name, so a longer
+            // one seeded into the store could be neither edited nor deleted.
             if s.name.is_empty()
-                || s.name.len() > 128
+                || s.name.len() > 64
                 || !s
                     .name
                     .bytes()
@@ -541,7 +588,7 @@ impl Config {
                 return Err(invalid(
                     f("name"),
                     format!("{:?}", s.name),
-                    "1-128 characters of [A-Za-z0-9_.-]",
+                    "1-64 characters of [A-Za-z0-9_.-] (the REST API's limit)",
                 ));
             }
             let vip: SocketAddrV4 = s.vip.parse().map_err(|_| {
@@ -772,6 +819,56 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
         );
         let e = err(&with("-1"));
         assert!(e.contains("dead_flow_grace_ms"), "{e}");
+    }
+
+    #[test]
+    fn service_names_fit_the_api() {
+        let named = |n: &str| OK.replace("name = \"web\"", &format!("name = \"{n}\""));
+        assert!(Config::from_toml(&named(&"a".repeat(64))).is_ok());
+        let e = err(&named(&"a".repeat(65)));
+        assert!(
+            e.contains("services[0].name") && e.contains("1-64 characters"),
+            "{e}"
+        );
+        let e = err(&named("web site"));
+        assert!(e.contains("services[0].name"), "{e}");
+    }
+
+    #[test]
+    fn a_top_level_key_after_a_table_is_explained() {
+        // Appended at the end, after [[services]]: TOML files it there.
+        let e = err(&format!("{OK}dead_after_ms = 1000\n"));
+        assert!(
+            e.contains("unknown field `dead_after_ms`")
+                && e.contains("top-level key")
+                && e.contains("move `dead_after_ms` above"),
+            "{e}"
+        );
+        // The same key at the top is fine, and a key unknown everywhere
+        // gets no hint.
+        assert!(Config::from_toml(&format!("dead_after_ms = 1000\n{OK}")).is_ok());
+        let e = err(&format!("{OK}dead_aftr_ms = 1000\n"));
+        assert!(
+            e.contains("dead_aftr_ms") && !e.contains("top-level"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn top_level_keys_match_the_raw_config() {
+        // serde lists every field of RawConfig in an unknown-field error.
+        let e = err(&format!("zz_unknown = 1\n{OK}"));
+        let listed: Vec<&str> = e
+            .split("expected one of ")
+            .nth(1)
+            .unwrap_or("")
+            .lines()
+            .next()
+            .unwrap_or("")
+            .split(", ")
+            .map(|k| k.trim_matches('`'))
+            .collect();
+        assert_eq!(listed, TOP_LEVEL_KEYS, "{e}");
     }
 
     #[test]
