@@ -259,6 +259,14 @@ echo "demo: starting the client load (Zipf over 100 long-lived connections, $RAT
 ) &
 LOADGEN_LOOP=$!
 
+# `make demo-stop` knows only target/demo/demo.pid and $CAPYBARA_LAB_PREFIX:
+# a demo with other knobs is stopped through its own pid file.
+if [ "$DIR" = "$ROOT/target/demo" ] && [ "$PREFIX" = demo ]; then
+  STOP='`make demo-stop`'
+else
+  STOP="\`kill \$(cat $DIR/demo.pid)\`"
+fi
+
 cat <<TXT
 
 Capybara demo is up.
@@ -269,7 +277,7 @@ Capybara demo is up.
   switchd:      ip netns exec $(NS sw) curl -s 127.0.0.1:9102/status
   A server:     ip netns exec $(NS c1) curl -s http://$VIP/
   Logs, state:  $DIR/
-Press Ctrl-C (or run \`make demo-stop\` elsewhere) to stop it and tear everything down.
+Press Ctrl-C (or run $STOP elsewhere) to stop it and tear everything down.
 TXT
 
 START=$SECONDS
