@@ -7,6 +7,7 @@
 //! Logical keys (relative to the backend's root) are the same in both
 //! backends and are what errors report: `servers/{id}`, `services/{name}`,
 //! `policy`, `drains/{server id}`, `audit/{seq:020}`, `leader/{election}`,
+//! `retiring/{service name}`,
 //! `flows/{client_ip}:{client_port}->{service_ip}:{service_port}`.
 
 use std::net::Ipv4Addr;
@@ -97,6 +98,32 @@ pub struct SeededValue {}
 /// Key of a configured service name switchd seeded (`Store::mark_seeded`).
 pub fn seeded_key(name: &str) -> String {
     format!("seeded/{name}")
+}
+
+/// Key of a retiring service record (`Store::list_retiring_services`).
+pub fn retiring_key(name: &str) -> String {
+    format!("retiring/{name}")
+}
+
+/// Decodes a retiring service record stored under `key` for service
+/// `name`: the record must name the same service.
+pub fn decode_retiring(
+    key: &str,
+    name: &str,
+    bytes: &[u8],
+) -> Result<crate::model::RetiringService, StoreError> {
+    crate::model::check_name("service name", name).map_err(|e| StoreError::MalformedKey {
+        key: key.to_string(),
+        reason: e.to_string(),
+    })?;
+    let r: crate::model::RetiringService = decode(key, bytes)?;
+    if r.service.name != name {
+        return Err(StoreError::MalformedValue {
+            key: key.to_string(),
+            reason: format!("holds service {:?}", r.service.name),
+        });
+    }
+    Ok(r)
 }
 
 pub fn server_key(id: ServerId) -> String {

@@ -16,6 +16,9 @@
 //!                                         seq floor (not watched)
 //! {prefix}/seeded/{service name}          {}: switchd seeded this configured
 //!                                         service once (not watched)
+//! {prefix}/retiring/{service name}        RetiringService: deleted, open
+//!                                         connections still served; put in
+//!                                         the delete's transaction (not watched)
 //! {prefix}/flows/{cip}:{cport}->{vip}:{vport}   {server}
 //! ```
 //!
@@ -203,6 +206,7 @@ impl EtcdStore {
             || logical.starts_with("counters/")
             || logical.starts_with("seq_floors/")
             || logical.starts_with("seeded/")
+            || logical.starts_with("retiring/")
         {
             format!("{}/{}", self.config.prefix, logical)
         } else {
@@ -665,9 +669,102 @@ impl Store for EtcdStore {
     }
 
     async fn delete_service(&self, name: &str) -> Result<bool> {
+        const OP: &str = "delete_service";
         check_name("service name", name)?;
-        self.delete_key("delete_service", &codec::service_key(name))
-            .await
+        let logical = codec::service_key(name);
+        let full = self.full(&logical);
+        let retiring = self.full(&codec::retiring_key(name));
+        // Compare-and-swap on the record's mod_revision: the retiring
+        // record is the service as deleted, in the delete's transaction.
+        for _ in 0..CAS_ATTEMPTS {
+            let Some(kv) = self.get_kv(OP, &logical).await? else {
+                return Ok(false);
+            };
+            let mut then = vec![TxnOp::delete(full.clone(), None)];
+            // A record that does not decode still goes (an operator must
+            // be able to delete it), with no retiring record.
+            match decode::<Service>(&logical, kv.value()) {
+                Ok(service) => {
+                    let record = RetiringService {
+                        service,
+                        deleted_unix_ms: unix_ms_now(),
+                    };
+                    then.push(TxnOp::put(retiring.clone(), encode(&record), None));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "deleted an undecodable service record: no retiring record")
+                }
+            }
+            let txn = Txn::new()
+                .when([Compare::mod_revision(
+                    full.clone(),
+                    CompareOp::Equal,
+                    kv.mod_revision(),
+                )])
+                .and_then(then);
+            if self
+                .retry(OP, |mut c| {
+                    let t = txn.clone();
+                    async move { c.txn(t).await }
+                })
+                .await?
+                .succeeded()
+            {
+                return Ok(true);
+            }
+        }
+        Err(StoreError::Internal(format!(
+            "{OP}: {logical} changed concurrently {CAS_ATTEMPTS} times in a row"
+        )))
+    }
+
+    async fn list_retiring_services(&self) -> Result<Vec<RetiringService>> {
+        const OP: &str = "list_retiring_services";
+        let mut out = Vec::new();
+        for kv in self.range(OP, "retiring/").await? {
+            let logical = self.logical(kv.key())?;
+            let name = logical.strip_prefix("retiring/").unwrap_or(logical);
+            out.push(codec::decode_retiring(logical, name, kv.value())?);
+        }
+        out.sort_by(|a, b| a.service.name.cmp(&b.service.name));
+        Ok(out)
+    }
+
+    async fn forget_retiring_service(&self, name: &str, deleted_unix_ms: u64) -> Result<bool> {
+        const OP: &str = "forget_retiring_service";
+        check_name("service name", name)?;
+        let logical = codec::retiring_key(name);
+        let full = self.full(&logical);
+        for _ in 0..CAS_ATTEMPTS {
+            let Some(kv) = self.get_kv(OP, &logical).await? else {
+                return Ok(false);
+            };
+            // Only that record: one that does not decode is not it.
+            let record = codec::decode_retiring(&logical, name, kv.value())?;
+            if record.deleted_unix_ms != deleted_unix_ms {
+                return Ok(false);
+            }
+            let txn = Txn::new()
+                .when([Compare::mod_revision(
+                    full.clone(),
+                    CompareOp::Equal,
+                    kv.mod_revision(),
+                )])
+                .and_then([TxnOp::delete(full.clone(), None)]);
+            if self
+                .retry(OP, |mut c| {
+                    let t = txn.clone();
+                    async move { c.txn(t).await }
+                })
+                .await?
+                .succeeded()
+            {
+                return Ok(true);
+            }
+        }
+        Err(StoreError::Internal(format!(
+            "{OP}: {logical} changed concurrently {CAS_ATTEMPTS} times in a row"
+        )))
     }
 
     async fn get_policy(&self) -> Result<Policy> {

@@ -72,7 +72,19 @@ pub trait Store: Send + Sync + 'static {
     async fn get_service(&self, name: &str) -> Result<Option<Service>>;
     /// All services, ordered by name.
     async fn list_services(&self) -> Result<Vec<Service>>;
+    /// Deletes the service and, in the same transaction, records it as
+    /// retiring (`RetiringService`, deleted now), replacing an earlier
+    /// record of that name. Nothing is recorded when there was no service.
     async fn delete_service(&self, name: &str) -> Result<bool>;
+
+    // ----- retiring services (deleted, open connections still served)
+    /// Every retiring record, ordered by name. Not watched, not in the
+    /// change log. A record that does not decode is an error naming its key.
+    async fn list_retiring_services(&self) -> Result<Vec<RetiringService>>;
+    /// Removes the retiring record of `name` if it is the one deleted at
+    /// `deleted_unix_ms` (a later delete of a service created again under
+    /// that name is kept). Returns whether a record was removed.
+    async fn forget_retiring_service(&self, name: &str, deleted_unix_ms: u64) -> Result<bool>;
 
     // ----- seeded configured services (switchd's `[[services]]`)
     /// Remembers that these configured service names were seeded (written

@@ -163,6 +163,22 @@ pub struct Service {
     pub pool: Vec<ServerId>,
 }
 
+/// A deleted service whose open connections switchd still serves
+/// (retiring, docs/SWITCHD.md): written by `Store::delete_service` in the
+/// same transaction as the delete, so that a switchd that restarts, or a
+/// standby that takes over, keeps serving them, with the retire timeout
+/// counted from `deleted_unix_ms`. One per name: the delete of a service
+/// created again under that name replaces it. The active switchd forgets it
+/// (`Store::forget_retiring_service`) when the service has gone.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetiringService {
+    /// The service record as it was when deleted.
+    pub service: Service,
+    /// When it was deleted (wall clock).
+    pub deleted_unix_ms: u64,
+}
+
 /// Checks a name used inside keys (service names, election names).
 pub(crate) fn check_name(what: &'static str, name: &str) -> Result<(), crate::StoreError> {
     let ok = !name.is_empty()

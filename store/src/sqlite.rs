@@ -276,6 +276,8 @@ fn open_blocking(config: &SqliteConfig) -> Result<Connection> {
         .map_err(|e| corrupt_or(&path, "create seq_floors", e))?;
     conn.execute_batch(SEEDED_SERVICES_TABLE)
         .map_err(|e| corrupt_or(&path, "create seeded_services", e))?;
+    conn.execute_batch(RETIRING_SERVICES_TABLE)
+        .map_err(|e| corrupt_or(&path, "create retiring_services", e))?;
     Ok(conn)
 }
 
@@ -291,6 +293,13 @@ const SEQ_FLOORS_TABLE: &str = "CREATE TABLE IF NOT EXISTS seq_floors (
 /// existed) opens and gets it empty, and an older build ignores it.
 const SEEDED_SERVICES_TABLE: &str =
     "CREATE TABLE IF NOT EXISTS seeded_services (name TEXT PRIMARY KEY)";
+
+/// Retiring service records (`Store::list_retiring_services`), written
+/// with the delete of the service: additive like `seq_floors`, so a file
+/// without it opens and gets it empty, and an older build ignores it.
+/// `deleted_unix_ms` is also a column, for the exact-record forget.
+const RETIRING_SERVICES_TABLE: &str = "CREATE TABLE IF NOT EXISTS retiring_services (
+    name TEXT PRIMARY KEY, deleted_unix_ms INTEGER NOT NULL, value BLOB NOT NULL)";
 
 /// A u64 of a seq floor as an SQLite integer (i64).
 fn seq_column(what: &'static str, v: u64) -> Result<i64> {
@@ -932,13 +941,87 @@ impl Store for SqliteStore {
 
     async fn delete_service(&self, name: &str) -> Result<bool> {
         check_name("service name", name)?;
-        self.delete_record(
-            "delete_service",
-            "services",
-            "name",
-            name.to_string().into(),
-            codec::service_key(name),
-        )
+        let name = name.to_string();
+        let op = "delete_service";
+        self.write(op, move |tx| {
+            let key = codec::service_key(&name);
+            let v: Option<Vec<u8>> = tx
+                .prepare_cached("SELECT value FROM services WHERE name = ?1")
+                .and_then(|mut s| s.query_row([&name], |r| r.get(0)).optional())
+                .map_err(StoreError::sqlite(op))?;
+            let Some(v) = v else {
+                return Ok(false);
+            };
+            tx.prepare_cached("DELETE FROM services WHERE name = ?1")
+                .and_then(|mut s| s.execute([&name]))
+                .map_err(StoreError::sqlite(op))?;
+            // A record that does not decode still goes (an operator must be
+            // able to delete it), with no retiring record: nothing could
+            // have served it.
+            match decode::<Service>(&key, &v) {
+                Ok(service) => {
+                    let record = RetiringService {
+                        service,
+                        deleted_unix_ms: unix_ms_now(),
+                    };
+                    let deleted_at = seq_column("deleted_unix_ms", record.deleted_unix_ms)?;
+                    tx.prepare_cached(
+                        "INSERT OR REPLACE INTO retiring_services (name, deleted_unix_ms, value) VALUES (?1, ?2, ?3)",
+                    )
+                    .and_then(|mut s| s.execute(params![name, deleted_at, encode(&record)]))
+                    .map_err(StoreError::sqlite(op))?;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "deleted an undecodable service record: no retiring record")
+                }
+            }
+            log_change(tx, "services", &key, None).map_err(StoreError::sqlite(op))?;
+            Ok(true)
+        })
+        .await
+    }
+
+    async fn list_retiring_services(&self) -> Result<Vec<RetiringService>> {
+        self.run("list_retiring_services", |conn| {
+            let op = "list_retiring_services";
+            let mut q = conn
+                .prepare_cached("SELECT name, value FROM retiring_services ORDER BY name")
+                .map_err(StoreError::sqlite(op))?;
+            let rows = q
+                .query_map([], |r| {
+                    Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?))
+                })
+                .map_err(StoreError::sqlite(op))?;
+            let mut out = Vec::new();
+            for row in rows {
+                let (name, value) = row.map_err(StoreError::sqlite(op))?;
+                out.push(codec::decode_retiring(
+                    &codec::retiring_key(&name),
+                    &name,
+                    &value,
+                )?);
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn forget_retiring_service(&self, name: &str, deleted_unix_ms: u64) -> Result<bool> {
+        check_name("service name", name)?;
+        let Ok(deleted_at) = i64::try_from(deleted_unix_ms) else {
+            // Never stored (delete_service refuses such a time).
+            return Ok(false);
+        };
+        let name = name.to_string();
+        // Not watched: no change-log rows and no poller wake-up.
+        self.run("forget_retiring_service", move |conn| {
+            conn.prepare_cached(
+                "DELETE FROM retiring_services WHERE name = ?1 AND deleted_unix_ms = ?2",
+            )
+            .and_then(|mut s| s.execute(params![name, deleted_at]))
+            .map(|n| n > 0)
+            .map_err(StoreError::sqlite("forget_retiring_service"))
+        })
         .await
     }
 

@@ -314,6 +314,88 @@ mod cases {
         assert!(got.windows(2).all(|p| p[0] < p[1]), "sorted");
     }
 
+    /// A deleted service is recorded as retiring in the delete's
+    /// transaction (what lets a restarted or standby switchd keep its open
+    /// connections): the record is the service as it was, seen by every
+    /// handle, not watched; a later delete of the name replaces it; a
+    /// forget removes only the exact record.
+    pub async fn retiring_records(f: &Fixture) {
+        let s = &f.store;
+        let mut w = f.second.watch(&[WatchKind::Services]).await.unwrap();
+        assert!(s.list_retiring_services().await.unwrap().is_empty());
+        assert!(!s.delete_service("web").await.unwrap());
+        assert!(s.list_retiring_services().await.unwrap().is_empty());
+        s.put_service(&service("web", &[1, 2])).await.unwrap();
+        s.put_service(&service("api", &[3])).await.unwrap();
+        for _ in 0..2 {
+            assert!(matches!(
+                next_event(&mut w, WAIT).await.change,
+                Change::ServicePut(_)
+            ));
+        }
+        let before = unix_ms_now();
+        assert!(s.delete_service("web").await.unwrap());
+        let after = unix_ms_now();
+        // The delete is watched; its retiring record is not.
+        assert_eq!(
+            next_event(&mut w, WAIT).await.change,
+            Change::ServiceDeleted("web".into())
+        );
+        no_event(&mut w, Duration::from_millis(300)).await;
+        let got = f.second.list_retiring_services().await.unwrap();
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0].service, service("web", &[1, 2]));
+        let first = got[0].deleted_unix_ms;
+        assert!(
+            (before..=after).contains(&first),
+            "{first} not in [{before}, {after}]"
+        );
+        assert_eq!(s.get_service("web").await.unwrap(), None);
+        assert!(!s.delete_service("web").await.unwrap(), "deleted twice");
+        assert_eq!(s.list_retiring_services().await.unwrap(), got);
+
+        // Created again (the record stays: switchd forgets it), deleted
+        // again: the newer record replaces the older one.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        s.put_service(&service("web", &[4])).await.unwrap();
+        assert_eq!(s.list_retiring_services().await.unwrap(), got);
+        assert!(s.delete_service("web").await.unwrap());
+        assert!(f.second.delete_service("api").await.unwrap());
+        let got = s.list_retiring_services().await.unwrap();
+        let names: Vec<&str> = got.iter().map(|r| r.service.name.as_str()).collect();
+        assert_eq!(names, ["api", "web"], "ordered by name");
+        assert_eq!(got[0].service, service("api", &[3]));
+        assert_eq!(got[1].service, service("web", &[4]));
+        let second = got[1].deleted_unix_ms;
+        assert!(second > first, "{second} after {first}");
+
+        // Forget: only the exact record.
+        assert!(!s.forget_retiring_service("web", first).await.unwrap());
+        assert_eq!(s.list_retiring_services().await.unwrap().len(), 2);
+        assert!(f
+            .second
+            .forget_retiring_service("web", second)
+            .await
+            .unwrap());
+        assert!(!s.forget_retiring_service("web", second).await.unwrap());
+        assert!(!s.forget_retiring_service("nope", 1).await.unwrap());
+        assert!(!s.forget_retiring_service("api", u64::MAX).await.unwrap());
+        let left = s.list_retiring_services().await.unwrap();
+        assert_eq!(left.len(), 1);
+        assert_eq!(left[0].service.name, "api");
+        let e = s.forget_retiring_service("bad/name", 1).await.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                StoreError::Invalid {
+                    what: "service name",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
     pub async fn policy_default_roundtrip_and_validation(f: &Fixture) {
         let s = &f.store;
         assert_eq!(s.get_policy().await.unwrap(), Policy::default());
@@ -1096,6 +1178,7 @@ conformance!(
     server_state_and_weight,
     services_crud,
     seeded_marks,
+    retiring_records,
     policy_default_roundtrip_and_validation,
     flows_batch_semantics,
     flows_large_batch_and_scan,

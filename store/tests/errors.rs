@@ -217,6 +217,142 @@ async fn etcd_malformed_seeded_marks_name_the_key() {
     );
 }
 
+/// A file written before retiring records existed (no
+/// `retiring_services` table) opens with none and takes them, without a
+/// schema version bump; a bad stored record names its key.
+#[tokio::test]
+async fn sqlite_file_without_retiring_records_opens_and_takes_them() {
+    let dir = tmp();
+    let path = dir.path().join("pre-retiring.db");
+    let version = capybara_store::sqlite::SCHEMA_VERSION;
+    capybara_store::sqlite::create_at_schema_version(&path, version).unwrap();
+    let service = Service {
+        name: "web".into(),
+        vip: Ipv4Addr::new(198, 18, 100, 2),
+        port: 17,
+        pool: vec![ServerId(1)],
+    };
+    {
+        // A service stored by the older build.
+        let c = rusqlite::Connection::open(&path).unwrap();
+        let value = r#"{"v":1,"data":{"name":"web","vip":"198.18.100.2","port":17,"pool":[1]}}"#;
+        c.execute(
+            "INSERT INTO services (name, value) VALUES ('web', ?1)",
+            [value.as_bytes()],
+        )
+        .unwrap();
+        let mut st = c
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
+            .unwrap();
+        let names: Vec<String> = st
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(|n| n.unwrap())
+            .collect();
+        assert!(!names.contains(&"retiring_services".to_string()));
+    }
+    let s = SqliteStore::open(SqliteConfig::at(&path)).await.unwrap();
+    assert!(s.list_retiring_services().await.unwrap().is_empty());
+    assert!(s.delete_service("web").await.unwrap());
+    drop(s);
+    let s = SqliteStore::open(SqliteConfig::at(&path)).await.unwrap();
+    let got = s.list_retiring_services().await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].service, service);
+    let v: i64 = rusqlite::Connection::open(&path)
+        .unwrap()
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(v, version, "no schema version bump");
+    let c = rusqlite::Connection::open(&path).unwrap();
+    c.execute(
+        "INSERT INTO retiring_services VALUES ('echo', 1, x'676172626167')",
+        [],
+    )
+    .unwrap();
+    let e = s.list_retiring_services().await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::MalformedValue { ref key, .. } if key == "retiring/echo"),
+        "{e}"
+    );
+    c.execute(
+        "UPDATE retiring_services SET value = (SELECT value FROM retiring_services WHERE name = 'web') WHERE name = 'echo'",
+        [],
+    )
+    .unwrap();
+    let e = s.list_retiring_services().await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::MalformedValue { ref key, ref reason } if key == "retiring/echo" && reason.contains("\"web\"")),
+        "{e}"
+    );
+    c.execute("DELETE FROM retiring_services WHERE name = 'echo'", [])
+        .unwrap();
+    c.execute(
+        "INSERT INTO retiring_services VALUES ('bad name', 1, x'00')",
+        [],
+    )
+    .unwrap();
+    let e = s.list_retiring_services().await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::MalformedKey { ref key, .. } if key == "retiring/bad name"),
+        "{e}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_malformed_retiring_records_name_the_key() {
+    let cluster = EtcdCluster::start(1).unwrap();
+    let s = EtcdStore::connect(cluster.store_config()).await.unwrap();
+    s.inject_raw("retiring/echo", b"garbage".to_vec())
+        .await
+        .unwrap();
+    let e = s.list_retiring_services().await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::MalformedValue { ref key, .. } if key == "retiring/echo"),
+        "{e}"
+    );
+    // The exact-record forget does not remove what it cannot read.
+    let e = s.forget_retiring_service("echo", 1).await.unwrap_err();
+    assert!(e.to_string().contains("retiring/echo"), "{e}");
+    s.inject_raw(
+        "retiring/echo",
+        br#"{"v":1,"data":{"service":{"name":"web","vip":"198.18.100.2","port":17,"pool":[]},"deleted_unix_ms":5}}"#.to_vec(),
+    )
+    .await
+    .unwrap();
+    let e = s.list_retiring_services().await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::MalformedValue { ref key, ref reason } if key == "retiring/echo" && reason.contains("\"web\"")),
+        "{e}"
+    );
+    s.inject_raw("retiring/echo", br#"{"v":2,"data":{}}"#.to_vec())
+        .await
+        .unwrap();
+    let e = s.list_retiring_services().await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::UnsupportedVersion { found: 2, .. }),
+        "{e}"
+    );
+    s.inject_raw(
+        "retiring/echo",
+        br#"{"v":1,"data":{"service":{"name":"echo","vip":"198.18.100.2","port":17,"pool":[]},"deleted_unix_ms":5}}"#.to_vec(),
+    )
+    .await
+    .unwrap();
+    let got = s.list_retiring_services().await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].deleted_unix_ms, 5);
+    assert!(s.forget_retiring_service("echo", 5).await.unwrap());
+    s.inject_raw("retiring/bad name", b"{}".to_vec())
+        .await
+        .unwrap();
+    let e = s.list_retiring_services().await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::MalformedKey { ref key, .. } if key == "retiring/bad name"),
+        "{e}"
+    );
+}
+
 #[tokio::test]
 async fn sqlite_malformed_values_and_keys_name_the_key() {
     let dir = tmp();
