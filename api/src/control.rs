@@ -209,6 +209,43 @@ pub trait ControlPlane: Send + Sync + 'static {
     async fn service_serving(&self) -> Option<HashMap<(Ipv4Addr, u16), ServiceServing>> {
         None
     }
+    /// What `GET /v1/services` shows from switchd: `service_serving` and
+    /// the deleted services it still serves connections of, from one
+    /// `/status`. `None`: no switchd, or it did not answer. The default
+    /// (a control plane that only knows `service_serving`) lists no
+    /// retiring services (`retiring: None`, absent in the answer).
+    async fn services_status(&self) -> Option<ServicesStatus> {
+        self.service_serving().await.map(|serving| ServicesStatus {
+            serving,
+            retiring: None,
+        })
+    }
+}
+
+/// switchd's view of the services: the served ones by VIP:port, and the
+/// retiring ones (deleted, open connections still served).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServicesStatus {
+    pub serving: HashMap<(Ipv4Addr, u16), ServiceServing>,
+    /// `None`: this control plane cannot tell.
+    pub retiring: Option<Vec<RetiringService>>,
+}
+
+/// A deleted service switchd keeps retiring (`RetiringService` in the API).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RetiringService {
+    pub name: String,
+    pub vip: String,
+    pub port: u16,
+    /// Since switchd saw the delete.
+    pub retiring_for_ms: u64,
+    /// Its flows at switchd's last complete pass (absent before the first).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub connections: Option<u64>,
+    /// Left before `service_retire_timeout_ms` ends the rest (absent when
+    /// switchd does not report it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeout_in_ms: Option<u64>,
 }
 
 /// switchd's view of one served service (`ServiceServing` in the API).

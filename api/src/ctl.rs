@@ -11,7 +11,7 @@
 //!   migrate CONN [--target SERVER]
 //!   policy get | policy set KEY=VALUE...
 //!   migrations [--follow [--for 10s]]
-//!   services
+//!   services                              live services, then the retiring (deleted) ones
 //!   service add NAME VIP:PORT [--pool 1,2]   create (empty pool: every server)
 //!   service set NAME VIP:PORT [--pool 1,2]   change address (and pool)
 //!   service delete NAME                      no new connections; open ones kept until they end
@@ -485,7 +485,51 @@ async fn services(cfg: &Configuration) -> Result<(), CtlError> {
             served
         );
     }
+    // Deleted services whose open connections switchd still serves.
+    if let Some(retiring) = list.retiring.filter(|r| !r.is_empty()) {
+        println!();
+        println!("RETIRING (deleted: no new connections; the open ones are served until they end, at most service_retire_timeout_ms)");
+        println!(
+            "{:<20} {:<21} {:>11}  {:<14} TIMEOUT IN",
+            "NAME", "VIP:PORT", "CONNECTIONS", "DELETED"
+        );
+        for r in retiring {
+            println!("{}", retiring_line(&r));
+        }
+    }
     Ok(())
+}
+
+/// One line of `services`' RETIRING table.
+fn retiring_line(r: &models::RetiringService) -> String {
+    let conns = r
+        .connections
+        .map(|c| c.to_string())
+        .unwrap_or_else(|| "?".into());
+    let left = r
+        .timeout_in_ms
+        .map(|ms| fmt_ms(ms.max(0) as u64))
+        .unwrap_or_else(|| "- (not reported)".into());
+    format!(
+        "{:<20} {:<21} {:>11}  {:<14} {}",
+        r.name,
+        format!("{}:{}", r.vip, r.port),
+        conns,
+        format!("{} ago", fmt_ms(r.retiring_for_ms.max(0) as u64)),
+        left
+    )
+}
+
+/// `1m 04s`, `4.2s`, `2h 05m`.
+fn fmt_ms(ms: u64) -> String {
+    let s = ms / 1000;
+    if s < 60 {
+        format!("{}.{}s", s, (ms % 1000) / 100)
+    } else if s < 3600 {
+        format!("{}m {:02}s", s / 60, s % 60)
+    } else {
+        format!("{}h {:02}m", s / 3600, (s % 3600) / 60)
+    }
 }
 
 /// `service add|set NAME VIP:PORT [--pool 1,2]`: `--pool` lists server
@@ -820,6 +864,23 @@ mod tests {
         assert_eq!(parse_duration("500ms"), Some(Duration::from_millis(500)));
         assert_eq!(parse_duration("x"), None);
         assert_eq!(parse_duration("3d"), None);
+    }
+
+    #[test]
+    fn retiring_services_are_one_line_each() {
+        let mut r = models::RetiringService::new("api".into(), "198.18.100.2".into(), 8080, 64_000);
+        r.connections = Some(3);
+        r.timeout_in_ms = Some(236_000);
+        let line = retiring_line(&r);
+        assert!(line.starts_with("api "), "{line}");
+        assert!(line.contains("198.18.100.2:8080"), "{line}");
+        assert!(line.contains(" 3  1m 04s ago"), "{line}");
+        assert!(line.ends_with("3m 56s"), "{line}");
+        let r = models::RetiringService::new("old".into(), "198.18.100.3".into(), 80, 1_250);
+        let line = retiring_line(&r);
+        assert!(line.contains(" ?  1.2s ago"), "{line}");
+        assert!(line.ends_with("- (not reported)"), "{line}");
+        assert_eq!(fmt_ms(7_500_000), "2h 05m");
     }
 
     #[test]

@@ -723,12 +723,17 @@ async fn list_services(req: HttpRequest, data: web::Data<AppState>) -> ApiResult
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
     let services = state.store.list_services().await?;
-    let serving = state.cp.service_serving().await;
-    let items: Vec<_> = services
-        .iter()
-        .map(|s| serving_view(s, serving.as_ref()))
-        .collect();
-    Ok(ok(&json!({ "items": items })))
+    // One switchd `/status` for both: what it serves, and the deleted
+    // services it still serves connections of (absent when it does not
+    // answer).
+    let status = state.cp.services_status().await;
+    let serving = status.as_ref().map(|s| &s.serving);
+    let items: Vec<_> = services.iter().map(|s| serving_view(s, serving)).collect();
+    let mut body = json!({ "items": items });
+    if let Some(retiring) = status.and_then(|s| s.retiring) {
+        body["retiring"] = json!(retiring);
+    }
+    Ok(ok(&body))
 }
 
 async fn create_service(

@@ -41,8 +41,9 @@ use tokio::sync::broadcast;
 
 use crate::control::{
     connection_id, ConnectionFilter, ConnectionPage, ControlEvent, ControlPlane, DataSource,
-    DrainSpec, DrainView, Histogram, MigrationMetrics, MigrationPhases, MigrationView, ServerStats,
-    ServiceServing, StoreControlPlane, MIGRATION_OUTCOMES, MIGRATION_PHASES, PHASE_BUCKETS_SECONDS,
+    DrainSpec, DrainView, Histogram, MigrationMetrics, MigrationPhases, MigrationView,
+    RetiringService, ServerStats, ServiceServing, ServicesStatus, StoreControlPlane,
+    MIGRATION_OUTCOMES, MIGRATION_PHASES, PHASE_BUCKETS_SECONDS,
 };
 use crate::problem::Problem;
 
@@ -105,6 +106,19 @@ pub struct StatusService {
     /// Deleted, its open connections still served (none placed).
     #[serde(default)]
     pub retiring: bool,
+    #[serde(default)]
+    pub name: String,
+    /// Retiring: since switchd saw the delete.
+    #[serde(default)]
+    pub retiring_for_ms: Option<u64>,
+    /// Retiring: its flow entries at the last complete flow-table pass
+    /// (null before the first).
+    #[serde(default)]
+    pub retiring_flows: Option<u64>,
+    /// Retiring: left before `service_retire_timeout_ms` ends the rest
+    /// (when this switchd reports it).
+    #[serde(default)]
+    pub retiring_left_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -124,24 +138,51 @@ pub struct Status {
 pub fn parse_status_services(
     body: &str,
 ) -> Result<HashMap<(Ipv4Addr, u16), ServiceServing>, Problem> {
+    Ok(parse_services_status(body)?.serving)
+}
+
+/// Parses the services of switchd's `/status`: the served ones by VIP:port
+/// and the retiring ones, ordered by name, then VIP:port.
+pub fn parse_services_status(body: &str) -> Result<ServicesStatus, Problem> {
     let st: Status = serde_json::from_str(body).map_err(|e| {
         Problem::unavailable(format!("switchd returned an unreadable /status: {e}"))
     })?;
-    Ok(st
-        .services
-        .into_iter()
-        .filter(|s| !s.retiring)
-        .filter_map(|s| {
-            let addr: std::net::SocketAddrV4 = s.vip.parse().ok()?;
-            let view = ServiceServing {
-                served: true,
-                members: s.pool.iter().map(|m| m.server).collect(),
-                apps_down: s.backend_down,
-                fail_open: s.fail_open,
-            };
-            Some(((*addr.ip(), addr.port()), view))
-        })
-        .collect())
+    let mut serving = HashMap::new();
+    let mut retiring = Vec::new();
+    for s in st.services {
+        let Ok(addr) = s.vip.parse::<std::net::SocketAddrV4>() else {
+            continue;
+        };
+        if s.retiring {
+            retiring.push(RetiringService {
+                name: s.name,
+                vip: addr.ip().to_string(),
+                port: addr.port(),
+                retiring_for_ms: s.retiring_for_ms.unwrap_or(0),
+                connections: s.retiring_flows,
+                timeout_in_ms: s.retiring_left_ms,
+            });
+            continue;
+        }
+        let view = ServiceServing {
+            served: true,
+            members: s.pool.iter().map(|m| m.server).collect(),
+            apps_down: s.backend_down,
+            fail_open: s.fail_open,
+        };
+        serving.insert((*addr.ip(), addr.port()), view);
+    }
+    retiring.sort_by(|a, b| {
+        (&a.name, a.vip.parse::<Ipv4Addr>().ok(), a.port).cmp(&(
+            &b.name,
+            b.vip.parse::<Ipv4Addr>().ok(),
+            b.port,
+        ))
+    });
+    Ok(ServicesStatus {
+        serving,
+        retiring: Some(retiring),
+    })
 }
 
 /// Parses switchd's `/status` body into per-server stats.
@@ -856,6 +897,11 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
         parse_status_services(&body).ok()
     }
 
+    async fn services_status(&self) -> Option<ServicesStatus> {
+        let body = self.http.get("/status").await.ok()?;
+        parse_services_status(&body).ok()
+    }
+
     async fn server_stats(&self) -> Result<HashMap<ServerId, ServerStats>, Problem> {
         let mut out = match self.http.server_stats().await {
             Ok(out) => out,
@@ -1082,6 +1128,55 @@ mod tests {
         .unwrap();
         assert_eq!(m.len(), 1);
         assert!(m[&(Ipv4Addr::new(198, 18, 100, 1), 80)].served);
+    }
+
+    #[test]
+    fn retiring_services_are_listed_with_their_connections() {
+        let st = parse_services_status(
+            r#"{"services": [
+              {"name": "web", "vip": "198.18.100.1:80", "pool": [{"server": 1}], "fail_open": false,
+               "retiring": false, "retiring_for_ms": null, "retiring_flows": null},
+              {"name": "old", "vip": "198.18.100.3:80", "pool": [], "retiring": true,
+               "retiring_for_ms": 1200, "retiring_flows": null},
+              {"name": "api", "vip": "198.18.100.2:8080", "pool": [{"server": 2}], "retiring": true,
+               "retiring_for_ms": 64000, "retiring_flows": 3, "retiring_left_ms": 236000},
+              {"name": "bad", "vip": "not an address", "retiring": true, "retiring_for_ms": 5}
+            ]}"#,
+        )
+        .unwrap();
+        assert_eq!(st.serving.len(), 1);
+        assert!(st.serving[&(Ipv4Addr::new(198, 18, 100, 1), 80)].served);
+        let r = st.retiring.unwrap();
+        assert_eq!(r.len(), 2, "{r:?}");
+        // By name; connections unknown before switchd's first pass.
+        assert_eq!(
+            r[0],
+            RetiringService {
+                name: "api".into(),
+                vip: "198.18.100.2".into(),
+                port: 8080,
+                retiring_for_ms: 64000,
+                connections: Some(3),
+                timeout_in_ms: Some(236000),
+            }
+        );
+        assert_eq!(
+            (r[1].name.as_str(), r[1].port, r[1].retiring_for_ms),
+            ("old", 80, 1200)
+        );
+        assert_eq!((r[1].connections, r[1].timeout_in_ms), (None, None));
+        let json = serde_json::to_value(&r[1]).unwrap();
+        assert!(json.get("connections").is_none(), "{json}");
+        // A switchd status without services: nothing retiring (not unknown).
+        let st = parse_services_status(r#"{"servers": []}"#).unwrap();
+        assert_eq!(st.retiring, Some(vec![]));
+        assert_eq!(
+            parse_services_status("not json")
+                .unwrap_err()
+                .status
+                .as_u16(),
+            503
+        );
     }
 
     #[test]

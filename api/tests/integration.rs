@@ -923,6 +923,15 @@ async fn start_with_switchd(
     dir: &Path,
     switchd_url: &str,
 ) -> (RunningApi, Arc<StoreControlPlane>, String) {
+    let (running, inner, url, _) = start_with_switchd_db(dir, switchd_url).await;
+    (running, inner, url)
+}
+
+/// `start_with_switchd`, and its token database.
+async fn start_with_switchd_db(
+    dir: &Path,
+    switchd_url: &str,
+) -> (RunningApi, Arc<StoreControlPlane>, String, Arc<ApiDb>) {
     let (store, db) = store_and_db(dir).await;
     let inner = StoreControlPlane::new(store.clone(), db.clone())
         .await
@@ -934,14 +943,14 @@ async fn start_with_switchd(
         listen: "127.0.0.1:0".parse().unwrap(),
         store,
         control_plane: Arc::new(cp),
-        db,
+        db: db.clone(),
         static_dir: None,
         workers: 1,
     })
     .await
     .unwrap();
     let url = format!("http://{}", running.addr);
-    (running, inner, url)
+    (running, inner, url, db)
 }
 
 /// How a stand-in for switchd's HTTP endpoint behaves.
@@ -954,6 +963,29 @@ enum Endpoint {
     Silent,
     /// Answers 200 with a page that is not a switchd status (a wrong URL).
     NotSwitchd,
+    /// As `Switchd`, its `/status` serving `web` (198.18.100.1:80) and
+    /// retiring two deleted services, as switchd writes them.
+    Retiring,
+}
+
+/// The `services` of `Endpoint::Retiring`'s `/status` (switchd's fields).
+fn retiring_status() -> Value {
+    json!({
+        "role": "active",
+        "servers": [],
+        "services": [
+            {"name": "web", "vip": "198.18.100.1:80", "index": 0, "placement": "maglev",
+             "pool": [{"server": 1, "weight": 1}], "fail_open": false, "retiring": false,
+             "retiring_for_ms": null, "retiring_flows": null, "backend_down": []},
+            {"name": "old", "vip": "198.18.100.3:80", "index": 2, "placement": "none",
+             "pool": [], "fail_open": false, "retiring": true,
+             "retiring_for_ms": 400, "retiring_flows": null, "backend_down": []},
+            {"name": "api", "vip": "198.18.100.2:8080", "index": 1, "placement": "none",
+             "pool": [{"server": 1, "weight": 1}], "fail_open": false, "retiring": true,
+             "retiring_for_ms": 64000, "retiring_flows": 3, "retiring_left_ms": 236000,
+             "backend_down": []}
+        ]
+    })
 }
 
 /// A stand-in endpoint on 127.0.0.1 (free port): its URL, and the task to
@@ -990,6 +1022,7 @@ async fn switchd_endpoint(kind: Endpoint) -> (String, tokio::task::JoinHandle<()
                 let path = head.split_whitespace().nth(1).unwrap_or("");
                 let (code, body) = match (kind, path.split('?').next().unwrap_or("")) {
                     (Endpoint::NotSwitchd, _) => ("200 OK", "<html>welcome</html>".to_string()),
+                    (Endpoint::Retiring, "/status") => ("200 OK", retiring_status().to_string()),
                     (_, "/status") => (
                         "200 OK",
                         json!({ "role": "active", "servers": [] }).to_string(),
@@ -1129,4 +1162,108 @@ async fn readyz_says_whether_switchd_answers() {
     assert!(took < Duration::from_secs(1), "readyz took {took:?}");
     inner.shutdown();
     running.stop().await;
+}
+
+/// `GET /v1/services` lists the deleted services switchd still serves
+/// connections of (`retiring`, from its `/status`) after the live ones;
+/// `GET /v1/services/NAME` of a deleted name stays 404; `capybara ctl
+/// services` shows them under RETIRING. Without an answering switchd the
+/// field is absent (unknown), not empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retiring_services_are_listed_from_switchd() {
+    let (status_url, endpoint) = switchd_endpoint(Endpoint::Retiring).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (running, inner, url, db) = start_with_switchd_db(dir.path(), &status_url).await;
+    let admin = db.create("root", Role::Admin, "test").unwrap().1;
+    let viewer = db.create("look", Role::Viewer, "test").unwrap().1;
+    let svc = json!({ "name": "web", "vip": "198.18.100.1", "port": 80, "pool": [] });
+    let (s, v, _) = call(
+        "POST",
+        format!("{url}/v1/services"),
+        Some(&admin),
+        Some(svc),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+
+    let (s, v, _) = call("GET", format!("{url}/v1/services"), Some(&viewer), None).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["items"].as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(v["items"][0]["name"], "web", "{v}");
+    assert_eq!(v["items"][0]["serving"]["served"], true, "{v}");
+    assert_eq!(v["items"][0]["serving"]["members"], json!([1]), "{v}");
+    // By name; `connections` absent before switchd's first flow-table pass.
+    assert_eq!(
+        v["retiring"],
+        json!([
+            {"name": "api", "vip": "198.18.100.2", "port": 8080, "retiring_for_ms": 64000,
+             "connections": 3, "timeout_in_ms": 236000},
+            {"name": "old", "vip": "198.18.100.3", "port": 80, "retiring_for_ms": 400}
+        ]),
+        "{v}"
+    );
+    // Deleted is deleted: the retiring name is not a service.
+    let (s, v, _) = call("GET", format!("{url}/v1/services/api"), Some(&viewer), None).await;
+    assert_eq!(s, 404, "{v}");
+
+    let (u, t) = (url.clone(), viewer.clone());
+    let (code, out, err) = tokio::task::spawn_blocking(move || ctl(&u, &t, &["services"]))
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    let web = lines
+        .iter()
+        .position(|l| l.starts_with("web "))
+        .expect(&out);
+    let head = lines
+        .iter()
+        .position(|l| l.starts_with("RETIRING"))
+        .expect(&out);
+    assert!(web < head, "live services first:\n{out}");
+    let api = lines.iter().find(|l| l.starts_with("api ")).expect(&out);
+    assert!(
+        api.contains("198.18.100.2:8080")
+            && api.contains(" 3  1m 04s ago")
+            && api.ends_with("3m 56s"),
+        "{out}"
+    );
+    let old = lines.iter().find(|l| l.starts_with("old ")).expect(&out);
+    assert!(old.contains(" ?  0.4s ago"), "{out}");
+    inner.shutdown();
+    running.stop().await;
+
+    // switchd does not answer: which deleted services still retire is
+    // unknown, so `retiring` is absent (and ctl prints no RETIRING table).
+    endpoint.abort();
+    let _ = endpoint.await;
+    let dir = tempfile::tempdir().unwrap();
+    let (running, inner, url, db) = start_with_switchd_db(dir.path(), &status_url).await;
+    let viewer = db.create("look", Role::Viewer, "test").unwrap().1;
+    let (s, v, _) = call("GET", format!("{url}/v1/services"), Some(&viewer), None).await;
+    assert_eq!(s, 200, "{v}");
+    assert!(v.get("retiring").is_none(), "{v}");
+    let (u, t) = (url.clone(), viewer.clone());
+    let (code, out, err) = tokio::task::spawn_blocking(move || ctl(&u, &t, &["services"]))
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("RETIRING"), "{out}");
+    inner.shutdown();
+    running.stop().await;
+
+    // The store-only control plane (no switchd): absent too.
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let viewer = api.token("look", Role::Viewer);
+    let (s, v, _) = call(
+        "GET",
+        format!("{}/v1/services", api.url),
+        Some(&viewer),
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    assert!(v.get("retiring").is_none(), "{v}");
+    api.stop().await;
 }

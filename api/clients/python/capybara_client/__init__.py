@@ -61,6 +61,7 @@ __all__ = [
     "PolicyPatch",
     "Problem",
     "Readiness",
+    "RetiringService",
     "Server",
     "ServerEvent",
     "ServerList",
@@ -129,6 +130,7 @@ from capybara_client.models.policy import Policy as Policy
 from capybara_client.models.policy_patch import PolicyPatch as PolicyPatch
 from capybara_client.models.problem import Problem as Problem
 from capybara_client.models.readiness import Readiness as Readiness
+from capybara_client.models.retiring_service import RetiringService as RetiringService
 from capybara_client.models.server import Server as Server
 from capybara_client.models.server_event import ServerEvent as ServerEvent
 from capybara_client.models.server_list import ServerList as ServerList

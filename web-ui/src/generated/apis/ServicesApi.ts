@@ -157,7 +157,7 @@ export interface ServicesApiInterface {
     listServicesRequestOpts(): Promise<runtime.RequestOpts>;
 
     /**
-     * 
+     * The stored services (`items`) with switchd\'s view of each (`serving`), and the deleted services whose open connections switchd still serves (`retiring`, from switchd\'s `/status`; absent when switchd does not answer). `GET /v1/services/{service_name}` of a deleted name is 404 even while it retires. 
      * @summary List services (VIP:port and pool)
      * @param {*} [options] Override http request option.
      * @throws {RequiredError}
@@ -166,6 +166,7 @@ export interface ServicesApiInterface {
     listServicesRaw(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<ServiceList>>;
 
     /**
+     * The stored services (`items`) with switchd\'s view of each (`serving`), and the deleted services whose open connections switchd still serves (`retiring`, from switchd\'s `/status`; absent when switchd does not answer). `GET /v1/services/{service_name}` of a deleted name is 404 even while it retires. 
      * List services (VIP:port and pool)
      */
     listServices(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<ServiceList>;
@@ -394,6 +395,7 @@ export class ServicesApi extends runtime.BaseAPI implements ServicesApiInterface
     }
 
     /**
+     * The stored services (`items`) with switchd\'s view of each (`serving`), and the deleted services whose open connections switchd still serves (`retiring`, from switchd\'s `/status`; absent when switchd does not answer). `GET /v1/services/{service_name}` of a deleted name is 404 even while it retires. 
      * List services (VIP:port and pool)
      */
     async listServicesRaw(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<ServiceList>> {
@@ -404,6 +406,7 @@ export class ServicesApi extends runtime.BaseAPI implements ServicesApiInterface
     }
 
     /**
+     * The stored services (`items`) with switchd\'s view of each (`serving`), and the deleted services whose open connections switchd still serves (`retiring`, from switchd\'s `/status`; absent when switchd does not answer). `GET /v1/services/{service_name}` of a deleted name is 404 even while it retires. 
      * List services (VIP:port and pool)
      */
     async listServices(initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<ServiceList> {

@@ -20,6 +20,13 @@ import {
     ServiceViewToJSON,
     ServiceViewToJSONTyped,
 } from './ServiceView';
+import type { RetiringService } from './RetiringService';
+import {
+    RetiringServiceFromJSON,
+    RetiringServiceFromJSONTyped,
+    RetiringServiceToJSON,
+    RetiringServiceToJSONTyped,
+} from './RetiringService';
 
 /**
  * 
@@ -31,6 +38,17 @@ export interface ServiceList {
      * 
      */
     items: Array<ServiceView>;
+    /**
+     * Deleted services whose open connections switchd still serves
+     * (and migrates) until they end, at most its
+     * `service_retire_timeout_ms` (default 5 minutes) after the
+     * delete; no new connection is placed on them. Ordered by name,
+     * then VIP:port. Empty when none is retiring; absent when switchd
+     * is unreachable or not configured (the store does not know which
+     * deleted services still have connections).
+     * 
+     */
+    retiring?: Array<RetiringService>;
 }
 
 /**
@@ -52,6 +70,7 @@ export function ServiceListFromJSONTyped(json: any, ignoreDiscriminator: boolean
     return {
         
         'items': ((json['items'] as Array<any>).map(ServiceViewFromJSON)),
+        'retiring': json['retiring'] == null ? undefined : ((json['retiring'] as Array<any>).map(RetiringServiceFromJSON)),
     };
 }
 
@@ -67,6 +86,7 @@ export function ServiceListToJSONTyped(value?: ServiceList | null, ignoreDiscrim
     return {
         
         'items': ((value['items'] as Array<any>).map(ServiceViewToJSON)),
+        'retiring': value['retiring'] == null ? undefined : ((value['retiring'] as Array<any>).map(RetiringServiceToJSON)),
     };
 }
 

@@ -25,6 +25,7 @@ export * from './Policy';
 export * from './PolicyPatch';
 export * from './Problem';
 export * from './Readiness';
+export * from './RetiringService';
 export * from './Server';
 export * from './ServerEvent';
 export * from './ServerList';

@@ -916,6 +916,7 @@ class ServicesApi:
     ) -> ServiceList:
         """List services (VIP:port and pool)
 
+        The stored services (`items`) with switchd's view of each (`serving`), and the deleted services whose open connections switchd still serves (`retiring`, from switchd's `/status`; absent when switchd does not answer). `GET /v1/services/{service_name}` of a deleted name is 404 even while it retires. 
 
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
@@ -982,6 +983,7 @@ class ServicesApi:
     ) -> ApiResponse[ServiceList]:
         """List services (VIP:port and pool)
 
+        The stored services (`items`) with switchd's view of each (`serving`), and the deleted services whose open connections switchd still serves (`retiring`, from switchd's `/status`; absent when switchd does not answer). `GET /v1/services/{service_name}` of a deleted name is 404 even while it retires. 
 
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
@@ -1048,6 +1050,7 @@ class ServicesApi:
     ) -> RESTResponseType:
         """List services (VIP:port and pool)
 
+        The stored services (`items`) with switchd's view of each (`serving`), and the deleted services whose open connections switchd still serves (`retiring`, from switchd's `/status`; absent when switchd does not answer). `GET /v1/services/{service_name}` of a deleted name is 404 even while it retires. 
 
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request

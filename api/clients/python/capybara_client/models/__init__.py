@@ -38,6 +38,7 @@ from capybara_client.models.policy import Policy
 from capybara_client.models.policy_patch import PolicyPatch
 from capybara_client.models.problem import Problem
 from capybara_client.models.readiness import Readiness
+from capybara_client.models.retiring_service import RetiringService
 from capybara_client.models.server import Server
 from capybara_client.models.server_event import ServerEvent
 from capybara_client.models.server_list import ServerList

@@ -17,8 +17,10 @@ import pprint
 import re  # noqa: F401
 import json
 
-from pydantic import BaseModel, ConfigDict
-from typing import Any, ClassVar, Dict, List
+from pydantic import BaseModel, ConfigDict, Field
+from typing import Any, ClassVar, Dict, List, Optional
+from typing_extensions import Annotated
+from capybara_client.models.retiring_service import RetiringService
 from capybara_client.models.service_view import ServiceView
 from typing import Optional, Set
 from typing_extensions import Self
@@ -29,7 +31,8 @@ class ServiceList(BaseModel):
     ServiceList
     """ # noqa: E501
     items: List[ServiceView]
-    __properties: ClassVar[List[str]] = ["items"]
+    retiring: Optional[Annotated[List[RetiringService], Field(max_length=1024)]] = Field(default=None, description="Deleted services whose open connections switchd still serves (and migrates) until they end, at most its `service_retire_timeout_ms` (default 5 minutes) after the delete; no new connection is placed on them. Ordered by name, then VIP:port. Empty when none is retiring; absent when switchd is unreachable or not configured (the store does not know which deleted services still have connections). ")
+    __properties: ClassVar[List[str]] = ["items", "retiring"]
 
     model_config = ConfigDict(
         validate_by_name=True,
@@ -76,6 +79,12 @@ class ServiceList(BaseModel):
             for _item_items in self.items:
                 _items.append(_item_items.to_dict() if _item_items is not None else None)
             _dict['items'] = _items
+        # override the default output from pydantic by calling `to_dict()` of each item in retiring (list)
+        _items = []
+        if self.retiring:
+            for _item_retiring in self.retiring:
+                _items.append(_item_retiring.to_dict() if _item_retiring is not None else None)
+            _dict['retiring'] = _items
         return _dict
 
     @classmethod
@@ -88,7 +97,8 @@ class ServiceList(BaseModel):
             return cls.model_validate(obj)
 
         _obj = cls.model_validate({
-            "items": [ServiceView.from_dict(_item) for _item in obj["items"]] if obj.get("items") is not None else None
+            "items": [ServiceView.from_dict(_item) for _item in obj["items"]] if obj.get("items") is not None else None,
+            "retiring": [RetiringService.from_dict(_item) for _item in obj["retiring"]] if obj.get("retiring") is not None else None
         })
         return _obj
 

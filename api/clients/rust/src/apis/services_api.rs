@@ -225,6 +225,7 @@ pub async fn get_service(
     }
 }
 
+/// The stored services (`items`) with switchd's view of each (`serving`), and the deleted services whose open connections switchd still serves (`retiring`, from switchd's `/status`; absent when switchd does not answer). `GET /v1/services/{service_name}` of a deleted name is 404 even while it retires.
 pub async fn list_services(
     configuration: &configuration::Configuration,
 ) -> Result<models::ServiceList, Error<ListServicesError>> {

@@ -48,6 +48,8 @@ pub mod problem;
 pub use self::problem::Problem;
 pub mod readiness;
 pub use self::readiness::Readiness;
+pub mod retiring_service;
+pub use self::retiring_service::RetiringService;
 pub mod server;
 pub use self::server::Server;
 pub mod server_event;

@@ -15,10 +15,16 @@ use serde::{Deserialize, Serialize};
 pub struct ServiceList {
     #[serde(rename = "items")]
     pub items: Vec<models::ServiceView>,
+    /// Deleted services whose open connections switchd still serves (and migrates) until they end, at most its `service_retire_timeout_ms` (default 5 minutes) after the delete; no new connection is placed on them. Ordered by name, then VIP:port. Empty when none is retiring; absent when switchd is unreachable or not configured (the store does not know which deleted services still have connections).
+    #[serde(rename = "retiring", skip_serializing_if = "Option::is_none")]
+    pub retiring: Option<Vec<models::RetiringService>>,
 }
 
 impl ServiceList {
     pub fn new(items: Vec<models::ServiceView>) -> ServiceList {
-        ServiceList { items }
+        ServiceList {
+            items,
+            retiring: None,
+        }
     }
 }
