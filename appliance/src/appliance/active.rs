@@ -131,6 +131,10 @@ impl ControlPlane for ActiveSwitchd {
         let p = self.active().await.ok()?;
         p.service_serving().await
     }
+    async fn services_status(&self) -> Option<capybara_api::control::ServicesStatus> {
+        let p = self.active().await.ok()?;
+        p.services_status().await
+    }
     async fn migrate(
         &self,
         conn: FlowKey,
