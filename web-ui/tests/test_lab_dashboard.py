@@ -103,7 +103,11 @@ class DemoLab:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         # The demo tears its lab down; make sure, whatever happened.
-        subprocess.run([str(REPO / "target" / "release" / "capybara"), "lab", "down", "--prefix", self.prefix],
+        # The binary the demo ran (scripts/demo.sh: CAPYBARA_BIN_DIR's when it holds one).
+        capybara = Path(os.environ.get("CAPYBARA_BIN_DIR", REPO / "target" / "release")) / "capybara"
+        if not capybara.exists():
+            capybara = REPO / "target" / "release" / "capybara"
+        subprocess.run([str(capybara), "lab", "down", "--prefix", self.prefix],
                        capture_output=True, timeout=60)
         self.log.close()
 
@@ -229,3 +233,104 @@ def test_services_page_shows_what_the_data_plane_serves(page: Page, lab: DemoLab
     for name in ("s1", "s2", "s3"):
         expect(cell).to_contain_text(name)
     shot(page, "lab-06-services")
+
+
+# A client in the lab's client namespace holding one keep-alive HTTP
+# connection to the VIP: it sends a request at start and at each "again"
+# line on stdin, and prints "OK <status line> <server>" per answer.
+HOLD_CONNECTION = r"""
+import re, socket, sys
+s = socket.create_connection(("198.18.100.1", 80), timeout=10)
+def get():
+    s.sendall(b"GET / HTTP/1.1\r\nHost: demo\r\n\r\n")
+    buf = b""
+    while b"</p>" not in buf:
+        d = s.recv(4096)
+        if not d:
+            print("CLOSED", flush=True)
+            sys.exit(1)
+        buf += d
+    m = re.search(rb"Served by <b>(s\d+)</b>", buf)
+    print("OK", buf.split(b"\r\n")[0].decode(), m.group(1).decode() if m else "?", flush=True)
+get()
+for line in sys.stdin:
+    if line.strip() == "again":
+        get()
+s.close()
+"""
+
+
+def retiring_entry(lab: DemoLab, name: str):
+    for r in lab.get("/v1/services").get("retiring") or []:
+        if r["name"] == name:
+            return r
+    return None
+
+
+def test_a_deleted_service_retires_on_the_services_page_until_its_connections_end(page: Page, lab: DemoLab, shot):
+    # Last in this file: it deletes the demo's service (and creates it again
+    # at the end). An operator deletes `web` on the Services page while a
+    # client holds a connection to it: the service leaves the list and
+    # shows under Retiring with its connections left and the time since the
+    # delete; the held connection is still answered; once it (and the demo
+    # load's connections, whose round ends within CAPYBARA_DEMO_ROUND = 20 s)
+    # closed, switchd removes the service and the Retiring entry goes.
+    page.set_default_timeout(30_000)
+    held = subprocess.Popen(
+        ["ip", "netns", "exec", f"{lab.prefix}-c1", "python3", "-c", HOLD_CONNECTION],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        first = held.stdout.readline().strip()
+        assert first.startswith("OK HTTP/1.1 200"), first
+        login(page, lab)
+        page.get_by_test_id("nav-services").click()
+        expect(page.get_by_test_id("service-row-web")).to_be_visible()
+        expect(page.get_by_test_id("retiring-section")).to_have_count(0)
+        page.once("dialog", lambda d: d.accept())
+        page.get_by_test_id("service-delete-web").click()
+        expect(page.get_by_test_id("service-row-web")).to_have_count(0, timeout=10_000)
+
+        # Retiring, with its connections counted (ours among them): in the
+        # API (switchd's /status) within a few seconds, then on the page
+        # (re-listed every 2 s).
+        r = wait_for("web to be listed as retiring with its connections counted",
+                     lambda: (lambda e: e if e and e.get("connections") else None)(retiring_entry(lab, "web")), 15)
+        assert r["vip"] == "198.18.100.1" and r["port"] == 80 and r["connections"] >= 1, r
+        assert "timeout_in_ms" not in r or r["timeout_in_ms"] <= 300_000, r
+        row = page.get_by_test_id("retiring-row-web")
+        expect(row).to_be_visible(timeout=10_000)
+        expect(row).to_contain_text("198.18.100.1:80")
+        expect(page.get_by_test_id("retiring-connections-web")).to_have_text(re.compile(r"^[1-9]\d*$"), timeout=10_000)
+        expect(page.get_by_test_id("retiring-for-web")).to_have_text(re.compile(r"^\d+(s|m \d+s|h \d+m) ago$"))
+        # Deleted is deleted: the name itself is 404 while it retires.
+        resp = lab.http.get(lab.url + "/v1/services/web", timeout=10)
+        assert resp.status_code == 404, resp.text
+        shot(page, "lab-07-retiring")
+
+        # The open connection is still served while the service retires.
+        held.stdin.write("again\n")
+        held.stdin.flush()
+        again = held.stdout.readline().strip()
+        assert again.startswith("OK HTTP/1.1 200"), again
+    finally:
+        if held.poll() is None:
+            held.stdin.close()
+            try:
+                held.wait(10)
+            except subprocess.TimeoutExpired:
+                held.kill()
+                held.wait(10)
+
+    # Our connection closed; the demo load's end with its round: switchd
+    # removes the service and the page no longer lists it as retiring.
+    expect(page.get_by_test_id("retiring-row-web")).to_have_count(0, timeout=90_000)
+    expect(page.get_by_test_id("retiring-section")).to_have_count(0)
+    assert retiring_entry(lab, "web") is None
+    assert not any(s.get("retiring") for s in lab.switchd_status()["services"])
+
+    # Back as it was for whatever runs next: the demo's service again.
+    r = lab.http.post(lab.url + "/v1/services", json={"name": "web", "vip": "198.18.100.1", "port": 80, "pool": []}, timeout=10)
+    assert r.status_code == 201, r.text
+    expect(page.get_by_test_id("service-serving-web").locator("[data-served='true']")).to_be_visible(timeout=10_000)
+    shot(page, "lab-08-retired")

@@ -1,8 +1,9 @@
 import { useEffect, useMemo, useState } from 'react';
 import type { FormEvent } from 'react';
-import type { Server, Service, ServiceView } from '../generated';
+import type { RetiringService, Server, Service, ServiceView } from '../generated';
 import type { PageProps } from '../App';
 import { allows, problemText, toProblem } from '../api';
+import { fmtDuration } from '../format';
 
 const NAME = /^[A-Za-z0-9_.-]{1,64}$/;
 const IPV4 = /^(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(\.(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3}$/;
@@ -30,13 +31,24 @@ export function ServicesPage({ state, clients, dispatch, role }: PageProps) {
   const servers = useMemo(() => Object.values(state.servers).sort((a, b) => a.id - b.id), [state.servers]);
   const [editing, setEditing] = useState<string | null>(null); // service name, or '' for a new one
   const [error, setError] = useState<string | null>(null);
+  // Deleted services switchd still serves connections of (undefined:
+  // switchd did not answer, or not listed yet).
+  const [retiring, setRetiring] = useState<RetiringService[] | undefined>(undefined);
 
-  // What the data plane does with each service (switchd's view) changes
-  // without a store event: re-list every 2 s while the page is open.
+  // What the data plane does with each service (switchd's view), and which
+  // deleted ones still retire, change without a store event: list at once
+  // and every 2 s while the page is open.
   useEffect(() => {
-    const t = window.setInterval(() => {
-      clients.services.listServices().then((l) => dispatch({ type: 'services', items: l.items }), () => {});
-    }, 2000);
+    const list = () =>
+      clients.services.listServices().then(
+        (l) => {
+          dispatch({ type: 'services', items: l.items });
+          setRetiring(l.retiring);
+        },
+        () => {},
+      );
+    list();
+    const t = window.setInterval(list, 2000);
     return () => window.clearInterval(t);
   }, [clients, dispatch]);
 
@@ -115,7 +127,48 @@ export function ServicesPage({ state, clients, dispatch, role }: PageProps) {
           <button onClick={() => setEditing('')} data-testid="service-new">New service…</button>
         </div>
       )}
+      {retiring && retiring.length > 0 && <Retiring items={retiring} />}
     </div>
+  );
+}
+
+/** Deleted services whose open connections switchd still serves. */
+function Retiring({ items }: { items: RetiringService[] }) {
+  return (
+    <section className="retiring" data-testid="retiring-section">
+      <h3>Retiring</h3>
+      <p className="muted small">
+        Deleted services: no new connections; their open connections are still served (and migrated) until they end, at most switchd's
+        service_retire_timeout_ms after the delete (5 minutes by default), when the rest are closed. Creating a service at the same VIP:port
+        before then serves them again.
+      </p>
+      <table className="feed" data-testid="retiring-table">
+        <thead>
+          <tr>
+            <th>Name</th>
+            <th>VIP:port</th>
+            <th>Connections left</th>
+            <th>Deleted</th>
+            <th>Timeout in</th>
+          </tr>
+        </thead>
+        <tbody>
+          {items.map((r) => (
+            <tr key={`${r.name} ${r.vip}:${r.port}`} data-testid={`retiring-row-${r.name}`}>
+              <td><strong>{r.name}</strong></td>
+              <td className="mono">{r.vip}:{r.port}</td>
+              <td data-testid={`retiring-connections-${r.name}`}>
+                {r.connections ?? <span className="muted" title="switchd has not counted its connections yet (within a second)">counting…</span>}
+              </td>
+              <td data-testid={`retiring-for-${r.name}`} title={`${r.retiring_for_ms} ms`}>{fmtDuration(r.retiring_for_ms)} ago</td>
+              <td data-testid={`retiring-left-${r.name}`}>
+                {r.timeout_in_ms != null ? fmtDuration(r.timeout_in_ms) : <span className="muted" title="switchd does not report its retire timeout">—</span>}
+              </td>
+            </tr>
+          ))}
+        </tbody>
+      </table>
+    </section>
   );
 }
 
