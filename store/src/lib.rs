@@ -125,8 +125,8 @@ pub trait Store: Send + Sync + 'static {
     /// Raises each server's stored floor to `seq` (the active switch, every
     /// few seconds): kept when the stored floor is of the same `instance`
     /// and not below; replaced when it is of another instance (the server
-    /// restarted). Not watched, not in the change log. A `seq` above
-    /// `i64::MAX` is refused (`Invalid`).
+    /// restarted). Not watched, not in the change log. Any `instance` (a
+    /// random u64) is kept; a `seq` above `i64::MAX` is refused (`Invalid`).
     async fn raise_seq_floors(&self, floors: &[SeqFloor]) -> Result<()>;
     /// Every stored floor, by server id.
     async fn seq_floors(&self) -> Result<Vec<SeqFloor>>;

@@ -1126,7 +1126,9 @@ impl Store for SqliteStore {
             .map(|f| {
                 Ok((
                     i64::from(f.server.0),
-                    seq_column("instance", f.instance)?,
+                    // An instance id is any non-zero u64 (hostagents draw
+                    // it at random): kept as its bit pattern.
+                    f.instance as i64,
                     seq_column("seq", f.seq)?,
                 ))
             })
@@ -1178,7 +1180,7 @@ impl Store for SqliteStore {
                 };
                 out.push(SeqFloor {
                     server: ServerId(u32::try_from(server).map_err(|_| bad("server id", server))?),
-                    instance: u64::try_from(instance).map_err(|_| bad("instance", instance))?,
+                    instance: instance as u64,
                     seq: u64::try_from(seq).map_err(|_| bad("seq", seq))?,
                 });
             }

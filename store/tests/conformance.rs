@@ -173,6 +173,16 @@ mod cases {
             s.seq_floors().await.unwrap(),
             vec![floor(1, 9, 60), floor(2, 8, 10)]
         );
+        // Instance ids are random u64s: the upper half is kept too (SQLite
+        // once refused ids above i64::MAX, so most hostagents' floors were
+        // never stored).
+        s.raise_seq_floors(&[floor(3, u64::MAX, 5), floor(4, 1 << 63, 6)])
+            .await
+            .unwrap();
+        assert_eq!(
+            f.second.seq_floors().await.unwrap()[2..],
+            [floor(3, u64::MAX, 5), floor(4, 1 << 63, 6)]
+        );
         // Out of the store's range: a clear error, nothing written.
         let e = s
             .raise_seq_floors(&[floor(1, 9, u64::MAX)])
@@ -184,7 +194,10 @@ mod cases {
         // Deleting the server deletes its floor.
         s.put_server(&server(2)).await.unwrap();
         assert!(s.delete_server(ServerId(2)).await.unwrap());
-        assert_eq!(s.seq_floors().await.unwrap(), vec![floor(1, 9, 60)]);
+        assert_eq!(
+            s.seq_floors().await.unwrap(),
+            vec![floor(1, 9, 60), floor(3, u64::MAX, 5), floor(4, 1 << 63, 6)]
+        );
     }
 
     pub async fn server_state_and_weight(f: &Fixture) {
