@@ -368,7 +368,9 @@ static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, st
 		return verdict(CAPY_STAT_DROP_NO_SERVER, XDP_DROP);
 	{
 		/* A recovered flow (non-SYN without entry) already carries the
-		 * client's non-SYN segment: established. */
+		 * client's non-SYN segment: established. When its server does
+		 * not know the connection (its hostagent restarted), the server's
+		 * reset removes the entry (note_server_rst). */
 		struct capy_flow nf = { .server = server,
 					.service = (__u16)svc->index,
 					.flags = syn_only ? 0 : CAPY_FLOW_ESTABLISHED,
@@ -743,6 +745,40 @@ static __always_inline void note_server_fin(const struct iphdr *ip, const struct
 	note_fin(&key, flow, CAPY_FLOW_FIN_SERVER, server);
 }
 
+/* A reset from the server that owns a flow (source = VIP:port, Ethernet
+ * source = the owner's MAC): that server's stack has no such connection
+ * (it refused the SYN, or its hostagent restarted and a recovered segment
+ * reached it), so the connection is over at the client and its entry goes
+ * now, as with a client's reset. Before, such entries stayed until the LRU
+ * evicted them: the embryonic reaper leaves established entries alone, and
+ * a drain of that server waited for them until its deadline. Flows with a
+ * migration entry are left alone: a reset from another server than the
+ * one serving the connection now must not end it. */
+static __always_inline void note_server_rst(const struct ethhdr *eth, const struct iphdr *ip,
+					    const struct tcphdr *tcp)
+{
+	struct capy_flow_key key = {
+		.client_ip = ip->daddr,
+		.service_ip = ip->saddr,
+		.client_port = tcp->dest,
+		.service_port = tcp->source,
+	};
+	struct capy_flow *flow = bpf_map_lookup_elem(&flows, &key);
+	const struct capy_server *srv;
+	__u32 server;
+
+	if (!flow || bpf_map_lookup_elem(&migrations, &key))
+		return;
+	server = flow->server;
+	srv = bpf_map_lookup_elem(&servers, &server);
+	if (!srv || eth->h_source[0] != srv->mac[0] || eth->h_source[1] != srv->mac[1] ||
+	    eth->h_source[2] != srv->mac[2] || eth->h_source[3] != srv->mac[3] ||
+	    eth->h_source[4] != srv->mac[4] || eth->h_source[5] != srv->mac[5])
+		return;
+	emit_event(&key, CAPY_EV_CLOSED, server, server);
+	bpf_map_delete_elem(&flows, &key);
+}
+
 SEC("xdp")
 int capy_switch(struct xdp_md *ctx)
 {
@@ -780,11 +816,15 @@ int capy_switch(struct xdp_md *ctx)
 		struct capy_service *svc;
 
 		/* Server responses (from the VIP) need no rewrite: kernel routes.
-		 * Only their FIN is noted (one lookup per FIN, none otherwise). */
+		 * Only their FIN and RST are noted (one lookup per FIN or RST,
+		 * none otherwise). */
 		if (ifc->role != CAPY_IFACE_CLIENT) {
-			if ((void *)(tcp + 1) <= data_end && tcp->fin &&
-			    !(ip->frag_off & bpf_htons(IP_FRAG_MASK)))
-				note_server_fin(ip, tcp);
+			if ((void *)(tcp + 1) <= data_end && !(ip->frag_off & bpf_htons(IP_FRAG_MASK))) {
+				if (tcp->fin)
+					note_server_fin(ip, tcp);
+				else if (tcp->rst)
+					note_server_rst(eth, ip, tcp);
+			}
 			return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);
 		}
 		if (ip->frag_off & bpf_htons(IP_FRAG_MASK)) {
