@@ -96,7 +96,7 @@ bench-failover: $(STAMP)
 	@$(CARGO) run --release -q -p capybara-switchd --bin bench-failover
 
 .PHONY: bench-maintenance
-# Drain of a Redis primary (sidecar, TLS) under GET load: 10 ms throughput bins, Capybara drain vs close-and-reconnect (root, ~1 min).
+# Drain of a Redis primary (sidecar, TLS) under GET load: 10 ms throughput bins, Capybara drain vs close-and-reconnect, and the drain again under a paced (open-loop) load at CAPYBARA_BENCH_PACE (default 0.5) of the closed-loop rate (root, ~1.5 min).
 bench-maintenance: $(STAMP)
 	@$(CARGO) build --release -q -p capybara-appliance -p capybara-hostagent -p capybara-switchd --bins
 	@$(CARGO) run --release -q -p capybara-bench-maintenance

@@ -23,6 +23,11 @@
 //!   balancer does until its health check notices, so a reconnect may land
 //!   on the primary and be closed again).
 //!
+//! - `paced`: the `capybara` drain again, under an open-loop load: each
+//!   connection sends its batch on a fixed schedule at
+//!   `CAPYBARA_BENCH_PACE` (default 0.5) of the `capybara` run's steady
+//!   rate, so the bins lose the closed loop's scheduling noise.
+//!
 //! Output: per-mode summary lines, the bins as CSV under
 //! `test-output/bench-maintenance-<mode>/bins.csv`, and a last line
 //! `RESULT capybara_min_bin_ratio=... reconnect_min_bin_ratio=...
@@ -84,13 +89,40 @@ fn main() {
     let mut results = Vec::new();
     // `CAPYBARA_BENCH_MODES=capybara` runs one mode (no RESULT line).
     let only = std::env::var("CAPYBARA_BENCH_MODES").unwrap_or_default();
-    for mode in [Mode::Capybara, Mode::Reconnect] {
+    let pace: f64 = match std::env::var("CAPYBARA_BENCH_PACE") {
+        Ok(v) => match v.trim().parse::<f64>() {
+            Ok(f) if f > 0.0 && f <= 1.0 => f,
+            _ => {
+                eprintln!(
+                    "bench-maintenance: CAPYBARA_BENCH_PACE={v:?}: want a fraction in (0, 1]"
+                );
+                std::process::exit(2);
+            }
+        },
+        Err(_) => PACE,
+    };
+    for mode in [Mode::Capybara, Mode::Reconnect, Mode::Paced] {
         if !only.is_empty() && !only.split(',').any(|m| m == mode.name()) {
             continue;
         }
+        // The paced run offers a fixed fraction of what the closed-loop
+        // clients completed in the capybara run's steady phase.
+        let rate = match mode {
+            Mode::Paced => match results
+                .iter()
+                .find(|r: &&ModeResult| r.mode == Mode::Capybara)
+            {
+                Some(c) => c.steady_per_bin * 1000.0 / BIN_MS as f64 * pace,
+                None => {
+                    eprintln!("bench-maintenance: the paced mode needs the capybara mode's steady rate (CAPYBARA_BENCH_MODES=capybara,paced)");
+                    std::process::exit(2);
+                }
+            },
+            _ => 0.0,
+        };
         // Each mode in its own lab; the lab guard tears it down on return,
         // error or panic.
-        match run_mode(mode) {
+        match run_mode(mode, rate) {
             Ok(r) => {
                 r.print();
                 results.push(r);
@@ -102,16 +134,17 @@ fn main() {
             }
         }
     }
-    if results.len() < 2 {
+    if results.len() < 3 {
         return;
     }
-    let (c, r) = (&results[0], &results[1]);
+    let (c, r, p) = (&results[0], &results[1], &results[2]);
     println!("total time {:.1} s", started.elapsed().as_secs_f64());
     println!(
         "RESULT capybara_min_bin_ratio={:.3} reconnect_min_bin_ratio={:.3} reconnect_recovery_ms={} \
          capybara_recovery_ms={} steady_min_bin_ratio={:.3} capybara_steady_gets_per_s={:.0} \
          reconnect_steady_gets_per_s={:.0} capybara_reconnects={} reconnect_reconnects={} \
-         capybara_migrations={} connections={CONNECTIONS} pipeline={PIPELINE} bin_ms={BIN_MS} tls=1",
+         capybara_migrations={} paced_min_bin_ratio={:.3} paced_steady_min_bin_ratio={:.3} \
+         paced_gets_per_s={:.0} paced_reconnects={} connections={CONNECTIONS} pipeline={PIPELINE} bin_ms={BIN_MS} tls=1",
         c.min_ratio,
         r.min_ratio,
         r.recovery_ms,
@@ -122,6 +155,10 @@ fn main() {
         c.reconnects,
         r.reconnects,
         c.migrations,
+        p.min_ratio,
+        p.steady_min_ratio,
+        p.steady_per_bin * 1000.0 / BIN_MS as f64,
+        p.reconnects,
     );
 }
 
@@ -175,13 +212,23 @@ impl Drop for SessionPriority {
 enum Mode {
     Capybara,
     Reconnect,
+    /// Capybara's drain under an open-loop load (`PACE` of the capybara
+    /// run's steady rate, on a fixed schedule per connection): a client
+    /// below saturation, whose bins do not carry the closed loop's
+    /// scheduling noise, so a pause the drain causes stands out.
+    Paced,
 }
+
+/// Default offered load of the paced mode, as a fraction of the closed-loop
+/// steady rate (`CAPYBARA_BENCH_PACE`).
+const PACE: f64 = 0.5;
 
 impl Mode {
     fn name(self) -> &'static str {
         match self {
             Mode::Capybara => "capybara",
             Mode::Reconnect => "reconnect",
+            Mode::Paced => "paced",
         }
     }
 }
@@ -253,7 +300,8 @@ impl ModeResult {
     }
 }
 
-fn run_mode(mode: Mode) -> Result<ModeResult, String> {
+/// `rate`: GETs/s the client offers on a fixed schedule (0: closed loop).
+fn run_mode(mode: Mode, rate: f64) -> Result<ModeResult, String> {
     let dir = output_dir(&format!("bench-maintenance-{}", mode.name()));
     let mut lab = Lab::up("bm", 2);
     let cert = make_cert(&dir)?;
@@ -311,7 +359,13 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let child = lab
         .command("c1", &exe)
-        .args(["client", VIP, &PORT.to_string(), cert.to_str().unwrap()])
+        .args([
+            "client",
+            VIP,
+            &PORT.to_string(),
+            cert.to_str().unwrap(),
+            &format!("{rate:.0}"),
+        ])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -355,7 +409,7 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
     // `ip netns exec curl` in the measured window: on a loaded machine
     // that took up to seconds and its CPU burst landed in the judged bins.
     let drain = match mode {
-        Mode::Capybara => Some(HttpInNetns::connect(
+        Mode::Capybara | Mode::Paced => Some(HttpInNetns::connect(
             &lab.namespace("sw"),
             "127.0.0.1:9102",
             "POST /servers/1/drain?deadline_ms=2000",
@@ -387,7 +441,7 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
     // marked before it, so the judged window starts early.
     let mut request_ms = 0;
     match (mode, drain) {
-        (Mode::Capybara, Some(drain)) => {
+        (Mode::Capybara | Mode::Paced, Some(drain)) => {
             let body = drain.send(Duration::from_secs(5))?;
             if !body.contains("accepted") {
                 return Err(format!("drain request refused: {body:?}"));
@@ -396,7 +450,9 @@ fn run_mode(mode: Mode) -> Result<ModeResult, String> {
             let m = expect(&from_client, "mark_us", Duration::from_secs(5))?;
             request_ms = field(&m, 1)?.saturating_sub(event_us) / 1000;
         }
-        (Mode::Capybara, None) => unreachable!("the drain request is set up above"),
+        (Mode::Capybara | Mode::Paced, None) => {
+            unreachable!("the drain request is set up above")
+        }
         (Mode::Reconnect, _) => {
             // SAFETY: plain kill(2) of the redis-server this run started.
             if unsafe { libc::kill(redis_pid[1] as libc::pid_t, libc::SIGKILL) } != 0 {
@@ -757,7 +813,7 @@ fn hostagent_config(dir: &Path, j: u32, key: &Path, cert: &Path, mode: Mode) -> 
         key.display(),
         data = 10 + j,
         health = match mode {
-            Mode::Capybara => "",
+            Mode::Capybara | Mode::Paced => "",
             Mode::Reconnect => "[health]\nenabled = false\n",
         },
     );
@@ -778,9 +834,22 @@ struct Counters {
 }
 
 fn client(args: &[String]) -> Result<(), String> {
-    let [vip, port, cert] = args else {
-        return Err("usage: bench-maintenance client VIP PORT CERT.pem".into());
+    let [vip, port, cert, rate] = args else {
+        return Err(
+            "usage: bench-maintenance client VIP PORT CERT.pem GETS_PER_S (0: closed loop)".into(),
+        );
     };
+    let rate: f64 = rate
+        .parse()
+        .ok()
+        .filter(|r: &f64| r.is_finite() && *r >= 0.0)
+        .ok_or_else(|| format!("GETs/s {rate:?}: want a number >= 0"))?;
+    // Paced: each connection sends its batch of PIPELINE GETs every
+    // `interval` on a fixed schedule (staggered across connections); a
+    // connection behind schedule sends at once until it has caught up, so
+    // a pause shows as a low bin followed by a high one.
+    let interval =
+        (rate > 0.0).then(|| Duration::from_secs_f64((CONNECTIONS * PIPELINE) as f64 / rate));
     let ip: std::net::IpAddr = vip.parse().map_err(|e| format!("VIP {vip}: {e}"))?;
     let port: u16 = port.parse().map_err(|e| format!("port {port}: {e}"))?;
     let addr = SocketAddr::new(ip, port);
@@ -811,9 +880,12 @@ fn client(args: &[String]) -> Result<(), String> {
     }
     let start = Instant::now();
     let mut workers = Vec::new();
-    for c in conns {
+    for (i, c) in conns.into_iter().enumerate() {
         let (tls, name, counters) = (tls.clone(), name.clone(), counters.clone());
         workers.push(std::thread::spawn(move || {
+            let mut next = interval.map(|d| start + d * i as u32 / CONNECTIONS as u32);
+            // A paced connection is idle between batches by design.
+            let stall_us = interval.map_or(STALL_US, |d| STALL_US.max(2 * d.as_micros() as u64));
             let mut bins = vec![0u64; MAX_BINS];
             // Pauses of this connection: (start, length) in µs since
             // `start`, for pauses longer than STALL_US (bounded).
@@ -832,13 +904,20 @@ fn client(args: &[String]) -> Result<(), String> {
                     }
                     continue;
                 };
+                if let (Some(at), Some(d)) = (next.as_mut(), interval) {
+                    let now = Instant::now();
+                    if *at > now {
+                        std::thread::sleep(*at - now);
+                    }
+                    *at += d;
+                }
                 let r = get_batch(c, PIPELINE, &mut buf, &mut |replies| {
                     let now_us = start.elapsed().as_micros() as u64;
                     let b = (now_us / 1000 / BIN_MS) as usize;
                     if b < MAX_BINS {
                         bins[b] += replies;
                     }
-                    if now_us - last_us > STALL_US && stalls.len() < MAX_STALLS {
+                    if now_us - last_us > stall_us && stalls.len() < MAX_STALLS {
                         stalls.push((last_us, now_us - last_us));
                     }
                     last_us = now_us;
