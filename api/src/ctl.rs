@@ -10,7 +10,7 @@
 //!   connections [--server SERVER] [--service NAME] [--limit N]
 //!   migrate CONN [--target SERVER]
 //!   policy get | policy set KEY=VALUE...
-//!   migrations [--follow [--for 10s]]
+//!   migrations [--limit N] [--follow [--for 10s]]   the newest N (1000), oldest of them first
 //!   services                              live services, then the retiring (deleted) ones
 //!   service add NAME VIP:PORT [--pool 1,2]   create (empty pool: every server)
 //!   service set NAME VIP:PORT [--pool 1,2]   change address (and pool)
@@ -41,7 +41,7 @@ commands:
   migrate CONN [--target SERVER]
   policy get
   policy set KEY=VALUE [KEY=VALUE...]
-  migrations [--follow [--for DURATION]]
+  migrations [--limit N] [--follow [--for DURATION]]
   services
   service add NAME VIP:PORT [--pool 1,2]
   service set NAME VIP:PORT [--pool 1,2]
@@ -205,7 +205,7 @@ fn command_flags(cmd: &str) -> &'static [&'static str] {
     match cmd {
         "drain" => &["--deadline", "--force", "--wait"],
         "migrate" => &["--target"],
-        "migrations" => &["--follow", "--for"],
+        "migrations" => &["--limit", "--follow", "--for"],
         "connections" => &["--server", "--service", "--limit"],
         "service" => &["--pool"],
         _ => &[],
@@ -215,6 +215,7 @@ fn command_flags(cmd: &str) -> &'static [&'static str] {
 /// Runs `capybara ctl` with `args` (without the program name and `ctl`);
 /// returns the process exit code.
 pub fn ctl_main(args: Vec<String>) -> i32 {
+    default_sigpipe();
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -234,6 +235,26 @@ pub fn ctl_main(args: Vec<String>) -> i32 {
                 CtlError::Api(_) => 1,
                 CtlError::DrainIncomplete(_) => 3,
             }
+        }
+    }
+}
+
+/// Restores SIGPIPE's default action (Rust starts programs with it ignored),
+/// so that `capybara ctl ... | head` ends quietly when `head` exits, like
+/// other Unix tools, instead of panicking on the failed write to stdout.
+fn default_sigpipe() {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::raw::c_int;
+        extern "C" {
+            fn signal(signum: c_int, handler: usize) -> usize;
+        }
+        const SIGPIPE: c_int = 13;
+        const SIG_DFL: usize = 0;
+        // SAFETY: sets a signal's disposition to the default action; no
+        // handler code runs in this process.
+        unsafe {
+            signal(SIGPIPE, SIG_DFL);
         }
     }
 }
@@ -811,16 +832,28 @@ async fn migrations(cfg: &Configuration, a: &Args) -> Result<(), CtlError> {
     if stop_after.is_some() && !follow {
         return Err(CtlError::Usage("--for goes with --follow".into()));
     }
+    let limit = match a.value("--limit") {
+        None => 1000,
+        Some(l) => l
+            .parse::<i32>()
+            .ok()
+            .filter(|n| (1..=10_000).contains(n))
+            .ok_or_else(|| CtlError::Usage(format!("--limit must be 1 to 10000, got {l:?}")))?,
+    };
     let started = Instant::now();
-    let mut after = 0i64;
     println!(
         "{:>8}  {:<34} {:>6} {:>6} {:<11} {:>10}",
         "ID", "CONNECTION", "FROM", "TO", "OUTCOME", "TOTAL_US"
     );
+    // The newest `limit` (the API's default order is oldest first), printed
+    // oldest first so that the newest is the last line; then, with
+    // --follow, what comes after them.
+    let mut list = apis::migrations_api::list_migrations(cfg, None, Some(limit), Some("desc"))
+        .await
+        .map_err(api_err)?;
+    list.items.reverse();
+    let mut after = 0i64;
     loop {
-        let list = apis::migrations_api::list_migrations(cfg, Some(after), Some(1000))
-            .await
-            .map_err(api_err)?;
         for m in &list.items {
             let total = m
                 .phases
@@ -849,6 +882,9 @@ async fn migrations(cfg: &Configuration, a: &Args) -> Result<(), CtlError> {
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+        list = apis::migrations_api::list_migrations(cfg, Some(after), Some(1000), None)
+            .await
+            .map_err(api_err)?;
     }
 }
 

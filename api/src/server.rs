@@ -958,7 +958,26 @@ async fn list_migrations(req: HttpRequest, data: web::Data<AppState>) -> ApiResu
     let q = Query::parse(&req)?;
     let after = q.u64_in("after", 0, i64::MAX as u64)?.unwrap_or(0);
     let limit = q.u64_in("limit", 1, 10_000)?.unwrap_or(100) as usize;
-    let items = state.cp.recent_migrations(after, limit).await?;
+    let newest_first = match q.get("order") {
+        None | Some("asc") => false,
+        Some("desc") => true,
+        Some(o) => {
+            return Err(Problem::bad_param(
+                "order",
+                format!("query parameter `order` must be `asc` or `desc`, got {o:?}"),
+            ))
+        }
+    };
+    let items = if newest_first {
+        // The control plane lists oldest first from `after`; its log is
+        // bounded (switchd's: the last 1000), so the newest are its tail.
+        let mut all = state.cp.recent_migrations(after, usize::MAX).await?;
+        all.drain(..all.len().saturating_sub(limit));
+        all.reverse();
+        all
+    } else {
+        state.cp.recent_migrations(after, limit).await?
+    };
     Ok(ok(
         &json!({ "items": items, "data_source": state.cp.data_source() }),
     ))

@@ -1267,3 +1267,240 @@ async fn retiring_services_are_listed_from_switchd() {
     assert!(v.get("retiring").is_none(), "{v}");
     api.stop().await;
 }
+
+/// With more migrations than a page, `GET /v1/migrations?order=desc` lists
+/// the newest (the dashboard's feed opens on them) while the default order
+/// stays oldest first for polling with `after`; `capybara ctl migrations`
+/// prints the newest, the newest last; `capybara ctl migrations | head -1`
+/// ends quietly (killed by SIGPIPE like other Unix tools, no panic).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_newest_migrations_are_listed_first_with_order_desc() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // A stand-in for switchd whose `GET /migrations` holds 1000 origin
+    // reports (seq 1..=1000), as switchd's `metrics_listen` answers.
+    const REPORTS: u64 = 1000;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let switchd_url = format!("http://{}", listener.local_addr().unwrap());
+    let endpoint = tokio::spawn(async move {
+        loop {
+            let Ok((mut c, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut n = 0;
+                while n < buf.len() {
+                    match c.read(&mut buf[n..]).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(k) => {
+                            n += k;
+                            if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                                break;
+                            }
+                        }
+                    }
+                }
+                let head = String::from_utf8_lossy(&buf[..n]).to_string();
+                let target = head.split_whitespace().nth(1).unwrap_or("").to_string();
+                let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+                let param = |k: &str| {
+                    query
+                        .split('&')
+                        .find_map(|kv| kv.strip_prefix(k)?.strip_prefix('='))
+                        .and_then(|v| v.parse::<u64>().ok())
+                };
+                let body = match path {
+                    "/migrations" => {
+                        let after = param("after").unwrap_or(0);
+                        let limit = param("limit").unwrap_or(1000);
+                        let items: Vec<Value> = (after + 1..=REPORTS)
+                            .take(limit as usize)
+                            .map(|seq| {
+                                json!({
+                                    "seq": seq, "migration_id": 0xc612_020b_0000_0000u64 + seq,
+                                    "reporter": 1 + seq % 3, "role": "origin", "peer": 1 + (seq + 1) % 3,
+                                    "client": format!("198.18.0.11:{}", 30000 + seq),
+                                    "service": "198.18.100.1:80", "outcome": "migrated_out",
+                                    "trigger": "proactive", "reason": null,
+                                    "finished_unix_ms": 1_700_000_000_000u64 + seq,
+                                    "phases": {"prepare_us": 40, "export_us": 9, "transfer_us": 78,
+                                               "import_us": null, "total_us": 2000}
+                                })
+                            })
+                            .collect();
+                        json!({ "epoch": 1, "next": REPORTS + 1, "items": items })
+                    }
+                    _ => json!({ "role": "active", "servers": [] }),
+                }
+                .to_string();
+                let _ = c
+                    .write_all(
+                        format!(
+                            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\
+                             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                            body.len()
+                        )
+                        .as_bytes(),
+                    )
+                    .await;
+            });
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let (running, inner, url, db) = start_with_switchd_db(dir.path(), &switchd_url).await;
+    let viewer = db.create("look", Role::Viewer, "test").unwrap().1;
+    let ids = |v: &Value| -> Vec<u64> {
+        v["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_u64().unwrap())
+            .collect()
+    };
+    // The API polls switchd every 200 ms: wait until it holds all of them.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (s, v, _) = call(
+            "GET",
+            format!("{url}/v1/migrations?limit=10000"),
+            Some(&viewer),
+            None,
+        )
+        .await;
+        assert_eq!(s, 200, "{v}");
+        if ids(&v).len() == REPORTS as usize {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the API never listed {REPORTS} migrations: {} listed",
+            ids(&v).len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let get = |q: &'static str| {
+        let (url, viewer) = (url.clone(), viewer.clone());
+        async move {
+            call(
+                "GET",
+                format!("{url}/v1/migrations{q}"),
+                Some(&viewer),
+                None,
+            )
+            .await
+        }
+    };
+    // The dashboard's listing: the newest 100, newest first.
+    let (s, v, _) = get("?limit=100&order=desc").await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(ids(&v), (901..=1000).rev().collect::<Vec<u64>>());
+    assert_eq!(
+        v["items"][0]["connection"],
+        "198.18.0.11:31000-198.18.100.1:80"
+    );
+    assert_eq!(v["items"][0]["trigger"], "proactive", "{v}");
+    // Default: oldest first, for polling with `after` (unchanged).
+    let (s, v, _) = get("?limit=100").await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(ids(&v), (1..=100).collect::<Vec<u64>>());
+    let (_, v, _) = get("?limit=100&order=asc").await;
+    assert_eq!(ids(&v), (1..=100).collect::<Vec<u64>>());
+    let (_, v, _) = get("?after=990&limit=5").await;
+    assert_eq!(ids(&v), vec![991, 992, 993, 994, 995]);
+    // `after` and `order=desc`: the newest above `after`.
+    let (_, v, _) = get("?after=990&limit=5&order=desc").await;
+    assert_eq!(ids(&v), vec![1000, 999, 998, 997, 996]);
+    let (_, v, _) = get("?after=995&order=desc").await;
+    assert_eq!(ids(&v), vec![1000, 999, 998, 997, 996]);
+    let (_, v, _) = get("?after=1000&order=desc").await;
+    assert_eq!(ids(&v), Vec::<u64>::new());
+    // A bad order: 400 naming the parameter.
+    let (s, v, _) = get("?order=newest").await;
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        v["detail"].as_str().unwrap().contains("`asc` or `desc`"),
+        "{v}"
+    );
+
+    // `capybara ctl migrations`: the newest, the newest last.
+    let (u, t) = (url.clone(), viewer.clone());
+    let (code, out, err) =
+        tokio::task::spawn_blocking(move || ctl(&u, &t, &["migrations", "--limit", "3"]))
+            .await
+            .unwrap();
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 4, "{out}");
+    assert!(lines[0].trim_start().starts_with("ID"), "{out}");
+    for (line, id) in lines[1..].iter().zip([998, 999, 1000]) {
+        assert!(line.trim_start().starts_with(&format!("{id} ")), "{out}");
+    }
+    assert!(
+        lines[3].contains("198.18.0.11:31000-198.18.100.1:80") && lines[3].contains("succeeded"),
+        "{out}"
+    );
+    let (u, t) = (url.clone(), viewer.clone());
+    let (code, out, err) = tokio::task::spawn_blocking(move || ctl(&u, &t, &["migrations"]))
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines.len(),
+        1 + REPORTS as usize,
+        "header and every migration kept"
+    );
+    assert!(lines[1].trim_start().starts_with("1 "), "{}", lines[1]);
+    assert!(
+        lines[1000].trim_start().starts_with("1000 "),
+        "{}",
+        lines[1000]
+    );
+    let (u, t) = (url.clone(), viewer.clone());
+    let (code, _, err) =
+        tokio::task::spawn_blocking(move || ctl(&u, &t, &["migrations", "--limit", "0"]))
+            .await
+            .unwrap();
+    assert!(
+        code == 2 && err.contains("--limit must be 1 to 10000"),
+        "{code} {err}"
+    );
+
+    // `capybara ctl migrations | head -1`: about 80 KB of output, more than
+    // the pipe holds, so ctl writes after `head` is gone. It ends like `seq
+    // 100000 | head -1`: killed by SIGPIPE (bash's status 141), nothing on
+    // stderr (it panicked "failed printing to stdout: Broken pipe").
+    let errfile = dir.path().join("ctl.stderr");
+    let (u, t, e) = (url.clone(), viewer.clone(), errfile.clone());
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("bash")
+            .args([
+                "-c",
+                r#""$0" --api "$1" --token "$2" migrations 2>"$3" | head -1; exit "${PIPESTATUS[0]}""#,
+                env!("CARGO_BIN_EXE_capybara-ctl"),
+                &u,
+                &t,
+                e.to_str().unwrap(),
+            ])
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = std::fs::read_to_string(&errfile).unwrap();
+    assert!(
+        stdout.trim_start().starts_with("ID") && stdout.lines().count() == 1,
+        "{stdout}"
+    );
+    assert_eq!(stderr, "", "ctl's stderr after head exited");
+    assert_eq!(
+        out.status.code(),
+        Some(128 + 13),
+        "ctl killed by SIGPIPE; stderr: {stderr}"
+    );
+    inner.shutdown();
+    running.stop().await;
+    endpoint.abort();
+}

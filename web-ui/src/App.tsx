@@ -2,7 +2,7 @@ import { useCallback, useEffect, useMemo, useReducer, useState } from 'react';
 import { clearToken, makeClients, problemText, storedToken, storeToken, takeLogoutReason, toProblem } from './api';
 import type { Clients, Role } from './api';
 import { useEventStream } from './events';
-import { initialState, reducer } from './state';
+import { FEED_LENGTH, initialState, reducer } from './state';
 import type { Action, State } from './state';
 import { Login } from './pages/Login';
 import { Overview } from './pages/Overview';
@@ -80,9 +80,10 @@ function Dashboard({ token, onLogout }: { token: string; onLogout: (message?: st
       clients.services.listServices().then((l) => dispatch({ type: 'services', items: l.items })),
       clients.policy.getPolicy().then((p) => dispatch({ type: 'policy', policy: p })),
     ]);
-    // Migrations may be unavailable (503) without a data plane; that is not fatal.
+    // The newest FEED_LENGTH (the API lists oldest first by default). Migrations
+    // may be unavailable (503) without a data plane; that is not fatal.
     await clients.migrations
-      .listMigrations({ limit: 100 })
+      .listMigrations({ limit: FEED_LENGTH, order: 'desc' })
       .then((l) => dispatch({ type: 'migrations', items: l.items }))
       .catch(async (e) => dispatch({ type: 'migrationsError', message: problemText(await toProblem(e)) }));
     setSyncs((n) => n + 1);

@@ -134,8 +134,9 @@ export function reducer(state: State, a: Action): State {
     case 'policy':
       return { ...state, policy: a.policy, policySeq: state.policySeq + 1 };
     case 'migrations': {
-      // The listing is oldest first; the feed is newest first. Keep events
-      // newer than the listing.
+      // The listing is the newest FEED_LENGTH (`order=desc`); the feed is
+      // newest first. A listed entry replaces the one held (it is as new);
+      // events newer than the listing are kept.
       const byId = new Map<number, Migration>();
       for (const m of a.items) byId.set(m.id, m);
       for (const m of state.migrations) if (!byId.has(m.id)) byId.set(m.id, m);

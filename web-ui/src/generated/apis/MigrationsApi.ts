@@ -33,6 +33,10 @@ export interface ListMigrationsRequest {
      * Maximum number of items (default 100).
      */
     limit?: number;
+    /**
+     * `asc` (default): oldest first, the `limit` oldest with `id` greater than `after` (for polling). `desc`: newest first, the `limit` newest with `id` greater than `after` (a feed opening on the latest migrations).
+     */
+    order?: ListMigrationsOrderEnum;
 }
 
 /**
@@ -46,6 +50,7 @@ export interface MigrationsApiInterface {
      * Creates request options for listMigrations without sending the request
      * @param {number} [after] Only migrations with &#x60;id&#x60; greater than this (for polling).
      * @param {number} [limit] Maximum number of items (default 100).
+     * @param {'asc' | 'desc'} [order] &#x60;asc&#x60; (default): oldest first, the &#x60;limit&#x60; oldest with &#x60;id&#x60; greater than &#x60;after&#x60; (for polling). &#x60;desc&#x60;: newest first, the &#x60;limit&#x60; newest with &#x60;id&#x60; greater than &#x60;after&#x60; (a feed opening on the latest migrations).
      * @throws {RequiredError}
      * @memberof MigrationsApiInterface
      */
@@ -56,6 +61,7 @@ export interface MigrationsApiInterface {
      * @summary Recent migrations with phase timings and outcome
      * @param {number} [after] Only migrations with &#x60;id&#x60; greater than this (for polling).
      * @param {number} [limit] Maximum number of items (default 100).
+     * @param {'asc' | 'desc'} [order] &#x60;asc&#x60; (default): oldest first, the &#x60;limit&#x60; oldest with &#x60;id&#x60; greater than &#x60;after&#x60; (for polling). &#x60;desc&#x60;: newest first, the &#x60;limit&#x60; newest with &#x60;id&#x60; greater than &#x60;after&#x60; (a feed opening on the latest migrations).
      * @param {*} [options] Override http request option.
      * @throws {RequiredError}
      * @memberof MigrationsApiInterface
@@ -86,6 +92,10 @@ export class MigrationsApi extends runtime.BaseAPI implements MigrationsApiInter
 
         if (requestParameters['limit'] != null) {
             queryParameters['limit'] = requestParameters['limit'];
+        }
+
+        if (requestParameters['order'] != null) {
+            queryParameters['order'] = requestParameters['order'];
         }
 
         const headerParameters: runtime.HTTPHeaders = {};
@@ -128,3 +138,12 @@ export class MigrationsApi extends runtime.BaseAPI implements MigrationsApiInter
     }
 
 }
+
+/**
+ * @export
+ */
+export const ListMigrationsOrderEnum = {
+    asc: 'asc',
+    desc: 'desc',
+} as const;
+export type ListMigrationsOrderEnum = typeof ListMigrationsOrderEnum[keyof typeof ListMigrationsOrderEnum];

@@ -15,7 +15,7 @@ from pydantic import validate_call, Field, StrictFloat, StrictStr, StrictInt
 from typing import Any, Dict, List, Optional, Tuple, Union
 from typing_extensions import Annotated
 
-from pydantic import Field
+from pydantic import Field, StrictStr, field_validator
 from typing import Optional
 from typing_extensions import Annotated
 from capybara_client.models.migration_list import MigrationList
@@ -43,6 +43,7 @@ class MigrationsApi:
         self,
         after: Annotated[Optional[Annotated[int, Field(strict=True, ge=0)]], Field(description="Only migrations with `id` greater than this (for polling).")] = None,
         limit: Annotated[Optional[Annotated[int, Field(le=10000, strict=True, ge=1)]], Field(description="Maximum number of items (default 100).")] = None,
+        order: Annotated[Optional[StrictStr], Field(description="`asc` (default): oldest first, the `limit` oldest with `id` greater than `after` (for polling). `desc`: newest first, the `limit` newest with `id` greater than `after` (a feed opening on the latest migrations).")] = None,
         _request_timeout: Union[
             None,
             Annotated[StrictFloat, Field(gt=0)],
@@ -63,6 +64,8 @@ class MigrationsApi:
         :type after: int
         :param limit: Maximum number of items (default 100).
         :type limit: int
+        :param order: `asc` (default): oldest first, the `limit` oldest with `id` greater than `after` (for polling). `desc`: newest first, the `limit` newest with `id` greater than `after` (a feed opening on the latest migrations).
+        :type order: str
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
                                  timeout. It can also be a pair (tuple) of
@@ -88,6 +91,7 @@ class MigrationsApi:
         _param = self._list_migrations_serialize(
             after=after,
             limit=limit,
+            order=order,
             _request_auth=_request_auth,
             _content_type=_content_type,
             _headers=_headers,
@@ -118,6 +122,7 @@ class MigrationsApi:
         self,
         after: Annotated[Optional[Annotated[int, Field(strict=True, ge=0)]], Field(description="Only migrations with `id` greater than this (for polling).")] = None,
         limit: Annotated[Optional[Annotated[int, Field(le=10000, strict=True, ge=1)]], Field(description="Maximum number of items (default 100).")] = None,
+        order: Annotated[Optional[StrictStr], Field(description="`asc` (default): oldest first, the `limit` oldest with `id` greater than `after` (for polling). `desc`: newest first, the `limit` newest with `id` greater than `after` (a feed opening on the latest migrations).")] = None,
         _request_timeout: Union[
             None,
             Annotated[StrictFloat, Field(gt=0)],
@@ -138,6 +143,8 @@ class MigrationsApi:
         :type after: int
         :param limit: Maximum number of items (default 100).
         :type limit: int
+        :param order: `asc` (default): oldest first, the `limit` oldest with `id` greater than `after` (for polling). `desc`: newest first, the `limit` newest with `id` greater than `after` (a feed opening on the latest migrations).
+        :type order: str
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
                                  timeout. It can also be a pair (tuple) of
@@ -163,6 +170,7 @@ class MigrationsApi:
         _param = self._list_migrations_serialize(
             after=after,
             limit=limit,
+            order=order,
             _request_auth=_request_auth,
             _content_type=_content_type,
             _headers=_headers,
@@ -193,6 +201,7 @@ class MigrationsApi:
         self,
         after: Annotated[Optional[Annotated[int, Field(strict=True, ge=0)]], Field(description="Only migrations with `id` greater than this (for polling).")] = None,
         limit: Annotated[Optional[Annotated[int, Field(le=10000, strict=True, ge=1)]], Field(description="Maximum number of items (default 100).")] = None,
+        order: Annotated[Optional[StrictStr], Field(description="`asc` (default): oldest first, the `limit` oldest with `id` greater than `after` (for polling). `desc`: newest first, the `limit` newest with `id` greater than `after` (a feed opening on the latest migrations).")] = None,
         _request_timeout: Union[
             None,
             Annotated[StrictFloat, Field(gt=0)],
@@ -213,6 +222,8 @@ class MigrationsApi:
         :type after: int
         :param limit: Maximum number of items (default 100).
         :type limit: int
+        :param order: `asc` (default): oldest first, the `limit` oldest with `id` greater than `after` (for polling). `desc`: newest first, the `limit` newest with `id` greater than `after` (a feed opening on the latest migrations).
+        :type order: str
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
                                  timeout. It can also be a pair (tuple) of
@@ -238,6 +249,7 @@ class MigrationsApi:
         _param = self._list_migrations_serialize(
             after=after,
             limit=limit,
+            order=order,
             _request_auth=_request_auth,
             _content_type=_content_type,
             _headers=_headers,
@@ -263,6 +275,7 @@ class MigrationsApi:
         self,
         after,
         limit,
+        order,
         _request_auth,
         _content_type,
         _headers,
@@ -292,6 +305,10 @@ class MigrationsApi:
         if limit is not None:
             
             _query_params.append(('limit', limit))
+            
+        if order is not None:
+            
+            _query_params.append(('order', order))
             
         # process the header parameters
         # process the form parameters
