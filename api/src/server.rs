@@ -412,6 +412,8 @@ async fn register_server(
     };
     let mut server = Server::new(id, b.name, mgmt, data_addr);
     server.weight = weight;
+    // An explicit weight is the operator's: a REGISTER keeps it.
+    server.weight_set = b.weight.is_some();
     state.store.put_server(&server).await?;
     drop(_g);
     audit(

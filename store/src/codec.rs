@@ -226,6 +226,24 @@ mod tests {
     }
 
     #[test]
+    fn server_records_without_weight_set_decode_and_are_written_without_it() {
+        use crate::model::Server;
+        let old = br#"{"v":1,"data":{"id":3,"name":"s3","mgmt_addr":"10.0.0.3:7691","data_addr":"10.1.0.3","state":"active","weight":5,"registered_unix_ms":1,"updated_unix_ms":2}}"#;
+        let s: Server = decode("servers/3", old).unwrap();
+        assert_eq!((s.weight, s.weight_set), (5, false));
+        // Not the operator's: written as before (older readers decode it).
+        let text = String::from_utf8(encode(&s)).unwrap();
+        assert!(!text.contains("weight_set"), "{text}");
+        let set = Server {
+            weight: 0,
+            weight_set: true,
+            ..s
+        };
+        let back: Server = decode("servers/3", &encode(&set)).unwrap();
+        assert_eq!((back.weight, back.weight_set), (0, true));
+    }
+
+    #[test]
     fn flow_keys_round_trip() {
         let k = FlowKey {
             client_ip: Ipv4Addr::new(10, 0, 0, 1),

@@ -626,6 +626,7 @@ impl Store for EtcdStore {
             ("server", id.to_string()),
             |s: &mut Server| {
                 s.weight = weight;
+                s.weight_set = true;
                 s.updated_unix_ms = unix_ms_now();
             },
         )

@@ -62,7 +62,9 @@ pub trait Store: Send + Sync + 'static {
     async fn list_servers(&self) -> Result<Vec<Server>>;
     /// Sets the lifecycle state; `NotFound` if the server is not registered.
     async fn set_server_state(&self, id: ServerId, state: ServerState) -> Result<Server>;
-    /// Sets the placement weight; `NotFound` if the server is not registered.
+    /// Sets the placement weight as the operator's (`weight_set`: switchd
+    /// applies it and a REGISTER keeps it); `NotFound` if the server is not
+    /// registered.
     async fn set_server_weight(&self, id: ServerId, weight: u32) -> Result<Server>;
     /// Returns whether the server existed.
     async fn delete_server(&self, id: ServerId) -> Result<bool>;

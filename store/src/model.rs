@@ -82,6 +82,13 @@ pub struct Server {
     pub state: ServerState,
     /// Relative weight for placement (Maglev / LWRR); 0 takes no new flows.
     pub weight: u32,
+    /// `weight` was set by an operator (`set_server_weight`: REST, `ctl
+    /// weight`, dashboard), not taken from the server's REGISTER: switchd
+    /// applies it over the REGISTER's and a later REGISTER keeps it.
+    /// `false` (absent): the REGISTER's weight, or a record that predates
+    /// the field.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub weight_set: bool,
     pub registered_unix_ms: u64,
     pub updated_unix_ms: u64,
     /// The MAC address of the data interface as switchd learned it from
@@ -126,6 +133,7 @@ impl Server {
             data_addr,
             state: ServerState::Active,
             weight: 100,
+            weight_set: false,
             registered_unix_ms: now,
             updated_unix_ms: now,
             data_mac: None,

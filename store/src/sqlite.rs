@@ -880,8 +880,11 @@ impl Store for SqliteStore {
     }
 
     async fn set_server_weight(&self, id: ServerId, weight: u32) -> Result<Server> {
-        self.modify_server("set_server_weight", id, move |s| s.weight = weight)
-            .await
+        self.modify_server("set_server_weight", id, move |s| {
+            s.weight = weight;
+            s.weight_set = true;
+        })
+        .await
     }
 
     async fn delete_server(&self, id: ServerId) -> Result<bool> {

@@ -221,10 +221,18 @@ mod cases {
                 st
             );
         }
+        assert!(
+            !s.get_server(ServerId(7)).await.unwrap().unwrap().weight_set,
+            "a put record's weight is not the operator's"
+        );
         let got = s.set_server_weight(ServerId(7), 42).await.unwrap();
         assert_eq!(got.weight, 42);
+        assert!(got.weight_set, "set_server_weight marks the operator's");
         assert_eq!(got.state, ServerState::Active, "weight change keeps state");
-        assert_eq!(s.get_server(ServerId(7)).await.unwrap().unwrap().weight, 42);
+        let stored = s.get_server(ServerId(7)).await.unwrap().unwrap();
+        assert_eq!((stored.weight, stored.weight_set), (42, true));
+        let got = s.set_server_weight(ServerId(7), 0).await.unwrap();
+        assert_eq!((got.weight, got.weight_set), (0, true), "0 is a weight");
         let e = s
             .set_server_state(ServerId(99), ServerState::Dead)
             .await
