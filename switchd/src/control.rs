@@ -228,10 +228,48 @@ pub struct Service {
     /// [`ControlConfig::service_retire_timeout`] (see
     /// [`ControlPlane::end_retired`]).
     pub retiring: Option<Instant>,
+    /// How long it had been retiring before this control plane took it
+    /// over ([`ControlPlane::restore_retiring`]: deleted while another
+    /// switchd, or this one before a restart, served it): counts towards
+    /// the retire timeout.
+    retired_before: std::time::Duration,
     /// From the config at start, not yet confirmed by the store
     /// ([`ControlPlane::mark_provisional`]): if the store does not list it,
     /// it goes at once (nothing was ever placed on it).
     provisional: bool,
+}
+
+impl Service {
+    /// How long it has been retiring at `now` (since its delete, also
+    /// when that was seen by another switchd); `None`: it does not retire.
+    pub fn retiring_for(&self, now: Instant) -> Option<std::time::Duration> {
+        self.retiring
+            .map(|t| now.saturating_since(t) + self.retired_before)
+    }
+
+    pub fn addr(&self) -> SocketAddrV4 {
+        SocketAddrV4::new(self.vip, self.port)
+    }
+}
+
+/// A deleted service the store still records as retiring
+/// (`capybara_store::RetiringService`), for
+/// [`ControlPlane::restore_retiring`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetiringSpec {
+    pub spec: ServiceSpec,
+    /// How long ago it was deleted (wall clock, from the record).
+    pub retired_for: std::time::Duration,
+}
+
+/// What [`ControlPlane::restore_retiring`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RetiringRestores {
+    /// Restored as retiring (not served before).
+    pub restored: Vec<String>,
+    /// Not restored, and why (its VIP:port is served again, no free slot,
+    /// retiring is off).
+    pub skipped: Vec<(String, String)>,
 }
 
 /// How a service's pool is formed (see `config::ServiceConfig`).
@@ -429,6 +467,10 @@ pub struct ControlPlane<D: DataPlane> {
     /// Table rewrites for health changes.
     pub health_pushes_total: u64,
     retire_scan: RetireScan,
+    /// Weights an operator set in the store (`Server::weight_set`), by
+    /// server: they replace the REGISTER's; 0 takes the server out of
+    /// placement and migration targets (its connections stay).
+    operator_weights: BTreeMap<ServerId, u32>,
 }
 
 impl<D: DataPlane> ControlPlane<D> {
@@ -450,7 +492,46 @@ impl<D: DataPlane> ControlPlane<D> {
             health_changes_total: 0,
             health_pushes_total: 0,
             retire_scan: RetireScan::default(),
+            operator_weights: BTreeMap::new(),
         }
+    }
+
+    /// Server `s`'s weight: the operator's if one is set, else its
+    /// REGISTER's.
+    pub fn weight_of(&self, s: &Server) -> u32 {
+        self.operator_weights
+            .get(&s.reg.id)
+            .copied()
+            .unwrap_or(s.reg.weight)
+    }
+
+    /// The operator weights in force.
+    pub fn operator_weights(&self) -> &BTreeMap<ServerId, u32> {
+        &self.operator_weights
+    }
+
+    /// Makes the operator weights exactly `weights` (the store's records
+    /// with `weight_set`; servers not named go back to their REGISTER's
+    /// weight) and rebuilds pools and tables if that changes anything.
+    /// Weights of servers not registered yet apply when they register.
+    /// Returns whether anything changed.
+    pub fn set_operator_weights(&mut self, weights: BTreeMap<ServerId, u32>) -> Result<bool> {
+        if weights == self.operator_weights {
+            return Ok(false);
+        }
+        let old = std::mem::replace(&mut self.operator_weights, weights);
+        for i in 0..self.services.len() {
+            let pool = self.pool_of(&self.services[i]);
+            self.services[i].pool = pool;
+        }
+        let ids: Vec<ServerId> = self.servers.keys().copied().collect();
+        for id in ids {
+            if old.get(&id) != self.operator_weights.get(&id) {
+                self.push_server(id)?;
+            }
+        }
+        self.push_tables()?;
+        Ok(true)
     }
 
     /// Application-health changes since the last call, oldest first.
@@ -608,21 +689,27 @@ impl<D: DataPlane> ControlPlane<D> {
         placement: Placement,
         spec: PoolSpec,
     ) -> std::result::Result<u32, ControlError> {
-        let index = self.add_service_unpushed(&ServiceSpec {
-            name: format!("{vip}:{port}"),
-            addr: SocketAddrV4::new(vip, port),
-            placement,
-            follows_global: true,
-            pool: spec,
-        })?;
+        let index = self.add_service_unpushed(
+            &ServiceSpec {
+                name: format!("{vip}:{port}"),
+                addr: SocketAddrV4::new(vip, port),
+                placement,
+                follows_global: true,
+                pool: spec,
+            },
+            None,
+        )?;
         self.push_tables()?;
         Ok(index)
     }
 
-    /// Adds a service in the lowest free slot; the caller pushes tables.
+    /// Adds a service in the lowest free slot (retiring since `retiring`
+    /// and for the duration before it: it places nothing from the first
+    /// packet); the caller pushes tables.
     fn add_service_unpushed(
         &mut self,
         spec: &ServiceSpec,
+        retiring: Option<(Instant, std::time::Duration)>,
     ) -> std::result::Result<u32, ControlError> {
         let index = (0..MAX_SERVICES)
             .find(|i| !self.services.iter().any(|s| s.index == *i))
@@ -632,7 +719,11 @@ impl<D: DataPlane> ControlPlane<D> {
             CServiceKey::tcp(vip, port),
             CService {
                 index,
-                placement: place_code(spec.placement),
+                placement: if retiring.is_some() {
+                    PLACE_NONE
+                } else {
+                    place_code(spec.placement)
+                },
             },
         )?;
         let mut svc = Service {
@@ -647,7 +738,8 @@ impl<D: DataPlane> ControlPlane<D> {
             open: spec.pool.open,
             maglev_shadow: Vec::new(),
             fail_open: false,
-            retiring: None,
+            retiring: retiring.map(|(t, _)| t),
+            retired_before: retiring.map_or(std::time::Duration::ZERO, |(_, d)| d),
             provisional: false,
         };
         svc.pool = self.pool_of(&svc);
@@ -667,9 +759,9 @@ impl<D: DataPlane> ControlPlane<D> {
             .values()
             .filter_map(|s| match svc.configured.get(&s.reg.id) {
                 Some(w) if *w > 0 => Some((s.reg.id, *w)),
-                Some(_) => Some((s.reg.id, s.reg.weight)),
+                Some(_) => Some((s.reg.id, self.weight_of(s))),
                 None if s.lists(addr) || (svc.open && s.wanted.is_empty()) => {
-                    Some((s.reg.id, s.reg.weight))
+                    Some((s.reg.id, self.weight_of(s)))
                 }
                 None => None,
             })
@@ -748,14 +840,14 @@ impl<D: DataPlane> ControlPlane<D> {
                 .position(|s| SocketAddrV4::new(s.vip, s.port) == spec.addr);
             let Some(i) = pos else {
                 let added = loop {
-                    match self.add_service_unpushed(spec) {
+                    match self.add_service_unpushed(spec, None) {
                         Err(ControlError::ServicesFull) => {}
                         other => break other,
                     }
                     // The oldest retiring service gives up its slot.
                     let Some(i) = (0..self.services.len())
                         .filter(|i| self.services[*i].retiring.is_some())
-                        .min_by_key(|i| self.services[*i].retiring)
+                        .max_by_key(|i| self.services[*i].retiring_for(now))
                     else {
                         break Err(ControlError::ServicesFull);
                     };
@@ -777,6 +869,7 @@ impl<D: DataPlane> ControlPlane<D> {
             let svc = &mut self.services[i];
             svc.provisional = false;
             let revived = svc.retiring.take().is_some();
+            svc.retired_before = std::time::Duration::ZERO;
             let changed = revived
                 || svc.name != spec.name
                 || svc.follows_global != spec.follows_global
@@ -821,7 +914,66 @@ impl<D: DataPlane> ControlPlane<D> {
     /// Service `i` stops placing new connections; its flows stay.
     fn retire_service_at(&mut self, now: Instant, i: usize) -> Result<()> {
         self.services[i].retiring = Some(now);
+        self.services[i].retired_before = std::time::Duration::ZERO;
         self.write_service_key(i)
+    }
+
+    /// Serves again, as retiring, the deleted services the store records
+    /// as retiring (a restart, or a takeover: the switchd that saw the
+    /// delete kept them only in memory), so that their open connections,
+    /// whose flows are loaded next, go on; call it after
+    /// [`Self::apply_services`] and before the flows. A record is restored
+    /// only if no service holds its VIP:port (one that does was created
+    /// again, or is retiring here already: then its retire clock goes back
+    /// to the delete if that is earlier) and a slot is free (live services
+    /// come first; no retiring service is evicted for it). Its retire clock
+    /// counts from the delete (`retired_for` ago), so the timeout is not
+    /// restarted. With a zero `service_retire_timeout` nothing retires.
+    pub fn restore_retiring(
+        &mut self,
+        now: Instant,
+        records: &[RetiringSpec],
+    ) -> std::result::Result<RetiringRestores, ControlError> {
+        let mut out = RetiringRestores::default();
+        for r in records {
+            let name = r.spec.name.clone();
+            if self.cfg.service_retire_timeout.is_zero() {
+                out.skipped
+                    .push((name, "service_retire_timeout_ms is 0".into()));
+                continue;
+            }
+            if let Some(s) = self.services.iter_mut().find(|s| s.addr() == r.spec.addr) {
+                match s.retiring_for(now) {
+                    Some(age) if s.name == r.spec.name => {
+                        if r.retired_for > age {
+                            s.retired_before += r.retired_for - age;
+                        }
+                        continue;
+                    }
+                    Some(_) => out.skipped.push((
+                        name,
+                        format!("{} is retiring service {:?}", r.spec.addr, s.name),
+                    )),
+                    None => out.skipped.push((
+                        name,
+                        format!("{} is served by service {:?}", r.spec.addr, s.name),
+                    )),
+                }
+                continue;
+            }
+            match self.add_service_unpushed(&r.spec, Some((now, r.retired_for))) {
+                Ok(_) => out.restored.push(name),
+                Err(ControlError::ServicesFull) => out.skipped.push((
+                    name,
+                    format!("no free service slot (at most {MAX_SERVICES} services)"),
+                )),
+                Err(e) => return Err(e),
+            }
+        }
+        if !out.restored.is_empty() {
+            self.push_tables()?;
+        }
+        Ok(out)
     }
 
     /// Writes service `i`'s data-plane key: its slot and how it places new
@@ -871,10 +1023,11 @@ impl<D: DataPlane> ControlPlane<D> {
             return Ok(ended);
         }
         let timeout = self.cfg.service_retire_timeout;
-        while let Some(i) = self.services.iter().position(|s| {
-            s.retiring
-                .is_some_and(|t| now.saturating_since(t) >= timeout)
-        }) {
+        while let Some(i) = self
+            .services
+            .iter()
+            .position(|s| s.retiring_for(now).is_some_and(|age| age >= timeout))
+        {
             let (name, addr) = (
                 self.services[i].name.clone(),
                 SocketAddrV4::new(self.services[i].vip, self.services[i].port),
@@ -1421,7 +1574,7 @@ impl<D: DataPlane> ControlPlane<D> {
                 Liveness::Draining => SERVER_DRAINING,
                 Liveness::Dead => SERVER_DEAD,
             },
-            weight: s.reg.weight.min(u16::MAX as u32) as u16,
+            weight: self.weight_of(s).min(u16::MAX as u32) as u16,
             ..Default::default()
         };
         c.set_data_addr(s.reg.data_ip);
@@ -1454,13 +1607,17 @@ impl<D: DataPlane> ControlPlane<D> {
         !member
     }
 
-    /// Live members of service `i`, with their pool weights.
+    /// Live members of service `i`, with their pool weights; a server the
+    /// operator weighted 0 is none (no new connections, not a target).
     fn live_members(&self, i: usize) -> Vec<Server> {
         self.services[i]
             .pool
             .iter()
             .filter_map(|(id, w)| {
                 let s = self.servers.get(id)?;
+                if self.operator_weights.get(id) == Some(&0) {
+                    return None;
+                }
                 (s.liveness == Liveness::Live).then(|| Server {
                     reg: Registration {
                         weight: (*w).max(1),
@@ -1992,6 +2149,55 @@ pub(crate) mod tests {
         assert_eq!(
             c.dp.draining_while_placed, 0,
             "a slot named the server while the data plane saw it DRAINING (its SYNs dropped)"
+        );
+    }
+
+    #[test]
+    fn operator_weights_replace_register_weights_and_zero_takes_no_new_flows() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        c.add_service(VIP, 6379, Placement::Lwrr).unwrap();
+        c.dp.place_flow(key(1), 1, 0);
+        let share = |c: &ControlPlane<MemDataPlane>, index: u32| {
+            c.dp.maglev[&0].iter().filter(|v| **v == index).count() as f64 / MAGLEV_SIZE as f64
+        };
+        assert!((share(&c, 1) - 1.0 / 3.0).abs() < 0.01);
+        // Weight 0 on server 2 (index 1): in no Maglev slot, LWRR ring or
+        // target ring; still LIVE, its connection kept.
+        let zero: BTreeMap<ServerId, u32> = [(ServerId(2), 0)].into();
+        assert!(c.set_operator_weights(zero.clone()).unwrap());
+        assert!(!c.set_operator_weights(zero).unwrap(), "no change");
+        assert_eq!(share(&c, 1), 0.0);
+        assert!(!c.dp.rings[&(1, RING_PLACEMENT)].as_slice().contains(&1));
+        assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 2]);
+        assert_eq!(c.dp.servers[&1].state, SERVER_LIVE);
+        assert_eq!(c.dp.servers[&1].weight, 0);
+        assert_eq!(c.dp.current_owner(key(1)), Some(1), "existing flow kept");
+        let s2 = c.server(ServerId(2)).unwrap().clone();
+        assert_eq!((s2.reg.weight, c.weight_of(&s2)), (1, 0));
+        // Its REGISTER again (hostagent restart, config weight 1): still 0.
+        c.register(
+            Instant::ZERO,
+            ServerId(2),
+            Ipv4Addr::new(198, 18, 2, 12),
+            [2, 0, 0, 0, 1, 2],
+            5,
+            [2; 6],
+            1,
+        )
+        .unwrap();
+        assert_eq!(share(&c, 1), 0.0, "a REGISTER keeps the operator's 0");
+        assert!(!c.dp.rings[&(1, RING_PLACEMENT)].as_slice().contains(&1));
+        // Weight 3: three fifths of the slots (1 + 3 + 1).
+        c.set_operator_weights([(ServerId(2), 3)].into()).unwrap();
+        assert!((share(&c, 1) - 0.6).abs() < 0.01, "{}", share(&c, 1));
+        assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 1, 2]);
+        // No operator weight any more: the REGISTER's again.
+        c.set_operator_weights(BTreeMap::new()).unwrap();
+        assert!((share(&c, 1) - 1.0 / 3.0).abs() < 0.01);
+        assert_eq!(c.dp.servers[&1].weight, 1);
+        assert_eq!(
+            c.dp.draining_while_placed, 0,
+            "a slot named a server the data plane saw not LIVE"
         );
     }
 
@@ -2842,6 +3048,199 @@ pub(crate) mod tests {
         );
         // Nothing retires: the scan stays idle.
         assert!(c.end_retired(late, true).unwrap().is_empty());
+    }
+
+    /// A restart or takeover: a service deleted before it (its retiring
+    /// record in the store) is served again as retiring, before its flows
+    /// load, with its retire clock counted from the delete.
+    #[test]
+    fn a_retiring_service_from_the_store_keeps_its_connections_and_clock() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let web = SocketAddrV4::new(VIP, 80);
+        let api = SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 3), 8080);
+        let akey = CServiceKey::tcp(*api.ip(), api.port());
+        let api_flow = |port: u16| FlowKey {
+            client_ip: Ipv4Addr::new(198, 18, 0, 11),
+            client_port: port,
+            service_ip: *api.ip(),
+            service_port: api.port(),
+        };
+        let only_web = [spec("web", web, &[], true)];
+        let t0 = Instant::ZERO + Duration::from_secs(1);
+        c.apply_services(t0, &only_web, true).unwrap();
+        // Deleted 200 s ago, seen by another switchd (or this one before it
+        // restarted).
+        let record = RetiringSpec {
+            spec: spec("api", api, &[2, 3], false),
+            retired_for: Duration::from_secs(200),
+        };
+        // Without it the flows of the deleted service are skipped (their
+        // connections would be reset).
+        let flows = [(api_flow(1), ServerId(2)), (api_flow(2), ServerId(3))];
+        assert_eq!(c.load_flows(&flows).unwrap(), (0, 2));
+        let r = c
+            .restore_retiring(t0, std::slice::from_ref(&record))
+            .unwrap();
+        assert_eq!(r.restored, ["api"]);
+        assert!(r.skipped.is_empty());
+        assert_eq!(c.dp.services[&akey].placement, PLACE_NONE, "places nothing");
+        assert_eq!(c.dp.services[&akey].index, 1);
+        assert_eq!(
+            c.dp.rings[&(1, RING_TARGET)].as_slice().len(),
+            2,
+            "migrates"
+        );
+        assert_eq!(c.load_flows(&flows).unwrap(), (2, 0));
+        assert_eq!(c.dp.current_owner(CFlowKey::from(api_flow(1))), Some(1));
+        let svc = c.retiring().next().unwrap();
+        assert_eq!(svc.retiring_for(t0), Some(Duration::from_secs(200)));
+        // Known now: the same record again changes nothing; an older record
+        // of it (this switchd retired it later than the delete) moves its
+        // clock back to the delete.
+        let older = RetiringSpec {
+            retired_for: Duration::from_secs(250),
+            ..record.clone()
+        };
+        let t1 = t0 + Duration::from_secs(10);
+        let r = c.restore_retiring(t1, &[older]).unwrap();
+        assert_eq!(r, RetiringRestores::default());
+        assert_eq!(
+            c.retiring().next().unwrap().retiring_for(t1),
+            Some(Duration::from_secs(250))
+        );
+        // The timeout counts from the delete: it ends 300 s after it, its
+        // connections reported closed.
+        for _ in 0..3 {
+            assert!(c.end_retired(t1, true).unwrap().is_empty());
+        }
+        assert_eq!(c.retiring_flows(api), Some(2));
+        let end = t1 + Duration::from_secs(50);
+        assert!(c
+            .end_retired(t1 + Duration::from_millis(49_999), true)
+            .unwrap()
+            .is_empty());
+        let ended = c.end_retired(end, true).unwrap();
+        assert_eq!(
+            ended,
+            [RetiredService {
+                name: "api".into(),
+                addr: api,
+                flows: 2,
+                timed_out: true
+            }]
+        );
+        assert!(!c.dp.services.contains_key(&akey));
+
+        // A record whose VIP:port is served again (created again) is not
+        // restored; nor one with no free slot (live services come first).
+        let mut c = cp(TargetPolicy::RoundRobin);
+        c.apply_services(t0, &[spec("api2", api, &[], true)], true)
+            .unwrap();
+        let r = c
+            .restore_retiring(t0, std::slice::from_ref(&record))
+            .unwrap();
+        assert!(r.restored.is_empty());
+        assert_eq!(r.skipped.len(), 1);
+        assert!(
+            r.skipped[0].1.contains("served by service \"api2\""),
+            "{r:?}"
+        );
+        let full: Vec<ServiceSpec> = (0..MAX_SERVICES)
+            .map(|i| {
+                spec(
+                    &format!("s{i}"),
+                    SocketAddrV4::new(Ipv4Addr::new(198, 18, 101, i as u8), 80),
+                    &[],
+                    true,
+                )
+            })
+            .collect();
+        c.apply_services(t0, &full, true).unwrap();
+        let r = c
+            .restore_retiring(t0, std::slice::from_ref(&record))
+            .unwrap();
+        assert!(r.skipped[0].1.contains("no free service slot"), "{r:?}");
+        // Retiring off: nothing retires.
+        let mut c = cp(TargetPolicy::RoundRobin);
+        c.cfg.service_retire_timeout = Duration::ZERO;
+        let r = c.restore_retiring(t0, &[record]).unwrap();
+        assert!(r.restored.is_empty() && r.skipped.len() == 1, "{r:?}");
+    }
+
+    /// A restored retiring service is revived by a service created again
+    /// at its VIP:port (connections and all), and is the oldest when a new
+    /// service needs its slot.
+    #[test]
+    fn a_restored_retiring_service_is_revived_or_gives_up_its_slot_by_age() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let web = SocketAddrV4::new(VIP, 80);
+        let api = SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 3), 8080);
+        let akey = CServiceKey::tcp(*api.ip(), api.port());
+        let t0 = Instant::ZERO + Duration::from_secs(1);
+        c.apply_services(t0, &[spec("web", web, &[], true)], true)
+            .unwrap();
+        let record = RetiringSpec {
+            spec: spec("api", api, &[], true),
+            retired_for: Duration::from_secs(100),
+        };
+        c.restore_retiring(t0, std::slice::from_ref(&record))
+            .unwrap();
+        c.dp.place_flow(
+            CFlowKey::from(FlowKey {
+                client_ip: Ipv4Addr::new(198, 18, 0, 11),
+                client_port: 1,
+                service_ip: *api.ip(),
+                service_port: api.port(),
+            }),
+            1,
+            1,
+        );
+        let ch = c
+            .apply_services(
+                t0,
+                &[spec("web", web, &[], true), spec("api", api, &[], true)],
+                true,
+            )
+            .unwrap();
+        assert_eq!(ch.updated, ["api"]);
+        assert_eq!(c.retiring().count(), 0);
+        assert_eq!(
+            c.dp.services[&akey].placement,
+            place_code(Placement::Maglev)
+        );
+        assert_eq!(c.services()[1].retiring_for(t0), None);
+        // Deleted here later than the restored one was: the restored one
+        // is older and gives up its slot first.
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let live: Vec<ServiceSpec> = (1..MAX_SERVICES - 1)
+            .map(|i| {
+                spec(
+                    &format!("s{i}"),
+                    SocketAddrV4::new(Ipv4Addr::new(198, 18, 101, i as u8), 80),
+                    &[],
+                    true,
+                )
+            })
+            .collect();
+        let mut with_web = live.clone();
+        with_web.push(spec("web", web, &[], true));
+        c.apply_services(t0, &with_web, true).unwrap();
+        c.restore_retiring(t0, &[record]).unwrap();
+        let t1 = t0 + Duration::from_secs(5);
+        c.apply_services(t1, &live, true).unwrap();
+        assert_eq!(c.retiring().count(), 2);
+        let mut more = live.clone();
+        more.push(spec(
+            "new",
+            SocketAddrV4::new(Ipv4Addr::new(198, 18, 102, 1), 80),
+            &[],
+            true,
+        ));
+        let ch = c.apply_services(t1, &more, true).unwrap();
+        assert_eq!(ch.added, ["new"]);
+        assert_eq!(ch.removed, [("api".to_string(), 0)]);
+        let retiring: Vec<&str> = c.retiring().map(|s| s.name.as_str()).collect();
+        assert_eq!(retiring, ["web"]);
     }
 
     #[test]

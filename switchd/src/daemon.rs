@@ -289,7 +289,19 @@ struct Switch {
     policy_rejected: u64,
     /// The store's services as the poller last read them (taken by the
     /// control thread).
-    services_slot: Arc<Mutex<Option<Vec<capybara_store::Service>>>>,
+    services_slot: Arc<Mutex<Option<StoredServices>>>,
+    /// The operator weights of the store's server records as the weights
+    /// poller last read them (taken by the control thread).
+    weights_slot: Arc<Mutex<Option<BTreeMap<ServerId, u32>>>>,
+    /// The store's retiring records as last read.
+    retiring_records: Vec<capybara_store::RetiringService>,
+    /// Retiring records (name, deleted_unix_ms) whose service this switchd
+    /// ended or could not serve: not restored again; the active forgets
+    /// them in the store.
+    ended_records: std::collections::HashSet<(String, u64)>,
+    /// The poller hands over its next read even if unchanged (a forget
+    /// failed or was held: tried again).
+    records_resync: Arc<AtomicBool>,
     /// Services added, updated or removed from the store's records.
     service_changes: u64,
     /// Stored services that could not be served (see `apply_services`).
@@ -326,6 +338,14 @@ struct Switch {
     /// with a higher term is newer and makes it step down.
     predecessor_term: Option<u64>,
 }
+
+/// The store's services and retiring records as one poll read them
+/// (records first: see [`Switch::apply_store_services`]); `retiring` is
+/// `None` when they could not be read.
+type StoredServices = (
+    Vec<capybara_store::Service>,
+    Option<Vec<capybara_store::RetiringService>>,
+);
 
 /// A server record write held while serving without the lease.
 #[derive(Debug, Clone)]
@@ -481,6 +501,10 @@ impl Switch {
             policy_sent: 0,
             policy_rejected: 0,
             services_slot: Arc::new(Mutex::new(None)),
+            weights_slot: Arc::new(Mutex::new(None)),
+            retiring_records: Vec::new(),
+            ended_records: std::collections::HashSet::new(),
+            records_resync: Arc::new(AtomicBool::new(false)),
             service_changes: 0,
             service_rejections: 0,
             services_retired: 0,
@@ -536,6 +560,9 @@ impl Switch {
             }
         }
         let t0 = StdInstant::now();
+        // What the standby ended by its own (store-fed) view is judged
+        // again now that this switchd holds the flows.
+        self.ended_records.clear();
         self.sync_from_store(true)?;
         // Restored servers were loaded while standing by: their liveness
         // clock starts now, and their next heartbeats keep them live (dead
@@ -840,10 +867,21 @@ impl Switch {
             return Ok(());
         };
         let seed_cfg = &self.cfg;
-        let (servers, services, flows) = self
+        let (records, servers, services, flows) = self
             .rt
             .block_on(async {
                 tokio::time::timeout(Duration::from_secs(5), async {
+                    // Records before services: a record read is of a delete
+                    // the services read then shows (`apply_store_services`).
+                    // One that does not decode costs the retiring services,
+                    // not the start.
+                    let records = match store.list_retiring_services().await {
+                        Ok(r) => Some(r),
+                        Err(e) => {
+                            eprintln!("switchd: store: retiring services: {e}; deleted services' open connections are not restored");
+                            None
+                        }
+                    };
                     let mut services = store.list_services().await?;
                     if active {
                         // Records first, then their marks: a stop between
@@ -865,6 +903,7 @@ impl Switch {
                         store.mark_seeded(&seeding.mark).await?;
                     }
                     Ok::<_, capybara_store::StoreError>((
+                        records,
                         store.list_servers().await?,
                         services,
                         store.scan_flows().await?,
@@ -880,6 +919,7 @@ impl Switch {
         // ones, whose addresses win), so that it can still come back, and
         // otherwise its flows leave the data plane and the store together.
         let owners: std::collections::HashSet<ServerId> = flows.iter().map(|m| m.server).collect();
+        let weights = crate::persist::operator_weights(&servers);
         let mut servers = servers;
         servers.sort_by_key(|s| s.state == ServerState::Dead);
         for s in servers {
@@ -955,9 +995,12 @@ impl Switch {
                 }
             }
         }
-        // Services before flows: a stored flow of a service not served
-        // would be skipped.
-        self.apply_store_services(&services, active);
+        // Operator weights (`weight_set`) over the REGISTERs' (restored
+        // ones included), before the services build their pools.
+        self.apply_operator_weights(weights);
+        // Services (and retiring ones) before flows: a stored flow of a
+        // service not served would be skipped.
+        self.apply_store_services(&services, records.as_deref(), active);
         let fresh: HashMap<FlowKey, ServerId> = flows.iter().map(|m| (m.key, m.server)).collect();
         let changed: Vec<(FlowKey, ServerId)> = fresh
             .iter()
@@ -991,6 +1034,7 @@ impl Switch {
         sock.set_nonblocking(true)?;
         self.warm.clear();
         self.start_policy_poller();
+        self.start_weights_poller();
         let mut next_tick = self.now() + self.cfg.load_interval;
         let mut next_flush = self.now();
         let mut next_status = self.now();
@@ -1042,6 +1086,7 @@ impl Switch {
             let now = self.now();
             self.take_policy(&sock);
             self.take_services();
+            self.take_weights();
             let interval = self.cfg.load_interval;
             if now >= next_tick {
                 self.ticks += 1;
@@ -1639,18 +1684,45 @@ impl Switch {
         };
         let slot = self.policy_slot.clone();
         let services_slot = self.services_slot.clone();
+        let resync = self.records_resync.clone();
         self.rt.spawn(async move {
             let mut last: Option<capybara_store::Policy> = None;
-            let mut last_services: Option<Vec<capybara_store::Service>> = None;
+            let mut last_services: Option<StoredServices> = None;
+            let mut last_records_error = String::new();
             while !SHUTDOWN.load(Ordering::SeqCst) {
+                // Records first (see `apply_store_services`).
+                let records = match tokio::time::timeout(
+                    Duration::from_secs(2),
+                    store.list_retiring_services(),
+                )
+                .await
+                {
+                    Ok(Ok(r)) => {
+                        last_records_error.clear();
+                        Some(r)
+                    }
+                    Ok(Err(e)) => {
+                        let e = e.to_string();
+                        if e != last_records_error {
+                            eprintln!("switchd: store: reading the retiring services: {e}");
+                            last_records_error = e;
+                        }
+                        None
+                    }
+                    Err(_) => None,
+                };
                 match tokio::time::timeout(Duration::from_secs(2), store.list_services()).await {
-                    Ok(Ok(s)) if last_services.as_ref() != Some(&s) => {
-                        last_services = Some(s.clone());
-                        if let Ok(mut slot) = services_slot.lock() {
-                            *slot = Some(s);
+                    Ok(Ok(s)) => {
+                        let read = (s, records);
+                        if last_services.as_ref() != Some(&read)
+                            || resync.swap(false, Ordering::SeqCst)
+                        {
+                            last_services = Some(read.clone());
+                            if let Ok(mut slot) = services_slot.lock() {
+                                *slot = Some(read);
+                            }
                         }
                     }
-                    Ok(Ok(_)) => {}
                     Ok(Err(e)) => eprintln!("switchd: store: reading the services: {e}"),
                     Err(_) => eprintln!("switchd: store: reading the services timed out"),
                 }
@@ -1670,9 +1742,78 @@ impl Switch {
         });
     }
 
+    /// Reads the operator weights of the store's server records every
+    /// 250 ms (as the services: a `ctl weight` applies within a second);
+    /// hands over only a change.
+    fn start_weights_poller(&mut self) {
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        let slot = self.weights_slot.clone();
+        self.rt.spawn(async move {
+            let mut last: Option<BTreeMap<ServerId, u32>> = None;
+            let mut last_error = String::new();
+            while !SHUTDOWN.load(Ordering::SeqCst) {
+                match tokio::time::timeout(Duration::from_secs(2), store.list_servers()).await {
+                    Ok(Ok(servers)) => {
+                        last_error.clear();
+                        let w = crate::persist::operator_weights(&servers);
+                        if last.as_ref() != Some(&w) {
+                            last = Some(w.clone());
+                            if let Ok(mut s) = slot.lock() {
+                                *s = Some(w);
+                            }
+                        }
+                    }
+                    Ok(Err(e)) => {
+                        let e = e.to_string();
+                        if e != last_error {
+                            eprintln!("switchd: store: reading the server weights: {e}");
+                            last_error = e;
+                        }
+                    }
+                    Err(_) => {}
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        });
+    }
+
+    /// Applies the operator weights the poller read.
+    fn take_weights(&mut self) {
+        let Some(w) = self.weights_slot.try_lock().ok().and_then(|mut s| s.take()) else {
+            return;
+        };
+        self.apply_operator_weights(w);
+    }
+
+    /// Makes `weights` the operator weights in force (placement rebuilt
+    /// when they change), logging each change.
+    fn apply_operator_weights(&mut self, weights: BTreeMap<ServerId, u32>) {
+        let old = self.cp.operator_weights().clone();
+        let changes: Vec<String> = weights
+            .iter()
+            .filter(|(id, w)| old.get(id) != Some(w))
+            .map(|(id, w)| format!("{id} -> {w}"))
+            .chain(
+                old.keys()
+                    .filter(|id| !weights.contains_key(id))
+                    .map(|id| format!("{id} -> its REGISTER's")),
+            )
+            .collect();
+        match self.cp.set_operator_weights(weights) {
+            Ok(true) => eprintln!(
+                "switchd: operator weights from the store: {} (0: no new connections)",
+                changes.join(", ")
+            ),
+            Ok(false) => {}
+            Err(e) => eprintln!("switchd: applying the store's server weights: {e}"),
+        }
+    }
+
     /// Applies the services the poller read.
     fn take_services(&mut self) {
-        let Some(list) = self
+        let Some((list, records)) = self
             .services_slot
             .try_lock()
             .ok()
@@ -1680,13 +1821,24 @@ impl Switch {
         else {
             return;
         };
-        self.apply_store_services(&list, true);
+        self.apply_store_services(&list, records.as_deref(), true);
     }
 
-    /// Serves exactly the store's services (`crate::services`); `active`:
-    /// flows of a removed service are reported closed (a standby writes
-    /// nothing). Announces new VIPs when configured to claim them.
-    fn apply_store_services(&mut self, stored: &[capybara_store::Service], active: bool) {
+    /// Serves exactly the store's services (`crate::services`), and keeps
+    /// serving, as retiring, the deleted ones the store records as
+    /// retiring (`records`, read before `stored`, so a record's service is
+    /// absent from `stored` unless it was created again since) that this
+    /// switchd does not know (restart, takeover, a delete it did not see),
+    /// with the retire clock counted from the delete. `active`: flows of a
+    /// removed service are reported closed and records of services gone
+    /// are forgotten (a standby writes nothing). Announces new VIPs when
+    /// configured to claim them.
+    fn apply_store_services(
+        &mut self,
+        stored: &[capybara_store::Service],
+        records: Option<&[capybara_store::RetiringService]>,
+        active: bool,
+    ) {
         let global = match self.policy.placement {
             capybara_store::Placement::Maglev => crate::control::Placement::Maglev,
             capybara_store::Placement::Lwrr => crate::control::Placement::Lwrr,
@@ -1738,6 +1890,135 @@ impl Switch {
         if active && !ch.added.is_empty() && self.cfg.ha.claim_vips && self.role == "active" {
             self.claim_vips();
         }
+        if let Some(records) = records {
+            self.restore_retiring(records, global, active);
+        }
+    }
+
+    /// Restores the retiring records not served here (see
+    /// `ControlPlane::restore_retiring`), then settles which records still
+    /// stand ([`Self::settle_retiring_records`]).
+    fn restore_retiring(
+        &mut self,
+        records: &[capybara_store::RetiringService],
+        global: crate::control::Placement,
+        active: bool,
+    ) {
+        self.retiring_records = records.to_vec();
+        self.ended_records.retain(|(n, t)| {
+            records
+                .iter()
+                .any(|r| &r.service.name == n && r.deleted_unix_ms == *t)
+        });
+        let wall = capybara_store::unix_ms_now();
+        let todo: Vec<&capybara_store::RetiringService> = records
+            .iter()
+            .filter(|r| {
+                !self
+                    .ended_records
+                    .contains(&(r.service.name.clone(), r.deleted_unix_ms))
+            })
+            .collect();
+        let services: Vec<capybara_store::Service> =
+            todo.iter().map(|r| r.service.clone()).collect();
+        let specs = crate::services::store_specs(&services, &self.cfg, global);
+        let wanted: Vec<crate::control::RetiringSpec> = specs
+            .into_iter()
+            .filter_map(|spec| {
+                let r = todo.iter().find(|r| r.service.name == spec.name)?;
+                Some(crate::control::RetiringSpec {
+                    spec,
+                    retired_for: Duration::from_millis(wall.saturating_sub(r.deleted_unix_ms)),
+                })
+            })
+            .collect();
+        let now = self.now();
+        let role = if active { "" } else { " (standby)" };
+        match self.cp.restore_retiring(now, &wanted) {
+            Ok(r) => {
+                for name in &r.restored {
+                    let age = wanted
+                        .iter()
+                        .find(|w| &w.spec.name == name)
+                        .map_or(Duration::ZERO, |w| w.retired_for);
+                    let addr = wanted
+                        .iter()
+                        .find(|w| &w.spec.name == name)
+                        .map(|w| w.spec.addr.to_string())
+                        .unwrap_or_default();
+                    eprintln!(
+                        "switchd{role}: restored retiring service {name:?} ({addr}) from the store: deleted {} ms ago; its open connections are kept until they end, at most {:?} from the delete: service_retire_timeout_ms",
+                        age.as_millis(),
+                        self.cfg.service_retire_timeout
+                    );
+                }
+                for (name, why) in &r.skipped {
+                    eprintln!(
+                        "switchd{role}: retiring service {name:?} in the store not restored: {why}"
+                    );
+                }
+            }
+            Err(e) => eprintln!("switchd: restoring retiring services: {e}"),
+        }
+        self.settle_retiring_records(active);
+    }
+
+    /// The retiring records whose service no longer retires here (ended,
+    /// timed out, created again, its slot taken, not restorable) are done
+    /// with: not restored again, and the active forgets them in the store
+    /// (that exact record: a newer delete of the name stays). A forget that
+    /// fails, or is held while writes are fenced, is tried at the next poll.
+    fn settle_retiring_records(&mut self, active: bool) {
+        let done: Vec<(String, u64)> = self
+            .retiring_records
+            .iter()
+            .filter(|r| {
+                let addr = SocketAddrV4::new(r.service.vip, r.service.port);
+                !self
+                    .cp
+                    .retiring()
+                    .any(|s| s.name == r.service.name && s.addr() == addr)
+            })
+            .map(|r| (r.service.name.clone(), r.deleted_unix_ms))
+            .collect();
+        if done.is_empty() {
+            return;
+        }
+        self.ended_records.extend(done.iter().cloned());
+        if !active {
+            return;
+        }
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        if self.writes_fenced() {
+            self.records_resync.store(true, Ordering::SeqCst);
+            return;
+        }
+        let resync = self.records_resync.clone();
+        self.rt.spawn(async move {
+            for (name, at) in done {
+                match tokio::time::timeout(
+                    Duration::from_secs(2),
+                    store.forget_retiring_service(&name, at),
+                )
+                .await
+                {
+                    Ok(Ok(true)) => eprintln!(
+                        "switchd: forgot the retiring record of service {name:?} (deleted at {at} ms): its service is gone"
+                    ),
+                    Ok(Ok(false)) => {}
+                    Ok(Err(e)) => {
+                        eprintln!("switchd: store: forgetting retiring service {name:?}: {e}");
+                        resync.store(true, Ordering::SeqCst);
+                    }
+                    Err(_) => {
+                        eprintln!("switchd: store: forgetting retiring service {name:?}: no answer within 2 s");
+                        resync.store(true, Ordering::SeqCst);
+                    }
+                }
+            }
+        });
     }
 
     /// Removes the retiring services whose connections have all ended, or
@@ -1753,6 +2034,7 @@ impl Switch {
             }
         };
         let role = if active { "" } else { " (standby)" };
+        let any = !ended.is_empty();
         for r in ended {
             self.services_retired += 1;
             if r.timed_out {
@@ -1767,6 +2049,9 @@ impl Switch {
                     r.name, r.addr
                 );
             }
+        }
+        if any {
+            self.settle_retiring_records(active);
         }
     }
 
@@ -1895,7 +2180,8 @@ impl Switch {
                 let p = self.peers.get(&s.reg.id);
                 let mut v = json!({
                     "id": s.reg.id.0, "index": s.index, "data_addr": s.reg.data_ip.to_string(),
-                    "mac": sys::format_mac(&s.reg.mac), "weight": s.reg.weight,
+                    "mac": sys::format_mac(&s.reg.mac), "weight": self.cp.weight_of(s),
+                    "register_weight": s.reg.weight,
                     "state": format!("{:?}", s.liveness).to_lowercase(), "load": s.load,
                     "mgmt_addr": p.map(|p| p.mgmt.to_string()),
                     "connections": p.map(|p| p.connections), "load_pps": p.map(|p| p.load_pps),
@@ -1934,7 +2220,8 @@ impl Switch {
                  "pool": s.pool.iter().map(|(id, w)| json!({"server": id.0, "weight": w})).collect::<Vec<_>>(),
                  "fail_open": s.fail_open,
                  "retiring": s.retiring.is_some(),
-                 "retiring_for_ms": s.retiring.map(|t| now.saturating_since(t).as_millis() as u64),
+                 "retiring_for_ms": s.retiring_for(now).map(|d| d.as_millis() as u64),
+                 "retiring_left_ms": s.retiring_for(now).map(|d| self.cfg.service_retire_timeout.saturating_sub(d).as_millis() as u64),
                  "retiring_flows": s.retiring.and_then(|_| self.cp.retiring_flows(SocketAddrV4::new(s.vip, s.port))),
                  "backend_down": self.cp.servers().filter(|v| v.backend_is_down(s.vip, s.port)).map(|v| v.reg.id.0).collect::<Vec<_>>()}))
             .collect();
@@ -2154,7 +2441,11 @@ impl Switch {
 /// liveness change writes the record again).
 async fn write_server(store: Arc<dyn Store>, w: ServerWrite) {
     match w {
-        ServerWrite::Put(rec) => {
+        ServerWrite::Put(mut rec) => {
+            // A REGISTER's record keeps the operator's weight.
+            if let Ok(Some(old)) = store.get_server(rec.id).await {
+                crate::persist::keep_operator_weight(&mut rec, &old);
+            }
             if let Err(e) = store.put_server(&rec).await {
                 eprintln!("switchd: store: put server {}: {e}", rec.id);
             }

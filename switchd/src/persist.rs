@@ -40,6 +40,26 @@ pub fn server_record(
     rec
 }
 
+/// The weights an operator set (`weight_set`) in server records `servers`.
+pub fn operator_weights(
+    servers: &[capybara_store::Server],
+) -> std::collections::BTreeMap<capybara_proto::ServerId, u32> {
+    servers
+        .iter()
+        .filter(|s| s.weight_set)
+        .map(|s| (s.id, s.weight))
+        .collect()
+}
+
+/// Record `rec` (a REGISTER's) written over stored `old` keeps the weight
+/// an operator set there: the REGISTER's weight is the hostagent config's.
+pub fn keep_operator_weight(rec: &mut capybara_store::Server, old: &capybara_store::Server) {
+    if old.weight_set && !rec.weight_set {
+        rec.weight = old.weight;
+        rec.weight_set = true;
+    }
+}
+
 /// What stored server `rec` registers as on a takeover, reached through
 /// this switch's interface `ifindex` (Ethernet address `src_mac`) at `mac`
 /// (the record's `data_mac`). A record without an instance id (an older
@@ -238,6 +258,39 @@ mod tests {
             .await
             .unwrap();
         (dir, Arc::new(store))
+    }
+
+    /// An operator's weight in a real SQLite store survives the REGISTER
+    /// record written over it, and is what `operator_weights` reads; a
+    /// record whose weight is the REGISTER's names none.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_register_record_keeps_the_operators_weight() {
+        use std::net::SocketAddr;
+        let (dir, store) = sqlite_store("weights").await;
+        let reg = crate::control::tests::reg;
+        let mgmt = SocketAddr::from(([198, 18, 1, 11], 40000));
+        for j in [1, 2] {
+            store
+                .put_server(&server_record(&reg(j, 7), mgmt, 1, &[]))
+                .await
+                .unwrap();
+        }
+        assert!(operator_weights(&store.list_servers().await.unwrap()).is_empty());
+        store.set_server_weight(ServerId(1), 0).await.unwrap();
+        // s1 registers again (hostagent restart: config weight 1).
+        let mut rec = server_record(&reg(1, 8), mgmt, 2, &[]);
+        assert_eq!((rec.weight, rec.weight_set), (1, false));
+        let old = store.get_server(ServerId(1)).await.unwrap().unwrap();
+        keep_operator_weight(&mut rec, &old);
+        store.put_server(&rec).await.unwrap();
+        let got = store.get_server(ServerId(1)).await.unwrap().unwrap();
+        assert_eq!(
+            (got.weight, got.weight_set, got.instance),
+            (0, true, Some(8))
+        );
+        let w = operator_weights(&store.list_servers().await.unwrap());
+        assert_eq!(w, [(ServerId(1), 0)].into());
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// The takeover path through a real SQLite store: a switch registers s1

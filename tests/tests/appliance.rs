@@ -470,6 +470,18 @@ fn a_configured_service_deleted_through_the_api_stays_deleted() {
         log_of(&log1).contains("service \"echo\" deleted from the store: retiring")
     });
     assert!(!echo_once(&lab, ECHO), "a deleted service answered");
+    // Gone (no connection was open), its retiring record with it: a
+    // restart before then would keep it retiring (appliance_retiring.rs).
+    lab.wait_for(
+        "echo to go, and its record",
+        Duration::from_secs(10),
+        || {
+            let l = log_of(&log1);
+            l.contains(
+                "retired service \"echo\" (198.18.100.1:7) removed: its last connection ended",
+            ) && l.contains("forgot the retiring record of service \"echo\"")
+        },
+    );
     let st = stop_appliance(&mut app);
     assert!(st.success(), "capybara run exited with {st}");
 

@@ -1,0 +1,255 @@
+//! A deleted service's open connections survive a restart of the appliance
+//! (lab, root; release binaries, or `CAPYBARA_BIN_DIR`): a real Linux
+//! client holds echo connections to a service created through the REST
+//! API; the service is deleted (retiring: no new connection, the open ones
+//! go on); `capybara run` gets SIGTERM and starts again from the same
+//! config and store. The restarted switchd restores the service as
+//! retiring from the store's retiring record, so the connections still
+//! answer byte-exact, with no reset, and new ones are still refused; the
+//! retire timeout counts from the delete, not from the restart. Closed,
+//! the service goes and its record is forgotten.
+
+use capybara_systests::{bin, deployment_key, hostagent_migrating_config, output_dir, Lab};
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+const SERVERS: u32 = 2;
+const API: &str = "http://127.0.0.1:18082";
+/// A VIP the config does not name (both servers serve echo there).
+const NEW: &str = "198.18.100.2:17";
+
+fn start_appliance(lab: &Lab, config: &Path, log: &Path) -> Child {
+    let f = std::fs::File::create(log).expect("create log");
+    lab.command("sw", bin("capybara"))
+        .args(["run", config.to_str().unwrap()])
+        .stdout(f.try_clone().unwrap())
+        .stderr(f)
+        .spawn()
+        .expect("start capybara run")
+}
+
+/// SIGTERM, then waits (bounded) for a clean exit.
+fn stop_appliance(child: &mut Child) -> std::process::ExitStatus {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let start = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            return st;
+        }
+        if start.elapsed() > Duration::from_secs(15) {
+            let _ = child.kill();
+            panic!("capybara run did not stop within 15 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn log_of(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+fn api(lab: &Lab, token: &str, method: &str, path: &str, json: Option<&str>) -> (u16, String) {
+    lab.api_call(API, token, method, path, json)
+}
+
+/// One echo round trip from c1 to `addr`: connect within 2 s, send, read
+/// the same bytes back.
+fn echo_once(lab: &Lab, addr: &str) -> bool {
+    const ONCE: &str = r#"
+import socket, sys
+host, port = sys.argv[1].split(":")
+try:
+    s = socket.create_connection((host, int(port)), timeout=2)
+    s.sendall(b"capybara-once")
+    got = b""
+    while len(got) < 13:
+        c = s.recv(64)
+        if not c:
+            break
+        got += c
+    sys.exit(0 if got == b"capybara-once" else 1)
+except OSError:
+    sys.exit(2)
+"#;
+    lab.command("c1", "timeout")
+        .args(["5", "python3", "-c", ONCE, addr])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// The store's retiring records (name, deleted_unix_ms), read from the
+/// appliance's SQLite file (another process may have it open: SQLite
+/// shares it).
+fn retiring_records(db: &Path) -> Vec<(String, u64)> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let store = capybara_store::SqliteStore::open(capybara_store::SqliteConfig::at(db))
+            .await
+            .expect("open the appliance's store");
+        use capybara_store::Store;
+        store
+            .list_retiring_services()
+            .await
+            .expect("list retiring services")
+            .into_iter()
+            .map(|r| (r.service.name, r.deleted_unix_ms))
+            .collect()
+    })
+}
+
+/// The `retiring_for_ms` of service `name` in switchd's `/status`
+/// (`metrics_listen` of the lab's switchd config).
+fn retiring_for_ms(lab: &Lab, name: &str) -> Option<u64> {
+    let out = lab.try_run(
+        "sw",
+        "curl",
+        &["-s", "-m", "5", "http://127.0.0.1:9102/status"],
+        Duration::from_secs(10),
+    )?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    v["services"]
+        .as_array()?
+        .iter()
+        .find(|s| s["name"] == name && s["retiring"] == true)?["retiring_for_ms"]
+        .as_u64()
+}
+
+#[test]
+fn a_deleted_service_keeps_its_open_connections_across_a_restart() {
+    let dir = output_dir("appliance-retiring");
+    let mut lab = Lab::up("art", SERVERS);
+    let key = deployment_key(&dir);
+    let config = capybara_systests::appliance_config(&dir, SERVERS, &key, "127.0.0.1:18082");
+    let db = dir.join("store.db");
+    let log1 = dir.join("capybara-1.log");
+    let mut app = start_appliance(&lab, &config, &log1);
+    for j in 1..=SERVERS {
+        let cfg = hostagent_migrating_config(&dir, j, &key, None);
+        capybara_systests::disable_policies(&cfg);
+        let mut t = std::fs::read_to_string(&cfg).expect("read hostagent config");
+        t.push_str(&format!(
+            "[[service]]\nlisten = \"{NEW}\"\napp = \"echo\"\n"
+        ));
+        std::fs::write(&cfg, t).expect("write hostagent config");
+        lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
+    }
+    lab.wait_for("every server to register", Duration::from_secs(30), || {
+        let l = log_of(&log1);
+        (1..=SERVERS).all(|j| l.contains(&format!("registered s{j}")))
+    });
+    lab.wait_for("the API", Duration::from_secs(30), || {
+        api(&lab, "", "GET", "/healthz", None).0 == 200
+    });
+    let token = std::fs::read_to_string(dir.join("admin-token"))
+        .expect("admin token file")
+        .trim()
+        .to_string();
+
+    let (code, body) = api(
+        &lab,
+        &token,
+        "POST",
+        "/v1/services",
+        Some(r#"{"name": "echo2", "vip": "198.18.100.2", "port": 17, "pool": []}"#),
+    );
+    assert_eq!(code, 201, "create: {body}");
+    lab.wait_for("the new service to answer", Duration::from_secs(10), || {
+        echo_once(&lab, NEW)
+    });
+    let mut open = capybara_systests::EchoHolder::start_to(&lab, NEW, 2);
+    lab.wait_for(
+        "the open connections' flow mappings in the store",
+        Duration::from_secs(10),
+        || {
+            let (_, body) = api(&lab, &token, "GET", "/v1/connections?limit=10000", None);
+            body.matches(&format!("-{NEW}\"")).count() == 2
+        },
+    );
+
+    // Deleted: retiring, and recorded as such in the store.
+    let (code, body) = api(&lab, &token, "DELETE", "/v1/services/echo2", None);
+    assert_eq!(code, 204, "delete: {body}");
+    lab.wait_for("switchd to retire echo2", Duration::from_secs(10), || {
+        log_of(&log1).contains("service \"echo2\" deleted from the store: retiring")
+    });
+    let records = retiring_records(&db);
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0].0, "echo2");
+    assert_eq!(open.round_trip(), "ok", "open connections after the delete");
+    assert!(
+        !echo_once(&lab, NEW),
+        "a new connection to a deleted service"
+    );
+
+    // Restart: the retiring service is restored from the store.
+    std::thread::sleep(Duration::from_secs(2));
+    let st = stop_appliance(&mut app);
+    assert!(
+        st.success(),
+        "capybara run exited with {st}: {}",
+        log_of(&log1)
+    );
+    let log2 = dir.join("capybara-2.log");
+    let mut app = start_appliance(&lab, &config, &log2);
+    lab.wait_for("the restarted switchd", Duration::from_secs(30), || {
+        log_of(&log2).contains("flows from the store")
+    });
+    lab.wait_for("the restarted API", Duration::from_secs(30), || {
+        api(&lab, "", "GET", "/healthz", None).0 == 200
+    });
+    // The open connections go on, byte-exact, with no reset.
+    assert_eq!(
+        open.round_trip(),
+        "ok",
+        "open connections after the restart; logs in {}",
+        dir.display()
+    );
+    assert_eq!(open.round_trip(), "ok", "and again");
+    let l2 = log_of(&log2);
+    assert!(
+        l2.contains("restored retiring service \"echo2\" (198.18.100.2:17) from the store"),
+        "{l2}"
+    );
+    assert!(!l2.contains("serving service \"echo2\""), "{l2}");
+    // Still retiring: a new connection is refused; the clock counts from
+    // the delete (over 2 s before the restart), not from the restart.
+    assert!(!echo_once(&lab, NEW), "a new connection after the restart");
+    let mut age = None;
+    lab.wait_for("echo2 retiring in /status", Duration::from_secs(5), || {
+        age = retiring_for_ms(&lab, "echo2");
+        age.is_some()
+    });
+    assert!(
+        age.unwrap() >= 2000,
+        "retiring_for_ms {age:?} counts from the delete"
+    );
+    assert_eq!(retiring_records(&db).len(), 1, "kept while it retires");
+
+    // Closed: the service goes, and its record with it.
+    assert_eq!(open.close(), "closed");
+    lab.wait_for(
+        "the retired service to go with its last connection",
+        Duration::from_secs(30),
+        || {
+            log_of(&log2).contains(
+                "retired service \"echo2\" (198.18.100.2:17) removed: its last connection ended",
+            )
+        },
+    );
+    lab.wait_for(
+        "the record to be forgotten",
+        Duration::from_secs(10),
+        || retiring_records(&db).is_empty(),
+    );
+    assert!(!echo_once(&lab, NEW), "after the retired service went");
+    assert!(echo_once(&lab, "198.18.100.1:7"), "configured echo service");
+    let st = stop_appliance(&mut app);
+    assert!(st.success(), "second run exited with {st}");
+}

@@ -1,0 +1,225 @@
+//! Server weights set through the REST API reach placement (lab, root;
+//! release binaries, or `CAPYBARA_BIN_DIR`): three servers serve the echo
+//! service; `PUT /v1/servers/1/weight {"weight": 0}` and a real Linux
+//! client's new connections land on s2 and s3 only, also after s1's
+//! hostagent restarts (its REGISTER carries the config's weight 1) and after
+//! the appliance (switchd) restarts; weight 1 again and s1 takes new
+//! connections again.
+
+use capybara_systests::{bin, deployment_key, hostagent_migrating_config, output_dir, Lab};
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+const SERVERS: u32 = 3;
+const API: &str = "http://127.0.0.1:18083";
+/// New connections per round: with s1 at a third of the placement, all of
+/// them miss it with probability (2/3)^24 < 1e-4.
+const N: usize = 24;
+
+fn start_appliance(lab: &Lab, config: &Path, log: &Path) -> Child {
+    let f = std::fs::File::create(log).expect("create log");
+    lab.command("sw", bin("capybara"))
+        .args(["run", config.to_str().unwrap()])
+        .stdout(f.try_clone().unwrap())
+        .stderr(f)
+        .spawn()
+        .expect("start capybara run")
+}
+
+/// SIGTERM, then waits (bounded) for a clean exit.
+fn stop_appliance(child: &mut Child) -> std::process::ExitStatus {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let start = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            return st;
+        }
+        if start.elapsed() > Duration::from_secs(15) {
+            let _ = child.kill();
+            panic!("capybara run did not stop within 15 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn log_of(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// Server `id` in switchd's `/status` (`metrics_listen` of the lab's
+/// switchd config): (state, weight, register_weight).
+fn status_server(lab: &Lab, id: u32) -> Option<(String, u64, u64)> {
+    let out = lab.try_run(
+        "sw",
+        "curl",
+        &["-s", "-m", "5", "http://127.0.0.1:9102/status"],
+        Duration::from_secs(10),
+    )?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    let s = v["servers"].as_array()?.iter().find(|s| s["id"] == id)?;
+    Some((
+        s["state"].as_str()?.to_string(),
+        s["weight"].as_u64()?,
+        s["register_weight"].as_u64()?,
+    ))
+}
+
+/// Opens `N` new echo connections from c1 and returns how many the API
+/// lists on each server (index 0: s1), then closes them.
+fn place_new_connections(lab: &Lab, token: &str) -> [usize; SERVERS as usize] {
+    let mut h = capybara_systests::EchoHolder::start(lab, N);
+    let mut counts = [0; SERVERS as usize];
+    lab.wait_for(
+        "the new connections in GET /v1/connections",
+        Duration::from_secs(10),
+        || {
+            let (code, body) = lab.api_call(API, token, "GET", "/v1/connections?limit=10000", None);
+            if code != 200 {
+                return false;
+            }
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            counts = [0; SERVERS as usize];
+            let mut seen = 0;
+            for c in v["items"].as_array().into_iter().flatten() {
+                let port = c["client_port"].as_u64().unwrap_or(0) as u16;
+                if c["port"] == 7 && h.ports.contains(&port) {
+                    let s = c["server"].as_u64().unwrap_or(0) as usize;
+                    if (1..=SERVERS as usize).contains(&s) {
+                        counts[s - 1] += 1;
+                        seen += 1;
+                    }
+                }
+            }
+            seen == N
+        },
+    );
+    assert_eq!(h.round_trip(), "ok", "the new connections echo");
+    assert_eq!(h.close(), "closed");
+    eprintln!("new connections per server (s1, s2, s3): {counts:?}");
+    counts
+}
+
+#[test]
+fn an_operator_weight_of_zero_takes_no_new_connections_across_restarts() {
+    let dir = output_dir("weights-lab");
+    let mut lab = Lab::up("wts", SERVERS);
+    let key = deployment_key(&dir);
+    let config = capybara_systests::appliance_config(&dir, SERVERS, &key, "127.0.0.1:18083");
+    let log1 = dir.join("capybara-1.log");
+    let mut app = start_appliance(&lab, &config, &log1);
+    let mut cfgs = Vec::new();
+    let mut pids = Vec::new();
+    for j in 1..=SERVERS {
+        let cfg = hostagent_migrating_config(&dir, j, &key, None);
+        capybara_systests::disable_policies(&cfg);
+        pids.push(lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log"))));
+        cfgs.push(cfg);
+    }
+    lab.wait_for("every server to register", Duration::from_secs(30), || {
+        let l = log_of(&log1);
+        (1..=SERVERS).all(|j| l.contains(&format!("registered s{j}")))
+    });
+    lab.wait_for("the API", Duration::from_secs(30), || {
+        lab.api_call(API, "", "GET", "/healthz", None).0 == 200
+    });
+    let token = std::fs::read_to_string(dir.join("admin-token"))
+        .expect("admin token file")
+        .trim()
+        .to_string();
+    let c = place_new_connections(&lab, &token);
+    assert!(
+        c[0] > 0,
+        "s1 takes connections at its REGISTER weight: {c:?}"
+    );
+
+    // Weight 0 through the REST API: switchd applies it within a second.
+    let (code, body) = lab.api_call(
+        API,
+        &token,
+        "PUT",
+        "/v1/servers/1/weight",
+        Some(r#"{"weight": 0}"#),
+    );
+    assert_eq!(code, 200, "set weight: {body}");
+    lab.wait_for("switchd to apply weight 0", Duration::from_secs(2), || {
+        status_server(&lab, 1).is_some_and(|s| s.1 == 0)
+    });
+    let c = place_new_connections(&lab, &token);
+    assert_eq!(c[0], 0, "new connections on s1 at weight 0: {c:?}");
+    assert_eq!(status_server(&lab, 1).unwrap().0, "live", "still live");
+
+    // s1's hostagent restarts: its REGISTER (config weight 1) keeps the 0.
+    lab.kill_and_wait(pids[0]);
+    pids[0] = lab.spawn_hostagent(1, &cfgs[0], &dir.join("hostagent-s1-2.log"));
+    lab.wait_for("s1 to register again", Duration::from_secs(30), || {
+        log_of(&log1).matches("registered s1").count() >= 2
+            && status_server(&lab, 1).is_some_and(|s| s.0 == "live")
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    let s1 = status_server(&lab, 1).unwrap();
+    assert_eq!(
+        (s1.1, s1.2),
+        (0, 1),
+        "weight, register_weight after the REGISTER"
+    );
+    let (code, body) = lab.api_call(API, &token, "GET", "/v1/servers/1", None);
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("server JSON");
+    assert_eq!(
+        v["weight"], 0,
+        "the REGISTER kept the stored weight: {body}"
+    );
+    let c = place_new_connections(&lab, &token);
+    assert_eq!(c[0], 0, "new connections on s1 after its restart: {c:?}");
+
+    // The appliance restarts: the stored weight applies from the start.
+    let st = stop_appliance(&mut app);
+    assert!(st.success(), "capybara run exited with {st}");
+    let log2 = dir.join("capybara-2.log");
+    let mut app = start_appliance(&lab, &config, &log2);
+    lab.wait_for("the restarted switchd", Duration::from_secs(30), || {
+        log_of(&log2).contains("flows from the store")
+    });
+    lab.wait_for("the restarted API", Duration::from_secs(30), || {
+        lab.api_call(API, "", "GET", "/healthz", None).0 == 200
+    });
+    assert_eq!(
+        status_server(&lab, 1).map(|s| s.1),
+        Some(0),
+        "after the restart"
+    );
+    let c = place_new_connections(&lab, &token);
+    assert_eq!(
+        c[0], 0,
+        "new connections on s1 after a switchd restart: {c:?}"
+    );
+
+    // Weight 1 again: s1 takes new connections.
+    let (code, body) = lab.api_call(
+        API,
+        &token,
+        "PUT",
+        "/v1/servers/1/weight",
+        Some(r#"{"weight": 1}"#),
+    );
+    assert_eq!(code, 200, "set weight: {body}");
+    lab.wait_for("switchd to apply weight 1", Duration::from_secs(2), || {
+        status_server(&lab, 1).is_some_and(|s| s.1 == 1)
+    });
+    let c = place_new_connections(&lab, &token);
+    assert!(
+        c[0] > 0,
+        "s1 takes new connections again at weight 1: {c:?}"
+    );
+    assert!(
+        log_of(&log2).contains("operator weights from the store: s1 -> 1"),
+        "{}",
+        log_of(&log2)
+    );
+    lab.assert_no_resets(2..=SERVERS);
+    let st = stop_appliance(&mut app);
+    assert!(st.success(), "second run exited with {st}");
+}
