@@ -308,6 +308,67 @@ pub fn appliance_config(
     path
 }
 
+/// `capybara run CONFIG` inside the switch namespace, logging to `log`.
+pub fn start_appliance(lab: &Lab, config: &std::path::Path, log: &std::path::Path) -> Child {
+    let f = std::fs::File::create(log).expect("create log");
+    lab.command("sw", bin("capybara"))
+        .args(["run", config.to_str().unwrap()])
+        .stdout(f.try_clone().unwrap())
+        .stderr(f)
+        .spawn()
+        .expect("start capybara run")
+}
+
+/// SIGTERM to a [`start_appliance`] process, then waits (bounded, 15 s)
+/// for a clean exit.
+pub fn stop_appliance(child: &mut Child) -> std::process::ExitStatus {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            return st;
+        }
+        if start.elapsed() > Duration::from_secs(15) {
+            let _ = child.kill();
+            panic!("capybara run did not stop within 15 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A log file's text so far (empty while it does not exist).
+pub fn log_of(path: &std::path::Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// One echo round trip from client c1 to `addr` (VIP:port): connect within
+/// 2 s, send, read the same bytes back within 2 s.
+pub fn echo_once(lab: &Lab, addr: &str) -> bool {
+    const ONCE: &str = r#"
+import socket, sys
+host, port = sys.argv[1].split(":")
+try:
+    s = socket.create_connection((host, int(port)), timeout=2)
+    s.sendall(b"capybara-once")
+    got = b""
+    while len(got) < 13:
+        c = s.recv(64)
+        if not c:
+            break
+        got += c
+    sys.exit(0 if got == b"capybara-once" else 1)
+except OSError:
+    sys.exit(2)
+"#;
+    lab.command("c1", "timeout")
+        .args(["5", "python3", "-c", ONCE, addr])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
 impl Lab {
     /// A REST call with `curl` inside the switch namespace to `base` +
     /// `path`, with a bearer token and an optional JSON body: (status, body);

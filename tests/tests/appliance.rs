@@ -9,7 +9,10 @@
 //! REST API is served by the data plane (also after a restart) until it is
 //! deleted.
 
-use capybara_systests::{bin, deployment_key, hostagent_migrating_config, output_dir, Lab};
+use capybara_systests::{
+    bin, deployment_key, echo_once, hostagent_migrating_config, log_of, output_dir,
+    start_appliance, stop_appliance, Lab,
+};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -30,35 +33,6 @@ fn one_lab() -> std::sync::MutexGuard<'static, ()> {
 
 fn appliance_config(dir: &Path, key: &Path) -> PathBuf {
     capybara_systests::appliance_config(dir, SERVERS, key, "127.0.0.1:18081")
-}
-
-/// `capybara run CONFIG` inside the switch namespace, logging to `log`.
-fn start_appliance(lab: &Lab, config: &Path, log: &Path) -> Child {
-    let f = std::fs::File::create(log).expect("create log");
-    lab.command("sw", bin("capybara"))
-        .args(["run", config.to_str().unwrap()])
-        .stdout(f.try_clone().unwrap())
-        .stderr(f)
-        .spawn()
-        .expect("start capybara run")
-}
-
-/// SIGTERM, then waits (bounded) for a clean exit.
-fn stop_appliance(child: &mut Child) -> std::process::ExitStatus {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let start = Instant::now();
-    loop {
-        if let Some(st) = child.try_wait().expect("wait") {
-            return st;
-        }
-        if start.elapsed() > Duration::from_secs(15) {
-            let _ = child.kill();
-            panic!("capybara run did not stop within 15 s of SIGTERM");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// The appliance, then a hostagent on every server (policies off; `extra`
@@ -106,10 +80,6 @@ fn restart_appliance(lab: &Lab, config: &Path, log: &Path) -> Child {
         api(lab, "", "GET", "/healthz").0 == 200
     });
     app
-}
-
-fn log_of(path: &Path) -> String {
-    std::fs::read_to_string(path).unwrap_or_default()
 }
 
 /// `curl` inside the switch namespace: (status, body).
@@ -248,32 +218,6 @@ fn restart_keeps_flow_mappings_and_established_connections() {
     );
     let st = stop_appliance(&mut app);
     assert!(st.success(), "second run exited with {st}");
-}
-
-/// One echo round trip from client c1 to `addr` (VIP:port): connect within
-/// 2 s, send, read the same bytes back within 2 s.
-fn echo_once(lab: &Lab, addr: &str) -> bool {
-    const ONCE: &str = r#"
-import socket, sys
-host, port = sys.argv[1].split(":")
-try:
-    s = socket.create_connection((host, int(port)), timeout=2)
-    s.sendall(b"capybara-once")
-    got = b""
-    while len(got) < 13:
-        c = s.recv(64)
-        if not c:
-            break
-        got += c
-    sys.exit(0 if got == b"capybara-once" else 1)
-except OSError:
-    sys.exit(2)
-"#;
-    lab.command("c1", "timeout")
-        .args(["5", "python3", "-c", ONCE, addr])
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false)
 }
 
 #[test]

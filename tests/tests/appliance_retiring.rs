@@ -9,76 +9,20 @@
 //! retire timeout counts from the delete, not from the restart. Closed,
 //! the service goes and its record is forgotten.
 
-use capybara_systests::{bin, deployment_key, hostagent_migrating_config, output_dir, Lab};
+use capybara_systests::{
+    deployment_key, echo_once, hostagent_migrating_config, log_of, output_dir, start_appliance,
+    stop_appliance, Lab,
+};
 use std::path::Path;
-use std::process::{Child, Command};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const SERVERS: u32 = 2;
 const API: &str = "http://127.0.0.1:18082";
 /// A VIP the config does not name (both servers serve echo there).
 const NEW: &str = "198.18.100.2:17";
 
-fn start_appliance(lab: &Lab, config: &Path, log: &Path) -> Child {
-    let f = std::fs::File::create(log).expect("create log");
-    lab.command("sw", bin("capybara"))
-        .args(["run", config.to_str().unwrap()])
-        .stdout(f.try_clone().unwrap())
-        .stderr(f)
-        .spawn()
-        .expect("start capybara run")
-}
-
-/// SIGTERM, then waits (bounded) for a clean exit.
-fn stop_appliance(child: &mut Child) -> std::process::ExitStatus {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let start = Instant::now();
-    loop {
-        if let Some(st) = child.try_wait().expect("wait") {
-            return st;
-        }
-        if start.elapsed() > Duration::from_secs(15) {
-            let _ = child.kill();
-            panic!("capybara run did not stop within 15 s of SIGTERM");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn log_of(path: &Path) -> String {
-    std::fs::read_to_string(path).unwrap_or_default()
-}
-
 fn api(lab: &Lab, token: &str, method: &str, path: &str, json: Option<&str>) -> (u16, String) {
     lab.api_call(API, token, method, path, json)
-}
-
-/// One echo round trip from c1 to `addr`: connect within 2 s, send, read
-/// the same bytes back.
-fn echo_once(lab: &Lab, addr: &str) -> bool {
-    const ONCE: &str = r#"
-import socket, sys
-host, port = sys.argv[1].split(":")
-try:
-    s = socket.create_connection((host, int(port)), timeout=2)
-    s.sendall(b"capybara-once")
-    got = b""
-    while len(got) < 13:
-        c = s.recv(64)
-        if not c:
-            break
-        got += c
-    sys.exit(0 if got == b"capybara-once" else 1)
-except OSError:
-    sys.exit(2)
-"#;
-    lab.command("c1", "timeout")
-        .args(["5", "python3", "-c", ONCE, addr])
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false)
 }
 
 /// The store's retiring records (name, deleted_unix_ms), read from the

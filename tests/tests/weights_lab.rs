@@ -6,48 +6,17 @@
 //! the appliance (switchd) restarts; weight 1 again and s1 takes new
 //! connections again.
 
-use capybara_systests::{bin, deployment_key, hostagent_migrating_config, output_dir, Lab};
-use std::path::Path;
-use std::process::{Child, Command};
-use std::time::{Duration, Instant};
+use capybara_systests::{
+    deployment_key, hostagent_migrating_config, log_of, output_dir, start_appliance,
+    stop_appliance, Lab,
+};
+use std::time::Duration;
 
 const SERVERS: u32 = 3;
 const API: &str = "http://127.0.0.1:18083";
 /// New connections per round: with s1 at a third of the placement, all of
 /// them miss it with probability (2/3)^24 < 1e-4.
 const N: usize = 24;
-
-fn start_appliance(lab: &Lab, config: &Path, log: &Path) -> Child {
-    let f = std::fs::File::create(log).expect("create log");
-    lab.command("sw", bin("capybara"))
-        .args(["run", config.to_str().unwrap()])
-        .stdout(f.try_clone().unwrap())
-        .stderr(f)
-        .spawn()
-        .expect("start capybara run")
-}
-
-/// SIGTERM, then waits (bounded) for a clean exit.
-fn stop_appliance(child: &mut Child) -> std::process::ExitStatus {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let start = Instant::now();
-    loop {
-        if let Some(st) = child.try_wait().expect("wait") {
-            return st;
-        }
-        if start.elapsed() > Duration::from_secs(15) {
-            let _ = child.kill();
-            panic!("capybara run did not stop within 15 s of SIGTERM");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn log_of(path: &Path) -> String {
-    std::fs::read_to_string(path).unwrap_or_default()
-}
 
 /// Server `id` in switchd's `/status` (`metrics_listen` of the lab's
 /// switchd config): (state, weight, register_weight).
