@@ -64,6 +64,13 @@ pub async fn run(
     let mut rx = vec![0u8; 2048];
     let mut registered = false;
     let mut draining = false;
+    // REGISTERs sent since the last answer, messages from the switch's
+    // address that failed verification, and the last send error: an agent
+    // the switch never answers (wrong address, another deployment key)
+    // says so instead of retrying in silence.
+    let mut unanswered: u32 = 0;
+    let mut unverified: u64 = 0;
+    let mut send_error: Option<std::io::Error> = None;
     let send = |body: ControlBody<'_>, buf: &mut [u8], seq: &mut u64| -> Option<usize> {
         *seq += 1;
         ControlRepr {
@@ -122,7 +129,16 @@ pub async fn run(
                     heartbeat(&stack, draining, &health)
                 };
                 if let Some(n) = send(body, &mut buf, &mut seq) {
-                    let _ = sock.send_to(&buf[..n], cfg.switch).await;
+                    match sock.send_to(&buf[..n], cfg.switch).await {
+                        Ok(_) => send_error = None,
+                        Err(e) => send_error = Some(e),
+                    }
+                }
+                if !registered {
+                    unanswered += 1;
+                    if unanswered == UNANSWERED_WARN || unanswered % UNANSWERED_REPEAT == 0 {
+                        eprintln!("{}", unanswered_warning(cfg.switch, unanswered, unverified, send_error.as_ref()));
+                    }
                 }
             }
             r = sock.recv_from(&mut rx) => {
@@ -130,9 +146,13 @@ pub async fn run(
                 if from != std::net::SocketAddr::V4(cfg.switch) {
                     continue;
                 }
-                let Ok(msg) = ControlRepr::parse_verified(&rx[..n], &key) else { continue };
+                let Ok(msg) = ControlRepr::parse_verified(&rx[..n], &key) else {
+                    unverified += 1;
+                    continue;
+                };
                 match msg.body {
                     ControlBody::RegisterAck(ack) => {
+                        unanswered = 0;
                         if !registered {
                             eprintln!("hostagent: registered with switch {} as {id} (instance {instance:#018x})", cfg.switch);
                         }
@@ -229,6 +249,29 @@ fn heartbeat(stack: &Stack, draining: bool, health: &crate::health::Board) -> Co
 }
 
 /// A random, nonzero instance id for this process.
+/// The first warning about unanswered REGISTERs comes after this many
+/// (one a second), then one every `UNANSWERED_REPEAT`.
+const UNANSWERED_WARN: u32 = 5;
+const UNANSWERED_REPEAT: u32 = 60;
+
+/// What an agent whose REGISTERs go unanswered prints: what it tried, and
+/// the likely causes it can tell apart.
+fn unanswered_warning(
+    switch: std::net::SocketAddrV4,
+    unanswered: u32,
+    unverified: u64,
+    send_error: Option<&std::io::Error>,
+) -> String {
+    let why = match (send_error, unverified) {
+        (Some(e), _) => format!("sending to it fails: {e}"),
+        (None, 0) => "nothing came back: check [control] switch (switchd's control address) and that switchd runs".to_string(),
+        (None, n) => format!(
+            "{n} answers from it failed verification: switchd and this agent use different deployment keys ([migration] key or key_file)"
+        ),
+    };
+    format!("hostagent: the switch {switch} has not answered {unanswered} REGISTERs: {why}; still trying every second")
+}
+
 fn new_instance() -> u64 {
     loop {
         let id: u64 = rand::random();
@@ -311,6 +354,26 @@ fn drain(i: &mut crate::stack::Inner, on: bool, deadline: Duration) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unanswered_registers_say_what_is_likely_wrong() {
+        let sw = "198.18.1.1:7692".parse().unwrap();
+        let silent = unanswered_warning(sw, 5, 0, None);
+        assert!(
+            silent.contains("198.18.1.1:7692 has not answered 5 REGISTERs"),
+            "{silent}"
+        );
+        assert!(silent.contains("[control] switch"), "{silent}");
+        let key = unanswered_warning(sw, 5, 3, None);
+        assert!(
+            key.contains("3 answers from it failed verification"),
+            "{key}"
+        );
+        assert!(key.contains("deployment keys"), "{key}");
+        let e = std::io::Error::from(std::io::ErrorKind::NetworkUnreachable);
+        let send = unanswered_warning(sw, 65, 3, Some(&e));
+        assert!(send.contains("sending to it fails"), "{send}");
+    }
     use capybara_proto::control::{PolicyMsg, POLICY_PROACTIVE};
 
     /// A connection manager that always answers `prepare` with `answer`.
