@@ -329,11 +329,12 @@ impl Policy {
                 ),
             );
         }
-        if !(10..=10_000_000).contains(&p.load_notification_interval_us) {
+        // switchd's own bounds for its load interval (`load_interval_us`).
+        if !(100..=1_000_000).contains(&p.load_notification_interval_us) {
             return bad(
                 "load_notification_interval_us",
                 format!(
-                    "must be in [10 us, 10 s], got {} us",
+                    "must be in [100 us, 1 s], got {} us",
                     p.load_notification_interval_us
                 ),
             );

@@ -2097,7 +2097,11 @@ impl Switch {
                 eprintln!("switchd: placement {placement:?} of service {index}: {e}");
             }
         }
-        self.cfg.load_interval = Duration::from_micros(p.load_notification_interval_us);
+        // Within switchd's own bounds (`load_interval_us`): a policy stored
+        // before the API enforced them may hold 10 us, which would send a
+        // LOAD-NOTIFICATION burst every poll.
+        self.cfg.load_interval =
+            Duration::from_micros(p.load_notification_interval_us.clamp(100, 1_000_000));
         let msg = policy_message(&p);
         self.policy = p;
         self.policy_changes += 1;

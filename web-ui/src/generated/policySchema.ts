@@ -99,8 +99,8 @@ export const POLICY_SCHEMA: { required: string[]; description: string; fields: P
       "name": "load_notification_interval_us",
       "type": "integer",
       "format": "int64",
-      "minimum": 10,
-      "maximum": 10000000
+      "minimum": 100,
+      "maximum": 1000000
     },
     {
       "name": "heartbeat_interval_ms",

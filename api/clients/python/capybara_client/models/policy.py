@@ -37,7 +37,7 @@ class Policy(BaseModel):
     connection_cooldown_ms: Annotated[int, Field(le=3600000, strict=True, ge=0)] = Field(description="A connection is not migrated again within this time.")
     max_migrations_per_sec_per_server: Annotated[int, Field(le=4294967295, strict=True, ge=1)]
     hysteresis_pct: Union[Annotated[float, Field(le=1000, strict=True, ge=0)], Annotated[int, Field(le=1000, strict=True, ge=0)]] = Field(description="Must be below `proactive_threshold_pct`.")
-    load_notification_interval_us: Annotated[int, Field(le=10000000, strict=True, ge=10)]
+    load_notification_interval_us: Annotated[int, Field(le=1000000, strict=True, ge=100)]
     heartbeat_interval_ms: Annotated[int, Field(le=60000, strict=True, ge=1)]
     dead_after_ms: Annotated[int, Field(le=86400000, strict=True, ge=2)] = Field(description="At least twice `heartbeat_interval_ms`.")
     migration_deadline_ms: Annotated[int, Field(le=600000, strict=True, ge=1)]

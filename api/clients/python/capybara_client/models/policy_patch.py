@@ -37,7 +37,7 @@ class PolicyPatch(BaseModel):
     connection_cooldown_ms: Optional[Annotated[int, Field(le=3600000, strict=True, ge=0)]] = Field(default=None, description="A connection is not migrated again within this time.")
     max_migrations_per_sec_per_server: Optional[Annotated[int, Field(le=4294967295, strict=True, ge=1)]] = None
     hysteresis_pct: Optional[Union[Annotated[float, Field(le=1000, strict=True, ge=0)], Annotated[int, Field(le=1000, strict=True, ge=0)]]] = Field(default=None, description="Must be below `proactive_threshold_pct`.")
-    load_notification_interval_us: Optional[Annotated[int, Field(le=10000000, strict=True, ge=10)]] = None
+    load_notification_interval_us: Optional[Annotated[int, Field(le=1000000, strict=True, ge=100)]] = None
     heartbeat_interval_ms: Optional[Annotated[int, Field(le=60000, strict=True, ge=1)]] = None
     dead_after_ms: Optional[Annotated[int, Field(le=86400000, strict=True, ge=2)]] = Field(default=None, description="At least twice `heartbeat_interval_ms`.")
     migration_deadline_ms: Optional[Annotated[int, Field(le=600000, strict=True, ge=1)]] = None
