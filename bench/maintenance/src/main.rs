@@ -37,6 +37,7 @@
 //! including SIGINT/SIGTERM.
 
 mod sched_trace;
+mod stall_watch;
 
 use capybara_systests::bench_run::{sleep, stop_on_signals, wait_until, ClientGuard, STOP};
 use capybara_systests::{bin, deployment_key, output_dir, Lab};
@@ -144,7 +145,8 @@ fn main() {
          capybara_recovery_ms={} steady_min_bin_ratio={:.3} capybara_steady_gets_per_s={:.0} \
          reconnect_steady_gets_per_s={:.0} capybara_reconnects={} reconnect_reconnects={} \
          capybara_migrations={} paced_min_bin_ratio={:.3} paced_steady_min_bin_ratio={:.3} \
-         paced_gets_per_s={:.0} paced_reconnects={} connections={CONNECTIONS} pipeline={PIPELINE} bin_ms={BIN_MS} tls=1",
+         paced_gets_per_s={:.0} paced_reconnects={} capybara_machine_stall_ms={:.1} \
+         paced_machine_stall_ms={:.1} connections={CONNECTIONS} pipeline={PIPELINE} bin_ms={BIN_MS} tls=1",
         c.min_ratio,
         r.min_ratio,
         r.recovery_ms,
@@ -159,6 +161,8 @@ fn main() {
         p.steady_min_ratio,
         p.steady_per_bin * 1000.0 / BIN_MS as f64,
         p.reconnects,
+        c.machine.judged_ms,
+        p.machine.judged_ms,
     );
 }
 
@@ -252,6 +256,18 @@ struct ModeResult {
     /// Minor page faults of each lab process (name, in the steady phase's
     /// last `STEADY`, from the event to the end of `AFTER`).
     faults: Vec<(String, u64, u64)>,
+    machine: MachineStalls,
+}
+
+/// What `stall_watch` saw during a mode's windows.
+struct MachineStalls {
+    available: bool,
+    judged_ms: f64,
+    steady_ms: f64,
+    longest_judged_ms: f64,
+    /// Worst judged bin among those no machine stall overlapped (None:
+    /// the watch could not run).
+    clear_min_ratio: Option<f64>,
 }
 
 impl ModeResult {
@@ -285,6 +301,23 @@ impl ModeResult {
             self.all_paused_steady_ms,
             self.request_ms,
         );
+        let m = &self.machine;
+        if m.available {
+            println!(
+                "{:9} machine stalls (no CPU for a real-time thread for > 2 ms): {:.1} ms after the event (longest {:.1} ms), \
+                 {:.1} ms in the steady phase; min bin after the event outside them {:.3}",
+                self.mode.name(),
+                m.judged_ms,
+                m.longest_judged_ms,
+                m.steady_ms,
+                m.clear_min_ratio.unwrap_or(f64::NAN),
+            );
+        } else {
+            println!(
+                "{:9} machine stalls: unavailable (no SCHED_FIFO)",
+                self.mode.name()
+            );
+        }
         let f: Vec<String> = self
             .faults
             .iter()
@@ -416,6 +449,7 @@ fn run_mode(mode: Mode, rate: f64) -> Result<ModeResult, String> {
         )?),
         Mode::Reconnect => None,
     };
+    let watch = stall_watch::StallWatch::start();
     let faults_start = faults_of(&fault_pids);
     sleep(STEADY)?;
 
@@ -462,6 +496,7 @@ fn run_mode(mode: Mode, rate: f64) -> Result<ModeResult, String> {
     }
     sleep(AFTER)?;
     let faults_end = faults_of(&fault_pids);
+    let stalls = watch.finish();
     let faults = fault_names
         .into_iter()
         .zip(faults_start.iter().zip(&faults_event).zip(&faults_end))
@@ -530,6 +565,32 @@ fn run_mode(mode: Mode, rate: f64) -> Result<ModeResult, String> {
     let ev_us = event_bin as u64 * BIN_MS * 1000;
     let judged_us = (ev_us, ev_us + JUDGED_BINS as u64 * BIN_MS * 1000);
     let steady_us = (ev_us - STEADY_BINS as u64 * BIN_MS * 1000, ev_us);
+    // Machine stalls (stall_watch): time in the windows, and the worst
+    // judged bin among those no stall touched.
+    let bin_ns = BIN_MS * 1_000_000;
+    let judged_mono = (bin0_mono_ns, bin0_mono_ns + JUDGED_BINS as u64 * bin_ns);
+    let steady_mono = (
+        bin0_mono_ns.saturating_sub(STEADY_BINS as u64 * bin_ns),
+        bin0_mono_ns,
+    );
+    let clear_min_ratio = stalls.available.then(|| {
+        judged
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| {
+                let from = bin0_mono_ns + *i as u64 * bin_ns;
+                stalls.overlap_ns(from, from + bin_ns) == 0
+            })
+            .map(|(_, b)| ratio(b))
+            .fold(f64::INFINITY, f64::min)
+    });
+    let machine = MachineStalls {
+        available: stalls.available,
+        judged_ms: stalls.overlap_ns(judged_mono.0, judged_mono.1) as f64 / 1e6,
+        steady_ms: stalls.overlap_ns(steady_mono.0, steady_mono.1) as f64 / 1e6,
+        longest_judged_ms: stalls.longest_ns(judged_mono.0, judged_mono.1) as f64 / 1e6,
+        clear_min_ratio,
+    };
     let migrations = std::fs::read_to_string(dir.join("hostagent-s1.log"))
         .unwrap_or_default()
         .lines()
@@ -550,6 +611,7 @@ fn run_mode(mode: Mode, rate: f64) -> Result<ModeResult, String> {
         all_paused_judged_ms: pauses.all_paused_us(judged_us, CONNECTIONS) / 1000,
         all_paused_steady_ms: pauses.all_paused_us(steady_us, CONNECTIONS) / 1000,
         faults,
+        machine,
     })
 }
 
