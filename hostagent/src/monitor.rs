@@ -333,10 +333,15 @@ impl Monitor {
     #[inline]
     pub fn on_segment(&mut self, now: Instant, flow: &FlowKey, payload: usize) {
         let now_us = now.as_micros();
-        self.total.add(now_us, self.width_us, 1);
         self.stats.segments += 1;
+        // The server's load is request packets, as a connection's rate and
+        // the switch's pool monitor count (bare ACKs and handshakes are
+        // not load): what the heartbeat reports as `load_pps`.
+        if payload > 0 {
+            self.total.add(now_us, self.width_us, 1);
+        }
         let Some(&i) = self.index.get(flow) else {
-            return; // handshakes, strays: counted in the total only
+            return; // data of a connection not watched: in the total only
         };
         let s = &mut self.slots[i as usize];
         if payload > 0 {
@@ -562,7 +567,7 @@ mod tests {
                 m.on_segment(now, &flow(2), 10); // 2,500 pps
                 m.on_segment(now, &flow(1), 0); // a bare ACK: not a request
             }
-            m.on_segment(now, &flow(9), 0); // unknown: total only
+            m.on_segment(now, &flow(9), 0); // a handshake: not load
         }
         let now = t0 + Duration::from_micros(20_000);
         let c: Vec<ConnSample> = {
@@ -574,8 +579,11 @@ mod tests {
         assert!((c[1].pps - 2_500.0).abs() < 500.0, "{}", c[1].pps);
         assert!(c[1].migrated_in && !c[0].migrated_in);
         let t = m.totals(now);
-        // The total counts every segment.
-        assert!((t.pps - 25_000.0).abs() < 2_500.0, "{}", t.pps);
+        // The total counts request packets, as the connections' rates do
+        // (before: every segment, 25,000 here, so `load_pps` read about
+        // twice the load of light request/response connections).
+        assert!((t.pps - 12_500.0).abs() < 1_250.0, "{}", t.pps);
+        assert_eq!(m.stats.segments, 200 * 2 + 50 * 2);
         assert_eq!(t.connections, 2);
     }
 
