@@ -6,7 +6,7 @@
 //!   servers                               list servers with state, weight, connections
 //!   drain SERVER [--deadline 30s] [--force] [--wait]
 //!   undrain SERVER
-//!   weight SERVER WEIGHT
+//!   weight SERVER WEIGHT | weight SERVER --clear
 //!   connections [--server SERVER] [--service NAME] [--limit N]
 //!   migrate CONN [--target SERVER]
 //!   policy get | policy set KEY=VALUE...
@@ -18,8 +18,10 @@
 //!   ready                                 readiness: the store answers; switchd reachable?
 //! ```
 //! `--api` and `--token` default to `CAPYBARA_API` and `CAPYBARA_TOKEN`.
+//! `capybara ctl COMMAND --help` (or `-h`, or `help COMMAND`) prints that
+//! command's usage, arguments, flags and an example ([`COMMAND_HELP`]).
 //! A flag the command does not take is a usage error (a mistyped `--force`
-//! must not start a `migrate` drain).
+//! must not start a `migrate` drain) that points at the command's help.
 //! Exit codes: 0 success, 1 the API refused or failed, 2 usage error,
 //! 3 a waited-for drain ended without completing.
 
@@ -37,6 +39,7 @@ commands:
   drain SERVER [--deadline 30s] [--force] [--wait]
   undrain SERVER
   weight SERVER WEIGHT
+  weight SERVER --clear
   connections [--server SERVER] [--service NAME] [--limit N]
   migrate CONN [--target SERVER]
   policy get
@@ -47,11 +50,230 @@ commands:
   service set NAME VIP:PORT [--pool 1,2]
   service delete NAME
   ready
-environment: CAPYBARA_API (default http://127.0.0.1:8080), CAPYBARA_TOKEN";
+environment: CAPYBARA_API (default http://127.0.0.1:8080), CAPYBARA_TOKEN
+`capybara ctl COMMAND --help`: a command's arguments, flags and an example";
+
+/// Printed at the end of every command's `--help`.
+const GLOBAL_FLAGS: &str = "global flags:
+  --api URL            the API (CAPYBARA_API; default http://127.0.0.1:8080)
+  --token TOKEN        a bearer token (CAPYBARA_TOKEN)
+  -h, --help           this help
+exit status: 0 success, 1 the API refused or failed, 2 usage error";
+
+/// Each command's `--help`: its usage line first (also printed under a
+/// usage error of that command), what it does, its arguments and flags,
+/// an example. `policy` and `service` have one for the group and one per
+/// subcommand.
+const COMMAND_HELP: &[(&str, &str)] = &[
+    (
+        "servers",
+        "usage: capybara ctl servers
+Lists the registered servers: id, name, state (active, draining, drained,
+dead), weight, open connections, load in packets/s (- while switchd does not
+answer) and data address.
+example:
+  capybara ctl servers",
+    ),
+    (
+        "drain",
+        "usage: capybara ctl drain SERVER [--deadline DURATION] [--force] [--wait]
+Takes SERVER out of placement at once (no new connections) and migrates its
+open connections to the other servers; the drain completes when it holds
+none. Prints the drain's state (running) unless --wait.
+arguments:
+  SERVER               the server's id: 3 or s3 (see `servers`)
+flags:
+  --deadline DURATION  whole seconds from 1s to 24h: 30, 30s, 5m (default 30s)
+  --force              at the deadline, break the connections that remain
+                       (without it they are reported and kept)
+  --wait               show the progress on stderr until the drain ends;
+                       exit status 3 when it ends without completing
+example:
+  capybara ctl drain 2 --deadline 60s --wait",
+    ),
+    (
+        "undrain",
+        "usage: capybara ctl undrain SERVER
+Returns SERVER to placement (it takes new connections again) and ends a
+running drain of it.
+arguments:
+  SERVER               the server's id: 3 or s3 (see `servers`)
+example:
+  capybara ctl undrain 2",
+    ),
+    (
+        "weight",
+        "usage: capybara ctl weight SERVER WEIGHT | weight SERVER --clear
+Sets SERVER's placement weight (an operator's weight, kept across
+re-registrations); switchd applies it within a second.
+arguments:
+  SERVER               the server's id: 3 or s3 (see `servers`)
+  WEIGHT               0 to 65535; 0: no new connections (open ones stay)
+flags:
+  --clear              clears the operator's weight instead: back to the
+                       weight the server's REGISTER reports
+example:
+  capybara ctl weight 3 2
+  capybara ctl weight 3 --clear",
+    ),
+    (
+        "connections",
+        "usage: capybara ctl connections [--server SERVER] [--service NAME] [--limit N]
+Lists open connections: the id (CLIENT_IP:PORT-VIP:PORT, what `migrate`
+takes), the server holding it and its service; says on stderr when the list
+was cut at N.
+flags:
+  --server SERVER      only the connections of this server (3 or s3)
+  --service NAME       only the connections of this service
+  --limit N            at most N, 1 to 10000 (default 100)
+example:
+  capybara ctl connections --server 2 --limit 10",
+    ),
+    (
+        "migrate",
+        "usage: capybara ctl migrate CONN [--target SERVER]
+Starts a live migration of one connection; follow it with `migrations
+--follow`.
+arguments:
+  CONN                 the connection's id, CLIENT_IP:PORT-VIP:PORT (see
+                       `connections`)
+flags:
+  --target SERVER      the server to move it to (3 or s3); without it the
+                       switch picks one (policy target_selection)
+example:
+  capybara ctl migrate 192.0.2.10:51000-198.18.100.1:80 --target 3",
+    ),
+    (
+        "policy",
+        "usage: capybara ctl policy get | policy set KEY=VALUE [KEY=VALUE...]
+Shows or changes the migration policy (docs/POLICIES.md).
+  policy get           prints every setting, one KEY=VALUE a line
+  policy set           changes the settings named, the others stay
+examples:
+  capybara ctl policy get
+  capybara ctl policy set proactive_threshold_pct=15",
+    ),
+    (
+        "policy get",
+        "usage: capybara ctl policy get
+Prints the migration policy, one KEY=VALUE a line (the keys `policy set`
+takes).
+example:
+  capybara ctl policy get",
+    ),
+    (
+        "policy set",
+        "usage: capybara ctl policy set KEY=VALUE [KEY=VALUE...]
+Changes the settings named (the others stay) and prints them as the API
+stored them; an unknown key or a bad value is refused before anything is
+sent.
+arguments:
+  KEY=VALUE            a key of `policy get`; true/false and numbers are
+                       sent as such, anything else as text
+example:
+  capybara ctl policy set proactive_threshold_pct=15 target_selection=least_loaded",
+    ),
+    (
+        "migrations",
+        "usage: capybara ctl migrations [--limit N] [--follow [--for DURATION]]
+Lists the newest N migrations, the newest last: id, connection, origin
+server, target server, outcome and total time in microseconds.
+flags:
+  --limit N            how many, 1 to 10000 (default 1000)
+  --follow             then print each new migration as it is reported,
+                       until interrupted
+  --for DURATION       with --follow: stop after DURATION (500ms, 10s, 2m, 1h)
+example:
+  capybara ctl migrations --limit 20 --follow --for 1m",
+    ),
+    (
+        "services",
+        "usage: capybara ctl services
+Lists the services: name, VIP:PORT, pool (server ids; every server when
+empty) and the servers switchd places on; then the retiring ones (deleted,
+still serving their open connections): connections left, time since the
+delete, time left before the timeout.
+example:
+  capybara ctl services",
+    ),
+    (
+        "service",
+        "usage: capybara ctl service add|set NAME VIP:PORT [--pool 1,2] | service delete NAME
+Creates, changes or deletes a service (an admin token's work); switchd
+applies it within a second.
+  service add          creates NAME at VIP:PORT
+  service set          changes NAME's address (and pool)
+  service delete       stops new connections to NAME; open ones are kept
+                       until they end
+examples:
+  capybara ctl service add api 198.18.100.2:8080 --pool 1,2
+  capybara ctl service delete api",
+    ),
+    (
+        "service add",
+        "usage: capybara ctl service add NAME VIP:PORT [--pool 1,2]
+Creates a service; switchd serves it within a second.
+arguments:
+  NAME                 1 to 64 characters
+  VIP:PORT             the virtual IPv4 address and port, e.g. 198.18.100.2:8080
+flags:
+  --pool SERVERS       server ids, comma-separated (1,2 or s1,s2); without it
+                       (or empty) every registered server serves it
+example:
+  capybara ctl service add api 198.18.100.2:8080 --pool 1,2",
+    ),
+    (
+        "service set",
+        "usage: capybara ctl service set NAME VIP:PORT [--pool 1,2]
+Changes a service's address and, with --pool, its pool; switchd applies it
+within a second.
+arguments:
+  NAME                 the service (see `services`)
+  VIP:PORT             the virtual IPv4 address and port, e.g. 198.18.100.2:8081
+flags:
+  --pool SERVERS       server ids, comma-separated (1,2 or s1,s2); empty: every
+                       registered server; without it the pool stays
+example:
+  capybara ctl service set api 198.18.100.2:8081 --pool 2",
+    ),
+    (
+        "service delete",
+        "usage: capybara ctl service delete NAME
+Deletes a service: switchd takes no new connection to it within a second;
+its open connections are served until they end (at most
+service_retire_timeout_ms, 5 minutes by default; `services` lists them as
+retiring).
+arguments:
+  NAME                 the service (see `services`)
+example:
+  capybara ctl service delete api",
+    ),
+    (
+        "ready",
+        "usage: capybara ctl ready
+Asks the API whether it is ready: exit 0 when its store answers, 1 when it
+does not; also says whether switchd's control endpoint answers.
+example:
+  capybara ctl ready",
+    ),
+];
+
+/// The help of the command `pos` names: its subcommand's (`service add`)
+/// when there is one, else the command's.
+fn command_help(pos: &[String]) -> Option<(&'static str, &'static str)> {
+    let first = pos.first()?;
+    let two = pos.get(1).map(|s| format!("{first} {s}"));
+    let find = |k: &str| COMMAND_HELP.iter().find(|(n, _)| *n == k).copied();
+    two.as_deref().and_then(find).or_else(|| find(first))
+}
 
 #[derive(Debug)]
 enum CtlError {
+    /// A usage error before a command is known: printed with [`USAGE`].
     Usage(String),
+    /// A usage error of a known command (a `COMMAND_HELP` key): printed
+    /// with that command's usage line and where its help is.
+    CommandUsage(&'static str, String),
     Api(String),
     DrainIncomplete(String),
 }
@@ -60,6 +282,14 @@ impl std::fmt::Display for CtlError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             CtlError::Usage(m) => write!(f, "{m}\n{USAGE}"),
+            CtlError::CommandUsage(cmd, m) => {
+                let line = COMMAND_HELP
+                    .iter()
+                    .find(|(n, _)| n == cmd)
+                    .and_then(|(_, h)| h.lines().next())
+                    .unwrap_or("");
+                write!(f, "{m}\n{line}\n(`capybara ctl {cmd} --help` for details)")
+            }
             CtlError::Api(m) | CtlError::DrainIncomplete(m) => f.write_str(m),
         }
     }
@@ -208,6 +438,7 @@ fn command_flags(cmd: &str) -> &'static [&'static str] {
         "migrations" => &["--limit", "--follow", "--for"],
         "connections" => &["--server", "--service", "--limit"],
         "service" => &["--pool"],
+        "weight" => &["--clear"],
         _ => &[],
     }
 }
@@ -231,7 +462,7 @@ pub fn ctl_main(args: Vec<String>) -> i32 {
         Err(e) => {
             eprintln!("error: {e}");
             match e {
-                CtlError::Usage(_) => 2,
+                CtlError::Usage(_) | CtlError::CommandUsage(..) => 2,
                 CtlError::Api(_) => 1,
                 CtlError::DrainIncomplete(_) => 3,
             }
@@ -272,15 +503,47 @@ fn server_id(s: &str) -> Result<i64, CtlError> {
 }
 
 async fn run(args: Vec<String>) -> Result<(), CtlError> {
-    let a = Args::parse(args)?;
-    if a.has("--help") || a.positional.is_empty() {
-        return if a.has("--help") {
+    let mut a = Args::parse(args)?;
+    // `help COMMAND` is `COMMAND --help`.
+    if a.positional.first().is_some_and(|p| p == "help") {
+        a.positional.remove(0);
+        a.flags.push(("--help".into(), None));
+    }
+    if a.has("--help") {
+        if a.positional.is_empty() {
             println!("{USAGE}");
-            Ok(())
-        } else {
-            Err(CtlError::Usage("no command given".into()))
+            return Ok(());
+        }
+        return match command_help(&a.positional) {
+            Some((_, help)) => {
+                println!("{help}\n{GLOBAL_FLAGS}");
+                Ok(())
+            }
+            None => Err(CtlError::Usage(format!(
+                "unknown command {:?}",
+                a.positional.join(" ")
+            ))),
         };
     }
+    if a.positional.is_empty() {
+        return Err(CtlError::Usage("no command given".into()));
+    }
+    // From here on a usage error belongs to a command: it points at that
+    // command's help instead of listing every command.
+    match command_help(&a.positional) {
+        Some((cmd, _)) => dispatch(&a).await.map_err(|e| match e {
+            CtlError::Usage(m) => CtlError::CommandUsage(cmd, m),
+            e => e,
+        }),
+        None => Err(CtlError::Usage(format!(
+            "unknown command {:?}",
+            a.positional.join(" ")
+        ))),
+    }
+}
+
+/// Runs the command `a` names (a known one: see [`command_help`]).
+async fn dispatch(a: &Args) -> Result<(), CtlError> {
     let mut cfg = Configuration::new();
     cfg.base_path = a
         .value("--api")
@@ -312,8 +575,8 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
     match pos.as_slice() {
         ["servers"] => servers(&cfg).await,
         ["services"] => services(&cfg).await,
-        ["service", "add", name, addr] => service_put(&cfg, name, addr, &a, true).await,
-        ["service", "set", name, addr] => service_put(&cfg, name, addr, &a, false).await,
+        ["service", "add", name, addr] => service_put(&cfg, name, addr, a, true).await,
+        ["service", "set", name, addr] => service_put(&cfg, name, addr, a, false).await,
         ["service", "delete", name] => {
             apis::services_api::delete_service(&cfg, name)
                 .await
@@ -325,7 +588,18 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
             "`service add NAME VIP:PORT [--pool 1,2]`, `service set NAME VIP:PORT [--pool 1,2]` or `service delete NAME`".into(),
         )),
         ["ready"] => ready(&cfg).await,
-        ["connections"] => connections(&cfg, &a).await,
+        ["connections"] => connections(&cfg, a).await,
+        ["weight", s] if a.has("--clear") => {
+            let id = server_id(s)?;
+            apis::servers_api::clear_server_weight(&cfg, id)
+                .await
+                .map_err(api_err)?;
+            println!("server {id}: operator weight cleared; the weight its REGISTER reports applies within a second");
+            Ok(())
+        }
+        ["weight", _, _] if a.has("--clear") => Err(CtlError::Usage(
+            "`weight SERVER --clear` takes no WEIGHT".into(),
+        )),
         ["weight", s, w] => {
             let weight = w
                 .parse::<u16>()
@@ -342,7 +616,7 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
             println!("server {} ({}) has weight {}", srv.id, srv.name, srv.weight);
             Ok(())
         }
-        ["drain", s] => drain(&cfg, server_id(s)?, &a).await,
+        ["drain", s] => drain(&cfg, server_id(s)?, a).await,
         ["undrain", s] => {
             let srv = apis::servers_api::undrain_server(&cfg, server_id(s)?)
                 .await
@@ -386,13 +660,13 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
             Ok(())
         }
         ["policy", "set", kvs @ ..] if !kvs.is_empty() => policy_set(&cfg, kvs).await,
-        ["migrations"] => migrations(&cfg, &a).await,
+        ["migrations"] => migrations(&cfg, a).await,
         [cmd @ ("drain" | "undrain"), ..] => Err(CtlError::Usage(format!(
             "`{cmd}` takes one SERVER, got {:?}",
             &pos[1..]
         ))),
         ["weight", ..] => Err(CtlError::Usage(format!(
-            "`weight` takes SERVER and WEIGHT, got {:?}",
+            "`weight` takes SERVER and WEIGHT (or SERVER --clear), got {:?}",
             &pos[1..]
         ))),
         ["migrate", ..] => Err(CtlError::Usage(format!(
@@ -402,10 +676,10 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
         ["policy", ..] => Err(CtlError::Usage(
             "`policy get`, or `policy set KEY=VALUE...`".into(),
         )),
-        _ => Err(CtlError::Usage(format!(
-            "unknown command {:?}",
-            a.positional.join(" ")
+        [cmd, rest @ ..] => Err(CtlError::Usage(format!(
+            "`{cmd}` takes no arguments, got {rest:?}"
         ))),
+        [] => Err(CtlError::Usage("no command given".into())),
     }
 }
 
@@ -917,6 +1191,50 @@ mod tests {
         assert!(line.contains(" ?  1.2s ago"), "{line}");
         assert!(line.ends_with("- (not reported)"), "{line}");
         assert_eq!(fmt_ms(7_500_000), "2h 05m");
+    }
+
+    #[test]
+    fn every_command_has_a_help_naming_its_flags() {
+        for (key, help) in COMMAND_HELP {
+            let first = help.lines().next().unwrap();
+            assert!(
+                first.starts_with(&format!("usage: capybara ctl {key}")),
+                "{key}: {first}"
+            );
+            assert!(help.contains("\nexample"), "{key}: no example");
+            // A command's flags (`service` takes `--pool` for all its
+            // subcommands, though only `add` and `set` use it).
+            if !key.contains(' ') {
+                for flag in command_flags(key) {
+                    assert!(help.contains(flag), "{key}: {flag} not explained");
+                }
+            }
+        }
+        let pos = |s: &str| s.split(' ').map(String::from).collect::<Vec<_>>();
+        for cmd in [
+            "servers",
+            "drain",
+            "undrain",
+            "weight",
+            "connections",
+            "migrate",
+            "policy",
+            "migrations",
+            "services",
+            "service",
+            "ready",
+        ] {
+            assert_eq!(command_help(&pos(cmd)).map(|(k, _)| k), Some(cmd));
+        }
+        assert_eq!(
+            command_help(&pos("service add api 198.18.100.2:80")).map(|(k, _)| k),
+            Some("service add")
+        );
+        assert_eq!(
+            command_help(&pos("service frob")).map(|(k, _)| k),
+            Some("service")
+        );
+        assert_eq!(command_help(&pos("frob")), None);
     }
 
     #[test]

@@ -143,7 +143,11 @@ pub fn routes(cfg: &mut web::ServiceConfig, static_dir: Option<PathBuf>) {
             .route(web::get().to(get_server))
             .route(web::delete().to(deregister_server)),
     )
-    .service(resource("/v1/servers/{server_id}/weight", "PUT").route(web::put().to(set_weight)))
+    .service(
+        resource("/v1/servers/{server_id}/weight", "PUT, DELETE")
+            .route(web::put().to(set_weight))
+            .route(web::delete().to(clear_weight)),
+    )
     .service(
         resource("/v1/servers/{server_id}/drain", "GET, POST")
             .route(web::get().to(get_drain))
@@ -500,6 +504,27 @@ async fn set_weight(
     )
     .await;
     Ok(ok(&server_view(state, updated, None).await?))
+}
+
+/// Clears the operator's weight: the REGISTER's applies again.
+async fn clear_weight(
+    req: HttpRequest,
+    path: web::Path<String>,
+    data: web::Data<AppState>,
+) -> ApiResult<HttpResponse> {
+    let state = st(&data);
+    let who = authorize(&req, state, Role::Operator, false)?;
+    let s = existing_server(state, &path).await?;
+    let updated = state.store.clear_server_weight(s.id).await?;
+    audit(
+        state,
+        &who,
+        "server.weight.clear",
+        format!("servers/{}", s.id.0),
+        json!({ "old": s.weight, "operator": s.weight_set, "new": updated.weight }),
+    )
+    .await;
+    Ok(HttpResponse::NoContent().finish())
 }
 
 #[derive(Deserialize)]
@@ -1028,12 +1053,6 @@ fn merge_policy(current: &Policy, changes: Value, full: bool) -> ApiResult<Polic
         merged[&k] = v;
     }
     let p: Policy = parse_body(merged)?;
-    if p.dead_after_ms > 86_400_000 {
-        return Err(Problem::invalid(
-            "dead_after_ms",
-            format!("must be at most 86400000 ms, got {}", p.dead_after_ms),
-        ));
-    }
     if p.hysteresis_pct > 1000.0 {
         return Err(Problem::invalid("hysteresis_pct", "must be at most 1000"));
     }

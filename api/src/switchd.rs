@@ -485,8 +485,29 @@ struct LogEntry {
     counted: bool,
 }
 
+/// The API's migration ids (1, 2, ...). The endpoints of an active/standby
+/// pair share one counter, so that the ids of the migrations the new active
+/// reports after a takeover continue past those of the old one (a follower
+/// asking for ids `after=N` sees them) and the two logs never reuse an id.
+#[derive(Clone, Debug)]
+pub struct MigrationIds(Arc<std::sync::atomic::AtomicU64>);
+
+impl Default for MigrationIds {
+    fn default() -> Self {
+        MigrationIds(Arc::new(std::sync::atomic::AtomicU64::new(1)))
+    }
+}
+
+impl MigrationIds {
+    fn next(&self) -> u64 {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 struct MigrationLog {
-    next_id: u64,
+    /// Where ids come from: this log's own counter, or one shared by the
+    /// endpoints of an active/standby pair ([`MigrationIds`]).
+    ids: MigrationIds,
     items: VecDeque<LogEntry>,
     /// Cumulative (Prometheus counters never go down, whatever the log drops).
     by_outcome: BTreeMap<&'static str, u64>,
@@ -502,9 +523,14 @@ struct MigrationLog {
 }
 
 impl MigrationLog {
+    #[cfg(test)]
     fn new() -> Self {
+        Self::with_ids(MigrationIds::default())
+    }
+
+    fn with_ids(ids: MigrationIds) -> Self {
         MigrationLog {
-            next_id: 1,
+            ids,
             items: VecDeque::new(),
             by_outcome: MIGRATION_OUTCOMES.iter().map(|o| (*o, 0)).collect(),
             phases: MIGRATION_PHASES
@@ -519,9 +545,7 @@ impl MigrationLog {
     }
 
     fn alloc_id(&mut self) -> u64 {
-        let id = self.next_id;
-        self.next_id += 1;
-        id
+        self.ids.next()
     }
 
     fn observe(&mut self, phase: &'static str, us: Option<u64>) {
@@ -754,16 +778,35 @@ impl SwitchdControlPlane {
         store: Arc<dyn Store>,
         switchd_url: &str,
     ) -> Result<Arc<Self>, Problem> {
+        Self::with_migration_ids(inner, store, switchd_url, MigrationIds::default())
+    }
+
+    /// [`SwitchdControlPlane::new`] numbering its migrations from `ids`,
+    /// shared by the endpoints of an active/standby pair.
+    pub fn with_migration_ids(
+        inner: Arc<StoreControlPlane>,
+        store: Arc<dyn Store>,
+        switchd_url: &str,
+        ids: MigrationIds,
+    ) -> Result<Arc<Self>, Problem> {
         let (events, _) = broadcast::channel(256);
         let cp = Arc::new(SwitchdControlPlane {
             inner,
             store,
             http: SwitchdHttp::new(switchd_url)?,
             events,
-            log: Arc::new(Mutex::new(MigrationLog::new())),
+            log: Arc::new(Mutex::new(MigrationLog::with_ids(ids))),
         });
         cp.start_report_poller();
         Ok(cp)
+    }
+
+    /// The store's view of the servers (connections counted from the flow
+    /// mappings, load unknown, `data_source: store`): what
+    /// [`ControlPlane::server_stats`] answers while switchd does not, and
+    /// what an active/standby pair's API answers while neither is active.
+    pub async fn server_stats_from_store(&self) -> Result<HashMap<ServerId, ServerStats>, Problem> {
+        self.inner.server_stats().await
     }
 
     pub fn http(&self) -> &SwitchdHttp {

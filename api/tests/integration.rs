@@ -1504,3 +1504,69 @@ async fn the_newest_migrations_are_listed_first_with_order_desc() {
     running.stop().await;
     endpoint.abort();
 }
+
+/// An operator weight is cleared through the API (`DELETE
+/// /v1/servers/{id}/weight`, 204) and `capybara ctl weight ID --clear`:
+/// the record's weight goes back to what it was before the operator's
+/// (the REGISTER's) and is no longer the operator's; a viewer may not, an
+/// unknown server is 404, `--clear` with a WEIGHT is a usage error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_weights_are_cleared() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let ops = api.token("ops", Role::Operator);
+    let viewer = api.token("eyes", Role::Viewer);
+    let id = register(&api, &ops, "web1").await;
+    let url = |p: &str| format!("{}/v1/servers/{id}{p}", api.url);
+    let (s, v, _) = call(
+        "PUT",
+        url("/weight"),
+        Some(&ops),
+        Some(json!({"weight": 0})),
+    )
+    .await;
+    assert_eq!((s, v["weight"].as_u64()), (200, Some(0)), "{v}");
+    let (s, _, _) = call("DELETE", url("/weight"), Some(&viewer), None).await;
+    assert_eq!(s, 403);
+    let (s, v, _) = call("DELETE", url("/weight"), Some(&ops), None).await;
+    assert_eq!(s, 204, "{v}");
+    let rec = api
+        .store
+        .get_server(ServerId(id as u32))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((rec.weight, rec.weight_set), (100, false), "{rec:?}");
+    let (_, v, _) = call("GET", url(""), Some(&viewer), None).await;
+    assert_eq!(v["weight"], 100, "{v}");
+    // Again (nothing to clear): still 204.
+    let (s, _, _) = call("DELETE", url("/weight"), Some(&ops), None).await;
+    assert_eq!(s, 204);
+    let (s, v, _) = call(
+        "DELETE",
+        format!("{}/v1/servers/99/weight", api.url),
+        Some(&ops),
+        None,
+    )
+    .await;
+    assert_eq!(s, 404, "{v}");
+
+    let (u, t) = (api.url.clone(), ops.clone());
+    let run = move |args: Vec<&'static str>| {
+        let (u, t) = (u.clone(), t.clone());
+        tokio::task::spawn_blocking(move || ctl(&u, &t, &args))
+    };
+    let (code, _, err) = run(vec!["weight", "1", "7"]).await.unwrap();
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = run(vec!["weight", "1", "--clear"]).await.unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("operator weight cleared"), "{out}");
+    let rec = api.store.get_server(ServerId(1)).await.unwrap().unwrap();
+    assert_eq!((rec.weight, rec.weight_set), (100, false), "{rec:?}");
+    let (code, _, err) = run(vec!["weight", "1", "7", "--clear"]).await.unwrap();
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("takes no WEIGHT"), "{err}");
+    let (code, _, err) = run(vec!["weight", "1", "--clear=yes"]).await.unwrap();
+    assert_eq!(code, 2, "{err}");
+    api.stop().await;
+}

@@ -453,26 +453,6 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "health",
 ];
 
-/// TOML puts every key written after a `[table]` header into that table, so
-/// a top-level key appended at the end of a file comes out as an "unknown
-/// field" of the last table, which names the table's fields but not the
-/// cause. When the unknown field is a top-level key, this says so.
-pub fn misplaced_top_level_hint(message: &str, top_level: &[&str]) -> String {
-    let Some(rest) = message.split("unknown field `").nth(1) else {
-        return String::new();
-    };
-    let Some(field) = rest.split('`').next() else {
-        return String::new();
-    };
-    if top_level.contains(&field) {
-        format!(
-            "; `{field}` is a top-level key: a key written after a [section] header belongs to that section, so move `{field}` above the first [section]"
-        )
-    } else {
-        String::new()
-    }
-}
-
 /// A configuration error, naming the field and the value.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -507,7 +487,14 @@ impl Config {
     /// Parses TOML text; `origin` names it in errors.
     pub fn parse(origin: &str, text: &str) -> Result<Config, ConfigError> {
         toml::from_str(text).map_err(|e| {
-            let hint = misplaced_top_level_hint(e.message(), TOP_LEVEL_KEYS);
+            // A top-level key written after a [section] is that section's.
+            let hint = capybara_confkit::misplaced_key_hint(
+                e.message(),
+                TOP_LEVEL_KEYS,
+                capybara_confkit::Level::TopLevel,
+            )
+            .map(|h| format!("; {h}"))
+            .unwrap_or_default();
             let at = e
                 .span()
                 .map(|s| {

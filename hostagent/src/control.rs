@@ -200,6 +200,15 @@ pub async fn run(
                             }),
                             Err(e) => eprintln!("hostagent: POLICY from the switch refused: {e}"),
                         }
+                        // The migration engine's part applies with or
+                        // without `[policy] enabled`: it is not a policy
+                        // decision but how every migration runs.
+                        let applied = stack.with(|i| apply_engine_policy(i.transports.mig.as_mut(), &p));
+                        match applied {
+                            Ok(Some(what)) => eprintln!("hostagent: policy generation {:#010x}: {what}", p.generation),
+                            Ok(None) => {}
+                            Err(e) => eprintln!("hostagent: POLICY from the switch: {e}"),
+                        }
                     }
                     ControlBody::Error(e) => {
                         eprintln!("hostagent: switch error: {}", e.text);
@@ -307,6 +316,50 @@ pub fn tunables_of(p: &capybara_proto::control::PolicyMsg) -> Result<Tunables, S
     };
     t.validate()?;
     Ok(t)
+}
+
+/// Applies the migration-engine part of a POLICY: the origin deadline
+/// (`migration_deadline_ms`, 0 = the engine's own, what an older switch
+/// sends) and the buffer mode (`POLICY_BUFFER_DROP`; a `[migration]
+/// drop_mode = true` keeps dropping). `Ok(Some(text))` when something
+/// changed, naming what is in force now; the error names a refused value
+/// (the previous settings stay).
+pub fn apply_engine_policy(
+    mig: Option<&mut Migrator>,
+    p: &capybara_proto::control::PolicyMsg,
+) -> Result<Option<String>, String> {
+    use capybara_proto::control::POLICY_BUFFER_DROP;
+    let Some(m) = mig else {
+        return Ok(None);
+    };
+    let e = &mut m.engine;
+    let before = (e.config().migration_deadline, e.config().buffer_mode);
+    let deadline = (p.migration_deadline_ms != 0)
+        .then(|| Duration::from_millis(u64::from(p.migration_deadline_ms)));
+    let refused = e.set_migration_deadline(deadline).err().map(|err| {
+        format!(
+            "migration_deadline_ms = {} refused: {err}",
+            p.migration_deadline_ms
+        )
+    });
+    let mode = e.set_policy_buffer_mode(p.flags & POLICY_BUFFER_DROP != 0);
+    if let Some(r) = refused {
+        return Err(r);
+    }
+    let c = e.config();
+    if (c.migration_deadline, mode) == before {
+        return Ok(None);
+    }
+    Ok(Some(format!(
+        "migration deadline {} ms (cap {} ms, target {} ms), buffer mode {}",
+        c.migration_deadline.as_millis(),
+        c.migration_deadline_max.as_millis(),
+        c.target_deadline.as_millis(),
+        match mode {
+            capybara_tcpmig::BufferMode::Buffer => "buffer",
+            capybara_tcpmig::BufferMode::Drop => "drop",
+        }
+    )))
 }
 
 /// Carries out a MIGRATE (trigger `manual`). `None`: started. Else the
@@ -443,6 +496,7 @@ mod tests {
             reactive_backlog_packets: 40,
             cooldown_ms: 500,
             max_migrations_per_sec: 100,
+            migration_deadline_ms: 0,
         };
         let t = tunables_of(&m).unwrap();
         assert!(t.proactive_enabled && !t.reactive_enabled);
@@ -463,5 +517,58 @@ mod tests {
         assert!(tunables_of(&bad)
             .unwrap_err()
             .contains("max_migrations_per_sec"));
+    }
+    #[test]
+    fn policy_sets_the_migration_deadline_and_buffer_mode_of_the_engine() {
+        use capybara_proto::control::POLICY_BUFFER_DROP;
+        use capybara_tcpmig::{BufferMode, Engine, EngineConfig, MigrationKey};
+        let local = Ipv4Addr::new(10, 0, 0, 1);
+        let key = MigrationKey::from_bytes(&[7; 32]).expect("key");
+        let migrator = |mode| {
+            let mut cfg = EngineConfig::new(local, Ipv4Addr::new(10, 0, 0, 254));
+            cfg.buffer_mode = mode;
+            Migrator::new(Engine::new(cfg, key.clone()).expect("engine"), local)
+        };
+        let msg = PolicyMsg {
+            generation: 9,
+            flags: POLICY_PROACTIVE | POLICY_BUFFER_DROP,
+            proactive_threshold_bp: 1000,
+            hysteresis_bp: 200,
+            reactive_backlog_packets: 20,
+            cooldown_ms: 1000,
+            max_migrations_per_sec: 1000,
+            migration_deadline_ms: 80,
+        };
+        let mut m = migrator(BufferMode::Buffer);
+        let what = apply_engine_policy(Some(&mut m), &msg).unwrap().unwrap();
+        assert!(
+            what.contains("migration deadline 80 ms") && what.contains("buffer mode drop"),
+            "{what}"
+        );
+        assert_eq!(
+            m.engine.config().migration_deadline,
+            Duration::from_millis(80)
+        );
+        assert_eq!(m.engine.config().buffer_mode, BufferMode::Drop);
+        // The same again: nothing to say.
+        assert_eq!(apply_engine_policy(Some(&mut m), &msg), Ok(None));
+        // An older switch: reserved word 0, no drop bit: the engine's own.
+        let old = PolicyMsg {
+            flags: POLICY_PROACTIVE,
+            migration_deadline_ms: 0,
+            ..msg
+        };
+        apply_engine_policy(Some(&mut m), &old).unwrap();
+        assert_eq!(
+            m.engine.config().migration_deadline,
+            Duration::from_millis(50)
+        );
+        assert_eq!(m.engine.config().buffer_mode, BufferMode::Buffer);
+        // `[migration] drop_mode = true`: a buffer policy does not undo it.
+        let mut d = migrator(BufferMode::Drop);
+        apply_engine_policy(Some(&mut d), &old).unwrap();
+        assert_eq!(d.engine.config().buffer_mode, BufferMode::Drop);
+        // Without migration there is nothing to apply.
+        assert_eq!(apply_engine_policy(None, &msg), Ok(None));
     }
 }

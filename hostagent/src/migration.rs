@@ -141,6 +141,13 @@ pub struct Migrator {
     pub reports_dropped: u64,
     /// `now` of the event being processed (dates queued reports).
     report_now: Instant,
+    /// The clock `now` comes from (the stack sets it): the end of an export
+    /// or an import is stamped with a fresh reading. `now` is read once per
+    /// poll, before the receive batch, so a PREPARE_ACK (or the last
+    /// CONN_STATE) and the export (import) it triggers in the same poll had
+    /// the same time and the reported export_us and import_us were always
+    /// 0. `None` (tests with a hand-driven clock): `now`.
+    pub clock: Option<capybara_net::driver::Clock>,
     /// Benchmarks: per-migration telemetry and host CPU written to a file
     /// (`CAPYBARA_MIGRATION_TELEMETRY`); `None` (the default) costs one
     /// branch per TCPMig message.
@@ -222,6 +229,7 @@ impl Migrator {
             reports: VecDeque::with_capacity(REPORT_QUEUE),
             reports_dropped: 0,
             report_now: Instant::ZERO,
+            clock: None,
             dump: TelemetryDump::from_env(local),
             dropped_frozen: 0,
             dropped_gone: 0,
@@ -617,6 +625,12 @@ impl Migrator {
 
     /// Handles the engine's events. `woken` collects application handles
     /// whose state changed, so that the runtime wakes their tasks.
+    /// The time now: a fresh reading of the stack's clock (never before
+    /// `now`), or `now` without one.
+    fn fresh(&self, now: Instant) -> Instant {
+        self.clock.map_or(now, |c| c.now().max(now))
+    }
+
     pub fn process_events(&mut self, now: Instant, tcp: &mut Endpoint, woken: &mut Vec<ConnId>) {
         woken.append(&mut self.woken);
         self.report_now = now;
@@ -662,7 +676,8 @@ impl Migrator {
                             self.handles.insert(handle, HandleState::Frozen);
                             // The engine keeps the only copy; one it refuses
                             // comes back (the migration then resumes).
-                            let back = self.engine.offer_snapshot(now, id, snap).err();
+                            let done = self.fresh(now);
+                            let back = self.engine.offer_snapshot(done, id, snap).err();
                             let d = self.departed.entry(flow).or_default();
                             d.frozen = Some(Frozen {
                                 id,
@@ -749,7 +764,8 @@ impl Migrator {
                             // imported connection (no flow lookup), its
                             // events and ACK scheduled once at the end.
                             let (local, cid) = (self.local, imp.id);
-                            let _ = self.engine.import_done(now, id, |seg| {
+                            let done = self.fresh(now);
+                            let _ = self.engine.import_done(done, id, |seg| {
                                 tcp.replay_segment(now, cid, flow.client_ip, local, seg)
                             });
                             tcp.replay_done(cid);

@@ -435,6 +435,7 @@ impl Inner {
             if let Some(m) = &mut self.transports.mig {
                 let mut woken = std::mem::take(&mut self.woken);
                 let waited = m.managers.waited;
+                m.clock = Some(self.clock);
                 m.process_events(now, &mut self.transports.tcp, &mut woken);
                 // A migration whose connection manager just became ready
                 // queued its PREPARE: poll again now to send it, instead

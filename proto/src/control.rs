@@ -118,7 +118,10 @@ pub mod field {
         pub const REACTIVE_BACKLOG_PACKETS: Field = 16..20;
         pub const COOLDOWN_MS: Field = 20..24;
         pub const MAX_MIGRATIONS_PER_SEC: Field = 24..28;
-        pub const RESERVED: Field = 28..32;
+        /// The origin's migration deadline, ms (0: keep the server's own).
+        /// Reserved (sent 0) before it existed, so an older switch's POLICY
+        /// leaves the server's deadline alone, and an older server ignores it.
+        pub const MIGRATION_DEADLINE_MS: Field = 28..32;
         pub const LEN: usize = 32;
     }
 
@@ -214,6 +217,11 @@ pub const DRAIN_CANCEL: u32 = 1 << 0;
 pub const POLICY_PROACTIVE: u32 = 1 << 0;
 /// POLICY flag: the reactive policy is on.
 pub const POLICY_REACTIVE: u32 = 1 << 1;
+/// POLICY flag: a target drops the client packets of a connection that
+/// arrive before its import instead of buffering them (the store's
+/// `buffer_mode = drop`). Clear: buffer. A server that predates the flag
+/// ignores it (it reads only the bits it knows).
+pub const POLICY_BUFFER_DROP: u32 = 1 << 2;
 
 /// Control message kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -558,7 +566,8 @@ pub struct PolicyMsg {
     /// Identifies the values (a hash of them, never 0), so that a standby
     /// that takes over agrees with the servers on what they apply.
     pub generation: u32,
-    /// [`POLICY_PROACTIVE`], [`POLICY_REACTIVE`]; other bits reserved.
+    /// [`POLICY_PROACTIVE`], [`POLICY_REACTIVE`], [`POLICY_BUFFER_DROP`];
+    /// other bits reserved (sent 0, ignored).
     pub flags: u32,
     /// Proactive threshold above the pool average, basis points (1000 = 10 %).
     pub proactive_threshold_bp: u32,
@@ -570,6 +579,9 @@ pub struct PolicyMsg {
     pub cooldown_ms: u32,
     /// Cap on migrations a server starts per second.
     pub max_migrations_per_sec: u32,
+    /// The origin's migration deadline (empty snapshot), milliseconds;
+    /// 0: the server keeps its own (what an older switch sends).
+    pub migration_deadline_ms: u32,
 }
 
 /// DRAIN: migrate every connection away (switch -> server).
@@ -1201,6 +1213,7 @@ impl<'a> ControlRepr<'a> {
                         reactive_backlog_packets: rd32(body, f::REACTIVE_BACKLOG_PACKETS),
                         cooldown_ms: rd32(body, f::COOLDOWN_MS),
                         max_migrations_per_sec: rd32(body, f::MAX_MIGRATIONS_PER_SEC),
+                        migration_deadline_ms: rd32(body, f::MIGRATION_DEADLINE_MS),
                     })
                 }
                 ControlKind::SetOwner => {
@@ -1364,6 +1377,8 @@ impl<'a> ControlRepr<'a> {
                 body[f::COOLDOWN_MS].copy_from_slice(&p.cooldown_ms.to_be_bytes());
                 body[f::MAX_MIGRATIONS_PER_SEC]
                     .copy_from_slice(&p.max_migrations_per_sec.to_be_bytes());
+                body[f::MIGRATION_DEADLINE_MS]
+                    .copy_from_slice(&p.migration_deadline_ms.to_be_bytes());
             }
             ControlBody::Drain(d) => {
                 use field::drain as f;
@@ -1534,12 +1549,13 @@ mod tests {
             }),
             ControlBody::Policy(PolicyMsg {
                 generation: 7,
-                flags: POLICY_PROACTIVE | POLICY_REACTIVE,
+                flags: POLICY_PROACTIVE | POLICY_REACTIVE | POLICY_BUFFER_DROP,
                 proactive_threshold_bp: 1000,
                 hysteresis_bp: 200,
                 reactive_backlog_packets: 20,
                 cooldown_ms: 1000,
                 max_migrations_per_sec: 1000,
+                migration_deadline_ms: 50,
             }),
             ControlBody::Drain(Drain {
                 deadline_ms: 30_000,
@@ -1834,5 +1850,45 @@ mod tests {
             ControlRepr::parse(&buf[..n]),
             Err(ControlError::ErrorTextNotUtf8 { valid_up_to: 1 })
         );
+    }
+    #[test]
+    fn policy_carries_the_migration_deadline_and_buffer_drop_compatibly() {
+        let msg = PolicyMsg {
+            generation: 0x0102_0304,
+            flags: POLICY_REACTIVE | POLICY_BUFFER_DROP,
+            proactive_threshold_bp: 1000,
+            hysteresis_bp: 200,
+            reactive_backlog_packets: 20,
+            cooldown_ms: 1000,
+            max_migrations_per_sec: 1000,
+            migration_deadline_ms: 80,
+        };
+        let repr = ControlRepr {
+            server_id: ServerId(3),
+            seq: 9,
+            body: ControlBody::Policy(msg),
+        };
+        let mut buf = [0u8; 128];
+        let n = repr.emit(&mut buf).unwrap();
+        // Same 32-byte body as before: an older server parses it (exact
+        // length) and reads the flag bits it knows.
+        assert_eq!(n, HEADER_LEN + 32 + 16, "header, body, MAC");
+        let body = &buf[HEADER_LEN..HEADER_LEN + 32];
+        assert_eq!(
+            &body[28..32],
+            &80u32.to_be_bytes(),
+            "the former reserved word"
+        );
+        assert_eq!(&body[4..8], &(0b110u32).to_be_bytes());
+        assert_eq!(ControlRepr::parse(&buf[..n]).unwrap(), repr);
+        // An older switch sends the reserved word 0 and no drop bit: the
+        // server keeps its own deadline and buffers.
+        buf[HEADER_LEN + 28..HEADER_LEN + 32].fill(0);
+        buf[HEADER_LEN + 7] = POLICY_REACTIVE as u8;
+        let ControlBody::Policy(old) = ControlRepr::parse(&buf[..n]).unwrap().body else {
+            panic!("not a POLICY");
+        };
+        assert_eq!(old.migration_deadline_ms, 0);
+        assert_eq!(old.flags & POLICY_BUFFER_DROP, 0);
     }
 }

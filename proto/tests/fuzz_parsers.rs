@@ -332,6 +332,7 @@ fn control_valid_round_trips_and_mutations() {
                 reactive_backlog_packets: rng.next() as u32,
                 cooldown_ms: rng.next() as u32,
                 max_migrations_per_sec: rng.next() as u32,
+                migration_deadline_ms: rng.next() as u32,
             }),
             7 => ControlBody::MigrationReport(control::ReportList::Slice(&reports)),
             _ => ControlBody::Error(control::ErrorMsg {

@@ -111,6 +111,7 @@ proptest! {
             5 => ControlBody::Policy(control::PolicyMsg {
                 generation: a, flags: b, proactive_threshold_bp: c as u32, hysteresis_bp: (c >> 32) as u32,
                 reactive_backlog_packets: d as u32, cooldown_ms: (d >> 32) as u32, max_migrations_per_sec: a ^ b,
+                migration_deadline_ms: a.rotate_left(7),
             }),
             _ => ControlBody::Error(control::ErrorMsg {
                 code: ErrorCode::from_u16(code), ref_kind, ref_seq: c, text: &text,

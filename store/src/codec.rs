@@ -7,7 +7,8 @@
 //! Logical keys (relative to the backend's root) are the same in both
 //! backends and are what errors report: `servers/{id}`, `services/{name}`,
 //! `policy`, `drains/{server id}`, `audit/{seq:020}`, `leader/{election}`,
-//! `retiring/{service name}`,
+//! `retiring/{service name}/{vip}:{port}` (and `retiring/{service name}`,
+//! as written before records were per address),
 //! `flows/{client_ip}:{client_port}->{service_ip}:{service_port}`.
 
 use std::net::Ipv4Addr;
@@ -100,16 +101,43 @@ pub fn seeded_key(name: &str) -> String {
     format!("seeded/{name}")
 }
 
-/// Key of a retiring service record (`Store::list_retiring_services`).
+/// Key of a retiring record as the build before per-address records
+/// wrote it (one per name); still read, and forgotten, as before.
 pub fn retiring_key(name: &str) -> String {
     format!("retiring/{name}")
 }
 
+/// Key of the retiring record of service `name`'s address `addr`
+/// (`Store::list_retiring_services`).
+pub fn retiring_addr_key(name: &str, addr: std::net::SocketAddrV4) -> String {
+    format!("retiring/{name}/{addr}")
+}
+
+/// The name and, for a per-address key, the address in the part of a
+/// retiring key after `retiring/` (`NAME` or `NAME/VIP:PORT`).
+pub fn parse_retiring_key(
+    full_key: &str,
+    rest: &str,
+) -> Result<(String, Option<std::net::SocketAddrV4>), StoreError> {
+    match rest.split_once('/') {
+        None => Ok((rest.to_string(), None)),
+        Some((name, addr)) => {
+            let (ip, port) = parse_endpoint(full_key, addr)?;
+            Ok((
+                name.to_string(),
+                Some(std::net::SocketAddrV4::new(ip, port)),
+            ))
+        }
+    }
+}
+
 /// Decodes a retiring service record stored under `key` for service
-/// `name`: the record must name the same service.
+/// `name` (and address `addr`, for a per-address key): the record must
+/// name the same service (and address).
 pub fn decode_retiring(
     key: &str,
     name: &str,
+    addr: Option<std::net::SocketAddrV4>,
     bytes: &[u8],
 ) -> Result<crate::model::RetiringService, StoreError> {
     crate::model::check_name("service name", name).map_err(|e| StoreError::MalformedKey {
@@ -122,6 +150,14 @@ pub fn decode_retiring(
             key: key.to_string(),
             reason: format!("holds service {:?}", r.service.name),
         });
+    }
+    if let Some(addr) = addr {
+        if r.addr() != addr {
+            return Err(StoreError::MalformedValue {
+                key: key.to_string(),
+                reason: format!("holds address {}", r.addr()),
+            });
+        }
     }
     Ok(r)
 }

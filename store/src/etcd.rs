@@ -16,9 +16,14 @@
 //!                                         seq floor (not watched)
 //! {prefix}/seeded/{service name}          {}: switchd seeded this configured
 //!                                         service once (not watched)
-//! {prefix}/retiring/{service name}        RetiringService: deleted, open
+//! {prefix}/retiring/{name}/{vip}:{port}   RetiringService: an address of the
+//!                                         service deleted or moved away, open
 //!                                         connections still served; put in
-//!                                         the delete's transaction (not watched)
+//!                                         the delete's or move's transaction
+//!                                         (not watched)
+//! {prefix}/retiring/{service name}        RetiringService as written before
+//!                                         records were per address: still
+//!                                         listed and forgotten, not written
 //! {prefix}/flows/{cip}:{cport}->{vip}:{vport}   {server}
 //! ```
 //!
@@ -443,6 +448,85 @@ impl EtcdStore {
         )))
     }
 
+    /// The compares and operations that write retiring record `record` in
+    /// a transaction: its per-address key, and the delete of the name's
+    /// record of the one-per-name layout when that is of the same address
+    /// (guarded by its mod_revision).
+    async fn retiring_ops(
+        &self,
+        op: &'static str,
+        record: &RetiringService,
+    ) -> Result<(Vec<Compare>, Vec<TxnOp>)> {
+        let name = &record.service.name;
+        let key = self.full(&codec::retiring_addr_key(name, record.addr()));
+        let mut ops = vec![TxnOp::put(key, encode(record), None)];
+        let mut compares = Vec::new();
+        let legacy = codec::retiring_key(name);
+        if let Some(kv) = self.get_kv(op, &legacy).await? {
+            let same = codec::decode_retiring(&legacy, name, None, kv.value())
+                .is_ok_and(|old| old.addr() == record.addr());
+            if same {
+                let full = self.full(&legacy);
+                compares.push(Compare::mod_revision(
+                    full.clone(),
+                    CompareOp::Equal,
+                    kv.mod_revision(),
+                ));
+                ops.push(TxnOp::delete(full, None));
+            }
+        }
+        Ok((compares, ops))
+    }
+
+    /// Runs one compare-and-swap transaction; whether it applied.
+    async fn cas(&self, op: &'static str, txn: Txn) -> Result<bool> {
+        Ok(self
+            .retry(op, |mut c| {
+                let t = txn.clone();
+                async move { c.txn(t).await }
+            })
+            .await?
+            .succeeded())
+    }
+
+    /// Deletes retiring record `logical` (`name`, per address when `addr`)
+    /// if it is the one retired at `deleted_unix_ms` (and, for a record of
+    /// the one-per-name layout, of address `want`).
+    async fn forget_retiring_key(
+        &self,
+        op: &'static str,
+        logical: &str,
+        name: &str,
+        addr: Option<std::net::SocketAddrV4>,
+        want: std::net::SocketAddrV4,
+        deleted_unix_ms: u64,
+    ) -> Result<bool> {
+        let full = self.full(logical);
+        for _ in 0..CAS_ATTEMPTS {
+            let Some(kv) = self.get_kv(op, logical).await? else {
+                return Ok(false);
+            };
+            // Only that record: one that does not decode is not it.
+            let record = codec::decode_retiring(logical, name, addr, kv.value())?;
+            if record.deleted_unix_ms != deleted_unix_ms || record.addr() != want {
+                return Ok(false);
+            }
+            let txn = Txn::new()
+                .when([Compare::mod_revision(
+                    full.clone(),
+                    CompareOp::Equal,
+                    kv.mod_revision(),
+                )])
+                .and_then([TxnOp::delete(full.clone(), None)]);
+            if self.cas(op, txn).await? {
+                return Ok(true);
+            }
+        }
+        Err(StoreError::Internal(format!(
+            "{op}: {logical} changed concurrently {CAS_ATTEMPTS} times in a row"
+        )))
+    }
+
     fn decode_flow(&self, kv: &KeyValue) -> Result<FlowMapping> {
         let logical = self.logical(kv.key())?;
         let flow = logical
@@ -584,6 +668,44 @@ impl Store for EtcdStore {
             .await
     }
 
+    async fn put_registered_server(&self, server: &Server) -> Result<Server> {
+        const OP: &str = "put_registered_server";
+        let logical = codec::server_key(server.id);
+        let full = self.full(&logical);
+        // Compare-and-swap on the stored record (or its absence), so an
+        // operator weight written between the read and the write is seen.
+        for _ in 0..CAS_ATTEMPTS {
+            let kv = self.get_kv(OP, &logical).await?;
+            // A stored record that does not decode is replaced: the
+            // server's REGISTER must be able to write its record.
+            let old = match kv.as_ref().map(|kv| decode::<Server>(&logical, kv.value())) {
+                Some(Ok(old)) => Some(old),
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "replacing an undecodable server record");
+                    None
+                }
+                None => None,
+            };
+            let rec = merge_registered_server(server.clone(), old.as_ref());
+            let guard = match &kv {
+                Some(kv) => {
+                    Compare::mod_revision(full.clone(), CompareOp::Equal, kv.mod_revision())
+                }
+                None => Compare::version(full.clone(), CompareOp::Equal, 0),
+            };
+            let txn =
+                Txn::new()
+                    .when([guard])
+                    .and_then([TxnOp::put(full.clone(), encode(&rec), None)]);
+            if self.cas(OP, txn).await? {
+                return Ok(rec);
+            }
+        }
+        Err(StoreError::Internal(format!(
+            "{OP}: {logical} changed concurrently {CAS_ATTEMPTS} times in a row"
+        )))
+    }
+
     async fn get_server(&self, id: ServerId) -> Result<Option<Server>> {
         self.get_decoded("get_server", &codec::server_key(id)).await
     }
@@ -625,8 +747,20 @@ impl Store for EtcdStore {
             &codec::server_key(id),
             ("server", id.to_string()),
             |s: &mut Server| {
-                s.weight = weight;
-                s.weight_set = true;
+                with_operator_weight(s, weight);
+                s.updated_unix_ms = unix_ms_now();
+            },
+        )
+        .await
+    }
+
+    async fn clear_server_weight(&self, id: ServerId) -> Result<Server> {
+        self.modify(
+            "clear_server_weight",
+            &codec::server_key(id),
+            ("server", id.to_string()),
+            |s: &mut Server| {
+                without_operator_weight(s);
                 s.updated_unix_ms = unix_ms_now();
             },
         )
@@ -643,13 +777,44 @@ impl Store for EtcdStore {
     }
 
     async fn put_service(&self, service: &Service) -> Result<()> {
+        const OP: &str = "put_service";
         check_name("service name", &service.name)?;
-        self.put_value(
-            "put_service",
-            &codec::service_key(&service.name),
-            encode(service),
-        )
-        .await
+        let logical = codec::service_key(&service.name);
+        let full = self.full(&logical);
+        // Compare-and-swap on the stored record (or its absence): a move to
+        // another VIP:port records the old address as retiring in the
+        // same transaction.
+        for _ in 0..CAS_ATTEMPTS {
+            let kv = self.get_kv(OP, &logical).await?;
+            let mut compares = vec![match &kv {
+                Some(kv) => {
+                    Compare::mod_revision(full.clone(), CompareOp::Equal, kv.mod_revision())
+                }
+                None => Compare::version(full.clone(), CompareOp::Equal, 0),
+            }];
+            let mut then = vec![TxnOp::put(full.clone(), encode(service), None)];
+            // A stored record that does not decode is replaced without a
+            // record (nothing could have served it).
+            let old = kv.and_then(|kv| decode::<Service>(&logical, kv.value()).ok());
+            if let Some(old) = old.filter(|o| (o.vip, o.port) != (service.vip, service.port)) {
+                let record = RetiringService {
+                    service: old,
+                    deleted_unix_ms: unix_ms_now(),
+                };
+                let (c, o) = self.retiring_ops(OP, &record).await?;
+                compares.extend(c);
+                then.extend(o);
+            }
+            if self
+                .cas(OP, Txn::new().when(compares).and_then(then))
+                .await?
+            {
+                return Ok(());
+            }
+        }
+        Err(StoreError::Internal(format!(
+            "{OP}: {logical} changed concurrently {CAS_ATTEMPTS} times in a row"
+        )))
     }
 
     async fn get_service(&self, name: &str) -> Result<Option<Service>> {
@@ -674,13 +839,17 @@ impl Store for EtcdStore {
         check_name("service name", name)?;
         let logical = codec::service_key(name);
         let full = self.full(&logical);
-        let retiring = self.full(&codec::retiring_key(name));
         // Compare-and-swap on the record's mod_revision: the retiring
         // record is the service as deleted, in the delete's transaction.
         for _ in 0..CAS_ATTEMPTS {
             let Some(kv) = self.get_kv(OP, &logical).await? else {
                 return Ok(false);
             };
+            let mut compares = vec![Compare::mod_revision(
+                full.clone(),
+                CompareOp::Equal,
+                kv.mod_revision(),
+            )];
             let mut then = vec![TxnOp::delete(full.clone(), None)];
             // A record that does not decode still goes (an operator must
             // be able to delete it), with no retiring record.
@@ -690,26 +859,17 @@ impl Store for EtcdStore {
                         service,
                         deleted_unix_ms: unix_ms_now(),
                     };
-                    then.push(TxnOp::put(retiring.clone(), encode(&record), None));
+                    let (c, o) = self.retiring_ops(OP, &record).await?;
+                    compares.extend(c);
+                    then.extend(o);
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "deleted an undecodable service record: no retiring record")
                 }
             }
-            let txn = Txn::new()
-                .when([Compare::mod_revision(
-                    full.clone(),
-                    CompareOp::Equal,
-                    kv.mod_revision(),
-                )])
-                .and_then(then);
             if self
-                .retry(OP, |mut c| {
-                    let t = txn.clone();
-                    async move { c.txn(t).await }
-                })
+                .cas(OP, Txn::new().when(compares).and_then(then))
                 .await?
-                .succeeded()
             {
                 return Ok(true);
             }
@@ -724,48 +884,39 @@ impl Store for EtcdStore {
         let mut out = Vec::new();
         for kv in self.range(OP, "retiring/").await? {
             let logical = self.logical(kv.key())?;
-            let name = logical.strip_prefix("retiring/").unwrap_or(logical);
-            out.push(codec::decode_retiring(logical, name, kv.value())?);
+            let rest = logical.strip_prefix("retiring/").unwrap_or(logical);
+            let (name, addr) = codec::parse_retiring_key(logical, rest)?;
+            out.push(codec::decode_retiring(logical, &name, addr, kv.value())?);
         }
-        out.sort_by(|a, b| a.service.name.cmp(&b.service.name));
+        out.sort_by(|a, b| {
+            (&a.service.name, a.service.vip, a.service.port).cmp(&(
+                &b.service.name,
+                b.service.vip,
+                b.service.port,
+            ))
+        });
         Ok(out)
     }
 
-    async fn forget_retiring_service(&self, name: &str, deleted_unix_ms: u64) -> Result<bool> {
+    async fn forget_retiring_service(
+        &self,
+        name: &str,
+        addr: std::net::SocketAddrV4,
+        deleted_unix_ms: u64,
+    ) -> Result<bool> {
         const OP: &str = "forget_retiring_service";
         check_name("service name", name)?;
-        let logical = codec::retiring_key(name);
-        let full = self.full(&logical);
-        for _ in 0..CAS_ATTEMPTS {
-            let Some(kv) = self.get_kv(OP, &logical).await? else {
-                return Ok(false);
-            };
-            // Only that record: one that does not decode is not it.
-            let record = codec::decode_retiring(&logical, name, kv.value())?;
-            if record.deleted_unix_ms != deleted_unix_ms {
-                return Ok(false);
-            }
-            let txn = Txn::new()
-                .when([Compare::mod_revision(
-                    full.clone(),
-                    CompareOp::Equal,
-                    kv.mod_revision(),
-                )])
-                .and_then([TxnOp::delete(full.clone(), None)]);
-            if self
-                .retry(OP, |mut c| {
-                    let t = txn.clone();
-                    async move { c.txn(t).await }
-                })
-                .await?
-                .succeeded()
-            {
-                return Ok(true);
-            }
+        let per_address = codec::retiring_addr_key(name, addr);
+        if self
+            .forget_retiring_key(OP, &per_address, name, Some(addr), addr, deleted_unix_ms)
+            .await?
+        {
+            return Ok(true);
         }
-        Err(StoreError::Internal(format!(
-            "{OP}: {logical} changed concurrently {CAS_ATTEMPTS} times in a row"
-        )))
+        // A record of the one-per-name layout.
+        let legacy = codec::retiring_key(name);
+        self.forget_retiring_key(OP, &legacy, name, None, addr, deleted_unix_ms)
+            .await
     }
 
     async fn get_policy(&self) -> Result<Policy> {
@@ -779,6 +930,23 @@ impl Store for EtcdStore {
         policy.validate()?;
         self.put_value("put_policy", codec::POLICY_KEY, encode(policy))
             .await
+    }
+
+    async fn put_policy_if_absent(&self, policy: &Policy) -> Result<bool> {
+        policy.validate()?;
+        let key = self.full(codec::POLICY_KEY);
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key, encode(policy), None)]);
+        // A retried transaction that had in fact been applied finds the key
+        // and reports false: the policy it wrote is there either way.
+        Ok(self
+            .retry("put_policy_if_absent", |mut c| {
+                let t = txn.clone();
+                async move { c.txn(t).await }
+            })
+            .await?
+            .succeeded())
     }
 
     async fn apply_flows(&self, ops: &[FlowOp]) -> Result<()> {

@@ -57,6 +57,14 @@ pub trait Store: Send + Sync + 'static {
     // ----- servers
     /// Registers or replaces a server.
     async fn put_server(&self, server: &Server) -> Result<()>;
+    /// Writes the record a server's REGISTER made (switchd): registers or
+    /// replaces it, except that an operator weight stored there
+    /// (`weight_set`) stays unless `server.weight_set`
+    /// (`merge_registered_server`: `server.weight` is kept as its
+    /// `register_weight`). The read and the write are one transaction
+    /// (SQLite) or a compare-and-swap loop (etcd), so an operator weight
+    /// written concurrently is never lost. Returns the record written.
+    async fn put_registered_server(&self, server: &Server) -> Result<Server>;
     async fn get_server(&self, id: ServerId) -> Result<Option<Server>>;
     /// All servers, ordered by id.
     async fn list_servers(&self) -> Result<Vec<Server>>;
@@ -66,27 +74,48 @@ pub trait Store: Send + Sync + 'static {
     /// applies it and a REGISTER keeps it); `NotFound` if the server is not
     /// registered.
     async fn set_server_weight(&self, id: ServerId, weight: u32) -> Result<Server>;
+    /// Clears the operator's weight (`weight_set` false): the weight goes
+    /// back to the REGISTER's (`register_weight`; unchanged when none is
+    /// known, until the server's next REGISTER writes its own), and
+    /// switchd applies the REGISTER's again. `NotFound` if the server is
+    /// not registered; a no-op write when no operator weight is set.
+    async fn clear_server_weight(&self, id: ServerId) -> Result<Server>;
     /// Returns whether the server existed.
     async fn delete_server(&self, id: ServerId) -> Result<bool>;
 
     // ----- services
+    /// Creates or replaces a service. A replace that moves it to another
+    /// VIP:port retires the old address: in the same transaction the old
+    /// record is recorded as retiring (`RetiringService` of the old
+    /// address, deleted now), replacing an earlier record of that name and
+    /// address.
     async fn put_service(&self, service: &Service) -> Result<()>;
     async fn get_service(&self, name: &str) -> Result<Option<Service>>;
     /// All services, ordered by name.
     async fn list_services(&self) -> Result<Vec<Service>>;
-    /// Deletes the service and, in the same transaction, records it as
-    /// retiring (`RetiringService`, deleted now), replacing an earlier
-    /// record of that name. Nothing is recorded when there was no service.
+    /// Deletes the service and, in the same transaction, records its
+    /// address as retiring (`RetiringService`, deleted now), replacing an
+    /// earlier record of that name and address; records of its other
+    /// addresses (earlier moves) stay. Nothing is recorded when there was
+    /// no service.
     async fn delete_service(&self, name: &str) -> Result<bool>;
 
-    // ----- retiring services (deleted, open connections still served)
-    /// Every retiring record, ordered by name. Not watched, not in the
-    /// change log. A record that does not decode is an error naming its key.
+    // ----- retiring services (deleted or moved, open connections still served)
+    /// Every retiring record (one per name and address), ordered by name,
+    /// then address. Records written before they were per address (one
+    /// per name) are listed too. Not watched, not in the change log. A
+    /// record that does not decode is an error naming its key.
     async fn list_retiring_services(&self) -> Result<Vec<RetiringService>>;
-    /// Removes the retiring record of `name` if it is the one deleted at
-    /// `deleted_unix_ms` (a later delete of a service created again under
-    /// that name is kept). Returns whether a record was removed.
-    async fn forget_retiring_service(&self, name: &str, deleted_unix_ms: u64) -> Result<bool>;
+    /// Removes the retiring record of `name` at `addr` if it is the one
+    /// retired at `deleted_unix_ms` (a later retire of that name and
+    /// address is kept, and so are the name's other addresses). Returns
+    /// whether a record was removed.
+    async fn forget_retiring_service(
+        &self,
+        name: &str,
+        addr: std::net::SocketAddrV4,
+        deleted_unix_ms: u64,
+    ) -> Result<bool>;
 
     // ----- seeded configured services (switchd's `[[services]]`)
     /// Remembers that these configured service names were seeded (written
@@ -104,6 +133,12 @@ pub trait Store: Send + Sync + 'static {
     async fn get_policy(&self) -> Result<Policy>;
     /// Validates, then stores. `InvalidPolicy` names the bad field.
     async fn put_policy(&self, policy: &Policy) -> Result<()>;
+    /// Validates, then stores `policy` only if none was stored yet (the
+    /// check and the write in one transaction). `true`: it was written
+    /// (and watchers see a `PolicyPut`); `false`: a stored policy was kept
+    /// as it is. switchd seeds the store with its config's liveness timing
+    /// this way (`get_policy` cannot tell an absent policy from a default).
+    async fn put_policy_if_absent(&self, policy: &Policy) -> Result<bool>;
 
     // ----- flow-to-server mappings
     /// Applies a batch of puts and deletes; the last operation on a flow wins.

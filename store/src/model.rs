@@ -89,6 +89,14 @@ pub struct Server {
     /// the field.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub weight_set: bool,
+    /// While `weight_set`: the weight the server's REGISTER reports (or
+    /// the record's before the operator set one), which
+    /// `Store::clear_server_weight` brings back. `None` otherwise, or when
+    /// not known (an operator weight given at `POST /v1/servers`, or a
+    /// record that predates the field); absent when `None`, so records
+    /// without an operator weight are written as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub register_weight: Option<u32>,
     pub registered_unix_ms: u64,
     pub updated_unix_ms: u64,
     /// The MAC address of the data interface as switchd learned it from
@@ -134,6 +142,7 @@ impl Server {
             state: ServerState::Active,
             weight: 100,
             weight_set: false,
+            register_weight: None,
             registered_unix_ms: now,
             updated_unix_ms: now,
             data_mac: None,
@@ -171,20 +180,74 @@ pub struct Service {
     pub pool: Vec<ServerId>,
 }
 
-/// A deleted service whose open connections switchd still serves
-/// (retiring, docs/SWITCHD.md): written by `Store::delete_service` in the
-/// same transaction as the delete, so that a switchd that restarts, or a
-/// standby that takes over, keeps serving them, with the retire timeout
-/// counted from `deleted_unix_ms`. One per name: the delete of a service
-/// created again under that name replaces it. The active switchd forgets it
-/// (`Store::forget_retiring_service`) when the service has gone.
+/// A retired service address whose open connections switchd still serves
+/// (retiring, docs/SWITCHD.md): written in the same transaction as the
+/// write that retires it, `Store::delete_service` (the service's address)
+/// or a `Store::put_service` that moves the service to another VIP:port
+/// (the old address), so that a switchd that restarts, or a standby that
+/// takes over, keeps serving them, with the retire timeout counted from
+/// `deleted_unix_ms`. One per name and address (`service.vip`,
+/// `service.port`): a name may retire several addresses at once; a later
+/// retire of the same name and address replaces the earlier record. The
+/// active switchd forgets it (`Store::forget_retiring_service`) when that
+/// address's retiring service has gone.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetiringService {
     /// The service record as it was when deleted.
     pub service: Service,
-    /// When it was deleted (wall clock).
+    /// When it was deleted or moved away (wall clock).
     pub deleted_unix_ms: u64,
+}
+
+impl RetiringService {
+    /// The retired address.
+    pub fn addr(&self) -> std::net::SocketAddrV4 {
+        std::net::SocketAddrV4::new(self.service.vip, self.service.port)
+    }
+}
+
+/// The server record a REGISTER made (`new`), written over the stored one
+/// (`old`): an operator weight stored there (`weight_set`) stays unless
+/// `new` sets one itself, and `new`'s weight becomes the REGISTER weight it
+/// keeps for `Store::clear_server_weight`. Both backends apply it inside
+/// their read-modify-write (`Store::put_registered_server`).
+pub fn merge_registered_server(mut new: Server, old: Option<&Server>) -> Server {
+    if let Some(old) = old {
+        if old.weight_set && !new.weight_set {
+            new.register_weight = Some(new.weight);
+            new.weight = old.weight;
+            new.weight_set = true;
+        }
+        // An operator's drain outlives the server's process: a REGISTER
+        // (a restarted hostagent, or switchd restoring it) does not put a
+        // draining or drained server back into placement; `undrain` does.
+        if matches!(old.state, ServerState::Draining | ServerState::Drained) {
+            new.state = old.state;
+        }
+    }
+    new
+}
+
+/// `server` with an operator weight `weight` (`Store::set_server_weight`):
+/// the weight it had before is kept as the REGISTER weight unless it was
+/// the operator's already.
+pub(crate) fn with_operator_weight(server: &mut Server, weight: u32) {
+    if !server.weight_set {
+        server.register_weight = Some(server.weight);
+    }
+    server.weight = weight;
+    server.weight_set = true;
+}
+
+/// `server` without an operator weight (`Store::clear_server_weight`): the
+/// REGISTER weight it kept comes back (the weight stays when none is
+/// known; the server's next REGISTER writes its own).
+pub(crate) fn without_operator_weight(server: &mut Server) {
+    if let Some(w) = server.register_weight.take() {
+        server.weight = w;
+    }
+    server.weight_set = false;
 }
 
 /// Checks a name used inside keys (service names, election names).
@@ -251,13 +314,33 @@ pub struct Policy {
     pub hysteresis_pct: f64,
     /// Interval of the switch's load notifications, microseconds.
     pub load_notification_interval_us: u64,
+    /// How often servers send HEARTBEAT (switchd tells them in every
+    /// REGISTER_ACK). switchd seeds it from its config when the store holds
+    /// no policy yet (`Store::put_policy_if_absent`), then applies the
+    /// stored value.
     pub heartbeat_interval_ms: u64,
-    /// A server that sent no heartbeat for this long is declared dead.
+    /// A server that sent no heartbeat for this long is declared dead by
+    /// switchd (seeded from its config, like `heartbeat_interval_ms`).
     pub dead_after_ms: u64,
-    /// A migration not finished within this time is aborted.
+    /// The origin's migration deadline for an empty snapshot: a migration
+    /// not finished within it is given up (hostagents apply it, scaling
+    /// their related deadlines; docs/POLICIES.md).
     pub migration_deadline_ms: u64,
+    /// What a target does with a connection's client packets that arrive
+    /// before its import; a hostagent whose own config says drop drops
+    /// whatever this says.
     pub buffer_mode: BufferMode,
 }
+
+/// Bounds of `heartbeat_interval_ms`: switchd's own config bounds.
+pub const HEARTBEAT_INTERVAL_MS: std::ops::RangeInclusive<u64> = 10..=60_000;
+/// Upper bound of `dead_after_ms` (switchd's own config bound); the lower
+/// one is twice the heartbeat interval.
+pub const DEAD_AFTER_MAX_MS: u64 = 600_000;
+/// Bounds of `migration_deadline_ms`: what a hostagent's migration engine
+/// takes while keeping its invariants (its other deadlines and the time it
+/// remembers finished migrations grow with it).
+pub const MIGRATION_DEADLINE_MS: std::ops::RangeInclusive<u64> = 10..=10_000;
 
 impl Default for Policy {
     fn default() -> Self {
@@ -272,9 +355,12 @@ impl Default for Policy {
             max_migrations_per_sec_per_server: 1_000,
             hysteresis_pct: 2.0,
             load_notification_interval_us: 1_000,
+            // switchd's config defaults; a switchd seeds its own values
+            // into a store that holds no policy.
             heartbeat_interval_ms: 100,
-            dead_after_ms: 1_000,
-            migration_deadline_ms: 100,
+            dead_after_ms: 500,
+            // What a hostagent's migration engine runs with by default.
+            migration_deadline_ms: 50,
             buffer_mode: BufferMode::Buffer,
         }
     }
@@ -339,10 +425,15 @@ impl Policy {
                 ),
             );
         }
-        if !(1..=60_000).contains(&p.heartbeat_interval_ms) {
+        if !HEARTBEAT_INTERVAL_MS.contains(&p.heartbeat_interval_ms) {
             return bad(
                 "heartbeat_interval_ms",
-                format!("must be in [1, 60000] ms, got {}", p.heartbeat_interval_ms),
+                format!(
+                    "must be in [{}, {}] ms, got {}",
+                    HEARTBEAT_INTERVAL_MS.start(),
+                    HEARTBEAT_INTERVAL_MS.end(),
+                    p.heartbeat_interval_ms
+                ),
             );
         }
         if p.dead_after_ms < 2 * p.heartbeat_interval_ms {
@@ -354,10 +445,24 @@ impl Policy {
                 ),
             );
         }
-        if !(1..=600_000).contains(&p.migration_deadline_ms) {
+        if p.dead_after_ms > DEAD_AFTER_MAX_MS {
+            return bad(
+                "dead_after_ms",
+                format!(
+                    "must be at most {DEAD_AFTER_MAX_MS} ms, got {}",
+                    p.dead_after_ms
+                ),
+            );
+        }
+        if !MIGRATION_DEADLINE_MS.contains(&p.migration_deadline_ms) {
             return bad(
                 "migration_deadline_ms",
-                format!("must be in [1, 600000] ms, got {}", p.migration_deadline_ms),
+                format!(
+                    "must be in [{}, {}] ms, got {}",
+                    MIGRATION_DEADLINE_MS.start(),
+                    MIGRATION_DEADLINE_MS.end(),
+                    p.migration_deadline_ms
+                ),
             );
         }
         Ok(())

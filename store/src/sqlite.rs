@@ -278,6 +278,8 @@ fn open_blocking(config: &SqliteConfig) -> Result<Connection> {
         .map_err(|e| corrupt_or(&path, "create seeded_services", e))?;
     conn.execute_batch(RETIRING_SERVICES_TABLE)
         .map_err(|e| corrupt_or(&path, "create retiring_services", e))?;
+    conn.execute_batch(RETIRING_ADDRESSES_TABLE)
+        .map_err(|e| corrupt_or(&path, "create retiring_addresses", e))?;
     Ok(conn)
 }
 
@@ -294,12 +296,61 @@ const SEQ_FLOORS_TABLE: &str = "CREATE TABLE IF NOT EXISTS seq_floors (
 const SEEDED_SERVICES_TABLE: &str =
     "CREATE TABLE IF NOT EXISTS seeded_services (name TEXT PRIMARY KEY)";
 
-/// Retiring service records (`Store::list_retiring_services`), written
-/// with the delete of the service: additive like `seq_floors`, so a file
-/// without it opens and gets it empty, and an older build ignores it.
-/// `deleted_unix_ms` is also a column, for the exact-record forget.
+/// Retiring service records as the build before per-address records
+/// wrote them (one per name): still listed and forgotten, no longer
+/// written (a record of the same name and address written now replaces
+/// it). Additive like `seq_floors`.
 const RETIRING_SERVICES_TABLE: &str = "CREATE TABLE IF NOT EXISTS retiring_services (
     name TEXT PRIMARY KEY, deleted_unix_ms INTEGER NOT NULL, value BLOB NOT NULL)";
+
+/// Retiring records (`Store::list_retiring_services`), one per service
+/// name and retired address, written with the delete or the move that
+/// retires the address: additive like `seq_floors`, so a file without it
+/// opens and gets it empty, and an older build ignores it.
+/// `deleted_unix_ms` is also a column, for the exact-record forget.
+const RETIRING_ADDRESSES_TABLE: &str = "CREATE TABLE IF NOT EXISTS retiring_addresses (
+    name TEXT NOT NULL, vip INTEGER NOT NULL, port INTEGER NOT NULL,
+    deleted_unix_ms INTEGER NOT NULL, value BLOB NOT NULL,
+    PRIMARY KEY (name, vip, port))";
+
+/// Writes retiring record `record` inside the caller's transaction,
+/// replacing the record of the same name and address, and the record of
+/// the older one-per-name table if it is of that address.
+fn write_retiring(
+    tx: &rusqlite::Transaction<'_>,
+    op: &'static str,
+    record: &RetiringService,
+) -> Result<()> {
+    let name = &record.service.name;
+    let deleted_at = seq_column("deleted_unix_ms", record.deleted_unix_ms)?;
+    tx.prepare_cached(
+        "INSERT OR REPLACE INTO retiring_addresses (name, vip, port, deleted_unix_ms, value)
+         VALUES (?1, ?2, ?3, ?4, ?5)",
+    )
+    .and_then(|mut s| {
+        s.execute(params![
+            name,
+            i64::from(u32::from(record.service.vip)),
+            i64::from(record.service.port),
+            deleted_at,
+            encode(record)
+        ])
+    })
+    .map_err(StoreError::sqlite(op))?;
+    let legacy: Option<Vec<u8>> = tx
+        .prepare_cached("SELECT value FROM retiring_services WHERE name = ?1")
+        .and_then(|mut s| s.query_row([name], |r| r.get(0)).optional())
+        .map_err(StoreError::sqlite(op))?;
+    let superseded = legacy
+        .and_then(|v| codec::decode_retiring(&codec::retiring_key(name), name, None, &v).ok())
+        .is_some_and(|old| old.addr() == record.addr());
+    if superseded {
+        tx.prepare_cached("DELETE FROM retiring_services WHERE name = ?1")
+            .and_then(|mut s| s.execute([name]))
+            .map_err(StoreError::sqlite(op))?;
+    }
+    Ok(())
+}
 
 /// A u64 of a seq floor as an SQLite integer (i64).
 fn seq_column(what: &'static str, v: u64) -> Result<i64> {
@@ -855,6 +906,36 @@ impl Store for SqliteStore {
         .await
     }
 
+    async fn put_registered_server(&self, server: &Server) -> Result<Server> {
+        let server = server.clone();
+        let op = "put_registered_server";
+        self.write(op, move |tx| {
+            let id = server.id;
+            let key = codec::server_key(id);
+            let v: Option<Vec<u8>> = tx
+                .prepare_cached("SELECT value FROM servers WHERE id = ?1")
+                .and_then(|mut s| s.query_row([i64::from(id.0)], |r| r.get(0)).optional())
+                .map_err(StoreError::sqlite(op))?;
+            // A stored record that does not decode is replaced: the
+            // server's REGISTER must be able to write its record.
+            let old = match v.map(|v| decode::<Server>(&key, &v)).transpose() {
+                Ok(old) => old,
+                Err(e) => {
+                    tracing::warn!(error = %e, "replacing an undecodable server record");
+                    None
+                }
+            };
+            let rec = merge_registered_server(server, old.as_ref());
+            let value = encode(&rec);
+            tx.prepare_cached("INSERT OR REPLACE INTO servers (id, value) VALUES (?1, ?2)")
+                .and_then(|mut s| s.execute(params![i64::from(id.0), value]))
+                .map_err(StoreError::sqlite(op))?;
+            log_change(tx, "servers", &key, Some(&value)).map_err(StoreError::sqlite(op))?;
+            Ok(rec)
+        })
+        .await
+    }
+
     async fn get_server(&self, id: ServerId) -> Result<Option<Server>> {
         self.get_record(
             "get_server",
@@ -881,10 +962,14 @@ impl Store for SqliteStore {
 
     async fn set_server_weight(&self, id: ServerId, weight: u32) -> Result<Server> {
         self.modify_server("set_server_weight", id, move |s| {
-            s.weight = weight;
-            s.weight_set = true;
+            with_operator_weight(s, weight)
         })
         .await
+    }
+
+    async fn clear_server_weight(&self, id: ServerId) -> Result<Server> {
+        self.modify_server("clear_server_weight", id, without_operator_weight)
+            .await
     }
 
     async fn delete_server(&self, id: ServerId) -> Result<bool> {
@@ -910,15 +995,32 @@ impl Store for SqliteStore {
 
     async fn put_service(&self, service: &Service) -> Result<()> {
         check_name("service name", &service.name)?;
-        let key = codec::service_key(&service.name);
-        self.put_record(
-            "put_service",
-            "services",
-            "name",
-            service.name.clone().into(),
-            key,
-            encode(service),
-        )
+        let service = service.clone();
+        let op = "put_service";
+        self.write(op, move |tx| {
+            let key = codec::service_key(&service.name);
+            let v: Option<Vec<u8>> = tx
+                .prepare_cached("SELECT value FROM services WHERE name = ?1")
+                .and_then(|mut s| s.query_row([&service.name], |r| r.get(0)).optional())
+                .map_err(StoreError::sqlite(op))?;
+            // Moved to another VIP:port: the old address retires. A stored
+            // record that does not decode is replaced without a record
+            // (nothing could have served it).
+            if let Some(old) = v.and_then(|v| decode::<Service>(&key, &v).ok()) {
+                if (old.vip, old.port) != (service.vip, service.port) {
+                    let record = RetiringService {
+                        service: old,
+                        deleted_unix_ms: unix_ms_now(),
+                    };
+                    write_retiring(tx, op, &record)?;
+                }
+            }
+            let value = encode(&service);
+            tx.prepare_cached("INSERT OR REPLACE INTO services (name, value) VALUES (?1, ?2)")
+                .and_then(|mut s| s.execute(params![service.name, value]))
+                .map_err(StoreError::sqlite(op))?;
+            log_change(tx, "services", &key, Some(&value)).map_err(StoreError::sqlite(op))
+        })
         .await
     }
 
@@ -967,12 +1069,7 @@ impl Store for SqliteStore {
                         service,
                         deleted_unix_ms: unix_ms_now(),
                     };
-                    let deleted_at = seq_column("deleted_unix_ms", record.deleted_unix_ms)?;
-                    tx.prepare_cached(
-                        "INSERT OR REPLACE INTO retiring_services (name, deleted_unix_ms, value) VALUES (?1, ?2, ?3)",
-                    )
-                    .and_then(|mut s| s.execute(params![name, deleted_at, encode(&record)]))
-                    .map_err(StoreError::sqlite(op))?;
+                    write_retiring(tx, op, &record)?;
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "deleted an undecodable service record: no retiring record")
@@ -987,6 +1084,37 @@ impl Store for SqliteStore {
     async fn list_retiring_services(&self) -> Result<Vec<RetiringService>> {
         self.run("list_retiring_services", |conn| {
             let op = "list_retiring_services";
+            let mut out = Vec::new();
+            let mut q = conn
+                .prepare_cached(
+                    "SELECT name, vip, port, value FROM retiring_addresses ORDER BY name, vip, port",
+                )
+                .map_err(StoreError::sqlite(op))?;
+            let rows = q
+                .query_map([], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, i64>(2)?,
+                        r.get::<_, Vec<u8>>(3)?,
+                    ))
+                })
+                .map_err(StoreError::sqlite(op))?;
+            for row in rows {
+                let (name, vip, port, value) = row.map_err(StoreError::sqlite(op))?;
+                let raw = || format!("retiring/{name}/{vip}:{port}");
+                let addr = std::net::SocketAddrV4::new(
+                    ip_from_i64(raw, vip)?,
+                    port_from_i64(raw, port)?,
+                );
+                out.push(codec::decode_retiring(
+                    &codec::retiring_addr_key(&name, addr),
+                    &name,
+                    Some(addr),
+                    &value,
+                )?);
+            }
+            // Records of the build before per-address records.
             let mut q = conn
                 .prepare_cached("SELECT name, value FROM retiring_services ORDER BY name")
                 .map_err(StoreError::sqlite(op))?;
@@ -995,35 +1123,83 @@ impl Store for SqliteStore {
                     Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?))
                 })
                 .map_err(StoreError::sqlite(op))?;
-            let mut out = Vec::new();
             for row in rows {
                 let (name, value) = row.map_err(StoreError::sqlite(op))?;
                 out.push(codec::decode_retiring(
                     &codec::retiring_key(&name),
                     &name,
+                    None,
                     &value,
                 )?);
             }
+            out.sort_by(|a, b| {
+                (&a.service.name, a.service.vip, a.service.port).cmp(&(
+                    &b.service.name,
+                    b.service.vip,
+                    b.service.port,
+                ))
+            });
             Ok(out)
         })
         .await
     }
 
-    async fn forget_retiring_service(&self, name: &str, deleted_unix_ms: u64) -> Result<bool> {
+    async fn forget_retiring_service(
+        &self,
+        name: &str,
+        addr: std::net::SocketAddrV4,
+        deleted_unix_ms: u64,
+    ) -> Result<bool> {
         check_name("service name", name)?;
         let Ok(deleted_at) = i64::try_from(deleted_unix_ms) else {
-            // Never stored (delete_service refuses such a time).
+            // Never stored (the writes refuse such a time).
             return Ok(false);
         };
         let name = name.to_string();
         // Not watched: no change-log rows and no poller wake-up.
         self.run("forget_retiring_service", move |conn| {
-            conn.prepare_cached(
-                "DELETE FROM retiring_services WHERE name = ?1 AND deleted_unix_ms = ?2",
-            )
-            .and_then(|mut s| s.execute(params![name, deleted_at]))
-            .map(|n| n > 0)
-            .map_err(StoreError::sqlite("forget_retiring_service"))
+            let op = "forget_retiring_service";
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(StoreError::sqlite(op))?;
+            let mut n = tx
+                .prepare_cached(
+                    "DELETE FROM retiring_addresses
+                     WHERE name = ?1 AND vip = ?2 AND port = ?3 AND deleted_unix_ms = ?4",
+                )
+                .and_then(|mut s| {
+                    s.execute(params![
+                        name,
+                        i64::from(u32::from(*addr.ip())),
+                        i64::from(addr.port()),
+                        deleted_at
+                    ])
+                })
+                .map_err(StoreError::sqlite(op))?;
+            // A record of the one-per-name table: that exact one (name,
+            // time and, read from the value, address).
+            let legacy: Option<Vec<u8>> = tx
+                .prepare_cached(
+                    "SELECT value FROM retiring_services WHERE name = ?1 AND deleted_unix_ms = ?2",
+                )
+                .and_then(|mut s| {
+                    s.query_row(params![name, deleted_at], |r| r.get(0))
+                        .optional()
+                })
+                .map_err(StoreError::sqlite(op))?;
+            let exact = legacy
+                .and_then(|v| {
+                    codec::decode_retiring(&codec::retiring_key(&name), &name, None, &v).ok()
+                })
+                .is_some_and(|r| r.addr() == addr);
+            if exact {
+                n += tx
+                    .prepare_cached("DELETE FROM retiring_services WHERE name = ?1")
+                    .and_then(|mut s| s.execute([&name]))
+                    .map_err(StoreError::sqlite(op))?;
+            }
+            tx.commit().map_err(StoreError::sqlite(op))?;
+            Ok(n > 0)
         })
         .await
     }
@@ -1051,6 +1227,24 @@ impl Store for SqliteStore {
             codec::POLICY_KEY.to_string(),
             encode(policy),
         )
+        .await
+    }
+
+    async fn put_policy_if_absent(&self, policy: &Policy) -> Result<bool> {
+        const OP: &str = "put_policy_if_absent";
+        policy.validate()?;
+        let value = encode(policy);
+        self.write(OP, move |tx| {
+            let n = tx
+                .prepare_cached("INSERT OR IGNORE INTO policy (id, value) VALUES (1, ?1)")
+                .and_then(|mut s| s.execute(params![value]))
+                .map_err(StoreError::sqlite(OP))?;
+            if n > 0 {
+                log_change(tx, "policy", codec::POLICY_KEY, Some(&value))
+                    .map_err(StoreError::sqlite(OP))?;
+            }
+            Ok(n > 0)
+        })
         .await
     }
 

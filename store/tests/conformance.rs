@@ -376,7 +376,8 @@ mod cases {
         assert_eq!(s.list_retiring_services().await.unwrap(), got);
 
         // Created again (the record stays: switchd forgets it), deleted
-        // again: the newer record replaces the older one.
+        // again at the same address: the newer record replaces the older
+        // one.
         tokio::time::sleep(Duration::from_millis(5)).await;
         s.put_service(&service("web", &[4])).await.unwrap();
         assert_eq!(s.list_retiring_services().await.unwrap(), got);
@@ -391,20 +392,32 @@ mod cases {
         assert!(second > first, "{second} after {first}");
 
         // Forget: only the exact record.
-        assert!(!s.forget_retiring_service("web", first).await.unwrap());
+        let at = got[1].addr();
+        assert!(!s.forget_retiring_service("web", at, first).await.unwrap());
         assert_eq!(s.list_retiring_services().await.unwrap().len(), 2);
-        assert!(f
-            .second
-            .forget_retiring_service("web", second)
+        let elsewhere = std::net::SocketAddrV4::new(*at.ip(), 444);
+        assert!(!s
+            .forget_retiring_service("web", elsewhere, second)
             .await
             .unwrap());
-        assert!(!s.forget_retiring_service("web", second).await.unwrap());
-        assert!(!s.forget_retiring_service("nope", 1).await.unwrap());
-        assert!(!s.forget_retiring_service("api", u64::MAX).await.unwrap());
+        assert!(f
+            .second
+            .forget_retiring_service("web", at, second)
+            .await
+            .unwrap());
+        assert!(!s.forget_retiring_service("web", at, second).await.unwrap());
+        assert!(!s.forget_retiring_service("nope", at, 1).await.unwrap());
+        assert!(!s
+            .forget_retiring_service("api", at, u64::MAX)
+            .await
+            .unwrap());
         let left = s.list_retiring_services().await.unwrap();
         assert_eq!(left.len(), 1);
         assert_eq!(left[0].service.name, "api");
-        let e = s.forget_retiring_service("bad/name", 1).await.unwrap_err();
+        let e = s
+            .forget_retiring_service("bad/name", at, 1)
+            .await
+            .unwrap_err();
         assert!(
             matches!(
                 e,
@@ -413,6 +426,196 @@ mod cases {
                     ..
                 }
             ),
+            "{e}"
+        );
+    }
+
+    /// A service moved to another VIP:port retires its old address: the
+    /// update records it as retiring in its own transaction, one record per
+    /// name and address, so two moves then a delete keep all three
+    /// addresses (one record per name overwrote them); an update that
+    /// keeps the address records nothing; a forget removes exactly the one
+    /// record.
+    pub async fn retiring_records_per_address(f: &Fixture) {
+        let s = &f.store;
+        let at = |port: u16| Service {
+            port,
+            ..service("web", &[1, 2])
+        };
+        let addrs = |rs: &[RetiringService]| -> Vec<(String, u16)> {
+            rs.iter()
+                .map(|r| (r.service.name.clone(), r.service.port))
+                .collect()
+        };
+        s.put_service(&at(80)).await.unwrap();
+        // Same address, another pool: nothing retires.
+        s.put_service(&Service {
+            pool: vec![ServerId(3)],
+            ..at(80)
+        })
+        .await
+        .unwrap();
+        s.put_service(&at(80)).await.unwrap();
+        assert!(s.list_retiring_services().await.unwrap().is_empty());
+        let mut w = f.second.watch(&[WatchKind::Services]).await.unwrap();
+
+        let before = unix_ms_now();
+        s.put_service(&at(81)).await.unwrap();
+        let after = unix_ms_now();
+        // The update is watched; its retiring record is not, and is there
+        // as soon as the update returned, seen by another handle.
+        assert_eq!(
+            next_event(&mut w, WAIT).await.change,
+            Change::ServicePut(at(81))
+        );
+        no_event(&mut w, Duration::from_millis(300)).await;
+        let got = f.second.list_retiring_services().await.unwrap();
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0].service, at(80), "the service as it was");
+        assert_eq!(got[0].addr().port(), 80);
+        let t80 = got[0].deleted_unix_ms;
+        assert!((before..=after).contains(&t80), "{t80}");
+        assert_eq!(s.get_service("web").await.unwrap(), Some(at(81)));
+
+        // Moved again, another VIP this time, then deleted: every retired
+        // address is kept.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let other_vip = Service {
+            vip: Ipv4Addr::new(192, 168, 0, 2),
+            ..at(81)
+        };
+        f.second.put_service(&other_vip).await.unwrap();
+        s.put_service(&service("api", &[3])).await.unwrap();
+        assert!(s.delete_service("web").await.unwrap());
+        let got = s.list_retiring_services().await.unwrap();
+        assert_eq!(
+            addrs(&got),
+            [
+                ("web".to_string(), 80),
+                ("web".to_string(), 81),
+                ("web".to_string(), 81)
+            ],
+            "ordered by name, then address: {got:?}"
+        );
+        assert_eq!(got[0].service, at(80));
+        assert_eq!(got[1].service, at(81));
+        assert_eq!(got[2].service, other_vip);
+        assert!(got[0].deleted_unix_ms <= got[1].deleted_unix_ms);
+        assert!(got[1].deleted_unix_ms <= got[2].deleted_unix_ms);
+        assert_eq!(f.second.list_retiring_services().await.unwrap(), got);
+
+        // Created again at the first address and moved away again: that
+        // address's record is replaced by the newer one, the others stay.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        s.put_service(&at(80)).await.unwrap();
+        s.put_service(&at(82)).await.unwrap();
+        let again = s.list_retiring_services().await.unwrap();
+        assert_eq!(again.len(), 3, "{again:?}");
+        assert_eq!(again[0].addr(), got[0].addr());
+        assert!(again[0].deleted_unix_ms > got[0].deleted_unix_ms);
+        assert_eq!(&again[1..], &got[1..]);
+
+        // Forget: exactly the record named by name, address and time.
+        let r = &again[1];
+        assert!(!s
+            .forget_retiring_service("web", again[0].addr(), r.deleted_unix_ms)
+            .await
+            .unwrap());
+        assert!(f
+            .second
+            .forget_retiring_service("web", r.addr(), r.deleted_unix_ms)
+            .await
+            .unwrap());
+        assert!(!s
+            .forget_retiring_service("web", r.addr(), r.deleted_unix_ms)
+            .await
+            .unwrap());
+        let left = s.list_retiring_services().await.unwrap();
+        assert_eq!(left, vec![again[0].clone(), again[2].clone()]);
+        // The live service and the other name are untouched.
+        assert_eq!(s.get_service("web").await.unwrap(), Some(at(82)));
+        assert_eq!(
+            s.get_service("api").await.unwrap(),
+            Some(service("api", &[3]))
+        );
+    }
+
+    /// switchd writes a REGISTER's server record while an operator sets
+    /// weights through another handle (the API): the record keeps every
+    /// operator weight the moment it was set (the merge happens inside the
+    /// store's read-modify-write; a read then a write lost the ones set in
+    /// between), and keeps the REGISTER's weight to go back to when the
+    /// operator's is cleared.
+    pub async fn registered_server_keeps_concurrent_operator_weights(f: &Fixture) {
+        let id = ServerId(9);
+        let mut reg = server(9);
+        reg.weight = 3;
+        let first = f.second.put_registered_server(&reg).await.unwrap();
+        assert_eq!(
+            (first.weight, first.weight_set, first.register_weight),
+            (3, false, None)
+        );
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let (store, stop) = (f.second.clone(), stop.clone());
+            let reg = reg.clone();
+            tokio::spawn(async move {
+                let mut n = 0u32;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) && n < 100_000 {
+                    let got = store.put_registered_server(&reg).await.unwrap();
+                    assert_eq!(got.register_weight.unwrap_or(got.weight), 3);
+                    n += 1;
+                }
+                n
+            })
+        };
+        let mut lost = Vec::new();
+        for w in 10..130u32 {
+            f.store.set_server_weight(id, w).await.unwrap();
+            // Give the REGISTER writer a chance to write over it.
+            tokio::task::yield_now().await;
+            let got = f.store.get_server(id).await.unwrap().unwrap();
+            if (got.weight, got.weight_set) != (w, true) {
+                lost.push((w, got.weight, got.weight_set));
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let writes = writer.await.unwrap();
+        assert!(writes > 0, "the REGISTER writer ran");
+        assert!(
+            lost.is_empty(),
+            "operator weights lost to {writes} REGISTER writes: (set, read, weight_set) {lost:?}"
+        );
+        let got = f.store.get_server(id).await.unwrap().unwrap();
+        assert_eq!(
+            (got.weight, got.weight_set, got.register_weight),
+            (129, true, Some(3))
+        );
+
+        // Cleared: back to the REGISTER's weight; a REGISTER then writes
+        // its own, no longer the operator's.
+        let cleared = f.store.clear_server_weight(id).await.unwrap();
+        assert_eq!(
+            (cleared.weight, cleared.weight_set, cleared.register_weight),
+            (3, false, None)
+        );
+        assert_eq!(f.second.get_server(id).await.unwrap().unwrap(), cleared);
+        reg.weight = 5;
+        let got = f.second.put_registered_server(&reg).await.unwrap();
+        assert_eq!((got.weight, got.weight_set), (5, false));
+        // A record the caller marks as the operator's replaces the stored
+        // weight (`POST /v1/servers` with a weight goes through put_server).
+        let mut own = reg.clone();
+        own.weight = 7;
+        own.weight_set = true;
+        let got = f.second.put_registered_server(&own).await.unwrap();
+        assert_eq!((got.weight, got.weight_set), (7, true));
+        // Clearing with no REGISTER weight known keeps the number.
+        let got = f.store.clear_server_weight(id).await.unwrap();
+        assert_eq!((got.weight, got.weight_set), (7, false));
+        let e = f.store.clear_server_weight(ServerId(99)).await.unwrap_err();
+        assert!(
+            matches!(e, StoreError::NotFound { kind: "server", .. }),
             "{e}"
         );
     }
@@ -446,6 +649,53 @@ mod cases {
             p,
             "rejected policy not stored"
         );
+    }
+
+    /// switchd's seed: written only into a store that holds no policy,
+    /// seen by watchers like any policy write; a stored policy is kept.
+    pub async fn policy_put_if_absent(f: &Fixture) {
+        let mut w = f.store.watch(&[WatchKind::Policy]).await.unwrap();
+        let seed = Policy {
+            heartbeat_interval_ms: 20,
+            dead_after_ms: 150,
+            ..Policy::default()
+        };
+        let bad = Policy {
+            dead_after_ms: 10,
+            ..Policy::default()
+        };
+        match f.second.put_policy_if_absent(&bad).await {
+            Err(StoreError::InvalidPolicy(PolicyError { field, .. })) => {
+                assert_eq!(field, "dead_after_ms")
+            }
+            other => panic!("expected InvalidPolicy, got {other:?}"),
+        }
+        assert!(
+            f.second.put_policy_if_absent(&seed).await.unwrap(),
+            "absent: written"
+        );
+        assert_eq!(f.store.get_policy().await.unwrap(), seed);
+        assert_eq!(
+            next_event(&mut w, WAIT).await.change,
+            Change::PolicyPut(seed.clone())
+        );
+        // Present (another switchd's seed, or the operator's): kept.
+        let other = Policy {
+            heartbeat_interval_ms: 100,
+            dead_after_ms: 500,
+            ..Policy::default()
+        };
+        assert!(!f.store.put_policy_if_absent(&other).await.unwrap());
+        assert_eq!(f.second.get_policy().await.unwrap(), seed);
+        let op = Policy {
+            migration_deadline_ms: 80,
+            ..seed.clone()
+        };
+        f.store.put_policy(&op).await.unwrap();
+        assert!(!f.second.put_policy_if_absent(&other).await.unwrap());
+        assert_eq!(f.store.get_policy().await.unwrap(), op);
+        assert_eq!(next_event(&mut w, WAIT).await.change, Change::PolicyPut(op));
+        no_event(&mut w, Duration::from_millis(300)).await;
     }
 
     pub async fn flows_batch_semantics(f: &Fixture) {
@@ -1200,7 +1450,10 @@ conformance!(
     services_crud,
     seeded_marks,
     retiring_records,
+    retiring_records_per_address,
+    registered_server_keeps_concurrent_operator_weights,
     policy_default_roundtrip_and_validation,
+    policy_put_if_absent,
     flows_batch_semantics,
     flows_large_batch_and_scan,
     drains_crud_and_progress,

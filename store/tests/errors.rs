@@ -276,7 +276,7 @@ async fn sqlite_file_without_retiring_records_opens_and_takes_them() {
         "{e}"
     );
     c.execute(
-        "UPDATE retiring_services SET value = (SELECT value FROM retiring_services WHERE name = 'web') WHERE name = 'echo'",
+        "UPDATE retiring_services SET value = (SELECT value FROM retiring_addresses WHERE name = 'web') WHERE name = 'echo'",
         [],
     )
     .unwrap();
@@ -312,7 +312,11 @@ async fn etcd_malformed_retiring_records_name_the_key() {
         "{e}"
     );
     // The exact-record forget does not remove what it cannot read.
-    let e = s.forget_retiring_service("echo", 1).await.unwrap_err();
+    let echo_at: std::net::SocketAddrV4 = "198.18.100.2:17".parse().unwrap();
+    let e = s
+        .forget_retiring_service("echo", echo_at, 1)
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("retiring/echo"), "{e}");
     s.inject_raw(
         "retiring/echo",
@@ -342,7 +346,11 @@ async fn etcd_malformed_retiring_records_name_the_key() {
     let got = s.list_retiring_services().await.unwrap();
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].deleted_unix_ms, 5);
-    assert!(s.forget_retiring_service("echo", 5).await.unwrap());
+    assert!(!s
+        .forget_retiring_service("echo", "198.18.100.2:18".parse().unwrap(), 5)
+        .await
+        .unwrap());
+    assert!(s.forget_retiring_service("echo", echo_at, 5).await.unwrap());
     s.inject_raw("retiring/bad name", b"{}".to_vec())
         .await
         .unwrap();
@@ -534,4 +542,210 @@ async fn bad_configs_are_named() {
     let cfg: Result<StoreConfig, _> =
         serde_json::from_str(r#"{"backend":"etcd","endpoint":["x"]}"#);
     assert!(cfg.unwrap_err().to_string().contains("endpoint"));
+}
+
+/// A retiring record in the one-per-name layout (SQLite table
+/// `retiring_services`, as the build before per-address records wrote it)
+/// is still listed and forgotten; a newer record of the same name and
+/// address replaces it, one of another address keeps it. A per-address
+/// row that holds another address, or an address out of range, is an
+/// error naming its key.
+#[tokio::test]
+async fn sqlite_one_per_name_retiring_records_stay_readable() {
+    let dir = tmp();
+    let path = dir.path().join("s.db");
+    let s = SqliteStore::open(SqliteConfig::at(&path)).await.unwrap();
+    let old = |name: &str, port: u16, at: u64| {
+        format!(
+            r#"{{"v":1,"data":{{"service":{{"name":"{name}","vip":"198.18.100.2","port":{port},"pool":[1]}},"deleted_unix_ms":{at}}}}}"#
+        )
+    };
+    let c = rusqlite::Connection::open(&path).unwrap();
+    for (name, port, at) in [("web", 17, 5), ("api", 18, 6)] {
+        c.execute(
+            "INSERT INTO retiring_services (name, deleted_unix_ms, value) VALUES (?1, ?2, ?3)",
+            rusqlite::params![name, at, old(name, port, at as u64).as_bytes()],
+        )
+        .unwrap();
+    }
+    let got = s.list_retiring_services().await.unwrap();
+    let seen: Vec<(String, String, u64)> = got
+        .iter()
+        .map(|r| {
+            (
+                r.service.name.clone(),
+                r.addr().to_string(),
+                r.deleted_unix_ms,
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("api".into(), "198.18.100.2:18".into(), 6),
+            ("web".into(), "198.18.100.2:17".into(), 5)
+        ]
+    );
+    // web is created again at its old address and moved away: the newer
+    // record replaces the older one. api at another address keeps its own.
+    let web = Service {
+        name: "web".into(),
+        vip: Ipv4Addr::new(198, 18, 100, 2),
+        port: 17,
+        pool: vec![ServerId(1)],
+    };
+    s.put_service(&web).await.unwrap();
+    s.put_service(&Service {
+        port: 19,
+        ..web.clone()
+    })
+    .await
+    .unwrap();
+    let api = Service {
+        name: "api".into(),
+        port: 20,
+        ..web.clone()
+    };
+    s.put_service(&api).await.unwrap();
+    assert!(s.delete_service("api").await.unwrap());
+    let got = s.list_retiring_services().await.unwrap();
+    let seen: Vec<(String, u16, bool)> = got
+        .iter()
+        .map(|r| {
+            (
+                r.service.name.clone(),
+                r.service.port,
+                r.deleted_unix_ms > 6,
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("api".into(), 18, false),
+            ("api".into(), 20, true),
+            ("web".into(), 17, true)
+        ]
+    );
+    let legacy: i64 = c
+        .query_row("SELECT COUNT(*) FROM retiring_services", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(legacy, 1, "web's old row replaced, api's kept");
+    // The old row is forgotten exactly (name, address, time).
+    let api18: std::net::SocketAddrV4 = "198.18.100.2:18".parse().unwrap();
+    assert!(!s.forget_retiring_service("api", api18, 7).await.unwrap());
+    assert!(!s
+        .forget_retiring_service("api", "198.18.100.2:20".parse().unwrap(), 6)
+        .await
+        .unwrap());
+    assert!(s.forget_retiring_service("api", api18, 6).await.unwrap());
+    assert_eq!(s.list_retiring_services().await.unwrap().len(), 2);
+
+    // Bad per-address rows name their key.
+    c.execute(
+        "INSERT INTO retiring_addresses VALUES ('echo', ?1, 21, 1, ?2)",
+        rusqlite::params![
+            i64::from(u32::from(Ipv4Addr::new(198, 18, 100, 2))),
+            old("echo", 17, 1).as_bytes()
+        ],
+    )
+    .unwrap();
+    let e = s.list_retiring_services().await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::MalformedValue { ref key, ref reason } if key == "retiring/echo/198.18.100.2:21" && reason.contains("198.18.100.2:17")),
+        "{e}"
+    );
+    c.execute(
+        "UPDATE retiring_addresses SET port = 70000 WHERE name = 'echo'",
+        [],
+    )
+    .unwrap();
+    let e = s.list_retiring_services().await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::MalformedKey { ref key, .. } if key.starts_with("retiring/echo/")),
+        "{e}"
+    );
+}
+
+/// etcd: a record under the one-per-name key (`retiring/NAME`) is listed
+/// and forgotten with the per-address ones; a per-address key whose record
+/// holds another address, or whose address does not parse, is an error
+/// naming the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_one_per_name_retiring_records_stay_readable() {
+    let cluster = EtcdCluster::start(1).unwrap();
+    let s = EtcdStore::connect(cluster.store_config()).await.unwrap();
+    let rec = |name: &str, port: u16, at: u64| {
+        format!(
+            r#"{{"v":1,"data":{{"service":{{"name":"{name}","vip":"198.18.100.2","port":{port},"pool":[]}},"deleted_unix_ms":{at}}}}}"#
+        )
+        .into_bytes()
+    };
+    s.inject_raw("retiring/web", rec("web", 17, 5))
+        .await
+        .unwrap();
+    let web = Service {
+        name: "web".into(),
+        vip: Ipv4Addr::new(198, 18, 100, 2),
+        port: 18,
+        pool: vec![],
+    };
+    s.put_service(&web).await.unwrap();
+    assert!(s.delete_service("web").await.unwrap());
+    let got = s.list_retiring_services().await.unwrap();
+    let ports: Vec<(u16, u64)> = got
+        .iter()
+        .map(|r| (r.service.port, r.deleted_unix_ms.min(5)))
+        .collect();
+    assert_eq!(ports, [(17, 5), (18, 5)], "{got:?}");
+    assert!(got[1].deleted_unix_ms > 5);
+    // Created again at the old key's address and deleted: replaced.
+    s.put_service(&Service {
+        port: 17,
+        ..web.clone()
+    })
+    .await
+    .unwrap();
+    assert!(s.delete_service("web").await.unwrap());
+    let got = s.list_retiring_services().await.unwrap();
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert!(got.iter().all(|r| r.deleted_unix_ms > 5), "{got:?}");
+    for r in &got {
+        assert!(s
+            .forget_retiring_service("web", r.addr(), r.deleted_unix_ms)
+            .await
+            .unwrap());
+    }
+    // An old key forgotten by name, address and time.
+    s.inject_raw("retiring/web", rec("web", 17, 5))
+        .await
+        .unwrap();
+    let at: std::net::SocketAddrV4 = "198.18.100.2:17".parse().unwrap();
+    assert!(!s
+        .forget_retiring_service("web", "198.18.100.2:18".parse().unwrap(), 5)
+        .await
+        .unwrap());
+    assert!(s.forget_retiring_service("web", at, 5).await.unwrap());
+    assert!(s.list_retiring_services().await.unwrap().is_empty());
+
+    s.inject_raw("retiring/web/198.18.100.2:21", rec("web", 17, 5))
+        .await
+        .unwrap();
+    let e = s.list_retiring_services().await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::MalformedValue { ref key, ref reason } if key == "retiring/web/198.18.100.2:21" && reason.contains("198.18.100.2:17")),
+        "{e}"
+    );
+    s.inject_raw("retiring/web/198.18.100.2:21", rec("web", 21, 5))
+        .await
+        .unwrap();
+    assert_eq!(s.list_retiring_services().await.unwrap().len(), 1);
+    s.inject_raw("retiring/web/nowhere", rec("web", 21, 5))
+        .await
+        .unwrap();
+    let e = s.list_retiring_services().await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::MalformedKey { ref key, .. } if key == "retiring/web/nowhere"),
+        "{e}"
+    );
 }

@@ -251,29 +251,6 @@ pub const TOP_LEVEL_KEYS: &[&str] = &[
     "ha",
 ];
 
-/// TOML puts every key written after a `[table]` or `[[array]]` header into
-/// that table, so a top-level setting appended at the end of a file (after
-/// `[[services]]`, say) is reported as an unknown field of the service,
-/// which names the service's fields but not the cause. When the unknown
-/// field of a toml error `message` is a top-level key, this says so (empty
-/// otherwise). The appliance's `[switchd]` section has the same trap.
-pub fn misplaced_key_hint(message: &str) -> String {
-    let Some(field) = message
-        .split("unknown field `")
-        .nth(1)
-        .and_then(|rest| rest.split('`').next())
-    else {
-        return String::new();
-    };
-    if TOP_LEVEL_KEYS.contains(&field) {
-        format!(
-            "\n`{field}` is a top-level key: a key written after a [section] or [[section]] header belongs to that section; move `{field}` above the first one"
-        )
-    } else {
-        String::new()
-    }
-}
-
 /// Where flow mappings, servers and the leader lease live.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreSpec {
@@ -402,7 +379,16 @@ impl Config {
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: String::new(),
-            err: format!("{}{}", e, misplaced_key_hint(e.message())),
+            // A top-level key written after a [section] or [[section]]
+            // header is that section's: its error does not name the cause.
+            err: match capybara_confkit::misplaced_key_hint(
+                e.message(),
+                TOP_LEVEL_KEYS,
+                capybara_confkit::Level::TopLevel,
+            ) {
+                Some(hint) => format!("{e}\n{hint}"),
+                None => e.to_string(),
+            },
         })?;
         Self::validate(raw)
     }

@@ -89,6 +89,13 @@ pub struct Server {
 }
 
 impl Server {
+    /// Draining by the operator: DRAINING, or DEAD and to come back
+    /// DRAINING.
+    pub fn draining(&self) -> bool {
+        self.liveness == Liveness::Draining
+            || (self.liveness == Liveness::Dead && self.revive_as == Liveness::Draining)
+    }
+
     /// Whether it reports the application of service `vip:port` down.
     pub fn backend_is_down(&self, vip: Ipv4Addr, port: u16) -> bool {
         self.backend_down.contains(&SocketAddrV4::new(vip, port))
@@ -448,6 +455,9 @@ pub enum ControlError {
 pub struct ControlPlane<D: DataPlane> {
     pub dp: D,
     cfg: ControlConfig,
+    /// While a lowered `dead_after` is not yet in force (the store's policy
+    /// lowered it): until when, and the value that holds until then.
+    dead_after_held: Option<(Instant, std::time::Duration)>,
     servers: BTreeMap<ServerId, Server>,
     services: Vec<Service>,
     events: Vec<FlowEvent>,
@@ -478,6 +488,7 @@ impl<D: DataPlane> ControlPlane<D> {
         ControlPlane {
             dp,
             cfg,
+            dead_after_held: None,
             servers: BTreeMap::new(),
             services: Vec::new(),
             events: Vec::new(),
@@ -603,6 +614,43 @@ impl<D: DataPlane> ControlPlane<D> {
 
     pub fn dead_flow_grace(&self) -> std::time::Duration {
         self.cfg.dead_flow_grace
+    }
+
+    /// The heartbeat silence after which a server is declared dead, in
+    /// force at `now`: the configured one, or during the hold of a
+    /// decrease ([`ControlPlane::set_dead_after`]) the larger one before it.
+    pub fn dead_after(&self, now: Instant) -> std::time::Duration {
+        match self.dead_after_held {
+            Some((until, held)) if now < until => held.max(self.cfg.dead_after),
+            _ => self.cfg.dead_after,
+        }
+    }
+
+    /// When a lowered `dead_after` comes fully into force (`None`: it is).
+    pub fn dead_after_held_until(&self, now: Instant) -> Option<Instant> {
+        self.dead_after_held
+            .filter(|(until, held)| now < *until && *held > self.cfg.dead_after)
+            .map(|(until, _)| until)
+    }
+
+    /// Changes `dead_after` at run time (the store's policy). An increase
+    /// applies at once. A decrease applies after twice the value in force
+    /// before it, which holds until then: servers heartbeat at the interval
+    /// that went with the old value until the REGISTER_ACK that carries the
+    /// new interval reaches them (the switch re-sends it), and a change must
+    /// not make a live server look dead. Returns when the new value is in
+    /// force.
+    pub fn set_dead_after(&mut self, now: Instant, dead_after: std::time::Duration) -> Instant {
+        let before = self.dead_after(now);
+        self.cfg.dead_after = dead_after;
+        if dead_after < before {
+            let until = now + before * 2;
+            self.dead_after_held = Some((until, before));
+            until
+        } else {
+            self.dead_after_held = None;
+            now
+        }
     }
 
     pub fn target_policy(&self) -> TargetPolicy {
@@ -1704,12 +1752,12 @@ impl<D: DataPlane> ControlPlane<D> {
             self.liveness.grace_ended_total += 1;
             self.remove_flows(id, FlowsRemovedWhy::GraceEnded)?;
         }
+        let dead_after = self.dead_after(now);
         let newly_dead: Vec<ServerId> = self
             .servers
             .values()
             .filter(|s| {
-                s.liveness != Liveness::Dead
-                    && now.saturating_since(s.last_heartbeat) > self.cfg.dead_after
+                s.liveness != Liveness::Dead && now.saturating_since(s.last_heartbeat) > dead_after
             })
             .map(|s| s.reg.id)
             .collect();
@@ -2607,6 +2655,85 @@ pub(crate) mod tests {
         c.register_as(Instant::from_millis(850), &reg(2, 0), &[])
             .unwrap();
         assert_eq!(c.dp.current_owner(key(6)), Some(1));
+    }
+
+    #[test]
+    fn a_lowered_dead_after_holds_the_old_one_for_two_of_its_periods() {
+        // dead_after 300 ms; s1 heartbeats every 250 ms (its old interval).
+        let mut c = world(Duration::from_secs(10));
+        let beat = |c: &mut ControlPlane<MemDataPlane>, from: u64, to: u64, every: u64| {
+            for t in (from..=to).step_by(10) {
+                let now = Instant::from_millis(t);
+                if t % every == 0 {
+                    for j in 1..=3 {
+                        c.heartbeat(now, ServerId(j)).unwrap();
+                    }
+                }
+                c.tick(now).unwrap();
+            }
+        };
+        beat(&mut c, 0, 1000, 250);
+        assert!(c.take_liveness_events().is_empty());
+        // Lowered to 100 ms at 1000: the servers still beat every 250 ms
+        // (their REGISTER_ACK may not have arrived): 300 ms holds until
+        // 1000 + 2 x 300.
+        let until = c.set_dead_after(Instant::from_millis(1000), Duration::from_millis(100));
+        assert_eq!(until, Instant::from_millis(1600));
+        assert_eq!(
+            c.dead_after(Instant::from_millis(1599)),
+            Duration::from_millis(300)
+        );
+        assert_eq!(
+            c.dead_after_held_until(Instant::from_millis(1200)),
+            Some(until)
+        );
+        beat(&mut c, 1010, 1590, 250);
+        assert!(
+            c.take_liveness_events().is_empty(),
+            "a live server looked dead"
+        );
+        // From then on 100 ms applies: the servers now beat every 40 ms.
+        assert_eq!(
+            c.dead_after(Instant::from_millis(1600)),
+            Duration::from_millis(100)
+        );
+        assert_eq!(c.dead_after_held_until(Instant::from_millis(1600)), None);
+        beat(&mut c, 1600, 2000, 40);
+        assert!(c.take_liveness_events().is_empty());
+        // and a server silent for more than 100 ms is dead.
+        for t in (2010..=2200).step_by(10) {
+            let now = Instant::from_millis(t);
+            if t % 40 == 0 {
+                c.heartbeat(now, ServerId(1)).unwrap();
+                c.heartbeat(now, ServerId(3)).unwrap();
+            }
+            c.tick(now).unwrap();
+        }
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Dead);
+        // An increase applies at once; a lower one during a hold keeps the
+        // larger value in force.
+        assert_eq!(
+            c.set_dead_after(Instant::from_millis(3000), Duration::from_millis(800)),
+            Instant::from_millis(3000)
+        );
+        assert_eq!(
+            c.dead_after(Instant::from_millis(3000)),
+            Duration::from_millis(800)
+        );
+        c.set_dead_after(Instant::from_millis(3000), Duration::from_millis(400));
+        c.set_dead_after(Instant::from_millis(3100), Duration::from_millis(200));
+        assert_eq!(
+            c.dead_after(Instant::from_millis(3100)),
+            Duration::from_millis(800)
+        );
+        assert_eq!(
+            c.dead_after(Instant::from_millis(4699)),
+            Duration::from_millis(800)
+        );
+        assert_eq!(
+            c.dead_after(Instant::from_millis(4700)),
+            Duration::from_millis(200)
+        );
     }
 
     #[test]

@@ -141,6 +141,11 @@ struct Peer {
     /// The REGISTER's service list: a HEARTBEAT's health bit `i` is about
     /// service `i` of it.
     services: Vec<SocketAddrV4>,
+    /// REGISTER_ACKs still to re-send after the heartbeat interval changed
+    /// (answering its heartbeats, not before `ack_resend_at`), in case the
+    /// one sent at the change was lost.
+    ack_resends: u8,
+    ack_resend_at: Instant,
 }
 
 /// The hostagent-side tunables of a policy as a POLICY message; the
@@ -157,12 +162,19 @@ pub fn policy_message(p: &capybara_store::Policy) -> ctl::PolicyMsg {
             ctl::POLICY_REACTIVE
         } else {
             0
+        } | if p.buffer_mode == capybara_store::BufferMode::Drop {
+            ctl::POLICY_BUFFER_DROP
+        } else {
+            0
         },
         proactive_threshold_bp: (p.proactive_threshold_pct * 100.0).round() as u32,
         hysteresis_bp: (p.hysteresis_pct * 100.0).round() as u32,
         reactive_backlog_packets: p.reactive_backlog_threshold,
         cooldown_ms: p.connection_cooldown_ms.min(u64::from(u32::MAX)) as u32,
         max_migrations_per_sec: p.max_migrations_per_sec_per_server,
+        // Within the API's bounds (10 ms to 10 s): never 0, which would
+        // mean "keep your own".
+        migration_deadline_ms: p.migration_deadline_ms.clamp(10, 10_000) as u32,
     };
     // FNV-1a over the values.
     let mut h: u32 = 0x811c_9dc5;
@@ -173,6 +185,7 @@ pub fn policy_message(p: &capybara_store::Policy) -> ctl::PolicyMsg {
         m.reactive_backlog_packets,
         m.cooldown_ms,
         m.max_migrations_per_sec,
+        m.migration_deadline_ms,
     ] {
         for b in v.to_be_bytes() {
             h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
@@ -180,6 +193,38 @@ pub fn policy_message(p: &capybara_store::Policy) -> ctl::PolicyMsg {
     }
     m.generation = h.max(1);
     m
+}
+
+/// What switchd writes to a store that holds no policy yet
+/// (`Store::put_policy_if_absent`): the defaults, with its config's
+/// liveness timing, so that a deployment (or a lab) that never set a policy
+/// keeps the heartbeat interval and `dead_after` its switchd config names;
+/// from then on the stored values apply.
+pub fn seed_policy(heartbeat_interval: Duration, dead_after: Duration) -> capybara_store::Policy {
+    capybara_store::Policy {
+        heartbeat_interval_ms: heartbeat_interval.as_millis() as u64,
+        dead_after_ms: dead_after.as_millis() as u64,
+        ..Default::default()
+    }
+}
+
+/// A stored policy with the keys that were inert before brought within
+/// the bounds they are applied with (the API enforces them since; one
+/// stored before must not make switchd ignore the whole policy): heartbeat
+/// 10 ms to 60 s, `dead_after` twice that to 600 s, migration deadline
+/// 10 ms to 10 s.
+pub fn policy_within_bounds(mut p: capybara_store::Policy) -> capybara_store::Policy {
+    use capybara_store::model::{DEAD_AFTER_MAX_MS, HEARTBEAT_INTERVAL_MS, MIGRATION_DEADLINE_MS};
+    p.heartbeat_interval_ms = p
+        .heartbeat_interval_ms
+        .clamp(*HEARTBEAT_INTERVAL_MS.start(), *HEARTBEAT_INTERVAL_MS.end());
+    p.dead_after_ms = p
+        .dead_after_ms
+        .clamp(2 * p.heartbeat_interval_ms, DEAD_AFTER_MAX_MS);
+    p.migration_deadline_ms = p
+        .migration_deadline_ms
+        .clamp(*MIGRATION_DEADLINE_MS.start(), *MIGRATION_DEADLINE_MS.end());
+    p
 }
 
 fn clock(start: StdInstant) -> Instant {
@@ -287,6 +332,12 @@ struct Switch {
     policy_changes: u64,
     policy_sent: u64,
     policy_rejected: u64,
+    /// REGISTER_ACKs sent to registered servers because the heartbeat
+    /// interval changed.
+    register_acks_resent: u64,
+    /// What a store without a policy is seeded with: the config's liveness
+    /// timing (`self.cfg`'s follows the store once read).
+    policy_seed: capybara_store::Policy,
     /// The store's services as the poller last read them (taken by the
     /// control thread).
     services_slot: Arc<Mutex<Option<StoredServices>>>,
@@ -295,10 +346,10 @@ struct Switch {
     weights_slot: Arc<Mutex<Option<BTreeMap<ServerId, u32>>>>,
     /// The store's retiring records as last read.
     retiring_records: Vec<capybara_store::RetiringService>,
-    /// Retiring records (name, deleted_unix_ms) whose service this switchd
-    /// ended or could not serve: not restored again; the active forgets
-    /// them in the store.
-    ended_records: std::collections::HashSet<(String, u64)>,
+    /// Retiring records (name, address, deleted_unix_ms) whose retiring
+    /// service this switchd ended or could not serve: not restored again;
+    /// the active forgets them in the store.
+    ended_records: std::collections::HashSet<(String, SocketAddrV4, u64)>,
     /// The poller hands over its next read even if unchanged (a forget
     /// failed or was held: tried again).
     records_resync: Arc<AtomicBool>,
@@ -448,6 +499,9 @@ impl Switch {
                 crate::control::Placement::Maglev => capybara_store::Placement::Maglev,
                 crate::control::Placement::Lwrr => capybara_store::Placement::Lwrr,
             },
+            // The config's liveness timing until the store is read.
+            heartbeat_interval_ms: cfg.heartbeat_interval.as_millis() as u64,
+            dead_after_ms: cfg.dead_after.as_millis() as u64,
             ..Default::default()
         };
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
@@ -460,6 +514,7 @@ impl Switch {
         // in ~13 s; a step that reaps all it reads costs ~3 syscalls per
         // entry (~10 ms), so pool-monitor ticks are delayed, not skipped.
         let embryonic = crate::embryonic::EmbryonicReaper::new(cfg.embryonic_timeout, 4096);
+        let policy_seed = seed_policy(cfg.heartbeat_interval, cfg.dead_after);
         Ok(Switch {
             cfg,
             key,
@@ -500,6 +555,8 @@ impl Switch {
             policy_changes: 0,
             policy_sent: 0,
             policy_rejected: 0,
+            register_acks_resent: 0,
+            policy_seed,
             services_slot: Arc::new(Mutex::new(None)),
             weights_slot: Arc::new(Mutex::new(None)),
             retiring_records: Vec::new(),
@@ -867,7 +924,8 @@ impl Switch {
             return Ok(());
         };
         let seed_cfg = &self.cfg;
-        let (records, servers, services, flows) = self
+        let policy_seed = self.policy_seed.clone();
+        let (records, servers, services, flows, policy) = self
             .rt
             .block_on(async {
                 tokio::time::timeout(Duration::from_secs(5), async {
@@ -902,11 +960,39 @@ impl Switch {
                         }
                         store.mark_seeded(&seeding.mark).await?;
                     }
+                    // The liveness timing servers were told by the switch
+                    // before this one (same store), in force before their
+                    // liveness clocks restart; a store without a policy
+                    // takes this config's. A failure costs only that: the
+                    // poller seeds and reads it again.
+                    let policy = if active {
+                        match store.put_policy_if_absent(&policy_seed).await {
+                            Ok(written) => {
+                                if written {
+                                    eprintln!("switchd: the store held no policy: wrote the defaults with this config's heartbeat_interval_ms = {} and dead_after_ms = {}", policy_seed.heartbeat_interval_ms, policy_seed.dead_after_ms);
+                                }
+                                match store.get_policy().await {
+                                    Ok(p) => Some(p),
+                                    Err(e) => {
+                                        eprintln!("switchd: store: reading the policy: {e}");
+                                        None
+                                    }
+                                }
+                            }
+                            Err(e) => {
+                                eprintln!("switchd: store: seeding the policy: {e}");
+                                None
+                            }
+                        }
+                    } else {
+                        None
+                    };
                     Ok::<_, capybara_store::StoreError>((
                         records,
                         store.list_servers().await?,
                         services,
                         store.scan_flows().await?,
+                        policy,
                     ))
                 })
                 .await
@@ -914,6 +1000,11 @@ impl Switch {
             .context("store did not answer within 5 s")??;
         let floors = self.read_seq_floors(&store);
         let now = self.now();
+        if let Some(p) = policy.map(policy_within_bounds) {
+            if p.validate().is_ok() {
+                self.apply_liveness(now, &p, None);
+            }
+        }
         // A dead server that still owns stored flows died within its grace
         // at the previous active: restored DEAD with them (after the live
         // ones, whose addresses win), so that it can still come back, and
@@ -932,20 +1023,29 @@ impl Switch {
                 p.last_seq = p.last_seq.max(seq_floor);
             }
             let dead_with_flows = s.state == ServerState::Dead && owners.contains(&s.id);
-            if matches!(s.state, ServerState::Dead | ServerState::Drained) && !dead_with_flows {
+            if s.state == ServerState::Dead && !dead_with_flows {
                 continue;
             }
+            // An operator's drain (running or completed) keeps the server
+            // out of placement here too, until `undrain` writes `active`;
+            // a drained server is restored like a draining one (before, it
+            // was skipped and its next REGISTER placed it again).
+            let drained = matches!(s.state, ServerState::Draining | ServerState::Drained);
             if dead_with_flows
                 && (self.cp.server(s.id).is_some() || self.cp.server_by_addr(s.data_addr).is_some())
             {
                 continue;
             }
-            if self
+            if let Some(known) = self
                 .cp
                 .server(s.id)
-                .map(|x| x.reg.data_ip == s.data_addr && x.liveness != Liveness::Dead)
-                .unwrap_or(false)
+                .filter(|x| x.reg.data_ip == s.data_addr && x.liveness != Liveness::Dead)
             {
+                // Known from an earlier sync: follow the record's drain
+                // state (a drain or an undrain the active did since).
+                if (known.liveness == Liveness::Draining) != drained {
+                    self.cp.set_draining(s.id, drained)?;
+                }
                 continue;
             }
             // Records written before `data_mac` existed carried it in the name.
@@ -981,7 +1081,7 @@ impl Switch {
                 // them, and how its heartbeats' health bits read.
                 self.cp.register_as(now, &reg, &s.services)?;
             }
-            if s.state == ServerState::Draining {
+            if drained {
                 self.cp.set_draining(s.id, true)?;
             }
             if let SocketAddr::V4(_) = s.mgmt_addr {
@@ -1364,6 +1464,74 @@ impl Switch {
         None
     }
 
+    /// The REGISTER_ACK of this switch: the heartbeat interval and
+    /// `dead_after` in it are the stored policy's once read (else the
+    /// config's).
+    fn register_ack(&self) -> RegisterAck {
+        RegisterAck {
+            switch_epoch: self.epoch,
+            load_interval_us: self.cfg.load_interval.as_micros() as u32,
+            heartbeat_interval_ms: self.cfg.heartbeat_interval.as_millis() as u32,
+            dead_after_ms: self.cfg.dead_after.as_millis() as u32,
+        }
+    }
+
+    /// Applies the liveness timing of a (bounded) stored policy: the
+    /// heartbeat interval goes into every REGISTER_ACK, and on a change to
+    /// every registered server at once (a hostagent takes a REGISTER_ACK at
+    /// any time and restarts its heartbeat tick with it) and again on two
+    /// of its heartbeats, at least the longer of the two intervals apart,
+    /// in case one is lost; `dead_after` goes to the control plane, which
+    /// holds a lowered one off for two periods of the previous value
+    /// (`ControlPlane::set_dead_after`): a server still beating at the old
+    /// interval is not declared dead.
+    fn apply_liveness(
+        &mut self,
+        now: Instant,
+        p: &capybara_store::Policy,
+        sock: Option<&UdpSocket>,
+    ) {
+        let hb = Duration::from_millis(p.heartbeat_interval_ms);
+        let dead = Duration::from_millis(p.dead_after_ms);
+        let old_hb = self.cfg.heartbeat_interval;
+        if hb == old_hb && dead == self.cfg.dead_after {
+            return;
+        }
+        self.cfg.heartbeat_interval = hb;
+        self.cfg.dead_after = dead;
+        let until = self.cp.set_dead_after(now, dead);
+        let held = if until > now {
+            format!(
+                " ({:?} holds for another {:?}: servers may still beat at {old_hb:?})",
+                self.cp.dead_after(now),
+                until.saturating_since(now)
+            )
+        } else {
+            String::new()
+        };
+        eprintln!(
+            "switchd: liveness from the store's policy: heartbeat interval {hb:?}, dead after {dead:?}{held}"
+        );
+        if hb == old_hb {
+            return;
+        }
+        let spacing = old_hb.max(hb);
+        let ack = self.register_ack();
+        let peers: Vec<(ServerId, SocketAddr)> =
+            self.peers.iter().map(|(id, p)| (*id, p.mgmt)).collect();
+        for (id, mgmt) in peers {
+            if let Some(p) = self.peers.get_mut(&id) {
+                p.ack_resends = 2;
+                p.ack_resend_at = now + spacing;
+            }
+            if let (Some(sock), Some(m)) = (sock, self.reply(id, ControlBody::RegisterAck(ack))) {
+                if sock.send_to(&m, mgmt).is_ok() {
+                    self.register_acks_resent += 1;
+                }
+            }
+        }
+    }
+
     fn reply(&mut self, id: ServerId, body: ControlBody<'_>) -> Option<Vec<u8>> {
         self.seq += 1;
         let repr = ControlRepr {
@@ -1493,7 +1661,16 @@ impl Switch {
                     weight: u32::from(r.weight).max(1),
                     instance: r.instance,
                 };
-                let registered = self.cp.register_as(now, &reg, &wanted);
+                // A restarted process (or one back after dying) of a server
+                // the operator drained stays out of placement: the drain
+                // is the operator's, not the process's (before, the REGISTER
+                // placed it again while the API said `drained`).
+                let was_draining = self.cp.server(id).is_some_and(|s| s.draining());
+                let mut registered = self.cp.register_as(now, &reg, &wanted);
+                if let (Ok(n), true) = (&registered, was_draining) {
+                    let n = *n;
+                    registered = self.cp.set_draining(id, true).map(|()| n);
+                }
                 self.note_liveness();
                 if let Err(e) = registered {
                     let code = if matches!(e, crate::control::ControlError::AddressInUse { .. }) {
@@ -1518,12 +1695,7 @@ impl Switch {
                     let rec = crate::persist::server_record(&reg, from, repr.seq, &wanted);
                     self.store_server_write(ServerWrite::Put(rec));
                 }
-                let ack = RegisterAck {
-                    switch_epoch: self.epoch,
-                    load_interval_us: self.cfg.load_interval.as_micros() as u32,
-                    heartbeat_interval_ms: self.cfg.heartbeat_interval.as_millis() as u32,
-                    dead_after_ms: self.cfg.dead_after.as_millis() as u32,
-                };
+                let ack = self.register_ack();
                 self.reply(id, ControlBody::RegisterAck(ack))
             }
             ControlBody::Heartbeat(h) => {
@@ -1563,8 +1735,15 @@ impl Switch {
                 }
                 self.note_health();
                 let mut resend = None;
+                let mut resend_ack = false;
+                let ack_spacing = self.cfg.heartbeat_interval;
                 let stale_policy = h.policy_generation != self.policy_msg.generation;
                 if let Some(p) = self.peers.get_mut(&id) {
+                    if p.ack_resends > 0 && now >= p.ack_resend_at {
+                        p.ack_resends -= 1;
+                        p.ack_resend_at = now + ack_spacing.max(Duration::from_millis(10));
+                        resend_ack = true;
+                    }
                     p.last_seq = repr.seq;
                     p.mgmt = from;
                     p.connections = h.connections;
@@ -1585,6 +1764,13 @@ impl Switch {
                 if let Some((deadline_ms, cancel)) = resend {
                     let flags = if cancel { ctl::DRAIN_CANCEL } else { 0 };
                     return self.reply(id, ControlBody::Drain(ctl::Drain { deadline_ms, flags }));
+                }
+                if resend_ack {
+                    // The heartbeat interval changed: in case the
+                    // REGISTER_ACK sent then was lost.
+                    self.register_acks_resent += 1;
+                    let ack = self.register_ack();
+                    return self.reply(id, ControlBody::RegisterAck(ack));
                 }
                 if stale_policy {
                     // Lost, replayed, or from before a takeover: resend.
@@ -1685,8 +1871,14 @@ impl Switch {
         let slot = self.policy_slot.clone();
         let services_slot = self.services_slot.clone();
         let resync = self.records_resync.clone();
+        let seed = self.policy_seed.clone();
         self.rt.spawn(async move {
             let mut last: Option<capybara_store::Policy> = None;
+            // Until the seed is written or found (normally at the start,
+            // `sync_from_store`), the policy is not read: `get_policy`
+            // answers the defaults for an absent one, whose liveness timing
+            // is not this config's.
+            let mut seeded = false;
             let mut last_services: Option<StoredServices> = None;
             let mut last_records_error = String::new();
             while !SHUTDOWN.load(Ordering::SeqCst) {
@@ -1726,16 +1918,33 @@ impl Switch {
                     Ok(Err(e)) => eprintln!("switchd: store: reading the services: {e}"),
                     Err(_) => eprintln!("switchd: store: reading the services timed out"),
                 }
-                match tokio::time::timeout(Duration::from_secs(2), store.get_policy()).await {
-                    Ok(Ok(p)) if last.as_ref() != Some(&p) => {
+                if !seeded {
+                    match tokio::time::timeout(Duration::from_secs(2), store.put_policy_if_absent(&seed)).await {
+                        Ok(Ok(written)) => {
+                            seeded = true;
+                            if written {
+                                eprintln!("switchd: the store held no policy: wrote the defaults with this config's heartbeat_interval_ms = {} and dead_after_ms = {}", seed.heartbeat_interval_ms, seed.dead_after_ms);
+                            }
+                        }
+                        Ok(Err(e)) => eprintln!("switchd: store: seeding the policy: {e}"),
+                        Err(_) => eprintln!("switchd: store: seeding the policy timed out"),
+                    }
+                }
+                let read = if seeded {
+                    Some(tokio::time::timeout(Duration::from_secs(2), store.get_policy()).await)
+                } else {
+                    None
+                };
+                match read {
+                    Some(Ok(Ok(p))) if last.as_ref() != Some(&p) => {
                         last = Some(p.clone());
                         if let Ok(mut s) = slot.lock() {
                             *s = Some(p);
                         }
                     }
-                    Ok(Ok(_)) => {}
-                    Ok(Err(e)) => eprintln!("switchd: store: reading the policy: {e}"),
-                    Err(_) => eprintln!("switchd: store: reading the policy timed out"),
+                    None | Some(Ok(Ok(_))) => {}
+                    Some(Ok(Err(e))) => eprintln!("switchd: store: reading the policy: {e}"),
+                    Some(Err(_)) => eprintln!("switchd: store: reading the policy timed out"),
                 }
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
@@ -1905,10 +2114,10 @@ impl Switch {
         active: bool,
     ) {
         self.retiring_records = records.to_vec();
-        self.ended_records.retain(|(n, t)| {
+        self.ended_records.retain(|(n, a, t)| {
             records
                 .iter()
-                .any(|r| &r.service.name == n && r.deleted_unix_ms == *t)
+                .any(|r| &r.service.name == n && r.addr() == *a && r.deleted_unix_ms == *t)
         });
         let wall = capybara_store::unix_ms_now();
         let todo: Vec<&capybara_store::RetiringService> = records
@@ -1916,7 +2125,7 @@ impl Switch {
             .filter(|r| {
                 !self
                     .ended_records
-                    .contains(&(r.service.name.clone(), r.deleted_unix_ms))
+                    .contains(&(r.service.name.clone(), r.addr(), r.deleted_unix_ms))
             })
             .collect();
         let services: Vec<capybara_store::Service> =
@@ -1925,7 +2134,11 @@ impl Switch {
         let wanted: Vec<crate::control::RetiringSpec> = specs
             .into_iter()
             .filter_map(|spec| {
-                let r = todo.iter().find(|r| r.service.name == spec.name)?;
+                // One record per name and address: a name may retire
+                // several addresses (moved, then deleted).
+                let r = todo
+                    .iter()
+                    .find(|r| r.service.name == spec.name && r.addr() == spec.addr)?;
                 Some(crate::control::RetiringSpec {
                     spec,
                     retired_for: Duration::from_millis(wall.saturating_sub(r.deleted_unix_ms)),
@@ -1934,20 +2147,24 @@ impl Switch {
             .collect();
         let now = self.now();
         let role = if active { "" } else { " (standby)" };
+        let served_before: Vec<SocketAddrV4> =
+            self.cp.services().iter().map(|s| s.addr()).collect();
         match self.cp.restore_retiring(now, &wanted) {
             Ok(r) => {
-                for name in &r.restored {
-                    let age = wanted
-                        .iter()
-                        .find(|w| &w.spec.name == name)
-                        .map_or(Duration::ZERO, |w| w.retired_for);
-                    let addr = wanted
-                        .iter()
-                        .find(|w| &w.spec.name == name)
-                        .map(|w| w.spec.addr.to_string())
-                        .unwrap_or_default();
+                // A name may have several records (addresses): the
+                // restored ones are those not served before and retiring now.
+                let restored = wanted.iter().filter(|w| {
+                    r.restored.contains(&w.spec.name)
+                        && !served_before.contains(&w.spec.addr)
+                        && self
+                            .cp
+                            .retiring()
+                            .any(|s| s.name == w.spec.name && s.addr() == w.spec.addr)
+                });
+                for w in restored {
+                    let (name, addr, age) = (&w.spec.name, w.spec.addr, w.retired_for);
                     eprintln!(
-                        "switchd{role}: restored retiring service {name:?} ({addr}) from the store: deleted {} ms ago; its open connections are kept until they end, at most {:?} from the delete: service_retire_timeout_ms",
+                        "switchd{role}: restored retiring service {name:?} ({addr}) from the store: retired (deleted or moved away) {} ms ago; its open connections are kept until they end, at most {:?} from the delete: service_retire_timeout_ms",
                         age.as_millis(),
                         self.cfg.service_retire_timeout
                     );
@@ -1969,17 +2186,16 @@ impl Switch {
     /// (that exact record: a newer delete of the name stays). A forget that
     /// fails, or is held while writes are fenced, is tried at the next poll.
     fn settle_retiring_records(&mut self, active: bool) {
-        let done: Vec<(String, u64)> = self
+        let done: Vec<(String, SocketAddrV4, u64)> = self
             .retiring_records
             .iter()
             .filter(|r| {
-                let addr = SocketAddrV4::new(r.service.vip, r.service.port);
                 !self
                     .cp
                     .retiring()
-                    .any(|s| s.name == r.service.name && s.addr() == addr)
+                    .any(|s| s.name == r.service.name && s.addr() == r.addr())
             })
-            .map(|r| (r.service.name.clone(), r.deleted_unix_ms))
+            .map(|r| (r.service.name.clone(), r.addr(), r.deleted_unix_ms))
             .collect();
         if done.is_empty() {
             return;
@@ -1997,15 +2213,15 @@ impl Switch {
         }
         let resync = self.records_resync.clone();
         self.rt.spawn(async move {
-            for (name, at) in done {
+            for (name, addr, at) in done {
                 match tokio::time::timeout(
                     Duration::from_secs(2),
-                    store.forget_retiring_service(&name, at),
+                    store.forget_retiring_service(&name, addr, at),
                 )
                 .await
                 {
                     Ok(Ok(true)) => eprintln!(
-                        "switchd: forgot the retiring record of service {name:?} (deleted at {at} ms): its service is gone"
+                        "switchd: forgot the retiring record of service {name:?} at {addr} (retired at {at} ms): its retiring service is gone"
                     ),
                     Ok(Ok(false)) => {}
                     Ok(Err(e)) => {
@@ -2061,6 +2277,7 @@ impl Switch {
         let Some(p) = self.policy_slot.try_lock().ok().and_then(|mut s| s.take()) else {
             return;
         };
+        let p = policy_within_bounds(p);
         if p == self.policy {
             return;
         }
@@ -2069,6 +2286,8 @@ impl Switch {
             eprintln!("switchd: stored policy ignored: {e}");
             return;
         }
+        let now = self.now();
+        self.apply_liveness(now, &p, Some(sock));
         let tp = match p.target_selection {
             capybara_store::TargetSelection::RoundRobin => crate::control::TargetPolicy::RoundRobin,
             capybara_store::TargetSelection::LeastLoaded => {
@@ -2295,6 +2514,8 @@ impl Switch {
                 "proactive_threshold_pct": self.policy.proactive_threshold_pct,
                 "reactive_enabled": self.policy.reactive_enabled,
                 "reactive_backlog_threshold": self.policy.reactive_backlog_threshold,
+                "migration_deadline_ms": self.policy_msg.migration_deadline_ms,
+                "buffer_mode": if self.policy_msg.flags & ctl::POLICY_BUFFER_DROP != 0 { "drop" } else { "buffer" },
                 "changes": self.policy_changes, "sent": self.policy_sent, "rejected": self.policy_rejected,
             },
             "store": writer.as_ref().map(|m| json!({
@@ -2309,7 +2530,13 @@ impl Switch {
         let mut status = status;
         let lv = self.cp.liveness;
         status["liveness"] = json!({
+            // The stored policy's (the config's until it is read); while a
+            // lowered one is held off, the one in force and for how long.
+            "heartbeat_interval_ms": self.cfg.heartbeat_interval.as_millis() as u64,
             "dead_after_ms": self.cfg.dead_after.as_millis() as u64,
+            "dead_after_in_force_ms": self.cp.dead_after(self.now()).as_millis() as u64,
+            "dead_after_held_ms": self.cp.dead_after_held_until(self.now()).map(|t| t.saturating_since(self.now()).as_millis() as u64),
+            "register_acks_resent": self.register_acks_resent,
             "dead_flow_grace_ms": self.cfg.dead_flow_grace.as_millis() as u64,
             "died_total": lv.died_total,
             "returned_total": lv.returned_total,
@@ -2445,12 +2672,11 @@ impl Switch {
 /// liveness change writes the record again).
 async fn write_server(store: Arc<dyn Store>, w: ServerWrite) {
     match w {
-        ServerWrite::Put(mut rec) => {
-            // A REGISTER's record keeps the operator's weight.
-            if let Ok(Some(old)) = store.get_server(rec.id).await {
-                crate::persist::keep_operator_weight(&mut rec, &old);
-            }
-            if let Err(e) = store.put_server(&rec).await {
+        ServerWrite::Put(rec) => {
+            // A REGISTER's record keeps the operator's weight, merged in
+            // the store's own read-modify-write: one set between a read
+            // here and the write would be lost.
+            if let Err(e) = store.put_registered_server(&rec).await {
                 eprintln!("switchd: store: put server {}: {e}", rec.id);
             }
         }
@@ -2475,8 +2701,15 @@ async fn write_server(store: Arc<dyn Store>, w: ServerWrite) {
 }
 
 /// Whether switchd writing `to` over a stored `from` says something new.
+/// A drained or draining server that dies keeps that state in its record:
+/// the liveness is switchd's (`/status`), the drain the operator's, and a
+/// `dead` written over it made the server come back into placement with
+/// its next REGISTER after a maintenance stop longer than `dead_after_ms`.
 fn state_write_changes(from: ServerState, to: ServerState) -> bool {
-    !(from == to || (from == ServerState::Drained && to == ServerState::Draining))
+    !(from == to
+        || (from == ServerState::Drained && to == ServerState::Draining)
+        || (matches!(from, ServerState::Draining | ServerState::Drained)
+            && to == ServerState::Dead))
 }
 
 /// Waits until `sock` is readable or `timeout` passed (nanosecond timer).
@@ -2507,6 +2740,8 @@ fn new_peer(mgmt: SocketAddr) -> Peer {
         pending_drain: None,
         policy_generation: 0,
         services: Vec::new(),
+        ack_resends: 0,
+        ack_resend_at: Instant::ZERO,
     }
 }
 
@@ -2751,6 +2986,12 @@ mod tests {
             ServerState::Drained,
             "a late draining undid drained"
         );
+        write_server(store.clone(), ServerWrite::State(id, ServerState::Dead)).await;
+        assert_eq!(
+            state().await,
+            ServerState::Drained,
+            "dead written over an operator's drain"
+        );
         for s in [ServerState::Active, ServerState::Dead, ServerState::Active] {
             write_server(store.clone(), ServerWrite::State(id, s)).await;
             assert_eq!(state().await, s);
@@ -2786,6 +3027,71 @@ mod tests {
         q.proactive_threshold_pct = 12.5;
         assert_eq!(policy_message(&q).proactive_threshold_bp, 1250);
         assert_ne!(policy_message(&q).generation, m.generation);
+    }
+
+    #[test]
+    fn policy_messages_carry_the_migration_deadline_and_buffer_mode() {
+        let p = capybara_store::Policy::default();
+        let m = policy_message(&p);
+        // The store's default is what a hostagent's engine runs with.
+        assert_eq!(m.migration_deadline_ms, 50);
+        assert_eq!(m.flags & ctl::POLICY_BUFFER_DROP, 0);
+        let mut q = p.clone();
+        q.migration_deadline_ms = 80;
+        let d = policy_message(&q);
+        assert_eq!(d.migration_deadline_ms, 80);
+        assert_ne!(d.generation, m.generation);
+        q.migration_deadline_ms = 50;
+        q.buffer_mode = capybara_store::BufferMode::Drop;
+        let drop = policy_message(&q);
+        assert_eq!(
+            drop.flags,
+            ctl::POLICY_PROACTIVE | ctl::POLICY_REACTIVE | ctl::POLICY_BUFFER_DROP
+        );
+        assert_ne!(drop.generation, m.generation);
+        // Liveness timing is switchd's: not in the message.
+        q.buffer_mode = capybara_store::BufferMode::Buffer;
+        q.heartbeat_interval_ms = 50;
+        q.dead_after_ms = 200;
+        assert_eq!(policy_message(&q), m);
+    }
+
+    #[test]
+    fn the_seed_takes_the_config_liveness_and_old_policies_are_bounded() {
+        let s = seed_policy(Duration::from_millis(20), Duration::from_millis(150));
+        assert_eq!((s.heartbeat_interval_ms, s.dead_after_ms), (20, 150));
+        assert_eq!(
+            capybara_store::Policy {
+                heartbeat_interval_ms: 100,
+                dead_after_ms: 500,
+                ..s.clone()
+            },
+            capybara_store::Policy::default()
+        );
+        s.validate().unwrap();
+        // Stored while these keys were inert (looser bounds): brought
+        // within, not the whole policy ignored.
+        let old = capybara_store::Policy {
+            heartbeat_interval_ms: 1,
+            dead_after_ms: 5,
+            migration_deadline_ms: 600_000,
+            ..Default::default()
+        };
+        let b = policy_within_bounds(old);
+        assert_eq!(
+            (
+                b.heartbeat_interval_ms,
+                b.dead_after_ms,
+                b.migration_deadline_ms
+            ),
+            (10, 20, 10_000)
+        );
+        b.validate().unwrap();
+        let long = policy_within_bounds(capybara_store::Policy {
+            dead_after_ms: 86_400_000,
+            ..Default::default()
+        });
+        assert_eq!(long.dead_after_ms, 600_000);
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! operation is refused and counted (a standby then recovers that flow by
 //! Maglev, or loses it if it was migrated), never waited for.
 //!
-//! Servers: [`server_record`] is what a REGISTER writes and
+//! Servers: [`server_record`] is what a REGISTER writes (through
+//! `Store::put_registered_server`, which keeps an operator's weight) and
 //! [`restored_registration`] what a switch that takes over registers from
 //! it, so that the restored server is the one the REGISTER made, instance
 //! id included: its next REGISTER is judged a restart or not as it would
@@ -49,15 +50,6 @@ pub fn operator_weights(
         .filter(|s| s.weight_set)
         .map(|s| (s.id, s.weight))
         .collect()
-}
-
-/// Record `rec` (a REGISTER's) written over stored `old` keeps the weight
-/// an operator set there: the REGISTER's weight is the hostagent config's.
-pub fn keep_operator_weight(rec: &mut capybara_store::Server, old: &capybara_store::Server) {
-    if old.weight_set && !rec.weight_set {
-        rec.weight = old.weight;
-        rec.weight_set = true;
-    }
 }
 
 /// What stored server `rec` registers as on a takeover, reached through
@@ -278,15 +270,19 @@ mod tests {
         assert!(operator_weights(&store.list_servers().await.unwrap()).is_empty());
         store.set_server_weight(ServerId(1), 0).await.unwrap();
         // s1 registers again (hostagent restart: config weight 1).
-        let mut rec = server_record(&reg(1, 8), mgmt, 2, &[]);
+        let rec = server_record(&reg(1, 8), mgmt, 2, &[]);
         assert_eq!((rec.weight, rec.weight_set), (1, false));
-        let old = store.get_server(ServerId(1)).await.unwrap().unwrap();
-        keep_operator_weight(&mut rec, &old);
-        store.put_server(&rec).await.unwrap();
+        let written = store.put_registered_server(&rec).await.unwrap();
         let got = store.get_server(ServerId(1)).await.unwrap().unwrap();
+        assert_eq!(written, got);
         assert_eq!(
-            (got.weight, got.weight_set, got.instance),
-            (0, true, Some(8))
+            (
+                got.weight,
+                got.weight_set,
+                got.register_weight,
+                got.instance
+            ),
+            (0, true, Some(1), Some(8))
         );
         let w = operator_weights(&store.list_servers().await.unwrap());
         assert_eq!(w, [(ServerId(1), 0)].into());

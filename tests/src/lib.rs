@@ -343,6 +343,89 @@ pub fn log_of(path: &std::path::Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
+/// Waits (30 s each) until the appliance logging to `log` registered
+/// servers 1..=`servers` and its API at `api` answers; returns the admin
+/// token it wrote to `dir/admin-token`.
+pub fn wait_appliance_ready(
+    lab: &Lab,
+    log: &std::path::Path,
+    servers: u32,
+    api: &str,
+    dir: &std::path::Path,
+) -> String {
+    lab.wait_for("every server to register", Duration::from_secs(30), || {
+        let l = log_of(log);
+        (1..=servers).all(|j| l.contains(&format!("registered s{j}")))
+    });
+    lab.wait_for("the API", Duration::from_secs(30), || {
+        lab.api_call(api, "", "GET", "/healthz", None).0 == 200
+    });
+    std::fs::read_to_string(dir.join("admin-token"))
+        .expect("admin token file")
+        .trim()
+        .to_string()
+}
+
+/// Server `id` in switchd's `/status` (`metrics_listen` of the lab's
+/// switchd config, in the switch namespace).
+pub fn switchd_status_server(lab: &Lab, id: u32) -> Option<serde_json::Value> {
+    let out = lab.try_run(
+        "sw",
+        "curl",
+        &["-s", "-m", "5", "http://127.0.0.1:9102/status"],
+        Duration::from_secs(10),
+    )?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    v["servers"]
+        .as_array()?
+        .iter()
+        .find(|s| s["id"] == id)
+        .cloned()
+}
+
+/// Opens `n` new echo connections (port 7) from c1 and returns how many
+/// the API at `api` lists on each of servers 1..=`servers` (index 0: s1),
+/// after checking they echo; then closes them.
+pub fn place_echo_connections(
+    lab: &Lab,
+    api: &str,
+    token: &str,
+    n: usize,
+    servers: u32,
+) -> Vec<usize> {
+    let mut h = EchoHolder::start(lab, n);
+    let servers = servers as usize;
+    let mut counts = vec![0; servers];
+    lab.wait_for(
+        "the new connections in GET /v1/connections",
+        Duration::from_secs(10),
+        || {
+            let (code, body) = lab.api_call(api, token, "GET", "/v1/connections?limit=10000", None);
+            if code != 200 {
+                return false;
+            }
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            counts = vec![0; servers];
+            let mut seen = 0;
+            for c in v["items"].as_array().into_iter().flatten() {
+                let port = c["client_port"].as_u64().unwrap_or(0) as u16;
+                if c["port"] == 7 && h.ports.contains(&port) {
+                    let s = c["server"].as_u64().unwrap_or(0) as usize;
+                    if (1..=servers).contains(&s) {
+                        counts[s - 1] += 1;
+                        seen += 1;
+                    }
+                }
+            }
+            seen == n
+        },
+    );
+    assert_eq!(h.round_trip(), "ok", "the new connections echo");
+    assert_eq!(h.close(), "closed");
+    eprintln!("new connections per server (s1, s2, ...): {counts:?}");
+    counts
+}
+
 /// One echo round trip from client c1 to `addr` (VIP:port): connect within
 /// 2 s, send, read the same bytes back within 2 s.
 pub fn echo_once(lab: &Lab, addr: &str) -> bool {

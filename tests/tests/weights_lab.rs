@@ -7,8 +7,8 @@
 //! connections again.
 
 use capybara_systests::{
-    deployment_key, hostagent_migrating_config, log_of, output_dir, start_appliance,
-    stop_appliance, Lab,
+    deployment_key, hostagent_migrating_config, log_of, output_dir, place_echo_connections,
+    start_appliance, stop_appliance, switchd_status_server, wait_appliance_ready, Lab,
 };
 use std::time::Duration;
 
@@ -18,17 +18,9 @@ const API: &str = "http://127.0.0.1:18083";
 /// them miss it with probability (2/3)^24 < 1e-4.
 const N: usize = 24;
 
-/// Server `id` in switchd's `/status` (`metrics_listen` of the lab's
-/// switchd config): (state, weight, register_weight).
+/// Server `id` in switchd's `/status`: (state, weight, register_weight).
 fn status_server(lab: &Lab, id: u32) -> Option<(String, u64, u64)> {
-    let out = lab.try_run(
-        "sw",
-        "curl",
-        &["-s", "-m", "5", "http://127.0.0.1:9102/status"],
-        Duration::from_secs(10),
-    )?;
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-    let s = v["servers"].as_array()?.iter().find(|s| s["id"] == id)?;
+    let s = switchd_status_server(lab, id)?;
     Some((
         s["state"].as_str()?.to_string(),
         s["weight"].as_u64()?,
@@ -36,39 +28,8 @@ fn status_server(lab: &Lab, id: u32) -> Option<(String, u64, u64)> {
     ))
 }
 
-/// Opens `N` new echo connections from c1 and returns how many the API
-/// lists on each server (index 0: s1), then closes them.
-fn place_new_connections(lab: &Lab, token: &str) -> [usize; SERVERS as usize] {
-    let mut h = capybara_systests::EchoHolder::start(lab, N);
-    let mut counts = [0; SERVERS as usize];
-    lab.wait_for(
-        "the new connections in GET /v1/connections",
-        Duration::from_secs(10),
-        || {
-            let (code, body) = lab.api_call(API, token, "GET", "/v1/connections?limit=10000", None);
-            if code != 200 {
-                return false;
-            }
-            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-            counts = [0; SERVERS as usize];
-            let mut seen = 0;
-            for c in v["items"].as_array().into_iter().flatten() {
-                let port = c["client_port"].as_u64().unwrap_or(0) as u16;
-                if c["port"] == 7 && h.ports.contains(&port) {
-                    let s = c["server"].as_u64().unwrap_or(0) as usize;
-                    if (1..=SERVERS as usize).contains(&s) {
-                        counts[s - 1] += 1;
-                        seen += 1;
-                    }
-                }
-            }
-            seen == N
-        },
-    );
-    assert_eq!(h.round_trip(), "ok", "the new connections echo");
-    assert_eq!(h.close(), "closed");
-    eprintln!("new connections per server (s1, s2, s3): {counts:?}");
-    counts
+fn place_new_connections(lab: &Lab, token: &str) -> Vec<usize> {
+    place_echo_connections(lab, API, token, N, SERVERS)
 }
 
 #[test]
@@ -87,17 +48,7 @@ fn an_operator_weight_of_zero_takes_no_new_connections_across_restarts() {
         pids.push(lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log"))));
         cfgs.push(cfg);
     }
-    lab.wait_for("every server to register", Duration::from_secs(30), || {
-        let l = log_of(&log1);
-        (1..=SERVERS).all(|j| l.contains(&format!("registered s{j}")))
-    });
-    lab.wait_for("the API", Duration::from_secs(30), || {
-        lab.api_call(API, "", "GET", "/healthz", None).0 == 200
-    });
-    let token = std::fs::read_to_string(dir.join("admin-token"))
-        .expect("admin token file")
-        .trim()
-        .to_string();
+    let token = wait_appliance_ready(&lab, &log1, SERVERS, API, &dir);
     let c = place_new_connections(&lab, &token);
     assert!(
         c[0] > 0,

@@ -1,5 +1,7 @@
+/** A phase duration the servers report in whole microseconds (truncated). */
 export function fmtUs(us: number | null | undefined): string {
   if (us === null || us === undefined) return '—';
+  if (us === 0) return '<1 µs';
   if (us < 1000) return `${us} µs`;
   if (us < 1_000_000) return `${(us / 1000).toFixed(us < 10_000 ? 2 : 1)} ms`;
   return `${(us / 1_000_000).toFixed(2)} s`;
@@ -12,8 +14,17 @@ export function fmtPps(pps: number | null | undefined): string {
   return `${(pps / 1_000_000).toFixed(2)} Mpps`;
 }
 
-export function fmtTime(ms: number): string {
-  return new Date(ms).toLocaleTimeString();
+const pad = (n: number, width = 2) => String(n).padStart(width, '0');
+
+/**
+ * Local wall-clock time in 24-hour form, `HH:MM:SS`, or `HH:MM:SS.mmm` with
+ * `millis` (the migration feed, where several start within one second).
+ * Not `toLocaleTimeString`: in an en-US browser that is 12-hour with AM/PM.
+ */
+export function fmtTime(ms: number, millis = false): string {
+  const d = new Date(ms);
+  const hms = `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+  return millis ? `${hms}.${pad(d.getMilliseconds(), 3)}` : hms;
 }
 
 export function fmtDuration(ms: number): string {

@@ -317,13 +317,18 @@ def test_migration_feed_opens_on_the_newest(page: Page, tmp_path, shot):
     from conftest import DIST, api_binary
 
     reports = {"n": 160}
+    # #160 started at 15:04:05.125 in the browser's time zone (its total
+    # is 2 ms): the feed shows 24-hour time with milliseconds, not the
+    # en-US "3:04:05 PM" of toLocaleTimeString.
+    afternoon = page.evaluate("() => { const d = new Date(); d.setHours(15, 4, 5, 125); return d.getTime(); }")
 
     def report(seq: int) -> dict:
+        finished = afternoon + 2 if seq == 160 else int(time.time() * 1000)
         return {
             "seq": seq, "migration_id": 0xC612020B00000000 + seq, "reporter": 1 + seq % 3,
             "role": "origin", "peer": 1 + (seq + 1) % 3, "client": f"192.0.2.7:{30000 + seq}",
             "service": f"{VIP}:{PORT}", "outcome": "migrated_out", "trigger": "proactive",
-            "reason": None, "finished_unix_ms": int(time.time() * 1000),
+            "reason": None, "finished_unix_ms": finished,
             "phases": {"prepare_us": 40, "export_us": 9, "transfer_us": 78, "import_us": None, "total_us": 2000},
         }
 
@@ -385,6 +390,10 @@ def test_migration_feed_opens_on_the_newest(page: Page, tmp_path, shot):
         expect(rows.last).to_have_attribute("data-testid", "migration-row-61")
         expect(page.get_by_test_id("migration-row-100")).to_contain_text("192.0.2.7:30100")
         expect(page.get_by_test_id("migration-row-60")).to_have_count(0)
+        top = page.get_by_test_id("migration-row-160")
+        expect(top.get_by_test_id("migration-started")).to_have_text("15:04:05.125")
+        expect(top.get_by_test_id("migration-export")).to_have_text("9 µs")
+        expect(top.get_by_test_id("migration-import")).to_have_text("—")
         shot(page, "19-migration-feed-newest")
 
         # Reported later: on top through the stream, the feed still 100 long.

@@ -235,6 +235,54 @@ def test_services_page_shows_what_the_data_plane_serves(page: Page, lab: DemoLab
     shot(page, "lab-06-services")
 
 
+def test_migration_feed_shows_export_import_times_and_24_hour_clock(browser, lab: DemoLab, shot):
+    # One connection moved by hand (what `capybara ctl migrate` asks): the
+    # feed row shows its export and import times, which the hostagents
+    # measure (they were "0 µs" for every migration: both ends of each phase
+    # were stamped with the same poll-loop time), and its start as a 24-hour
+    # HH:MM:SS.mmm, in an en-US browser whose toLocaleTimeString is 12-hour
+    # ("3:04:05 PM").
+    def moved():
+        for c in lab.get("/v1/connections?limit=20")["items"]:
+            r = lab.http.post(lab.url + f"/v1/connections/{c['id']}/migrate", json={}, timeout=10)
+            if r.status_code in (200, 201, 202):
+                return r.json()["id"]
+        return None
+    mid = wait_for("a connection to start migrating", moved, 30)
+
+    def done():
+        for m in lab.get("/v1/migrations?order=desc&limit=1000")["items"]:
+            if m["id"] == mid and m["outcome"] != "in_progress" and m["phases"].get("import_us") is not None:
+                return m
+        return None
+    m = wait_for(f"migration {mid} to finish with its import time", done, 30)
+    assert m["outcome"] == "succeeded", m
+    assert m["phases"]["export_us"] > 0 and m["phases"]["import_us"] > 0, m["phases"]
+
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000}, locale="en-US", timezone_id="UTC")
+    ctx.set_default_timeout(30_000)
+    page = ctx.new_page()
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        login(page, lab)
+        row = page.get_by_test_id(f"migration-row-{mid}")
+        expect(row).to_be_visible()
+        ms = m["started_unix_ms"]
+        want = time.strftime("%H:%M:%S", time.gmtime(ms // 1000)) + f".{ms % 1000:03d}"
+        expect(row.get_by_test_id("migration-started")).to_have_text(want)
+        expect(row.get_by_test_id("migration-started")).to_have_text(re.compile(r"^([01]\d|2[0-3]):[0-5]\d:[0-5]\d\.\d{3}$"))
+        nonzero = re.compile(r"^([1-9]\d* µs|\d+\.\d+ m?s)$")
+        for phase in ("export", "import"):
+            cell = row.get_by_test_id(f"migration-{phase}")
+            expect(cell).to_have_text(nonzero)
+            expect(cell).not_to_have_text("0 µs")
+        shot(page, "lab-09-migration-feed-phases")
+    finally:
+        ctx.close()
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
 # A client in the lab's client namespace holding one keep-alive HTTP
 # connection to the VIP: it sends a request at start and at each "again"
 # line on stdin, and prints "OK <status line> <server>" per answer.

@@ -125,6 +125,13 @@ impl ControlPlane for ActiveSwitchd {
         self.planes[0].connections(filter).await
     }
     async fn server_stats(&self) -> Result<HashMap<ServerId, ServerStats>, Problem> {
+        if self.active().await.is_err() {
+            // No endpoint is active (a takeover under way, or every switchd
+            // down): the servers are still listed, from the store, as with
+            // one switchd that does not answer (docs/OPERATIONS.md,
+            // "Liveness and readiness of the API").
+            return self.planes[0].server_stats_from_store().await;
+        }
         self.on_active(|p| Box::pin(p.server_stats())).await
     }
     async fn service_serving(&self) -> Option<HashMap<(Ipv4Addr, u16), ServiceServing>> {
@@ -148,9 +155,17 @@ impl ControlPlane for ActiveSwitchd {
         after: u64,
         limit: usize,
     ) -> Result<Vec<MigrationView>, Problem> {
-        // Migration ids are per endpoint: the active one's log.
-        self.on_active(move |p| Box::pin(p.recent_migrations(after, limit)))
-            .await
+        // Every endpoint's log (kept by this API, whether its switchd is
+        // up or not), merged: the endpoints share one id counter
+        // (`MigrationIds`), so a takeover neither hides the old active's
+        // migrations nor restarts the ids.
+        let mut all = Vec::new();
+        for p in &self.planes {
+            all.extend(p.recent_migrations(after, limit).await?);
+        }
+        all.sort_by_key(|m| m.id);
+        all.truncate(limit);
+        Ok(all)
     }
     async fn start_drain(&self, server: ServerId, spec: DrainSpec) -> Result<DrainView, Problem> {
         self.on_active(move |p| Box::pin(p.start_drain(server, spec)))
@@ -201,5 +216,119 @@ impl ControlPlane for ActiveSwitchd {
                 seen.join("; ")
             )))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use capybara_api::apidb::ApiDb;
+    use capybara_api::control::StoreControlPlane;
+    use capybara_store::{SqliteConfig, StoreConfig};
+
+    /// With every endpoint down, GET /v1/servers still lists the servers
+    /// (from the store) instead of failing with 503 `no active switchd`.
+    #[tokio::test]
+    async fn servers_are_listed_from_the_store_while_no_switchd_is_active() {
+        let dir = std::env::temp_dir().join(format!("capybara-active-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store =
+            capybara_store::open(&StoreConfig::Sqlite(SqliteConfig::at(dir.join("store.db"))))
+                .await
+                .unwrap();
+        let server: capybara_store::Server = serde_json::from_value(serde_json::json!({
+            "id": 3, "name": "s3", "mgmt_addr": "198.18.1.13:7691", "data_addr": "198.18.2.13",
+            "state": "active", "weight": 1, "registered_unix_ms": 1, "updated_unix_ms": 2
+        }))
+        .unwrap();
+        store.put_server(&server).await.unwrap();
+        let db = Arc::new(ApiDb::open(&dir.join("api.db")).unwrap());
+        let cp = StoreControlPlane::new(store.clone(), db).await.unwrap();
+        // Nothing listens on port 1: both endpoints refuse at once.
+        let planes = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+            .iter()
+            .map(|u| SwitchdControlPlane::new(cp.clone(), store.clone(), u).unwrap())
+            .collect();
+        let pair = ActiveSwitchd::new(planes);
+        let stats = pair.server_stats().await.expect("servers from the store");
+        let s3 = stats.get(&ServerId(3)).expect("server 3 listed");
+        assert_eq!(s3.data_source, DataSource::Store);
+        // Live operations still need an active switchd.
+        let e = pair.stop_drain(ServerId(3)).await.unwrap_err();
+        assert!(e.detail.contains("no active switchd"), "{}", e.detail);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A stand-in switchd's `GET /migrations`: one finished migration of
+    /// `client`, reported by server `reporter` (every request gets the
+    /// same page; at most 20 requests).
+    fn fake_switchd(epoch: u32, reporter: u32, client: &str) -> String {
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let body = serde_json::json!({"epoch": epoch, "next": 2, "items": [{
+            "seq": 1, "migration_id": (u64::from(reporter) << 32) | 1, "reporter": reporter,
+            "role": "origin", "peer": 9, "client": client, "service": "198.18.100.1:7",
+            "outcome": "migrated_out", "trigger": "manual", "finished_unix_ms": 1
+        }]})
+        .to_string();
+        std::thread::spawn(move || {
+            for _ in 0..20 {
+                let Ok((mut s, _)) = l.accept() else { return };
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf);
+                let _ = write!(
+                    s,
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        url
+    }
+
+    /// The endpoints of a pair share one id counter and the feed lists
+    /// every endpoint's log: after a takeover the new active's migrations
+    /// get ids above the old one's (a follower asking `after=N` sees
+    /// them), and the old active's stay listed.
+    #[tokio::test]
+    async fn migration_ids_go_on_across_endpoints() {
+        let dir = std::env::temp_dir().join(format!("capybara-active-ids-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store =
+            capybara_store::open(&StoreConfig::Sqlite(SqliteConfig::at(dir.join("store.db"))))
+                .await
+                .unwrap();
+        let db = Arc::new(ApiDb::open(&dir.join("api.db")).unwrap());
+        let cp = StoreControlPlane::new(store.clone(), db).await.unwrap();
+        let old_active = fake_switchd(1, 1, "198.18.0.11:40001");
+        let new_active = fake_switchd(2, 2, "198.18.0.11:40002");
+        let ids = capybara_api::switchd::MigrationIds::default();
+        let planes: Vec<_> = [old_active, new_active]
+            .iter()
+            .map(|u| {
+                SwitchdControlPlane::with_migration_ids(cp.clone(), store.clone(), u, ids.clone())
+                    .unwrap()
+            })
+            .collect();
+        // The old active reports first, then (after the takeover) the new one.
+        planes[0].poll_reports_once().await.unwrap();
+        planes[1].poll_reports_once().await.unwrap();
+        let pair = ActiveSwitchd::new(planes);
+        let all = pair.recent_migrations(0, 100).await.unwrap();
+        let seen: Vec<(u64, String)> = all.iter().map(|m| (m.id, m.connection.clone())).collect();
+        assert_eq!(
+            seen,
+            vec![
+                (1, "198.18.0.11:40001-198.18.100.1:7".to_string()),
+                (2, "198.18.0.11:40002-198.18.100.1:7".to_string())
+            ]
+        );
+        let after = pair.recent_migrations(1, 100).await.unwrap();
+        assert_eq!(after.len(), 1, "{after:?}");
+        assert_eq!(after[0].id, 2);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -76,6 +76,37 @@ struct RawAppliance {
     switchd: Option<toml::Table>,
 }
 
+/// The keys of the file's top level (`RawAppliance`'s fields).
+const TOP_LEVEL_KEYS: &[&str] = &["state_dir", "store", "api", "switchd"];
+
+/// The hint for a key TOML filed under the wrong header (a key belongs to
+/// the last `[section]` or `[[section]]` written above it): a top-level key,
+/// or a `[switchd]` key written after a `[[switchd.services]]`, `[api]` or
+/// `[store]` header. Empty when the error is something else.
+fn misplaced_key_hint(message: &str) -> String {
+    use capybara_confkit::{misplaced_key_hint as hint, Level};
+    hint(message, TOP_LEVEL_KEYS, Level::TopLevel)
+        .or_else(|| {
+            hint(
+                message,
+                capybara_switchd::config::TOP_LEVEL_KEYS,
+                Level::Section("switchd"),
+            )
+        })
+        .map(|h| format!("; {h}"))
+        .unwrap_or_default()
+}
+
+/// The field of a `[switchd]` error as the file spells it from the top:
+/// `switchd.services[1].vip` (serde_path_to_error's path within the
+/// section: `services[1].vip`, `.` for the section itself).
+fn switchd_field(path: &str) -> String {
+    match path {
+        "" | "." => "`switchd`".into(),
+        p => format!("`switchd.{p}`"),
+    }
+}
+
 /// The store both components use.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreChoice {
@@ -140,7 +171,11 @@ impl ApplianceConfig {
     pub fn from_toml(text: &str) -> Result<Self, ApplianceConfigError> {
         let raw: RawAppliance = toml::from_str(text).map_err(|e| ApplianceConfigError::Parse {
             path: String::new(),
-            err: e.to_string().trim_end().replace('\n', " "),
+            err: format!(
+                "{}{}",
+                e.to_string().trim_end().replace('\n', " "),
+                misplaced_key_hint(e.message())
+            ),
         })?;
         Self::validate(raw)
     }
@@ -207,16 +242,19 @@ impl ApplianceConfig {
                     ));
                 }
                 table.insert("store".into(), toml::Value::String(store.switchd_spec()));
-                let raw_sw: RawConfig =
-                    toml::Value::Table(table)
-                        .try_into()
-                        .map_err(|e: toml::de::Error| ApplianceConfigError::Parse {
+                let raw_sw: RawConfig = serde_path_to_error::deserialize(toml::Value::Table(table))
+                    .map_err(|e| {
+                        let message = e.inner().message();
+                        ApplianceConfigError::Parse {
                             path: String::new(),
                             err: format!(
-                                "in [switchd]: {}",
-                                e.to_string().trim_end().replace('\n', " ")
+                                "in [switchd]: {}: {}{}",
+                                switchd_field(&e.path().to_string()),
+                                message.trim_end().replace('\n', " "),
+                                misplaced_key_hint(message)
                             ),
-                        })?;
+                        }
+                    })?;
                 Some(SwitchdConfig::validate(raw_sw).map_err(|e| match e {
                     ConfigError::Invalid {
                         field,
@@ -428,6 +466,56 @@ pool = []
         assert!(e.contains("`switchd.xdp_mode`"), "{e}");
         let e = err(&format!("{SWITCHD}colour = 1\n"));
         assert!(e.contains("[switchd]") && e.contains("colour"), "{e}");
+    }
+
+    #[test]
+    fn switchd_section_errors_keep_the_array_index() {
+        let second = format!(
+            "{SWITCHD}[[switchd.services]]\nname = \"api\"\nvip = \"198.18.100.2:80\"\npool = []\n"
+        );
+        assert!(ApplianceConfig::from_toml(&second).is_ok());
+        // A type error in the second service names it, index and all.
+        let e = err(&second.replace("vip = \"198.18.100.2:80\"", "vip = 80"));
+        assert!(
+            e.contains("in [switchd]: `switchd.services[1].vip`: invalid type"),
+            "{e}"
+        );
+        let e = err(&second.replace("pool = []\n", "pool = [\"one\"]\n"));
+        assert!(e.contains("`switchd.services[0].pool[0]`"), "{e}");
+        // What validation refuses names the index too.
+        let e = err(&second.replace("198.18.100.2:80", "198.18.100.2"));
+        assert!(e.contains("`switchd.services[1].vip`"), "{e}");
+    }
+
+    #[test]
+    fn misplaced_keys_are_explained() {
+        // A [switchd] key written after [[switchd.services]] lands in the
+        // last service.
+        let e = err(&format!("{SWITCHD}dead_after_ms = 1000\n"));
+        assert!(
+            e.contains("switchd.services[0]")
+                && e.contains("unknown field `dead_after_ms`")
+                && e.contains("`dead_after_ms` is a key of [switchd]")
+                && e.contains("move `dead_after_ms` into [switchd]"),
+            "{e}"
+        );
+        // Written in [switchd] itself, it is fine.
+        let up = SWITCHD.replace("[switchd]\n", "[switchd]\ndead_after_ms = 1000\n");
+        assert!(ApplianceConfig::from_toml(&up).is_ok());
+        // A top-level key after [switchd]'s tables, and after [api].
+        let e = err(&format!("{SWITCHD}state_dir = \"/srv/capybara\"\n"));
+        assert!(
+            e.contains("`state_dir` is a top-level key") && e.contains("move `state_dir` above"),
+            "{e}"
+        );
+        let e = err("[api]\nstate_dir = \"/srv/capybara\"\n");
+        assert!(e.contains("`state_dir` is a top-level key"), "{e}");
+        // A key unknown everywhere gets no hint.
+        let e = err(&format!("{SWITCHD}dead_aftr_ms = 1000\n"));
+        assert!(
+            e.contains("dead_aftr_ms") && !e.contains("is a key of") && !e.contains("top-level"),
+            "{e}"
+        );
     }
 
     /// The example shipped with the docker deployment stays valid.

@@ -96,11 +96,18 @@ async fn run_api(cfg: &ApplianceConfig, api: &ApiSettings) -> anyhow::Result<()>
                 .map_err(|p| anyhow::anyhow!("api.switchd {}: {}", api.switchd[0], p.detail))?,
         ),
         _ => {
+            // One id counter: migration ids go on increasing across takeovers.
+            let ids = capybara_api::switchd::MigrationIds::default();
             let mut planes = Vec::new();
             for url in &api.switchd {
                 planes.push(
-                    SwitchdControlPlane::new(cp.clone(), store.clone(), url)
-                        .map_err(|p| anyhow::anyhow!("api.switchd {url}: {}", p.detail))?,
+                    SwitchdControlPlane::with_migration_ids(
+                        cp.clone(),
+                        store.clone(),
+                        url,
+                        ids.clone(),
+                    )
+                    .map_err(|p| anyhow::anyhow!("api.switchd {url}: {}", p.detail))?,
                 );
             }
             Arc::new(active::ActiveSwitchd::new(planes))

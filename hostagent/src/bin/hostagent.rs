@@ -54,6 +54,15 @@ fn main() -> ExitCode {
         None => None,
     };
     if check {
+        // The sidecars' certificates and keys: a start would read them
+        // first (and stop on a bad one), so the check reads them too.
+        for (i, s) in cfg.services.iter().enumerate() {
+            if s.app == App::Sidecar {
+                if let Err(e) = capybara_hostagent::sidecar::load_tls(s) {
+                    return usage_error(format!("{path}: service[{i}].{e}"));
+                }
+            }
+        }
         println!(
             "{path}: configuration valid ({} on {}, {} service(s))",
             cfg.stack.address,
@@ -151,6 +160,9 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
         // window of client data.
         ec.max_snapshot_bytes = cfg.stack.send_buffer + cfg.stack.recv_buffer + 4096;
         ec.max_buffer_bytes = cfg.stack.recv_buffer;
+        // An explicit local choice: the engine keeps dropping whatever the
+        // store's `buffer_mode` (POLICY) says (`set_policy_buffer_mode`),
+        // so the benchmarks' Prism ablation needs no policy.
         if m.drop_mode {
             ec.buffer_mode = BufferMode::Drop;
         }

@@ -149,13 +149,7 @@ impl Service {
     pub fn from_config(s: &crate::config::ServiceConfig) -> Result<Service, String> {
         s.check_sidecar()
             .map_err(|(f, v, why)| format!("{f} = {v}: {why}"))?;
-        let tls = match (&s.tls_cert, &s.tls_key) {
-            (Some(c), Some(k)) => Some(
-                TlsConfig::from_pem_files(c, k)
-                    .map_err(|e| format!("service {}: {e}", s.listen))?,
-            ),
-            _ => None,
-        };
+        let tls = load_tls(s)?;
         Ok(Service {
             listen: s.listen,
             backend: s.backend.ok_or("sidecar needs a backend")?,
@@ -167,6 +161,31 @@ impl Service {
             relay_buffers: RelayBuffers::prewarmed(RELAY_POOL),
         })
     }
+}
+
+/// Loads a sidecar service's certificate chain and key (`tls_cert`,
+/// `tls_key`): `None` without TLS. Used at start and by `hostagent --check`.
+/// The error names the field and its value (both fields when the key does
+/// not match the certificate), then why: `tls_key = "key.pem": cannot read
+/// private key file key.pem: No such file or directory (os error 2)`.
+pub fn load_tls(s: &crate::config::ServiceConfig) -> Result<Option<TlsConfig>, String> {
+    let (Some(cert), Some(key)) = (&s.tls_cert, &s.tls_key) else {
+        return Ok(None);
+    };
+    TlsConfig::from_pem_files(cert, key).map(Some).map_err(|e| {
+        use capybara_tls::ConfigError as E;
+        let cert_field = format!("tls_cert = {cert:?}");
+        let key_field = format!("tls_key = {key:?}");
+        let field = match &e {
+            E::Io { what, .. } if *what == "certificate" => cert_field,
+            E::Io { .. } | E::NoKey(_) => key_field,
+            E::NoCertificate(_) => cert_field,
+            E::Pem { what, .. } if what == cert => cert_field,
+            E::Pem { .. } => key_field,
+            E::Rustls(_) => format!("{cert_field}, {key_field}"),
+        };
+        format!("{field}: {e}")
+    })
 }
 
 /// Accepts connections (new and migrated in) and relays each one.
@@ -1742,6 +1761,52 @@ mod tests {
         let text = format!("{BASE}{service}");
         let c = Config::parse("t.toml", &text).map_err(|e| e.to_string())?;
         c.validate("t.toml").map_err(|e| e.to_string())
+    }
+
+    /// `hostagent --check` and the start read the PEM files through
+    /// `load_tls`: a file that cannot be loaded names its field and value.
+    #[test]
+    fn tls_files_that_cannot_be_loaded_name_their_field() {
+        let dir = std::env::temp_dir().join(format!("capybara-sidecar-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let junk = dir.join("junk.pem");
+        std::fs::write(&junk, "not a pem\n").unwrap();
+        let missing = dir.join("missing.pem");
+        let load = |cert: &std::path::Path, key: &std::path::Path| {
+            let text = format!(
+                "{BASE}app = \"sidecar\"\nbackend = \"127.0.0.1:8080\"\nprotocol = \"http1\"\ntls_cert = {:?}\ntls_key = {:?}\n",
+                cert.display().to_string(),
+                key.display().to_string()
+            );
+            let c = Config::parse("t.toml", &text).unwrap();
+            c.validate("t.toml").unwrap();
+            load_tls(&c.services[0]).map(|t| t.is_some())
+        };
+        let e = load(&junk, &missing).unwrap_err();
+        assert!(
+            e.starts_with(&format!("tls_key = {:?}", missing.display().to_string())),
+            "{e}"
+        );
+        assert!(e.contains("No such file"), "{e}");
+        let e = load(&missing, &junk).unwrap_err();
+        assert!(e.starts_with("tls_cert = "), "{e}");
+        let e = load(&junk, &junk).unwrap_err();
+        assert!(
+            e.starts_with("tls_cert = ") && e.contains("no CERTIFICATE block"),
+            "{e}"
+        );
+        let e = load(&dir, &junk).unwrap_err();
+        assert!(e.starts_with("tls_cert = "), "{e}");
+        // Without TLS fields there is nothing to load.
+        let c = Config::parse(
+            "t.toml",
+            &format!(
+                "{BASE}app = \"sidecar\"\nbackend = \"127.0.0.1:8080\"\nprotocol = \"http1\"\n"
+            ),
+        )
+        .unwrap();
+        assert!(load_tls(&c.services[0]).unwrap().is_none());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

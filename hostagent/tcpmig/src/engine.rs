@@ -328,6 +328,10 @@ fn kind_bit(k: Kind) -> u8 {
 /// The migration engine of one host.
 pub struct Engine {
     cfg: EngineConfig,
+    /// The configuration the engine was created with: what
+    /// [`Engine::set_migration_deadline`] scales from and what a `None`
+    /// deadline or a `buffer` policy restores.
+    created: EngineConfig,
     key: MigrationKey,
     chunk: usize,
     next_seq: u32,
@@ -533,12 +537,58 @@ impl Engine {
             timer_rebuilds: 0,
             spare_snapshots: Vec::with_capacity(SPARE_SNAPSHOTS),
             key,
+            created: cfg.clone(),
             cfg,
         })
     }
 
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
+    }
+
+    /// Applies an origin migration deadline (the store's
+    /// `migration_deadline_ms`, carried by POLICY) to the migrations started
+    /// from now on; `None` restores the one the engine was created with.
+    /// The bounds tied to it follow so that [`EngineConfig::validate`] keeps
+    /// holding: the snapshot-scaled cap (`migration_deadline_max`) and the
+    /// target's deadlines keep the margins they had over it at creation
+    /// (never below their created values), and `linger` grows to outlast
+    /// the longest deadline plus `in_doubt_limit` but never shrinks, since
+    /// migrations started under a longer deadline may still be in doubt.
+    /// A refused value (zero) changes nothing.
+    pub fn set_migration_deadline(
+        &mut self,
+        deadline: Option<Duration>,
+    ) -> Result<(), ConfigError> {
+        let base = &self.created;
+        let d = deadline.unwrap_or(base.migration_deadline);
+        let grow = d.saturating_sub(base.migration_deadline);
+        let mut next = self.cfg.clone();
+        next.migration_deadline = d;
+        next.migration_deadline_max = base.migration_deadline_max + grow;
+        next.target_deadline = base.target_deadline + grow;
+        next.target_deadline_max = base.target_deadline_max + grow;
+        let needed = next.longest_deadline() + next.in_doubt_limit;
+        if next.linger <= needed {
+            next.linger = needed + Duration::from_secs(1);
+        }
+        next.validate()?;
+        self.cfg = next;
+        Ok(())
+    }
+
+    /// Applies the store's `buffer_mode` (POLICY): `drop` drops the client
+    /// segments of flows being migrated in, `buffer` restores what the
+    /// engine was created with, so that an engine created in `Drop` mode
+    /// (the hostagent's `[migration] drop_mode`, an explicit ablation)
+    /// keeps dropping whatever the policy says. Returns the mode in force.
+    pub fn set_policy_buffer_mode(&mut self, drop: bool) -> BufferMode {
+        self.cfg.buffer_mode = if drop {
+            BufferMode::Drop
+        } else {
+            self.created.buffer_mode
+        };
+        self.cfg.buffer_mode
     }
 
     pub fn counters(&self) -> &Counters {
@@ -2419,5 +2469,90 @@ mod timer_tests {
         }
         assert!(e.timer_rebuilds > 0, "the rebuild path was not exercised");
         assert_eq!(e.armed(a), e.poll_timeout());
+    }
+}
+
+#[cfg(test)]
+mod policy_tests {
+    use super::*;
+
+    fn engine(drop: bool) -> Engine {
+        let mut c = EngineConfig::new(Ipv4Addr::new(198, 18, 2, 10), Ipv4Addr::new(198, 18, 1, 1));
+        if drop {
+            c.buffer_mode = BufferMode::Drop;
+        }
+        Engine::new(c, MigrationKey::from_bytes(&[0x42; 32]).unwrap()).unwrap()
+    }
+
+    /// When an origin whose target never answers gives its migration up.
+    fn gives_up_at(e: &mut Engine, client_port: u16) -> Duration {
+        let flow = FlowKey {
+            client_ip: Ipv4Addr::new(198, 18, 0, 10),
+            client_port,
+            service_ip: Ipv4Addr::new(198, 18, 100, 1),
+            service_port: 80,
+        };
+        let t0 = Instant::from_millis(1000);
+        e.migrate_out(t0, flow, Some(Ipv4Addr::new(198, 18, 2, 11)))
+            .unwrap();
+        let mut buf = vec![0u8; 1500];
+        let mut t = t0;
+        while t < t0 + Duration::from_secs(20) {
+            while e.poll_transmit(t, &mut buf).is_some() {}
+            if e.poll_timeout().is_some_and(|d| d <= t) {
+                e.handle_timeout(t);
+            }
+            while let Some(ev) = e.poll_event() {
+                if matches!(ev, Event::Resumed { .. }) {
+                    return t - t0;
+                }
+            }
+            t += Duration::from_millis(1);
+        }
+        panic!("never gave up");
+    }
+
+    #[test]
+    fn a_policy_deadline_applies_to_new_migrations_and_keeps_the_invariants() {
+        let mut e = engine(false);
+        let created = e.config().clone();
+        assert_eq!(gives_up_at(&mut e, 1), Duration::from_millis(50));
+        // Longer: the cap and the target's deadlines keep their margins,
+        // linger outlasts the longest deadline plus the in-doubt limit.
+        e.set_migration_deadline(Some(Duration::from_millis(10_000)))
+            .unwrap();
+        let c = e.config().clone();
+        assert_eq!(c.migration_deadline, Duration::from_millis(10_000));
+        assert_eq!(c.migration_deadline_max, Duration::from_millis(10_200));
+        assert_eq!(c.target_deadline, Duration::from_millis(10_050));
+        assert_eq!(c.target_deadline_max, Duration::from_millis(10_250));
+        assert!(c.linger > c.longest_deadline() + c.in_doubt_limit);
+        c.validate().unwrap();
+        // Shorter than created: nothing below the created bounds, linger
+        // kept (migrations of the long deadline may still be in doubt).
+        e.set_migration_deadline(Some(Duration::from_millis(10)))
+            .unwrap();
+        let s = e.config().clone();
+        assert_eq!(s.migration_deadline, Duration::from_millis(10));
+        assert_eq!(s.migration_deadline_max, created.migration_deadline_max);
+        assert_eq!(s.target_deadline, created.target_deadline);
+        assert_eq!(s.linger, c.linger);
+        assert_eq!(gives_up_at(&mut e, 2), Duration::from_millis(10));
+        // Refused: nothing changes.
+        assert!(e.set_migration_deadline(Some(Duration::ZERO)).is_err());
+        assert_eq!(e.config().migration_deadline, Duration::from_millis(10));
+        // None: the created deadline again.
+        e.set_migration_deadline(None).unwrap();
+        assert_eq!(e.config().migration_deadline, created.migration_deadline);
+    }
+
+    #[test]
+    fn a_buffer_policy_does_not_override_a_configured_drop_mode() {
+        let mut e = engine(false);
+        assert_eq!(e.set_policy_buffer_mode(true), BufferMode::Drop);
+        assert_eq!(e.set_policy_buffer_mode(false), BufferMode::Buffer);
+        let mut d = engine(true);
+        assert_eq!(d.set_policy_buffer_mode(false), BufferMode::Drop);
+        assert_eq!(d.set_policy_buffer_mode(true), BufferMode::Drop);
     }
 }

@@ -10,8 +10,10 @@ use std::path::PathBuf;
 
 use capybara_switchd::config::Config;
 
+const USAGE: &str = "usage: switchd --config FILE [--check | --dump [PATH]]";
+
 fn usage() -> ! {
-    eprintln!("usage: switchd --config FILE [--check | --dump [PATH]]");
+    eprintln!("{USAGE}");
     std::process::exit(2);
 }
 
@@ -35,7 +37,10 @@ fn main() {
                 }
                 dump = Some(path.unwrap_or_else(|| "/status".into()));
             }
-            "-h" | "--help" => usage(),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
             other => {
                 eprintln!("switchd: unknown argument {other:?}");
                 usage()
@@ -47,14 +52,16 @@ fn main() {
     let cfg = match Config::load(&path) {
         Ok(c) => c,
         Err(e) => {
+            // A bad configuration exits 2, like `capybara --check` and
+            // `hostagent --check` (1 is for a daemon that fails).
             eprintln!("switchd: {e}");
-            std::process::exit(1);
+            std::process::exit(2);
         }
     };
     if check {
         if let Err(e) = cfg.load_key() {
             eprintln!("switchd: {e}");
-            std::process::exit(1);
+            std::process::exit(2);
         }
         println!(
             "switchd: config {} OK: {} services, {} interfaces, placement {:?}, store {:?}, HA {}",

@@ -8,6 +8,7 @@ import {
   PointElement,
   Tooltip,
 } from 'chart.js';
+import { fmtTime } from '../format';
 
 Chart.register(LineController, LineElement, PointElement, LinearScale, Legend, Tooltip);
 
@@ -15,11 +16,6 @@ export interface Series {
   label: string;
   color: string;
   points: { x: number; y: number | null }[];
-}
-
-function clock(ms: number): string {
-  const d = new Date(ms);
-  return d.toTimeString().slice(0, 8);
 }
 
 /** A tick step of whole seconds (or minutes) near `ms`, so labels never repeat. */
@@ -59,12 +55,12 @@ export function LineChart({
         interaction: { mode: 'nearest', axis: 'x', intersect: false },
         elements: { point: { radius: 0 }, line: { borderWidth: 2, tension: 0.2 } },
         scales: {
-          x: { type: 'linear', ticks: { callback: (v) => clock(Number(v)), maxTicksLimit: 6 } },
+          x: { type: 'linear', ticks: { callback: (v) => fmtTime(Number(v)), maxTicksLimit: 6 } },
           y: { type: 'linear', beginAtZero: true, title: { display: true, text: yLabel } },
         },
         plugins: {
           legend: { position: 'bottom' },
-          tooltip: { callbacks: { title: (items) => (items.length ? clock(items[0].parsed.x) : '') } },
+          tooltip: { callbacks: { title: (items) => (items.length ? fmtTime(items[0].parsed.x) : '') } },
         },
       },
     });

@@ -106,23 +106,25 @@ export const POLICY_SCHEMA: { required: string[]; description: string; fields: P
       "name": "heartbeat_interval_ms",
       "type": "integer",
       "format": "int64",
-      "minimum": 1,
-      "maximum": 60000
+      "minimum": 10,
+      "maximum": 60000,
+      "description": "How often servers send HEARTBEAT. switchd tells its servers in REGISTER_ACK (re-sent to every registered server on a change) within a second. Seeded from switchd's config (`heartbeat_interval_ms`) when the store holds no policy yet; from then on the stored value applies."
     },
     {
       "name": "dead_after_ms",
       "type": "integer",
       "format": "int64",
-      "minimum": 2,
-      "maximum": 86400000,
-      "description": "At least twice `heartbeat_interval_ms`."
+      "minimum": 20,
+      "maximum": 600000,
+      "description": "Heartbeat silence after which switchd declares a server dead. At least twice `heartbeat_interval_ms`. Applied by switchd within a second; a decrease takes effect after the previous value has passed twice (servers may still beat at the old interval). Seeded from switchd's config like `heartbeat_interval_ms`."
     },
     {
       "name": "migration_deadline_ms",
       "type": "integer",
       "format": "int64",
-      "minimum": 1,
-      "maximum": 600000
+      "minimum": 10,
+      "maximum": 10000,
+      "description": "The origin's deadline of a migration (empty snapshot): one not done within it is given up and the connection stays. Applied by every hostagent (POLICY), to migrations started afterwards; their larger-snapshot cap and target deadlines grow with it."
     },
     {
       "name": "buffer_mode",
@@ -131,7 +133,7 @@ export const POLICY_SCHEMA: { required: string[]; description: string; fields: P
         "buffer",
         "drop"
       ],
-      "description": "What the target does with client packets that arrive before the import."
+      "description": "What the target does with client packets that arrive before the import: buffer and replay them (TCPMig), or drop them for the client to retransmit (the Prism ablation). Applied by every hostagent (POLICY); one whose config says `[migration] drop_mode = true` drops whatever this says."
     }
   ]
 };

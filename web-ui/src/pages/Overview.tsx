@@ -335,17 +335,19 @@ function MigrationFeed({
           {migrations.map((m) => (
             <tr key={m.id} className={`outcome-${m.outcome}`} data-testid={`migration-row-${m.id}`}>
               <td>{m.id}</td>
-              <td>{fmtTime(m.started_unix_ms)}</td>
+              <td className="mono" data-testid="migration-started">
+                {fmtTime(m.started_unix_ms, true)}
+              </td>
               <td className="mono">{m.connection}</td>
               <td>
                 {name(m.origin)} → {name(m.target)}
               </td>
               <td>{m.trigger}</td>
               <td title={m.reason ?? ''}>{m.outcome.replace('_', ' ')}</td>
-              <td>{fmtUs(m.phases.prepare_us)}</td>
-              <td>{fmtUs(m.phases.export_us)}</td>
-              <td>{fmtUs(m.phases.transfer_us)}</td>
-              <td>{fmtUs(m.phases.import_us)}</td>
+              <td data-testid="migration-prepare">{fmtUs(m.phases.prepare_us)}</td>
+              <td data-testid="migration-export">{fmtUs(m.phases.export_us)}</td>
+              <td data-testid="migration-transfer">{fmtUs(m.phases.transfer_us)}</td>
+              <td data-testid="migration-import">{fmtUs(m.phases.import_us)}</td>
               <td>
                 <strong>{fmtUs(m.phases.total_us)}</strong>
               </td>

@@ -49,6 +49,13 @@ import {
     WeightUpdateToJSON,
 } from '../models/WeightUpdate';
 
+export interface ClearServerWeightRequest {
+    /**
+     * Server id.
+     */
+    serverId: number;
+}
+
 export interface DeregisterServerRequest {
     /**
      * Server id.
@@ -113,6 +120,30 @@ export interface UndrainServerRequest {
  * @interface ServersApiInterface
  */
 export interface ServersApiInterface {
+    /**
+     * Creates request options for clearServerWeight without sending the request
+     * @param {number} serverId Server id.
+     * @throws {RequiredError}
+     * @memberof ServersApiInterface
+     */
+    clearServerWeightRequestOpts(requestParameters: ClearServerWeightRequest): Promise<runtime.RequestOpts>;
+
+    /**
+     * The server\'s placement weight goes back to the one its REGISTER reports (`[control] weight` of its hostagent); switchd applies it within about a second. Clearing a weight no operator set changes nothing (still 204). 
+     * @summary Clear the operator\'s weight (operator)
+     * @param {number} serverId Server id.
+     * @param {*} [options] Override http request option.
+     * @throws {RequiredError}
+     * @memberof ServersApiInterface
+     */
+    clearServerWeightRaw(requestParameters: ClearServerWeightRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<void>>;
+
+    /**
+     * The server\'s placement weight goes back to the one its REGISTER reports (`[control] weight` of its hostagent); switchd applies it within about a second. Clearing a weight no operator set changes nothing (still 204). 
+     * Clear the operator\'s weight (operator)
+     */
+    clearServerWeight(requestParameters: ClearServerWeightRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<void>;
+
     /**
      * Creates request options for deregisterServer without sending the request
      * @param {number} serverId Server id.
@@ -310,6 +341,60 @@ export interface ServersApiInterface {
  * 
  */
 export class ServersApi extends runtime.BaseAPI implements ServersApiInterface {
+
+    /**
+     * Creates request options for clearServerWeight without sending the request
+     */
+    async clearServerWeightRequestOpts(requestParameters: ClearServerWeightRequest): Promise<runtime.RequestOpts> {
+        if (requestParameters['serverId'] == null) {
+            throw new runtime.RequiredError(
+                'serverId',
+                'Required parameter "serverId" was null or undefined when calling clearServerWeight().'
+            );
+        }
+
+        const queryParameters: any = {};
+
+        const headerParameters: runtime.HTTPHeaders = {};
+
+        if (this.configuration && this.configuration.accessToken) {
+            const token = this.configuration.accessToken;
+            const tokenString = await token("bearerAuth", []);
+
+            if (tokenString) {
+                headerParameters["Authorization"] = `Bearer ${tokenString}`;
+            }
+        }
+
+        let urlPath = `/v1/servers/{server_id}/weight`;
+        urlPath = urlPath.replace('{server_id}', encodeURIComponent(String(requestParameters['serverId'])));
+
+        return {
+            path: urlPath,
+            method: 'DELETE',
+            headers: headerParameters,
+            query: queryParameters,
+        };
+    }
+
+    /**
+     * The server\'s placement weight goes back to the one its REGISTER reports (`[control] weight` of its hostagent); switchd applies it within about a second. Clearing a weight no operator set changes nothing (still 204). 
+     * Clear the operator\'s weight (operator)
+     */
+    async clearServerWeightRaw(requestParameters: ClearServerWeightRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<void>> {
+        const requestOptions = await this.clearServerWeightRequestOpts(requestParameters);
+        const response = await this.request(requestOptions, initOverrides);
+
+        return new runtime.VoidApiResponse(response);
+    }
+
+    /**
+     * The server\'s placement weight goes back to the one its REGISTER reports (`[control] weight` of its hostagent); switchd applies it within about a second. Clearing a weight no operator set changes nothing (still 204). 
+     * Clear the operator\'s weight (operator)
+     */
+    async clearServerWeight(requestParameters: ClearServerWeightRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<void> {
+        await this.clearServerWeightRaw(requestParameters, initOverrides);
+    }
 
     /**
      * Creates request options for deregisterServer without sending the request

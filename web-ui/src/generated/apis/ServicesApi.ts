@@ -181,7 +181,7 @@ export interface ServicesApiInterface {
     updateServiceRequestOpts(requestParameters: UpdateServiceRequest): Promise<runtime.RequestOpts>;
 
     /**
-     * 
+     * A new VIP or port retires the old address: its open connections are still served (also across a switchd restart or takeover: the store records it as retiring with the update) until they end or switchd\'s `service_retire_timeout_ms` passes; it takes no new connection. `GET /v1/services` lists it in `retiring`. 
      * @summary Replace a service\'s VIP, port and pool (admin)
      * @param {string} serviceName 
      * @param {ServiceUpdate} serviceUpdate 
@@ -192,6 +192,7 @@ export interface ServicesApiInterface {
     updateServiceRaw(requestParameters: UpdateServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Service>>;
 
     /**
+     * A new VIP or port retires the old address: its open connections are still served (also across a switchd restart or takeover: the store records it as retiring with the update) until they end or switchd\'s `service_retire_timeout_ms` passes; it takes no new connection. `GET /v1/services` lists it in `retiring`. 
      * Replace a service\'s VIP, port and pool (admin)
      */
     updateService(requestParameters: UpdateServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Service>;
@@ -460,6 +461,7 @@ export class ServicesApi extends runtime.BaseAPI implements ServicesApiInterface
     }
 
     /**
+     * A new VIP or port retires the old address: its open connections are still served (also across a switchd restart or takeover: the store records it as retiring with the update) until they end or switchd\'s `service_retire_timeout_ms` passes; it takes no new connection. `GET /v1/services` lists it in `retiring`. 
      * Replace a service\'s VIP, port and pool (admin)
      */
     async updateServiceRaw(requestParameters: UpdateServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Service>> {
@@ -470,6 +472,7 @@ export class ServicesApi extends runtime.BaseAPI implements ServicesApiInterface
     }
 
     /**
+     * A new VIP or port retires the old address: its open connections are still served (also across a switchd restart or takeover: the store records it as retiring with the update) until they end or switchd\'s `service_retire_timeout_ms` passes; it takes no new connection. `GET /v1/services` lists it in `retiring`. 
      * Replace a service\'s VIP, port and pool (admin)
      */
     async updateService(requestParameters: UpdateServiceRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Service> {

@@ -60,19 +60,19 @@ export interface PolicyPatch {
      */
     load_notification_interval_us?: number;
     /**
-     * 
+     * How often servers send HEARTBEAT. switchd tells its servers in REGISTER_ACK (re-sent to every registered server on a change) within a second. Seeded from switchd's config (`heartbeat_interval_ms`) when the store holds no policy yet; from then on the stored value applies.
      */
     heartbeat_interval_ms?: number;
     /**
-     * At least twice `heartbeat_interval_ms`.
+     * Heartbeat silence after which switchd declares a server dead. At least twice `heartbeat_interval_ms`. Applied by switchd within a second; a decrease takes effect after the previous value has passed twice (servers may still beat at the old interval). Seeded from switchd's config like `heartbeat_interval_ms`.
      */
     dead_after_ms?: number;
     /**
-     * 
+     * The origin's deadline of a migration (empty snapshot): one not done within it is given up and the connection stays. Applied by every hostagent (POLICY), to migrations started afterwards; their larger-snapshot cap and target deadlines grow with it.
      */
     migration_deadline_ms?: number;
     /**
-     * What the target does with client packets that arrive before the import.
+     * What the target does with client packets that arrive before the import: buffer and replay them (TCPMig), or drop them for the client to retransmit (the Prism ablation). Applied by every hostagent (POLICY); one whose config says `[migration] drop_mode = true` drops whatever this says.
      */
     buffer_mode?: PolicyPatchBufferModeEnum;
 }

@@ -1177,6 +1177,7 @@ class ServicesApi:
     ) -> Service:
         """Replace a service's VIP, port and pool (admin)
 
+        A new VIP or port retires the old address: its open connections are still served (also across a switchd restart or takeover: the store records it as retiring with the update) until they end or switchd's `service_retire_timeout_ms` passes; it takes no new connection. `GET /v1/services` lists it in `retiring`. 
 
         :param service_name: (required)
         :type service_name: str
@@ -1257,6 +1258,7 @@ class ServicesApi:
     ) -> ApiResponse[Service]:
         """Replace a service's VIP, port and pool (admin)
 
+        A new VIP or port retires the old address: its open connections are still served (also across a switchd restart or takeover: the store records it as retiring with the update) until they end or switchd's `service_retire_timeout_ms` passes; it takes no new connection. `GET /v1/services` lists it in `retiring`. 
 
         :param service_name: (required)
         :type service_name: str
@@ -1337,6 +1339,7 @@ class ServicesApi:
     ) -> RESTResponseType:
         """Replace a service's VIP, port and pool (admin)
 
+        A new VIP or port retires the old address: its open connections are still served (also across a switchd restart or takeover: the store records it as retiring with the update) until they end or switchd's `service_retire_timeout_ms` passes; it takes no new connection. `GET /v1/services` lists it in `retiring`. 
 
         :param service_name: (required)
         :type service_name: str

@@ -38,10 +38,10 @@ class PolicyPatch(BaseModel):
     max_migrations_per_sec_per_server: Optional[Annotated[int, Field(le=4294967295, strict=True, ge=1)]] = None
     hysteresis_pct: Optional[Union[Annotated[float, Field(le=1000, strict=True, ge=0)], Annotated[int, Field(le=1000, strict=True, ge=0)]]] = Field(default=None, description="Must be below `proactive_threshold_pct`.")
     load_notification_interval_us: Optional[Annotated[int, Field(le=1000000, strict=True, ge=100)]] = None
-    heartbeat_interval_ms: Optional[Annotated[int, Field(le=60000, strict=True, ge=1)]] = None
-    dead_after_ms: Optional[Annotated[int, Field(le=86400000, strict=True, ge=2)]] = Field(default=None, description="At least twice `heartbeat_interval_ms`.")
-    migration_deadline_ms: Optional[Annotated[int, Field(le=600000, strict=True, ge=1)]] = None
-    buffer_mode: Optional[StrictStr] = Field(default=None, description="What the target does with client packets that arrive before the import.")
+    heartbeat_interval_ms: Optional[Annotated[int, Field(le=60000, strict=True, ge=10)]] = Field(default=None, description="How often servers send HEARTBEAT. switchd tells its servers in REGISTER_ACK (re-sent to every registered server on a change) within a second. Seeded from switchd's config (`heartbeat_interval_ms`) when the store holds no policy yet; from then on the stored value applies.")
+    dead_after_ms: Optional[Annotated[int, Field(le=600000, strict=True, ge=20)]] = Field(default=None, description="Heartbeat silence after which switchd declares a server dead. At least twice `heartbeat_interval_ms`. Applied by switchd within a second; a decrease takes effect after the previous value has passed twice (servers may still beat at the old interval). Seeded from switchd's config like `heartbeat_interval_ms`.")
+    migration_deadline_ms: Optional[Annotated[int, Field(le=10000, strict=True, ge=10)]] = Field(default=None, description="The origin's deadline of a migration (empty snapshot): one not done within it is given up and the connection stays. Applied by every hostagent (POLICY), to migrations started afterwards; their larger-snapshot cap and target deadlines grow with it.")
+    buffer_mode: Optional[StrictStr] = Field(default=None, description="What the target does with client packets that arrive before the import: buffer and replay them (TCPMig), or drop them for the client to retransmit (the Prism ablation). Applied by every hostagent (POLICY); one whose config says `[migration] drop_mode = true` drops whatever this says.")
     __properties: ClassVar[List[str]] = ["proactive_enabled", "proactive_threshold_pct", "reactive_enabled", "reactive_backlog_threshold", "target_selection", "placement", "connection_cooldown_ms", "max_migrations_per_sec_per_server", "hysteresis_pct", "load_notification_interval_us", "heartbeat_interval_ms", "dead_after_ms", "migration_deadline_ms", "buffer_mode"]
 
     @field_validator('target_selection')

@@ -13,6 +13,19 @@ use crate::{apis::ResponseContent, models};
 use reqwest;
 use serde::{de::Error as _, Deserialize, Serialize};
 
+/// struct for typed errors of method [`clear_server_weight`]
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ClearServerWeightError {
+    Status400(models::Problem),
+    Status401(models::Problem),
+    Status403(models::Problem),
+    Status404(models::Problem),
+    Status500(models::Problem),
+    Status503(models::Problem),
+    UnknownValue(serde_json::Value),
+}
+
 /// struct for typed errors of method [`deregister_server`]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -125,6 +138,48 @@ pub enum UndrainServerError {
     Status500(models::Problem),
     Status503(models::Problem),
     UnknownValue(serde_json::Value),
+}
+
+/// The server's placement weight goes back to the one its REGISTER reports (`[control] weight` of its hostagent); switchd applies it within about a second. Clearing a weight no operator set changes nothing (still 204).
+pub async fn clear_server_weight(
+    configuration: &configuration::Configuration,
+    server_id: i64,
+) -> Result<(), Error<ClearServerWeightError>> {
+    // add a prefix to parameters to efficiently prevent name collisions
+    let p_path_server_id = server_id;
+
+    let uri_str = format!(
+        "{}/v1/servers/{server_id}/weight",
+        configuration.base_path,
+        server_id = p_path_server_id
+    );
+    let mut req_builder = configuration
+        .client
+        .request(reqwest::Method::DELETE, &uri_str);
+
+    if let Some(ref user_agent) = configuration.user_agent {
+        req_builder = req_builder.header(reqwest::header::USER_AGENT, user_agent.clone());
+    }
+    if let Some(ref token) = configuration.bearer_access_token {
+        req_builder = req_builder.bearer_auth(token.to_owned());
+    };
+
+    let req = req_builder.build()?;
+    let resp = configuration.client.execute(req).await?;
+
+    let status = resp.status();
+
+    if !status.is_client_error() && !status.is_server_error() {
+        Ok(())
+    } else {
+        let content = resp.text().await?;
+        let entity: Option<ClearServerWeightError> = serde_json::from_str(&content).ok();
+        Err(Error::ResponseError(ResponseContent {
+            status,
+            content,
+            entity,
+        }))
+    }
 }
 
 /// Only a server in state `drained` or `dead` that belongs to no service pool can be removed; otherwise 409.

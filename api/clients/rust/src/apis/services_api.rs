@@ -268,6 +268,7 @@ pub async fn list_services(
     }
 }
 
+/// A new VIP or port retires the old address: its open connections are still served (also across a switchd restart or takeover: the store records it as retiring with the update) until they end or switchd's `service_retire_timeout_ms` passes; it takes no new connection. `GET /v1/services` lists it in `retiring`.
 pub async fn update_service(
     configuration: &configuration::Configuration,
     service_name: &str,

@@ -54,20 +54,22 @@ pub struct PolicyPatch {
         skip_serializing_if = "Option::is_none"
     )]
     pub load_notification_interval_us: Option<i64>,
+    /// How often servers send HEARTBEAT. switchd tells its servers in REGISTER_ACK (re-sent to every registered server on a change) within a second. Seeded from switchd's config (`heartbeat_interval_ms`) when the store holds no policy yet; from then on the stored value applies.
     #[serde(
         rename = "heartbeat_interval_ms",
         skip_serializing_if = "Option::is_none"
     )]
     pub heartbeat_interval_ms: Option<i64>,
-    /// At least twice `heartbeat_interval_ms`.
+    /// Heartbeat silence after which switchd declares a server dead. At least twice `heartbeat_interval_ms`. Applied by switchd within a second; a decrease takes effect after the previous value has passed twice (servers may still beat at the old interval). Seeded from switchd's config like `heartbeat_interval_ms`.
     #[serde(rename = "dead_after_ms", skip_serializing_if = "Option::is_none")]
     pub dead_after_ms: Option<i64>,
+    /// The origin's deadline of a migration (empty snapshot): one not done within it is given up and the connection stays. Applied by every hostagent (POLICY), to migrations started afterwards; their larger-snapshot cap and target deadlines grow with it.
     #[serde(
         rename = "migration_deadline_ms",
         skip_serializing_if = "Option::is_none"
     )]
     pub migration_deadline_ms: Option<i64>,
-    /// What the target does with client packets that arrive before the import.
+    /// What the target does with client packets that arrive before the import: buffer and replay them (TCPMig), or drop them for the client to retransmit (the Prism ablation). Applied by every hostagent (POLICY); one whose config says `[migration] drop_mode = true` drops whatever this says.
     #[serde(rename = "buffer_mode", skip_serializing_if = "Option::is_none")]
     pub buffer_mode: Option<BufferMode>,
 }
@@ -121,7 +123,7 @@ impl Default for Placement {
         Self::Maglev
     }
 }
-/// What the target does with client packets that arrive before the import.
+/// What the target does with client packets that arrive before the import: buffer and replay them (TCPMig), or drop them for the client to retransmit (the Prism ablation). Applied by every hostagent (POLICY); one whose config says `[migration] drop_mode = true` drops whatever this says.
 #[derive(Clone, Copy, Debug, Eq, PartialEq, Ord, PartialOrd, Hash, Serialize, Deserialize)]
 pub enum BufferMode {
     #[serde(rename = "buffer")]

@@ -1,0 +1,161 @@
+//! An operator's drain outlives the processes (lab, root; release binaries,
+//! or `CAPYBARA_BIN_DIR`): three servers serve the echo service; s1 is
+//! drained through the REST API until `drained`, then a real Linux client's
+//! new connections must miss s1 after each of: s1's hostagent restarting
+//! (a REGISTER of a new instance), s1's hostagent stopped for longer than
+//! `dead_after_ms` and started again (a maintenance stop), and the
+//! appliance (switchd) restarting from its store. The API says `drained`
+//! throughout; `undrain` puts s1 back into placement.
+//!
+//! Before: each of the three put s1 back into placement while the API
+//! still said `drained` (a REGISTER made it live; a restored `drained`
+//! record was skipped and the next REGISTER placed it; its death wrote
+//! `dead` over `drained`).
+
+use capybara_systests::{
+    deployment_key, hostagent_migrating_config, log_of, output_dir, place_echo_connections,
+    start_appliance, stop_appliance, switchd_status_server, wait_appliance_ready, Lab,
+};
+use std::time::Duration;
+
+const SERVERS: u32 = 3;
+const API: &str = "http://127.0.0.1:18085";
+/// New connections per round: with s1 at a third of the placement, all of
+/// them miss it with probability (2/3)^24 < 1e-4.
+const N: usize = 24;
+
+/// Server `id`'s state in switchd's `/status`.
+fn status_state(lab: &Lab, id: u32) -> Option<String> {
+    Some(
+        switchd_status_server(lab, id)?["state"]
+            .as_str()?
+            .to_string(),
+    )
+}
+
+/// Waits until switchd's `/status` (published every few hundred ms) says
+/// `want` for server `id`.
+fn wait_status(lab: &Lab, id: u32, want: &str, when: &str) {
+    lab.wait_for(
+        &format!("s{id} {want} in switchd's /status {when}"),
+        Duration::from_secs(5),
+        || status_state(lab, id).as_deref() == Some(want),
+    );
+}
+
+/// Server `id`'s state as the API tells it.
+fn api_state(lab: &Lab, token: &str, id: u32) -> String {
+    let (code, body) = lab.api_call(API, token, "GET", &format!("/v1/servers/{id}"), None);
+    assert_eq!(code, 200, "GET /v1/servers/{id}: {body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("server JSON");
+    v["state"].as_str().unwrap_or("").to_string()
+}
+
+fn place_new_connections(lab: &Lab, token: &str) -> Vec<usize> {
+    place_echo_connections(lab, API, token, N, SERVERS)
+}
+
+#[test]
+fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
+    let dir = output_dir("drain-persist-lab");
+    let mut lab = Lab::up("dpl", SERVERS);
+    let key = deployment_key(&dir);
+    let config = capybara_systests::appliance_config(&dir, SERVERS, &key, "127.0.0.1:18085");
+    let log1 = dir.join("capybara-1.log");
+    let mut app = start_appliance(&lab, &config, &log1);
+    let mut cfgs = Vec::new();
+    let mut pids = Vec::new();
+    for j in 1..=SERVERS {
+        let cfg = hostagent_migrating_config(&dir, j, &key, None);
+        capybara_systests::disable_policies(&cfg);
+        pids.push(lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log"))));
+        cfgs.push(cfg);
+    }
+    let token = wait_appliance_ready(&lab, &log1, SERVERS, API, &dir);
+    let c = place_new_connections(&lab, &token);
+    assert!(c[0] > 0, "s1 takes connections before the drain: {c:?}");
+
+    // Drain s1 (no connection left on it: it completes at once).
+    let (code, body) = lab.api_call(
+        API,
+        &token,
+        "POST",
+        "/v1/servers/1/drain",
+        Some(r#"{"deadline_seconds": 10, "mode": "migrate"}"#),
+    );
+    assert_eq!(code, 202, "drain: {body}");
+    lab.wait_for("s1 drained", Duration::from_secs(15), || {
+        api_state(&lab, &token, 1) == "drained"
+    });
+    wait_status(&lab, 1, "draining", "after the drain");
+    let c = place_new_connections(&lab, &token);
+    assert_eq!(c[0], 0, "new connections on drained s1: {c:?}");
+
+    // 1. s1's hostagent restarts (a new instance registers).
+    lab.kill_and_wait(pids[0]);
+    pids[0] = lab.spawn_hostagent(1, &cfgs[0], &dir.join("hostagent-s1-2.log"));
+    lab.wait_for("s1 to register again", Duration::from_secs(30), || {
+        log_of(&log1).matches("registered s1").count() >= 2
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    wait_status(&lab, 1, "draining", "after a restart of s1's hostagent");
+    let c = place_new_connections(&lab, &token);
+    assert_eq!(c[0], 0, "new connections on s1 after its restart: {c:?}");
+    assert_eq!(api_state(&lab, &token, 1), "drained");
+
+    // 2. A maintenance stop: s1 dies (dead_after_ms), then comes back.
+    lab.kill_and_wait(pids[0]);
+    lab.wait_for(
+        "switchd to declare s1 dead",
+        Duration::from_secs(10),
+        || status_state(&lab, 1).as_deref() == Some("dead"),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        api_state(&lab, &token, 1),
+        "drained",
+        "the record keeps the operator's drain while the server is down"
+    );
+    pids[0] = lab.spawn_hostagent(1, &cfgs[0], &dir.join("hostagent-s1-3.log"));
+    lab.wait_for("s1 back", Duration::from_secs(30), || {
+        status_state(&lab, 1).is_some_and(|s| s != "dead")
+    });
+    wait_status(&lab, 1, "draining", "back from a stop");
+    let c = place_new_connections(&lab, &token);
+    assert_eq!(c[0], 0, "new connections on s1 back from a stop: {c:?}");
+
+    // 3. The appliance restarts from its store.
+    let st = stop_appliance(&mut app);
+    assert!(st.success(), "capybara run exited with {st}");
+    let log2 = dir.join("capybara-2.log");
+    let mut app = start_appliance(&lab, &config, &log2);
+    lab.wait_for("the restarted switchd", Duration::from_secs(30), || {
+        log_of(&log2).contains("flows from the store")
+    });
+    lab.wait_for("the restarted API", Duration::from_secs(30), || {
+        lab.api_call(API, "", "GET", "/healthz", None).0 == 200
+    });
+    lab.wait_for(
+        "s1 live in the restarted switchd",
+        Duration::from_secs(10),
+        || status_state(&lab, 1).is_some_and(|s| s != "dead"),
+    );
+    wait_status(&lab, 1, "draining", "after a switchd restart");
+    let c = place_new_connections(&lab, &token);
+    assert_eq!(
+        c[0], 0,
+        "new connections on s1 after a switchd restart: {c:?}"
+    );
+    assert_eq!(api_state(&lab, &token, 1), "drained");
+
+    // Undrain: s1 takes new connections again.
+    let (code, body) = lab.api_call(API, &token, "POST", "/v1/servers/1/undrain", None);
+    assert!(code == 200 || code == 204, "undrain: {code} {body}");
+    wait_status(&lab, 1, "live", "after undrain");
+    let c = place_new_connections(&lab, &token);
+    assert!(c[0] > 0, "s1 takes new connections after undrain: {c:?}");
+    assert_eq!(api_state(&lab, &token, 1), "active");
+    lab.assert_no_resets(2..=SERVERS);
+    let st = stop_appliance(&mut app);
+    assert!(st.success(), "second run exited with {st}");
+}
