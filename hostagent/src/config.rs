@@ -400,12 +400,22 @@ pub struct Config {
 }
 
 impl MigrationConfig {
+    /// The field an error about the secret names: the one the config
+    /// gives (`key_file` alone: `migration.key_file`).
+    pub fn key_field(&self) -> &'static str {
+        if self.key.is_none() && self.key_file.is_some() {
+            "migration.key_file"
+        } else {
+            "migration.key"
+        }
+    }
+
     /// The deployment secret, from `key` or `key_file`.
     pub fn load_key(&self, origin: &str) -> Result<capybara_proto::MigrationKey, ConfigError> {
         let hex = self.load_key_hex(origin)?;
         capybara_proto::MigrationKey::from_hex(&hex).map_err(|e| ConfigError::Invalid {
             path: origin.into(),
-            field: "migration.key".into(),
+            field: self.key_field().into(),
             value: "<secret>".into(),
             why: e.to_string(),
         })
@@ -416,7 +426,7 @@ impl MigrationConfig {
     pub fn load_key_hex(&self, origin: &str) -> Result<String, ConfigError> {
         let bad = |value: String, why: String| ConfigError::Invalid {
             path: origin.into(),
-            field: "migration.key".into(),
+            field: self.key_field().into(),
             value,
             why,
         };
@@ -728,6 +738,23 @@ app = "echo"
         assert!(e.contains("stack.mss = 20"), "{e}");
         let e = check(&GOOD.replace("name = \"eth0\"", "name = \"eth0\"\nspeed = 1")).unwrap_err();
         assert!(e.contains("speed"), "{e}");
+    }
+
+    #[test]
+    fn key_errors_name_the_field_the_config_gives() {
+        let with = |line: &str| {
+            check(&format!(
+                "{GOOD}[migration]\n{line}\nswitch = \"198.18.1.1\"\n"
+            ))
+            .unwrap_err()
+        };
+        let e = with("key_file = \"/nonexistent/capybara-key\"");
+        assert!(e.contains("migration.key_file = /nonexistent"), "{e}");
+        let e = with("key = \"zz\"");
+        assert!(
+            e.contains("migration.key = ") && !e.contains("key_file"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -191,6 +191,14 @@ impl ApplianceConfig {
                 "must be an absolute path",
             ));
         }
+        // `run` would fail on these; `--check` says so first.
+        if state_dir.exists() && !state_dir.is_dir() {
+            return Err(invalid(
+                "state_dir",
+                format!("{:?}", state_dir.display().to_string()),
+                "exists and is not a directory",
+            ));
+        }
         let store = match (raw.store.sqlite, raw.store.etcd) {
             (Some(_), Some(_)) => {
                 return Err(invalid(
@@ -311,6 +319,13 @@ impl ApplianceConfig {
                             "no index.html there (build the dashboard: bash web-ui/build.sh)",
                         ));
                     }
+                }
+                if let Some(f) = a.admin_token_file.as_ref().filter(|f| f.is_dir()) {
+                    return Err(invalid(
+                        "api.admin_token_file",
+                        format!("{:?}", f.display().to_string()),
+                        "is a directory (name the file the admin token is written to)",
+                    ));
                 }
                 Some(ApiSettings {
                     listen,
@@ -466,6 +481,17 @@ pool = []
         assert!(e.contains("`switchd.xdp_mode`"), "{e}");
         let e = err(&format!("{SWITCHD}colour = 1\n"));
         assert!(e.contains("[switchd]") && e.contains("colour"), "{e}");
+        // What `run` would trip over, said by `--check`.
+        let e = err("state_dir = \"/proc/self/status\"\n[api]\n");
+        assert!(
+            e.contains("`state_dir`") && e.contains("not a directory"),
+            "{e}"
+        );
+        let e = err("[api]\nadmin_token_file = \"/tmp\"\n");
+        assert!(
+            e.contains("`api.admin_token_file`") && e.contains("is a directory"),
+            "{e}"
+        );
     }
 
     #[test]

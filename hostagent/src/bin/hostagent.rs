@@ -252,7 +252,7 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
                         if let Some(m) = &cfg.migration {
                             let hex = m.load_key_hex("config").map_err(|e| e.to_string())?;
                             let seal = capybara_tls::SealKey::from_hex(&hex)
-                                .map_err(|e| format!("migration.key: {e}"))?;
+                                .map_err(|e| format!("{}: {e}", m.key_field()))?;
                             svc.seal = Some(std::sync::Arc::new(seal));
                         }
                     }
