@@ -313,17 +313,27 @@ mod tests {
                     .unwrap()
             })
             .collect();
-        // The old active reports first, then (after the takeover) the new one.
+        // Each plane also polls in the background (which of the two
+        // reports first is not up to the test): one counter numbers both
+        // logs 1 and 2 (before, each endpoint's log started at 1), both are
+        // listed, and a follower past the first id sees the second.
         planes[0].poll_reports_once().await.unwrap();
         planes[1].poll_reports_once().await.unwrap();
         let pair = ActiveSwitchd::new(planes);
         let all = pair.recent_migrations(0, 100).await.unwrap();
-        let seen: Vec<(u64, String)> = all.iter().map(|m| (m.id, m.connection.clone())).collect();
+        let mut seen: Vec<(u64, String)> =
+            all.iter().map(|m| (m.id, m.connection.clone())).collect();
         assert_eq!(
-            seen,
+            seen.iter().map(|s| s.0).collect::<Vec<_>>(),
+            vec![1, 2],
+            "{seen:?}"
+        );
+        seen.sort_by(|a, b| a.1.cmp(&b.1));
+        assert_eq!(
+            seen.iter().map(|s| s.1.as_str()).collect::<Vec<_>>(),
             vec![
-                (1, "198.18.0.11:40001-198.18.100.1:7".to_string()),
-                (2, "198.18.0.11:40002-198.18.100.1:7".to_string())
+                "198.18.0.11:40001-198.18.100.1:7",
+                "198.18.0.11:40002-198.18.100.1:7"
             ]
         );
         let after = pair.recent_migrations(1, 100).await.unwrap();
