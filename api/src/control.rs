@@ -255,6 +255,7 @@ pub struct ServiceServing {
     pub members: Vec<u32>,
     pub apps_down: Vec<u32>,
     pub fail_open: bool,
+    pub refusing: bool,
 }
 
 /// How often a drain supervisor re-reads the server's flows.

@@ -552,10 +552,13 @@ async fn dispatch(a: &Args) -> Result<(), CtlError> {
         .unwrap_or_else(|| "http://127.0.0.1:8080".into())
         .trim_end_matches('/')
         .to_string();
+    // An empty CAPYBARA_TOKEN (`export CAPYBARA_TOKEN=$(cat FILE)` of a
+    // missing file) is no token: the API then says the token is missing.
     cfg.bearer_access_token = a
         .value("--token")
         .map(str::to_string)
-        .or_else(|| std::env::var("CAPYBARA_TOKEN").ok());
+        .or_else(|| std::env::var("CAPYBARA_TOKEN").ok())
+        .filter(|t| !t.trim().is_empty());
     cfg.user_agent = Some("capybara-ctl".into());
     // Bounded: a wrong --api (a filtered port, an address nobody answers)
     // fails in seconds instead of hanging.
@@ -662,24 +665,35 @@ async fn dispatch(a: &Args) -> Result<(), CtlError> {
         ["policy", "set", kvs @ ..] if !kvs.is_empty() => policy_set(&cfg, kvs).await,
         ["migrations"] => migrations(&cfg, a).await,
         [cmd @ ("drain" | "undrain"), ..] => Err(CtlError::Usage(format!(
-            "`{cmd}` takes one SERVER, got {:?}",
-            &pos[1..]
+            "`{cmd}` takes one SERVER, got {}",
+            args_text(&pos[1..])
         ))),
         ["weight", ..] => Err(CtlError::Usage(format!(
-            "`weight` takes SERVER and WEIGHT (or SERVER --clear), got {:?}",
-            &pos[1..]
+            "`weight` takes SERVER and WEIGHT (or SERVER --clear), got {}",
+            args_text(&pos[1..])
         ))),
         ["migrate", ..] => Err(CtlError::Usage(format!(
-            "`migrate` takes one CONN (CLIENT_IP:PORT-VIP:PORT, see `connections`), got {:?}",
-            &pos[1..]
+            "`migrate` takes one CONN (CLIENT_IP:PORT-VIP:PORT, see `connections`), got {}",
+            args_text(&pos[1..])
         ))),
         ["policy", ..] => Err(CtlError::Usage(
             "`policy get`, or `policy set KEY=VALUE...`".into(),
         )),
         [cmd, rest @ ..] => Err(CtlError::Usage(format!(
-            "`{cmd}` takes no arguments, got {rest:?}"
+            "`{cmd}` takes no arguments, got {}",
+            args_text(rest)
         ))),
         [] => Err(CtlError::Usage("no command given".into())),
+    }
+}
+
+/// The arguments a command was given, for a usage error: `none`, or how
+/// many and what they were as typed (`2 arguments: 1 2`).
+fn args_text(args: &[&str]) -> String {
+    match args {
+        [] => "none".into(),
+        [one] => format!("1 argument: {one}"),
+        many => format!("{} arguments: {}", many.len(), many.join(" ")),
     }
 }
 
@@ -722,6 +736,7 @@ async fn servers(cfg: &Configuration) -> Result<(), CtlError> {
         "{:>5}  {:<16} {:<9} {:>6} {:>11} {:>10}  DATA_ADDR",
         "ID", "NAME", "STATE", "WEIGHT", "CONNECTIONS", "LOAD_PPS"
     );
+    let mut operator_weights = Vec::new();
     for s in list.items {
         let load = s
             .stats
@@ -729,15 +744,30 @@ async fn servers(cfg: &Configuration) -> Result<(), CtlError> {
             .flatten()
             .map(|l| format!("{l:.0}"))
             .unwrap_or_else(|| "-".into());
+        let weight = if s.weight_source == models::server::WeightSource::Operator {
+            operator_weights.push(match s.register_weight.flatten() {
+                Some(r) => format!("{} (its REGISTER reports {r})", s.id),
+                None => s.id.to_string(),
+            });
+            format!("{}*", s.weight)
+        } else {
+            s.weight.to_string()
+        };
         println!(
             "{:>5}  {:<16} {:<9} {:>6} {:>11} {:>10}  {}",
             s.id,
             s.name,
             state_str(s.state),
-            s.weight,
+            weight,
             s.stats.connections,
             load,
             s.data_addr
+        );
+    }
+    if !operator_weights.is_empty() {
+        println!(
+            "* weight set by an operator: server {}; `ctl weight ID --clear` returns to the REGISTER's",
+            operator_weights.join(", ")
         );
     }
     Ok(())
@@ -760,18 +790,7 @@ async fn services(cfg: &Configuration) -> Result<(), CtlError> {
         } else {
             ids(&s.pool)
         };
-        // switchd's view: the servers it places on (`-`: it did not answer).
-        let served = match &s.serving {
-            None => "- (switchd did not answer)".to_string(),
-            Some(v) if !v.served => "not served (see switchd's log)".to_string(),
-            Some(v) => {
-                let mut t = ids(&v.members);
-                if !v.apps_down.is_empty() {
-                    t.push_str(&format!(" (app down on {})", ids(&v.apps_down)));
-                }
-                t
-            }
-        };
+        let served = served_by(s.serving.as_ref());
         println!(
             "{:<20} {:<21} {:<16} {}",
             s.name,
@@ -793,6 +812,38 @@ async fn services(cfg: &Configuration) -> Result<(), CtlError> {
         }
     }
     Ok(())
+}
+
+/// `services`' SERVED BY: switchd's view, the servers it places on.
+fn served_by(serving: Option<&models::ServiceServing>) -> String {
+    let ids = |v: &[i64]| {
+        v.iter()
+            .map(|p| p.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    match serving {
+        None => "- (switchd did not answer)".to_string(),
+        Some(v) if !v.served => "not served (see switchd's log)".to_string(),
+        Some(v) => {
+            // Served, but by no server: none registered that serves this
+            // VIP:port (or the pool's are all out of placement). Was blank.
+            let mut t = if v.members.is_empty() {
+                "none (no server serves it)".to_string()
+            } else {
+                ids(&v.members)
+            };
+            if !v.apps_down.is_empty() {
+                t.push_str(&format!(" (app down on {})", ids(&v.apps_down)));
+            }
+            if v.refusing {
+                t.push_str(
+                    " (refusing new connections: every server drained, at weight 0 or dead)",
+                );
+            }
+            t
+        }
+    }
 }
 
 /// One line of `services`' RETIRING table.
@@ -943,7 +994,7 @@ async fn policy_set(cfg: &Configuration, kvs: &[&str]) -> Result<(), CtlError> {
             CtlError::Usage(format!(
                 "bad policy setting {}: {} (see `policy get`)",
                 e.path(),
-                e.inner()
+                capybara_confkit::plain_types(&e.inner().to_string(), "an object")
             ))
         })?;
     let known = serde_json::to_value(&p).unwrap_or_default();
@@ -1235,6 +1286,41 @@ mod tests {
             Some("service")
         );
         assert_eq!(command_help(&pos("frob")), None);
+    }
+
+    #[test]
+    fn served_by_is_never_blank() {
+        let v = |members: Vec<i64>, down: Vec<i64>| {
+            models::ServiceServing::new(true, members, down, false, false)
+        };
+        assert_eq!(
+            served_by(Some(&v(vec![], vec![]))),
+            "none (no server serves it)"
+        );
+        assert_eq!(served_by(Some(&v(vec![1, 3], vec![]))), "1,3");
+        assert_eq!(
+            served_by(Some(&v(vec![1, 3], vec![3]))),
+            "1,3 (app down on 3)"
+        );
+        assert_eq!(served_by(None), "- (switchd did not answer)");
+        let refusing = models::ServiceServing::new(true, vec![1, 2], vec![], false, true);
+        assert_eq!(
+            served_by(Some(&refusing)),
+            "1,2 (refusing new connections: every server drained, at weight 0 or dead)"
+        );
+        // Refusing with no member (every server drained): both said.
+        let none = models::ServiceServing::new(true, vec![], vec![], false, true);
+        assert_eq!(
+            served_by(Some(&none)),
+            "none (no server serves it) (refusing new connections: every server drained, at weight 0 or dead)"
+        );
+    }
+
+    #[test]
+    fn usage_errors_list_the_arguments_as_typed() {
+        assert_eq!(args_text(&[]), "none");
+        assert_eq!(args_text(&["1"]), "1 argument: 1");
+        assert_eq!(args_text(&["1", "s2"]), "2 arguments: 1 s2");
     }
 
     #[test]

@@ -263,7 +263,8 @@ pub fn parse_body<T: DeserializeOwned>(v: Value) -> ApiResult<T> {
         return Err(Problem::invalid(k.clone(), "must not be null"));
     }
     serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
-        let msg = e.inner().to_string();
+        // `expected u64` -> `expected a non-negative integer`.
+        let msg = capybara_confkit::plain_types(&e.inner().to_string(), "an object");
         let path = e.path().to_string();
         let field = field_from_message(&msg).map(|f| {
             if path == "." {
@@ -365,5 +366,23 @@ mod tests {
         assert_eq!(f(json!({"a": 1, "b": [1, -2]})), "b[1]");
         assert_eq!(f(json!({"a": null})), "a");
         assert_eq!(f(json!([1])), "body");
+    }
+
+    /// The detail names the kind of value wanted, not a Rust type.
+    #[test]
+    fn parse_errors_name_kinds_of_values() {
+        let d = |v: Value| parse_body::<T>(v).unwrap_err().detail;
+        assert_eq!(
+            d(json!({"a": "x"})),
+            "`a`: invalid type: string \"x\", expected an integer from 0 to 4294967295"
+        );
+        assert_eq!(
+            d(json!({"a": 1, "b": [1, -2]})),
+            "`b[1]`: invalid value: integer `-2`, expected a non-negative integer"
+        );
+        assert_eq!(
+            d(json!({"a": 1, "b": {"c": 1}})),
+            "`b`: invalid type: object, expected an array"
+        );
     }
 }

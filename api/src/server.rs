@@ -243,6 +243,13 @@ pub struct ServerView {
     pub data_addr: String,
     pub state: ServerState,
     pub weight: u32,
+    /// `operator`: `weight` was set through the API (REST, `ctl weight`,
+    /// dashboard) and outlives the server's REGISTERs until cleared;
+    /// `register`: the weight the server's hostagent reports.
+    pub weight_source: &'static str,
+    /// While `weight_source` is `operator`: the REGISTER's weight, which
+    /// clearing the operator's brings back (null when not known).
+    pub register_weight: Option<u32>,
     pub registered_unix_ms: u64,
     pub updated_unix_ms: u64,
     pub stats: ServerStats,
@@ -277,6 +284,12 @@ pub async fn server_view(
         data_addr: s.data_addr.to_string(),
         state: s.state,
         weight: s.weight,
+        weight_source: if s.weight_set { "operator" } else { "register" },
+        register_weight: if s.weight_set {
+            s.register_weight
+        } else {
+            None
+        },
         registered_unix_ms: s.registered_unix_ms,
         updated_unix_ms: s.updated_unix_ms,
         stats,
@@ -679,6 +692,14 @@ async fn check_service(state: &AppState, name: String, b: ServiceBody) -> ApiRes
     let vip: Ipv4Addr = b.vip.parse().map_err(|_| {
         Problem::invalid("vip", format!("must be an IPv4 address, got {:?}", b.vip))
     })?;
+    // What switchd's config refuses for a service (`services[i].vip`):
+    // no client connects to such an address.
+    if vip.is_unspecified() || vip.is_broadcast() || vip.is_multicast() {
+        return Err(Problem::invalid(
+            "vip",
+            format!("must be a unicast address, got {vip}"),
+        ));
+    }
     if !(1..=65535).contains(&b.port) {
         return Err(Problem::invalid(
             "port",

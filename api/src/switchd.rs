@@ -101,6 +101,10 @@ pub struct StatusService {
     pub pool: Vec<StatusPoolMember>,
     #[serde(default)]
     pub fail_open: bool,
+    /// Every pool member is out for a lasting reason (drained, weight 0,
+    /// dead past its grace): new connections are refused with a reset.
+    #[serde(default)]
+    pub refusing: bool,
     #[serde(default)]
     pub backend_down: Vec<u32>,
     /// Deleted, its open connections still served (none placed).
@@ -169,6 +173,7 @@ pub fn parse_services_status(body: &str) -> Result<ServicesStatus, Problem> {
             members: s.pool.iter().map(|m| m.server).collect(),
             apps_down: s.backend_down,
             fail_open: s.fail_open,
+            refusing: s.refusing,
         };
         serving.insert((*addr.ip(), addr.port()), view);
     }
@@ -1157,6 +1162,20 @@ mod tests {
         assert_eq!(m[&ServerId(2)].apps_down, None);
         assert_eq!(m[&ServerId(3)].apps_down, None);
         assert_eq!(parse_status(STATUS).unwrap()[&ServerId(1)].apps_down, None);
+    }
+
+    #[test]
+    fn a_refusing_service_is_shown_and_an_older_switchd_reads_as_not_refusing() {
+        let m = parse_status_services(
+            r#"{"services": [
+              {"name": "web", "vip": "198.18.100.1:80", "pool": [{"server": 1}], "fail_open": false,
+               "refusing": true},
+              {"name": "api", "vip": "198.18.100.2:80", "pool": [{"server": 1}], "fail_open": false}
+            ]}"#,
+        )
+        .unwrap();
+        assert!(m[&(Ipv4Addr::new(198, 18, 100, 1), 80)].refusing);
+        assert!(!m[&(Ipv4Addr::new(198, 18, 100, 2), 80)].refusing);
     }
 
     #[test]

@@ -142,8 +142,13 @@ fn usage_errors_point_at_the_command_help() {
         ),
         (
             vec!["weight", "1"],
-            "`weight` takes SERVER and WEIGHT",
+            "`weight` takes SERVER and WEIGHT (or SERVER --clear), got 1 argument: 1\n",
             "weight",
+        ),
+        (
+            vec!["drain", "1", "s2"],
+            "`drain` takes one SERVER, got 2 arguments: 1 s2\n",
+            "drain",
         ),
         (
             vec!["service", "add", "api", "nowhere"],
@@ -152,7 +157,7 @@ fn usage_errors_point_at_the_command_help() {
         ),
         (
             vec!["servers", "extra"],
-            "`servers` takes no arguments",
+            "`servers` takes no arguments, got 1 argument: extra\n",
             "servers",
         ),
         (

@@ -504,6 +504,44 @@ async fn a_seventeenth_service_is_refused() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn service_addresses_no_client_reaches_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let admin = api.token("root", Role::Admin);
+    let svc = |vip: &str| json!({ "name": "web", "vip": vip, "port": 80, "pool": [] });
+    // As switchd's config refuses them: 422 naming `vip`, nothing stored.
+    for vip in ["0.0.0.0", "255.255.255.255", "224.0.0.1"] {
+        let (s, v, _) = call(
+            "POST",
+            format!("{}/v1/services", api.url),
+            Some(&admin),
+            Some(svc(vip)),
+        )
+        .await;
+        assert_eq!(s, 422, "{vip}: {v}");
+        assert_eq!(v["field"], "vip", "{v}");
+        assert_eq!(
+            v["detail"],
+            format!("`vip`: must be a unicast address, got {vip}"),
+            "{v}"
+        );
+    }
+    let url = format!("{}/v1/services", api.url);
+    let (s, v, _) = call("GET", url.clone(), Some(&admin), None).await;
+    assert!(s == 200 && v["items"].as_array().unwrap().is_empty(), "{v}");
+    let (s, v, _) = call("POST", url, Some(&admin), Some(svc("198.18.100.1"))).await;
+    assert_eq!(s, 201, "{v}");
+    let (s, v, _) = call(
+        "PUT",
+        format!("{}/v1/services/web", api.url),
+        Some(&admin),
+        Some(json!({ "vip": "0.0.0.0", "port": 80, "pool": [] })),
+    )
+    .await;
+    assert!(s == 422 && v["field"] == "vip", "{v}");
+}
+
 fn ctl(url: &str, token: &str, args: &[&str]) -> (i32, String, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_capybara-ctl"))
         .args(["--api", url, "--token", token])
@@ -1526,6 +1564,12 @@ async fn operator_weights_are_cleared() {
     )
     .await;
     assert_eq!((s, v["weight"].as_u64()), (200, Some(0)), "{v}");
+    // Whose weight it is, and what clearing it brings back, are shown.
+    assert_eq!(
+        (&v["weight_source"], &v["register_weight"]),
+        (&json!("operator"), &json!(100)),
+        "{v}"
+    );
     let (s, _, _) = call("DELETE", url("/weight"), Some(&viewer), None).await;
     assert_eq!(s, 403);
     let (s, v, _) = call("DELETE", url("/weight"), Some(&ops), None).await;
@@ -1539,6 +1583,11 @@ async fn operator_weights_are_cleared() {
     assert_eq!((rec.weight, rec.weight_set), (100, false), "{rec:?}");
     let (_, v, _) = call("GET", url(""), Some(&viewer), None).await;
     assert_eq!(v["weight"], 100, "{v}");
+    assert_eq!(
+        (&v["weight_source"], &v["register_weight"]),
+        (&json!("register"), &json!(null)),
+        "{v}"
+    );
     // Again (nothing to clear): still 204.
     let (s, _, _) = call("DELETE", url("/weight"), Some(&ops), None).await;
     assert_eq!(s, 204);
@@ -1558,11 +1607,20 @@ async fn operator_weights_are_cleared() {
     };
     let (code, _, err) = run(vec!["weight", "1", "7"]).await.unwrap();
     assert_eq!(code, 0, "{err}");
+    let (code, out, err) = run(vec!["servers"]).await.unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(" 7* ")
+            && out.contains("* weight set by an operator: server 1 (its REGISTER reports 100)"),
+        "{out}"
+    );
     let (code, out, err) = run(vec!["weight", "1", "--clear"]).await.unwrap();
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("operator weight cleared"), "{out}");
     let rec = api.store.get_server(ServerId(1)).await.unwrap().unwrap();
     assert_eq!((rec.weight, rec.weight_set), (100, false), "{rec:?}");
+    let (_, out, _) = run(vec!["servers"]).await.unwrap();
+    assert!(!out.contains('*'), "{out}");
     let (code, _, err) = run(vec!["weight", "1", "7", "--clear"]).await.unwrap();
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("takes no WEIGHT"), "{err}");

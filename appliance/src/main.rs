@@ -341,8 +341,15 @@ fn lab_command(cmd: LabCommand) -> Result<ExitCode, UsageError> {
             };
             fault::apply(&pins, &ns, &iface, spec)?;
             println!(
-                "fault injector on {ns}/{iface} ({:?}): drop={} duplicate={} delay={}us x {}",
-                spec.direction, spec.drop, spec.duplicate, spec.delay_us, spec.delay_fraction
+                "fault injector on {ns}/{iface} ({}): drop={} duplicate={} delay={}us x {}",
+                match spec.direction {
+                    Direction::Ingress => "ingress",
+                    Direction::Egress => "egress",
+                },
+                spec.drop,
+                spec.duplicate,
+                spec.delay_us,
+                spec.delay_fraction
             );
             Ok(ExitCode::SUCCESS)
         }

@@ -416,7 +416,12 @@ impl MigrationConfig {
         capybara_proto::MigrationKey::from_hex(&hex).map_err(|e| ConfigError::Invalid {
             path: origin.into(),
             field: self.key_field().into(),
-            value: "<secret>".into(),
+            // The file's path is no secret (and says which file to fix);
+            // a key written in the config is not shown.
+            value: match (&self.key, &self.key_file) {
+                (None, Some(f)) => f.clone(),
+                _ => "<secret>".into(),
+            },
             why: e.to_string(),
         })
     }
@@ -515,9 +520,11 @@ impl Config {
                     )
                 })
                 .unwrap_or_default();
+            // `expected u32` -> `expected an integer from 0 to 4294967295`.
+            let message = capybara_confkit::plain_types(e.message(), "a table");
             ConfigError::Parse {
                 path: origin.into(),
-                message: format!("{}{at}{hint}", e.message().replace('\n', " ")),
+                message: format!("{}{at}{hint}", message.replace('\n', " ")),
             }
         })
     }
@@ -755,6 +762,39 @@ app = "echo"
             e.contains("migration.key = ") && !e.contains("key_file"),
             "{e}"
         );
+        // A key file that holds too short a key: the file is named (its
+        // path is no secret), the key is not shown.
+        let f = std::env::temp_dir().join(format!("capybara-short-key-{}", std::process::id()));
+        std::fs::write(&f, "deadbeef\n").unwrap();
+        let e = with(&format!("key_file = \"{}\"", f.display()));
+        std::fs::remove_file(&f).unwrap();
+        assert!(
+            e.contains(&format!("migration.key_file = {}: ", f.display()))
+                && e.contains("too short")
+                && !e.contains("deadbeef"),
+            "{e}"
+        );
+    }
+
+    /// Type errors say what kind of value is wanted, not a Rust type.
+    #[test]
+    fn type_errors_name_kinds_of_values() {
+        let e = check(&format!(
+            "{GOOD}[control]\nswitch = \"198.18.1.1:7692\"\nserver_id = \"1\"\nmanagement = \"198.18.1.11\"\n"
+        ))
+        .unwrap_err();
+        assert!(
+            e.ends_with(
+                "invalid type: string \"1\", expected an integer from 0 to 4294967295 (line 16: server_id = \"1\")"
+            ),
+            "{e}"
+        );
+        let one = GOOD
+            .split("[[service]]\nlisten = \"198.18.100.1:7\"")
+            .next()
+            .unwrap();
+        let e = check(&one.replace("[[service]]", "[service]")).unwrap_err();
+        assert!(e.contains("expected an array"), "{e}");
     }
 
     #[test]

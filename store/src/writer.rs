@@ -110,9 +110,18 @@ pub enum OverflowReason {
     WriterClosed,
 }
 
+impl std::fmt::Display for OverflowReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            OverflowReason::QueueFull => "queue full",
+            OverflowReason::WriterClosed => "writer closed",
+        })
+    }
+}
+
 /// `try_push` refused the operation; it is counted in `overflow_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("flow writer overflow ({reason:?}): queue capacity {capacity}, {overflow_total} operations refused so far")]
+#[error("flow writer overflow ({reason}): queue capacity {capacity}, {overflow_total} operations refused so far")]
 pub struct Overflow {
     pub reason: OverflowReason,
     pub capacity: usize,
@@ -218,7 +227,10 @@ impl FlowWriterMetrics {
 
 /// Error of `FlowWriter::close` and `flush` when operations were left unwritten.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("flow writer: {unwritten} operations still unwritten after {waited:?} (last store error: {last_error:?})")]
+#[error(
+    "flow writer: {unwritten} operations still unwritten after {waited:?} (last store error: {})",
+    .last_error.as_deref().unwrap_or("none")
+)]
 pub struct Unflushed {
     pub unwritten: u64,
     pub waited: Duration,
@@ -577,5 +589,38 @@ async fn flusher(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Operators read these in logs: words, not Rust values.
+    #[test]
+    fn errors_read_as_sentences() {
+        let o = Overflow {
+            reason: OverflowReason::QueueFull,
+            capacity: 8,
+            overflow_total: 3,
+        };
+        assert_eq!(
+            o.to_string(),
+            "flow writer overflow (queue full): queue capacity 8, 3 operations refused so far"
+        );
+        let u = Unflushed {
+            unwritten: 2,
+            waited: Duration::from_secs(5),
+            last_error: Some("database is locked".into()),
+        };
+        assert_eq!(
+            u.to_string(),
+            "flow writer: 2 operations still unwritten after 5s (last store error: database is locked)"
+        );
+        let u = Unflushed {
+            last_error: None,
+            ..u
+        };
+        assert!(u.to_string().ends_with("(last store error: none)"), "{u}");
     }
 }

@@ -67,6 +67,18 @@
 			     * are forwarded, nothing new is placed: a segment  *
 			     * without a flow is answered with a reset          */
 
+/* capy_service.flags */
+/* Every pool member is out for a lasting reason (drained or draining by the
+ * operator, operator weight 0, dead past its grace), set by the control
+ * plane: a SYN (without ACK) that finds no usable server is answered with a
+ * reset, as a host answers for a closed port, instead of being dropped (the
+ * client fails at once instead of retrying for minutes). Without it (no
+ * member known yet, a member dead within its grace, the first dead_after of
+ * an active switchd) such a SYN is dropped: its retransmission may succeed.
+ * The program refuses only when its own lookup found no usable server, so a
+ * flag that lags a table push never refuses a placeable SYN. */
+#define CAPY_SVC_REFUSE 0x1
+
 /* capy_flow.flags */
 #define CAPY_FLOW_MIGRATED 0x1   /* a migration-table entry exists or existed   */
 #define CAPY_FLOW_CLOSING 0x2    /* FIN seen both ways; closed event sent       */
@@ -131,6 +143,7 @@ enum capy_stat {
 	CAPY_STAT_DROP_ABORT_UNMATCHED,   /* ABORT request to the switch, no pending entry of that id */
 	CAPY_STAT_EVENT_LOST,             /* flow event not delivered: ring buffer full (not a verdict) */
 	CAPY_STAT_RESET_RETIRED,          /* segment to a retiring service without a flow: answered with a reset */
+	CAPY_STAT_RESET_NO_SERVER,        /* SYN, no usable server, service CAPY_SVC_REFUSE: answered with a reset */
 	CAPY_STAT_MAX,
 };
 
@@ -191,6 +204,7 @@ struct capy_service_key {
 struct capy_service {
 	__u32 index;     /* < CAPY_MAX_SERVICES: row of maglev / rings       */
 	__u32 placement; /* CAPY_PLACE_*                                     */
+	__u32 flags;     /* CAPY_SVC_*                                       */
 };
 
 /* A ring of server indexes the program rotates through with an atomic

@@ -104,17 +104,20 @@ static __always_inline __u16 csum_fold(__u32 sum)
 	return (__u16)~sum;
 }
 
-/* A client segment that no flow owns, to a retiring (deleted) service: the
- * VIP:port answers as a host does for a closed port (RFC 9293 3.10.7.1), a
- * reset back out the interface it came in (XDP_TX), so that the client
- * fails at once instead of retrying its SYN for minutes. <SEQ=SEG.ACK><RST>
+/* A client segment that no flow owns, to a retiring (deleted) service
+ * (`reason` CAPY_STAT_RESET_RETIRED), or a SYN to a service whose every
+ * server is out for a lasting reason (CAPY_SVC_REFUSE,
+ * CAPY_STAT_RESET_NO_SERVER): the VIP:port answers as a host does for a
+ * closed port (RFC 9293 3.10.7.1), a reset back out the interface it came in
+ * (XDP_TX), so that the client fails at once ("connection refused") instead
+ * of retrying its SYN for minutes. <SEQ=SEG.ACK><RST>
  * for a segment with ACK, else <SEQ=0><ACK=SEG.SEQ+SEG.LEN><RST,ACK>. A
  * reset is never answered. The frame is rewritten in place to Ethernet +
  * IPv4 (no options) + TCP (no options, no payload): every field is read
  * before the first write. `tcp` is bounds-checked, and its header length
  * checked against the IP total length, by the caller. */
 static __always_inline int reset_client(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *ip,
-					struct tcphdr *tcp)
+					struct tcphdr *tcp, __u32 reason)
 {
 	__u8 client_mac[ETH_ALEN], our_mac[ETH_ALEN];
 	__be32 client = ip->saddr, vip = ip->daddr;
@@ -175,7 +178,7 @@ static __always_inline int reset_client(struct xdp_md *ctx, struct ethhdr *eth, 
 	sum = (vip & 0xffff) + (vip >> 16) + (client & 0xffff) + (client >> 16) +
 	      bpf_htons(IPPROTO_TCP) + bpf_htons(sizeof(struct tcphdr));
 	tcp->check = csum_fold(csum_10_words((__u16 *)tcp, sum));
-	return verdict(CAPY_STAT_RESET_RETIRED, XDP_TX);
+	return verdict(reason, XDP_TX);
 }
 
 static __always_inline void emit_event(const struct capy_flow_key *key, __u32 kind,
@@ -258,6 +261,19 @@ static __always_inline void note_fin(const struct capy_flow_key *key, struct cap
 		flow->flags |= CAPY_FLOW_CLOSING;
 		emit_event(key, CAPY_EV_CLOSED, server, server);
 	}
+}
+
+/* No usable server for a flow without entry: a SYN to a service the control
+ * plane marked CAPY_SVC_REFUSE is refused with a reset; anything else is
+ * dropped as before (a non-SYN is no new connection; without the flag the
+ * lack of a server may last a moment only, and the client's retransmitted
+ * SYN may then be placed). */
+static __always_inline int no_server(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *ip,
+				     struct tcphdr *tcp, const struct capy_service *svc, int syn_only)
+{
+	if (syn_only && !tcp->rst && (svc->flags & CAPY_SVC_REFUSE))
+		return reset_client(ctx, eth, ip, tcp, CAPY_STAT_RESET_NO_SERVER);
+	return verdict(CAPY_STAT_DROP_NO_SERVER, XDP_DROP);
 }
 
 static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *ip,
@@ -344,13 +360,13 @@ static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, st
 	/* No entry (or a SYN reusing a closed 4-tuple): place the flow. A
 	 * retiring (deleted) service places nothing: a reset answers. */
 	if (svc->placement == CAPY_PLACE_NONE)
-		return reset_client(ctx, eth, ip, tcp);
+		return reset_client(ctx, eth, ip, tcp, CAPY_STAT_RESET_RETIRED);
 	if (svc->placement == CAPY_PLACE_MAGLEV) {
 		__u32 slot = svc->index * CAPY_MAGLEV_SIZE + flow_hash(&key) % CAPY_MAGLEV_SIZE;
 		__u32 *s = bpf_map_lookup_elem(&maglev, &slot);
 
 		if (!s)
-			return verdict(CAPY_STAT_DROP_NO_SERVER, XDP_DROP);
+			return no_server(ctx, eth, ip, tcp, svc, syn_only);
 		server = *s;
 		/* A non-SYN without entry (switch restart, LRU eviction) lands
 		 * where Maglev put it originally as long as the pool is stable. */
@@ -360,12 +376,12 @@ static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, st
 		if (!syn_only)
 			return verdict(CAPY_STAT_DROP_NO_FLOW, XDP_DROP);
 		if (ring_pick(svc->index * CAPY_RING_KINDS + CAPY_RING_PLACEMENT, 0, &server) < 0)
-			return verdict(CAPY_STAT_DROP_NO_SERVER, XDP_DROP);
+			return no_server(ctx, eth, ip, tcp, svc, syn_only);
 		reason = CAPY_STAT_FWD_NEW_FLOW;
 	}
 	srv = bpf_map_lookup_elem(&servers, &server);
 	if (!srv || srv->state != CAPY_SERVER_LIVE)
-		return verdict(CAPY_STAT_DROP_NO_SERVER, XDP_DROP);
+		return no_server(ctx, eth, ip, tcp, svc, syn_only);
 	{
 		/* A recovered flow (non-SYN without entry) already carries the
 		 * client's non-SYN segment: established. When its server does

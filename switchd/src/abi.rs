@@ -33,6 +33,13 @@ pub const PLACE_RING: u32 = 1;
 /// flow is placed (a segment without a flow is answered with a reset).
 pub const PLACE_NONE: u32 = 2;
 
+/// `capy_service.flags`: every pool member is out for a lasting reason
+/// (operator drain or weight 0, dead past its grace): a SYN that finds no
+/// usable server is answered with a reset (`reset_no_server`) instead of
+/// being dropped (`drop_no_server`). Set by the control plane
+/// (`ControlPlane::refusing`).
+pub const SVC_REFUSE: u32 = 0x1;
+
 pub const FLOW_MIGRATED: u16 = 0x1;
 pub const FLOW_CLOSING: u16 = 0x2;
 pub const FLOW_FIN_CLIENT: u16 = 0x4;
@@ -60,7 +67,7 @@ pub const RING_FIRST: u32 = 1;
 pub const NO_SERVER: u32 = u32::MAX;
 
 /// `enum capy_stat`, in order. Index = counter slot in the `stats` map.
-pub const STAT_NAMES: [&str; 26] = [
+pub const STAT_NAMES: [&str; 27] = [
     "pass_not_ipv4",
     "pass_not_service",
     "pass_unknown_iface",
@@ -87,6 +94,7 @@ pub const STAT_NAMES: [&str; 26] = [
     "drop_abort_unmatched",
     "event_lost",
     "reset_retired",
+    "reset_no_server",
 ];
 pub const STAT_MAX: u32 = STAT_NAMES.len() as u32;
 
@@ -270,6 +278,8 @@ impl CServiceKey {
 pub struct CService {
     pub index: u32,
     pub placement: u32,
+    /// `SVC_*`.
+    pub flags: u32,
 }
 unsafe impl Pod for CService {}
 

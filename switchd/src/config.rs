@@ -376,7 +376,27 @@ impl Config {
         })
     }
 
+    /// One line for `switchd --check`: what this config runs, in the
+    /// config's words (before: `placement Maglev, store
+    /// Some(Sqlite("/x"))`).
+    pub fn summary(&self) -> String {
+        let store = match &self.store {
+            None => "none".to_string(),
+            Some(StoreSpec::Sqlite(p)) => format!("sqlite {}", p.display()),
+            Some(StoreSpec::Etcd(eps)) => format!("etcd {}", eps.join(",")),
+        };
+        format!(
+            "{} services, {} interfaces, placement {}, store {store}, HA {}",
+            self.services.len(),
+            self.interfaces.len(),
+            format!("{:?}", self.placement).to_lowercase(),
+            if self.ha.enabled { "on" } else { "off" }
+        )
+    }
+
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        // `expected u64` -> `expected a non-negative integer`.
+        let plain_types = |m: &str| capybara_confkit::plain_types(m, "a table");
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: String::new(),
             // A top-level key written after a [section] or [[section]]
@@ -386,8 +406,8 @@ impl Config {
                 TOP_LEVEL_KEYS,
                 capybara_confkit::Level::TopLevel,
             ) {
-                Some(hint) => format!("{e}\n{hint}"),
-                None => e.to_string(),
+                Some(hint) => format!("{}\n{hint}", plain_types(&e.to_string())),
+                None => plain_types(&e.to_string()),
             },
         })?;
         Self::validate(raw)
@@ -529,10 +549,18 @@ impl Config {
         }
         for role in [Role::Client, Role::Server] {
             if !raw.interfaces.iter().any(|i| i.role == role) {
+                let (n, word) = match raw.interfaces.len() {
+                    1 => (1, "entry"),
+                    n => (n, "entries"),
+                };
+                let role = match role {
+                    Role::Client => "client",
+                    Role::Server => "server",
+                };
                 return Err(invalid(
                     "interfaces",
-                    format!("{} entries", raw.interfaces.len()),
-                    format!("no interface with role {role:?}"),
+                    format!("{n} {word}"),
+                    format!("no interface with role = \"{role}\""),
                 ));
             }
         }
@@ -865,6 +893,28 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
     }
 
     #[test]
+    fn type_errors_name_kinds_of_values() {
+        let e = err(&OK.replace(
+            "control_listen = \"198.18.1.1:7692\"",
+            "control_listen = \"198.18.1.1:7692\"\nload_interval_us = \"1ms\"",
+        ));
+        assert!(
+            e.contains("invalid type: string \"1ms\", expected a non-negative integer"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_check_summary_reads_as_the_config() {
+        let c = Config::from_toml(OK).unwrap();
+        let s = c.summary();
+        assert!(
+            s.contains("placement maglev, store sqlite /tmp/s.db, HA off"),
+            "{s}"
+        );
+    }
+
+    #[test]
     fn errors_name_field_and_value() {
         let e = err(&OK
             .replace("\"maglev\"", "x")
@@ -883,7 +933,7 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
         let e = err(&OK.replace("sqlite:/tmp/s.db", "mysql://x"));
         assert!(e.contains("`store`") && e.contains("mysql"), "{e}");
         let e = err(&OK.replace("role = \"server\"", "role = \"client\""));
-        assert!(e.contains("no interface with role Server"), "{e}");
+        assert!(e.contains("no interface with role = \"server\""), "{e}");
         let e = err(&format!("{OK}\nbogus = 1\n"));
         assert!(e.contains("bogus"), "{e}");
         let e = err(&OK.replace("key_file", "embryonic_timeout_ms = 999\nkey_file"));

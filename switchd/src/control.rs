@@ -24,6 +24,15 @@
 //!   live member of a service is down, placement keeps them all (fail open:
 //!   some errors rather than none served), targets keep none. Health changes
 //!   rewrite tables at most once per [`HEALTH_PUSH_EVERY`].
+//! - A service refuses new connections (`SVC_REFUSE`: the data plane answers
+//!   a SYN that finds no usable server with a reset, "connection refused",
+//!   instead of dropping it) only when it has members and every one is out
+//!   for a lasting reason: drained or draining by the operator, operator
+//!   weight 0, or dead past its `dead_flow_grace` (see
+//!   [`ControlPlane::refusing`]); and not before [`ControlPlane::allow_refusals_from`]
+//!   (an active switchd: `dead_after` after it became active). No member
+//!   known, or a member dead within its grace (it may come back): the SYN is
+//!   dropped, and the client's retransmission may be placed.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::{Ipv4Addr, SocketAddrV4};
@@ -206,6 +215,10 @@ pub enum HealthEvent {
     /// Every live member of `service` is down: placement keeps them all
     /// (`on`), or a member is up again (`!on`).
     FailOpen { service: SocketAddrV4, on: bool },
+    /// Every member of `service` is out for a lasting reason: new
+    /// connections are refused (`on`), or a member can take them again, or
+    /// the service has no member, or is retiring (`!on`).
+    Refusing { service: SocketAddrV4, on: bool },
 }
 
 #[derive(Debug, Clone)]
@@ -229,6 +242,9 @@ pub struct Service {
     /// Every live member reports its application down: placement keeps them
     /// all (fail open).
     pub fail_open: bool,
+    /// New connections are refused (`SVC_REFUSE`, see
+    /// [`ControlPlane::refusing`]).
+    pub refusing: bool,
     /// Deleted (no longer in the store) at this time: its established
     /// connections are still forwarded and migrated, nothing new is placed
     /// on it; it goes when none is left, or after
@@ -481,6 +497,11 @@ pub struct ControlPlane<D: DataPlane> {
     /// server: they replace the REGISTER's; 0 takes the server out of
     /// placement and migration targets (its connections stay).
     operator_weights: BTreeMap<ServerId, u32>,
+    /// From when services may refuse new connections
+    /// ([`Self::allow_refusals_from`]; `None`: never, e.g. a standby).
+    refuse_from: Option<Instant>,
+    /// `refuse_from` has passed (seen by [`Self::tick`]).
+    refusals_on: bool,
 }
 
 impl<D: DataPlane> ControlPlane<D> {
@@ -504,7 +525,67 @@ impl<D: DataPlane> ControlPlane<D> {
             health_pushes_total: 0,
             retire_scan: RetireScan::default(),
             operator_weights: BTreeMap::new(),
+            refuse_from: None,
+            refusals_on: false,
         }
+    }
+
+    /// Services may refuse new connections from `at` on (the first
+    /// [`Self::tick`] at or after it turns refusals on). Until then a SYN
+    /// that finds no usable server is dropped whatever the reason: an
+    /// active switchd passes `dead_after` after it became active, so that
+    /// the servers restored from the store have been heard from (REGISTER,
+    /// heartbeats) before their state can refuse a client.
+    pub fn allow_refusals_from(&mut self, at: Instant) {
+        self.refuse_from = Some(at);
+        self.refusals_on = false;
+    }
+
+    /// Whether server `s` is out of placement for a lasting reason: drained
+    /// or draining by the operator (also dead and to come back draining),
+    /// operator weight 0, or dead past its `dead_flow_grace` (its flows are
+    /// gone; a heartbeat alone does not bring it back). A server dead
+    /// within its grace is not: it may heartbeat again any moment.
+    fn out_for_good(&self, s: &Server) -> bool {
+        self.operator_weights.get(&s.reg.id) == Some(&0)
+            || s.draining()
+            || (s.liveness == Liveness::Dead && s.flows_kept_until.is_none())
+    }
+
+    /// Whether service `i` refuses new connections: refusals are on
+    /// ([`Self::allow_refusals_from`]), it is not retiring (that resets
+    /// anyway), it has members, and every member is out for a lasting
+    /// reason ([`Self::out_for_good`]). An empty pool does not refuse: no
+    /// server registered for it (yet), and one may any moment.
+    pub fn refusing(&self, i: usize) -> bool {
+        let svc = &self.services[i];
+        self.refusals_on
+            && svc.retiring.is_none()
+            && !svc.pool.is_empty()
+            && svc
+                .pool
+                .keys()
+                .all(|id| self.servers.get(id).is_some_and(|s| self.out_for_good(s)))
+    }
+
+    /// Brings every service's `SVC_REFUSE` flag up to date (written only
+    /// where it changes), after the tables: a service starts refusing once
+    /// its tables name no server, and the data plane refuses only a SYN
+    /// that its own lookup finds no usable server for.
+    fn refresh_refusals(&mut self) -> Result<()> {
+        for i in 0..self.services.len() {
+            let on = self.refusing(i);
+            if self.services[i].refusing == on {
+                continue;
+            }
+            self.services[i].refusing = on;
+            self.health_events.push(HealthEvent::Refusing {
+                service: self.services[i].addr(),
+                on,
+            });
+            self.write_service_key(i)?;
+        }
+        Ok(())
     }
 
     /// Server `s`'s weight: the operator's if one is set, else its
@@ -772,6 +853,8 @@ impl<D: DataPlane> ControlPlane<D> {
                 } else {
                     place_code(spec.placement)
                 },
+                // Refusing, if it does, once its tables are pushed.
+                flags: 0,
             },
         )?;
         let mut svc = Service {
@@ -786,6 +869,7 @@ impl<D: DataPlane> ControlPlane<D> {
             open: spec.pool.open,
             maglev_shadow: Vec::new(),
             fail_open: false,
+            refusing: false,
             retiring: retiring.map(|(t, _)| t),
             retired_before: retiring.map_or(std::time::Duration::ZERO, |(_, d)| d),
             provisional: false,
@@ -1024,8 +1108,8 @@ impl<D: DataPlane> ControlPlane<D> {
         Ok(out)
     }
 
-    /// Writes service `i`'s data-plane key: its slot and how it places new
-    /// connections (nothing while it retires).
+    /// Writes service `i`'s data-plane key: its slot, how it places new
+    /// connections (nothing while it retires) and whether it refuses them.
     fn write_service_key(&mut self, i: usize) -> Result<()> {
         let svc = &self.services[i];
         let placement = if svc.retiring.is_some() {
@@ -1033,11 +1117,17 @@ impl<D: DataPlane> ControlPlane<D> {
         } else {
             place_code(svc.placement)
         };
+        let flags = if svc.refusing && svc.retiring.is_none() {
+            SVC_REFUSE
+        } else {
+            0
+        };
         self.dp.set_service(
             CServiceKey::tcp(svc.vip, svc.port),
             CService {
                 index: svc.index,
                 placement,
+                flags,
             },
         )
     }
@@ -1590,6 +1680,8 @@ impl<D: DataPlane> ControlPlane<D> {
             } else {
                 Liveness::Live
             };
+            // Dead and to come back draining is out for good.
+            self.refresh_refusals()?;
             return Ok(());
         }
         s.liveness = if draining {
@@ -1731,7 +1823,7 @@ impl<D: DataPlane> ControlPlane<D> {
             self.dp.write_ring(svc_index, RING_PLACEMENT, &lwrr)?;
             self.dp.write_ring(svc_index, RING_TARGET, &target)?;
         }
-        Ok(())
+        self.refresh_refusals()
     }
 
     /// One pool-monitor interval plus liveness checks. Returns the load
@@ -1850,6 +1942,11 @@ impl<D: DataPlane> ControlPlane<D> {
             // interval; Maglev tables do not.
             self.push(false)?;
         }
+        // Time alone turns refusals on, and ends a dead server's grace.
+        if !self.refusals_on && self.refuse_from.is_some_and(|t| now >= t) {
+            self.refusals_on = true;
+        }
+        self.refresh_refusals()?;
         Ok(reports)
     }
 
@@ -3693,5 +3790,175 @@ pub(crate) mod tests {
         c.set_placement(0, Placement::Maglev).unwrap();
         assert_eq!(c.dp.services[&key].placement, PLACE_MAGLEV);
         c.set_placement(7, Placement::Lwrr).unwrap(); // no such service
+    }
+
+    /// The data plane's flags of the service at `VIP:80`.
+    fn refuse_flag(c: &ControlPlane<MemDataPlane>) -> bool {
+        c.dp.services[&CServiceKey::tcp(VIP, 80)].flags & SVC_REFUSE != 0
+    }
+
+    fn refusing_events(c: &mut ControlPlane<MemDataPlane>) -> Vec<bool> {
+        c.take_health_events()
+            .into_iter()
+            .filter_map(|e| match e {
+                HealthEvent::Refusing { on, .. } => Some(on),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Heartbeats from every server, then a tick, at `t` ms.
+    fn beat_and_tick(c: &mut ControlPlane<MemDataPlane>, t: u64) {
+        let now = Instant::from_millis(t);
+        for j in 1..=3 {
+            c.heartbeat(now, ServerId(j)).unwrap();
+        }
+        c.tick(now).unwrap();
+    }
+
+    #[test]
+    fn a_service_refuses_only_when_every_member_is_out_by_the_operator() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        // Every server drained before refusals are allowed (a switchd that
+        // just started, servers restored drained from the store): SYNs are
+        // dropped, not refused.
+        for j in 1..=3 {
+            c.set_draining(ServerId(j), true).unwrap();
+        }
+        beat_and_tick(&mut c, 100);
+        assert!(!refuse_flag(&c) && !c.services()[0].refusing);
+        // Allowed from 1 s (the daemon: dead_after after becoming active).
+        c.allow_refusals_from(Instant::from_millis(1000));
+        beat_and_tick(&mut c, 900);
+        assert!(!refuse_flag(&c), "before the start-up grace");
+        beat_and_tick(&mut c, 1000);
+        assert!(refuse_flag(&c) && c.services()[0].refusing);
+        assert_eq!(refusing_events(&mut c), [true]);
+        assert!(c.dp.maglev[&0].iter().all(|v| *v == NO_SERVER));
+        // One undrained: placeable again, no longer refusing, at once.
+        c.set_draining(ServerId(2), false).unwrap();
+        assert!(!refuse_flag(&c));
+        assert!(c.dp.maglev[&0].contains(&1));
+        assert_eq!(refusing_events(&mut c), [false]);
+        // Weight 0 on the last placeable one: refusing; weighted again: not.
+        c.set_operator_weights(BTreeMap::from([(ServerId(2), 0)]))
+            .unwrap();
+        assert!(refuse_flag(&c));
+        c.set_operator_weights(BTreeMap::from([(ServerId(2), 3)]))
+            .unwrap();
+        assert!(!refuse_flag(&c));
+        // Every server at weight 0, none drained: refusing.
+        for j in 1..=3 {
+            c.set_draining(ServerId(j), false).unwrap();
+        }
+        let zero: BTreeMap<ServerId, u32> = (1..=3).map(|j| (ServerId(j), 0)).collect();
+        c.set_operator_weights(zero).unwrap();
+        assert!(refuse_flag(&c));
+        // The flag follows the placement switch (LWRR: an empty ring).
+        c.set_placement(0, Placement::Lwrr).unwrap();
+        let svc = c.dp.services[&CServiceKey::tcp(VIP, 80)];
+        assert_eq!((svc.placement, svc.flags), (PLACE_RING, SVC_REFUSE));
+        assert!(c.dp.rings[&(0, RING_PLACEMENT)].as_slice().is_empty());
+        c.set_operator_weights(BTreeMap::new()).unwrap();
+        assert!(!refuse_flag(&c));
+        assert!(!c.dp.rings[&(0, RING_PLACEMENT)].as_slice().is_empty());
+        assert_eq!(
+            c.dp.refuse_while_placeable, 0,
+            "the refuse flag was set while a table placed new flows"
+        );
+        assert_eq!(c.dp.draining_while_placed, 0);
+    }
+
+    #[test]
+    fn dead_servers_refuse_only_after_their_grace() {
+        let mut c = world(Duration::from_secs(2));
+        let ms = Instant::from_millis;
+        c.allow_refusals_from(Instant::ZERO);
+        c.tick(ms(100)).unwrap();
+        assert!(!refuse_flag(&c));
+        // Every server silent: dead at 400 ms, flows kept until 2.4 s. It
+        // may be a stall (GC pause, CPU starvation): a SYN is dropped, and
+        // its retransmission reaches a server that came back.
+        c.tick(ms(400)).unwrap();
+        assert!(c.servers().all(|s| s.liveness == Liveness::Dead));
+        c.tick(ms(2300)).unwrap();
+        assert!(
+            !refuse_flag(&c),
+            "dead within the grace: dropped, not refused"
+        );
+        // s1 drained while dead: it would come back draining (out for
+        // good); s2 and s3 may still come back live.
+        c.set_draining(ServerId(1), true).unwrap();
+        assert!(!refuse_flag(&c));
+        // The grace ends: gone for good, refused.
+        c.tick(ms(2400)).unwrap();
+        assert!(refuse_flag(&c));
+        // s3 registers again (restarted): placeable, not refusing.
+        c.register_as(ms(2500), &reg(3, 9), &[]).unwrap();
+        assert!(!refuse_flag(&c));
+        assert!(c.dp.maglev[&0].contains(&2));
+        assert_eq!(c.dp.refuse_while_placeable, 0);
+
+        // A dead server within its grace among drained ones: not refusing
+        // until its grace ends.
+        let mut c = world(Duration::from_secs(2));
+        c.allow_refusals_from(Instant::ZERO);
+        c.set_draining(ServerId(1), true).unwrap();
+        c.set_draining(ServerId(2), true).unwrap();
+        for t in (100..=400).step_by(100) {
+            c.heartbeat(ms(t), ServerId(1)).unwrap();
+            c.heartbeat(ms(t), ServerId(2)).unwrap();
+            c.tick(ms(t)).unwrap();
+        }
+        assert_eq!(c.server(ServerId(3)).unwrap().liveness, Liveness::Dead);
+        assert!(!refuse_flag(&c));
+        // It heartbeats within the grace: back, live, placed on.
+        c.heartbeat(ms(500), ServerId(3)).unwrap();
+        assert!(!refuse_flag(&c) && c.dp.maglev[&0].contains(&2));
+    }
+
+    #[test]
+    fn an_empty_pool_or_a_retiring_service_does_not_refuse() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        c.allow_refusals_from(Instant::ZERO);
+        // A pool naming only a server that never registered: nobody known
+        // yet (it may register any moment), dropped.
+        let other = Ipv4Addr::new(198, 18, 100, 2);
+        c.add_service_with_pool(
+            other,
+            80,
+            Placement::Maglev,
+            PoolSpec {
+                members: vec![(ServerId(9), 1)],
+                open: false,
+            },
+        )
+        .unwrap();
+        for j in 1..=3 {
+            c.set_draining(ServerId(j), true).unwrap();
+        }
+        c.tick(Instant::from_millis(100)).unwrap();
+        assert!(refuse_flag(&c));
+        let okey = CServiceKey::tcp(other, 80);
+        assert!(c.services()[1].pool.is_empty());
+        assert_eq!(c.dp.services[&okey].flags, 0, "empty pool: not refusing");
+        // Deleted (retiring): PLACE_NONE resets anyway, the flag goes.
+        let keep = ServiceSpec {
+            name: "other".into(),
+            addr: SocketAddrV4::new(other, 80),
+            placement: Placement::Maglev,
+            follows_global: true,
+            pool: PoolSpec {
+                members: vec![(ServerId(9), 1)],
+                open: false,
+            },
+        };
+        let ch = c
+            .apply_services(Instant::from_millis(200), &[keep], true)
+            .unwrap();
+        assert_eq!(ch.retiring.len(), 1, "{ch:?}");
+        let svc = c.dp.services[&CServiceKey::tcp(VIP, 80)];
+        assert_eq!((svc.placement, svc.flags), (PLACE_NONE, 0));
+        assert!(!c.services().iter().any(|s| s.refusing));
     }
 }

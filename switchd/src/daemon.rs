@@ -151,6 +151,50 @@ struct Peer {
 /// The hostagent-side tunables of a policy as a POLICY message; the
 /// generation is a hash of the values (never 0), so two switches holding the
 /// same policy send the same generation.
+/// The store spec as an operator reads it: `sqlite /path` or `etcd URL,URL`.
+fn store_spec_text(spec: &crate::config::StoreSpec) -> String {
+    match spec {
+        crate::config::StoreSpec::Sqlite(p) => format!("sqlite {}", p.display()),
+        crate::config::StoreSpec::Etcd(eps) => format!("etcd {}", eps.join(",")),
+    }
+}
+
+/// Why an active steps down: another candidate holds the lease.
+fn lease_lost_text(holder: &str, term: u64, ours: Option<u64>) -> String {
+    let ours = ours.map_or_else(
+        || "we held none".to_string(),
+        |t| format!("ours was term {t}"),
+    );
+    format!(
+        "{holder:?} holds the leader lease with term {term} ({ours}): stepping down (detaching) so that the new leader owns the interfaces"
+    )
+}
+
+/// The policy key's value (`target_selection`, docs/POLICIES.md).
+fn target_policy_name(tp: crate::control::TargetPolicy) -> &'static str {
+    match tp {
+        crate::control::TargetPolicy::RoundRobin => "round_robin",
+        crate::control::TargetPolicy::LeastLoaded => "least_loaded",
+    }
+}
+
+/// A POLICY message in the store's units, for the log.
+fn policy_message_text(m: &ctl::PolicyMsg) -> String {
+    let on = |bit| if m.flags & bit != 0 { "on" } else { "off" };
+    format!(
+        "proactive {} (threshold {}%, hysteresis {}%), reactive {} (backlog {} packets), cooldown {} ms, at most {} migrations/s per server, deadline {} ms, buffer mode {}",
+        on(ctl::POLICY_PROACTIVE),
+        f64::from(m.proactive_threshold_bp) / 100.0,
+        f64::from(m.hysteresis_bp) / 100.0,
+        on(ctl::POLICY_REACTIVE),
+        m.reactive_backlog_packets,
+        m.cooldown_ms,
+        m.max_migrations_per_sec,
+        m.migration_deadline_ms,
+        if m.flags & ctl::POLICY_BUFFER_DROP != 0 { "drop" } else { "buffer" },
+    )
+}
+
 pub fn policy_message(p: &capybara_store::Policy) -> ctl::PolicyMsg {
     let mut m = ctl::PolicyMsg {
         generation: 0,
@@ -252,7 +296,7 @@ pub fn run(cfg: Config) -> anyhow::Result<()> {
     let store: Option<Arc<dyn Store>> = match &cfg.store {
         Some(spec) => Some(
             rt.block_on(capybara_store::open(&spec.to_store_config()))
-                .with_context(|| format!("opening store {spec:?}"))?,
+                .with_context(|| format!("opening store {}", store_spec_text(spec)))?,
         ),
         None => None,
     };
@@ -626,6 +670,11 @@ impl Switch {
         // ones restored with flows get a full grace from now).
         let now = self.now();
         self.cp.restart_liveness_clocks(now);
+        // No service refuses a connection before the servers have had
+        // `dead_after` to be heard from (REGISTER, heartbeats): until then
+        // a SYN without a usable server is dropped, and its retransmission
+        // may be placed.
+        self.cp.allow_refusals_from(now + self.cp.dead_after(now));
         // What the standby's syncs noted is not news.
         self.cp.take_liveness_events();
         self.attach_all()?;
@@ -1178,10 +1227,7 @@ impl Switch {
                 self.held_servers.writes.clear();
                 self.set_lease(None);
                 self.sink = None;
-                anyhow::bail!(
-                    "{:?} holds the leader lease with term {} (ours was {:?}): stepping down (detaching) so that the new leader owns the interfaces",
-                    l.candidate, l.term, self.held_term
-                );
+                anyhow::bail!("{}", lease_lost_text(&l.candidate, l.term, self.held_term));
             }
             let now = self.now();
             self.take_policy(&sock);
@@ -1357,6 +1403,12 @@ impl Switch {
                 ),
                 HealthEvent::FailOpen { service, on: false } => eprintln!(
                     "switchd: {service} has a server with its application up again: fail open ended"
+                ),
+                HealthEvent::Refusing { service, on: true } => eprintln!(
+                    "switchd: every server of {service} is drained, weighted 0 or dead past its grace: new connections to {service} are refused (reset; counter reset_no_server)"
+                ),
+                HealthEvent::Refusing { service, on: false } => eprintln!(
+                    "switchd: {service} no longer refuses new connections"
                 ),
             }
         }
@@ -2295,7 +2347,7 @@ impl Switch {
             }
         };
         if let Err(e) = self.cp.set_target_policy(tp) {
-            eprintln!("switchd: target selection {tp:?}: {e}");
+            eprintln!("switchd: target selection {}: {e}", target_policy_name(tp));
         }
         // Placement of new connections: the store's value applies to every
         // service that follows the global `placement` of the config (a
@@ -2313,7 +2365,10 @@ impl Switch {
             .collect();
         for index in follow {
             if let Err(e) = self.cp.set_placement(index, placement) {
-                eprintln!("switchd: placement {placement:?} of service {index}: {e}");
+                eprintln!(
+                    "switchd: placement {} of service {index}: {e}",
+                    format!("{placement:?}").to_lowercase()
+                );
             }
         }
         // Within switchd's own bounds (`load_interval_us`): a policy stored
@@ -2327,8 +2382,9 @@ impl Switch {
         if msg != self.policy_msg {
             self.policy_msg = msg;
             eprintln!(
-                "switchd: policy generation {:#010x}: {msg:?}",
-                msg.generation
+                "switchd: policy generation {:#010x}: {}",
+                msg.generation,
+                policy_message_text(&msg)
             );
             let peers: Vec<(ServerId, SocketAddr)> =
                 self.peers.iter().map(|(id, p)| (*id, p.mgmt)).collect();
@@ -2442,6 +2498,7 @@ impl Switch {
             .map(|s| json!({"name": s.name, "vip": format!("{}:{}", s.vip, s.port), "index": s.index, "placement": format!("{:?}", s.placement).to_lowercase(),
                  "pool": s.pool.iter().map(|(id, w)| json!({"server": id.0, "weight": w})).collect::<Vec<_>>(),
                  "fail_open": s.fail_open,
+                 "refusing": s.refusing,
                  "retiring": s.retiring.is_some(),
                  "retiring_for_ms": s.retiring_for(now).map(|d| d.as_millis() as u64),
                  "retiring_left_ms": s.retiring_for(now).map(|d| self.cfg.service_retire_timeout.saturating_sub(d).as_millis() as u64),
@@ -2508,7 +2565,7 @@ impl Switch {
             "load_notifications_sent": self.load_sent,
             "policy": {
                 "generation": self.policy_msg.generation,
-                "target_selection": format!("{:?}", self.cp.target_policy()).to_lowercase(),
+                "target_selection": target_policy_name(self.cp.target_policy()),
                 "load_interval_us": self.cfg.load_interval.as_micros() as u64,
                 "proactive_enabled": self.policy.proactive_enabled,
                 "proactive_threshold_pct": self.policy.proactive_threshold_pct,
@@ -2602,10 +2659,13 @@ impl Switch {
         }
         for s in self.cp.services() {
             m += &format!(
-                "{p}_service_fail_open{{service=\"{}:{}\"}} {}\n",
+                "{p}_service_fail_open{{service=\"{}:{}\"}} {}\n{p}_service_refusing{{service=\"{}:{}\"}} {}\n",
                 s.vip,
                 s.port,
-                u8::from(s.fail_open)
+                u8::from(s.fail_open),
+                s.vip,
+                s.port,
+                u8::from(s.refusing)
             );
         }
         m += &format!(
@@ -2694,7 +2754,7 @@ async fn write_server(store: Arc<dyn Store>, w: ServerWrite) {
                 }
             }
             if let Err(e) = store.set_server_state(id, state).await {
-                eprintln!("switchd: store: server {id} -> {state:?}: {e}");
+                eprintln!("switchd: store: server {id} -> {}: {e}", state.as_str());
             }
         }
     }
@@ -3166,5 +3226,30 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// Operator-facing log lines read as sentences, not Rust values
+    /// (`Some(2)`, `Sqlite("...")`, `PolicyMsg { .. }`, `RoundRobin`).
+    #[test]
+    fn log_texts_hold_no_debug_values() {
+        let t = lease_lost_text("sw-b", 3, Some(2));
+        assert!(t.contains("term 3 (ours was term 2)"), "{t}");
+        assert!(lease_lost_text("sw-b", 3, None).contains("(we held none)"));
+        let spec = crate::config::StoreSpec::Sqlite("/var/lib/capybara/store.db".into());
+        assert_eq!(store_spec_text(&spec), "sqlite /var/lib/capybara/store.db");
+        let spec =
+            crate::config::StoreSpec::Etcd(vec!["http://a:2379".into(), "http://b:2379".into()]);
+        assert_eq!(store_spec_text(&spec), "etcd http://a:2379,http://b:2379");
+        assert_eq!(
+            target_policy_name(crate::control::TargetPolicy::LeastLoaded),
+            "least_loaded"
+        );
+        let m = policy_message(&capybara_store::Policy::default());
+        let t = policy_message_text(&m);
+        assert!(
+            t.starts_with("proactive on (threshold 10%, hysteresis 2%), reactive on (backlog 20 packets), cooldown 1000 ms,")
+                && t.ends_with("deadline 50 ms, buffer mode buffer"),
+            "{t}"
+        );
     }
 }

@@ -135,6 +135,10 @@ pub struct MemDataPlane {
     /// Times a server became DRAINING here while a Maglev slot still named
     /// it (the real program drops such a slot's SYNs: `drop_no_server`).
     pub draining_while_placed: u64,
+    /// Times a service was marked `SVC_REFUSE` here while its tables still
+    /// placed new flows (a Maglev slot or the placement ring naming a LIVE
+    /// server): the flag must follow the tables, never lead them.
+    pub refuse_while_placeable: u64,
 }
 
 impl MemDataPlane {
@@ -233,6 +237,20 @@ impl DataPlane for MemDataPlane {
     }
     fn set_service(&mut self, key: CServiceKey, svc: CService) -> Result<()> {
         check_range("service index", svc.index, MAX_SERVICES)?;
+        if svc.flags & SVC_REFUSE != 0 {
+            let live = |i: &u32| self.servers.get(i).is_some_and(|s| s.state == SERVER_LIVE);
+            let maglev = self
+                .maglev
+                .get(&svc.index)
+                .is_some_and(|t| t.iter().any(live));
+            let ring = self
+                .rings
+                .get(&(svc.index, RING_PLACEMENT))
+                .is_some_and(|r| r.as_slice().iter().any(live));
+            if maglev || ring {
+                self.refuse_while_placeable += 1;
+            }
+        }
         self.services.insert(key, svc);
         Ok(())
     }

@@ -22,7 +22,7 @@ int main(void) {
   S(capy_migration) O(capy_migration, server) O(capy_migration, pending) O(capy_migration, pad) O(capy_migration, migration_id)
   S(capy_server) O(capy_server, data_ip) O(capy_server, ifindex) O(capy_server, mac) O(capy_server, src_mac) O(capy_server, state) O(capy_server, flags) O(capy_server, weight)
   S(capy_service_key) O(capy_service_key, vip) O(capy_service_key, port) O(capy_service_key, proto)
-  S(capy_service) O(capy_service, index) O(capy_service, placement)
+  S(capy_service) O(capy_service, index) O(capy_service, placement) O(capy_service, flags)
   S(capy_ring) O(capy_ring, len) O(capy_ring, mode) O(capy_ring, servers)
   S(capy_iface) O(capy_iface, role) O(capy_iface, mac)
   S(capy_config) O(capy_config, switch_server_ip) O(capy_config, flags)
@@ -33,7 +33,7 @@ int main(void) {
   C(CAPY_IFACE_CLIENT) C(CAPY_IFACE_SERVER) C(CAPY_PLACE_MAGLEV) C(CAPY_PLACE_RING) C(CAPY_PLACE_NONE)
   C(CAPY_FLOW_MIGRATED) C(CAPY_FLOW_CLOSING) C(CAPY_FLOW_ESTABLISHED) C(CAPY_EV_NEW) C(CAPY_EV_MIGRATED) C(CAPY_EV_RETURNED) C(CAPY_EV_CLOSED)
   C(CAPY_RING_PLACEMENT) C(CAPY_RING_TARGET) C(CAPY_RING_KINDS) C(CAPY_RING_ROTATE) C(CAPY_RING_FIRST)
-  C(CAPY_STAT_MAX) C(CAPY_STAT_FWD_MIGRATED) C(CAPY_STAT_DROP_TCPMIG_FROM_CLIENT) C(CAPY_STAT_EVENT_LOST) C(CAPY_STAT_RESET_RETIRED)
+  C(CAPY_STAT_MAX) C(CAPY_STAT_FWD_MIGRATED) C(CAPY_STAT_DROP_TCPMIG_FROM_CLIENT) C(CAPY_STAT_EVENT_LOST) C(CAPY_STAT_RESET_RETIRED) C(CAPY_STAT_RESET_NO_SERVER) C(CAPY_SVC_REFUSE)
   C(CAPY_STAT_DROP_PREPARE_ACK_STALE) C(CAPY_STAT_DROP_ABORT_UNMATCHED) C(CAPY_MIG_FINAL) C(CAPY_MIG_PENDING) C(CAPY_PREPARE_MEMORY)
   return 0;
 }
@@ -98,7 +98,7 @@ fn c_structs_match_rust() {
         [data_ip, ifindex, mac, src_mac, state, flags, weight]
     );
     s!("capy_service_key", CServiceKey, [vip, port, proto]);
-    s!("capy_service", CService, [index, placement]);
+    s!("capy_service", CService, [index, placement, flags]);
     s!("capy_ring", CRing, [len, mode, servers]);
     s!("capy_iface", CIface, [role, mac]);
     s!("capy_config", CConfig, [switch_server_ip, flags]);
@@ -150,6 +150,8 @@ fn c_structs_match_rust() {
         ),
         ("CAPY_STAT_EVENT_LOST", stat("event_lost") as u64),
         ("CAPY_STAT_RESET_RETIRED", stat("reset_retired") as u64),
+        ("CAPY_STAT_RESET_NO_SERVER", stat("reset_no_server") as u64),
+        ("CAPY_SVC_REFUSE", SVC_REFUSE as u64),
         (
             "CAPY_STAT_DROP_PREPARE_ACK_STALE",
             stat("drop_prepare_ack_stale") as u64,

@@ -1175,6 +1175,7 @@ fn a_retiring_service_forwards_its_flows_and_places_nothing() {
     let placing = |placement| CService {
         index: 0,
         placement,
+        flags: 0,
     };
     // client_tcp sends seq 1000, and ack 2000 with ACK.
     let reset = |desc, sport, flags, seq, ack| Case {
@@ -1273,6 +1274,172 @@ fn a_retiring_service_forwards_its_flows_and_places_nothing() {
             "fwd_new_flow",
         )],
     );
+}
+
+/// A SYN whose placement finds no usable server (every Maglev slot names
+/// nobody or a server that is not LIVE, an empty LWRR ring or one naming a
+/// draining server) is dropped (`drop_no_server`), unless the control plane
+/// marked the service `SVC_REFUSE`: then the VIP answers it with a reset,
+/// "connection refused" (`reset_no_server`). Either way a non-SYN segment
+/// without an entry is dropped, a SYN with RST is not answered, and an
+/// established flow is still forwarded.
+#[test]
+fn a_syn_without_a_usable_server_is_refused_only_when_the_service_says_so() {
+    let mut lab = setup();
+    let (open, new, stray) = (40301, 40302, 40303);
+    let owner = maglev_server(&lab, open, VIP);
+    let key = CServiceKey::tcp(VIP, 80);
+    let ring_key = CServiceKey::tcp(VIP_RING, 80);
+    let svc = |index, placement, flags| CService {
+        index,
+        placement,
+        flags,
+    };
+    let refused = |desc, dst, sport| Case {
+        desc,
+        side: Side::Client,
+        input: client_tcp(dst, sport, TCP_SYN),
+        verdict: XDP_TX,
+        output: Some(tcp_reset_frame(
+            CLIENT_MAC,
+            CL_MAC,
+            dst,
+            80,
+            CLIENT,
+            sport,
+            0,
+            Some(1001),
+        )),
+        reason: "reset_no_server",
+    };
+    let dropped = |desc, dst, sport, flags, reason| Case {
+        desc,
+        side: Side::Client,
+        input: client_tcp(dst, sport, flags),
+        verdict: XDP_DROP,
+        output: None,
+        reason,
+    };
+    run(
+        &mut lab,
+        vec![
+            client_to("SYN placed", open, TCP_SYN, owner, "fwd_new_flow"),
+            client_to("handshake ACK", open, TCP_ACK, owner, "fwd_established"),
+        ],
+    );
+    // The pool's last live member left: every slot names nobody.
+    let nobody = vec![NO_SERVER; MAGLEV_SIZE as usize];
+    lab.dp
+        .write_maglev(0, &maglev::diff(&lab.maglev, &nobody))
+        .unwrap();
+    lab.dp
+        .write_ring(1, RING_PLACEMENT, &CRing::from_slice(RING_ROTATE, &[]))
+        .unwrap();
+    run(
+        &mut lab,
+        vec![
+            dropped(
+                "no server, not marked: SYN dropped (it may be placed on retransmission)",
+                VIP,
+                new,
+                TCP_SYN,
+                "drop_no_server",
+            ),
+            dropped(
+                "ring, no server, not marked: SYN dropped",
+                VIP_RING,
+                new,
+                TCP_SYN,
+                "drop_no_server",
+            ),
+        ],
+    );
+    lab.dp
+        .set_service(key, svc(0, PLACE_MAGLEV, SVC_REFUSE))
+        .unwrap();
+    lab.dp
+        .set_service(ring_key, svc(1, PLACE_RING, SVC_REFUSE))
+        .unwrap();
+    run(
+        &mut lab,
+        vec![
+            refused("marked: SYN refused (ACK = its SEQ + 1)", VIP, new),
+            dropped(
+                "marked: a non-SYN without entry is still dropped",
+                VIP,
+                stray,
+                TCP_ACK,
+                "drop_no_server",
+            ),
+            dropped(
+                "marked: SYN with RST is not answered",
+                VIP,
+                stray,
+                TCP_SYN | TCP_RST,
+                "drop_no_server",
+            ),
+            client_to(
+                "marked: the open connection is forwarded",
+                open,
+                TCP_ACK | TCP_PSH,
+                owner,
+                "fwd_established",
+            ),
+            refused("ring, marked: SYN refused", VIP_RING, new),
+            dropped(
+                "ring, marked: a non-SYN without entry is still dropped",
+                VIP_RING,
+                stray,
+                TCP_ACK,
+                "drop_no_flow",
+            ),
+        ],
+    );
+    // Slots and rings naming servers that are not LIVE (s2 draining, s3
+    // dead): refused too.
+    let dead_only = maglev::build_table(
+        &[Backend {
+            id: 13,
+            index: 3,
+            weight: 1,
+        }],
+        MAGLEV_SIZE,
+    );
+    lab.dp
+        .write_maglev(0, &maglev::diff(&nobody, &dead_only))
+        .unwrap();
+    lab.dp
+        .write_ring(1, RING_PLACEMENT, &CRing::from_slice(RING_ROTATE, &[2]))
+        .unwrap();
+    run(
+        &mut lab,
+        vec![
+            refused("marked, slot names a dead server: SYN refused", VIP, new),
+            refused(
+                "ring, marked, names a draining server: SYN refused",
+                VIP_RING,
+                new,
+            ),
+        ],
+    );
+    assert_eq!(lab.dp.lookup_flow(flow_key(new)).unwrap(), None);
+    // A placeable table under a flag not yet cleared (the control plane
+    // writes tables first): placed, never refused.
+    lab.dp
+        .write_maglev(0, &maglev::diff(&dead_only, &lab.maglev))
+        .unwrap();
+    let s = maglev_server(&lab, new, VIP);
+    run(
+        &mut lab,
+        vec![client_to(
+            "marked but placeable: SYN placed",
+            new,
+            TCP_SYN,
+            s,
+            "fwd_new_flow",
+        )],
+    );
+    lab.dp.set_service(key, svc(0, PLACE_MAGLEV, 0)).unwrap();
 }
 
 /// Embryonic flows (a SYN, nothing after) are reaped once older than the

@@ -29,10 +29,20 @@ pub fn bin(name: &str) -> PathBuf {
     target.join("debug").join(name)
 }
 
+/// A hostagent started by [`Lab::start_hostagents`]: its config (to
+/// start it again with [`Lab::spawn_hostagent`]) and its pid.
+pub struct Hostagent {
+    pub config: PathBuf,
+    pub pid: u32,
+}
+
 /// A lab that exists for the guard's lifetime.
 pub struct Lab {
     pub prefix: String,
     children: Vec<Child>,
+    /// Removed when the guard drops, after the children are killed (a
+    /// store's data directory, say).
+    scratch_dirs: Vec<PathBuf>,
 }
 
 static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -62,6 +72,7 @@ impl Lab {
         Lab {
             prefix,
             children: Vec::new(),
+            scratch_dirs: Vec::new(),
         }
     }
 
@@ -133,6 +144,29 @@ impl Lab {
             &["--config", cfg, "--metrics", &metrics],
             log,
         )
+    }
+
+    /// One hostagent per server 1..=`servers` behind the switch, the way
+    /// the appliance tests start them: services on the VIP, migration and
+    /// control channel on ([`hostagent_migrating_config`], key `key`),
+    /// policies off ([`disable_policies`]: only the test decides what
+    /// migrates), logs in `dir/hostagent-sJ.log`. Killed when the guard
+    /// drops.
+    pub fn start_hostagents(
+        &mut self,
+        dir: &std::path::Path,
+        key: &std::path::Path,
+        servers: u32,
+    ) -> Vec<Hostagent> {
+        (1..=servers)
+            .map(|j| {
+                let config = hostagent_migrating_config(dir, j, key, None);
+                disable_policies(&config);
+                let log = dir.join(format!("hostagent-s{j}.log"));
+                let pid = self.spawn_hostagent(j, &config, &log);
+                Hostagent { config, pid }
+            })
+            .collect()
     }
 
     /// Starts a process with its stdout captured to `log`.
@@ -218,6 +252,100 @@ impl Lab {
         }
     }
 
+    /// Starts a one-member etcd (Debian's etcd-server: `/usr/bin/etcd`, or
+    /// `$ETCD_BIN`) inside `node`, clients on 127.0.0.1:2379 there (the
+    /// namespace is the lab's own: no port is shared with the host), its
+    /// data in `data_dir` (emptied first, removed when the guard drops) and
+    /// its output in `log`; waits (20 s) until it reports healthy. Returns
+    /// its pid (for SIGSTOP/SIGCONT) and client URL. The member also dies
+    /// with the thread that started it (`PR_SET_PDEATHSIG`), should the
+    /// test process be killed before the guard drops. Fast elections as in
+    /// the store's test harness (`store/src/testing.rs`; the minimum lease
+    /// TTL is then 1 s); etcd's defaults otherwise, as a deployment has
+    /// them (`max-txn-ops` 128, what the appliance's etcd client assumes).
+    pub fn spawn_etcd(
+        &mut self,
+        node: &str,
+        data_dir: &std::path::Path,
+        log: &std::path::Path,
+    ) -> (u32, String) {
+        use std::os::unix::process::CommandExt;
+        let etcd = std::env::var("ETCD_BIN").unwrap_or_else(|_| "/usr/bin/etcd".into());
+        assert!(
+            std::path::Path::new(&etcd).exists(),
+            "no etcd binary at {etcd}: `make setup` installs etcd-server (or set ETCD_BIN)"
+        );
+        let _ = std::fs::remove_dir_all(data_dir);
+        self.scratch_dirs.push(data_dir.to_path_buf());
+        let client = "http://127.0.0.1:2379";
+        let peer = "http://127.0.0.1:2380";
+        let f = std::fs::File::create(log).expect("create log");
+        let mut cmd = self.command(node, &etcd);
+        cmd.args(["--name", "m0", "--data-dir"])
+            .arg(data_dir)
+            .args([
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+            ])
+            .args([
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+            ])
+            .args(["--initial-cluster", &format!("m0={peer}")])
+            .args(["--initial-cluster-token", &self.prefix])
+            .args(["--initial-cluster-state", "new"])
+            .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+            .args(["--logger", "zap", "--log-level", "warn"])
+            .stdin(Stdio::null())
+            .stdout(f.try_clone().unwrap())
+            .stderr(f);
+        // SAFETY: prctl is async-signal-safe and touches no Rust state.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().expect("start etcd in the lab namespace");
+        let pid = child.id();
+        self.children.push(child);
+        let health = format!("{client}/health");
+        self.wait_for("etcd to report healthy", Duration::from_secs(20), || {
+            self.try_run(
+                node,
+                "curl",
+                &["-s", "-m", "1", &health],
+                Duration::from_secs(3),
+            )
+            .is_some_and(|o| String::from_utf8_lossy(&o.stdout).contains("\"health\":\"true\""))
+        });
+        (pid, client.to_string())
+    }
+
+    /// Runs `f` on a thread of its own inside `node`'s network namespace
+    /// (`setns`, that thread only) and returns what it returns: sockets it
+    /// opens are the namespace's, with no `ip netns exec` per call (which
+    /// can take 0.5 s on a loaded machine), for measurements that poll.
+    pub fn in_netns<T: Send>(&self, node: &str, f: impl FnOnce() -> T + Send) -> T {
+        use std::os::fd::AsRawFd;
+        let path = format!("/run/netns/{}", self.namespace(node));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let ns = std::fs::File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
+                // SAFETY: plain syscall on a valid fd; affects this thread only.
+                let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+                assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+                f()
+            })
+            .join()
+            .expect("the thread in the namespace panicked")
+        })
+    }
+
     /// Waits until `cond` holds, polling every 20 ms, up to `limit`.
     pub fn wait_for(&self, what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
         let start = Instant::now();
@@ -240,6 +368,9 @@ impl Drop for Lab {
         let _ = Command::new(bin("capybara"))
             .args(["lab", "down", "--prefix", &self.prefix])
             .output();
+        for d in &self.scratch_dirs {
+            let _ = std::fs::remove_dir_all(d);
+        }
     }
 }
 
@@ -283,13 +414,23 @@ pub fn appliance_config(
     key: &std::path::Path,
     api_listen: &str,
 ) -> PathBuf {
-    let sw = switchd_config(dir, servers, key);
-    let sw = std::fs::read_to_string(sw).expect("read switchd config");
     let mut t = format!(
-        "state_dir = \"{}\"\n[api]\nlisten = \"{api_listen}\"\nadmin_token_file = \"{}\"\n[switchd]\n",
+        "state_dir = \"{}\"\n[api]\nlisten = \"{api_listen}\"\nadmin_token_file = \"{}\"\n",
         dir.display(),
         dir.join("admin-token").display()
     );
+    t.push_str(&switchd_section(&switchd_config(dir, servers, key)));
+    let path = dir.join("capybara.toml");
+    std::fs::write(&path, t).expect("write appliance config");
+    path
+}
+
+/// A lab switchd config file (see [`switchd_config`]) as the `[switchd]`
+/// table of an appliance config: its `store` line left out (the appliance
+/// names the store once), its tables under `switchd.`.
+fn switchd_section(switchd_toml: &std::path::Path) -> String {
+    let sw = std::fs::read_to_string(switchd_toml).expect("read switchd config");
+    let mut t = String::from("[switchd]\n");
     for line in sw.lines() {
         if line.starts_with("store =") {
             continue;
@@ -303,9 +444,64 @@ pub fn appliance_config(
         t.push_str(line);
         t.push('\n');
     }
-    let path = dir.join("capybara.toml");
-    std::fs::write(&path, t).expect("write appliance config");
-    path
+    t
+}
+
+/// The config files of an active/standby switchd pair on one box, as
+/// docs/OPERATIONS.md (Switch failover) describes it: one `capybara run`
+/// config per switchd (a `[switchd]` table, no `[api]`) with
+/// `[switchd.ha] enabled = true` plus `ha_lines`, differing only in
+/// `metrics_listen` (127.0.0.1:`status_ports[i]`, in the switch namespace)
+/// and state_dir; and an API-only one (`[api]` on `api_listen`, admin
+/// token in `dir/admin-token`, `switchd` = every status URL). All on the
+/// etcd at `etcd` (a client URL). Returns (switchd configs, API config).
+pub fn ha_appliance_configs(
+    dir: &std::path::Path,
+    servers: u32,
+    key: &std::path::Path,
+    etcd: &str,
+    api_listen: &str,
+    status_ports: &[u16],
+    ha_lines: &str,
+) -> (Vec<PathBuf>, PathBuf) {
+    let store = format!("[store]\netcd = [\"{etcd}\"]\n");
+    let sw = switchd_config(dir, servers, key);
+    let base = std::fs::read_to_string(&sw).expect("read switchd config");
+    assert!(base.contains("[ha]\nenabled = false\n"));
+    let mut switchds = Vec::new();
+    for (i, port) in status_ports.iter().enumerate() {
+        let text = base
+            .replace(
+                "[ha]\nenabled = false\n",
+                &format!("[ha]\nenabled = true\n{ha_lines}"),
+            )
+            .replace(
+                "metrics_listen = \"127.0.0.1:9102\"",
+                &format!("metrics_listen = \"127.0.0.1:{port}\""),
+            );
+        std::fs::write(&sw, text).expect("write switchd config");
+        let t = format!(
+            "state_dir = \"{}\"\n{store}{}",
+            dir.join(format!("switchd-{i}")).display(),
+            switchd_section(&sw)
+        );
+        let path = dir.join(format!("capybara-switchd-{i}.toml"));
+        std::fs::write(&path, t).expect("write appliance config");
+        switchds.push(path);
+    }
+    let urls: Vec<String> = status_ports
+        .iter()
+        .map(|p| format!("\"http://127.0.0.1:{p}\""))
+        .collect();
+    let t = format!(
+        "state_dir = \"{}\"\n{store}[api]\nlisten = \"{api_listen}\"\nadmin_token_file = \"{}\"\nswitchd = [{}]\n",
+        dir.join("api").display(),
+        dir.join("admin-token").display(),
+        urls.join(", ")
+    );
+    let api = dir.join("capybara-api.toml");
+    std::fs::write(&api, t).expect("write appliance config");
+    (switchds, api)
 }
 
 /// `capybara run CONFIG` inside the switch namespace, logging to `log`.
@@ -369,10 +565,49 @@ pub fn wait_appliance_ready(
 /// Server `id` in switchd's `/status` (`metrics_listen` of the lab's
 /// switchd config, in the switch namespace).
 pub fn switchd_status_server(lab: &Lab, id: u32) -> Option<serde_json::Value> {
+    switchd_status_server_at(lab, 9102, id)
+}
+
+/// The `/status` of the switchd whose `metrics_listen` is
+/// 127.0.0.1:`port` in the switch namespace; `None` when it does not
+/// answer within 1 s (stopped, or not listening yet).
+pub fn switchd_status_at(lab: &Lab, port: u16) -> Option<serde_json::Value> {
+    let url = format!("http://127.0.0.1:{port}/status");
     let out = lab.try_run(
         "sw",
         "curl",
-        &["-s", "-m", "5", "http://127.0.0.1:9102/status"],
+        &["-s", "-m", "1", &url],
+        Duration::from_secs(5),
+    )?;
+    serde_json::from_slice(&out.stdout).ok()
+}
+
+/// `GET path` over HTTP/1.0 to `addr` from the calling thread (see
+/// [`Lab::in_netns`]): the body of a 200 answer; `None` on anything else
+/// or when no answer came within `limit`.
+pub fn http_get(addr: std::net::SocketAddr, path: &str, limit: Duration) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, limit).ok()?;
+    s.set_read_timeout(Some(limit)).ok()?;
+    s.set_write_timeout(Some(limit)).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut buf = Vec::new();
+    s.take(16 << 20).read_to_end(&mut buf).ok()?;
+    let text = String::from_utf8_lossy(&buf);
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    head.split_whitespace()
+        .nth(1)
+        .filter(|code| *code == "200")
+        .map(|_| body.to_string())
+}
+
+/// [`switchd_status_server`] of the switchd on status port `port`.
+pub fn switchd_status_server_at(lab: &Lab, port: u16, id: u32) -> Option<serde_json::Value> {
+    let url = format!("http://127.0.0.1:{port}/status");
+    let out = lab.try_run(
+        "sw",
+        "curl",
+        &["-s", "-m", "5", &url],
         Duration::from_secs(10),
     )?;
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
@@ -504,13 +739,15 @@ pub struct EchoHolder {
 }
 
 const ECHO_HOLDER: &str = r#"
-import socket, sys
+import socket, sys, time
 n = int(sys.argv[1])
 host, port = sys.argv[2].split(":")
 socks = [socket.create_connection((host, int(port)), timeout=20) for _ in range(n)]
 def roundtrip(tag):
+    worst = 0.0
     for i, s in enumerate(socks):
         msg = ("%s-%d;" % (tag, i)).encode() * 50
+        t0 = time.monotonic()
         s.sendall(msg)
         got = b""
         while len(got) < len(msg):
@@ -520,6 +757,8 @@ def roundtrip(tag):
             got += c
         if got != msg:
             sys.exit("connection %d: echo differs" % i)
+        worst = max(worst, time.monotonic() - t0)
+    return worst
 roundtrip("before")
 for s in socks:
     print(s.getsockname()[1])
@@ -535,8 +774,11 @@ for line in sys.stdin:
         print("closed", flush=True)
         break
     k += 1
-    roundtrip("round%d" % k)
-    print("ok", flush=True)
+    worst = roundtrip("round%d" % k)
+    if line.strip() == "timed":
+        print("ok %.1f" % (worst * 1e3), flush=True)
+    else:
+        print("ok", flush=True)
 "#;
 
 impl EchoHolder {
@@ -579,6 +821,21 @@ impl EchoHolder {
         use std::io::Write;
         writeln!(self.stdin, "go").expect("signal the echo client");
         self.line()
+    }
+
+    /// [`Self::round_trip`] that also times each connection's echo: the
+    /// slowest one's round trip in ms, or the client's answer when it was
+    /// not `ok` (empty when the client stopped: its reason, e.g.
+    /// `connection 3 closed by the peer`, is on the test's stderr).
+    pub fn round_trip_timed(&mut self) -> Result<f64, String> {
+        use std::io::Write;
+        if writeln!(self.stdin, "timed").is_err() {
+            return Err("the echo client is gone".into());
+        }
+        let l = self.line();
+        l.strip_prefix("ok ")
+            .and_then(|ms| ms.parse().ok())
+            .ok_or(l)
     }
 
     /// Closes every connection cleanly (FIN, then the peer's FIN read):

@@ -120,6 +120,29 @@ def test_drain_shows_progress_then_undrain(page: Page, api: Api, shot):
     shot(page, "08-undrained")
 
 
+def test_operator_weight_is_marked_and_cleared(page: Page, api: Api, shot):
+    """A weight set in the dashboard is marked as the operator's, with the
+    weight the server reports; Clear returns to that weight (DELETE
+    /v1/servers/{id}/weight) and the mark goes."""
+    before = api.get("/v1/servers/1")
+    assert before["weight_source"] == "register", before
+    login(page, api)
+    expect(page.get_by_test_id("weight-operator-1")).to_have_count(0)
+    page.get_by_test_id("server-weight-1").fill("40")
+    page.get_by_test_id("weight-save-1").click()
+    mark = page.get_by_test_id("weight-operator-1")
+    expect(mark).to_contain_text(f"operator (reports {before['weight']})")
+    s = api.get("/v1/servers/1")
+    assert (s["weight"], s["weight_source"], s["register_weight"]) == (40, "operator", before["weight"])
+    shot(page, "04b-operator-weight")
+
+    page.get_by_test_id("weight-clear-1").click()
+    expect(mark).to_have_count(0)
+    expect(page.get_by_test_id("server-weight-1")).to_have_value(str(before["weight"]))
+    s = api.get("/v1/servers/1")
+    assert (s["weight"], s["weight_source"]) == (before["weight"], "register")
+
+
 def test_policy_threshold_validated_and_saved(page: Page, api: Api, shot):
     before = api.get("/v1/policy")
     login(page, api)

@@ -1,8 +1,9 @@
 //! The API's view of an active/standby switchd pair: several switchd HTTP
 //! endpoints, every live operation going to the one whose `/status` says
 //! `"role": "active"`. The choice is re-probed at most once a second, and at
-//! once after a call failed (the active died: the standby takes over within
-//! its takeover time, and the next call finds it).
+//! once after a call failed or a server listing came from the store (the
+//! active died: the standby takes over within its takeover time, and the
+//! next call finds it).
 
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
@@ -132,7 +133,20 @@ impl ControlPlane for ActiveSwitchd {
             // "Liveness and readiness of the API").
             return self.planes[0].server_stats_from_store().await;
         }
-        self.on_active(|p| Box::pin(p.server_stats())).await
+        let stats = self.on_active(|p| Box::pin(p.server_stats())).await?;
+        if !stats.values().any(|s| s.data_source == DataSource::Store) {
+            return Ok(stats);
+        }
+        // The endpoint chosen did not answer, and its plane answered from
+        // the store instead of failing: it died since it was probed (a
+        // takeover). Probe again now rather than at the next re-probe, up
+        // to a second later, while the new active serves (before, the
+        // servers were listed from the store for that second).
+        self.forget();
+        match self.active().await {
+            Ok(p) => p.server_stats().await,
+            Err(_) => self.planes[0].server_stats_from_store().await,
+        }
     }
     async fn service_serving(&self) -> Option<HashMap<(Ipv4Addr, u16), ServiceServing>> {
         let p = self.active().await.ok()?;

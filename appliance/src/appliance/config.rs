@@ -97,6 +97,12 @@ fn misplaced_key_hint(message: &str) -> String {
         .unwrap_or_default()
 }
 
+/// serde's Rust type names as kinds of TOML values (`expected usize` ->
+/// `expected a non-negative integer`).
+fn plain_types(message: &str) -> String {
+    capybara_confkit::plain_types(message, "a table")
+}
+
 /// The field of a `[switchd]` error as the file spells it from the top:
 /// `switchd.services[1].vip` (serde_path_to_error's path within the
 /// section: `services[1].vip`, `.` for the section itself).
@@ -107,11 +113,44 @@ fn switchd_field(path: &str) -> String {
     }
 }
 
+/// `run` creates `state_dir` (and its parents) and nothing else: a file
+/// the appliance creates (`api.admin_token_file`, `api.db`,
+/// `store.sqlite`) needs a directory that exists, or that `run` creates.
+fn check_parent_dir(field: &str, file: &Path, state_dir: &Path) -> Result<(), ConfigError> {
+    let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) else {
+        return Ok(());
+    };
+    let value = format!("{:?}", file.display().to_string());
+    if dir.is_dir() || state_dir.starts_with(dir) {
+        return Ok(());
+    }
+    let reason = if dir.exists() {
+        format!("{} is not a directory", dir.display())
+    } else {
+        format!(
+            "directory {} does not exist (create it, or name a file in state_dir {})",
+            dir.display(),
+            state_dir.display()
+        )
+    };
+    Err(invalid(field, value, reason))
+}
+
 /// The store both components use.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreChoice {
     Sqlite(PathBuf),
     Etcd(Vec<String>),
+}
+
+/// As an operator reads it: `sqlite /path` or `etcd URL,URL`.
+impl std::fmt::Display for StoreChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreChoice::Sqlite(p) => write!(f, "sqlite {}", p.display()),
+            StoreChoice::Etcd(eps) => write!(f, "etcd {}", eps.join(",")),
+        }
+    }
 }
 
 impl StoreChoice {
@@ -169,13 +208,27 @@ impl ApplianceConfig {
     }
 
     pub fn from_toml(text: &str) -> Result<Self, ApplianceConfigError> {
-        let raw: RawAppliance = toml::from_str(text).map_err(|e| ApplianceConfigError::Parse {
-            path: String::new(),
-            err: format!(
-                "{}{}",
-                e.to_string().trim_end().replace('\n', " "),
-                misplaced_key_hint(e.message())
-            ),
+        let raw: RawAppliance = toml::from_str(text).map_err(|e| {
+            // One line, as hostagent's: the message and the line it is
+            // about (toml's own text draws the line over several).
+            let at = e
+                .span()
+                .map(|s| {
+                    let n = text[..s.start.min(text.len())].matches('\n').count() + 1;
+                    format!(
+                        " (line {n}: {})",
+                        text.lines().nth(n - 1).unwrap_or("").trim()
+                    )
+                })
+                .unwrap_or_default();
+            ApplianceConfigError::Parse {
+                path: String::new(),
+                err: format!(
+                    "{}{at}{}",
+                    plain_types(e.message()).trim_end().replace('\n', " "),
+                    misplaced_key_hint(e.message())
+                ),
+            }
         })?;
         Self::validate(raw)
     }
@@ -234,6 +287,7 @@ impl ApplianceConfig {
                         "must be an absolute path",
                     ));
                 }
+                check_parent_dir("store.sqlite", &p, &state_dir)?;
                 StoreChoice::Sqlite(p)
             }
             (None, None) => StoreChoice::Sqlite(state_dir.join("store.db")),
@@ -258,7 +312,7 @@ impl ApplianceConfig {
                             err: format!(
                                 "in [switchd]: {}: {}{}",
                                 switchd_field(&e.path().to_string()),
-                                message.trim_end().replace('\n', " "),
+                                plain_types(message).trim_end().replace('\n', " "),
                                 misplaced_key_hint(message)
                             ),
                         }
@@ -285,6 +339,22 @@ impl ApplianceConfig {
                 })?;
                 if !(1..=64).contains(&a.workers) {
                     return Err(invalid("api.workers", a.workers, "must be 1..=64"));
+                }
+                // switchd's HTTP endpoint binds in the same process: `run`
+                // would fail on the second bind.
+                if let Some(m) = switchd.as_ref().map(|s| s.metrics_listen) {
+                    let overlap = m.ip() == listen.ip()
+                        || m.ip().is_unspecified()
+                        || listen.ip().is_unspecified();
+                    if listen.port() != 0 && m.port() == listen.port() && overlap {
+                        return Err(invalid(
+                            "api.listen",
+                            format!("{:?}", a.listen),
+                            format!(
+                                "switchd.metrics_listen ({m}) takes that port too: give them different ports"
+                            ),
+                        ));
+                    }
                 }
                 let switchd_urls = match a.switchd {
                     Some(urls) => {
@@ -326,6 +396,12 @@ impl ApplianceConfig {
                         format!("{:?}", f.display().to_string()),
                         "is a directory (name the file the admin token is written to)",
                     ));
+                }
+                if let Some(f) = &a.admin_token_file {
+                    check_parent_dir("api.admin_token_file", f, &state_dir)?;
+                }
+                if let Some(db) = &a.db {
+                    check_parent_dir("api.db", db, &state_dir)?;
                 }
                 Some(ApiSettings {
                     listen,
@@ -374,10 +450,7 @@ impl ApplianceConfig {
 
     /// One line for `--check` and the start banner.
     pub fn summary(&self) -> String {
-        let store = match &self.store {
-            StoreChoice::Sqlite(p) => format!("sqlite {}", p.display()),
-            StoreChoice::Etcd(eps) => format!("etcd {}", eps.join(",")),
-        };
+        let store = &self.store;
         let sw = match &self.switchd {
             Some(s) => format!(
                 "switchd on {} interface(s), {} service(s), HA {}",
@@ -441,6 +514,8 @@ pool = []
                 "/var/lib/capybara/store.db".into()
             ))
         );
+        // Messages name the store in words (`opening store ...`).
+        assert_eq!(c.store.to_string(), "sqlite /var/lib/capybara/store.db");
         let api = c.api.unwrap();
         assert_eq!(api.switchd, vec!["http://127.0.0.1:9102".to_string()]);
         assert_eq!(api.db, PathBuf::from("/var/lib/capybara/api.db"));
@@ -490,6 +565,97 @@ pool = []
         let e = err("[api]\nadmin_token_file = \"/tmp\"\n");
         assert!(
             e.contains("`api.admin_token_file`") && e.contains("is a directory"),
+            "{e}"
+        );
+    }
+
+    /// `run` creates state_dir and nothing else: a file elsewhere in a
+    /// directory that does not exist fails `run`, so `--check` refuses it.
+    #[test]
+    fn files_in_missing_directories_are_refused() {
+        let tmp = std::env::temp_dir().join(format!("capybara-config-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).unwrap();
+        let t = tmp.display().to_string();
+        let state = format!("state_dir = \"{t}/state\"\n");
+        let e = err(&format!(
+            "{state}[api]\nadmin_token_file = \"{t}/nope/admin-token\"\n"
+        ));
+        assert!(
+            e.contains("`api.admin_token_file`")
+                && e.contains(&format!("directory {t}/nope does not exist")),
+            "{e}"
+        );
+        let e = err(&format!("{state}[api]\ndb = \"{t}/nope/api.db\"\n"));
+        assert!(
+            e.contains("`api.db`") && e.contains("does not exist"),
+            "{e}"
+        );
+        let e = err(&format!(
+            "{state}[store]\nsqlite = \"{t}/nope/store.db\"\n[api]\n"
+        ));
+        assert!(
+            e.contains("`store.sqlite`") && e.contains("does not exist"),
+            "{e}"
+        );
+        // A parent that is a file.
+        std::fs::write(tmp.join("file"), "x").unwrap();
+        let e = err(&format!(
+            "{state}[api]\nadmin_token_file = \"{t}/file/admin-token\"\n"
+        ));
+        assert!(e.contains(&format!("{t}/file is not a directory")), "{e}");
+        // What run creates is fine: state_dir (not there yet) and its
+        // parents; and an existing directory.
+        for f in [
+            format!("{t}/state/admin-token"),
+            format!("{t}/admin-token"),
+            "admin-token".to_string(),
+        ] {
+            ApplianceConfig::from_toml(&format!(
+                "{state}[store]\nsqlite = \"{t}/state/store.db\"\n[api]\nadmin_token_file = \"{f}\"\ndb = \"{t}/state/api.db\"\n"
+            ))
+            .unwrap_or_else(|e| panic!("{f}: {e}"));
+        }
+        std::fs::remove_dir_all(&tmp).unwrap();
+    }
+
+    /// `api.listen` on switchd's `metrics_listen` (default
+    /// 127.0.0.1:9102) fails `run`'s second bind: `--check` says so.
+    #[test]
+    fn the_api_and_switchd_http_ports_differ() {
+        let e = err(&format!("[api]\nlisten = \"127.0.0.1:9102\"\n{SWITCHD}"));
+        assert!(
+            e.contains("`api.listen` = \"127.0.0.1:9102\"")
+                && e.contains("switchd.metrics_listen (127.0.0.1:9102)"),
+            "{e}"
+        );
+        let e = err(&format!("[api]\nlisten = \"0.0.0.0:9102\"\n{SWITCHD}"));
+        assert!(e.contains("`api.listen`"), "{e}");
+        for ok in ["127.0.0.1:8080", "127.0.0.2:9102", "127.0.0.1:0"] {
+            ApplianceConfig::from_toml(&format!("[api]\nlisten = \"{ok}\"\n{SWITCHD}"))
+                .unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+    }
+
+    /// Parse errors are one line naming the line, in words, not Rust
+    /// types or toml's drawing of the line.
+    #[test]
+    fn parse_errors_are_one_line_in_words() {
+        let e = err("[api]\nworkers = \"4\"\n");
+        assert_eq!(
+            e,
+            "config : invalid type: string \"4\", expected a non-negative integer (line 2: workers = \"4\")"
+        );
+        let e = err(&SWITCHD.replace("pool = []", "pool = [1]"));
+        assert!(
+            e.ends_with(
+                "`switchd.services[0].pool[0]`: invalid type: integer `1`, expected a table"
+            ),
+            "{e}"
+        );
+        let e = err("[API]\n");
+        assert!(
+            e.contains("unknown field `API`") && e.contains("(line 1: [API])") && !e.contains('|'),
             "{e}"
         );
     }

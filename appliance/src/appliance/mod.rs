@@ -36,7 +36,7 @@ pub fn run(cfg: ApplianceConfig) -> anyhow::Result<()> {
     if matches!(cfg.store, config::StoreChoice::Sqlite(_)) && cfg.switchd.is_some() {
         actix_web::rt::System::new()
             .block_on(capybara_store::open(&cfg.store.store_config()))
-            .with_context(|| format!("opening store {:?}", cfg.store))?;
+            .with_context(|| format!("opening store {}", cfg.store))?;
     }
 
     let switchd = cfg.switchd.clone().map(|sw| {
@@ -76,7 +76,7 @@ pub fn run(cfg: ApplianceConfig) -> anyhow::Result<()> {
 async fn run_api(cfg: &ApplianceConfig, api: &ApiSettings) -> anyhow::Result<()> {
     let store = capybara_store::open(&cfg.store.store_config())
         .await
-        .with_context(|| format!("opening store {:?}", cfg.store))?;
+        .with_context(|| format!("opening store {}", cfg.store))?;
     let db = Arc::new(
         ApiDb::open(&api.db).with_context(|| format!("opening api.db {}", api.db.display()))?,
     );
@@ -86,9 +86,12 @@ async fn run_api(cfg: &ApplianceConfig, api: &ApiSettings) -> anyhow::Result<()>
             None => println!("admin token (shown once): {secret}"),
         }
     }
+    // The problem's detail (e.g. `store error: SQLite store PATH: file is
+    // corrupt ...`), without the HTTP status and title that only mean
+    // something in a response.
     let cp = StoreControlPlane::new(store.clone(), db.clone())
         .await
-        .map_err(|p| anyhow::anyhow!("{p}"))?;
+        .map_err(|p| anyhow::anyhow!("{}", p.detail))?;
     let control_plane: Arc<dyn capybara_api::ControlPlane> = match api.switchd.len() {
         0 => Arc::new(cp),
         1 => Arc::new(

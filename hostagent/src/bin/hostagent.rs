@@ -17,6 +17,20 @@ use capybara_tcpmig::{BufferMode, Engine, EngineConfig};
 use std::process::ExitCode;
 use std::rc::Rc;
 
+const HELP: &str = "usage: hostagent --config FILE [--check] [--metrics ADDR:PORT]
+The Capybara server agent: the user-space TCP/IP stack on one interface, the
+configured services, live migration and the registration with switchd
+(docs/HOSTAGENT.md, \"Configuration\").
+  --config FILE        the configuration (TOML)
+  --check              validate the configuration and the files it names (the
+                       migration key, a sidecar's TLS certificate and key), then
+                       exit: 0 valid, 2 not (one line naming the field)
+  --metrics ADDR:PORT  serve Prometheus metrics over kernel TCP there (the
+                       management address)
+  -h, --help           this help
+exit status: 0 after SIGINT/SIGTERM, 1 the device failed, 2 a bad command line
+or configuration";
+
 fn usage_error(msg: impl std::fmt::Display) -> ExitCode {
     eprintln!("hostagent: {msg}");
     ExitCode::from(2)
@@ -29,12 +43,24 @@ fn main() -> ExitCode {
     let mut metrics_addr: Option<String> = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
+        // A flag's value is the next argument; a flag given last has none
+        // (before, `--metrics` then ran without metrics, silently).
+        let mut value = |flag: &str, what: &str| match it.next() {
+            Some(v) if !v.starts_with("--") => Ok(v.clone()),
+            _ => Err(usage_error(format!("{flag} needs {what} (try --help)"))),
+        };
         match a.as_str() {
-            "--config" => config_path = it.next().cloned(),
+            "--config" => match value("--config", "FILE") {
+                Ok(v) => config_path = Some(v),
+                Err(code) => return code,
+            },
             "--check" => check = true,
-            "--metrics" => metrics_addr = it.next().cloned(),
+            "--metrics" => match value("--metrics", "ADDR:PORT") {
+                Ok(v) => metrics_addr = Some(v),
+                Err(code) => return code,
+            },
             "-h" | "--help" => {
-                println!("usage: hostagent --config FILE [--check] [--metrics ADDR:PORT]");
+                println!("{HELP}");
                 return ExitCode::SUCCESS;
             }
             other => return usage_error(format!("unknown argument {other:?} (try --help)")),

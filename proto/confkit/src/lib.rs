@@ -47,9 +47,122 @@ pub fn misplaced_key_hint(message: &str, keys: &[&str], level: Level) -> Option<
     ))
 }
 
+/// serde's messages name Rust types (`expected u64`, `expected struct
+/// PoolMember`, `invalid type: map`); the operator who wrote the value
+/// reads the kind of value instead: `a non-negative integer`, `a number`,
+/// `an array`, and `object` for a struct or map (`a table` in TOML, `an
+/// object` in JSON). The rest of the message is kept as it is.
+pub fn plain_types(message: &str, object: &str) -> String {
+    fn plain(word: &str) -> Option<&'static str> {
+        Some(match word {
+            "u8" => "an integer from 0 to 255",
+            "u16" => "an integer from 0 to 65535",
+            "u32" => "an integer from 0 to 4294967295",
+            "u64" | "u128" | "usize" => "a non-negative integer",
+            "i8" | "i16" | "i32" | "i64" | "i128" | "isize" => "an integer",
+            "f32" | "f64" => "a number",
+            "a sequence" => "an array",
+            _ => return None,
+        })
+    }
+    let is_word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut out = String::with_capacity(message.len() + 16);
+    let mut rest = message;
+    while let Some(i) = rest.find("expected ") {
+        let (head, tail) = rest.split_at(i + "expected ".len());
+        out.push_str(head);
+        if let Some(t) = tail
+            .strip_prefix("struct ")
+            .or_else(|| tail.strip_prefix("a map"))
+        {
+            out.push_str(object);
+            rest = &t[t.find(|c| !is_word(c)).unwrap_or(t.len())..];
+            continue;
+        }
+        let t = tail.strip_prefix("a ").unwrap_or(tail);
+        let n = t.find(|c| !is_word(c)).unwrap_or(t.len());
+        let word = &tail[..tail.len() - t.len() + n];
+        match plain(word) {
+            Some(p) => {
+                out.push_str(p);
+                rest = &tail[word.len()..];
+            }
+            None => rest = tail,
+        }
+    }
+    out.push_str(rest);
+    out.replace(
+        "invalid type: map,",
+        &format!(
+            "invalid type: {},",
+            object.trim_start_matches("a ").trim_start_matches("an ")
+        ),
+    )
+    .replace("invalid type: sequence,", "invalid type: array,")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rust_types_read_as_kinds_of_values() {
+        for (m, want) in [
+            (
+                "invalid type: string \"abc\", expected u64",
+                "invalid type: string \"abc\", expected a non-negative integer",
+            ),
+            (
+                "invalid value: integer `70000`, expected u16",
+                "invalid value: integer `70000`, expected an integer from 0 to 65535",
+            ),
+            (
+                "invalid type: string \"x\", expected f64",
+                "invalid type: string \"x\", expected a number",
+            ),
+            (
+                "invalid type: string \"4\", expected usize",
+                "invalid type: string \"4\", expected a non-negative integer",
+            ),
+            (
+                "invalid value: integer `-1`, expected u32",
+                "invalid value: integer `-1`, expected an integer from 0 to 4294967295",
+            ),
+            (
+                "invalid type: integer `1`, expected struct PoolMember",
+                "invalid type: integer `1`, expected a table",
+            ),
+            (
+                "invalid type: map, expected a sequence",
+                "invalid type: table, expected an array",
+            ),
+            (
+                "invalid type: sequence, expected a map",
+                "invalid type: array, expected a table",
+            ),
+            // Already plain: unchanged.
+            (
+                "invalid type: string \"yes\", expected a boolean",
+                "invalid type: string \"yes\", expected a boolean",
+            ),
+            (
+                "unknown variant `x`, expected `client` or `server`",
+                "unknown variant `x`, expected `client` or `server`",
+            ),
+            ("missing field `vip`", "missing field `vip`"),
+            ("expected u64x", "expected u64x"),
+            ("", ""),
+        ] {
+            assert_eq!(plain_types(m, "a table"), want, "{m}");
+        }
+        assert_eq!(
+            plain_types(
+                "invalid type: integer `1`, expected struct Service",
+                "an object"
+            ),
+            "invalid type: integer `1`, expected an object"
+        );
+    }
 
     const KEYS: &[&str] = &["name", "placement"];
 

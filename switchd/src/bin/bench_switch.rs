@@ -78,6 +78,7 @@ fn main() -> anyhow::Result<()> {
             CService {
                 index: 1,
                 placement: PLACE_MAGLEV,
+                flags: 0,
             },
         )?;
     }
@@ -86,6 +87,7 @@ fn main() -> anyhow::Result<()> {
         CService {
             index: 0,
             placement: PLACE_MAGLEV,
+            flags: 0,
         },
     )?;
     let table = maglev::build_table(&backends, MAGLEV_SIZE);

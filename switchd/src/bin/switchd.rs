@@ -63,15 +63,7 @@ fn main() {
             eprintln!("switchd: {e}");
             std::process::exit(2);
         }
-        println!(
-            "switchd: config {} OK: {} services, {} interfaces, placement {:?}, store {:?}, HA {}",
-            path.display(),
-            cfg.services.len(),
-            cfg.interfaces.len(),
-            cfg.placement,
-            cfg.store,
-            if cfg.ha.enabled { "on" } else { "off" }
-        );
+        println!("switchd: config {} OK: {}", path.display(), cfg.summary());
         return;
     }
     if let Some(p) = dump {

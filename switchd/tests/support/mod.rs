@@ -103,6 +103,7 @@ pub fn setup() -> Lab {
         CService {
             index: 0,
             placement: PLACE_MAGLEV,
+            flags: 0,
         },
     )
     .unwrap();
@@ -114,6 +115,7 @@ pub fn setup() -> Lab {
         CService {
             index: 1,
             placement: PLACE_RING,
+            flags: 0,
         },
     )
     .unwrap();

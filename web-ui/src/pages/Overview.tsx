@@ -139,6 +139,13 @@ function ServerCard({
       onServer(await clients.servers.setServerWeight({ serverId: s.id, weightUpdate: { weight: weightNum } }));
       setWeightDirty(false);
     });
+  const clearWeight = () =>
+    act(async () => {
+      await clients.servers.clearServerWeight({ serverId: s.id });
+      setWeightDirty(false);
+      onServer(await clients.servers.getServer({ serverId: s.id }));
+    });
+  const operatorWeight = s.weight_source === 'operator';
 
   const drainRunning = s.drain?.state === 'running';
   const canDrain = operate && s.state === 'active' && !drainRunning;
@@ -189,6 +196,23 @@ function ServerCard({
             </button>
           )}
           {weightDirty && weightError && <span className="field-error">{weightError}</span>}
+          {!weightDirty && operatorWeight && (
+            <>
+              <span
+                className="muted small"
+                title="set by an operator: it applies over the weight the server's hostagent reports, also across its restarts, until cleared"
+                data-testid={`weight-operator-${s.id}`}
+              >
+                {' '}
+                operator{s.register_weight != null ? ` (reports ${s.register_weight})` : ''}
+              </span>
+              {operate && (
+                <button className="small" disabled={busy} onClick={clearWeight} data-testid={`weight-clear-${s.id}`}>
+                  Clear
+                </button>
+              )}
+            </>
+          )}
         </dd>
         <dt>Addresses</dt>
         <dd className="small">

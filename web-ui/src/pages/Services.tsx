@@ -303,6 +303,15 @@ function Serving({ svc, servers }: { svc: ServiceView; servers: Record<number, S
         </span>
       ))}
       {v.fail_open && <span className="chip badge-draining" title="every member reports its application down">fail open</span>}
+      {v.refusing && (
+        <span
+          className="chip badge-dead"
+          title="no server can take a new connection (every one drained, at weight 0 or dead): new connections are refused; undrain a server or give one a weight"
+          data-testid={`service-refusing-${svc.name}`}
+        >
+          refusing new connections
+        </span>
+      )}
     </span>
   );
 }

@@ -66,6 +66,24 @@ export interface Server {
      */
     weight: number;
     /**
+     * `operator`: `weight` was set through the API (`PUT
+     * /v1/servers/{server_id}/weight`, `ctl weight`, the dashboard)
+     * and applies over the server's REGISTER, across its restarts,
+     * until `DELETE /v1/servers/{server_id}/weight` clears it.
+     * `register`: the weight the server's hostagent reports
+     * (`[control] weight`).
+     * 
+     */
+    weight_source: ServerWeightSourceEnum;
+    /**
+     * While `weight_source` is `operator`: the weight the server's
+     * REGISTER reports, which clearing the operator's weight brings
+     * back. Null otherwise, or when not known (a weight given when
+     * the server was created through the API).
+     * 
+     */
+    register_weight?: number | null;
+    /**
      * 
      */
     registered_unix_ms: number;
@@ -84,6 +102,15 @@ export interface Server {
 }
 
 
+/**
+ * @export
+ */
+export const ServerWeightSourceEnum = {
+    register: 'register',
+    operator: 'operator',
+} as const;
+export type ServerWeightSourceEnum = typeof ServerWeightSourceEnum[keyof typeof ServerWeightSourceEnum];
+
 
 /**
  * Check if a given object implements the Server interface.
@@ -95,6 +122,7 @@ export function instanceOfServer(value: object): value is Server {
     if (!('data_addr' in value) || value['data_addr'] === undefined) return false;
     if (!('state' in value) || value['state'] === undefined) return false;
     if (!('weight' in value) || value['weight'] === undefined) return false;
+    if (!('weight_source' in value) || value['weight_source'] === undefined) return false;
     if (!('registered_unix_ms' in value) || value['registered_unix_ms'] === undefined) return false;
     if (!('updated_unix_ms' in value) || value['updated_unix_ms'] === undefined) return false;
     if (!('stats' in value) || value['stats'] === undefined) return false;
@@ -117,6 +145,8 @@ export function ServerFromJSONTyped(json: any, ignoreDiscriminator: boolean): Se
         'data_addr': json['data_addr'],
         'state': ServerStateFromJSON(json['state']),
         'weight': json['weight'],
+        'weight_source': json['weight_source'],
+        'register_weight': json['register_weight'] === undefined ? undefined : json['register_weight'] === null ? null : json['register_weight'],
         'registered_unix_ms': json['registered_unix_ms'],
         'updated_unix_ms': json['updated_unix_ms'],
         'stats': ServerStatsFromJSON(json['stats']),
@@ -141,6 +171,8 @@ export function ServerToJSONTyped(value?: Server | null, ignoreDiscriminator: bo
         'data_addr': value['data_addr'],
         'state': ServerStateToJSON(value['state']),
         'weight': value['weight'],
+        'weight_source': value['weight_source'],
+        'register_weight': value['register_weight'],
         'registered_unix_ms': value['registered_unix_ms'],
         'updated_unix_ms': value['updated_unix_ms'],
         'stats': ServerStatsToJSON(value['stats']),

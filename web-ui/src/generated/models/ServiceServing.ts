@@ -43,6 +43,16 @@ export interface ServiceServing {
      * Every live member reports its application down, so placement keeps them all.
      */
     fail_open: boolean;
+    /**
+     * No member can take a new connection for a lasting reason (every
+     * one drained or draining, at operator weight 0, or dead past its
+     * grace): switchd answers new connections with a reset
+     * (connection refused) instead of leaving them unanswered
+     * (docs/SWITCHD.md, "No server to take a connection"). Undrain a
+     * server or give one a weight to serve again.
+     * 
+     */
+    refusing: boolean;
 }
 
 /**
@@ -53,6 +63,7 @@ export function instanceOfServiceServing(value: object): value is ServiceServing
     if (!('members' in value) || value['members'] === undefined) return false;
     if (!('apps_down' in value) || value['apps_down'] === undefined) return false;
     if (!('fail_open' in value) || value['fail_open'] === undefined) return false;
+    if (!('refusing' in value) || value['refusing'] === undefined) return false;
     return true;
 }
 
@@ -70,6 +81,7 @@ export function ServiceServingFromJSONTyped(json: any, ignoreDiscriminator: bool
         'members': json['members'],
         'apps_down': json['apps_down'],
         'fail_open': json['fail_open'],
+        'refusing': json['refusing'],
     };
 }
 
@@ -88,6 +100,7 @@ export function ServiceServingToJSONTyped(value?: ServiceServing | null, ignoreD
         'members': value['members'],
         'apps_down': value['apps_down'],
         'fail_open': value['fail_open'],
+        'refusing': value['refusing'],
     };
 }
 

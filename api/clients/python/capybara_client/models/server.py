@@ -17,7 +17,7 @@ import pprint
 import re  # noqa: F401
 import json
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 from typing import Any, ClassVar, Dict, List, Optional
 from typing_extensions import Annotated
 from capybara_client.models.drain import Drain
@@ -37,11 +37,20 @@ class Server(BaseModel):
     data_addr: StrictStr
     state: ServerState
     weight: Annotated[int, Field(strict=True, ge=0)]
+    weight_source: StrictStr = Field(description="`operator`: `weight` was set through the API (`PUT /v1/servers/{server_id}/weight`, `ctl weight`, the dashboard) and applies over the server's REGISTER, across its restarts, until `DELETE /v1/servers/{server_id}/weight` clears it. `register`: the weight the server's hostagent reports (`[control] weight`). ")
+    register_weight: Optional[Annotated[int, Field(strict=True, ge=0)]] = Field(default=None, description="While `weight_source` is `operator`: the weight the server's REGISTER reports, which clearing the operator's weight brings back. Null otherwise, or when not known (a weight given when the server was created through the API). ")
     registered_unix_ms: StrictInt
     updated_unix_ms: StrictInt
     stats: ServerStats
     drain: Optional[Drain] = Field(default=None, description="The current or last drain, if any.")
-    __properties: ClassVar[List[str]] = ["id", "name", "mgmt_addr", "data_addr", "state", "weight", "registered_unix_ms", "updated_unix_ms", "stats", "drain"]
+    __properties: ClassVar[List[str]] = ["id", "name", "mgmt_addr", "data_addr", "state", "weight", "weight_source", "register_weight", "registered_unix_ms", "updated_unix_ms", "stats", "drain"]
+
+    @field_validator('weight_source')
+    def weight_source_validate_enum(cls, value):
+        """Validates the enum"""
+        if value not in set(['register', 'operator']):
+            raise ValueError("must be one of enum values ('register', 'operator')")
+        return value
 
     model_config = ConfigDict(
         validate_by_name=True,
@@ -88,6 +97,11 @@ class Server(BaseModel):
         # override the default output from pydantic by calling `to_dict()` of drain
         if self.drain:
             _dict['drain'] = self.drain.to_dict()
+        # set to None if register_weight (nullable) is None
+        # and model_fields_set contains the field
+        if self.register_weight is None and "register_weight" in self.model_fields_set:
+            _dict['register_weight'] = None
+
         # set to None if drain (nullable) is None
         # and model_fields_set contains the field
         if self.drain is None and "drain" in self.model_fields_set:
@@ -111,6 +125,8 @@ class Server(BaseModel):
             "data_addr": obj.get("data_addr"),
             "state": obj.get("state"),
             "weight": obj.get("weight"),
+            "weight_source": obj.get("weight_source"),
+            "register_weight": obj.get("register_weight"),
             "registered_unix_ms": obj.get("registered_unix_ms"),
             "updated_unix_ms": obj.get("updated_unix_ms"),
             "stats": ServerStats.from_dict(obj["stats"]) if obj.get("stats") is not None else None,

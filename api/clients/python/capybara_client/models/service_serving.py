@@ -32,7 +32,8 @@ class ServiceServing(BaseModel):
     members: List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]] = Field(description="The servers switchd resolved as the pool: the named ones and those whose hostagent serves the VIP:port; for an empty pool also every registered server whose hostagent lists no service. New connections go to those that are active and whose application is up. ")
     apps_down: List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]] = Field(description="Members whose application of this service their health checks report down.")
     fail_open: StrictBool = Field(description="Every live member reports its application down, so placement keeps them all.")
-    __properties: ClassVar[List[str]] = ["served", "members", "apps_down", "fail_open"]
+    refusing: StrictBool = Field(description="No member can take a new connection for a lasting reason (every one drained or draining, at operator weight 0, or dead past its grace): switchd answers new connections with a reset (connection refused) instead of leaving them unanswered (docs/SWITCHD.md, \"No server to take a connection\"). Undrain a server or give one a weight to serve again. ")
+    __properties: ClassVar[List[str]] = ["served", "members", "apps_down", "fail_open", "refusing"]
 
     model_config = ConfigDict(
         validate_by_name=True,
@@ -88,7 +89,8 @@ class ServiceServing(BaseModel):
             "served": obj.get("served"),
             "members": obj.get("members"),
             "apps_down": obj.get("apps_down"),
-            "fail_open": obj.get("fail_open")
+            "fail_open": obj.get("fail_open"),
+            "refusing": obj.get("refusing")
         })
         return _obj
 

@@ -25,6 +25,17 @@ pub struct Server {
     pub state: models::ServerState,
     #[serde(rename = "weight")]
     pub weight: i32,
+    /// `operator`: `weight` was set through the API (`PUT /v1/servers/{server_id}/weight`, `ctl weight`, the dashboard) and applies over the server's REGISTER, across its restarts, until `DELETE /v1/servers/{server_id}/weight` clears it. `register`: the weight the server's hostagent reports (`[control] weight`).
+    #[serde(rename = "weight_source")]
+    pub weight_source: WeightSource,
+    /// While `weight_source` is `operator`: the weight the server's REGISTER reports, which clearing the operator's weight brings back. Null otherwise, or when not known (a weight given when the server was created through the API).
+    #[serde(
+        rename = "register_weight",
+        default,
+        with = "::serde_with::rust::double_option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub register_weight: Option<Option<i32>>,
     #[serde(rename = "registered_unix_ms")]
     pub registered_unix_ms: i64,
     #[serde(rename = "updated_unix_ms")]
@@ -49,6 +60,7 @@ impl Server {
         data_addr: String,
         state: models::ServerState,
         weight: i32,
+        weight_source: WeightSource,
         registered_unix_ms: i64,
         updated_unix_ms: i64,
         stats: models::ServerStats,
@@ -60,10 +72,26 @@ impl Server {
             data_addr,
             state,
             weight,
+            weight_source,
+            register_weight: None,
             registered_unix_ms,
             updated_unix_ms,
             stats,
             drain: None,
         }
+    }
+}
+/// `operator`: `weight` was set through the API (`PUT /v1/servers/{server_id}/weight`, `ctl weight`, the dashboard) and applies over the server's REGISTER, across its restarts, until `DELETE /v1/servers/{server_id}/weight` clears it. `register`: the weight the server's hostagent reports (`[control] weight`).
+#[derive(Clone, Copy, Debug, Eq, PartialEq, Ord, PartialOrd, Hash, Serialize, Deserialize)]
+pub enum WeightSource {
+    #[serde(rename = "register")]
+    Register,
+    #[serde(rename = "operator")]
+    Operator,
+}
+
+impl Default for WeightSource {
+    fn default() -> WeightSource {
+        Self::Register
     }
 }

@@ -25,6 +25,9 @@ pub struct ServiceServing {
     /// Every live member reports its application down, so placement keeps them all.
     #[serde(rename = "fail_open")]
     pub fail_open: bool,
+    /// No member can take a new connection for a lasting reason (every one drained or draining, at operator weight 0, or dead past its grace): switchd answers new connections with a reset (connection refused) instead of leaving them unanswered (docs/SWITCHD.md, \"No server to take a connection\"). Undrain a server or give one a weight to serve again.
+    #[serde(rename = "refusing")]
+    pub refusing: bool,
 }
 
 impl ServiceServing {
@@ -33,12 +36,14 @@ impl ServiceServing {
         members: Vec<i64>,
         apps_down: Vec<i64>,
         fail_open: bool,
+        refusing: bool,
     ) -> ServiceServing {
         ServiceServing {
             served,
             members,
             apps_down,
             fail_open,
+            refusing,
         }
     }
 }

@@ -1,0 +1,908 @@
+//! Recovery of the appliance's SQLite store (lab, root; release binaries,
+//! or `CAPYBARA_BIN_DIR`; the `sqlite3` shell): the figures of
+//! docs/OPERATIONS.md "## Recovery" come from here.
+//!
+//! - Backup and restore: servers with an operator weight, a drain and a
+//!   service created through the REST API, a real Linux client holding
+//!   echo connections, some migrated through the API before a live backup
+//!   (`sqlite3 DB ".timeout 5000" ".backup OUT"`, `pragma integrity_check`
+//!   ok), some after it; SIGTERM, the store files moved aside, the backup in
+//!   place, start: weights, drains, services and flow mappings are those of
+//!   the backup, every connection that did not migrate after the backup goes
+//!   on byte-exact, the ones that did end with a reset.
+//! - Lost store: held echo connections, some migrated through the API; an
+//!   operator weight and a service set after they were placed, and more
+//!   connections placed at that weight; the store files moved aside and no
+//!   backup: the hostagents register again (timed), the weight and the
+//!   service are gone, the connections that never migrated go on
+//!   byte-exact, the migrated ones end with a reset within a bounded time
+//!   (never a hang), the ones placed at the lost weight go on or are reset
+//!   (counted). Also counted: the connections the hostagents still report
+//!   open (the reset ones stay open on the server that held them).
+//! - Corrupt file: `capybara run` exits 1 naming the file and the reason,
+//!   for a file that is not SQLite, one with every page after the first
+//!   damaged, and one with only the flows table damaged; `capybara --check`
+//!   passes (it does not open the store).
+//!
+//! Each test prints `RECOVERY ...` lines with its figures (`-- --nocapture`).
+
+use capybara_systests::{
+    bin, deployment_key, echo_once, hostagent_migrating_config, log_of, output_dir,
+    start_appliance, stop_appliance, switchd_status_server, wait_appliance_ready, Lab,
+};
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const SERVERS: u32 = 3;
+const API: &str = "http://127.0.0.1:18096";
+const CLIENT_IP: &str = "198.18.0.11";
+const ECHO: &str = "198.18.100.1:7";
+/// How long the origin of a migration forwards the connection's late
+/// segments to its new owner (`GONE_LINGER` in hostagent/src/migration.rs):
+/// a segment that reaches the origin later finds no connection there.
+const GONE_LINGER: Duration = Duration::from_secs(5);
+/// How long a client waits for its echo after a restart before the
+/// connection counts as hung.
+const HANG: Duration = Duration::from_secs(10);
+
+/// One lab at a time (each runs an appliance and three hostagents on a
+/// 2-core machine).
+static ONE_LAB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_lab() -> std::sync::MutexGuard<'static, ()> {
+    ONE_LAB.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A Python client in `c1` holding `n` echo connections; each round sends
+/// on all of them at once and reports per connection how its echo ended:
+/// `ok` (byte-exact), `reset`, `closed` (FIN), `differs`, or `hang` (no
+/// answer within the round's limit), with the milliseconds it took. A
+/// connection that ended is left out of later rounds.
+const HOLDER: &str = r#"
+import errno, select, socket, sys, time
+n = int(sys.argv[1])
+host, port = sys.argv[2].split(":")
+socks = [socket.create_connection((host, int(port)), timeout=20) for _ in range(n)]
+ports = [s.getsockname()[1] for s in socks]
+for p in ports:
+    print(p)
+print("ready", flush=True)
+live = set(range(n))
+k = 0
+for line in sys.stdin:
+    limit = float(line.strip())
+    k += 1
+    want, got, t0, out = {}, {}, time.monotonic(), {}
+    for i in sorted(live):
+        msg = ("r%d-%d;" % (k, i)).encode() * 50
+        want[i], got[i] = msg, b""
+        try:
+            socks[i].setblocking(True)
+            socks[i].sendall(msg)
+            socks[i].setblocking(False)
+        except ConnectionResetError:
+            out[i] = "reset %.1f" % ((time.monotonic() - t0) * 1000)
+        except OSError as e:
+            out[i] = "error-" + errno.errorcode.get(e.errno, str(e.errno))
+    pend = {socks[i].fileno(): i for i in want if i not in out}
+    while pend:
+        left = limit - (time.monotonic() - t0)
+        if left <= 0:
+            break
+        r, _, _ = select.select(list(pend), [], [], left)
+        for fd in r:
+            i = pend[fd]
+            try:
+                c = socks[i].recv(65536)
+            except ConnectionResetError:
+                c = None
+            except BlockingIOError:
+                continue
+            ms = (time.monotonic() - t0) * 1000
+            if c is None:
+                out[i] = "reset %.1f" % ms
+            elif not c:
+                out[i] = "closed %.1f" % ms
+            else:
+                got[i] += c
+                if len(got[i]) < len(want[i]):
+                    continue
+                out[i] = ("ok %.1f" if got[i] == want[i] else "differs %.1f") % ms
+            del pend[fd]
+    for i in want:
+        o = out.get(i, "hang %d" % (limit * 1000))
+        if not o.startswith("ok"):
+            live.discard(i)
+        print(ports[i], o)
+    print("done", flush=True)
+"#;
+
+struct Holder {
+    child: Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+    ports: Vec<u16>,
+}
+
+/// How one connection's echo ended in a round.
+#[derive(Debug, Clone, PartialEq)]
+struct Outcome {
+    what: String,
+    ms: f64,
+}
+
+impl Holder {
+    fn start(lab: &Lab, n: usize) -> Holder {
+        let mut child = lab
+            .command("c1", "python3")
+            .args(["-c", HOLDER, &n.to_string(), ECHO])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start the echo client");
+        let mut h = Holder {
+            stdin: child.stdin.take().unwrap(),
+            stdout: std::io::BufReader::new(child.stdout.take().unwrap()),
+            child,
+            ports: Vec::new(),
+        };
+        loop {
+            let l = h.line();
+            if l == "ready" {
+                break;
+            }
+            assert!(!l.is_empty(), "the echo client stopped before it was ready");
+            h.ports.push(l.parse().expect("a port"));
+        }
+        assert_eq!(h.ports.len(), n);
+        h
+    }
+
+    /// A round trip on every connection still up, all at once: the outcome
+    /// per client port.
+    fn round(&mut self, limit: Duration) -> BTreeMap<u16, Outcome> {
+        writeln!(self.stdin, "{}", limit.as_secs_f64()).expect("signal the echo client");
+        self.stdin.flush().unwrap();
+        let mut m = BTreeMap::new();
+        loop {
+            let l = self.line();
+            assert!(!l.is_empty(), "the echo client stopped during a round");
+            if l == "done" {
+                return m;
+            }
+            let mut f = l.split_whitespace();
+            let port: u16 = f.next().unwrap().parse().expect("a port");
+            let what = f.next().unwrap_or("").to_string();
+            let ms = f.next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+            m.insert(port, Outcome { what, ms });
+        }
+    }
+
+    fn line(&mut self) -> String {
+        let mut l = String::new();
+        self.stdout
+            .read_line(&mut l)
+            .expect("read the echo client's output");
+        l.trim().to_string()
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A `capybara run` process, killed if the test fails before it stopped it.
+struct Appliance(Child);
+
+impl Appliance {
+    fn start(lab: &Lab, config: &Path, log: &Path) -> Appliance {
+        Appliance(start_appliance(lab, config, log))
+    }
+
+    /// SIGTERM, then a clean exit (`stop_appliance`).
+    fn stop(&mut self) -> std::process::ExitStatus {
+        stop_appliance(&mut self.0)
+    }
+}
+
+impl Drop for Appliance {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+fn api(lab: &Lab, token: &str, method: &str, path: &str, json: Option<&str>) -> (u16, String) {
+    lab.api_call(API, token, method, path, json)
+}
+
+fn api_json(lab: &Lab, token: &str, path: &str) -> serde_json::Value {
+    let (code, body) = api(lab, token, "GET", path, None);
+    assert_eq!(code, 200, "GET {path}: {body}");
+    serde_json::from_str(&body).expect("JSON")
+}
+
+/// Owners of the client's echo connections, from `GET /v1/connections`.
+fn owners(lab: &Lab, token: &str) -> BTreeMap<u16, u32> {
+    let (code, body) = api(lab, token, "GET", "/v1/connections?limit=10000", None);
+    let mut m = BTreeMap::new();
+    if code != 200 {
+        return m;
+    }
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+    for c in v["items"].as_array().into_iter().flatten() {
+        if c["port"] == 7 {
+            let port = c["client_port"].as_u64().unwrap_or(0) as u16;
+            let server = c["server"].as_u64().unwrap_or(0) as u32;
+            m.insert(port, server);
+        }
+    }
+    m
+}
+
+/// Migrates the connection from client port `port` to `to` through the
+/// REST API and waits until the store names its new owner.
+fn migrate(lab: &Lab, token: &str, port: u16, to: u32) {
+    let (code, body) = api(
+        lab,
+        token,
+        "POST",
+        &format!("/v1/connections/{CLIENT_IP}:{port}-{ECHO}/migrate"),
+        Some(&format!("{{\"target\": {to}}}")),
+    );
+    assert!(
+        code == 200 || code == 202,
+        "migrate {port} to s{to}: {code} {body}"
+    );
+    lab.wait_for(
+        &format!("connection {port} owned by s{to} in the store"),
+        Duration::from_secs(10),
+        || owners(lab, token).get(&port) == Some(&to),
+    );
+}
+
+/// The appliance and a hostagent on every server (policies off: only this
+/// test moves connections), once all registered and the API answers: the
+/// appliance and its admin token.
+fn start_all(
+    lab: &mut Lab,
+    dir: &Path,
+    key: &Path,
+    config: &Path,
+    log: &Path,
+) -> (Appliance, String) {
+    let app = Appliance::start(lab, config, log);
+    for j in 1..=SERVERS {
+        let cfg = hostagent_migrating_config(dir, j, key, None);
+        capybara_systests::disable_policies(&cfg);
+        lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
+    }
+    let token = wait_appliance_ready(lab, log, SERVERS, API, dir);
+    (app, token)
+}
+
+/// Moves `store.db`, `store.db-wal` and `store.db-shm` to `dir/aside/`.
+fn move_store_aside(dir: &Path) {
+    let aside = dir.join("aside");
+    std::fs::create_dir_all(&aside).unwrap();
+    for f in ["store.db", "store.db-wal", "store.db-shm"] {
+        let p = dir.join(f);
+        if p.exists() {
+            std::fs::rename(&p, aside.join(f)).expect("move the store file aside");
+        }
+    }
+}
+
+/// The `sqlite3` shell with `args`: its stdout (trimmed); panics on failure.
+fn sqlite3(args: &[&str]) -> String {
+    let out = Command::new("sqlite3")
+        .args(args)
+        .output()
+        .expect("run sqlite3 (Debian package sqlite3, installed by make setup)");
+    assert!(
+        out.status.success(),
+        "sqlite3 {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// Waits until the appliance logging to `log` has read its store: the
+/// number of servers and flows it read, from its `active` line.
+fn wait_store_read(lab: &Lab, log: &Path) -> (u64, u64) {
+    lab.wait_for("switchd to read the store", Duration::from_secs(30), || {
+        log_of(log).contains("flows from the store")
+    });
+    let l = log_of(log);
+    let line = l
+        .lines()
+        .find(|l| l.contains("flows from the store"))
+        .unwrap()
+        .to_string();
+    // "... attached to N interfaces, S servers and F flows from the store"
+    let num_before = |word: &str| -> u64 {
+        let i = line.find(word).unwrap();
+        line[..i]
+            .split_whitespace()
+            .last()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("a number before {word:?} in {line:?}"))
+    };
+    (num_before(" servers and"), num_before(" flows from"))
+}
+
+/// Every outcome of `ports` in `round`, checked to be `want`.
+fn assert_outcomes(round: &BTreeMap<u16, Outcome>, ports: &BTreeSet<u16>, want: &str, what: &str) {
+    for p in ports {
+        let o = round.get(p).unwrap_or_else(|| panic!("no outcome for {p}"));
+        assert_eq!(o.what, want, "{what}: connection from port {p}: {o:?}");
+    }
+}
+
+/// The slowest outcome among `ports`, in ms.
+fn slowest(round: &BTreeMap<u16, Outcome>, ports: &BTreeSet<u16>) -> f64 {
+    ports.iter().map(|p| round[p].ms).fold(0.0, f64::max)
+}
+
+/// The connections the hostagents report in their heartbeats (switchd's
+/// `/status`), per server (index 0: s1), once the reports agree twice in a
+/// row.
+fn reported_connections(lab: &Lab) -> Vec<u64> {
+    let read = || -> Vec<u64> {
+        (1..=SERVERS)
+            .map(|j| {
+                switchd_status_server(lab, j)
+                    .and_then(|s| s["connections"].as_u64())
+                    .unwrap_or(u64::MAX)
+            })
+            .collect()
+    };
+    let mut last = read();
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = read();
+        if now == last && !now.contains(&u64::MAX) {
+            break;
+        }
+        last = now;
+    }
+    last
+}
+
+fn server_json(lab: &Lab, token: &str, id: u32) -> serde_json::Value {
+    api_json(lab, token, &format!("/v1/servers/{id}"))
+}
+
+#[test]
+fn a_live_backup_restored_after_a_stop_brings_back_what_it_held() {
+    let _one = one_lab();
+    const N: usize = 18;
+    let dir = output_dir("recovery-lab-backup");
+    let mut lab = Lab::up("rcb", SERVERS);
+    let key = deployment_key(&dir);
+    let config = capybara_systests::appliance_config(&dir, SERVERS, &key, "127.0.0.1:18096");
+    let log1 = dir.join("capybara-1.log");
+    let (mut app, token) = start_all(&mut lab, &dir, &key, &config, &log1);
+
+    // What an operator set: a weight, a drain, a service.
+    let (code, body) = api(
+        &lab,
+        &token,
+        "PUT",
+        "/v1/servers/2/weight",
+        Some(r#"{"weight": 2}"#),
+    );
+    assert_eq!(code, 200, "set weight: {body}");
+    let (code, body) = api(
+        &lab,
+        &token,
+        "POST",
+        "/v1/servers/3/drain",
+        Some(r#"{"deadline_seconds": 10, "mode": "migrate"}"#),
+    );
+    assert_eq!(code, 202, "drain: {body}");
+    lab.wait_for("s3 drained", Duration::from_secs(15), || {
+        server_json(&lab, &token, 3)["state"] == "drained"
+    });
+    let (code, body) = api(
+        &lab,
+        &token,
+        "POST",
+        "/v1/services",
+        Some(r#"{"name": "echo2", "vip": "198.18.100.2", "port": 17, "pool": []}"#),
+    );
+    assert_eq!(code, 201, "create a service: {body}");
+
+    // Held connections (on s1 and s2: s3 is drained); three migrate before
+    // the backup.
+    let mut holder = Holder::start(&lab, N);
+    let ports = holder.ports.clone();
+    lab.wait_for(
+        "every held connection in the store",
+        Duration::from_secs(10),
+        || {
+            let o = owners(&lab, &token);
+            ports.iter().all(|p| o.contains_key(p))
+        },
+    );
+    let o = owners(&lab, &token);
+    let before_backup: BTreeSet<u16> = ports[..3].iter().copied().collect();
+    for p in &before_backup {
+        migrate(&lab, &token, *p, 3 - o[p]);
+    }
+    let at_backup = owners(&lab, &token);
+
+    // The live backup, checked.
+    let backup = dir.join("backup.db");
+    let db = dir.join("store.db");
+    sqlite3(&[
+        db.to_str().unwrap(),
+        ".timeout 5000",
+        &format!(".backup {}", backup.display()),
+    ]);
+    let b = backup.to_str().unwrap();
+    assert_eq!(sqlite3(&[b, "pragma integrity_check"]), "ok");
+    let backup_servers: u64 = sqlite3(&[b, "select count(*) from servers"])
+        .parse()
+        .unwrap();
+    let backup_flows: u64 = sqlite3(&[b, "select count(*) from flows"]).parse().unwrap();
+    let in_backup: BTreeMap<u16, u32> = sqlite3(&[
+        b,
+        "select client_port, server from flows where service_port = 7",
+    ])
+    .lines()
+    .map(|l| {
+        let (p, s) = l.split_once('|').unwrap();
+        (p.parse().unwrap(), s.parse().unwrap())
+    })
+    .collect();
+    for p in &ports {
+        assert_eq!(
+            in_backup.get(p),
+            at_backup.get(p),
+            "owner of {p} in the backup"
+        );
+    }
+
+    // After the backup: three more migrate (the backup's mapping of them
+    // is stale), s2's weight and s3's drain change.
+    let after_backup: BTreeSet<u16> = ports[3..6].iter().copied().collect();
+    for p in &after_backup {
+        migrate(&lab, &token, *p, 3 - at_backup[p]);
+    }
+    let (code, body) = api(
+        &lab,
+        &token,
+        "PUT",
+        "/v1/servers/2/weight",
+        Some(r#"{"weight": 3}"#),
+    );
+    assert_eq!(code, 200, "set weight: {body}");
+    let (code, body) = api(&lab, &token, "POST", "/v1/servers/3/undrain", None);
+    assert!(code == 200 || code == 204, "undrain: {code} {body}");
+    lab.wait_for("s3 undrained", Duration::from_secs(10), || {
+        server_json(&lab, &token, 3)["state"] == "active"
+    });
+    let migrated_at = Instant::now();
+    let r = holder.round(HANG);
+    assert_outcomes(
+        &r,
+        &ports.iter().copied().collect(),
+        "ok",
+        "before the stop",
+    );
+
+    // Restore: stop, the store files aside, the backup in place, start.
+    let st = app.stop();
+    assert!(
+        st.success(),
+        "capybara run exited with {st}: {}",
+        log_of(&log1)
+    );
+    move_store_aside(&dir);
+    std::fs::copy(&backup, &db).expect("put the backup in place");
+    let log2 = dir.join("capybara-2.log");
+    let mut app = Appliance::start(&lab, &config, &log2);
+    let (read_servers, read_flows) = wait_store_read(&lab, &log2);
+    assert_eq!(read_servers, backup_servers, "servers read from the backup");
+    assert_eq!(read_flows, backup_flows, "flows read from the backup");
+    lab.wait_for("the API", Duration::from_secs(30), || {
+        api(&lab, "", "GET", "/healthz", None).0 == 200
+    });
+
+    // The backup's operator state (not the later one), through the API and
+    // switchd's status.
+    assert_eq!(server_json(&lab, &token, 2)["weight"], 2, "s2's weight");
+    assert_eq!(
+        server_json(&lab, &token, 3)["state"],
+        "drained",
+        "s3's drain"
+    );
+    lab.wait_for(
+        "switchd to apply the restored state",
+        Duration::from_secs(10),
+        || {
+            let s2 = switchd_status_server(&lab, 2);
+            let s3 = switchd_status_server(&lab, 3);
+            s2.is_some_and(|s| s["weight"] == 2 && s["state"] == "live")
+                && s3.is_some_and(|s| s["state"] == "draining")
+        },
+    );
+    let services = api_json(&lab, &token, "/v1/services");
+    let mut names: Vec<String> = services["items"]
+        .as_array()
+        .or(services.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s["name"].as_str().map(String::from))
+        .collect();
+    names.sort();
+    assert_eq!(names, ["echo", "echo2", "web"], "services: {services}");
+    let restored = owners(&lab, &token);
+    for p in &ports {
+        assert_eq!(restored.get(p), at_backup.get(p), "restored owner of {p}");
+    }
+
+    // The connections go on, except the ones that migrated after the
+    // backup (once their origin forgot them: GONE_LINGER).
+    let wait = GONE_LINGER + Duration::from_millis(500);
+    std::thread::sleep(wait.saturating_sub(migrated_at.elapsed()));
+    let r = holder.round(HANG);
+    let stay: BTreeSet<u16> = ports
+        .iter()
+        .copied()
+        .filter(|p| !after_backup.contains(p))
+        .collect();
+    assert_outcomes(
+        &r,
+        &stay,
+        "ok",
+        "a connection that did not migrate after the backup",
+    );
+    assert_outcomes(
+        &r,
+        &after_backup,
+        "reset",
+        "a connection that migrated after the backup",
+    );
+    let reset_ms = slowest(&r, &after_backup);
+
+    // The restored appliance migrates again.
+    let p = ports[6];
+    migrate(&lab, &token, p, 3 - restored[&p]);
+    let r = holder.round(HANG);
+    assert_outcomes(&r, &stay, "ok", "after a migration on the restored store");
+    assert!(echo_once(&lab, ECHO), "a new connection after the restore");
+    let held: u64 = reported_connections(&lab).iter().sum();
+
+    println!(
+        "RECOVERY backup: {} servers, {backup_flows} flow mappings in the backup and back after the restore; \
+         {N} held echo connections, {} migrated before the backup: {} go on byte-exact, \
+         the {} migrated after it reset (slowest {reset_ms:.1} ms); the hostagents report \
+         {held} open connections",
+        backup_servers,
+        before_backup.len(),
+        stay.len(),
+        after_backup.len()
+    );
+    let st = app.stop();
+    assert!(st.success(), "second run exited with {st}");
+}
+
+#[test]
+fn on_a_lost_store_the_servers_register_again_and_unmigrated_connections_go_on() {
+    let _one = one_lab();
+    const N: usize = 24;
+    const MIGRATED: usize = 6;
+    const WEIGHTED: usize = 12;
+    let dir = output_dir("recovery-lab-lost");
+    let mut lab = Lab::up("rcl", SERVERS);
+    let key = deployment_key(&dir);
+    let config = capybara_systests::appliance_config(&dir, SERVERS, &key, "127.0.0.1:18096");
+    let log1 = dir.join("capybara-1.log");
+    let (mut app, token) = start_all(&mut lab, &dir, &key, &config, &log1);
+
+    let mut holder = Holder::start(&lab, N);
+    let ports = holder.ports.clone();
+    lab.wait_for(
+        "every held connection in the store",
+        Duration::from_secs(10),
+        || {
+            let o = owners(&lab, &token);
+            ports.iter().all(|p| o.contains_key(p))
+        },
+    );
+    let o = owners(&lab, &token);
+    let migrated: BTreeSet<u16> = ports[..MIGRATED].iter().copied().collect();
+    for p in &migrated {
+        migrate(&lab, &token, *p, o[p] % SERVERS + 1);
+    }
+    let migrated_at = Instant::now();
+    let r = holder.round(HANG);
+    assert_outcomes(
+        &r,
+        &ports.iter().copied().collect(),
+        "ok",
+        "before the stop",
+    );
+    // What an operator set after those were placed: a weight and a
+    // service, and connections placed at that weight.
+    let (code, body) = api(
+        &lab,
+        &token,
+        "PUT",
+        "/v1/servers/2/weight",
+        Some(r#"{"weight": 3}"#),
+    );
+    assert_eq!(code, 200, "set weight: {body}");
+    lab.wait_for("switchd to apply weight 3", Duration::from_secs(5), || {
+        switchd_status_server(&lab, 2).is_some_and(|s| s["weight"] == 3)
+    });
+    let (code, body) = api(
+        &lab,
+        &token,
+        "POST",
+        "/v1/services",
+        Some(r#"{"name": "echo2", "vip": "198.18.100.2", "port": 17, "pool": []}"#),
+    );
+    assert_eq!(code, 201, "create a service: {body}");
+    let mut weighted = Holder::start(&lab, WEIGHTED);
+    let wports = weighted.ports.clone();
+    lab.wait_for(
+        "the connections placed at weight 3 in the store",
+        Duration::from_secs(10),
+        || {
+            let o = owners(&lab, &token);
+            wports.iter().all(|p| o.contains_key(p))
+        },
+    );
+    let r = weighted.round(HANG);
+    assert_outcomes(
+        &r,
+        &wports.iter().copied().collect(),
+        "ok",
+        "placed at weight 3, before the stop",
+    );
+
+    // Stop, the store files aside, start on an empty store.
+    let st = app.stop();
+    assert!(
+        st.success(),
+        "capybara run exited with {st}: {}",
+        log_of(&log1)
+    );
+    move_store_aside(&dir);
+    let log2 = dir.join("capybara-2.log");
+    let mut app = Appliance::start(&lab, &config, &log2);
+    let (read_servers, read_flows) = wait_store_read(&lab, &log2);
+    let active = Instant::now();
+    assert_eq!((read_servers, read_flows), (0, 0), "an empty store");
+    // Polled every 10 ms: the hostagents' next heartbeats are refused
+    // ("not registered") and they register again.
+    let start = Instant::now();
+    let registered = loop {
+        let l = log_of(&log2);
+        if (1..=SERVERS).all(|j| l.contains(&format!("registered s{j}"))) {
+            break active.elapsed();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the hostagents did not register again: {l}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    lab.wait_for("the API", Duration::from_secs(30), || {
+        api(&lab, "", "GET", "/healthz", None).0 == 200
+    });
+    let services = api_json(&lab, &token, "/v1/services");
+    let text = services.to_string();
+    assert!(
+        text.contains("\"echo\"") && text.contains("\"web\""),
+        "the configured services written again: {text}"
+    );
+    // Lost with the file: the service created through the API and the
+    // operator's weight (s2 is back at its REGISTER weight).
+    assert!(!text.contains("echo2"), "{text}");
+    assert_eq!(server_json(&lab, &token, 2)["weight"], 1, "s2's weight");
+
+    // The unmigrated connections go on; the migrated ones end (once their
+    // origin forgot them: GONE_LINGER).
+    let wait = GONE_LINGER + Duration::from_millis(500);
+    std::thread::sleep(wait.saturating_sub(migrated_at.elapsed()));
+    let r = holder.round(HANG);
+    let stay: BTreeSet<u16> = ports
+        .iter()
+        .copied()
+        .filter(|p| !migrated.contains(p))
+        .collect();
+    assert_outcomes(&r, &stay, "ok", "a connection that never migrated");
+    assert_outcomes(&r, &migrated, "reset", "a migrated connection");
+    let reset_ms = slowest(&r, &migrated);
+    let r = holder.round(HANG);
+    assert_outcomes(&r, &stay, "ok", "a second round");
+    // Placed at weight 3 and recovered at weight 1: the ones Maglev now
+    // puts on another server are reset there, the others go on.
+    let r = weighted.round(HANG);
+    let weighted_reset = r.values().filter(|o| o.what == "reset").count();
+    for (p, o) in &r {
+        assert!(
+            o.what == "ok" || o.what == "reset",
+            "a connection placed at weight 3, from port {p}: {o:?}"
+        );
+    }
+    assert!(echo_once(&lab, ECHO), "a new connection on the empty store");
+    // What the servers still hold: the client reset the migrated ones, but
+    // the reset reached their origin, not their new owner.
+    let held = reported_connections(&lab);
+    let held_total: u64 = held.iter().sum();
+
+    println!(
+        "RECOVERY lost store: hostagents registered again {} ms after switchd was active; \
+         {N} held echo connections, {MIGRATED} migrated before: {} go on byte-exact, \
+         {} reset (slowest {reset_ms:.1} ms); the hostagents report {held_total} open \
+         connections {held:?}; of {WEIGHTED} placed while s2 had weight 3 (lost with the \
+         store), {weighted_reset} reset",
+        registered.as_millis(),
+        stay.len(),
+        migrated.len()
+    );
+    let st = app.stop();
+    assert!(st.success(), "second run exited with {st}");
+}
+
+/// `capybara run` in the lab's switch namespace that must stop on its own:
+/// (exit code, output).
+fn run_expecting_exit(lab: &Lab, config: &Path) -> (Option<i32>, String) {
+    let out = lab.run(
+        "sw",
+        bin("capybara").to_str().unwrap(),
+        &["run", config.to_str().unwrap()],
+        Duration::from_secs(30),
+    );
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+#[test]
+fn a_corrupt_store_file_stops_the_start_with_its_name_and_reason() {
+    let _one = one_lab();
+    let dir = output_dir("recovery-lab-corrupt");
+    let lab = Lab::up("rcc", 1);
+    let key = deployment_key(&dir);
+    let config = capybara_systests::appliance_config(&dir, 1, &key, "127.0.0.1:18096");
+    let db: PathBuf = dir.join("store.db");
+
+    // A file that is not SQLite.
+    let garbage: Vec<u8> = (0..64 * 1024u32)
+        .map(|i| (i * 2_654_435_761u32 >> 13) as u8)
+        .collect();
+    std::fs::write(&db, &garbage).unwrap();
+    let (code, text) = run_expecting_exit(&lab, &config);
+    assert_eq!(
+        code,
+        Some(1),
+        "exit status for a file that is not SQLite: {text}"
+    );
+    assert!(
+        text.contains(&format!("SQLite store {}", db.display()))
+            && text.contains("file is not a database"),
+        "the file and the reason: {text}"
+    );
+    assert!(
+        !text.contains("panicked") && !text.contains("500 Internal"),
+        "{text}"
+    );
+    // `capybara --check` does not open the store.
+    let check = Command::new(bin("capybara"))
+        .args(["--check", config.to_str().unwrap()])
+        .output()
+        .expect("capybara --check");
+    assert!(
+        check.status.success(),
+        "--check with a corrupt store: {}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    let not_db = text
+        .lines()
+        .find(|l| l.contains("not a database"))
+        .unwrap_or("")
+        .to_string();
+
+    // A real store (the appliance wrote it) with its pages after the first
+    // damaged: the header and the schema read, the tables do not.
+    std::fs::remove_file(&db).unwrap();
+    let log = dir.join("capybara-1.log");
+    let mut app = Appliance::start(&lab, &config, &log);
+    wait_store_read(&lab, &log);
+    let st = app.stop();
+    assert!(
+        st.success(),
+        "capybara run exited with {st}: {}",
+        log_of(&log)
+    );
+    for f in ["store.db-wal", "store.db-shm"] {
+        let _ = std::fs::remove_file(dir.join(f));
+    }
+    let good = std::fs::read(&db).unwrap();
+    let page: usize = sqlite3(&[db.to_str().unwrap(), "pragma page_size"])
+        .parse()
+        .unwrap();
+    let flows_page: usize = sqlite3(&[
+        db.to_str().unwrap(),
+        "select rootpage from sqlite_master where name = 'flows'",
+    ])
+    .parse()
+    .unwrap();
+    assert!(good.len() > page, "the store has more than one page");
+    let mut bytes = good.clone();
+    for (i, b) in bytes[page..].iter_mut().enumerate() {
+        *b = garbage[i % garbage.len()];
+    }
+    std::fs::write(&db, &bytes).unwrap();
+    let (code, text) = run_expecting_exit(&lab, &config);
+    assert_eq!(code, Some(1), "exit status for damaged pages: {text}");
+    assert!(
+        text.contains(&format!("SQLite store {}", db.display()))
+            && text.contains("database disk image is malformed"),
+        "the file and the reason: {text}"
+    );
+    assert!(
+        !text.contains("panicked") && !text.contains("500 Internal"),
+        "{text}"
+    );
+    std::fs::write(dir.join("malformed-run.txt"), &text).unwrap();
+    let malformed = text
+        .lines()
+        .filter(|l| l.contains("malformed"))
+        .last()
+        .unwrap_or("")
+        .to_string();
+
+    // Only the flows table damaged (the one switchd alone reads at start).
+    let mut bytes = good.clone();
+    let at = (flows_page - 1) * page;
+    for (i, b) in bytes[at..at + page].iter_mut().enumerate() {
+        *b = garbage[i % garbage.len()];
+    }
+    std::fs::write(&db, &bytes).unwrap();
+    let (code, text) = run_expecting_exit(&lab, &config);
+    std::fs::write(dir.join("flows-run.txt"), &text).unwrap();
+    assert_eq!(
+        code,
+        Some(1),
+        "exit status for a damaged flows table: {text}"
+    );
+    assert!(
+        text.contains(&format!("SQLite store {}", db.display()))
+            && text.contains("database disk image is malformed"),
+        "the file and the reason: {text}"
+    );
+    assert!(
+        !text.contains("panicked") && !text.contains("500 Internal"),
+        "{text}"
+    );
+    let flows = text
+        .lines()
+        .filter(|l| l.contains("malformed"))
+        .last()
+        .unwrap_or("")
+        .to_string();
+    println!(
+        "RECOVERY corrupt store: not SQLite: exit 1: {not_db}\n\
+         RECOVERY corrupt store: pages damaged: exit 1: {malformed}\n\
+         RECOVERY corrupt store: flows table damaged: exit 1: {flows}"
+    );
+}
