@@ -752,6 +752,36 @@ impl Config {
             .map_err(|e| invalid("key_file", self.key_file.display(), e.to_string()))
     }
 
+    /// What `--check` verifies on disk beyond the key: a SQLite store's
+    /// file must be creatable (its directory exists; switchd creates the
+    /// file, not directories) and must not be a directory. Before, `--check`
+    /// passed both and the daemon then failed to open the store.
+    pub fn check_files(&self) -> Result<(), ConfigError> {
+        let Some(StoreSpec::Sqlite(file)) = &self.store else {
+            return Ok(());
+        };
+        let value = format!("\"sqlite:{}\"", file.display());
+        if file.is_dir() {
+            return Err(invalid("store", value, "is a directory, not a file"));
+        }
+        let dir = file
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new("."));
+        if !dir.is_dir() {
+            let reason = if dir.exists() {
+                format!("{} is not a directory", dir.display())
+            } else {
+                format!(
+                    "directory {} does not exist (create it first)",
+                    dir.display()
+                )
+            };
+            return Err(invalid("store", value, reason));
+        }
+        Ok(())
+    }
+
     /// The switch's address on the server side.
     pub fn switch_addr(&self) -> Ipv4Addr {
         *self.control_listen.ip()
@@ -912,6 +942,34 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
             s.contains("placement maglev, store sqlite /tmp/s.db, HA off"),
             "{s}"
         );
+    }
+
+    #[test]
+    fn check_refuses_a_sqlite_store_that_cannot_be_created() {
+        let dir = std::env::temp_dir().join(format!("capybara-swcfg-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let with = |store: &str| {
+            Config::from_toml(&OK.replace("sqlite:/tmp/s.db", &format!("sqlite:{store}")))
+                .unwrap()
+                .check_files()
+        };
+        assert!(with(&format!("{}/store.db", dir.display())).is_ok());
+        let e = with(&format!("{}/missing/store.db", dir.display()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`store`") && e.contains("missing/store.db") && e.contains("does not exist"),
+            "{e}"
+        );
+        let e = with(&dir.display().to_string()).unwrap_err().to_string();
+        assert!(e.contains("is a directory"), "{e}");
+        std::fs::write(dir.join("file"), "").unwrap();
+        let e = with(&format!("{}/file/store.db", dir.display()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("is not a directory"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

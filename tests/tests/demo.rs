@@ -367,6 +367,10 @@ fn demo_serves_the_dashboard_rebalances_and_tears_down() {
     let status = demo.stop().expect("demo was running");
     println!("demo exited with {status:?}");
     assert!(
+        status.success(),
+        "a stopped demo (SIGTERM, as `make demo-stop`) exits 0 after its teardown: {status:?}"
+    );
+    assert!(
         namespaces(&prefix).is_empty(),
         "namespaces left behind: {:?}",
         namespaces(&prefix)

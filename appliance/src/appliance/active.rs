@@ -150,11 +150,23 @@ impl ControlPlane for ActiveSwitchd {
     }
     async fn service_serving(&self) -> Option<HashMap<(Ipv4Addr, u16), ServiceServing>> {
         let p = self.active().await.ok()?;
-        p.service_serving().await
+        if let Some(v) = p.service_serving().await {
+            return Some(v);
+        }
+        // The chosen endpoint did not answer: it may have died since it
+        // was probed (a takeover). Probe again now, as server_stats does,
+        // rather than show the services' data-plane view as unknown for up
+        // to a second while the new active serves.
+        self.forget();
+        self.active().await.ok()?.service_serving().await
     }
     async fn services_status(&self) -> Option<capybara_api::control::ServicesStatus> {
         let p = self.active().await.ok()?;
-        p.services_status().await
+        if let Some(v) = p.services_status().await {
+            return Some(v);
+        }
+        self.forget();
+        self.active().await.ok()?.services_status().await
     }
     async fn migrate(
         &self,
@@ -278,15 +290,22 @@ mod tests {
     /// `client`, reported by server `reporter` (every request gets the
     /// same page; at most 20 requests).
     fn fake_switchd(epoch: u32, reporter: u32, client: &str) -> String {
+        fake_http(
+            serde_json::json!({"epoch": epoch, "next": 2, "items": [{
+                "seq": 1, "migration_id": (u64::from(reporter) << 32) | 1, "reporter": reporter,
+                "role": "origin", "peer": 9, "client": client, "service": "198.18.100.1:7",
+                "outcome": "migrated_out", "trigger": "manual", "finished_unix_ms": 1
+            }]})
+            .to_string(),
+        )
+    }
+
+    /// A stand-in HTTP server answering `body` (JSON) to every request (at
+    /// most 20); its URL.
+    fn fake_http(body: String) -> String {
         use std::io::{Read, Write};
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", l.local_addr().unwrap());
-        let body = serde_json::json!({"epoch": epoch, "next": 2, "items": [{
-            "seq": 1, "migration_id": (u64::from(reporter) << 32) | 1, "reporter": reporter,
-            "role": "origin", "peer": 9, "client": client, "service": "198.18.100.1:7",
-            "outcome": "migrated_out", "trigger": "manual", "finished_unix_ms": 1
-        }]})
-        .to_string();
         std::thread::spawn(move || {
             for _ in 0..20 {
                 let Ok((mut s, _)) = l.accept() else { return };
@@ -300,6 +319,45 @@ mod tests {
             }
         });
         url
+    }
+
+    /// The services' data-plane view (`serving` of GET /v1/services, the
+    /// retiring list) follows a takeover at once: when the endpoint chosen
+    /// as active stops answering, the pair probes again instead of showing
+    /// the view as unknown until the next re-probe, up to a second later.
+    #[tokio::test]
+    async fn the_services_view_follows_a_takeover_at_once() {
+        let dir = std::env::temp_dir().join(format!("capybara-active-svc-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store =
+            capybara_store::open(&StoreConfig::Sqlite(SqliteConfig::at(dir.join("store.db"))))
+                .await
+                .unwrap();
+        let db = Arc::new(ApiDb::open(&dir.join("api.db")).unwrap());
+        let cp = StoreControlPlane::new(store.clone(), db).await.unwrap();
+        let new_active = fake_http(
+            serde_json::json!({"role": "active", "services": [
+                {"name": "web", "vip": "198.18.100.1:80", "pool": [{"server": 1}],
+                 "fail_open": false, "refusing": true}
+            ]})
+            .to_string(),
+        );
+        // The old active (nothing listens on port 1 any more) and the new.
+        let planes = ["http://127.0.0.1:1", new_active.as_str()]
+            .iter()
+            .map(|u| SwitchdControlPlane::new(cp.clone(), store.clone(), u).unwrap())
+            .collect();
+        let pair = ActiveSwitchd::new(planes);
+        let web = (Ipv4Addr::new(198, 18, 100, 1), 80);
+        // Chosen as active just before it died.
+        *pair.choice.lock().unwrap() = Some((0, Instant::now()));
+        let v = pair.service_serving().await.expect("the new active's view");
+        assert!(v[&web].served && v[&web].refusing, "{v:?}");
+        *pair.choice.lock().unwrap() = Some((0, Instant::now()));
+        let st = pair.services_status().await.expect("the new active's view");
+        assert!(st.serving[&web].served);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// The endpoints of a pair share one id counter and the feed lists

@@ -59,7 +59,7 @@ fn main() {
         }
     };
     if check {
-        if let Err(e) = cfg.load_key() {
+        if let Err(e) = cfg.load_key().and_then(|_| cfg.check_files()) {
             eprintln!("switchd: {e}");
             std::process::exit(2);
         }
