@@ -399,6 +399,14 @@ async fn register_server(
             format!("must be an IPv4 address, got {:?}", b.data_addr),
         )
     })?;
+    // The address switchd forwards the server's connections to: no host
+    // has an unspecified, broadcast or multicast one.
+    if data_addr.is_unspecified() || data_addr.is_broadcast() || data_addr.is_multicast() {
+        return Err(Problem::invalid(
+            "data_addr",
+            format!("must be a unicast address, got {data_addr}"),
+        ));
+    }
     let weight = check_weight("weight", b.weight.unwrap_or(100))?;
     let _g = state.write_lock.lock().await;
     let existing = state.store.list_servers().await?;

@@ -540,6 +540,30 @@ async fn service_addresses_no_client_reaches_are_refused() {
     )
     .await;
     assert!(s == 422 && v["field"] == "vip", "{v}");
+    // A server's data address likewise (switchd forwards its connections
+    // there): 422 naming `data_addr`, nothing stored.
+    for addr in ["0.0.0.0", "255.255.255.255", "239.1.2.3"] {
+        let (s, v, _) = call(
+            "POST",
+            format!("{}/v1/servers", api.url),
+            Some(&admin),
+            Some(json!({ "name": "web9", "mgmt_addr": "10.0.1.9:7000", "data_addr": addr })),
+        )
+        .await;
+        assert_eq!(s, 422, "{addr}: {v}");
+        assert_eq!(
+            (&v["field"], &v["detail"]),
+            (
+                &json!("data_addr"),
+                &json!(format!(
+                    "`data_addr`: must be a unicast address, got {addr}"
+                ))
+            ),
+            "{v}"
+        );
+    }
+    let (s, v, _) = call("GET", format!("{}/v1/servers", api.url), Some(&admin), None).await;
+    assert!(s == 200 && v["items"].as_array().unwrap().is_empty(), "{v}");
 }
 
 fn ctl(url: &str, token: &str, args: &[&str]) -> (i32, String, String) {

@@ -768,18 +768,10 @@ impl Config {
             .parent()
             .filter(|d| !d.as_os_str().is_empty())
             .unwrap_or(std::path::Path::new("."));
-        if !dir.is_dir() {
-            let reason = if dir.exists() {
-                format!("{} is not a directory", dir.display())
-            } else {
-                format!(
-                    "directory {} does not exist (create it first)",
-                    dir.display()
-                )
-            };
-            return Err(invalid("store", value, reason));
+        match capybara_confkit::missing_dir_reason(dir) {
+            None => Ok(()),
+            Some(reason) => Err(invalid("store", value, reason)),
         }
-        Ok(())
     }
 
     /// The switch's address on the server side.

@@ -158,10 +158,24 @@ impl Lab {
         key: &std::path::Path,
         servers: u32,
     ) -> Vec<Hostagent> {
+        self.start_hostagents_with(dir, key, servers, |_, config| disable_policies(config))
+    }
+
+    /// [`Lab::start_hostagents`] with `edit(j, config)` in place of
+    /// [`disable_policies`]: it changes server `j`'s config file (written
+    /// by [`hostagent_migrating_config`]) before its hostagent starts;
+    /// `|_, _| {}` leaves the policies on.
+    pub fn start_hostagents_with(
+        &mut self,
+        dir: &std::path::Path,
+        key: &std::path::Path,
+        servers: u32,
+        mut edit: impl FnMut(u32, &std::path::Path),
+    ) -> Vec<Hostagent> {
         (1..=servers)
             .map(|j| {
                 let config = hostagent_migrating_config(dir, j, key, None);
-                disable_policies(&config);
+                edit(j, &config);
                 let log = dir.join(format!("hostagent-s{j}.log"));
                 let pid = self.spawn_hostagent(j, &config, &log);
                 Hostagent { config, pid }
@@ -572,13 +586,19 @@ pub fn switchd_status_server(lab: &Lab, id: u32) -> Option<serde_json::Value> {
 /// 127.0.0.1:`port` in the switch namespace; `None` when it does not
 /// answer within 1 s (stopped, or not listening yet).
 pub fn switchd_status_at(lab: &Lab, port: u16) -> Option<serde_json::Value> {
+    switchd_status_within(lab, port, "1", Duration::from_secs(5))
+}
+
+/// The `/status` on `port` (see [`switchd_status_at`]): `curl -m
+/// curl_secs`, the command given up after `limit`.
+fn switchd_status_within(
+    lab: &Lab,
+    port: u16,
+    curl_secs: &str,
+    limit: Duration,
+) -> Option<serde_json::Value> {
     let url = format!("http://127.0.0.1:{port}/status");
-    let out = lab.try_run(
-        "sw",
-        "curl",
-        &["-s", "-m", "1", &url],
-        Duration::from_secs(5),
-    )?;
+    let out = lab.try_run("sw", "curl", &["-s", "-m", curl_secs, &url], limit)?;
     serde_json::from_slice(&out.stdout).ok()
 }
 
@@ -603,14 +623,7 @@ pub fn http_get(addr: std::net::SocketAddr, path: &str, limit: Duration) -> Opti
 
 /// [`switchd_status_server`] of the switchd on status port `port`.
 pub fn switchd_status_server_at(lab: &Lab, port: u16, id: u32) -> Option<serde_json::Value> {
-    let url = format!("http://127.0.0.1:{port}/status");
-    let out = lab.try_run(
-        "sw",
-        "curl",
-        &["-s", "-m", "5", &url],
-        Duration::from_secs(10),
-    )?;
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    let v = switchd_status_within(lab, port, "5", Duration::from_secs(10))?;
     v["servers"]
         .as_array()?
         .iter()
@@ -723,13 +736,45 @@ impl Lab {
         let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
         (code.trim().parse().unwrap_or(0), body.to_string())
     }
+
+    /// Sets server `id`'s operator weight through the REST API at `base`
+    /// (`PUT /v1/servers/{id}/weight`), checked to answer 200.
+    pub fn set_weight(&self, base: &str, token: &str, id: u32, weight: u32) {
+        let (code, body) = self.api_call(
+            base,
+            token,
+            "PUT",
+            &format!("/v1/servers/{id}/weight"),
+            Some(&format!("{{\"weight\": {weight}}}")),
+        );
+        assert_eq!(code, 200, "set s{id}'s weight to {weight}: {body}");
+    }
+
+    /// Starts draining server `id` through the REST API at `base` (`POST
+    /// /v1/servers/{id}/drain`, mode `migrate`, the deadline in seconds),
+    /// checked to answer 202.
+    pub fn start_drain(&self, base: &str, token: &str, id: u32, deadline_seconds: u32) {
+        let (code, body) = self.api_call(
+            base,
+            token,
+            "POST",
+            &format!("/v1/servers/{id}/drain"),
+            Some(&format!(
+                "{{\"deadline_seconds\": {deadline_seconds}, \"mode\": \"migrate\"}}"
+            )),
+        );
+        assert_eq!(code, 202, "drain s{id}: {body}");
+    }
 }
 
 /// A Python client in the client namespace `c1` holding established echo
 /// connections to the service 198.18.100.1:7 (or another VIP:port:
 /// [`EchoHolder::start_to`]): one checked round trip on each when it
 /// starts, then another on each for every [`EchoHolder::round_trip`];
-/// [`EchoHolder::close`] closes them cleanly. Killed when dropped.
+/// [`EchoHolder::close`] closes them cleanly. Started with
+/// [`EchoHolder::start_reporting`] instead, it reports how each
+/// connection's echo ended ([`EchoHolder::round_outcomes`]). Killed when
+/// dropped.
 pub struct EchoHolder {
     child: Child,
     stdin: std::process::ChildStdin,
@@ -781,6 +826,80 @@ for line in sys.stdin:
         print("ok", flush=True)
 "#;
 
+/// The client of [`EchoHolder::start_reporting`]: it holds `n` echo
+/// connections; each round sends on all of them at once and reports per
+/// connection how its echo ended: `ok` (byte-exact), `reset`, `closed`
+/// (FIN), `differs`, or `hang` (no answer within the round's limit), with
+/// the milliseconds it took. A connection that ended is left out of later
+/// rounds.
+const ECHO_OUTCOMES: &str = r#"
+import errno, select, socket, sys, time
+n = int(sys.argv[1])
+host, port = sys.argv[2].split(":")
+socks = [socket.create_connection((host, int(port)), timeout=20) for _ in range(n)]
+ports = [s.getsockname()[1] for s in socks]
+for p in ports:
+    print(p)
+print("ready", flush=True)
+live = set(range(n))
+k = 0
+for line in sys.stdin:
+    limit = float(line.strip())
+    k += 1
+    want, got, t0, out = {}, {}, time.monotonic(), {}
+    for i in sorted(live):
+        msg = ("r%d-%d;" % (k, i)).encode() * 50
+        want[i], got[i] = msg, b""
+        try:
+            socks[i].setblocking(True)
+            socks[i].sendall(msg)
+            socks[i].setblocking(False)
+        except ConnectionResetError:
+            out[i] = "reset %.1f" % ((time.monotonic() - t0) * 1000)
+        except OSError as e:
+            out[i] = "error-" + errno.errorcode.get(e.errno, str(e.errno))
+    pend = {socks[i].fileno(): i for i in want if i not in out}
+    while pend:
+        left = limit - (time.monotonic() - t0)
+        if left <= 0:
+            break
+        r, _, _ = select.select(list(pend), [], [], left)
+        for fd in r:
+            i = pend[fd]
+            try:
+                c = socks[i].recv(65536)
+            except ConnectionResetError:
+                c = None
+            except BlockingIOError:
+                continue
+            ms = (time.monotonic() - t0) * 1000
+            if c is None:
+                out[i] = "reset %.1f" % ms
+            elif not c:
+                out[i] = "closed %.1f" % ms
+            else:
+                got[i] += c
+                if len(got[i]) < len(want[i]):
+                    continue
+                out[i] = ("ok %.1f" if got[i] == want[i] else "differs %.1f") % ms
+            del pend[fd]
+    for i in want:
+        o = out.get(i, "hang %d" % (limit * 1000))
+        if not o.startswith("ok"):
+            live.discard(i)
+        print(ports[i], o)
+    print("done", flush=True)
+"#;
+
+/// How one connection's echo ended in an [`EchoHolder::round_outcomes`]
+/// round: `ok`, `reset`, `closed`, `differs`, `hang` or `error-ERRNO`, and
+/// after how many ms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EchoOutcome {
+    pub what: String,
+    pub ms: f64,
+}
+
 impl EchoHolder {
     /// Opens `n` connections (each echoes once) and returns when all are up.
     pub fn start(lab: &Lab, n: usize) -> EchoHolder {
@@ -789,9 +908,47 @@ impl EchoHolder {
 
     /// [`Self::start`] to the echo service at `addr` (VIP:port).
     pub fn start_to(lab: &Lab, addr: &str, n: usize) -> EchoHolder {
+        Self::spawn(lab, ECHO_HOLDER, addr, n)
+    }
+
+    /// Opens `n` connections to `addr` (VIP:port), no echo yet, for
+    /// [`Self::round_outcomes`] (not [`Self::round_trip`] nor
+    /// [`Self::close`]): a connection that ends is reported, not fatal.
+    pub fn start_reporting(lab: &Lab, addr: &str, n: usize) -> EchoHolder {
+        Self::spawn(lab, ECHO_OUTCOMES, addr, n)
+    }
+
+    /// A round trip on every connection still up, all at once, within
+    /// `limit` (a holder from [`Self::start_reporting`]): the outcome per
+    /// client port.
+    pub fn round_outcomes(
+        &mut self,
+        limit: Duration,
+    ) -> std::collections::BTreeMap<u16, EchoOutcome> {
+        use std::io::Write;
+        writeln!(self.stdin, "{}", limit.as_secs_f64()).expect("signal the echo client");
+        self.stdin.flush().unwrap();
+        let mut m = std::collections::BTreeMap::new();
+        loop {
+            let l = self.line();
+            assert!(!l.is_empty(), "the echo client stopped during a round");
+            if l == "done" {
+                return m;
+            }
+            let mut f = l.split_whitespace();
+            let port: u16 = f.next().unwrap().parse().expect("a port");
+            let what = f.next().unwrap_or("").to_string();
+            let ms = f.next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+            m.insert(port, EchoOutcome { what, ms });
+        }
+    }
+
+    /// Starts client `script` (its ports, one a line, then `ready`) with
+    /// `n` connections to `addr` and waits until they are up.
+    fn spawn(lab: &Lab, script: &str, addr: &str, n: usize) -> EchoHolder {
         let mut child = lab
             .command("c1", "python3")
-            .args(["-c", ECHO_HOLDER, &n.to_string(), addr])
+            .args(["-c", script, &n.to_string(), addr])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -917,6 +1074,26 @@ pub fn send_line(to: &mut std::process::ChildStdin, line: &str) -> Result<(), St
         .map_err(|e| format!("to the load client: {e}"))
 }
 
+/// Runs `cmd` (on the host, no time limit: for quick local tools) to
+/// completion: its stdout, trimmed. Panics when it cannot start or fails,
+/// naming `what` (and its stderr).
+pub fn output_ok(mut cmd: Command, what: &str) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("run {what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// Panics unless `capybara --check config` passes (`what`: the case).
+pub fn assert_check_passes(config: &std::path::Path, what: &str) {
+    let mut cmd = Command::new(bin("capybara"));
+    cmd.arg("--check").arg(config);
+    output_ok(cmd, &format!("capybara --check ({what})"));
+}
+
 /// Runs `cmd`, killing it if it outlives `limit`.
 pub fn run_with_timeout(cmd: Command, limit: Duration) -> Output {
     let shown = format!("{cmd:?}");
@@ -1038,6 +1215,24 @@ pub fn deployment_key(dir: &std::path::Path) -> PathBuf {
     let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
     std::fs::write(&path, hex).expect("write key");
     path
+}
+
+/// Where an appliance lab test starts: the output directory `test`
+/// ([`output_dir`]), a lab of `servers` servers (`tag`: [`Lab::up`]), a
+/// deployment key ([`deployment_key`]) and an appliance config for them
+/// with its API on `api_listen` ([`appliance_config`]); nothing started
+/// yet. Returns (lab, dir, key, config).
+pub fn appliance_lab(
+    test: &str,
+    tag: &str,
+    servers: u32,
+    api_listen: &str,
+) -> (Lab, PathBuf, PathBuf, PathBuf) {
+    let dir = output_dir(test);
+    let lab = Lab::up(tag, servers);
+    let key = deployment_key(&dir);
+    let config = appliance_config(&dir, servers, &key, api_listen);
+    (lab, dir, key, config)
 }
 
 /// A switchd configuration for a lab with `servers` servers and one client:

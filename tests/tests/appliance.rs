@@ -10,12 +10,12 @@
 //! deleted.
 
 use capybara_systests::{
-    bin, deployment_key, echo_once, hostagent_migrating_config, log_of, output_dir,
+    assert_check_passes, deployment_key, echo_once, hostagent_migrating_config, log_of, output_dir,
     start_appliance, stop_appliance, Lab,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 const SERVERS: u32 = 2;
@@ -134,15 +134,7 @@ fn restart_keeps_flow_mappings_and_established_connections() {
     let mut lab = Lab::up("ap", SERVERS);
     let key = deployment_key(&dir);
     let config = appliance_config(&dir, &key);
-    let check = Command::new(bin("capybara"))
-        .args(["--check", config.to_str().unwrap()])
-        .output()
-        .expect("capybara --check");
-    assert!(
-        check.status.success(),
-        "--check: {}",
-        String::from_utf8_lossy(&check.stderr)
-    );
+    assert_check_passes(&config, "the test's config");
 
     let log1 = dir.join("capybara-1.log");
     // Only this test moves connections: a policy's move would race the

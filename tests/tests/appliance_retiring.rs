@@ -12,10 +12,7 @@
 //! still refused; the retire timeout counts from the retire, not from the
 //! restart. Closed, each address goes and exactly its record is forgotten.
 
-use capybara_systests::{
-    deployment_key, echo_once, hostagent_migrating_config, log_of, output_dir, start_appliance,
-    stop_appliance, Lab,
-};
+use capybara_systests::{appliance_lab, echo_once, log_of, start_appliance, stop_appliance, Lab};
 use std::path::Path;
 use std::time::Duration;
 
@@ -78,25 +75,22 @@ fn retiring_for_ms(lab: &Lab, name: &str) -> Option<u64> {
 
 #[test]
 fn retired_addresses_keep_their_open_connections_across_a_restart() {
-    let dir = output_dir("appliance-retiring");
-    let mut lab = Lab::up("art", SERVERS);
-    let key = deployment_key(&dir);
-    let config = capybara_systests::appliance_config(&dir, SERVERS, &key, "127.0.0.1:18082");
+    let (mut lab, dir, key, config) =
+        appliance_lab("appliance-retiring", "art", SERVERS, "127.0.0.1:18082");
     let db = dir.join("store.db");
     let log1 = dir.join("capybara-1.log");
     let mut app = start_appliance(&lab, &config, &log1);
-    for j in 1..=SERVERS {
-        let cfg = hostagent_migrating_config(&dir, j, &key, None);
-        capybara_systests::disable_policies(&cfg);
-        let mut t = std::fs::read_to_string(&cfg).expect("read hostagent config");
+    // Policies off, and echo on the two addresses this test retires.
+    lab.start_hostagents_with(&dir, &key, SERVERS, |_, cfg| {
+        capybara_systests::disable_policies(cfg);
+        let mut t = std::fs::read_to_string(cfg).expect("read hostagent config");
         for addr in [NEW, MOVED] {
             t.push_str(&format!(
                 "[[service]]\nlisten = \"{addr}\"\napp = \"echo\"\n"
             ));
         }
-        std::fs::write(&cfg, t).expect("write hostagent config");
-        lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
-    }
+        std::fs::write(cfg, t).expect("write hostagent config");
+    });
     lab.wait_for("every server to register", Duration::from_secs(30), || {
         let l = log_of(&log1);
         (1..=SERVERS).all(|j| l.contains(&format!("registered s{j}")))

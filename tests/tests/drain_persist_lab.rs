@@ -13,8 +13,8 @@
 //! `dead` over `drained`).
 
 use capybara_systests::{
-    deployment_key, hostagent_migrating_config, log_of, output_dir, place_echo_connections,
-    start_appliance, stop_appliance, switchd_status_server, wait_appliance_ready, Lab,
+    appliance_lab, log_of, place_echo_connections, start_appliance, stop_appliance,
+    switchd_status_server, wait_appliance_ready, Lab,
 };
 use std::time::Duration;
 
@@ -57,33 +57,17 @@ fn place_new_connections(lab: &Lab, token: &str) -> Vec<usize> {
 
 #[test]
 fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
-    let dir = output_dir("drain-persist-lab");
-    let mut lab = Lab::up("dpl", SERVERS);
-    let key = deployment_key(&dir);
-    let config = capybara_systests::appliance_config(&dir, SERVERS, &key, "127.0.0.1:18085");
+    let (mut lab, dir, key, config) =
+        appliance_lab("drain-persist-lab", "dpl", SERVERS, "127.0.0.1:18085");
     let log1 = dir.join("capybara-1.log");
     let mut app = start_appliance(&lab, &config, &log1);
-    let mut cfgs = Vec::new();
-    let mut pids = Vec::new();
-    for j in 1..=SERVERS {
-        let cfg = hostagent_migrating_config(&dir, j, &key, None);
-        capybara_systests::disable_policies(&cfg);
-        pids.push(lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log"))));
-        cfgs.push(cfg);
-    }
+    let mut agents = lab.start_hostagents(&dir, &key, SERVERS);
     let token = wait_appliance_ready(&lab, &log1, SERVERS, API, &dir);
     let c = place_new_connections(&lab, &token);
     assert!(c[0] > 0, "s1 takes connections before the drain: {c:?}");
 
     // Drain s1 (no connection left on it: it completes at once).
-    let (code, body) = lab.api_call(
-        API,
-        &token,
-        "POST",
-        "/v1/servers/1/drain",
-        Some(r#"{"deadline_seconds": 10, "mode": "migrate"}"#),
-    );
-    assert_eq!(code, 202, "drain: {body}");
+    lab.start_drain(API, &token, 1, 10);
     lab.wait_for("s1 drained", Duration::from_secs(15), || {
         api_state(&lab, &token, 1) == "drained"
     });
@@ -92,8 +76,8 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
     assert_eq!(c[0], 0, "new connections on drained s1: {c:?}");
 
     // 1. s1's hostagent restarts (a new instance registers).
-    lab.kill_and_wait(pids[0]);
-    pids[0] = lab.spawn_hostagent(1, &cfgs[0], &dir.join("hostagent-s1-2.log"));
+    lab.kill_and_wait(agents[0].pid);
+    agents[0].pid = lab.spawn_hostagent(1, &agents[0].config, &dir.join("hostagent-s1-2.log"));
     lab.wait_for("s1 to register again", Duration::from_secs(30), || {
         log_of(&log1).matches("registered s1").count() >= 2
     });
@@ -104,7 +88,7 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
     assert_eq!(api_state(&lab, &token, 1), "drained");
 
     // 2. A maintenance stop: s1 dies (dead_after_ms), then comes back.
-    lab.kill_and_wait(pids[0]);
+    lab.kill_and_wait(agents[0].pid);
     lab.wait_for(
         "switchd to declare s1 dead",
         Duration::from_secs(10),
@@ -116,7 +100,7 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
         "drained",
         "the record keeps the operator's drain while the server is down"
     );
-    pids[0] = lab.spawn_hostagent(1, &cfgs[0], &dir.join("hostagent-s1-3.log"));
+    agents[0].pid = lab.spawn_hostagent(1, &agents[0].config, &dir.join("hostagent-s1-3.log"));
     lab.wait_for("s1 back", Duration::from_secs(30), || {
         status_state(&lab, 1).is_some_and(|s| s != "dead")
     });

@@ -362,22 +362,8 @@ fn a_switchd_takeover_keeps_connections_weights_and_drains() {
     assert_eq!(held.round_trip(), "ok");
 
     // The operator's weight and drain, before any takeover.
-    let (code, body) = lab.api_call(
-        API,
-        &token,
-        "PUT",
-        "/v1/servers/3/weight",
-        Some(r#"{"weight": 0}"#),
-    );
-    assert_eq!(code, 200, "set weight: {body}");
-    let (code, body) = lab.api_call(
-        API,
-        &token,
-        "POST",
-        "/v1/servers/1/drain",
-        Some(r#"{"deadline_seconds": 20, "mode": "migrate"}"#),
-    );
-    assert_eq!(code, 202, "drain: {body}");
+    lab.set_weight(API, &token, 3, 0);
+    lab.start_drain(API, &token, 1, 20);
     let mut drain = serde_json::Value::Null;
     lab.wait_for("s1's drain completed", Duration::from_secs(25), || {
         let (code, body) = lab.api_call(API, &token, "GET", "/v1/servers/1/drain", None);

@@ -18,8 +18,7 @@
 //!   hostagents (their logs) and switchd's `/status`.
 
 use capybara_systests::{
-    deployment_key, hostagent_migrating_config, log_of, output_dir, start_appliance,
-    stop_appliance, wait_appliance_ready, Lab,
+    appliance_lab, log_of, start_appliance, stop_appliance, wait_appliance_ready, Lab,
 };
 use std::time::{Duration, Instant};
 
@@ -65,10 +64,8 @@ fn patch(lab: &Lab, token: &str, body: &str) -> serde_json::Value {
 
 #[test]
 fn stored_liveness_timing_and_engine_settings_apply() {
-    let dir = output_dir("policy-apply-lab");
-    let mut lab = Lab::up("pap", SERVERS);
-    let key = deployment_key(&dir);
-    let config = capybara_systests::appliance_config(&dir, SERVERS, &key, "127.0.0.1:18084");
+    let (mut lab, dir, key, config) =
+        appliance_lab("policy-apply-lab", "pap", SERVERS, "127.0.0.1:18084");
     // Config values the defaults do not have: the seed must take them.
     let text = std::fs::read_to_string(&config).unwrap();
     assert!(text.contains("dead_after_ms = 1000\n"), "{text}");
@@ -79,11 +76,12 @@ fn stored_liveness_timing_and_engine_settings_apply() {
     .unwrap();
     let log = dir.join("capybara.log");
     let mut app = start_appliance(&lab, &config, &log);
-    let mut pids = Vec::new();
-    for j in 1..=SERVERS {
-        let cfg = hostagent_migrating_config(&dir, j, &key, None);
-        pids.push(lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log"))));
-    }
+    // Policies on: what this test checks is how they apply.
+    let pids: Vec<u32> = lab
+        .start_hostagents_with(&dir, &key, SERVERS, |_, _| {})
+        .iter()
+        .map(|a| a.pid)
+        .collect();
     let token = wait_appliance_ready(&lab, &log, SERVERS, API, &dir);
 
     // The seed: the config's liveness timing, stored and shown.

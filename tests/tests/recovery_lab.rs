@@ -27,13 +27,12 @@
 //! Each test prints `RECOVERY ...` lines with its figures (`-- --nocapture`).
 
 use capybara_systests::{
-    bin, deployment_key, echo_once, hostagent_migrating_config, log_of, output_dir,
-    start_appliance, stop_appliance, switchd_status_server, wait_appliance_ready, Lab,
+    appliance_lab, assert_check_passes, bin, echo_once, log_of, output_ok, start_appliance,
+    stop_appliance, switchd_status_server, wait_appliance_ready, EchoHolder, EchoOutcome, Lab,
 };
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 const SERVERS: u32 = 3;
@@ -54,148 +53,6 @@ static ONE_LAB: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn one_lab() -> std::sync::MutexGuard<'static, ()> {
     ONE_LAB.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A Python client in `c1` holding `n` echo connections; each round sends
-/// on all of them at once and reports per connection how its echo ended:
-/// `ok` (byte-exact), `reset`, `closed` (FIN), `differs`, or `hang` (no
-/// answer within the round's limit), with the milliseconds it took. A
-/// connection that ended is left out of later rounds.
-const HOLDER: &str = r#"
-import errno, select, socket, sys, time
-n = int(sys.argv[1])
-host, port = sys.argv[2].split(":")
-socks = [socket.create_connection((host, int(port)), timeout=20) for _ in range(n)]
-ports = [s.getsockname()[1] for s in socks]
-for p in ports:
-    print(p)
-print("ready", flush=True)
-live = set(range(n))
-k = 0
-for line in sys.stdin:
-    limit = float(line.strip())
-    k += 1
-    want, got, t0, out = {}, {}, time.monotonic(), {}
-    for i in sorted(live):
-        msg = ("r%d-%d;" % (k, i)).encode() * 50
-        want[i], got[i] = msg, b""
-        try:
-            socks[i].setblocking(True)
-            socks[i].sendall(msg)
-            socks[i].setblocking(False)
-        except ConnectionResetError:
-            out[i] = "reset %.1f" % ((time.monotonic() - t0) * 1000)
-        except OSError as e:
-            out[i] = "error-" + errno.errorcode.get(e.errno, str(e.errno))
-    pend = {socks[i].fileno(): i for i in want if i not in out}
-    while pend:
-        left = limit - (time.monotonic() - t0)
-        if left <= 0:
-            break
-        r, _, _ = select.select(list(pend), [], [], left)
-        for fd in r:
-            i = pend[fd]
-            try:
-                c = socks[i].recv(65536)
-            except ConnectionResetError:
-                c = None
-            except BlockingIOError:
-                continue
-            ms = (time.monotonic() - t0) * 1000
-            if c is None:
-                out[i] = "reset %.1f" % ms
-            elif not c:
-                out[i] = "closed %.1f" % ms
-            else:
-                got[i] += c
-                if len(got[i]) < len(want[i]):
-                    continue
-                out[i] = ("ok %.1f" if got[i] == want[i] else "differs %.1f") % ms
-            del pend[fd]
-    for i in want:
-        o = out.get(i, "hang %d" % (limit * 1000))
-        if not o.startswith("ok"):
-            live.discard(i)
-        print(ports[i], o)
-    print("done", flush=True)
-"#;
-
-struct Holder {
-    child: Child,
-    stdin: std::process::ChildStdin,
-    stdout: std::io::BufReader<std::process::ChildStdout>,
-    ports: Vec<u16>,
-}
-
-/// How one connection's echo ended in a round.
-#[derive(Debug, Clone, PartialEq)]
-struct Outcome {
-    what: String,
-    ms: f64,
-}
-
-impl Holder {
-    fn start(lab: &Lab, n: usize) -> Holder {
-        let mut child = lab
-            .command("c1", "python3")
-            .args(["-c", HOLDER, &n.to_string(), ECHO])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start the echo client");
-        let mut h = Holder {
-            stdin: child.stdin.take().unwrap(),
-            stdout: std::io::BufReader::new(child.stdout.take().unwrap()),
-            child,
-            ports: Vec::new(),
-        };
-        loop {
-            let l = h.line();
-            if l == "ready" {
-                break;
-            }
-            assert!(!l.is_empty(), "the echo client stopped before it was ready");
-            h.ports.push(l.parse().expect("a port"));
-        }
-        assert_eq!(h.ports.len(), n);
-        h
-    }
-
-    /// A round trip on every connection still up, all at once: the outcome
-    /// per client port.
-    fn round(&mut self, limit: Duration) -> BTreeMap<u16, Outcome> {
-        writeln!(self.stdin, "{}", limit.as_secs_f64()).expect("signal the echo client");
-        self.stdin.flush().unwrap();
-        let mut m = BTreeMap::new();
-        loop {
-            let l = self.line();
-            assert!(!l.is_empty(), "the echo client stopped during a round");
-            if l == "done" {
-                return m;
-            }
-            let mut f = l.split_whitespace();
-            let port: u16 = f.next().unwrap().parse().expect("a port");
-            let what = f.next().unwrap_or("").to_string();
-            let ms = f.next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
-            m.insert(port, Outcome { what, ms });
-        }
-    }
-
-    fn line(&mut self) -> String {
-        let mut l = String::new();
-        self.stdout
-            .read_line(&mut l)
-            .expect("read the echo client's output");
-        l.trim().to_string()
-    }
-}
-
-impl Drop for Holder {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// A `capybara run` process, killed if the test fails before it stopped it.
@@ -281,11 +138,7 @@ fn start_all(
     log: &Path,
 ) -> (Appliance, String) {
     let app = Appliance::start(lab, config, log);
-    for j in 1..=SERVERS {
-        let cfg = hostagent_migrating_config(dir, j, key, None);
-        capybara_systests::disable_policies(&cfg);
-        lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
-    }
+    lab.start_hostagents(dir, key, SERVERS);
     let token = wait_appliance_ready(lab, log, SERVERS, API, dir);
     (app, token)
 }
@@ -304,16 +157,12 @@ fn move_store_aside(dir: &Path) {
 
 /// The `sqlite3` shell with `args`: its stdout (trimmed); panics on failure.
 fn sqlite3(args: &[&str]) -> String {
-    let out = Command::new("sqlite3")
-        .args(args)
-        .output()
-        .expect("run sqlite3 (Debian package sqlite3, installed by make setup)");
-    assert!(
-        out.status.success(),
-        "sqlite3 {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    let mut cmd = Command::new("sqlite3");
+    cmd.args(args);
+    output_ok(
+        cmd,
+        &format!("sqlite3 {args:?} (Debian package sqlite3, installed by make setup)"),
+    )
 }
 
 /// Waits until the appliance logging to `log` has read its store: the
@@ -341,15 +190,26 @@ fn wait_store_read(lab: &Lab, log: &Path) -> (u64, u64) {
 }
 
 /// Every outcome of `ports` in `round`, checked to be `want`.
-fn assert_outcomes(round: &BTreeMap<u16, Outcome>, ports: &BTreeSet<u16>, want: &str, what: &str) {
+fn assert_outcomes(
+    round: &BTreeMap<u16, EchoOutcome>,
+    ports: &BTreeSet<u16>,
+    want: &str,
+    what: &str,
+) {
     for p in ports {
         let o = round.get(p).unwrap_or_else(|| panic!("no outcome for {p}"));
         assert_eq!(o.what, want, "{what}: connection from port {p}: {o:?}");
     }
 }
 
+/// A round on `holder`: every one of `ports` echoes byte-exact (`what`).
+fn assert_all_ok(holder: &mut EchoHolder, ports: &[u16], what: &str) {
+    let r = holder.round_outcomes(HANG);
+    assert_outcomes(&r, &except(ports, &BTreeSet::new()), "ok", what);
+}
+
 /// The slowest outcome among `ports`, in ms.
-fn slowest(round: &BTreeMap<u16, Outcome>, ports: &BTreeSet<u16>) -> f64 {
+fn slowest(round: &BTreeMap<u16, EchoOutcome>, ports: &BTreeSet<u16>) -> f64 {
     ports.iter().map(|p| round[p].ms).fold(0.0, f64::max)
 }
 
@@ -382,58 +242,95 @@ fn server_json(lab: &Lab, token: &str, id: u32) -> serde_json::Value {
     api_json(lab, token, &format!("/v1/servers/{id}"))
 }
 
-#[test]
-fn a_live_backup_restored_after_a_stop_brings_back_what_it_held() {
-    let _one = one_lab();
-    const N: usize = 18;
-    let dir = output_dir("recovery-lab-backup");
-    let mut lab = Lab::up("rcb", SERVERS);
-    let key = deployment_key(&dir);
-    let config = capybara_systests::appliance_config(&dir, SERVERS, &key, "127.0.0.1:18096");
-    let log1 = dir.join("capybara-1.log");
-    let (mut app, token) = start_all(&mut lab, &dir, &key, &config, &log1);
-
-    // What an operator set: a weight, a drain, a service.
+/// Creates the service `echo2` (198.18.100.2:17) through the REST API.
+fn create_echo2(lab: &Lab, token: &str) {
     let (code, body) = api(
-        &lab,
-        &token,
-        "PUT",
-        "/v1/servers/2/weight",
-        Some(r#"{"weight": 2}"#),
-    );
-    assert_eq!(code, 200, "set weight: {body}");
-    let (code, body) = api(
-        &lab,
-        &token,
-        "POST",
-        "/v1/servers/3/drain",
-        Some(r#"{"deadline_seconds": 10, "mode": "migrate"}"#),
-    );
-    assert_eq!(code, 202, "drain: {body}");
-    lab.wait_for("s3 drained", Duration::from_secs(15), || {
-        server_json(&lab, &token, 3)["state"] == "drained"
-    });
-    let (code, body) = api(
-        &lab,
-        &token,
+        lab,
+        token,
         "POST",
         "/v1/services",
         Some(r#"{"name": "echo2", "vip": "198.18.100.2", "port": 17, "pool": []}"#),
     );
     assert_eq!(code, 201, "create a service: {body}");
+}
+
+/// `n` echo connections held from `c1` ([`EchoHolder::start_reporting`]),
+/// once the store has every one of them (`what`): the holder and the
+/// connections' client ports.
+fn hold(lab: &Lab, token: &str, n: usize, what: &str) -> (EchoHolder, Vec<u16>) {
+    let holder = EchoHolder::start_reporting(lab, ECHO, n);
+    let ports = holder.ports.clone();
+    lab.wait_for(what, Duration::from_secs(10), || {
+        let o = owners(lab, token);
+        ports.iter().all(|p| o.contains_key(p))
+    });
+    (holder, ports)
+}
+
+/// The client ports of `ports` that are not in `gone`.
+fn except(ports: &[u16], gone: &BTreeSet<u16>) -> BTreeSet<u16> {
+    ports
+        .iter()
+        .copied()
+        .filter(|p| !gone.contains(p))
+        .collect()
+}
+
+/// SIGTERM to the appliance logging to `log`, checked to exit cleanly;
+/// then its store files moved aside.
+fn stop_and_move_aside(app: &mut Appliance, log: &Path, dir: &Path) {
+    let st = app.stop();
+    assert!(
+        st.success(),
+        "capybara run exited with {st}: {}",
+        log_of(log)
+    );
+    move_store_aside(dir);
+}
+
+/// The appliance started again (`dir/capybara-2.log`), once it has read
+/// its store: the appliance, its log, and the servers and flows it read.
+fn restart(lab: &Lab, config: &Path, dir: &Path) -> (Appliance, PathBuf, u64, u64) {
+    let log = dir.join("capybara-2.log");
+    let app = Appliance::start(lab, config, &log);
+    let (servers, flows) = wait_store_read(lab, &log);
+    (app, log, servers, flows)
+}
+
+/// Waits until the API answers `/healthz`.
+fn wait_api(lab: &Lab) {
+    lab.wait_for("the API", Duration::from_secs(30), || {
+        api(lab, "", "GET", "/healthz", None).0 == 200
+    });
+}
+
+/// Sleeps until the origins of the connections migrated at `migrated_at`
+/// forgot them (`GONE_LINGER`, and half a second).
+fn wait_origins_forgot(migrated_at: Instant) {
+    let wait = GONE_LINGER + Duration::from_millis(500);
+    std::thread::sleep(wait.saturating_sub(migrated_at.elapsed()));
+}
+
+#[test]
+fn a_live_backup_restored_after_a_stop_brings_back_what_it_held() {
+    let _one = one_lab();
+    const N: usize = 18;
+    let (mut lab, dir, key, config) =
+        appliance_lab("recovery-lab-backup", "rcb", SERVERS, "127.0.0.1:18096");
+    let log1 = dir.join("capybara-1.log");
+    let (mut app, token) = start_all(&mut lab, &dir, &key, &config, &log1);
+
+    // What an operator set: a weight, a drain, a service.
+    lab.set_weight(API, &token, 2, 2);
+    lab.start_drain(API, &token, 3, 10);
+    lab.wait_for("s3 drained", Duration::from_secs(15), || {
+        server_json(&lab, &token, 3)["state"] == "drained"
+    });
+    create_echo2(&lab, &token);
 
     // Held connections (on s1 and s2: s3 is drained); three migrate before
     // the backup.
-    let mut holder = Holder::start(&lab, N);
-    let ports = holder.ports.clone();
-    lab.wait_for(
-        "every held connection in the store",
-        Duration::from_secs(10),
-        || {
-            let o = owners(&lab, &token);
-            ports.iter().all(|p| o.contains_key(p))
-        },
-    );
+    let (mut holder, ports) = hold(&lab, &token, N, "every held connection in the store");
     let o = owners(&lab, &token);
     let before_backup: BTreeSet<u16> = ports[..3].iter().copied().collect();
     for p in &before_backup {
@@ -479,45 +376,22 @@ fn a_live_backup_restored_after_a_stop_brings_back_what_it_held() {
     for p in &after_backup {
         migrate(&lab, &token, *p, 3 - at_backup[p]);
     }
-    let (code, body) = api(
-        &lab,
-        &token,
-        "PUT",
-        "/v1/servers/2/weight",
-        Some(r#"{"weight": 3}"#),
-    );
-    assert_eq!(code, 200, "set weight: {body}");
+    lab.set_weight(API, &token, 2, 3);
     let (code, body) = api(&lab, &token, "POST", "/v1/servers/3/undrain", None);
     assert!(code == 200 || code == 204, "undrain: {code} {body}");
     lab.wait_for("s3 undrained", Duration::from_secs(10), || {
         server_json(&lab, &token, 3)["state"] == "active"
     });
     let migrated_at = Instant::now();
-    let r = holder.round(HANG);
-    assert_outcomes(
-        &r,
-        &ports.iter().copied().collect(),
-        "ok",
-        "before the stop",
-    );
+    assert_all_ok(&mut holder, &ports, "before the stop");
 
     // Restore: stop, the store files aside, the backup in place, start.
-    let st = app.stop();
-    assert!(
-        st.success(),
-        "capybara run exited with {st}: {}",
-        log_of(&log1)
-    );
-    move_store_aside(&dir);
+    stop_and_move_aside(&mut app, &log1, &dir);
     std::fs::copy(&backup, &db).expect("put the backup in place");
-    let log2 = dir.join("capybara-2.log");
-    let mut app = Appliance::start(&lab, &config, &log2);
-    let (read_servers, read_flows) = wait_store_read(&lab, &log2);
+    let (mut app, _, read_servers, read_flows) = restart(&lab, &config, &dir);
     assert_eq!(read_servers, backup_servers, "servers read from the backup");
     assert_eq!(read_flows, backup_flows, "flows read from the backup");
-    lab.wait_for("the API", Duration::from_secs(30), || {
-        api(&lab, "", "GET", "/healthz", None).0 == 200
-    });
+    wait_api(&lab);
 
     // The backup's operator state (not the later one), through the API and
     // switchd's status.
@@ -554,14 +428,9 @@ fn a_live_backup_restored_after_a_stop_brings_back_what_it_held() {
 
     // The connections go on, except the ones that migrated after the
     // backup (once their origin forgot them: GONE_LINGER).
-    let wait = GONE_LINGER + Duration::from_millis(500);
-    std::thread::sleep(wait.saturating_sub(migrated_at.elapsed()));
-    let r = holder.round(HANG);
-    let stay: BTreeSet<u16> = ports
-        .iter()
-        .copied()
-        .filter(|p| !after_backup.contains(p))
-        .collect();
+    wait_origins_forgot(migrated_at);
+    let r = holder.round_outcomes(HANG);
+    let stay = except(&ports, &after_backup);
     assert_outcomes(
         &r,
         &stay,
@@ -579,7 +448,7 @@ fn a_live_backup_restored_after_a_stop_brings_back_what_it_held() {
     // The restored appliance migrates again.
     let p = ports[6];
     migrate(&lab, &token, p, 3 - restored[&p]);
-    let r = holder.round(HANG);
+    let r = holder.round_outcomes(HANG);
     assert_outcomes(&r, &stay, "ok", "after a migration on the restored store");
     assert!(echo_once(&lab, ECHO), "a new connection after the restore");
     let held: u64 = reported_connections(&lab).iter().sum();
@@ -604,86 +473,41 @@ fn on_a_lost_store_the_servers_register_again_and_unmigrated_connections_go_on()
     const N: usize = 24;
     const MIGRATED: usize = 6;
     const WEIGHTED: usize = 12;
-    let dir = output_dir("recovery-lab-lost");
-    let mut lab = Lab::up("rcl", SERVERS);
-    let key = deployment_key(&dir);
-    let config = capybara_systests::appliance_config(&dir, SERVERS, &key, "127.0.0.1:18096");
+    let (mut lab, dir, key, config) =
+        appliance_lab("recovery-lab-lost", "rcl", SERVERS, "127.0.0.1:18096");
     let log1 = dir.join("capybara-1.log");
     let (mut app, token) = start_all(&mut lab, &dir, &key, &config, &log1);
 
-    let mut holder = Holder::start(&lab, N);
-    let ports = holder.ports.clone();
-    lab.wait_for(
-        "every held connection in the store",
-        Duration::from_secs(10),
-        || {
-            let o = owners(&lab, &token);
-            ports.iter().all(|p| o.contains_key(p))
-        },
-    );
+    let (mut holder, ports) = hold(&lab, &token, N, "every held connection in the store");
     let o = owners(&lab, &token);
     let migrated: BTreeSet<u16> = ports[..MIGRATED].iter().copied().collect();
     for p in &migrated {
         migrate(&lab, &token, *p, o[p] % SERVERS + 1);
     }
     let migrated_at = Instant::now();
-    let r = holder.round(HANG);
-    assert_outcomes(
-        &r,
-        &ports.iter().copied().collect(),
-        "ok",
-        "before the stop",
-    );
+    assert_all_ok(&mut holder, &ports, "before the stop");
     // What an operator set after those were placed: a weight and a
     // service, and connections placed at that weight.
-    let (code, body) = api(
-        &lab,
-        &token,
-        "PUT",
-        "/v1/servers/2/weight",
-        Some(r#"{"weight": 3}"#),
-    );
-    assert_eq!(code, 200, "set weight: {body}");
+    lab.set_weight(API, &token, 2, 3);
     lab.wait_for("switchd to apply weight 3", Duration::from_secs(5), || {
         switchd_status_server(&lab, 2).is_some_and(|s| s["weight"] == 3)
     });
-    let (code, body) = api(
+    create_echo2(&lab, &token);
+    let (mut weighted, wports) = hold(
         &lab,
         &token,
-        "POST",
-        "/v1/services",
-        Some(r#"{"name": "echo2", "vip": "198.18.100.2", "port": 17, "pool": []}"#),
-    );
-    assert_eq!(code, 201, "create a service: {body}");
-    let mut weighted = Holder::start(&lab, WEIGHTED);
-    let wports = weighted.ports.clone();
-    lab.wait_for(
+        WEIGHTED,
         "the connections placed at weight 3 in the store",
-        Duration::from_secs(10),
-        || {
-            let o = owners(&lab, &token);
-            wports.iter().all(|p| o.contains_key(p))
-        },
     );
-    let r = weighted.round(HANG);
-    assert_outcomes(
-        &r,
-        &wports.iter().copied().collect(),
-        "ok",
+    assert_all_ok(
+        &mut weighted,
+        &wports,
         "placed at weight 3, before the stop",
     );
 
     // Stop, the store files aside, start on an empty store.
-    let st = app.stop();
-    assert!(
-        st.success(),
-        "capybara run exited with {st}: {}",
-        log_of(&log1)
-    );
-    move_store_aside(&dir);
-    let log2 = dir.join("capybara-2.log");
-    let mut app = Appliance::start(&lab, &config, &log2);
-    let (read_servers, read_flows) = wait_store_read(&lab, &log2);
+    stop_and_move_aside(&mut app, &log1, &dir);
+    let (mut app, log2, read_servers, read_flows) = restart(&lab, &config, &dir);
     let active = Instant::now();
     assert_eq!((read_servers, read_flows), (0, 0), "an empty store");
     // Polled every 10 ms: the hostagents' next heartbeats are refused
@@ -700,9 +524,7 @@ fn on_a_lost_store_the_servers_register_again_and_unmigrated_connections_go_on()
         );
         std::thread::sleep(Duration::from_millis(10));
     };
-    lab.wait_for("the API", Duration::from_secs(30), || {
-        api(&lab, "", "GET", "/healthz", None).0 == 200
-    });
+    wait_api(&lab);
     let services = api_json(&lab, &token, "/v1/services");
     let text = services.to_string();
     assert!(
@@ -716,22 +538,17 @@ fn on_a_lost_store_the_servers_register_again_and_unmigrated_connections_go_on()
 
     // The unmigrated connections go on; the migrated ones end (once their
     // origin forgot them: GONE_LINGER).
-    let wait = GONE_LINGER + Duration::from_millis(500);
-    std::thread::sleep(wait.saturating_sub(migrated_at.elapsed()));
-    let r = holder.round(HANG);
-    let stay: BTreeSet<u16> = ports
-        .iter()
-        .copied()
-        .filter(|p| !migrated.contains(p))
-        .collect();
+    wait_origins_forgot(migrated_at);
+    let r = holder.round_outcomes(HANG);
+    let stay = except(&ports, &migrated);
     assert_outcomes(&r, &stay, "ok", "a connection that never migrated");
     assert_outcomes(&r, &migrated, "reset", "a migrated connection");
     let reset_ms = slowest(&r, &migrated);
-    let r = holder.round(HANG);
+    let r = holder.round_outcomes(HANG);
     assert_outcomes(&r, &stay, "ok", "a second round");
     // Placed at weight 3 and recovered at weight 1: the ones Maglev now
     // puts on another server are reset there, the others go on.
-    let r = weighted.round(HANG);
+    let r = weighted.round_outcomes(HANG);
     let weighted_reset = r.values().filter(|o| o.what == "reset").count();
     for (p, o) in &r {
         assert!(
@@ -776,13 +593,44 @@ fn run_expecting_exit(lab: &Lab, config: &Path) -> (Option<i32>, String) {
     (out.status.code(), text)
 }
 
+/// `capybara run` on the store `db` as it is now: checked to exit 1
+/// naming the file and `reason`, without a panic (`what`: the damage); its
+/// output, also saved as `dir/save_as`.
+fn assert_refused_start(
+    lab: &Lab,
+    config: &Path,
+    db: &Path,
+    reason: &str,
+    what: &str,
+    save_as: &str,
+) -> String {
+    let (code, text) = run_expecting_exit(lab, config);
+    std::fs::write(db.with_file_name(save_as), &text).unwrap();
+    assert_eq!(code, Some(1), "exit status for {what}: {text}");
+    assert!(
+        text.contains(&format!("SQLite store {}", db.display())) && text.contains(reason),
+        "the file and the reason: {text}"
+    );
+    assert!(
+        !text.contains("panicked") && !text.contains("500 Internal"),
+        "{text}"
+    );
+    text
+}
+
+/// The last line of `text` that contains `word` (empty if none).
+fn last_line_with(text: &str, word: &str) -> String {
+    text.lines()
+        .filter(|l| l.contains(word))
+        .last()
+        .unwrap_or("")
+        .to_string()
+}
+
 #[test]
 fn a_corrupt_store_file_stops_the_start_with_its_name_and_reason() {
     let _one = one_lab();
-    let dir = output_dir("recovery-lab-corrupt");
-    let lab = Lab::up("rcc", 1);
-    let key = deployment_key(&dir);
-    let config = capybara_systests::appliance_config(&dir, 1, &key, "127.0.0.1:18096");
+    let (lab, dir, _, config) = appliance_lab("recovery-lab-corrupt", "rcc", 1, "127.0.0.1:18096");
     let db: PathBuf = dir.join("store.db");
 
     // A file that is not SQLite.
@@ -790,31 +638,16 @@ fn a_corrupt_store_file_stops_the_start_with_its_name_and_reason() {
         .map(|i| (i * 2_654_435_761u32 >> 13) as u8)
         .collect();
     std::fs::write(&db, &garbage).unwrap();
-    let (code, text) = run_expecting_exit(&lab, &config);
-    assert_eq!(
-        code,
-        Some(1),
-        "exit status for a file that is not SQLite: {text}"
-    );
-    assert!(
-        text.contains(&format!("SQLite store {}", db.display()))
-            && text.contains("file is not a database"),
-        "the file and the reason: {text}"
-    );
-    assert!(
-        !text.contains("panicked") && !text.contains("500 Internal"),
-        "{text}"
+    let text = assert_refused_start(
+        &lab,
+        &config,
+        &db,
+        "file is not a database",
+        "a file that is not SQLite",
+        "not-sqlite-run.txt",
     );
     // `capybara --check` does not open the store.
-    let check = Command::new(bin("capybara"))
-        .args(["--check", config.to_str().unwrap()])
-        .output()
-        .expect("capybara --check");
-    assert!(
-        check.status.success(),
-        "--check with a corrupt store: {}",
-        String::from_utf8_lossy(&check.stderr)
-    );
+    assert_check_passes(&config, "a corrupt store");
     let not_db = text
         .lines()
         .find(|l| l.contains("not a database"))
@@ -852,24 +685,15 @@ fn a_corrupt_store_file_stops_the_start_with_its_name_and_reason() {
         *b = garbage[i % garbage.len()];
     }
     std::fs::write(&db, &bytes).unwrap();
-    let (code, text) = run_expecting_exit(&lab, &config);
-    assert_eq!(code, Some(1), "exit status for damaged pages: {text}");
-    assert!(
-        text.contains(&format!("SQLite store {}", db.display()))
-            && text.contains("database disk image is malformed"),
-        "the file and the reason: {text}"
+    let text = assert_refused_start(
+        &lab,
+        &config,
+        &db,
+        "database disk image is malformed",
+        "damaged pages",
+        "malformed-run.txt",
     );
-    assert!(
-        !text.contains("panicked") && !text.contains("500 Internal"),
-        "{text}"
-    );
-    std::fs::write(dir.join("malformed-run.txt"), &text).unwrap();
-    let malformed = text
-        .lines()
-        .filter(|l| l.contains("malformed"))
-        .last()
-        .unwrap_or("")
-        .to_string();
+    let malformed = last_line_with(&text, "malformed");
 
     // Only the flows table damaged (the one switchd alone reads at start).
     let mut bytes = good.clone();
@@ -878,28 +702,15 @@ fn a_corrupt_store_file_stops_the_start_with_its_name_and_reason() {
         *b = garbage[i % garbage.len()];
     }
     std::fs::write(&db, &bytes).unwrap();
-    let (code, text) = run_expecting_exit(&lab, &config);
-    std::fs::write(dir.join("flows-run.txt"), &text).unwrap();
-    assert_eq!(
-        code,
-        Some(1),
-        "exit status for a damaged flows table: {text}"
+    let text = assert_refused_start(
+        &lab,
+        &config,
+        &db,
+        "database disk image is malformed",
+        "a damaged flows table",
+        "flows-run.txt",
     );
-    assert!(
-        text.contains(&format!("SQLite store {}", db.display()))
-            && text.contains("database disk image is malformed"),
-        "the file and the reason: {text}"
-    );
-    assert!(
-        !text.contains("panicked") && !text.contains("500 Internal"),
-        "{text}"
-    );
-    let flows = text
-        .lines()
-        .filter(|l| l.contains("malformed"))
-        .last()
-        .unwrap_or("")
-        .to_string();
+    let flows = last_line_with(&text, "malformed");
     println!(
         "RECOVERY corrupt store: not SQLite: exit 1: {not_db}\n\
          RECOVERY corrupt store: pages damaged: exit 1: {malformed}\n\

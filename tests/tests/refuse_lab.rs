@@ -12,9 +12,8 @@
 //! for minutes.
 
 use capybara_systests::{
-    deployment_key, echo_once, hostagent_migrating_config, output_dir, start_appliance,
-    stop_appliance, switchd_status_at, switchd_status_server, wait_appliance_ready, EchoHolder,
-    Lab,
+    appliance_lab, echo_once, start_appliance, stop_appliance, switchd_status_at,
+    switchd_status_server, wait_appliance_ready, EchoHolder, Lab,
 };
 use std::time::Duration;
 
@@ -154,18 +153,11 @@ impl Drop for Appliance {
 
 #[test]
 fn a_service_without_a_server_to_take_connections_refuses_them_at_once() {
-    let dir = output_dir("refuse-lab");
-    let mut lab = Lab::up("rfl", SERVERS);
-    let key = deployment_key(&dir);
-    let config = capybara_systests::appliance_config(&dir, SERVERS, &key, "127.0.0.1:18087");
+    let (mut lab, dir, key, config) =
+        appliance_lab("refuse-lab", "rfl", SERVERS, "127.0.0.1:18087");
     let log = dir.join("capybara.log");
     let mut app = Appliance(Some(start_appliance(&lab, &config, &log)));
-    let mut pids = Vec::new();
-    for j in 1..=SERVERS {
-        let cfg = hostagent_migrating_config(&dir, j, &key, None);
-        capybara_systests::disable_policies(&cfg);
-        pids.push(lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log"))));
-    }
+    let agents = lab.start_hostagents(&dir, &key, SERVERS);
     let token = wait_appliance_ready(&lab, &log, SERVERS, API, &dir);
     assert!(echo_once(&lab, ECHO), "the echo service answers");
     assert_eq!(connect_once(&lab).0, "ok");
@@ -216,13 +208,7 @@ fn a_service_without_a_server_to_take_connections_refuses_them_at_once() {
         );
     }
     for j in 1..=SERVERS {
-        call(
-            &lab,
-            &token,
-            "PUT",
-            &format!("/v1/servers/{j}/weight"),
-            Some(r#"{"weight": 0}"#),
-        );
+        lab.set_weight(API, &token, j, 0);
     }
     wait_servers(&lab, "every server live at weight 0", |s| {
         s["state"] == "live" && s["weight"] == 0
@@ -244,8 +230,8 @@ fn a_service_without_a_server_to_take_connections_refuses_them_at_once() {
     // dead_flow_grace_ms (10 s, the default) a server may be stalling and
     // come back: a SYN is dropped, not refused (the client's
     // retransmission would reach it); past the grace, refused.
-    for pid in pids {
-        lab.kill_and_wait(pid);
+    for a in agents {
+        lab.kill_and_wait(a.pid);
     }
     wait_servers(&lab, "every server dead in switchd's /status", |s| {
         s["state"] == "dead"

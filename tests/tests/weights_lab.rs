@@ -7,8 +7,8 @@
 //! connections again.
 
 use capybara_systests::{
-    deployment_key, hostagent_migrating_config, log_of, output_dir, place_echo_connections,
-    start_appliance, stop_appliance, switchd_status_server, wait_appliance_ready, Lab,
+    appliance_lab, log_of, place_echo_connections, start_appliance, stop_appliance,
+    switchd_status_server, wait_appliance_ready, Lab,
 };
 use std::time::Duration;
 
@@ -34,20 +34,11 @@ fn place_new_connections(lab: &Lab, token: &str) -> Vec<usize> {
 
 #[test]
 fn an_operator_weight_of_zero_takes_no_new_connections_across_restarts() {
-    let dir = output_dir("weights-lab");
-    let mut lab = Lab::up("wts", SERVERS);
-    let key = deployment_key(&dir);
-    let config = capybara_systests::appliance_config(&dir, SERVERS, &key, "127.0.0.1:18083");
+    let (mut lab, dir, key, config) =
+        appliance_lab("weights-lab", "wts", SERVERS, "127.0.0.1:18083");
     let log1 = dir.join("capybara-1.log");
     let mut app = start_appliance(&lab, &config, &log1);
-    let mut cfgs = Vec::new();
-    let mut pids = Vec::new();
-    for j in 1..=SERVERS {
-        let cfg = hostagent_migrating_config(&dir, j, &key, None);
-        capybara_systests::disable_policies(&cfg);
-        pids.push(lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log"))));
-        cfgs.push(cfg);
-    }
+    let mut agents = lab.start_hostagents(&dir, &key, SERVERS);
     let token = wait_appliance_ready(&lab, &log1, SERVERS, API, &dir);
     let c = place_new_connections(&lab, &token);
     assert!(
@@ -56,14 +47,7 @@ fn an_operator_weight_of_zero_takes_no_new_connections_across_restarts() {
     );
 
     // Weight 0 through the REST API: switchd applies it within a second.
-    let (code, body) = lab.api_call(
-        API,
-        &token,
-        "PUT",
-        "/v1/servers/1/weight",
-        Some(r#"{"weight": 0}"#),
-    );
-    assert_eq!(code, 200, "set weight: {body}");
+    lab.set_weight(API, &token, 1, 0);
     lab.wait_for("switchd to apply weight 0", Duration::from_secs(2), || {
         status_server(&lab, 1).is_some_and(|s| s.1 == 0)
     });
@@ -72,8 +56,8 @@ fn an_operator_weight_of_zero_takes_no_new_connections_across_restarts() {
     assert_eq!(status_server(&lab, 1).unwrap().0, "live", "still live");
 
     // s1's hostagent restarts: its REGISTER (config weight 1) keeps the 0.
-    lab.kill_and_wait(pids[0]);
-    pids[0] = lab.spawn_hostagent(1, &cfgs[0], &dir.join("hostagent-s1-2.log"));
+    lab.kill_and_wait(agents[0].pid);
+    agents[0].pid = lab.spawn_hostagent(1, &agents[0].config, &dir.join("hostagent-s1-2.log"));
     lab.wait_for("s1 to register again", Duration::from_secs(30), || {
         log_of(&log1).matches("registered s1").count() >= 2
             && status_server(&lab, 1).is_some_and(|s| s.0 == "live")
@@ -118,14 +102,7 @@ fn an_operator_weight_of_zero_takes_no_new_connections_across_restarts() {
     );
 
     // Weight 1 again: s1 takes new connections.
-    let (code, body) = lab.api_call(
-        API,
-        &token,
-        "PUT",
-        "/v1/servers/1/weight",
-        Some(r#"{"weight": 1}"#),
-    );
-    assert_eq!(code, 200, "set weight: {body}");
+    lab.set_weight(API, &token, 1, 1);
     lab.wait_for("switchd to apply weight 1", Duration::from_secs(2), || {
         status_server(&lab, 1).is_some_and(|s| s.1 == 1)
     });

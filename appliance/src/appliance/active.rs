@@ -252,25 +252,38 @@ mod tests {
     use capybara_api::control::StoreControlPlane;
     use capybara_store::{SqliteConfig, StoreConfig};
 
-    /// With every endpoint down, GET /v1/servers still lists the servers
-    /// (from the store) instead of failing with 503 `no active switchd`.
-    #[tokio::test]
-    async fn servers_are_listed_from_the_store_while_no_switchd_is_active() {
-        let dir = std::env::temp_dir().join(format!("capybara-active-{}", std::process::id()));
+    /// A fresh SQLite store (and api.db) in a temp dir named `tag`, and
+    /// the API's store-backed control plane over it.
+    async fn store_plane(
+        tag: &str,
+    ) -> (
+        std::path::PathBuf,
+        Arc<dyn capybara_store::Store>,
+        Arc<StoreControlPlane>,
+    ) {
+        let dir = std::env::temp_dir().join(format!("{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let store =
             capybara_store::open(&StoreConfig::Sqlite(SqliteConfig::at(dir.join("store.db"))))
                 .await
                 .unwrap();
+        let db = Arc::new(ApiDb::open(&dir.join("api.db")).unwrap());
+        let cp = StoreControlPlane::new(store.clone(), db).await.unwrap();
+        (dir, store, cp)
+    }
+
+    /// With every endpoint down, GET /v1/servers still lists the servers
+    /// (from the store) instead of failing with 503 `no active switchd`.
+    #[tokio::test]
+    async fn servers_are_listed_from_the_store_while_no_switchd_is_active() {
+        let (dir, store, cp) = store_plane("capybara-active").await;
         let server: capybara_store::Server = serde_json::from_value(serde_json::json!({
             "id": 3, "name": "s3", "mgmt_addr": "198.18.1.13:7691", "data_addr": "198.18.2.13",
             "state": "active", "weight": 1, "registered_unix_ms": 1, "updated_unix_ms": 2
         }))
         .unwrap();
         store.put_server(&server).await.unwrap();
-        let db = Arc::new(ApiDb::open(&dir.join("api.db")).unwrap());
-        let cp = StoreControlPlane::new(store.clone(), db).await.unwrap();
         // Nothing listens on port 1: both endpoints refuse at once.
         let planes = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
             .iter()
@@ -327,15 +340,7 @@ mod tests {
     /// the view as unknown until the next re-probe, up to a second later.
     #[tokio::test]
     async fn the_services_view_follows_a_takeover_at_once() {
-        let dir = std::env::temp_dir().join(format!("capybara-active-svc-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let store =
-            capybara_store::open(&StoreConfig::Sqlite(SqliteConfig::at(dir.join("store.db"))))
-                .await
-                .unwrap();
-        let db = Arc::new(ApiDb::open(&dir.join("api.db")).unwrap());
-        let cp = StoreControlPlane::new(store.clone(), db).await.unwrap();
+        let (dir, store, cp) = store_plane("capybara-active-svc").await;
         let new_active = fake_http(
             serde_json::json!({"role": "active", "services": [
                 {"name": "web", "vip": "198.18.100.1:80", "pool": [{"server": 1}],
@@ -366,15 +371,7 @@ mod tests {
     /// them), and the old active's stay listed.
     #[tokio::test]
     async fn migration_ids_go_on_across_endpoints() {
-        let dir = std::env::temp_dir().join(format!("capybara-active-ids-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let store =
-            capybara_store::open(&StoreConfig::Sqlite(SqliteConfig::at(dir.join("store.db"))))
-                .await
-                .unwrap();
-        let db = Arc::new(ApiDb::open(&dir.join("api.db")).unwrap());
-        let cp = StoreControlPlane::new(store.clone(), db).await.unwrap();
+        let (dir, store, cp) = store_plane("capybara-active-ids").await;
         let old_active = fake_switchd(1, 1, "198.18.0.11:40001");
         let new_active = fake_switchd(2, 2, "198.18.0.11:40002");
         let ids = capybara_api::switchd::MigrationIds::default();

@@ -121,18 +121,18 @@ fn check_parent_dir(field: &str, file: &Path, state_dir: &Path) -> Result<(), Co
         return Ok(());
     };
     let value = format!("{:?}", file.display().to_string());
-    if dir.is_dir() || state_dir.starts_with(dir) {
+    if state_dir.starts_with(dir) {
         return Ok(());
     }
-    let reason = if dir.exists() {
-        format!("{} is not a directory", dir.display())
-    } else {
-        format!(
-            "directory {} does not exist (create it, or name a file in state_dir {})",
-            dir.display(),
-            state_dir.display()
-        )
+    let Some(mut reason) = capybara_confkit::missing_dir_reason(dir) else {
+        return Ok(());
     };
+    if !dir.exists() {
+        reason.push_str(&format!(
+            " (create it, or name a file in state_dir {})",
+            state_dir.display()
+        ));
+    }
     Err(invalid(field, value, reason))
 }
 

@@ -7,6 +7,9 @@
 //! `[[services]]`, say) is reported as an "unknown field" of that table,
 //! which names the table's fields but not the cause. [`misplaced_key_hint`]
 //! says when the unknown field is a key of an enclosing level.
+//!
+//! Also what `--check` says of a file the daemon will create:
+//! [`missing_dir_reason`].
 
 /// The field a serde "unknown field `x`, expected ..." message names.
 pub fn unknown_field(message: &str) -> Option<&str> {
@@ -210,5 +213,41 @@ mod tests {
         ] {
             assert_eq!(misplaced_key_hint(m, KEYS, Level::TopLevel), None, "{m}");
         }
+    }
+}
+
+/// Why a file cannot be created in `dir` (the daemons create files, not
+/// directories): `None` when `dir` is a directory, else `directory DIR
+/// does not exist` or `DIR is not a directory`.
+pub fn missing_dir_reason(dir: &std::path::Path) -> Option<String> {
+    if dir.is_dir() {
+        None
+    } else if dir.exists() {
+        Some(format!("{} is not a directory", dir.display()))
+    } else {
+        Some(format!("directory {} does not exist", dir.display()))
+    }
+}
+
+#[cfg(test)]
+mod dir_tests {
+    use super::missing_dir_reason;
+
+    #[test]
+    fn missing_dir_reason_says_what_is_there() {
+        let tmp = std::env::temp_dir();
+        assert_eq!(missing_dir_reason(&tmp), None);
+        let file = tmp.join(format!("confkit-file-{}", std::process::id()));
+        std::fs::write(&file, "").unwrap();
+        assert_eq!(
+            missing_dir_reason(&file),
+            Some(format!("{} is not a directory", file.display()))
+        );
+        let _ = std::fs::remove_file(&file);
+        let gone = tmp.join("confkit-no-such-dir/sub");
+        assert_eq!(
+            missing_dir_reason(&gone),
+            Some(format!("directory {} does not exist", gone.display()))
+        );
     }
 }

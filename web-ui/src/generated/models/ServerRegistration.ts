@@ -32,7 +32,7 @@ export interface ServerRegistration {
      */
     mgmt_addr: string;
     /**
-     * Address owned by the server's user-space stack.
+     * Address owned by the server's user-space stack (unicast; 0.0.0.0, 255.255.255.255 and multicast addresses are a 422).
      */
     data_addr: string;
     /**
