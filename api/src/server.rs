@@ -708,6 +708,12 @@ async fn check_service(state: &AppState, name: String, b: ServiceBody) -> ApiRes
             format!("must be a unicast address, got {vip}"),
         ));
     }
+    if vip.is_loopback() {
+        return Err(Problem::invalid(
+            "vip",
+            format!("must be an address clients reach through the switch, got loopback {vip}"),
+        ));
+    }
     if !(1..=65535).contains(&b.port) {
         return Err(Problem::invalid(
             "port",
@@ -717,13 +723,19 @@ async fn check_service(state: &AppState, name: String, b: ServiceBody) -> ApiRes
     if b.pool.len() > 1024 {
         return Err(Problem::invalid("pool", "at most 1024 servers"));
     }
-    let servers: HashSet<u32> = state
-        .store
-        .list_servers()
-        .await?
-        .into_iter()
-        .map(|s| s.id.0)
-        .collect();
+    let registered = state.store.list_servers().await?;
+    // switchd forwards a server's connections to its data address: a
+    // service there would take that server's traffic for itself.
+    if let Some(s) = registered.iter().find(|s| s.data_addr == vip) {
+        return Err(Problem::invalid(
+            "vip",
+            format!(
+                "{vip} is the data address of server {} ({:?}); a service needs an address of its own",
+                s.id.0, s.name
+            ),
+        ));
+    }
+    let servers: HashSet<u32> = registered.iter().map(|s| s.id.0).collect();
     let mut pool = Vec::new();
     for (i, id) in b.pool.iter().enumerate() {
         let f = format!("pool[{i}]");

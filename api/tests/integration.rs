@@ -564,6 +564,22 @@ async fn service_addresses_no_client_reaches_are_refused() {
     }
     let (s, v, _) = call("GET", format!("{}/v1/servers", api.url), Some(&admin), None).await;
     assert!(s == 200 && v["items"].as_array().unwrap().is_empty(), "{v}");
+    // Loopback: no client reaches it through the switch.
+    let url = format!("{}/v1/services", api.url);
+    let (s, v, _) = call("POST", url.clone(), Some(&admin), Some(svc("127.0.0.1"))).await;
+    assert!(s == 422 && v["field"] == "vip", "{v}");
+    assert!(v["detail"].as_str().unwrap().contains("loopback"), "{v}");
+    // A server's data address: the service would take that server's
+    // traffic.
+    let id = register(&api, &admin, "web1").await;
+    let (s, v, _) = call("POST", url, Some(&admin), Some(svc("10.0.2.11"))).await;
+    assert!(s == 422 && v["field"] == "vip", "{v}");
+    assert!(
+        v["detail"].as_str().unwrap().contains(&format!(
+            "10.0.2.11 is the data address of server {id} (\"web1\")"
+        )),
+        "{v}"
+    );
 }
 
 fn ctl(url: &str, token: &str, args: &[&str]) -> (i32, String, String) {

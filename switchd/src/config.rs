@@ -612,11 +612,12 @@ impl Config {
                 || vip.ip().is_unspecified()
                 || vip.ip().is_broadcast()
                 || vip.ip().is_multicast()
+                || vip.ip().is_loopback()
             {
                 return Err(invalid(
                     f("vip"),
                     format!("{:?}", s.vip),
-                    "needs a unicast address and a non-zero port",
+                    "needs a unicast, non-loopback address (clients reach it through the switch) and a non-zero port",
                 ));
             }
             if !seen.insert(vip) {
@@ -973,6 +974,11 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
         let e = err(&OK.replace("198.18.100.1:80", "198.18.100.1"));
         assert!(
             e.contains("services[0].vip") && e.contains("198.18.100.1"),
+            "{e}"
+        );
+        let e = err(&OK.replace("198.18.100.1:80", "127.0.0.1:80"));
+        assert!(
+            e.contains("services[0].vip") && e.contains("non-loopback"),
             "{e}"
         );
         let e = err(&OK.replace("weight = 2", "weight = 0"));

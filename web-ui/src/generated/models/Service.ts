@@ -24,7 +24,7 @@ export interface Service {
      */
     name: string;
     /**
-     * 
+     * A unicast address clients reach through the switch: not 0.0.0.0, broadcast, multicast, loopback, nor a registered server's data address (422 naming `vip`).
      */
     vip: string;
     /**
