@@ -11,7 +11,7 @@ APT_PACKAGES=(
   dpdk libdpdk-dev
   chromium default-jre-headless python3-venv
   node-react node-react-dom node-chart.js esbuild node-typescript
-  debootstrap sqlite3
+  debootstrap sqlite3 iptables nftables
 )
 installed=()
 

@@ -203,6 +203,7 @@ fn run(path: &str) -> Result<(), String> {
         rx_buffer: cfg.stack.recv_buffer,
         tx_buffer: cfg.stack.send_buffer,
         isn_key: rand::random(),
+        keepalive: cfg.tcp.keepalive(),
         ..TcpConfig::default()
     });
     let mut transports = Transports::new(tcp, cfg.stack.address);

@@ -379,6 +379,61 @@ fn default_health_rise() -> u32 {
     2
 }
 
+/// TCP behaviour of the connections the stack terminates (`[tcp]`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TcpSection {
+    /// Probe idle connections and drop those whose client no longer
+    /// answers (RFC 1122 §4.2.3.6). On by default: a client that vanished
+    /// without FIN or RST would otherwise hold its connection, its buffers
+    /// and its share of the server's reported load forever
+    /// (docs/HOSTAGENT.md, "Keep-alive").
+    #[serde(default = "default_true")]
+    pub keepalive: bool,
+    /// Idle time before the first probe, milliseconds.
+    #[serde(default = "default_keepalive_idle_ms")]
+    pub keepalive_idle_ms: u64,
+    /// Time between unanswered probes, milliseconds.
+    #[serde(default = "default_keepalive_interval_ms")]
+    pub keepalive_interval_ms: u64,
+    /// Unanswered probes before the connection is dropped.
+    #[serde(default = "default_keepalive_probes")]
+    pub keepalive_probes: u32,
+}
+
+impl Default for TcpSection {
+    fn default() -> Self {
+        TcpSection {
+            keepalive: true,
+            keepalive_idle_ms: default_keepalive_idle_ms(),
+            keepalive_interval_ms: default_keepalive_interval_ms(),
+            keepalive_probes: default_keepalive_probes(),
+        }
+    }
+}
+
+impl TcpSection {
+    /// The stack's keep-alive (`TcpConfig::keepalive`): `None` when off.
+    pub fn keepalive(&self) -> Option<capybara_tcp::KeepAlive> {
+        use capybara_proto::time::Duration;
+        self.keepalive.then(|| capybara_tcp::KeepAlive {
+            idle: Duration::from_millis(self.keepalive_idle_ms),
+            interval: Duration::from_millis(self.keepalive_interval_ms),
+            probes: self.keepalive_probes,
+        })
+    }
+}
+
+fn default_keepalive_idle_ms() -> u64 {
+    300_000
+}
+fn default_keepalive_interval_ms() -> u64 {
+    30_000
+}
+fn default_keepalive_probes() -> u32 {
+    5
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -397,6 +452,8 @@ pub struct Config {
     pub policy: PolicyConfig,
     #[serde(default)]
     pub health: HealthConfig,
+    #[serde(default)]
+    pub tcp: TcpSection,
 }
 
 impl MigrationConfig {
@@ -466,6 +523,7 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "control",
     "policy",
     "health",
+    "tcp",
 ];
 
 /// A configuration error, naming the field and the value.
@@ -641,6 +699,33 @@ impl Config {
             ("health.timeout_ms", h.timeout_ms, 1..=60_000),
             ("health.fall", u64::from(h.fall), 1..=100),
             ("health.rise", u64::from(h.rise), 1..=100),
+        ] {
+            if !range.contains(&v) {
+                let why = format!("must be {} to {}", range.start(), range.end());
+                return Err(bad(field, v.to_string(), &why));
+            }
+        }
+        // Checked whether keep-alive is on or off, so that switching it on
+        // later cannot surface an error written long before. The bounds
+        // are well inside what a snapshot accepts (12.7 days, 65536 probes),
+        // so a migration never fails on them.
+        let t = &self.tcp;
+        for (field, v, range) in [
+            (
+                "tcp.keepalive_idle_ms",
+                t.keepalive_idle_ms,
+                100..=86_400_000,
+            ),
+            (
+                "tcp.keepalive_interval_ms",
+                t.keepalive_interval_ms,
+                100..=3_600_000,
+            ),
+            (
+                "tcp.keepalive_probes",
+                u64::from(t.keepalive_probes),
+                1..=100,
+            ),
         ] {
             if !range.contains(&v) {
                 let why = format!("must be {} to {}", range.start(), range.end());
@@ -880,5 +965,63 @@ app = "echo"
         assert_eq!(c.migration.unwrap().reply_spin_us, 100);
         let e = check(&mig("reply_spin_us = 1001\n")).unwrap_err();
         assert!(e.contains("migration.reply_spin_us = 1001"), "{e}");
+    }
+
+    #[test]
+    fn keepalive_defaults_on_and_reaches_the_stack() {
+        let c = check(GOOD).unwrap();
+        assert_eq!(c.tcp, TcpSection::default());
+        let ka = c.tcp.keepalive().expect("on by default");
+        assert_eq!(ka.idle.as_millis(), 300_000);
+        assert_eq!(ka.interval.as_millis(), 30_000);
+        assert_eq!(ka.probes, 5);
+        let c = check(&format!(
+            "{GOOD}[tcp]\nkeepalive_idle_ms = 1000\nkeepalive_interval_ms = 300\nkeepalive_probes = 3\n"
+        ))
+        .unwrap();
+        let ka = c.tcp.keepalive().unwrap();
+        assert_eq!(
+            (ka.idle.as_millis(), ka.interval.as_millis(), ka.probes),
+            (1000, 300, 3)
+        );
+        let c = check(&format!("{GOOD}[tcp]\nkeepalive = false\n")).unwrap();
+        assert_eq!(c.tcp.keepalive(), None);
+    }
+
+    #[test]
+    fn keepalive_bounds_and_keys_are_checked() {
+        let tcp = |line: &str| check(&format!("{GOOD}[tcp]\n{line}\n")).unwrap_err();
+        let e = tcp("keepalive_idle_ms = 99");
+        assert!(
+            e.ends_with("tcp.keepalive_idle_ms = 99: must be 100 to 86400000"),
+            "{e}"
+        );
+        let e = tcp("keepalive_interval_ms = 0");
+        assert!(
+            e.ends_with("tcp.keepalive_interval_ms = 0: must be 100 to 3600000"),
+            "{e}"
+        );
+        let e = tcp("keepalive_probes = 0");
+        assert!(
+            e.ends_with("tcp.keepalive_probes = 0: must be 1 to 100"),
+            "{e}"
+        );
+        let e = tcp("keepalive_probes = 101");
+        assert!(e.contains("tcp.keepalive_probes = 101"), "{e}");
+        // Off, the values are still checked.
+        let e = tcp("keepalive = false\nkeepalive_probes = 0");
+        assert!(e.contains("tcp.keepalive_probes = 0"), "{e}");
+        let e = tcp("keepalive_idle = 1000");
+        assert!(e.contains("unknown field `keepalive_idle`"), "{e}");
+        let e = tcp("keepalive = \"yes\"");
+        assert!(e.contains("keepalive = \"yes\""), "{e}");
+        // The largest values fit what a snapshot carries across a migration.
+        let c = check(&format!(
+            "{GOOD}[tcp]\nkeepalive_idle_ms = 86400000\nkeepalive_interval_ms = 3600000\nkeepalive_probes = 100\n"
+        ))
+        .unwrap();
+        let ka = c.tcp.keepalive().unwrap();
+        assert!(ka.idle.as_micros() <= u128::from(capybara_tcp::snapshot::MAX_MICROS));
+        assert!(ka.probes <= capybara_tcp::snapshot::MAX_COUNT);
     }
 }

@@ -159,6 +159,9 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
         rx_buffer: cfg.stack.recv_buffer,
         tx_buffer: cfg.stack.send_buffer,
         isn_key: rand::random(),
+        // A connection migrated in keeps the keep-alive its origin gave it
+        // (the snapshot carries it); this applies to connections accepted here.
+        keepalive: cfg.tcp.keepalive(),
         ..TcpConfig::default()
     });
     if cfg.migration.is_some() {
