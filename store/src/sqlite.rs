@@ -211,15 +211,24 @@ fn open_blocking(config: &SqliteConfig) -> Result<Connection> {
     .map_err(|e| corrupt_or(&path, "open", e))?;
     conn.busy_timeout(Duration::from_millis(config.busy_timeout_ms))
         .map_err(|e| corrupt_or(&path, "set busy timeout", e))?;
+    // The header and the table list are read in one read transaction: the
+    // switchd and the API of one appliance open the same new file at once,
+    // and read one by one, the application id could be read before the
+    // other's schema migration committed (0) and the tables after it (its
+    // tables), which looked like a foreign database (seen in CI: the
+    // second opener refused to start).
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Deferred)
+        .map_err(|e| corrupt_or(&path, "begin reading the header", e))?;
     // The first read of the header: a file that is not SQLite fails here.
-    let app_id: i64 = conn
+    let app_id: i64 = tx
         .query_row("PRAGMA application_id", [], |r| r.get(0))
         .map_err(|e| corrupt_or(&path, "read application_id", e))?;
-    let version: i64 = conn
+    let version: i64 = tx
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .map_err(|e| corrupt_or(&path, "read user_version", e))?;
     let tables: Vec<String> = {
-        let mut st = conn
+        let mut st = tx
             .prepare("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
             .map_err(|e| corrupt_or(&path, "list tables", e))?;
         let rows = st
@@ -228,6 +237,8 @@ fn open_blocking(config: &SqliteConfig) -> Result<Connection> {
         rows.collect::<std::result::Result<_, _>>()
             .map_err(|e| corrupt_or(&path, "list tables", e))?
     };
+    tx.commit()
+        .map_err(|e| corrupt_or(&path, "end reading the header", e))?;
     if app_id == 0 && !tables.is_empty() {
         return Err(StoreError::ForeignDatabase {
             path,
@@ -256,9 +267,23 @@ fn open_blocking(config: &SqliteConfig) -> Result<Connection> {
             supported: SCHEMA_VERSION,
         });
     }
-    let mode: String = conn
-        .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
-        .map_err(|e| corrupt_or(&path, "enable WAL", e))?;
+    // Switching to WAL needs the file to itself, and SQLite answers BUSY at
+    // once there (no busy handler) while another process opening the same
+    // file holds a lock: retried within the busy timeout.
+    let wal_deadline =
+        std::time::Instant::now() + Duration::from_millis(config.busy_timeout_ms.max(1000));
+    let mode: String = loop {
+        match conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get::<_, String>(0)) {
+            Ok(m) => break m,
+            Err(rusqlite::Error::SqliteFailure(f, _))
+                if f.code == rusqlite::ErrorCode::DatabaseBusy
+                    && std::time::Instant::now() < wal_deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(corrupt_or(&path, "enable WAL", e)),
+        }
+    };
     if !mode.eq_ignore_ascii_case("wal") {
         return Err(StoreError::Config(format!(
             "SQLite store {path}: cannot enable WAL (journal mode stays {mode})"

@@ -749,3 +749,23 @@ async fn etcd_one_per_name_retiring_records_stay_readable() {
         "{e}"
     );
 }
+
+/// switchd and the API of one appliance open the same new file at once:
+/// every opener succeeds (before, one could read the application id before
+/// the other's schema migration committed and the tables after it, and
+/// refused the file as a foreign database; seen in CI in readyz_lab).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn openers_racing_on_a_new_file_all_succeed() {
+    let dir = tmp();
+    for round in 0..40 {
+        let path = dir.path().join(format!("store-{round}.db"));
+        let opens: Vec<_> = (0..4)
+            .map(|_| tokio::spawn(SqliteStore::open(SqliteConfig::at(&path))))
+            .collect();
+        for o in opens {
+            if let Err(e) = o.await.unwrap() {
+                panic!("round {round}: {e}");
+            }
+        }
+    }
+}
