@@ -70,8 +70,9 @@ pub struct ConnectionView {
 #[derive(Debug, Clone, Default)]
 pub struct ConnectionFilter {
     pub server: Option<ServerId>,
-    /// (vip, port) of the service to match.
-    pub service: Option<(Ipv4Addr, u16)>,
+    /// (vip, port) of the service to match: its address, and those it
+    /// still retires (a deleted service, or one whose VIP or port changed).
+    pub service: Option<Vec<(Ipv4Addr, u16)>>,
     pub limit: usize,
 }
 
@@ -204,6 +205,13 @@ pub trait ControlPlane: Send + Sync + 'static {
         let _ = limit;
         None
     }
+    /// The switch's own addresses switchd last reported in `/status`
+    /// (`control_listen`, its interfaces' IPv4 addresses), each with what
+    /// it is: refused as a service VIP or server data address, with the
+    /// API's configured `SwitchAddrs`. Empty: no switchd, or not heard yet.
+    fn switch_addrs(&self) -> Vec<(Ipv4Addr, String)> {
+        Vec::new()
+    }
     /// What the data plane does with each service it serves, by VIP:port
     /// (switchd's `/status`). `None`: no switchd, or it did not answer.
     async fn service_serving(&self) -> Option<HashMap<(Ipv4Addr, u16), ServiceServing>> {
@@ -256,6 +264,10 @@ pub struct ServiceServing {
     pub apps_down: Vec<u32>,
     pub fail_open: bool,
     pub refusing: bool,
+    /// Members whose hostagent lists other services and not this VIP:port:
+    /// placed on (named in the pool), they leave its new connections
+    /// unanswered.
+    pub not_serving: Vec<u32>,
 }
 
 /// How often a drain supervisor re-reads the server's flows.
@@ -511,7 +523,8 @@ impl ControlPlane for Arc<StoreControlPlane> {
             .filter(|(k, _)| {
                 filter
                     .service
-                    .is_none_or(|svc| (k.service_ip, k.service_port) == svc)
+                    .as_ref()
+                    .is_none_or(|svc| svc.contains(&(k.service_ip, k.service_port)))
             })
             .collect();
         let total = matching.len() as u64;

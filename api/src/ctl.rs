@@ -11,10 +11,12 @@
 //!   migrate CONN [--target SERVER]
 //!   policy get | policy set KEY=VALUE...
 //!   migrations [--limit N] [--follow [--for 10s]]   the newest N (1000), oldest of them first
+//!   audit [--limit N]                     the newest N (20) audit entries, oldest of them first
 //!   services                              live services, then the retiring (deleted) ones
 //!   service add NAME VIP:PORT [--pool 1,2]   create (empty pool: every server)
 //!   service set NAME VIP:PORT [--pool 1,2]   change address (and pool)
 //!   service delete NAME                      no new connections; open ones kept until they end
+//!   server delete SERVER                  forget a drained or dead server (admin)
 //!   ready                                 readiness: the store answers; switchd reachable?
 //! ```
 //! `--api` and `--token` default to `CAPYBARA_API` and `CAPYBARA_TOKEN`.
@@ -45,10 +47,12 @@ commands:
   policy get
   policy set KEY=VALUE [KEY=VALUE...]
   migrations [--limit N] [--follow [--for DURATION]]
+  audit [--limit N]
   services
   service add NAME VIP:PORT [--pool 1,2]
   service set NAME VIP:PORT [--pool 1,2]
   service delete NAME
+  server delete SERVER
   ready
 environment: CAPYBARA_API (default http://127.0.0.1:8080), CAPYBARA_TOKEN
 `capybara ctl COMMAND --help`: a command's arguments, flags and an example";
@@ -187,6 +191,17 @@ example:
   capybara ctl migrations --limit 20 --follow --for 1m",
     ),
     (
+        "audit",
+        "usage: capybara ctl audit [--limit N]
+Lists the newest N entries of the audit log (every change made through the
+API), the newest last: sequence number, time (UTC), who, action, target and
+the details as JSON.
+flags:
+  --limit N            how many, 1 to 10000 (default 20)
+example:
+  capybara ctl audit --limit 5",
+    ),
+    (
         "services",
         "usage: capybara ctl services
 Lists the services: name, VIP:PORT, pool (server ids; every server when
@@ -247,6 +262,27 @@ arguments:
   NAME                 the service (see `services`)
 example:
   capybara ctl service delete api",
+    ),
+    (
+        "server",
+        "usage: capybara ctl server delete SERVER
+Forgets a server (an admin token's work): refused while it is active or
+draining or a service's pool names it. Drain it and stop its hostagent
+first: a hostagent still running registers it again.
+  server delete        deletes SERVER's record from the API and the store
+example:
+  capybara ctl server delete 3",
+    ),
+    (
+        "server delete",
+        "usage: capybara ctl server delete SERVER
+Forgets a server (an admin token's work): refused while it is active or
+draining or a service's pool names it (docs/OPERATIONS.md, \"Removing a
+server\": drain it, stop its hostagent, take it out of the pools first).
+arguments:
+  SERVER               the server id (3 or s3)
+example:
+  capybara ctl server delete 3",
     ),
     (
         "ready",
@@ -436,6 +472,7 @@ fn command_flags(cmd: &str) -> &'static [&'static str] {
         "drain" => &["--deadline", "--force", "--wait"],
         "migrate" => &["--target"],
         "migrations" => &["--limit", "--follow", "--for"],
+        "audit" => &["--limit"],
         "connections" => &["--server", "--service", "--limit"],
         "service" => &["--pool"],
         "weight" => &["--clear"],
@@ -590,6 +627,15 @@ async fn dispatch(a: &Args) -> Result<(), CtlError> {
         ["service", ..] => Err(CtlError::Usage(
             "`service add NAME VIP:PORT [--pool 1,2]`, `service set NAME VIP:PORT [--pool 1,2]` or `service delete NAME`".into(),
         )),
+        ["server", "delete", s] => {
+            let id = server_id(s)?;
+            apis::servers_api::deregister_server(&cfg, id)
+                .await
+                .map_err(api_err)?;
+            println!("server {id} deleted");
+            Ok(())
+        }
+        ["server", ..] => Err(CtlError::Usage("`server delete SERVER`".into())),
         ["ready"] => ready(&cfg).await,
         ["connections"] => connections(&cfg, a).await,
         ["weight", s] if a.has("--clear") => {
@@ -664,6 +710,7 @@ async fn dispatch(a: &Args) -> Result<(), CtlError> {
         }
         ["policy", "set", kvs @ ..] if !kvs.is_empty() => policy_set(&cfg, kvs).await,
         ["migrations"] => migrations(&cfg, a).await,
+        ["audit"] => audit(&cfg, a).await,
         [cmd @ ("drain" | "undrain"), ..] => Err(CtlError::Usage(format!(
             "`{cmd}` takes one SERVER, got {}",
             args_text(&pos[1..])
@@ -802,7 +849,7 @@ async fn services(cfg: &Configuration) -> Result<(), CtlError> {
     // Deleted services whose open connections switchd still serves.
     if let Some(retiring) = list.retiring.filter(|r| !r.is_empty()) {
         println!();
-        println!("RETIRING (deleted: no new connections; the open ones are served until they end, at most service_retire_timeout_ms)");
+        println!("RETIRING (deleted, or moved to another VIP:PORT: no new connections at this address; the open ones are served until they end, at most service_retire_timeout_ms)");
         println!(
             "{:<20} {:<21} {:>11}  {:<14} TIMEOUT IN",
             "NAME", "VIP:PORT", "CONNECTIONS", "DELETED"
@@ -836,9 +883,19 @@ fn served_by(serving: Option<&models::ServiceServing>) -> String {
             if !v.apps_down.is_empty() {
                 t.push_str(&format!(" (app down on {})", ids(&v.apps_down)));
             }
+            if let Some(n) = v.not_serving.as_deref().filter(|n| !n.is_empty()) {
+                let (who, does) = match n.len() {
+                    1 => ("server", "does"),
+                    _ => ("servers", "do"),
+                };
+                t.push_str(&format!(
+                    " ({who} {} {does} not serve it: no new connections go there)",
+                    ids(n)
+                ));
+            }
             if v.refusing {
                 t.push_str(
-                    " (refusing new connections: every server drained, at weight 0 or dead)",
+                    " (refusing new connections: every server drained, at weight 0, dead or not serving it)",
                 );
             }
             t
@@ -986,7 +1043,10 @@ async fn policy_set(cfg: &Configuration, kvs: &[&str]) -> Result<(), CtlError> {
         let (k, v) = kv
             .split_once('=')
             .ok_or_else(|| CtlError::Usage(format!("expected KEY=VALUE, got {kv:?}")))?;
-        patch.insert(k.to_string(), policy_value(v));
+        // Which one was meant? (The last silently won.)
+        if patch.insert(k.to_string(), policy_value(v)).is_some() {
+            return Err(CtlError::Usage(format!("{k} is given twice")));
+        }
     }
     // Through the generated model, so an unknown key fails here with its name.
     let p: models::PolicyPatch = serde_path_to_error::deserialize(Value::Object(patch.clone()))
@@ -1019,6 +1079,54 @@ async fn policy_set(cfg: &Configuration, kvs: &[&str]) -> Result<(), CtlError> {
         );
     }
     Ok(())
+}
+
+/// The services that draining `id` leaves with no server to place new
+/// connections on (every other member drained, draining, dead or at weight
+/// 0; an empty pool counts every registered server). `None` when the API
+/// does not answer: the drain goes on, only the warning is lost.
+async fn services_left_without(cfg: &Configuration, id: i64) -> Option<Vec<String>> {
+    let servers = apis::servers_api::list_servers(cfg).await.ok()?.items;
+    let services = apis::services_api::list_services(cfg).await.ok()?.items;
+    let available: Vec<(i64, bool)> = servers
+        .iter()
+        .map(|s| (s.id, s.state == models::ServerState::Active && s.weight > 0))
+        .collect();
+    let pools: Vec<(String, Vec<i64>)> = services.into_iter().map(|s| (s.name, s.pool)).collect();
+    Some(left_without(id, &available, &pools))
+}
+
+/// `services_left_without` on plain data: `servers` is (id, available).
+fn left_without(id: i64, servers: &[(i64, bool)], pools: &[(String, Vec<i64>)]) -> Vec<String> {
+    let all: Vec<i64> = servers.iter().map(|(s, _)| *s).collect();
+    pools
+        .iter()
+        .filter(|(_, pool)| {
+            let members = if pool.is_empty() { &all } else { pool };
+            members.contains(&id)
+                && !members
+                    .iter()
+                    .any(|m| *m != id && servers.iter().any(|(s, ok)| s == m && *ok))
+        })
+        .map(|(name, _)| name.clone())
+        .collect()
+}
+
+/// How many connections a drain left and the first few (a hundred ids on
+/// one line hid the message).
+fn remaining_text(id: i64, remaining: &[String], left: usize) -> String {
+    const SHOWN: usize = 5;
+    let mut t = format!(
+        "; {left} connections remain: {}",
+        remaining[..remaining.len().min(SHOWN)].join(" ")
+    );
+    if left > SHOWN.min(remaining.len()) {
+        t.push_str(&format!(
+            " and {} more (`capybara ctl connections --server {id}` lists them)",
+            left - SHOWN.min(remaining.len())
+        ));
+    }
+    t
 }
 
 fn drain_state_str(s: models::DrainState) -> &'static str {
@@ -1079,6 +1187,15 @@ async fn drain(cfg: &Configuration, id: i64, a: &Args) -> Result<(), CtlError> {
         "draining server {id}: {} connections, deadline in {secs} s",
         d.progress.flows_total
     );
+    // Accepted, but worth saying: a service left with no server to place
+    // on refuses every new connection until one comes back.
+    if let Some(left) = services_left_without(cfg, id).await {
+        for name in left {
+            eprintln!(
+                "warning: service {name} has no other active server with a weight above 0: it refuses new connections until one is back (`capybara ctl undrain {id}`)"
+            );
+        }
+    }
     if !a.has("--wait") {
         println!("{}", drain_state_str(d.state));
         return Ok(());
@@ -1116,11 +1233,8 @@ async fn drain(cfg: &Configuration, id: i64, a: &Args) -> Result<(), CtlError> {
                 }
                 let mut msg = format!("drain of server {id} ended {}", drain_state_str(other));
                 if !d.remaining.is_empty() {
-                    msg.push_str(&format!(
-                        "; {} connections remain: {}",
-                        d.remaining.len(),
-                        d.remaining.join(" ")
-                    ));
+                    let left = (d.progress.flows_remaining as usize).max(d.remaining.len());
+                    msg.push_str(&remaining_text(id, &d.remaining, left));
                 }
                 println!("{}", drain_state_str(other));
                 return Err(CtlError::DrainIncomplete(msg));
@@ -1143,6 +1257,63 @@ fn outcome_str(o: models::MigrationOutcome) -> &'static str {
         models::MigrationOutcome::Aborted => "aborted",
         models::MigrationOutcome::TimedOut => "timed_out",
     }
+}
+
+/// `audit`: the newest `--limit` entries (`order=desc`), printed oldest
+/// first so that the newest is the last line.
+async fn audit(cfg: &Configuration, a: &Args) -> Result<(), CtlError> {
+    let limit = match a.value("--limit") {
+        None => 20,
+        Some(l) => l
+            .parse::<i32>()
+            .ok()
+            .filter(|n| (1..=10_000).contains(n))
+            .ok_or_else(|| CtlError::Usage(format!("--limit must be 1 to 10000, got {l:?}")))?,
+    };
+    let mut list = apis::audit_api::list_audit(cfg, None, Some(limit), Some("desc"))
+        .await
+        .map_err(api_err)?;
+    list.items.reverse();
+    println!(
+        "{:>6}  {:<24} {:<12} {:<18} {:<16} DETAIL",
+        "SEQ", "TIME", "ACTOR", "ACTION", "TARGET"
+    );
+    for e in &list.items {
+        let detail: std::collections::BTreeMap<_, _> = e.detail.iter().collect();
+        println!(
+            "{:>6}  {:<24} {:<12} {:<18} {:<16} {}",
+            e.seq,
+            utc_ms(e.at_unix_ms),
+            e.actor,
+            e.action,
+            e.target,
+            serde_json::to_string(&detail).unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+/// `ms` since the Unix epoch as `YYYY-MM-DDTHH:MM:SS.mmmZ` (UTC).
+fn utc_ms(ms: i64) -> String {
+    let (days, in_day) = (ms.div_euclid(86_400_000), ms.rem_euclid(86_400_000));
+    // Civil date from days since 1970-01-01 (proleptic Gregorian): eras of
+    // 400 years (146097 days) starting on March 1st.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
+        in_day / 3_600_000,
+        in_day / 60_000 % 60,
+        in_day / 1000 % 60,
+        in_day % 1000
+    )
 }
 
 async fn migrations(cfg: &Configuration, a: &Args) -> Result<(), CtlError> {
@@ -1217,6 +1388,15 @@ async fn migrations(cfg: &Configuration, a: &Args) -> Result<(), CtlError> {
 mod tests {
     use super::*;
 
+    /// `ctl audit`'s times: UTC, milliseconds, leap days and before 1970.
+    #[test]
+    fn audit_times_are_utc() {
+        assert_eq!(utc_ms(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(utc_ms(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
+        assert_eq!(utc_ms(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(utc_ms(-1), "1969-12-31T23:59:59.999Z");
+    }
+
     #[test]
     fn durations() {
         assert_eq!(parse_duration("30s"), Some(Duration::from_secs(30)));
@@ -1271,8 +1451,11 @@ mod tests {
             "migrate",
             "policy",
             "migrations",
+            "audit",
             "services",
             "service",
+            "server",
+            "server delete",
             "ready",
         ] {
             assert_eq!(command_help(&pos(cmd)).map(|(k, _)| k), Some(cmd));
@@ -1286,6 +1469,46 @@ mod tests {
             Some("service")
         );
         assert_eq!(command_help(&pos("frob")), None);
+    }
+
+    /// Draining the last server a service can place on is named; other
+    /// services, or one with another available member, are not.
+    #[test]
+    fn drains_that_leave_a_service_without_servers_are_named() {
+        let servers = [(1, true), (2, false), (3, true)];
+        let pools = vec![
+            ("all".to_string(), vec![]),
+            ("one".to_string(), vec![1]),
+            ("one_and_drained".to_string(), vec![1, 2]),
+            ("other".to_string(), vec![3]),
+        ];
+        assert_eq!(
+            left_without(1, &servers, &pools),
+            ["one", "one_and_drained"]
+        );
+        assert_eq!(left_without(3, &servers, &pools), ["other"]);
+        assert_eq!(
+            left_without(3, &[(1, false), (3, true)], &pools),
+            ["all", "other"]
+        );
+        assert!(left_without(2, &servers, &pools).is_empty());
+    }
+
+    #[test]
+    fn a_drains_remaining_connections_are_counted_and_the_first_named() {
+        let ids: Vec<String> = (1..=7).map(|i| format!("c{i}")).collect();
+        assert_eq!(
+            remaining_text(2, &ids[..1], 1),
+            "; 1 connections remain: c1"
+        );
+        assert_eq!(
+            remaining_text(2, &ids[..5], 5),
+            "; 5 connections remain: c1 c2 c3 c4 c5"
+        );
+        assert_eq!(
+            remaining_text(2, &ids, 100),
+            "; 100 connections remain: c1 c2 c3 c4 c5 and 95 more (`capybara ctl connections --server 2` lists them)"
+        );
     }
 
     #[test]
@@ -1303,16 +1526,27 @@ mod tests {
             "1,3 (app down on 3)"
         );
         assert_eq!(served_by(None), "- (switchd did not answer)");
+        let mut unserved = v(vec![1, 3], vec![]);
+        unserved.not_serving = Some(vec![3]);
+        assert_eq!(
+            served_by(Some(&unserved)),
+            "1,3 (server 3 does not serve it: no new connections go there)"
+        );
+        unserved.not_serving = Some(vec![1, 3]);
+        assert_eq!(
+            served_by(Some(&unserved)),
+            "1,3 (servers 1,3 do not serve it: no new connections go there)"
+        );
         let refusing = models::ServiceServing::new(true, vec![1, 2], vec![], false, true);
         assert_eq!(
             served_by(Some(&refusing)),
-            "1,2 (refusing new connections: every server drained, at weight 0 or dead)"
+            "1,2 (refusing new connections: every server drained, at weight 0, dead or not serving it)"
         );
         // Refusing with no member (every server drained): both said.
         let none = models::ServiceServing::new(true, vec![], vec![], false, true);
         assert_eq!(
             served_by(Some(&none)),
-            "none (no server serves it) (refusing new connections: every server drained, at weight 0 or dead)"
+            "none (no server serves it) (refusing new connections: every server drained, at weight 0, dead or not serving it)"
         );
     }
 

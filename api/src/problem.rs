@@ -109,7 +109,7 @@ impl Problem {
     }
     pub fn invalid(field: impl Into<String>, detail: impl Into<String>) -> Self {
         let field = field.into();
-        let detail = format!("`{field}`: {}", detail.into());
+        let detail = format!("`{field}`: {}", readable_numbers(&detail.into()));
         Self::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "validation",
@@ -200,6 +200,47 @@ impl From<StoreError> for Problem {
 }
 
 pub type ApiResult<T> = Result<T, Problem>;
+
+/// Numbers longer than any 64-bit integer (Rust prints a float with all
+/// its digits: `1e300` is 301 of them) in exponent form, `1e300`,
+/// `-2.5e-300`; what the client wrote in quotes is left as written.
+pub fn readable_numbers(msg: &str) -> String {
+    let b = msg.as_bytes();
+    let mut out = String::with_capacity(msg.len());
+    let (mut i, mut quoted, mut done) = (0, false, 0);
+    while i < b.len() {
+        match b[i] {
+            b'\\' if quoted => i += 1,
+            b'"' => quoted = !quoted,
+            c if !quoted && (c.is_ascii_digit() || c == b'-') => {
+                let start = i;
+                let mut j = i + usize::from(c == b'-');
+                // Not inside a word or after another number's dot.
+                let alone =
+                    start == 0 || !(b[start - 1].is_ascii_alphanumeric() || b[start - 1] == b'.');
+                while j < b.len() && (b[j].is_ascii_digit() || b[j] == b'.') {
+                    j += 1;
+                }
+                let tok = &msg[start..j];
+                let tok = tok.strip_suffix('.').unwrap_or(tok);
+                let end = start + tok.len();
+                if alone && tok.len() > 20 {
+                    if let Ok(f) = tok.parse::<f64>() {
+                        out.push_str(&msg[done..start]);
+                        out.push_str(&format!("{f:e}"));
+                        done = end;
+                    }
+                }
+                i = end.max(i + 1);
+                continue;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    out.push_str(&msg[done..]);
+    out
+}
 
 /// Reads a JSON body of at most `MAX_BODY_BYTES`. `Ok(None)` when the body
 /// is empty and `required` is false.
@@ -318,6 +359,17 @@ impl Query {
             .find(|(k, _)| k == key)
             .map(|(_, v)| v.as_str())
     }
+    /// `order`: `asc` (the default) or `desc` (true: newest first).
+    pub fn newest_first(&self) -> ApiResult<bool> {
+        match self.get("order") {
+            None | Some("asc") => Ok(false),
+            Some("desc") => Ok(true),
+            Some(o) => Err(Problem::bad_param(
+                "order",
+                format!("query parameter `order` must be `asc` or `desc`, got {o:?}"),
+            )),
+        }
+    }
     pub fn u64_in(&self, key: &str, min: u64, max: u64) -> ApiResult<Option<u64>> {
         match self.get(key) {
             None => Ok(None),
@@ -366,6 +418,34 @@ mod tests {
         assert_eq!(f(json!({"a": 1, "b": [1, -2]})), "b[1]");
         assert_eq!(f(json!({"a": null})), "a");
         assert_eq!(f(json!([1])), "body");
+    }
+
+    /// A huge or tiny float reads as `1e300`, not its 301 digits; integers
+    /// up to 64 bits and quoted input stay as they are.
+    #[test]
+    fn huge_floats_are_printed_readably() {
+        let d = |v: Value| parse_body::<T>(v).unwrap_err().detail;
+        // serde's own wording (in exponent form already).
+        assert_eq!(
+            d(json!({"a": 1e300})),
+            "`a`: invalid type: floating point `1e+300`, expected an integer from 0 to 4294967295"
+        );
+        // Messages that print an f64 with `{}` (the store's policy checks).
+        let p = Problem::invalid("x", format!("must be in (0, 1000], got {}", 1e300_f64));
+        assert_eq!(p.detail, "`x`: must be in (0, 1000], got 1e300");
+        let p = Problem::invalid("x", format!("got {}, max {}", 1.5e22_f64, 1e-30_f64));
+        assert_eq!(p.detail, "`x`: got 1.5e22, max 1e-30");
+        for kept in [
+            "got 18446744073709551615",
+            "got -9223372036854775808",
+            "got 0.30000000000000004",
+            "got \"100000000000000000000000\"",
+            "got \"a\\\"100000000000000000000000\"",
+            "id 4294967295.",
+            "v1.100000000000000000000000",
+        ] {
+            assert_eq!(Problem::invalid("x", kept).detail, format!("`x`: {kept}"));
+        }
     }
 
     /// The detail names the kind of value wanted, not a Rust type.

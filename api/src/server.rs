@@ -42,6 +42,20 @@ pub struct ApiConfig {
     pub static_dir: Option<PathBuf>,
     /// HTTP worker threads (default 2).
     pub workers: usize,
+    /// The switch's own addresses (see `SwitchAddrs`).
+    pub switch_addrs: SwitchAddrs,
+}
+
+/// The switch's own addresses, each with what it is in the operator's
+/// words (e.g. `switchd.control_listen`): no service VIP and no server data
+/// address may be one of them. Called at each check, so interface addresses
+/// added or removed while the API runs count.
+pub type SwitchAddrs = Arc<dyn Fn() -> Vec<(Ipv4Addr, String)> + Send + Sync>;
+
+/// A fixed list of the switch's own addresses (none: the API does not know
+/// the switch's configuration).
+pub fn fixed_switch_addrs(addrs: Vec<(Ipv4Addr, String)>) -> SwitchAddrs {
+    Arc::new(move || addrs.clone())
 }
 
 /// Shared by all handlers.
@@ -55,6 +69,7 @@ pub struct AppState {
     /// Serializes check-then-write sequences (unique ids, names, VIPs)
     /// within this process.
     pub write_lock: Arc<tokio::sync::Mutex<()>>,
+    pub switch_addrs: SwitchAddrs,
 }
 
 /// A started server.
@@ -66,6 +81,25 @@ pub struct RunningApi {
 }
 
 impl RunningApi {
+    /// Once listening, without a token file: creates the first admin token
+    /// if none exists and prints it once (a start that then failed to bind
+    /// would have lost it with its output). On a store error the server is
+    /// stopped and the error returned.
+    pub async fn show_first_admin_token(
+        self,
+        db: &crate::ApiDb,
+    ) -> Result<Self, crate::apidb::ApiDbError> {
+        match db.bootstrap_admin(None) {
+            Ok(Some(secret)) => println!("admin token (shown once): {secret}"),
+            Ok(None) => {}
+            Err(e) => {
+                self.stop().await;
+                return Err(e);
+            }
+        }
+        Ok(self)
+    }
+
     /// Stops accepting, closes open streams and waits for the workers.
     pub async fn stop(self) {
         self.handle.stop(true).await;
@@ -87,6 +121,7 @@ pub async fn start(config: ApiConfig) -> std::io::Result<RunningApi> {
         hub,
         metrics: Arc::new(Metrics::default()),
         write_lock: Arc::new(tokio::sync::Mutex::new(())),
+        switch_addrs: config.switch_addrs,
     };
     let background = vec![
         tokio::spawn(events::run_hub(state.clone())),
@@ -297,6 +332,15 @@ pub async fn server_view(
     })
 }
 
+/// What `addr` is when it is one of the switch's own addresses.
+fn switch_addr(state: &AppState, addr: Ipv4Addr) -> Option<String> {
+    (state.switch_addrs)()
+        .into_iter()
+        .chain(state.cp.switch_addrs())
+        .find(|(a, _)| *a == addr)
+        .map(|(_, what)| what)
+}
+
 async fn existing_server(state: &AppState, raw: &str) -> ApiResult<Server> {
     let id = parse_server_id(raw)?;
     state
@@ -408,6 +452,12 @@ async fn register_server(
         ));
     }
     let weight = check_weight("weight", b.weight.unwrap_or(100))?;
+    if let Some(what) = switch_addr(state, data_addr) {
+        return Err(Problem::invalid(
+            "data_addr",
+            format!("{data_addr} is the switch's own address ({what}), not a server's"),
+        ));
+    }
     let _g = state.write_lock.lock().await;
     let existing = state.store.list_servers().await?;
     if existing.iter().any(|s| s.name == b.name) {
@@ -415,6 +465,32 @@ async fn register_server(
             "a server named {:?} is already registered",
             b.name
         )));
+    }
+    // switchd forwards each server's connections to its data address: two
+    // servers at one address would get each other's connections.
+    if let Some(other) = existing.iter().find(|s| s.data_addr == data_addr) {
+        return Err(Problem::conflict(format!(
+            "data address {data_addr} is already that of server {} ({:?}); each server needs its own",
+            other.id.0, other.name
+        ))
+        .with_field("data_addr"));
+    }
+    // A service there would take this server's traffic (the VIP check's
+    // other side).
+    if let Some(svc) = state
+        .store
+        .list_services()
+        .await?
+        .into_iter()
+        .find(|svc| svc.vip == data_addr)
+    {
+        return Err(Problem::invalid(
+            "data_addr",
+            format!(
+                "{data_addr} is the address of service {:?} ({data_addr}:{}); a server needs an address of its own",
+                svc.name, svc.port
+            ),
+        ));
     }
     let id = match b.id {
         Some(id) => {
@@ -714,6 +790,14 @@ async fn check_service(state: &AppState, name: String, b: ServiceBody) -> ApiRes
             format!("must be an address clients reach through the switch, got loopback {vip}"),
         ));
     }
+    if let Some(what) = switch_addr(state, vip) {
+        return Err(Problem::invalid(
+            "vip",
+            format!(
+                "{vip} is the switch's own address ({what}); a service needs an address of its own"
+            ),
+        ));
+    }
     if !(1..=65535).contains(&b.port) {
         return Err(Problem::invalid(
             "port",
@@ -941,6 +1025,9 @@ async fn list_connections(req: HttpRequest, data: web::Data<AppState>) -> ApiRes
         .u64_in("server", 1, u32::MAX as u64)?
         .map(|s| ServerId(s as u32));
     let limit = q.u64_in("limit", 1, 10_000)?.unwrap_or(100) as usize;
+    // Read from switchd's /status only when needed (a filter by service,
+    // a connection of no live service).
+    let mut retiring: Option<Vec<((Ipv4Addr, u16), String)>> = None;
     let service = match q.get("service") {
         None => None,
         Some(name) => {
@@ -950,18 +1037,28 @@ async fn list_connections(req: HttpRequest, data: web::Data<AppState>) -> ApiRes
                     "service names are 1-64 characters of [A-Za-z0-9_.-]",
                 ));
             }
-            let svc = state.store.get_service(name).await?;
-            match svc {
-                Some(s) => Some((s.vip, s.port)),
-                None => {
-                    return Ok(ok(
-                        &json!({ "items": [], "total": 0, "truncated": false, "data_source": state.cp.data_source() }),
-                    ))
-                }
+            // Its address, and those switchd still retires for it (deleted,
+            // or its VIP or port changed: their open connections go on).
+            let mut addrs: Vec<(Ipv4Addr, u16)> = retiring
+                .get_or_insert(retiring_addresses(state).await)
+                .iter()
+                .filter(|(_, n)| n == name)
+                .map(|(a, _)| *a)
+                .collect();
+            if let Some(s) = state.store.get_service(name).await? {
+                addrs.push((s.vip, s.port));
             }
+            if addrs.is_empty() {
+                // A typo must not look like "no connections".
+                return Err(Problem::not_found(format!(
+                    "service {name:?} not found (`GET /v1/services` lists them)"
+                ))
+                .with_field("service"));
+            }
+            Some(addrs)
         }
     };
-    let page = state
+    let mut page = state
         .cp
         .connections(&ConnectionFilter {
             server,
@@ -969,7 +1066,47 @@ async fn list_connections(req: HttpRequest, data: web::Data<AppState>) -> ApiRes
             limit,
         })
         .await?;
+    // A connection of a retiring address is its old service's.
+    if page.items.iter().any(|c| c.service.is_none()) {
+        let retiring = match retiring {
+            Some(r) => r,
+            None => retiring_addresses(state).await,
+        };
+        for c in page.items.iter_mut().filter(|c| c.service.is_none()) {
+            let addr = (c.vip.parse().unwrap_or(Ipv4Addr::UNSPECIFIED), c.port);
+            c.service = retiring
+                .iter()
+                .find(|(a, _)| *a == addr)
+                .map(|(_, n)| n.clone());
+        }
+    }
+    // An unregistered server owns no connection, unless it was deregistered
+    // dead while switchd still keeps its connections (`dead_flow_grace_ms`):
+    // those are listed.
+    if let Some(id) = server {
+        if page.total == 0 && state.store.get_server(id).await?.is_none() {
+            return Err(Problem::not_found(format!(
+                "server {} not found (`GET /v1/servers` lists them)",
+                id.0
+            ))
+            .with_field("server"));
+        }
+    }
     Ok(ok(&page))
+}
+
+/// The addresses switchd still retires, with the name of the service they
+/// were (none without switchd, or when it does not answer).
+async fn retiring_addresses(state: &AppState) -> Vec<((Ipv4Addr, u16), String)> {
+    state
+        .cp
+        .services_status()
+        .await
+        .and_then(|st| st.retiring)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|r| Some(((r.vip.parse().ok()?, r.port), r.name)))
+        .collect()
 }
 
 #[derive(Deserialize)]
@@ -1026,16 +1163,7 @@ async fn list_migrations(req: HttpRequest, data: web::Data<AppState>) -> ApiResu
     let q = Query::parse(&req)?;
     let after = q.u64_in("after", 0, i64::MAX as u64)?.unwrap_or(0);
     let limit = q.u64_in("limit", 1, 10_000)?.unwrap_or(100) as usize;
-    let newest_first = match q.get("order") {
-        None | Some("asc") => false,
-        Some("desc") => true,
-        Some(o) => {
-            return Err(Problem::bad_param(
-                "order",
-                format!("query parameter `order` must be `asc` or `desc`, got {o:?}"),
-            ))
-        }
-    };
+    let newest_first = q.newest_first()?;
     let items = if newest_first {
         // The control plane lists oldest first from `after`; its log is
         // bounded (switchd's: the last 1000), so the newest are its tail.
@@ -1266,14 +1394,41 @@ async fn revoke_token(
 
 // ----- audit, health
 
+/// Entries read per store call when `GET /v1/audit?order=desc` reads to
+/// the newest.
+const AUDIT_SCAN_PAGE: usize = 1000;
+
 async fn list_audit(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
     let q = Query::parse(&req)?;
     let after = q.u64_in("after", 0, i64::MAX as u64)?.unwrap_or(0);
     let limit = q.u64_in("limit", 1, 10_000)?.unwrap_or(100) as usize;
-    let entries = state.store.list_audit(after, limit).await?;
-    let next = entries.last().map(|e| e.seq).unwrap_or(after);
+    let newest_first = q.newest_first()?;
+    let entries = if newest_first {
+        // The store lists oldest first: read on from `after` page by page,
+        // keeping the last `limit` (memory bounded by `limit`).
+        let mut tail = std::collections::VecDeque::with_capacity(limit);
+        let mut from = after;
+        loop {
+            let page = state.store.list_audit(from, AUDIT_SCAN_PAGE).await?;
+            let full = page.len() >= AUDIT_SCAN_PAGE;
+            for e in page {
+                from = e.seq;
+                if tail.len() == limit {
+                    tail.pop_front();
+                }
+                tail.push_back(e);
+            }
+            if !full {
+                break;
+            }
+        }
+        tail.into_iter().rev().collect::<Vec<_>>()
+    } else {
+        state.store.list_audit(after, limit).await?
+    };
+    let next = entries.iter().map(|e| e.seq).max().unwrap_or(after);
     let items: Vec<Value> = entries
         .into_iter()
         .map(|e| {

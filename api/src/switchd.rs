@@ -58,6 +58,8 @@ const MIGRATION_LOG: usize = 1000;
 const REPORT_POLL: Duration = Duration::from_millis(200);
 /// Reports asked for per `/migrations` request.
 const REPORT_PAGE: usize = 1000;
+/// How often the switch's own addresses are read from switchd's `/status`.
+const OWN_ADDRS_POLL: Duration = Duration::from_secs(2);
 /// Target reports waiting for their origin's report (by migration id).
 const PENDING_IMPORTS: usize = 4096;
 /// Requested migrations waiting for their report.
@@ -90,6 +92,9 @@ pub struct StatusBackend {
     /// Whether its application is up (null: not reported).
     #[serde(default)]
     pub up: Option<bool>,
+    /// The VIP:port its REGISTER lists (`0.0.0.0:PORT`: every VIP on PORT).
+    #[serde(default)]
+    pub service: Option<String>,
 }
 
 /// One served service of switchd's `/status` (`services[]`).
@@ -138,6 +143,57 @@ pub struct Status {
     pub services: Vec<StatusService>,
 }
 
+/// The switch's own addresses in switchd's `/status` (absent from a
+/// switchd older than these fields: none).
+#[derive(Debug, Clone, Deserialize)]
+struct StatusOwnAddrs {
+    #[serde(default)]
+    control_listen: Option<String>,
+    #[serde(default)]
+    interface_addrs: Vec<StatusInterfaceAddr>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct StatusInterfaceAddr {
+    interface: String,
+    addr: String,
+}
+
+/// Parses the switch's own addresses from switchd's `/status`: its
+/// `control_listen` and its interfaces' IPv4 addresses, each with what it
+/// is in the operator's words. Loopback and unspecified addresses are left
+/// out (no VIP or data address can be one anyway).
+pub fn parse_own_addrs(body: &str) -> Result<Vec<(Ipv4Addr, String)>, Problem> {
+    let st: StatusOwnAddrs = serde_json::from_str(body).map_err(|e| {
+        Problem::unavailable(format!("switchd returned an unreadable /status: {e}"))
+    })?;
+    let mut out: Vec<(Ipv4Addr, String)> = Vec::new();
+    let mut add = |raw: &str, what: String| -> Result<(), Problem> {
+        let a: Ipv4Addr = raw
+            .parse()
+            .or_else(|_| raw.parse::<std::net::SocketAddrV4>().map(|s| *s.ip()))
+            .map_err(|_| {
+                Problem::unavailable(format!(
+                    "switchd's /status names {raw:?} as its own address: not an IPv4 address"
+                ))
+            })?;
+        if !a.is_loopback() && !a.is_unspecified() && !out.iter().any(|(b, _)| *b == a) {
+            out.push((a, what));
+        }
+        Ok(())
+    };
+    if let Some(c) = &st.control_listen {
+        add(c, "switchd's control_listen".to_string())?;
+    }
+    for i in &st.interface_addrs {
+        add(
+            &i.addr,
+            format!("an address of switchd's interface {}", i.interface),
+        )?;
+    }
+    Ok(out)
+}
+
 /// Parses the served services of switchd's `/status`, by VIP:port.
 pub fn parse_status_services(
     body: &str,
@@ -153,6 +209,20 @@ pub fn parse_services_status(body: &str) -> Result<ServicesStatus, Problem> {
     })?;
     let mut serving = HashMap::new();
     let mut retiring = Vec::new();
+    // What each registered server's REGISTER lists (absent: it lists
+    // nothing, so it serves every VIP, or switchd does not say).
+    let listed: HashMap<u32, Vec<std::net::SocketAddrV4>> = st
+        .servers
+        .iter()
+        .filter_map(|s| {
+            let l: Vec<_> = s
+                .backends
+                .iter()
+                .filter_map(|b| b.service.as_deref()?.parse().ok())
+                .collect();
+            (!l.is_empty()).then_some((s.id, l))
+        })
+        .collect();
     for s in st.services {
         let Ok(addr) = s.vip.parse::<std::net::SocketAddrV4>() else {
             continue;
@@ -168,12 +238,23 @@ pub fn parse_services_status(body: &str) -> Result<ServicesStatus, Problem> {
             });
             continue;
         }
+        let serves = |l: &Vec<std::net::SocketAddrV4>| {
+            l.iter().any(|a| {
+                a.port() == addr.port() && (a.ip() == addr.ip() || a.ip().is_unspecified())
+            })
+        };
         let view = ServiceServing {
             served: true,
             members: s.pool.iter().map(|m| m.server).collect(),
             apps_down: s.backend_down,
             fail_open: s.fail_open,
             refusing: s.refusing,
+            not_serving: s
+                .pool
+                .iter()
+                .map(|m| m.server)
+                .filter(|id| listed.get(id).is_some_and(|l| !serves(l)))
+                .collect(),
         };
         serving.insert((*addr.ip(), addr.port()), view);
     }
@@ -775,6 +856,8 @@ pub struct SwitchdControlPlane {
     http: SwitchdHttp,
     events: broadcast::Sender<ControlEvent>,
     log: Arc<Mutex<MigrationLog>>,
+    /// The switch's own addresses from its last readable `/status`.
+    own_addrs: Mutex<Vec<(Ipv4Addr, String)>>,
 }
 
 impl SwitchdControlPlane {
@@ -801,6 +884,7 @@ impl SwitchdControlPlane {
             http: SwitchdHttp::new(switchd_url)?,
             events,
             log: Arc::new(Mutex::new(MigrationLog::with_ids(ids))),
+            own_addrs: Mutex::new(Vec::new()),
         });
         cp.start_report_poller();
         Ok(cp)
@@ -830,9 +914,14 @@ impl SwitchdControlPlane {
             let mut tick = tokio::time::interval(REPORT_POLL);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut failing = false;
+            let mut next_addrs = tokio::time::Instant::now();
             loop {
                 tick.tick().await;
                 let Some(cp) = me.upgrade() else { break };
+                if tokio::time::Instant::now() >= next_addrs {
+                    next_addrs = tokio::time::Instant::now() + OWN_ADDRS_POLL;
+                    cp.refresh_own_addrs().await;
+                }
                 // Bounded: a few pages per tick, the rest next tick.
                 for _ in 0..8 {
                     match cp.poll_reports_once().await {
@@ -852,6 +941,19 @@ impl SwitchdControlPlane {
                 }
             }
         });
+    }
+
+    /// Reads the switch's own addresses from switchd's `/status` (kept as
+    /// they were while switchd does not answer readably).
+    pub async fn refresh_own_addrs(&self) {
+        let parsed = match self.http.get("/status").await {
+            Ok(body) => parse_own_addrs(&body),
+            Err(e) => Err(e),
+        };
+        match parsed {
+            Ok(addrs) => *self.own_addrs.lock().unwrap_or_else(|p| p.into_inner()) = addrs,
+            Err(e) => tracing::debug!(error = %e, "reading switchd's own addresses failed"),
+        }
     }
 
     /// Reads one page of switchd's reported migrations into the log and
@@ -923,6 +1025,13 @@ impl SwitchdControlPlane {
 impl ControlPlane for Arc<SwitchdControlPlane> {
     fn name(&self) -> &'static str {
         "switchd"
+    }
+
+    fn switch_addrs(&self) -> Vec<(Ipv4Addr, String)> {
+        self.own_addrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Reachable once switchd answered a readable `/status`, whatever its
@@ -1144,6 +1253,47 @@ mod tests {
         assert!(parse_status("{}").unwrap().is_empty());
     }
 
+    /// The switch's own addresses switchd publishes (control_listen and its
+    /// interfaces' IPv4 addresses) are what the API refuses as a VIP, each
+    /// named; loopback, unspecified and repeated ones are left out, a
+    /// switchd without the fields reports none, a bad address is an error.
+    #[test]
+    fn status_names_the_switchs_own_addresses() {
+        let got = parse_own_addrs(
+            r#"{"role": "active", "control_listen": "198.18.1.1:7692",
+                "interface_addrs": [
+                  {"interface": "client", "addr": "198.18.0.1"},
+                  {"interface": "server", "addr": "198.18.1.1"},
+                  {"interface": "server", "addr": "198.18.3.1"},
+                  {"interface": "lo", "addr": "127.0.0.1"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            got,
+            vec![
+                (
+                    "198.18.1.1".parse().unwrap(),
+                    "switchd's control_listen".to_string()
+                ),
+                (
+                    "198.18.0.1".parse().unwrap(),
+                    "an address of switchd's interface client".to_string()
+                ),
+                (
+                    "198.18.3.1".parse().unwrap(),
+                    "an address of switchd's interface server".to_string()
+                ),
+            ]
+        );
+        assert!(parse_own_addrs(r#"{"control_listen": "0.0.0.0:7692"}"#)
+            .unwrap()
+            .is_empty());
+        assert!(parse_own_addrs(STATUS).unwrap().is_empty());
+        let e = parse_own_addrs(r#"{"control_listen": "switch:7692"}"#).unwrap_err();
+        assert!(e.detail.contains("\"switch:7692\""), "{}", e.detail);
+        assert!(parse_own_addrs("[").is_err());
+    }
+
     #[test]
     fn status_counts_the_applications_a_server_reports_down() {
         let m = parse_status(
@@ -1176,6 +1326,32 @@ mod tests {
         .unwrap();
         assert!(m[&(Ipv4Addr::new(198, 18, 100, 1), 80)].refusing);
         assert!(!m[&(Ipv4Addr::new(198, 18, 100, 2), 80)].refusing);
+    }
+
+    /// A pool member whose REGISTER lists other services (not this VIP:port,
+    /// nor 0.0.0.0:PORT) is named: switchd places no new connection there
+    /// (its stack would leave them unanswered). One
+    /// that lists nothing, or that switchd says nothing about, is not.
+    #[test]
+    fn pool_members_that_do_not_serve_the_vip_are_named() {
+        let m = parse_status_services(
+            r#"{"servers": [
+              {"id": 1, "backends": [{"service": "198.18.100.1:80", "up": true}]},
+              {"id": 2, "backends": [{"service": "0.0.0.0:8080", "up": null}]},
+              {"id": 3, "backends": []},
+              {"id": 4, "backends": [{"service": "198.18.100.2:80"}, {"service": "bad"}]}
+            ], "services": [
+              {"name": "web", "vip": "198.18.100.1:80", "pool": [{"server": 1}, {"server": 4}]},
+              {"name": "api", "vip": "198.18.100.2:8080",
+               "pool": [{"server": 1}, {"server": 2}, {"server": 3}, {"server": 4}, {"server": 5}]}
+            ]}"#,
+        )
+        .unwrap();
+        assert_eq!(m[&(Ipv4Addr::new(198, 18, 100, 1), 80)].not_serving, [4]);
+        assert_eq!(
+            m[&(Ipv4Addr::new(198, 18, 100, 2), 8080)].not_serving,
+            [1, 4]
+        );
     }
 
     #[test]

@@ -43,6 +43,7 @@ const COMMANDS: &[(&str, &[&str])] = &[
     ("policy get", &[]),
     ("policy set", &["KEY=VALUE"]),
     ("migrations", &["--limit N", "--follow", "--for DURATION"]),
+    ("audit", &["--limit N", "newest"]),
     ("services", &["retiring"]),
     ("service", &["service add", "service set", "service delete"]),
     ("service add", &["NAME", "VIP:PORT", "--pool"]),

@@ -35,6 +35,10 @@ async fn store_and_db(dir: &Path) -> (Arc<dyn Store>, Arc<ApiDb>) {
 }
 
 async fn start(dir: &Path) -> Api {
+    start_with_switch_addrs(dir, Vec::new()).await
+}
+
+async fn start_with_switch_addrs(dir: &Path, switch_addrs: Vec<(Ipv4Addr, String)>) -> Api {
     let (store, db) = store_and_db(dir).await;
     let cp = StoreControlPlane::new(store.clone(), db.clone())
         .await
@@ -46,6 +50,7 @@ async fn start(dir: &Path) -> Api {
         db: db.clone(),
         static_dir: None,
         workers: 1,
+        switch_addrs: capybara_api::server::fixed_switch_addrs(switch_addrs),
     })
     .await
     .unwrap();
@@ -107,8 +112,16 @@ fn flow(port: u16) -> FlowKey {
     }
 }
 
+/// The data address `register` gives server `name`: one per name (two
+/// servers cannot share one).
+fn data_addr_of(name: &str) -> String {
+    let sum: u32 = name.bytes().map(u32::from).sum();
+    format!("10.0.{}.{}", 2 + sum / 250, 1 + sum % 250)
+}
+
 async fn register(api: &Api, token: &str, name: &str) -> u64 {
-    let body = json!({ "name": name, "mgmt_addr": "10.0.1.11:7000", "data_addr": "10.0.2.11" });
+    let body =
+        json!({ "name": name, "mgmt_addr": "10.0.1.11:7000", "data_addr": data_addr_of(name) });
     let (s, v, _) = call(
         "POST",
         format!("{}/v1/servers", api.url),
@@ -572,11 +585,12 @@ async fn service_addresses_no_client_reaches_are_refused() {
     // A server's data address: the service would take that server's
     // traffic.
     let id = register(&api, &admin, "web1").await;
-    let (s, v, _) = call("POST", url, Some(&admin), Some(svc("10.0.2.11"))).await;
+    let web1 = data_addr_of("web1");
+    let (s, v, _) = call("POST", url, Some(&admin), Some(svc(&web1))).await;
     assert!(s == 422 && v["field"] == "vip", "{v}");
     assert!(
         v["detail"].as_str().unwrap().contains(&format!(
-            "10.0.2.11 is the data address of server {id} (\"web1\")"
+            "{web1} is the data address of server {id} (\"web1\")"
         )),
         "{v}"
     );
@@ -593,6 +607,102 @@ fn ctl(url: &str, token: &str, args: &[&str]) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stdout).into(),
         String::from_utf8_lossy(&out.stderr).into(),
     )
+}
+
+/// `GET /v1/audit?order=desc` lists the newest entries first (what changed
+/// just now; the default lists the oldest from `after`), `next_after` the
+/// newest listed; a bad `order` is a 400 naming it. `capybara ctl audit
+/// --limit N` prints the newest N, the newest last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_lists_the_newest_first_on_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let admin = api.token("root", Role::Admin);
+    for name in ["web1", "web2", "web3"] {
+        register(&api, &admin, name).await;
+    }
+    let get = |q: &'static str| {
+        call(
+            "GET",
+            format!("{}/v1/audit{q}", api.url),
+            Some(&admin),
+            None,
+        )
+    };
+    let (s, all, _) = get("?limit=100").await;
+    assert_eq!(s, 200, "{all}");
+    let all = all["items"].as_array().unwrap().clone();
+    assert_eq!(all.len(), 3, "{all:?}");
+    let (s, v, _) = get("?limit=2").await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["items"], json!(all[..2]), "{v}");
+    let (s, v, _) = get("?limit=2&order=desc").await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["items"], json!([all[2], all[1]]), "{v}");
+    assert_eq!(v["next_after"], all[2]["seq"], "{v}");
+    let after = all[1]["seq"].as_i64().unwrap();
+    let (_, v, _) = call(
+        "GET",
+        format!("{}/v1/audit?after={after}&order=desc", api.url),
+        Some(&admin),
+        None,
+    )
+    .await;
+    assert_eq!(v["items"], json!([all[2]]), "{v}");
+    let (s, v, _) = get("?order=sideways").await;
+    assert_eq!((s, v["field"].as_str()), (400, Some("order")), "{v}");
+
+    let (url, t) = (api.url.clone(), admin.clone());
+    let (code, out, err) =
+        tokio::task::spawn_blocking(move || ctl(&url, &t, &["audit", "--limit", "2"]))
+            .await
+            .unwrap();
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert!(
+        lines[0].contains("SEQ") && lines[0].contains("ACTION"),
+        "{out}"
+    );
+    for (line, e) in lines[1..].iter().zip([&all[1], &all[2]]) {
+        let seq = e["seq"].to_string();
+        assert!(line.trim_start().starts_with(&seq), "{out}");
+        assert!(line.contains(e["action"].as_str().unwrap()), "{out}");
+        assert!(line.contains(e["target"].as_str().unwrap()), "{out}");
+    }
+    let (url, t) = (api.url.clone(), admin.clone());
+    let (code, _, err) =
+        tokio::task::spawn_blocking(move || ctl(&url, &t, &["audit", "--limit", "0"]))
+            .await
+            .unwrap();
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--limit must be 1 to 10000"), "{err}");
+
+    // More entries than the API reads from the store at once (1000): still
+    // the newest.
+    for i in 0..1100 {
+        let rec = capybara_store::AuditRecord {
+            actor: "test".into(),
+            action: "test.fill".into(),
+            target: format!("n{i}"),
+            detail: json!({}),
+        };
+        api.store.append_audit(&rec).await.unwrap();
+    }
+    let (s, v, _) = get("?limit=2&order=desc").await;
+    assert_eq!(s, 200, "{v}");
+    let targets: Vec<&str> = v["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["target"].as_str().unwrap())
+        .collect();
+    assert_eq!(targets, ["n1099", "n1098"], "{v}");
+    assert_eq!(
+        v["next_after"],
+        json!(all[2]["seq"].as_i64().unwrap() + 1100),
+        "{v}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -861,6 +971,15 @@ async fn ctl_refuses_mistakes_and_lists_connections() {
             "--limit must be 1 to 10000",
         ),
         (
+            vec![
+                "policy",
+                "set",
+                "proactive_threshold_pct=20",
+                "proactive_threshold_pct=30",
+            ],
+            "proactive_threshold_pct is given twice",
+        ),
+        (
             vec!["migrations", "--for", "5s"],
             "--for goes with --follow",
         ),
@@ -963,6 +1082,7 @@ async fn servers_are_listed_from_the_store_while_switchd_is_unreachable() {
         db: db.clone(),
         static_dir: None,
         workers: 1,
+        switch_addrs: capybara_api::server::fixed_switch_addrs(Vec::new()),
     })
     .await
     .unwrap();
@@ -1024,6 +1144,7 @@ async fn start_with_switchd_db(
         db: db.clone(),
         static_dir: None,
         workers: 1,
+        switch_addrs: capybara_api::server::fixed_switch_addrs(Vec::new()),
     })
     .await
     .unwrap();
@@ -1051,6 +1172,9 @@ fn retiring_status() -> Value {
     json!({
         "role": "active",
         "servers": [],
+        "control_listen": "198.18.1.1:7692",
+        "interface_addrs": [{"interface": "client", "addr": "198.18.0.1"},
+                            {"interface": "server", "addr": "198.18.1.1"}],
         "services": [
             {"name": "web", "vip": "198.18.100.1:80", "index": 0, "placement": "maglev",
              "pool": [{"server": 1, "weight": 1}], "fail_open": false, "retiring": false,
@@ -1308,6 +1432,75 @@ async fn retiring_services_are_listed_from_switchd() {
     );
     let old = lines.iter().find(|l| l.starts_with("old ")).expect(&out);
     assert!(old.contains(" ?  0.4s ago"), "{out}");
+
+    // Connections of retiring addresses are their service's: `api` moved to
+    // 198.18.100.5:8080 (its old address retires), `old` was deleted.
+    let svc = json!({ "name": "api", "vip": "198.18.100.5", "port": 8080, "pool": [] });
+    let (s, v, _) = call(
+        "POST",
+        format!("{url}/v1/services"),
+        Some(&admin),
+        Some(svc),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let (store, _) = store_and_db(dir.path()).await;
+    let at = |vip: [u8; 4], port: u16, client_port: u16| FlowOp::Put {
+        key: FlowKey {
+            client_ip: Ipv4Addr::new(192, 0, 2, 1),
+            client_port,
+            service_ip: Ipv4Addr::from(vip),
+            service_port: port,
+        },
+        server: ServerId(1),
+    };
+    store
+        .apply_flows(&[
+            at([198, 18, 100, 1], 80, 1),
+            at([198, 18, 100, 2], 8080, 2),
+            at([198, 18, 100, 3], 80, 3),
+            at([198, 18, 100, 5], 8080, 4),
+        ])
+        .await
+        .unwrap();
+    let names = |v: &Value| -> Vec<(u64, String)> {
+        v["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| {
+                (
+                    c["client_port"].as_u64().unwrap(),
+                    c["service"].as_str().unwrap_or("-").to_string(),
+                )
+            })
+            .collect()
+    };
+    let get = |q: &str| {
+        call(
+            "GET",
+            format!("{url}/v1/connections{q}"),
+            Some(&viewer),
+            None,
+        )
+    };
+    let (s, v, _) = get("?service=api").await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        names(&v),
+        [(2, "api".to_string()), (4, "api".to_string())],
+        "{v}"
+    );
+    let (_, v, _) = get("?service=old").await;
+    assert_eq!(names(&v), [(3, "old".to_string())], "{v}");
+    let (_, v, _) = get("").await;
+    let want: Vec<(u64, String)> = [(1, "web"), (2, "api"), (3, "old"), (4, "api")]
+        .iter()
+        .map(|(p, n)| (*p, n.to_string()))
+        .collect();
+    assert_eq!(names(&v), want, "{v}");
+    let (s, v, _) = get("?service=nope").await;
+    assert_eq!(s, 404, "{v}");
     inner.shutdown();
     running.stop().await;
 
@@ -1666,5 +1859,394 @@ async fn operator_weights_are_cleared() {
     assert!(err.contains("takes no WEIGHT"), "{err}");
     let (code, _, err) = run(vec!["weight", "1", "--clear=yes"]).await.unwrap();
     assert_eq!(code, 2, "{err}");
+    api.stop().await;
+}
+
+/// Two servers at one data address would get each other's connections:
+/// the second registration is refused (409 naming `data_addr` and the
+/// server that has it), as is a data address that is a service's VIP; a
+/// failed attempt stores nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_address_belongs_to_one_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let admin = api.token("root", Role::Admin);
+    let url = format!("{}/v1/servers", api.url);
+    let id = register(&api, &admin, "web1").await;
+    let taken = data_addr_of("web1");
+    let body = json!({ "name": "web2", "mgmt_addr": "10.0.1.12:7000", "data_addr": taken });
+    let (s, v, ct) = call("POST", url.clone(), Some(&admin), Some(body)).await;
+    assert_eq!(s, 409, "{v}");
+    assert_eq!(ct, "application/problem+json");
+    assert_eq!(v["field"], "data_addr", "{v}");
+    assert_eq!(
+        v["detail"],
+        format!("data address {taken} is already that of server {id} (\"web1\"); each server needs its own"),
+        "{v}"
+    );
+    // A service's VIP.
+    let svc = json!({ "name": "web", "vip": "198.18.100.1", "port": 80, "pool": [] });
+    let (s, v, _) = call(
+        "POST",
+        format!("{}/v1/services", api.url),
+        Some(&admin),
+        Some(svc),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let body =
+        json!({ "name": "web2", "mgmt_addr": "10.0.1.12:7000", "data_addr": "198.18.100.1" });
+    let (s, v, _) = call("POST", url.clone(), Some(&admin), Some(body)).await;
+    assert_eq!(s, 422, "{v}");
+    assert_eq!(v["field"], "data_addr", "{v}");
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .contains("198.18.100.1 is the address of service \"web\""),
+        "{v}"
+    );
+    let (_, v, _) = call("GET", url.clone(), Some(&admin), None).await;
+    assert_eq!(v["items"].as_array().unwrap().len(), 1, "{v}");
+    // Another address is fine.
+    let body = json!({ "name": "web2", "mgmt_addr": "10.0.1.12:7000", "data_addr": "10.9.9.9" });
+    let (s, v, _) = call("POST", url, Some(&admin), Some(body)).await;
+    assert_eq!(s, 201, "{v}");
+    api.stop().await;
+}
+
+/// The switch's own addresses (here its control address, as the appliance
+/// A separate API (`[api] switchd = [URL]`, no switchd config of its own)
+/// refuses the addresses switchd's `/status` says are the switch's own
+/// (`control_listen`, its interfaces' addresses) as a service VIP and as a
+/// server's data address, naming what each is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_addresses_switchd_reports_as_its_own_are_refused() {
+    let (status_url, endpoint) = switchd_endpoint(Endpoint::Retiring).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (running, _inner, url, db) = start_with_switchd_db(dir.path(), &status_url).await;
+    let admin = db.create("root", Role::Admin, "test").unwrap().1;
+    let want = "`vip`: 198.18.0.1 is the switch's own address (an address of switchd's interface client); a service needs an address of its own";
+    // The addresses are read from switchd in the background: bounded wait.
+    let started = Instant::now();
+    let (s, v) = loop {
+        let (s, v, _) = call(
+            "POST",
+            format!("{url}/v1/services"),
+            Some(&admin),
+            Some(json!({ "name": "web", "vip": "198.18.0.1", "port": 80, "pool": [] })),
+        )
+        .await;
+        if s != 201 || started.elapsed() > Duration::from_secs(5) {
+            break (s, v);
+        }
+        let (d, dv, _) = call(
+            "DELETE",
+            format!("{url}/v1/services/web"),
+            Some(&admin),
+            None,
+        )
+        .await;
+        assert!(d < 300, "{dv}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(s, 422, "{v}");
+    assert_eq!(v["detail"], want, "{v}");
+    let (s, v, _) = call(
+        "POST",
+        format!("{url}/v1/servers"),
+        Some(&admin),
+        Some(json!({"name": "s7", "mgmt_addr": "198.18.1.7:7000", "data_addr": "198.18.1.1"})),
+    )
+    .await;
+    assert_eq!(s, 422, "{v}");
+    assert_eq!(
+        v["detail"],
+        "`data_addr`: 198.18.1.1 is the switch's own address (switchd's control_listen), not a server's",
+        "{v}"
+    );
+    running.stop().await;
+    endpoint.abort();
+}
+
+/// The switch's own addresses (here one, as the appliance's in-process API
+/// passes `switchd.control_listen`) are neither a service VIP (create or
+/// update) nor a server's data address: 422 naming the field and what the
+/// address is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_switchs_own_addresses_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let own = Ipv4Addr::new(198, 18, 1, 1);
+    let api = start_with_switch_addrs(
+        dir.path(),
+        vec![(own, "switchd.control_listen".to_string())],
+    )
+    .await;
+    let admin = api.token("root", Role::Admin);
+    let svc = |vip: &str| json!({ "name": "web", "vip": vip, "port": 80, "pool": [] });
+    let want = "`vip`: 198.18.1.1 is the switch's own address (switchd.control_listen); a service needs an address of its own";
+    let (s, v, _) = call(
+        "POST",
+        format!("{}/v1/services", api.url),
+        Some(&admin),
+        Some(svc("198.18.1.1")),
+    )
+    .await;
+    assert_eq!(
+        (s, &v["field"], &v["detail"]),
+        (422, &json!("vip"), &json!(want)),
+        "{v}"
+    );
+    let (s, v, _) = call(
+        "POST",
+        format!("{}/v1/services", api.url),
+        Some(&admin),
+        Some(svc("198.18.100.1")),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let body = json!({ "vip": "198.18.1.1", "port": 80, "pool": [] });
+    let (s, v, _) = call(
+        "PUT",
+        format!("{}/v1/services/web", api.url),
+        Some(&admin),
+        Some(body),
+    )
+    .await;
+    assert_eq!(
+        (s, &v["field"], &v["detail"]),
+        (422, &json!("vip"), &json!(want)),
+        "{v}"
+    );
+    let (_, v, _) = call(
+        "GET",
+        format!("{}/v1/services/web", api.url),
+        Some(&admin),
+        None,
+    )
+    .await;
+    assert_eq!(v["vip"], "198.18.100.1", "{v}");
+    let body = json!({ "name": "web1", "mgmt_addr": "10.0.1.11:7000", "data_addr": "198.18.1.1" });
+    let (s, v, _) = call(
+        "POST",
+        format!("{}/v1/servers", api.url),
+        Some(&admin),
+        Some(body),
+    )
+    .await;
+    assert_eq!(s, 422, "{v}");
+    assert_eq!(
+        v["detail"],
+        "`data_addr`: 198.18.1.1 is the switch's own address (switchd.control_listen), not a server's",
+        "{v}"
+    );
+    api.stop().await;
+}
+
+/// A connection filter naming a service or server that does not exist is a
+/// 404 naming it (before: an empty list, so a typo read as "no
+/// connections"); known ones with no connection are an empty list; `capybara
+/// ctl connections` says so too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_filters_naming_unknown_things_are_404() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let admin = api.token("root", Role::Admin);
+    let id = register(&api, &admin, "web1").await;
+    let svc = json!({ "name": "web", "vip": "198.18.100.1", "port": 80, "pool": [] });
+    let (s, v, _) = call(
+        "POST",
+        format!("{}/v1/services", api.url),
+        Some(&admin),
+        Some(svc),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let get = |q: String| {
+        call(
+            "GET",
+            format!("{}/v1/connections?{q}", api.url),
+            Some(&admin),
+            None,
+        )
+    };
+    let (s, v, ct) = get("service=NOPE".into()).await;
+    assert_eq!((s, ct.as_str()), (404, "application/problem+json"), "{v}");
+    assert_eq!(v["field"], "service", "{v}");
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .contains("service \"NOPE\" not found"),
+        "{v}"
+    );
+    let (s, v, _) = get("server=7".into()).await;
+    assert_eq!(s, 404, "{v}");
+    assert_eq!(v["field"], "server", "{v}");
+    assert!(
+        v["detail"].as_str().unwrap().contains("server 7 not found"),
+        "{v}"
+    );
+    for q in [
+        "service=web".to_string(),
+        format!("server={id}"),
+        format!("server={id}&service=web"),
+    ] {
+        let (s, v, _) = get(q.clone()).await;
+        assert_eq!(s, 200, "{q}: {v}");
+        assert_eq!(v["total"], 0, "{q}: {v}");
+    }
+    // A server deregistered while its connections linger (dead, within
+    // switchd's grace): they are listed, not hidden behind a 404.
+    api.store
+        .apply_flows(&[FlowOp::Put {
+            key: flow(41),
+            server: ServerId(9),
+        }])
+        .await
+        .unwrap();
+    let (s, v, _) = get("server=9".into()).await;
+    assert_eq!((s, &v["total"]), (200, &json!(1)), "{v}");
+    let (url, t) = (api.url.clone(), admin.clone());
+    let (code, out, err) =
+        tokio::task::spawn_blocking(move || ctl(&url, &t, &["connections", "--service", "NOPE"]))
+            .await
+            .unwrap();
+    assert_ne!(code, 0, "{out}");
+    assert!(err.contains("service \"NOPE\" not found"), "{err}");
+    api.stop().await;
+}
+
+/// `capybara ctl drain` of the last server a service can place on still
+/// drains, and warns that the service now refuses new connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctl_drain_warns_when_a_service_is_left_without_servers() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let admin = api.token("root", Role::Admin);
+    let a = register(&api, &admin, "web1").await;
+    let b = register(&api, &admin, "web2").await;
+    let svc = json!({ "name": "web", "vip": "198.18.100.1", "port": 80, "pool": [] });
+    let (s, v, _) = call(
+        "POST",
+        format!("{}/v1/services", api.url),
+        Some(&admin),
+        Some(svc),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let run = |args: Vec<String>| {
+        let (url, t) = (api.url.clone(), admin.clone());
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            ctl(&url, &t, &args)
+        })
+    };
+    let (code, _, err) = run(vec!["drain".into(), a.to_string()]).await.unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains("warning"), "{err}");
+    let (code, _, err) = run(vec!["drain".into(), b.to_string()]).await.unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("warning: service web has no other active server with a weight above 0: it refuses new connections"),
+        "{err}"
+    );
+    let (_, v, _) = call(
+        "GET",
+        format!("{}/v1/servers/{b}", api.url),
+        Some(&admin),
+        None,
+    )
+    .await;
+    assert_ne!(v["state"], "active", "{v}");
+    api.stop().await;
+}
+
+/// The first admin token is shown once: a start that cannot bind its
+/// address must not show (and so lose) it; the next start that listens
+/// shows it.
+#[test]
+fn a_start_that_cannot_bind_shows_no_admin_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let store = format!("sqlite:{}", dir.path().join("store.db").display());
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_capybara-api"))
+        .args([
+            "--store",
+            &store,
+            "--listen",
+            &taken.local_addr().unwrap().to_string(),
+        ])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success(), "{stdout} {stderr}");
+    assert!(stderr.contains("Address already in use"), "{stderr}");
+    assert!(!stdout.contains("admin token"), "{stdout}");
+    drop(taken);
+    // Listening: the token is shown (and the server stopped here).
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_capybara-api"))
+        .args(["--store", &store, "--listen", "127.0.0.1:0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    let first = lines.next().unwrap().unwrap();
+    let second = lines.next().unwrap().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        first.starts_with("admin token (shown once): capy_"),
+        "{first}"
+    );
+    assert!(
+        second.starts_with("listening on http://127.0.0.1:"),
+        "{second}"
+    );
+}
+
+/// `capybara ctl server delete`: refused (exit 1, the API's reason) while
+/// the server is active; once drained, it is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctl_deletes_a_drained_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let admin = api.token("root", Role::Admin);
+    let id = register(&api, &admin, "web1").await;
+    let run = |args: Vec<String>| {
+        let (url, t) = (api.url.clone(), admin.clone());
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            ctl(&url, &t, &args)
+        })
+    };
+    let del = || vec!["server".to_string(), "delete".to_string(), format!("s{id}")];
+    let (code, _, err) = run(del()).await.unwrap();
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("409") && err.contains("drain it"), "{err}");
+    let (code, _, err) = run(vec!["drain".into(), id.to_string(), "--wait".into()])
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = run(del()).await.unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.trim(), format!("server {id} deleted"));
+    let (s, _, _) = call(
+        "GET",
+        format!("{}/v1/servers/{id}", api.url),
+        Some(&admin),
+        None,
+    )
+    .await;
+    assert_eq!(s, 404);
+    let (code, _, err) = run(vec!["server".into(), "remove".into(), "1".into()])
+        .await
+        .unwrap();
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("`server delete SERVER`"), "{err}");
     api.stop().await;
 }

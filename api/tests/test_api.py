@@ -15,7 +15,9 @@ PROBLEM = "application/problem+json"
 
 
 def register(admin, name="web1", **kw):
-    body = {"name": name, "mgmt_addr": "10.0.1.11:7000", "data_addr": "10.0.2.11"}
+    # One data address per name: two servers cannot share one (409).
+    body = {"name": name, "mgmt_addr": "10.0.1.11:7000",
+            "data_addr": f"10.0.2.{1 + sum(name.encode()) % 250}"}
     body.update(kw)
     return cc.ServersApi(admin).register_server(cc.ServerRegistration(**body))
 

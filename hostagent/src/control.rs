@@ -4,6 +4,16 @@
 //! requests. Runs on a kernel UDP socket bound to the management address;
 //! every message is MAC'd with the deployment secret.
 //!
+//! After every REGISTER_ACK, and when the switch asks (FLOWS_ACK with
+//! REQUEST), it reports the connections it owns in FLOWS batches (each
+//! acknowledged, unacknowledged ones sent again; [`FlowReport`]), so that a
+//! switch that lost its flow mappings, or went back to older ones, routes
+//! every connection to the server that holds it. Meanwhile, and for
+//! [`RESET_HOLD`] after such a sign, the stack drops non-SYN segments of
+//! connections it does not know instead of resetting them
+//! (`Endpoint::hold_resets_until`): they may belong to a connection another
+//! server holds, whose report is on its way (docs/OPERATIONS.md, "Recovery").
+//!
 //! A MIGRATE it cannot start (no such connection here, a migration of it
 //! under way, ...) is answered at once with a MIGRATION_REPORT of outcome
 //! NOT_STARTED naming why, in a message of its own, so that the operator's
@@ -15,8 +25,9 @@ use crate::migration::Migrator;
 use crate::policy::Tunables;
 use crate::stack::Stack;
 use capybara_proto::control::{
-    ControlBody, ControlRepr, Heartbeat, MigrationReport, MigrationTrigger, Register, ReportList,
-    ServiceList, StartFailure, HEARTBEAT_DRAINING, MAX_REPORTS,
+    ClaimList, ControlBody, ControlRepr, FlowClaim, Flows, Heartbeat, MigrationReport,
+    MigrationTrigger, Register, ReportList, ServiceList, StartFailure, FLOWS_LAST,
+    HEARTBEAT_DRAINING, MAX_FLOW_CLAIMS, MAX_REPORTS,
 };
 use capybara_proto::FlowKey;
 use capybara_proto::{MigrationKey, ServerId};
@@ -29,6 +40,165 @@ const REPORT_EVERY: Duration = Duration::from_millis(50);
 /// reports a second per server; beyond that the migrator's bounded queue
 /// drops the oldest and counts them.
 const REPORT_BATCHES: usize = 8;
+/// How long the stack holds resets of unknown connections after a sign
+/// that the switch lost or rebuilds its flow mappings (it asked again for
+/// a registration or for a FLOWS report, or acknowledged a registration):
+/// long enough for every server's report to reach the switch (they report
+/// within a heartbeat of the same sign), short enough that a segment of a
+/// connection nobody holds is reset soon after. A client's retransmission
+/// after the mapping is fixed reaches the right server.
+pub const RESET_HOLD: Duration = Duration::from_secs(3);
+/// FLOWS batches in flight (sent, not acknowledged) at most.
+const FLOWS_WINDOW: usize = 32;
+/// An unacknowledged FLOWS batch is sent again after this long.
+const FLOWS_RESEND: Duration = Duration::from_millis(200);
+/// Sends of one batch before the report is given up (the switch asks for
+/// another while it lacks one: FLOWS_ACK with REQUEST).
+const FLOWS_TRIES: u32 = 10;
+
+/// One FLOWS report in progress: the claims listed when it started, cut
+/// into batches of [`MAX_FLOW_CLAIMS`] (at least one: an empty report is
+/// one empty LAST batch), each sent until acknowledged, at most
+/// [`FLOWS_WINDOW`] unacknowledged at once.
+#[derive(Debug)]
+pub struct FlowReport {
+    pub id: u32,
+    claims: Vec<FlowClaim>,
+    acked: Vec<bool>,
+    sent_at: Vec<Option<std::time::Instant>>,
+    tries: Vec<u32>,
+    unacked_sent: usize,
+    pub started: std::time::Instant,
+}
+
+impl FlowReport {
+    pub fn new(id: u32, claims: Vec<FlowClaim>, now: std::time::Instant) -> Self {
+        let n = claims.len().div_ceil(MAX_FLOW_CLAIMS).max(1);
+        FlowReport {
+            id,
+            claims,
+            acked: vec![false; n],
+            sent_at: vec![None; n],
+            tries: vec![0; n],
+            unacked_sent: 0,
+            started: now,
+        }
+    }
+
+    pub fn batches(&self) -> usize {
+        self.acked.len()
+    }
+
+    pub fn claims(&self) -> usize {
+        self.claims.len()
+    }
+
+    /// Batch `i` as a FLOWS body.
+    pub fn batch(&self, i: usize) -> Flows<'_> {
+        let from = (i * MAX_FLOW_CLAIMS).min(self.claims.len());
+        let to = (from + MAX_FLOW_CLAIMS).min(self.claims.len());
+        Flows {
+            report_id: self.id,
+            batch: i as u16,
+            flags: if i + 1 == self.batches() {
+                FLOWS_LAST
+            } else {
+                0
+            },
+            claims: ClaimList::Slice(&self.claims[from..to]),
+        }
+    }
+
+    /// The next batch to send at `now`: a batch sent [`FLOWS_RESEND`] ago
+    /// and not acknowledged, else the next never sent while fewer than
+    /// [`FLOWS_WINDOW`] are in flight.
+    pub fn next_due(&self, now: std::time::Instant) -> Option<usize> {
+        let mut unsent = None;
+        for i in 0..self.batches() {
+            if self.acked[i] {
+                continue;
+            }
+            match self.sent_at[i] {
+                Some(t)
+                    if now.saturating_duration_since(t) >= FLOWS_RESEND
+                        && self.tries[i] < FLOWS_TRIES =>
+                {
+                    return Some(i)
+                }
+                None if unsent.is_none() && self.unacked_sent < FLOWS_WINDOW => unsent = Some(i),
+                _ => {}
+            }
+        }
+        unsent
+    }
+
+    pub fn sent(&mut self, i: usize, now: std::time::Instant) {
+        if self.sent_at[i].is_none() {
+            self.unacked_sent += 1;
+        }
+        self.sent_at[i] = Some(now);
+        self.tries[i] += 1;
+    }
+
+    /// A FLOWS_ACK: true if it acknowledged a batch of this report not
+    /// acknowledged before.
+    pub fn ack(&mut self, report_id: u32, batch: u16) -> bool {
+        let i = usize::from(batch);
+        if report_id != self.id || i >= self.batches() || self.acked[i] {
+            return false;
+        }
+        self.acked[i] = true;
+        if self.sent_at[i].is_some() {
+            self.unacked_sent -= 1;
+        }
+        true
+    }
+
+    pub fn done(&self) -> bool {
+        self.acked.iter().all(|a| *a)
+    }
+
+    /// A batch went unacknowledged [`FLOWS_TRIES`] times.
+    pub fn given_up(&self, now: std::time::Instant) -> bool {
+        (0..self.batches()).any(|i| {
+            !self.acked[i]
+                && self.tries[i] >= FLOWS_TRIES
+                && self.sent_at[i].is_some_and(|t| now.saturating_duration_since(t) >= FLOWS_RESEND)
+        })
+    }
+}
+
+/// Lists the connections `stack` owns as FLOWS claims.
+fn list_claims(stack: &Stack) -> Vec<FlowClaim> {
+    let mut out = Vec::new();
+    stack.with(|i| {
+        let now = i.clock.now();
+        match i.transports.mig.as_ref() {
+            Some(m) => m.claims(now, &mut out),
+            // Without migration every connection was placed here: its age
+            // is not kept (the oldest possible: any other claim is later).
+            None => {
+                let tcp = &i.transports.tcp;
+                out.extend(tcp.connections().filter_map(|(id, _)| {
+                    tcp.flow_key(id).map(|flow| FlowClaim {
+                        flow,
+                        epoch: 0,
+                        owned_ms: u32::MAX,
+                    })
+                }));
+            }
+        }
+    });
+    out
+}
+
+/// Holds the stack's resets of unknown connections for [`RESET_HOLD`].
+fn hold_resets(stack: &Stack) {
+    stack.with(|i| {
+        let until = i.clock.now() + RESET_HOLD;
+        i.transports.tcp.hold_resets_until(until);
+    });
+}
 
 /// Runs forever: registration (retried every second until acknowledged),
 /// then heartbeats at the interval the switch asked for.
@@ -87,7 +257,30 @@ pub async fn run(
     let mut report_tick = tokio::time::interval(REPORT_EVERY);
     report_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut reports: Vec<MigrationReport> = Vec::with_capacity(MAX_REPORTS);
+    // The FLOWS report in progress, and the next report's id.
+    let mut flow_report: Option<FlowReport> = None;
+    let mut next_report_id: u32 = rand::random::<u32>() | 1;
     loop {
+        // FLOWS batches due now (new ones within the window, and
+        // unacknowledged ones again), off the per-packet path.
+        if let (Some(r), true) = (flow_report.as_mut(), registered) {
+            let now = std::time::Instant::now();
+            while let Some(b) = r.next_due(now) {
+                let body = ControlBody::Flows(r.batch(b));
+                if let Some(n) = send(body, &mut buf, &mut seq) {
+                    let _ = sock.send_to(&buf[..n], cfg.switch).await;
+                }
+                r.sent(b, now);
+            }
+            if r.given_up(now) {
+                eprintln!(
+                    "hostagent: FLOWS report {} ({} connections) not acknowledged by the switch; given up until it asks again",
+                    r.id,
+                    r.claims()
+                );
+                flow_report = None;
+            }
+        }
         tokio::select! {
             _ = report_tick.tick(), if registered => {
                 for _ in 0..REPORT_BATCHES {
@@ -155,6 +348,15 @@ pub async fn run(
                         unanswered = 0;
                         if !registered {
                             eprintln!("hostagent: registered with switch {} as {id} (instance {instance:#018x})", cfg.switch);
+                            // A (new) registration: the switch may know none
+                            // of this server's connections. Hold resets of
+                            // unknown ones and report the owned ones.
+                            hold_resets(&stack);
+                            let claims = list_claims(&stack);
+                            let r = FlowReport::new(next_report_id, claims, std::time::Instant::now());
+                            next_report_id = next_report_id.wrapping_add(1).max(1);
+                            eprintln!("hostagent: reporting {} connections to the switch (FLOWS report {}, {} batches)", r.claims(), r.id, r.batches());
+                            flow_report = Some(r);
                         }
                         registered = true;
                         tick = tokio::time::interval(Duration::from_millis(u64::from(ack.heartbeat_interval_ms.max(10))));
@@ -210,6 +412,39 @@ pub async fn run(
                             Err(e) => eprintln!("hostagent: POLICY from the switch: {e}"),
                         }
                     }
+                    ControlBody::FlowsAck(a) if a.is_request() => {
+                        // The switch lacks this server's report (it started
+                        // from the store, or lost one): hold resets and
+                        // report, unless a report is under way.
+                        hold_resets(&stack);
+                        if flow_report.is_none() {
+                            let claims = list_claims(&stack);
+                            let r = FlowReport::new(next_report_id, claims, std::time::Instant::now());
+                            next_report_id = next_report_id.wrapping_add(1).max(1);
+                            eprintln!("hostagent: the switch asks for this server's connections: reporting {} (FLOWS report {}, {} batches)", r.claims(), r.id, r.batches());
+                            flow_report = Some(r);
+                        }
+                    }
+                    ControlBody::FlowsAck(a) => {
+                        let finished = flow_report.as_mut().is_some_and(|r| {
+                            r.ack(a.report_id, a.batch);
+                            r.done()
+                        });
+                        if a.flags & capybara_proto::control::FLOWS_REFUSED != 0 {
+                            eprintln!("hostagent: the switch refused FLOWS batch {} of report {}", a.batch, a.report_id);
+                        }
+                        if finished {
+                            if let Some(r) = flow_report.take() {
+                                eprintln!(
+                                    "hostagent: FLOWS report {} acknowledged: {} connections in {} batches, {:.1} ms",
+                                    r.id,
+                                    r.claims(),
+                                    r.batches(),
+                                    r.started.elapsed().as_secs_f64() * 1e3
+                                );
+                            }
+                        }
+                    }
                     ControlBody::Error(e) => {
                         eprintln!("hostagent: switch error: {}", e.text);
                         // The switch no longer knows this server (it declared
@@ -218,6 +453,11 @@ pub async fn run(
                         // tick instead of heartbeating into the void.
                         if e.code == capybara_proto::control::ErrorCode::NotRegistered && registered {
                             eprintln!("hostagent: the switch does not know this server any more: registering again");
+                            // It lost its state: segments of connections
+                            // other servers hold may reach this one until
+                            // their reports fix the switch's mappings.
+                            hold_resets(&stack);
+                            flow_report = None;
                             registered = false;
                             tick = tokio::time::interval(Duration::from_secs(1));
                         }
@@ -484,6 +724,85 @@ mod tests {
         let (why, text) = start_migration(None, now, flow(4), None).unwrap();
         assert_eq!(why, Some(StartFailure::Disabled));
         assert!(text.contains("without migration"));
+    }
+
+    fn claim(port: u16) -> FlowClaim {
+        FlowClaim {
+            flow: FlowKey {
+                client_ip: Ipv4Addr::new(198, 18, 0, 11),
+                client_port: port,
+                service_ip: Ipv4Addr::new(198, 18, 100, 1),
+                service_port: 7,
+            },
+            epoch: 0,
+            owned_ms: 5,
+        }
+    }
+
+    #[test]
+    fn a_flows_report_is_batched_windowed_acked_and_resent() {
+        let t0 = std::time::Instant::now();
+        // 100k connections: 1,786 batches of at most 56, the last flagged.
+        let claims: Vec<FlowClaim> = (0..100_000u32)
+            .map(|i| claim(1 + (i % 60_000) as u16))
+            .collect();
+        let mut r = FlowReport::new(7, claims, t0);
+        assert_eq!(r.batches(), 100_000usize.div_ceil(MAX_FLOW_CLAIMS));
+        assert_eq!(r.batch(0).claims.len(), MAX_FLOW_CLAIMS);
+        assert_eq!(r.batch(0).flags, 0);
+        let last = r.batches() - 1;
+        assert_eq!(r.batch(last).flags, FLOWS_LAST);
+        assert_eq!(r.batch(last).claims.len(), 100_000 - last * MAX_FLOW_CLAIMS);
+        // Every batch fits one control message of one frame.
+        let msg = ControlRepr {
+            server_id: ServerId(1),
+            seq: 1,
+            body: ControlBody::Flows(r.batch(0)),
+        };
+        assert!(msg.buffer_len() <= 1472);
+        // A window of 32 at first.
+        let mut sent = Vec::new();
+        while let Some(b) = r.next_due(t0) {
+            r.sent(b, t0);
+            sent.push(b);
+        }
+        assert_eq!(sent, (0..FLOWS_WINDOW).collect::<Vec<_>>());
+        // An acknowledgement opens the window by one; a stale or foreign
+        // one changes nothing.
+        assert!(r.ack(7, 3));
+        assert!(!r.ack(7, 3), "acknowledged twice");
+        assert!(!r.ack(8, 4), "another report");
+        assert!(!r.ack(7, u16::MAX), "no such batch");
+        assert_eq!(r.next_due(t0), Some(FLOWS_WINDOW));
+        r.sent(FLOWS_WINDOW, t0);
+        assert_eq!(r.next_due(t0), None);
+        // Unacknowledged batches are sent again after FLOWS_RESEND.
+        let later = t0 + FLOWS_RESEND;
+        assert_eq!(r.next_due(later), Some(0));
+        // All acknowledged: done.
+        for b in 0..r.batches() {
+            r.ack(7, b as u16);
+        }
+        assert!(r.done());
+        assert_eq!(r.next_due(later), None);
+    }
+
+    #[test]
+    fn an_empty_report_is_one_last_batch_and_an_unanswered_one_is_given_up() {
+        let t0 = std::time::Instant::now();
+        let mut r = FlowReport::new(1, Vec::new(), t0);
+        assert_eq!(r.batches(), 1);
+        assert_eq!(r.batch(0).flags, FLOWS_LAST);
+        assert!(r.batch(0).claims.is_empty());
+        let mut t = t0;
+        for _ in 0..FLOWS_TRIES {
+            assert_eq!(r.next_due(t), Some(0));
+            r.sent(0, t);
+            assert!(!r.given_up(t));
+            t += FLOWS_RESEND;
+        }
+        assert_eq!(r.next_due(t), None);
+        assert!(r.given_up(t));
     }
 
     #[test]

@@ -76,6 +76,7 @@ pub fn render(stack: &Stack, name: &str) -> String {
             ("unexpected", d.unexpected),
             ("rst_queue_full", d.rst_queue_full),
             ("recently_closed", d.recently_closed),
+            ("reset_held", d.reset_held),
         ] {
             let _ = writeln!(
                 s,

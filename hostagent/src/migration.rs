@@ -111,6 +111,9 @@ pub struct Migrator {
     pub engine: Engine,
     /// Connections served here, by flow (owned: accepted or imported).
     by_flow: Map<FlowKey, ConnId>,
+    /// When this host took each connection it serves (accepted, imported):
+    /// the age its FLOWS claims carry (`Migrator::claims`).
+    owned_at: Map<FlowKey, Instant>,
     /// Flows frozen (exported, outcome unknown) or gone (migrated out
     /// recently), with where their late segments go: one entry per flow,
     /// one lookup for a segment or a migration step ([`Departed`]).
@@ -215,6 +218,7 @@ impl Migrator {
         Migrator {
             engine,
             by_flow: map(1024),
+            owned_at: map(1024),
             departed: map(1024),
             handles: map(0),
             resumed: map(0),
@@ -243,7 +247,29 @@ impl Migrator {
     /// A connection accepted by the application (new or migrated in).
     pub fn track(&mut self, flow: FlowKey, id: ConnId) {
         self.by_flow.insert(flow, id);
+        let now = self.fresh(self.report_now);
+        self.owned_at.insert(flow, now);
         self.clear_gone(flow);
+    }
+
+    /// The connections served here as FLOWS claims (docs/TCPMIG.md §4.2):
+    /// each with its ownership epoch (the migration that brought it here,
+    /// 0 if placed here) and how long ago this host took it. Appended to
+    /// `out` (off the per-packet path: the control task's buffer).
+    pub fn claims(&self, now: Instant, out: &mut Vec<capybara_proto::control::FlowClaim>) {
+        out.reserve(self.by_flow.len());
+        for flow in self.by_flow.keys() {
+            let owned_ms = self.owned_at.get(flow).map_or(u32::MAX, |t| {
+                now.saturating_since(*t)
+                    .as_millis()
+                    .min(u64::from(u32::MAX) as u128) as u32
+            });
+            out.push(capybara_proto::control::FlowClaim {
+                flow: *flow,
+                epoch: self.engine.epoch(flow),
+                owned_ms,
+            });
+        }
     }
 
     /// The flow is no longer gone (served here again): forget when its
@@ -317,6 +343,7 @@ impl Migrator {
             if let Some(&cur) = self.by_flow.get(&f) {
                 if cur == id || cur == endpoint_id {
                     self.by_flow.remove(&f);
+                    self.owned_at.remove(&f);
                     // Closed here: its ownership epoch (TCPMig v2) goes too.
                     self.engine.forget_flow(&f);
                 }
@@ -699,6 +726,7 @@ impl Migrator {
                     if let Some(Frozen { handle: cid, .. }) =
                         self.take_frozen(now, flow, id, Some(target))
                     {
+                        self.owned_at.remove(&flow);
                         self.handles.insert(cid, HandleState::Moved(target));
                         self.managers.gone(cid);
                         woken.push(cid);
@@ -735,6 +763,7 @@ impl Migrator {
                 Event::Lost { id, flow, reason } => {
                     if let Some(Frozen { handle: cid, .. }) = self.take_frozen(now, flow, id, None)
                     {
+                        self.owned_at.remove(&flow);
                         self.handles.insert(cid, HandleState::Lost);
                         self.managers.gone(cid);
                         woken.push(cid);
@@ -770,6 +799,7 @@ impl Migrator {
                             });
                             tcp.replay_done(cid);
                             self.by_flow.insert(flow, imp.id);
+                            self.owned_at.insert(flow, done);
                             self.clear_gone(flow);
                         }
                         Err(_) => {
@@ -1184,5 +1214,45 @@ mod late_segment_tests {
         assert_eq!(prepare_ack_target(&msg[..field::PAYLOAD - 1]), None);
         msg[field::KIND] = Kind::Prepare.to_u8();
         assert_eq!(prepare_ack_target(&msg), None);
+    }
+}
+
+#[cfg(test)]
+mod claim_tests {
+    use super::*;
+    use capybara_tcpmig::{EngineConfig, MigrationKey};
+
+    #[test]
+    fn claims_list_the_served_connections_with_their_age_and_epoch() {
+        let local = Ipv4Addr::new(10, 0, 0, 1);
+        let cfg = EngineConfig::new(local, Ipv4Addr::new(10, 0, 0, 254));
+        let key = MigrationKey::from_bytes(&[7; 32]).expect("key");
+        let mut m = Migrator::new(Engine::new(cfg, key).expect("engine"), local);
+        let flow = |port| FlowKey {
+            client_ip: Ipv4Addr::new(10, 1, 0, 9),
+            client_port: port,
+            service_ip: Ipv4Addr::new(10, 9, 0, 1),
+            service_port: 80,
+        };
+        m.report_now = Instant::from_millis(1_000);
+        m.track(flow(1), ConnId(1));
+        m.report_now = Instant::from_millis(3_000);
+        m.track(flow(2), ConnId(2));
+        let mut out = Vec::new();
+        m.claims(Instant::from_millis(5_000), &mut out);
+        out.sort_by_key(|c| c.flow.client_port);
+        let got: Vec<(u16, u64, u32)> = out
+            .iter()
+            .map(|c| (c.flow.client_port, c.epoch, c.owned_ms))
+            .collect();
+        // Placed here (epoch 0), taken 4 s and 2 s ago.
+        assert_eq!(got, vec![(1, 0, 4_000), (2, 0, 2_000)]);
+        // Closed: no longer claimed.
+        m.untrack(Some(flow(1)), ConnId(1));
+        out.clear();
+        m.claims(Instant::from_millis(5_000), &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].flow, flow(2));
+        assert_eq!(m.owned_at.len(), 1, "its age is forgotten too");
     }
 }

@@ -41,6 +41,17 @@ pub const REGISTER_INSTANCE: u16 = 1;
 /// Most reports one MIGRATION_REPORT may carry (20 + 4 + 16 * 72 + 16 =
 /// 1,192 bytes of UDP payload: one Ethernet frame).
 pub const MAX_REPORTS: usize = 16;
+/// Most owned connections one FLOWS batch carries (20 + 12 + 56 * 24 + 16
+/// = 1,392 bytes of UDP payload: one Ethernet frame).
+pub const MAX_FLOW_CLAIMS: usize = 56;
+/// FLOWS flag: the last batch of the report.
+pub const FLOWS_LAST: u16 = 1 << 0;
+/// FLOWS_ACK flag: not an acknowledgement but a request: the switch asks
+/// the server for a full FLOWS report (`report_id` and `batch` are 0).
+pub const FLOWS_REQUEST: u16 = 1 << 0;
+/// FLOWS_ACK flag: the batch was refused (its sender is not registered, or
+/// the switch could not apply it); nothing of it was applied.
+pub const FLOWS_REFUSED: u16 = 1 << 1;
 /// A phase duration that was not reached (wire value of
 /// [`MigrationReport::phases_us`] entries).
 pub const PHASE_NOT_REACHED: u32 = u32::MAX;
@@ -187,6 +198,43 @@ pub mod field {
         pub const BYTES_BUFFERED: Field = 64..72;
     }
 
+    /// FLOWS body (server -> switch): one batch of the connections the
+    /// server owns; a header, then `count` fixed-size claims (offsets below
+    /// the header's are relative to one claim).
+    pub mod flows {
+        use super::Field;
+        pub const REPORT_ID: Field = 0..4;
+        pub const BATCH: Field = 4..6;
+        /// [`crate::control::FLOWS_LAST`]; other bits reserved (sent 0).
+        pub const FLAGS: Field = 6..8;
+        pub const COUNT: Field = 8..10;
+        pub const RESERVED: Field = 10..12;
+        pub const CLAIMS: usize = 12;
+        pub const CLAIM_LEN: usize = 24;
+        pub const CLIENT_IP: Field = 0..4;
+        pub const CLIENT_PORT: Field = 4..6;
+        pub const SERVICE_PORT: Field = 6..8;
+        pub const SERVICE_IP: Field = 8..12;
+        /// Ownership epoch: the id of the migration that brought the
+        /// connection to the server (0: placed there).
+        pub const EPOCH: Field = 12..20;
+        /// Milliseconds since the server took the connection (accepted or
+        /// imported), saturating.
+        pub const OWNED_MS: Field = 20..24;
+    }
+
+    /// FLOWS_ACK body (switch -> server): acknowledges one FLOWS batch, or
+    /// (flag REQUEST) asks for a report.
+    pub mod flows_ack {
+        use super::Field;
+        pub const REPORT_ID: Field = 0..4;
+        pub const BATCH: Field = 4..6;
+        pub const FLAGS: Field = 6..8;
+        pub const APPLIED: Field = 8..10;
+        pub const SKIPPED: Field = 10..12;
+        pub const LEN: usize = 12;
+    }
+
     /// ERROR body (either direction).
     pub mod error {
         use super::Field;
@@ -235,6 +283,8 @@ pub enum ControlKind {
     SetOwner,
     Policy,
     MigrationReport,
+    Flows,
+    FlowsAck,
 }
 
 impl ControlKind {
@@ -249,6 +299,8 @@ impl ControlKind {
             ControlKind::SetOwner => 7,
             ControlKind::Policy => 8,
             ControlKind::MigrationReport => 9,
+            ControlKind::Flows => 10,
+            ControlKind::FlowsAck => 11,
         }
     }
     pub const fn from_u8(v: u8) -> Option<Self> {
@@ -262,6 +314,8 @@ impl ControlKind {
             7 => ControlKind::SetOwner,
             8 => ControlKind::Policy,
             9 => ControlKind::MigrationReport,
+            10 => ControlKind::Flows,
+            11 => ControlKind::FlowsAck,
             _ => return None,
         })
     }
@@ -279,6 +333,8 @@ impl std::fmt::Display for ControlKind {
             ControlKind::SetOwner => "SET_OWNER",
             ControlKind::Policy => "POLICY",
             ControlKind::MigrationReport => "MIGRATION_REPORT",
+            ControlKind::Flows => "FLOWS",
+            ControlKind::FlowsAck => "FLOWS_ACK",
         })
     }
 }
@@ -318,6 +374,10 @@ pub enum ControlError {
         field: &'static str,
         code: u16,
     },
+    #[error("FLOWS carries {count} claims, at most {MAX_FLOW_CLAIMS}")]
+    TooManyFlowClaims { count: usize },
+    #[error("FLOWS claim {index}: {what}")]
+    BadFlowClaim { index: usize, what: &'static str },
     #[error("control message MAC verification failed")]
     BadMac,
     #[error("control buffer too small to emit: {len} bytes, need {needed}")]
@@ -1035,6 +1095,155 @@ impl std::fmt::Debug for ReportList<'_> {
     }
 }
 
+/// One connection a server owns, as a FLOWS batch claims it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlowClaim {
+    pub flow: FlowKey,
+    /// Ownership epoch: the id of the TCPMig migration that brought the
+    /// connection to the claimant (0: it was placed there). Its high 32
+    /// bits are that migration's origin's data address.
+    pub epoch: u64,
+    /// Milliseconds since the claimant took the connection (accepted or
+    /// imported), saturating at `u32::MAX`. The switch dates the claim with
+    /// its own clock (clocks differ): the later owner of two claims is the
+    /// one that took the connection more recently.
+    pub owned_ms: u32,
+}
+
+impl FlowClaim {
+    /// The data address of the origin of the migration that brought the
+    /// connection to the claimant (`None` when it was placed there).
+    pub fn epoch_origin(&self) -> Option<Ipv4Addr> {
+        (self.epoch != 0).then(|| Ipv4Addr::from((self.epoch >> 32) as u32))
+    }
+
+    fn read(c: &[u8]) -> Result<Self, &'static str> {
+        use field::flows as f;
+        let claim = FlowClaim {
+            flow: FlowKey {
+                client_ip: Ipv4Addr::from(rd32(c, f::CLIENT_IP)),
+                client_port: rd16(c, f::CLIENT_PORT),
+                service_ip: Ipv4Addr::from(rd32(c, f::SERVICE_IP)),
+                service_port: rd16(c, f::SERVICE_PORT),
+            },
+            epoch: rd64(c, f::EPOCH),
+            owned_ms: rd32(c, f::OWNED_MS),
+        };
+        if claim.flow.client_port == 0 || claim.flow.service_port == 0 {
+            return Err("port 0");
+        }
+        if claim.flow.client_ip.is_unspecified() || claim.flow.service_ip.is_unspecified() {
+            return Err("address 0.0.0.0");
+        }
+        Ok(claim)
+    }
+
+    fn write(&self, c: &mut [u8]) {
+        use field::flows as f;
+        c[f::CLIENT_IP].copy_from_slice(&self.flow.client_ip.octets());
+        c[f::CLIENT_PORT].copy_from_slice(&self.flow.client_port.to_be_bytes());
+        c[f::SERVICE_PORT].copy_from_slice(&self.flow.service_port.to_be_bytes());
+        c[f::SERVICE_IP].copy_from_slice(&self.flow.service_ip.octets());
+        c[f::EPOCH].copy_from_slice(&self.epoch.to_be_bytes());
+        c[f::OWNED_MS].copy_from_slice(&self.owned_ms.to_be_bytes());
+    }
+}
+
+/// The claims of a FLOWS batch: the validated wire bytes of a parsed
+/// message or a slice to emit; both iterate the same way and compare equal
+/// by content.
+#[derive(Clone, Copy)]
+pub enum ClaimList<'a> {
+    /// `n * CLAIM_LEN` bytes, every claim checked by [`ControlRepr::parse`].
+    Wire(&'a [u8]),
+    /// Claims to emit.
+    Slice(&'a [FlowClaim]),
+}
+
+impl<'a> ClaimList<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            ClaimList::Wire(b) => b.len() / field::flows::CLAIM_LEN,
+            ClaimList::Slice(s) => s.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn iter(&self) -> impl Iterator<Item = FlowClaim> + 'a {
+        let (wire, slice): (&'a [u8], &'a [FlowClaim]) = match *self {
+            ClaimList::Wire(b) => (b, &[]),
+            ClaimList::Slice(s) => (&[], s),
+        };
+        // Wire claims were validated by `parse`: `read` cannot fail here.
+        wire.chunks_exact(field::flows::CLAIM_LEN)
+            .filter_map(|c| FlowClaim::read(c).ok())
+            .chain(slice.iter().copied())
+    }
+}
+
+impl PartialEq for ClaimList<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.len() == other.len() && self.iter().eq(other.iter())
+    }
+}
+impl Eq for ClaimList<'_> {}
+
+impl std::fmt::Debug for ClaimList<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+/// FLOWS: one batch of a report of the connections a server owns (server
+/// -> switch), sent after every REGISTER_ACK and on the switch's request,
+/// so that a switch that lost (or went back on) its flow mappings learns
+/// them from the servers that hold the connections. The switch acknowledges
+/// every batch (FLOWS_ACK); the server retransmits unacknowledged ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Flows<'a> {
+    /// Identifies one report of the server (a new report restarts the
+    /// batches).
+    pub report_id: u32,
+    /// This batch's index in the report, from 0.
+    pub batch: u16,
+    /// [`FLOWS_LAST`]; other bits reserved (sent 0, kept).
+    pub flags: u16,
+    /// At most [`MAX_FLOW_CLAIMS`].
+    pub claims: ClaimList<'a>,
+}
+
+/// FLOWS_ACK: the switch took (or refused, [`FLOWS_REFUSED`]) one FLOWS
+/// batch; or, with [`FLOWS_REQUEST`], asks the server for a report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlowsAck {
+    pub report_id: u32,
+    pub batch: u16,
+    /// [`FLOWS_REQUEST`], [`FLOWS_REFUSED`]; other bits reserved.
+    pub flags: u16,
+    /// Claims of the batch that changed a mapping.
+    pub applied: u16,
+    /// Claims of the batch not applied (another claim is later, a migration
+    /// of the flow is in progress, unknown service).
+    pub skipped: u16,
+}
+
+impl FlowsAck {
+    /// The switch's request for a report.
+    pub const fn request() -> Self {
+        FlowsAck {
+            report_id: 0,
+            batch: 0,
+            flags: FLOWS_REQUEST,
+            applied: 0,
+            skipped: 0,
+        }
+    }
+    pub const fn is_request(&self) -> bool {
+        self.flags & FLOWS_REQUEST != 0
+    }
+}
+
 /// The body of a control message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ControlBody<'a> {
@@ -1048,6 +1257,9 @@ pub enum ControlBody<'a> {
     Policy(PolicyMsg),
     /// Finished migrations (server -> switch), at most [`MAX_REPORTS`].
     MigrationReport(ReportList<'a>),
+    /// Owned connections (server -> switch), at most [`MAX_FLOW_CLAIMS`].
+    Flows(Flows<'a>),
+    FlowsAck(FlowsAck),
 }
 
 impl ControlBody<'_> {
@@ -1062,6 +1274,8 @@ impl ControlBody<'_> {
             ControlBody::SetOwner(_) => ControlKind::SetOwner,
             ControlBody::Policy(_) => ControlKind::Policy,
             ControlBody::MigrationReport(_) => ControlKind::MigrationReport,
+            ControlBody::Flows(_) => ControlKind::Flows,
+            ControlBody::FlowsAck(_) => ControlKind::FlowsAck,
         }
     }
 
@@ -1086,6 +1300,10 @@ impl ControlBody<'_> {
             ControlBody::MigrationReport(r) => {
                 field::migration_report::REPORTS + r.len() * field::migration_report::REPORT_LEN
             }
+            ControlBody::Flows(f) => {
+                field::flows::CLAIMS + f.claims.len() * field::flows::CLAIM_LEN
+            }
+            ControlBody::FlowsAck(_) => field::flows_ack::LEN,
         }
     }
 }
@@ -1251,6 +1469,43 @@ impl<'a> ControlRepr<'a> {
                     }
                     ControlBody::MigrationReport(ReportList::Wire(reports))
                 }
+                ControlKind::Flows => {
+                    use field::flows as f;
+                    if body.len() < f::CLAIMS {
+                        return Err(ControlError::BadBodyLength {
+                            kind,
+                            len: body.len(),
+                            expected: f::CLAIMS,
+                        });
+                    }
+                    let count = usize::from(rd16(body, f::COUNT));
+                    if count > MAX_FLOW_CLAIMS {
+                        return Err(ControlError::TooManyFlowClaims { count });
+                    }
+                    exact(f::CLAIMS + count * f::CLAIM_LEN)?;
+                    let claims = &body[f::CLAIMS..];
+                    for (index, c) in claims.chunks_exact(f::CLAIM_LEN).enumerate() {
+                        FlowClaim::read(c)
+                            .map_err(|what| ControlError::BadFlowClaim { index, what })?;
+                    }
+                    ControlBody::Flows(Flows {
+                        report_id: rd32(body, f::REPORT_ID),
+                        batch: rd16(body, f::BATCH),
+                        flags: rd16(body, f::FLAGS),
+                        claims: ClaimList::Wire(claims),
+                    })
+                }
+                ControlKind::FlowsAck => {
+                    use field::flows_ack as f;
+                    exact(f::LEN)?;
+                    ControlBody::FlowsAck(FlowsAck {
+                        report_id: rd32(body, f::REPORT_ID),
+                        batch: rd16(body, f::BATCH),
+                        flags: rd16(body, f::FLAGS),
+                        applied: rd16(body, f::APPLIED),
+                        skipped: rd16(body, f::SKIPPED),
+                    })
+                }
                 ControlKind::Error => {
                     use field::error as f;
                     if body.len() < f::TEXT {
@@ -1307,6 +1562,11 @@ impl<'a> ControlRepr<'a> {
             ControlBody::MigrationReport(r) if r.len() > MAX_REPORTS => {
                 return Err(ControlError::TooManyReports { count: r.len() });
             }
+            ControlBody::Flows(f) if f.claims.len() > MAX_FLOW_CLAIMS => {
+                return Err(ControlError::TooManyFlowClaims {
+                    count: f.claims.len(),
+                });
+            }
             _ => {}
         }
         let n = self.buffer_len();
@@ -1323,7 +1583,8 @@ impl<'a> ControlRepr<'a> {
         b[field::KIND] = self.body.kind().to_u8();
         b[field::SERVER_ID].copy_from_slice(&self.server_id.0.to_be_bytes());
         b[field::SEQ].copy_from_slice(&self.seq.to_be_bytes());
-        // Bounded by MAX_SERVICES / MAX_ERROR_TEXT / MAX_REPORTS above: fits in u16.
+        // Bounded by MAX_SERVICES / MAX_ERROR_TEXT / MAX_REPORTS /
+        // MAX_FLOW_CLAIMS above: fits in u16.
         b[field::BODY_LEN].copy_from_slice(&(self.body.len() as u16).to_be_bytes());
         let body = &mut b[field::BODY..n - MAC_LEN];
         match &self.body {
@@ -1411,6 +1672,27 @@ impl<'a> ControlRepr<'a> {
                 {
                     rep.write(chunk);
                 }
+            }
+            ControlBody::Flows(fl) => {
+                use field::flows as f;
+                body[f::REPORT_ID].copy_from_slice(&fl.report_id.to_be_bytes());
+                body[f::BATCH].copy_from_slice(&fl.batch.to_be_bytes());
+                body[f::FLAGS].copy_from_slice(&fl.flags.to_be_bytes());
+                body[f::COUNT].copy_from_slice(&(fl.claims.len() as u16).to_be_bytes());
+                for (chunk, c) in body[f::CLAIMS..]
+                    .chunks_exact_mut(f::CLAIM_LEN)
+                    .zip(fl.claims.iter())
+                {
+                    c.write(chunk);
+                }
+            }
+            ControlBody::FlowsAck(a) => {
+                use field::flows_ack as f;
+                body[f::REPORT_ID].copy_from_slice(&a.report_id.to_be_bytes());
+                body[f::BATCH].copy_from_slice(&a.batch.to_be_bytes());
+                body[f::FLAGS].copy_from_slice(&a.flags.to_be_bytes());
+                body[f::APPLIED].copy_from_slice(&a.applied.to_be_bytes());
+                body[f::SKIPPED].copy_from_slice(&a.skipped.to_be_bytes());
             }
             ControlBody::Error(e) => {
                 use field::error as f;
@@ -1576,6 +1858,24 @@ mod tests {
                 flow,
                 owner: Ipv4Addr::new(198, 18, 2, 10),
             }),
+            ControlBody::Flows(Flows {
+                report_id: 7,
+                batch: 2,
+                flags: FLOWS_LAST,
+                claims: ClaimList::Slice(&[FlowClaim {
+                    flow,
+                    epoch: 0xc612_020b_0000_0007,
+                    owned_ms: 1234,
+                }]),
+            }),
+            ControlBody::FlowsAck(FlowsAck {
+                report_id: 7,
+                batch: 2,
+                flags: 0,
+                applied: 1,
+                skipped: 0,
+            }),
+            ControlBody::FlowsAck(FlowsAck::request()),
         ];
         for body in bodies {
             round_trip(ControlRepr {
@@ -1584,6 +1884,176 @@ mod tests {
                 body,
             });
         }
+    }
+
+    fn claims(n: usize) -> Vec<FlowClaim> {
+        (0..n)
+            .map(|i| FlowClaim {
+                flow: FlowKey {
+                    client_ip: Ipv4Addr::new(198, 18, 0, 11),
+                    client_port: 40_000 + i as u16,
+                    service_ip: Ipv4Addr::new(198, 18, 100, 1),
+                    service_port: 7,
+                },
+                epoch: if i % 2 == 0 {
+                    0
+                } else {
+                    0xc612_020c_0000_0000 | i as u64
+                },
+                owned_ms: i as u32 * 10,
+            })
+            .collect()
+    }
+
+    fn flows_msg(c: &[FlowClaim]) -> Vec<u8> {
+        let repr = ControlRepr {
+            server_id: ServerId(2),
+            seq: 9,
+            body: ControlBody::Flows(Flows {
+                report_id: 1,
+                batch: 0,
+                flags: FLOWS_LAST,
+                claims: ClaimList::Slice(c),
+            }),
+        };
+        let mut buf = vec![0u8; repr.buffer_len()];
+        repr.emit_with_mac(&mut buf, &key()).unwrap();
+        buf
+    }
+
+    #[test]
+    fn a_full_flows_batch_fits_one_frame_and_round_trips() {
+        let c = claims(MAX_FLOW_CLAIMS);
+        let buf = flows_msg(&c);
+        assert_eq!(buf.len(), 20 + 12 + MAX_FLOW_CLAIMS * 24 + 16);
+        assert!(buf.len() <= 1472, "one 1500-byte frame: {}", buf.len());
+        let p = ControlRepr::parse_verified(&buf, &key()).unwrap();
+        let ControlBody::Flows(f) = p.body else {
+            panic!("{p:?}")
+        };
+        assert_eq!(f.claims.iter().collect::<Vec<_>>(), c);
+        assert_eq!(f.flags, FLOWS_LAST);
+        assert_eq!(c[1].epoch_origin(), Some(Ipv4Addr::new(198, 18, 2, 12)));
+        assert_eq!(c[0].epoch_origin(), None);
+        // The wire list and the slice compare equal by content.
+        assert_eq!(f.claims, ClaimList::Slice(&c));
+    }
+
+    #[test]
+    fn oversized_or_bad_flows_batches_are_refused_with_a_typed_error() {
+        // One claim too many: refused when emitting and when parsing.
+        let c = claims(MAX_FLOW_CLAIMS + 1);
+        let repr = ControlRepr {
+            server_id: ServerId(2),
+            seq: 9,
+            body: ControlBody::Flows(Flows {
+                report_id: 1,
+                batch: 0,
+                flags: 0,
+                claims: ClaimList::Slice(&c),
+            }),
+        };
+        let mut buf = vec![0u8; 4096];
+        assert_eq!(
+            repr.emit(&mut buf),
+            Err(ControlError::TooManyFlowClaims {
+                count: MAX_FLOW_CLAIMS + 1
+            })
+        );
+        let mut buf = flows_msg(&claims(2));
+        let count = field::BODY + field::flows::COUNT.start;
+        buf[count..count + 2].copy_from_slice(&(MAX_FLOW_CLAIMS as u16 + 1).to_be_bytes());
+        assert_eq!(
+            ControlRepr::parse(&buf),
+            Err(ControlError::TooManyFlowClaims {
+                count: MAX_FLOW_CLAIMS + 1
+            })
+        );
+        // A count that disagrees with the length.
+        buf[count..count + 2].copy_from_slice(&3u16.to_be_bytes());
+        assert!(matches!(
+            ControlRepr::parse(&buf),
+            Err(ControlError::BadBodyLength {
+                kind: ControlKind::Flows,
+                ..
+            })
+        ));
+        // A claim with port 0 or address 0.
+        let mut bad = claims(2);
+        bad[1].flow.client_port = 0;
+        assert_eq!(
+            ControlRepr::parse(&flows_msg(&bad)),
+            Err(ControlError::BadFlowClaim {
+                index: 1,
+                what: "port 0"
+            })
+        );
+        let mut bad = claims(2);
+        bad[0].flow.service_ip = Ipv4Addr::UNSPECIFIED;
+        assert_eq!(
+            ControlRepr::parse(&flows_msg(&bad)),
+            Err(ControlError::BadFlowClaim {
+                index: 0,
+                what: "address 0.0.0.0"
+            })
+        );
+        // Shorter than its header, and a FLOWS_ACK of the wrong length.
+        let full = flows_msg(&[]);
+        let mut short = full[..field::BODY + 4].to_vec();
+        short[field::BODY_LEN].copy_from_slice(&4u16.to_be_bytes());
+        short.extend_from_slice(&[0; MAC_LEN]);
+        assert_eq!(
+            ControlRepr::parse(&short),
+            Err(ControlError::BadBodyLength {
+                kind: ControlKind::Flows,
+                len: 4,
+                expected: field::flows::CLAIMS
+            })
+        );
+        let mut ack = flows_msg(&claims(1));
+        ack[field::KIND] = ControlKind::FlowsAck.to_u8();
+        assert!(matches!(
+            ControlRepr::parse(&ack),
+            Err(ControlError::BadBodyLength {
+                kind: ControlKind::FlowsAck,
+                ..
+            })
+        ));
+        // A tampered batch fails the MAC.
+        let mut buf = flows_msg(&claims(3));
+        buf[field::BODY + field::flows::CLAIMS + 3] ^= 1;
+        assert_eq!(
+            ControlRepr::parse_verified(&buf, &key()),
+            Err(ControlError::BadMac)
+        );
+        // An empty report (a server with no connection) is one LAST batch.
+        let buf = flows_msg(&[]);
+        assert_eq!(buf.len(), 20 + 12 + 16);
+        assert!(ControlRepr::parse_verified(&buf, &key()).is_ok());
+    }
+
+    #[test]
+    fn flows_ack_request_and_refusal_flags() {
+        let r = FlowsAck::request();
+        assert!(r.is_request());
+        assert_eq!((r.report_id, r.batch), (0, 0));
+        let a = FlowsAck {
+            report_id: 5,
+            batch: 1,
+            flags: FLOWS_REFUSED,
+            applied: 0,
+            skipped: 0,
+        };
+        assert!(!a.is_request());
+        let repr = ControlRepr {
+            server_id: ServerId(1),
+            seq: 3,
+            body: ControlBody::FlowsAck(a),
+        };
+        let mut buf = vec![0u8; repr.buffer_len()];
+        let n = repr.emit_with_mac(&mut buf, &key()).unwrap();
+        assert_eq!(n, 20 + 12 + 16);
+        assert_eq!(ControlRepr::parse_verified(&buf, &key()).unwrap(), repr);
     }
 
     fn sample_report(flow: FlowKey) -> MigrationReport {

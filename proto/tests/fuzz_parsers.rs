@@ -279,7 +279,33 @@ fn control_valid_round_trips_and_mutations() {
         let reports: Vec<control::MigrationReport> = (0..rng.below(control::MAX_REPORTS + 1))
             .map(|_| random_report(&mut rng))
             .collect();
-        let body = match rng.below(9) {
+        // FLOWS claims: ports and addresses never 0 (the parser refuses them).
+        let claims: Vec<control::FlowClaim> = (0..rng.below(control::MAX_FLOW_CLAIMS + 1))
+            .map(|_| control::FlowClaim {
+                flow: capybara_proto::FlowKey {
+                    client_ip: Ipv4Addr::from(rng.next() as u32 | 1),
+                    client_port: rng.u16() | 1,
+                    service_ip: Ipv4Addr::from(rng.next() as u32 | 1),
+                    service_port: rng.u16() | 1,
+                },
+                epoch: if rng.chance(2) { 0 } else { rng.next() },
+                owned_ms: rng.next() as u32,
+            })
+            .collect();
+        let body = match rng.below(11) {
+            9 => ControlBody::Flows(control::Flows {
+                report_id: rng.next() as u32,
+                batch: rng.u16(),
+                flags: rng.u16(),
+                claims: control::ClaimList::Slice(&claims),
+            }),
+            10 => ControlBody::FlowsAck(control::FlowsAck {
+                report_id: rng.next() as u32,
+                batch: rng.u16(),
+                flags: rng.u16(),
+                applied: rng.u16(),
+                skipped: rng.u16(),
+            }),
             0 => ControlBody::Register(control::Register {
                 mgmt_addr: rng.ip(),
                 data_addr: rng.ip(),

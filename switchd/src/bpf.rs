@@ -3,57 +3,374 @@
 //! runs it on crafted packets through BPF_PROG_TEST_RUN for tests and the
 //! benchmark.
 //!
-//! Everything this backend creates lives only as long as the value: maps
-//! are not pinned, and XDP attachments are bpf_links that the kernel
-//! detaches when they are dropped (also when the process dies).
+//! Maps are not pinned: they live as long as the value, or as long as a
+//! program using them runs. XDP attachments are bpf_links: unpinned, the
+//! kernel detaches them when they are dropped (also when the process dies);
+//! pinned in bpffs ([`LinkPins`], [`BpfDataPlane::attach_pinned`]), they
+//! keep the program (and so its maps) forwarding after the process dies,
+//! until a successor replaces the program in place or the pin is removed.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use libbpf_rs::{
-    Link, MapCore, MapFlags, MapHandle, Object, ObjectBuilder, RingBuffer, RingBufferBuilder,
+    MapCore, MapFlags, MapHandle, Object, ObjectBuilder, RingBuffer, RingBufferBuilder,
 };
 
 use crate::abi::*;
 use crate::dataplane::{check_range, DataPlane, DataPlaneError, FlowEvent, FlowScanCursor, Result};
 
-/// An XDP attachment: a bpf_link either way, so it dies with the process
-/// (what the HA fast takeover relies on) and detaches when dropped. Held
-/// only to be dropped.
-#[allow(dead_code)]
-enum XdpLink {
-    Native(Link),
-    /// Generic mode: libbpf has no attach-with-flags for XDP links, so the
-    /// link is created with `bpf_link_create` and held as its fd.
-    Generic(std::os::fd::OwnedFd),
+/// An XDP attachment: a bpf_link, created with `bpf_link_create` (flags 0:
+/// native XDP where the driver has it; generic with
+/// [`BpfDataPlane::set_generic_xdp`]) or taken over from a pin. Without a
+/// pin it dies with the process and detaches when dropped. Pinned (in the
+/// directory of [`LinkPins`]), it outlives the process: the program keeps
+/// forwarding until a successor replaces it in place (`BPF_LINK_UPDATE`)
+/// or [`BpfDataPlane::detach_all`] removes the pin.
+struct XdpLink {
+    /// Held to keep the link (dropping it detaches an unpinned one).
+    fd: std::os::fd::OwnedFd,
+    pin: Option<std::path::PathBuf>,
 }
 
-fn attach_xdp_generic(p: &libbpf_rs::ProgramMut<'_>, ifindex: u32) -> Result<std::os::fd::OwnedFd> {
+fn os_err(rc: i32) -> std::io::Error {
+    std::io::Error::from_raw_os_error(-rc)
+}
+
+fn create_xdp_link(prog_fd: i32, ifindex: u32, flags: u32) -> Result<std::os::fd::OwnedFd> {
     use libbpf_rs::libbpf_sys;
-    use std::os::fd::{AsFd, AsRawFd, FromRawFd};
+    use std::os::fd::FromRawFd;
     let opts = libbpf_sys::bpf_link_create_opts {
         sz: std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _,
-        flags: libbpf_sys::XDP_FLAGS_SKB_MODE,
+        flags,
         ..Default::default()
     };
     // SAFETY: valid program fd and options struct; the returned fd is ours.
-    let fd = unsafe {
-        libbpf_sys::bpf_link_create(
-            p.as_fd().as_raw_fd(),
-            ifindex as i32,
-            libbpf_sys::BPF_XDP,
-            &opts,
-        )
-    };
+    let fd =
+        unsafe { libbpf_sys::bpf_link_create(prog_fd, ifindex as i32, libbpf_sys::BPF_XDP, &opts) };
     if fd < 0 {
         return Err(DataPlaneError::Load(format!(
-            "attach generic XDP to ifindex {ifindex}: {}",
-            std::io::Error::from_raw_os_error(-fd)
+            "attach {}XDP to ifindex {ifindex}: {}",
+            if flags == 0 { "" } else { "generic " },
+            os_err(fd)
         )));
     }
     // SAFETY: `fd` is a fresh descriptor owned by nobody else.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// (link type, program id, ifindex) of a bpf_link; ifindex 0 for an XDP
+/// link whose device is gone (defunct).
+fn xdp_link_info(fd: &std::os::fd::OwnedFd) -> std::io::Result<(u32, u32, u32)> {
+    use libbpf_rs::libbpf_sys;
+    use std::os::fd::AsRawFd;
+    // SAFETY: zeroed plain-data struct, filled by the kernel up to `len`.
+    let mut info: libbpf_sys::bpf_link_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libbpf_sys::bpf_link_info>() as u32;
+    // SAFETY: valid fd, buffer and length.
+    let rc = unsafe { libbpf_sys::bpf_link_get_info_by_fd(fd.as_raw_fd(), &mut info, &mut len) };
+    if rc < 0 {
+        return Err(os_err(rc));
+    }
+    // SAFETY: the union member of XDP links; for other types the caller
+    // looks at the type first.
+    let ifindex = unsafe { info.__bindgen_anon_1.xdp.ifindex };
+    Ok((info.type_, info.prog_id, ifindex))
+}
+
+fn bpf_obj_get(path: &std::path::Path) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: NUL-terminated path; the returned fd is ours.
+    let fd = unsafe { libbpf_rs::libbpf_sys::bpf_obj_get(c.as_ptr()) };
+    if fd < 0 {
+        return Err(os_err(fd));
+    }
+    // SAFETY: fresh descriptor.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+fn bpf_obj_pin(fd: &std::os::fd::OwnedFd, path: &std::path::Path) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: valid fd and NUL-terminated path.
+    let rc = unsafe { libbpf_rs::libbpf_sys::bpf_obj_pin(fd.as_raw_fd(), c.as_ptr()) };
+    if rc < 0 {
+        return Err(os_err(rc));
+    }
+    Ok(())
+}
+
+/// (id, map ids) of a loaded program.
+fn prog_info(fd: i32, map_ids: &mut Vec<u32>) -> std::io::Result<u32> {
+    use libbpf_rs::libbpf_sys;
+    // SAFETY: zeroed plain-data struct, filled by the kernel up to `len`.
+    let mut info: libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libbpf_sys::bpf_prog_info>() as u32;
+    // SAFETY: valid fd, buffer and length; no arrays asked for.
+    let rc = unsafe { libbpf_sys::bpf_prog_get_info_by_fd(fd, &mut info, &mut len) };
+    if rc < 0 {
+        return Err(os_err(rc));
+    }
+    let id = info.id;
+    let n = info.nr_map_ids as usize;
+    if n > 0 {
+        let mut ids = vec![0u32; n];
+        // SAFETY: as above.
+        let mut again: libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
+        again.nr_map_ids = n as u32;
+        again.map_ids = ids.as_mut_ptr() as u64;
+        let mut len = std::mem::size_of::<libbpf_sys::bpf_prog_info>() as u32;
+        // SAFETY: `map_ids` points at `n` u32s that outlive the call.
+        let rc = unsafe { libbpf_sys::bpf_prog_get_info_by_fd(fd, &mut again, &mut len) };
+        if rc < 0 {
+            return Err(os_err(rc));
+        }
+        ids.truncate((again.nr_map_ids as usize).min(n));
+        *map_ids = ids;
+    }
+    Ok(id)
+}
+
+/// `statfs` magic of bpffs.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Whether `path` (or, if it does not exist yet, its nearest existing
+/// ancestor) is on a bpffs mount.
+pub fn on_bpffs(path: &std::path::Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let mut p = Some(path);
+    // Bounded by the path's components.
+    while let Some(d) = p {
+        if d.exists() {
+            let Ok(c) = std::ffi::CString::new(d.as_os_str().as_bytes()) else {
+                return false;
+            };
+            // SAFETY: zeroed plain-data struct filled by statfs.
+            let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+            // SAFETY: NUL-terminated path, valid out pointer.
+            if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+                return false;
+            }
+            return st.f_type as i64 == BPF_FS_MAGIC;
+        }
+        p = d.parent();
+    }
+    false
+}
+
+/// The directory of one switchd pair's pinned XDP links
+/// (`<root>/net<netns inode>-<election>`: one per network namespace, where
+/// interface indexes mean something, and election) and the locks on it:
+///
+/// - the **owner lock**, an exclusive `flock` on the directory itself,
+///   held by the switchd whose program the pinned links run (from before
+///   it attaches until it exits). The kernel releases it when the process
+///   dies, however it dies: a standby that gets it knows the active is
+///   gone, and a live active is never displaced (the fence);
+/// - the **standby mark**, a shared `flock` on `<dir>/standby`, held by
+///   every standby of this namespace and election: a stopping active that
+///   sees it hands its links over (leaves the pins) instead of detaching.
+///
+/// Not on the per-packet path: a few system calls at start, takeover and
+/// stop, and one `flock` per poll while standing by.
+pub struct LinkPins {
+    dir: std::path::PathBuf,
+    owner: Option<std::fs::File>,
+    standby: Option<std::fs::File>,
+}
+
+fn flock(f: &std::fs::File, op: i32) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: plain syscall on a valid fd.
+    if unsafe { libc::flock(f.as_raw_fd(), op) } == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+impl LinkPins {
+    /// The directory for `election` in this network namespace under
+    /// `root`, created if needed. Err (with the reason) when `root` is not
+    /// on bpffs in this mount namespace or the directory cannot be made.
+    pub fn open(root: &std::path::Path, election: &str) -> std::result::Result<Self, String> {
+        use std::os::unix::fs::MetadataExt;
+        if !on_bpffs(root) {
+            return Err(format!(
+                "{} is not on a bpffs mount in this mount namespace",
+                root.display()
+            ));
+        }
+        let ns = std::fs::metadata("/proc/thread-self/ns/net")
+            .map_err(|e| format!("network namespace of this process: {e}"))?
+            .ino();
+        let name: String = election
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || "_.-".contains(c) {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        let dir = root.join(format!("net{ns}-{name}"));
+        let pins = LinkPins {
+            dir,
+            owner: None,
+            standby: None,
+        };
+        pins.make_dir()?;
+        Ok(pins)
+    }
+
+    fn make_dir(&self) -> std::result::Result<(), String> {
+        std::fs::create_dir_all(&self.dir)
+            .map_err(|e| format!("cannot create {}: {e}", self.dir.display()))
+    }
+
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+
+    /// Where the link of `ifindex` is pinned.
+    pub fn link_path(&self, ifindex: u32) -> std::path::PathBuf {
+        self.dir.join(format!("xdp-{ifindex}"))
+    }
+
+    /// Takes the owner lock if it is free (non-blocking); true if held now.
+    /// A directory removed by a stopping owner meanwhile is made again and
+    /// the lock taken on the new one (a lock on a removed directory would
+    /// fence nobody).
+    pub fn try_own(&mut self) -> std::io::Result<bool> {
+        use std::os::unix::fs::MetadataExt;
+        if self.owner.is_some() {
+            return Ok(true);
+        }
+        // Bounded: a removal races at most a few times.
+        for _ in 0..3 {
+            self.make_dir().map_err(std::io::Error::other)?;
+            let f = match std::fs::File::open(&self.dir) {
+                Ok(f) => f,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            if !flock(&f, libc::LOCK_EX | libc::LOCK_NB)? {
+                return Ok(false);
+            }
+            let same = match (f.metadata(), std::fs::metadata(&self.dir)) {
+                (Ok(a), Ok(b)) => a.ino() == b.ino() && a.dev() == b.dev(),
+                _ => false,
+            };
+            if same {
+                self.owner = Some(f);
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// [`Self::try_own`] every 5 ms for up to `limit`, or until `stop`.
+    pub fn own_within(
+        &mut self,
+        limit: std::time::Duration,
+        stop: impl Fn() -> bool,
+    ) -> std::io::Result<bool> {
+        let t0 = std::time::Instant::now();
+        // Bounded by `limit`.
+        loop {
+            if self.try_own()? {
+                return Ok(true);
+            }
+            if t0.elapsed() >= limit || stop() {
+                return Ok(false);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    pub fn owned(&self) -> bool {
+        self.owner.is_some()
+    }
+
+    /// Releases the owner lock (a standby then takes over).
+    pub fn disown(&mut self) {
+        self.owner = None;
+    }
+
+    /// Marks this process as a standby (shared lock on `<dir>/standby`).
+    pub fn stand_by(&mut self) -> std::io::Result<()> {
+        if self.standby.is_some() {
+            return Ok(());
+        }
+        let p = self.dir.join("standby");
+        match std::fs::create_dir(&p) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        let f = std::fs::File::open(&p)?;
+        flock(&f, libc::LOCK_SH)?;
+        self.standby = Some(f);
+        Ok(())
+    }
+
+    /// Drops the standby mark (on becoming the owner).
+    pub fn end_standby(&mut self) {
+        self.standby = None;
+    }
+
+    /// Whether another process of this namespace and election stands by.
+    pub fn standby_waiting(&self) -> bool {
+        let p = self.dir.join("standby");
+        let Ok(f) = std::fs::File::open(&p) else {
+            return false;
+        };
+        match flock(&f, libc::LOCK_EX | libc::LOCK_NB) {
+            Ok(true) => {
+                let _ = flock(&f, libc::LOCK_UN);
+                false
+            }
+            // Held shared by a standby (the owner, who asks, holds no mark).
+            Ok(false) => true,
+            Err(_) => false,
+        }
+    }
+
+    /// Removes the directory if nothing is left in it (the standby mark if
+    /// no standby holds it, then the directory, then `root` if empty);
+    /// best effort, after the pins are gone.
+    pub fn remove_if_unused(&mut self) {
+        if self.standby.is_some() || self.standby_waiting() {
+            return;
+        }
+        let _ = std::fs::remove_dir(self.dir.join("standby"));
+        let _ = std::fs::remove_dir(&self.dir);
+        if let Some(root) = self.dir.parent() {
+            let _ = std::fs::remove_dir(root);
+        }
+    }
+}
+
+/// How [`BpfDataPlane::attach`] attached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attached {
+    /// A new link; `pinned`: in the pin directory.
+    New { pinned: bool },
+    /// A pinned link left by a predecessor (dead, or handing over) now runs
+    /// this program: replaced in place with `BPF_LINK_UPDATE`, no packet
+    /// without a program. `old_prog`: the predecessor's program id.
+    Replaced { old_prog: u32 },
 }
 
 /// The compiled XDP object.
@@ -352,6 +669,9 @@ pub struct BpfDataPlane {
     /// Attach in generic (SKB) mode ([`Self::set_generic_xdp`]).
     generic_xdp: bool,
     live_servers: BTreeSet<u32>,
+    /// The predecessor program whose flows were adopted, and how many.
+    adopted_from: Option<u32>,
+    adopted: (usize, usize),
     /// Exact table counts; `None`: this kernel cannot, counts walk the maps.
     counter: Option<Counter>,
     obj: Object,
@@ -444,6 +764,8 @@ impl BpfDataPlane {
             links: Vec::new(),
             generic_xdp: false,
             live_servers: BTreeSet::new(),
+            adopted_from: None,
+            adopted: (0, 0),
             counter,
             obj,
         })
@@ -505,20 +827,232 @@ impl BpfDataPlane {
         Ok(f(&p))
     }
 
+    fn prog_fd(&self) -> Result<i32> {
+        use std::os::fd::{AsFd, AsRawFd};
+        self.with_prog(|p| p.as_fd().as_raw_fd())
+    }
+
+    fn xdp_flags(&self) -> u32 {
+        if self.generic_xdp {
+            libbpf_rs::libbpf_sys::XDP_FLAGS_SKB_MODE
+        } else {
+            0
+        }
+    }
+
     /// Attaches the program to `ifindex` (native XDP where the driver has
     /// it, generic otherwise). Detached when `self` is dropped or by
     /// [`Self::detach_all`].
     pub fn attach(&mut self, ifindex: u32) -> Result<()> {
-        if self.generic_xdp {
-            let fd = self.with_prog(|p| attach_xdp_generic(p, ifindex))??;
-            self.links.push((ifindex, XdpLink::Generic(fd)));
-            return Ok(());
-        }
-        let link = self
-            .with_prog(|p| p.attach_xdp(ifindex as i32))?
-            .map_err(|e| DataPlaneError::Load(format!("attach XDP to ifindex {ifindex}: {e}")))?;
-        self.links.push((ifindex, XdpLink::Native(link)));
+        let fd = create_xdp_link(self.prog_fd()?, ifindex, self.xdp_flags())?;
+        self.links.push((ifindex, XdpLink { fd, pin: None }));
         Ok(())
+    }
+
+    /// Attaches the program to `ifindex` through the link pinned at `pin`
+    /// ([`LinkPins::link_path`]; the caller owns the pin directory): a live
+    /// link left there by a predecessor is made to run this program with
+    /// one `BPF_LINK_UPDATE` (atomic: every packet meets one program or the
+    /// other); otherwise (no pin, or one whose device is gone) a new link
+    /// is created and pinned there. A pin that cannot be made leaves the
+    /// link unpinned (it then dies with the process), with a log line.
+    pub fn attach_pinned(&mut self, ifindex: u32, pin: &std::path::Path) -> Result<Attached> {
+        use libbpf_rs::libbpf_sys;
+        use std::os::fd::AsRawFd;
+        let prog_fd = self.prog_fd()?;
+        match bpf_obj_get(pin) {
+            Ok(fd) => match xdp_link_info(&fd) {
+                Ok((t, old_prog, idx)) if t == libbpf_sys::BPF_LINK_TYPE_XDP && idx == ifindex => {
+                    // Before the switch, while the predecessor's program
+                    // (and so its maps) is alive: its flows this table
+                    // lacks. Once per predecessor program.
+                    if self.adopted_from != Some(old_prog) && old_prog != self.own_prog_id() {
+                        self.adopted_from = Some(old_prog);
+                        match self.adopt_flows(old_prog) {
+                            Ok(n) => self.adopted = n,
+                            Err(e) => eprintln!(
+                                "switchd: flows of the predecessor's program {old_prog} not copied ({e}); the store's are in place, newer ones are recovered by Maglev while the pool is unchanged"
+                            ),
+                        }
+                    }
+                    let opts = libbpf_sys::bpf_link_update_opts {
+                        sz: std::mem::size_of::<libbpf_sys::bpf_link_update_opts>() as _,
+                        ..Default::default()
+                    };
+                    // SAFETY: valid link and program fds, options struct.
+                    let rc = unsafe { libbpf_sys::bpf_link_update(fd.as_raw_fd(), prog_fd, &opts) };
+                    if rc < 0 {
+                        return Err(DataPlaneError::Load(format!(
+                            "replace the program of the XDP link pinned at {} (ifindex {ifindex}): {}",
+                            pin.display(),
+                            os_err(rc)
+                        )));
+                    }
+                    self.links.push((
+                        ifindex,
+                        XdpLink {
+                            fd,
+                            pin: Some(pin.to_path_buf()),
+                        },
+                    ));
+                    return Ok(Attached::Replaced { old_prog });
+                }
+                // Its device is gone (ifindex 0), or not an XDP link of
+                // this interface: stale, removed below.
+                _ => {
+                    eprintln!(
+                        "switchd: removing the stale pin {} (not a live XDP link of ifindex {ifindex})",
+                        pin.display()
+                    );
+                    let _ = std::fs::remove_file(pin);
+                }
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                eprintln!(
+                    "switchd: cannot open the pin {} ({e}); removing it",
+                    pin.display()
+                );
+                let _ = std::fs::remove_file(pin);
+            }
+        }
+        let fd = create_xdp_link(prog_fd, ifindex, self.xdp_flags())?;
+        let pinned = match bpf_obj_pin(&fd, pin) {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!(
+                    "switchd: cannot pin the XDP link of ifindex {ifindex} at {} ({e}): it detaches when this process ends, a successor attaches after that (a gap)",
+                    pin.display()
+                );
+                false
+            }
+        };
+        self.links.push((
+            ifindex,
+            XdpLink {
+                fd,
+                pin: pinned.then(|| pin.to_path_buf()),
+            },
+        ));
+        Ok(Attached::New { pinned })
+    }
+
+    /// This data plane's program id (0 if unknown).
+    fn own_prog_id(&self) -> u32 {
+        self.prog_fd()
+            .ok()
+            .and_then(|fd| prog_info(fd, &mut Vec::new()).ok())
+            .unwrap_or(0)
+    }
+
+    /// (copied, skipped) by the last flow adoption of
+    /// [`Self::attach_pinned`]: entries of the predecessor's flow table
+    /// this one lacked (flows it placed after the last sync from the
+    /// store), copied with their server and service translated by address
+    /// (server by data address, service by VIP:port); skipped: unknown
+    /// here. Migration entries are not copied.
+    pub fn adopted_flows(&self) -> (usize, usize) {
+        self.adopted
+    }
+
+    fn adopt_flows(&mut self, old_prog: u32) -> Result<(usize, usize)> {
+        use libbpf_rs::libbpf_sys;
+        use std::os::fd::{AsRawFd, FromRawFd};
+        let err = |op: &'static str, detail: String| DataPlaneError::Map {
+            map: "flows",
+            op,
+            detail,
+        };
+        // SAFETY: plain syscall; the fd is ours.
+        let fd = unsafe { libbpf_sys::bpf_prog_get_fd_by_id(old_prog) };
+        if fd < 0 {
+            return Err(err("prog_get_fd_by_id", os_err(fd).to_string()));
+        }
+        // SAFETY: fresh descriptor.
+        let prog = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        let mut ids = Vec::new();
+        prog_info(prog.as_raw_fd(), &mut ids).map_err(|e| err("prog_info", e.to_string()))?;
+        let (mut flows, mut servers) = (None, None);
+        for id in ids {
+            let Ok(m) = MapHandle::from_map_id(id) else {
+                continue;
+            };
+            match m.name().to_str() {
+                Some("flows") => flows = Some(m),
+                Some("servers") => servers = Some(m),
+                _ => {}
+            }
+        }
+        let (Some(old_flows), Some(old_servers)) = (flows, servers) else {
+            return Err(err(
+                "adopt",
+                "the predecessor's program has no flows or servers map".into(),
+            ));
+        };
+        let mut ours = std::collections::HashSet::new();
+        for (k, _) in entries::<CFlowKey, CFlow>(&self.maps.flows, "flows", usize::MAX)? {
+            ours.insert(k);
+        }
+        // Old server index -> ours, through the data address.
+        let mut server_of = std::collections::HashMap::new();
+        let mut service_of = std::collections::HashMap::new();
+        let (mut keys, mut vals, mut skipped) = (Vec::new(), Vec::new(), 0);
+        for (k, f) in
+            entries::<CFlowKey, CFlow>(&old_flows, "flows", self.maps.flows.max_entries() as usize)?
+        {
+            if ours.contains(&k) {
+                continue;
+            }
+            let server = *server_of.entry(f.server).or_insert_with(|| {
+                old_servers
+                    .lookup(&f.server.to_ne_bytes(), MapFlags::ANY)
+                    .ok()
+                    .flatten()
+                    .and_then(|v| CServer::from_bytes(&v))
+                    .filter(|s| s.data_ip != 0)
+                    .and_then(|s| {
+                        self.maps
+                            .server_by_addr
+                            .lookup(&s.data_ip.to_ne_bytes(), MapFlags::ANY)
+                            .ok()
+                            .flatten()
+                    })
+                    .and_then(|v| {
+                        v.get(..4)
+                            .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+                    })
+            });
+            let skey = CServiceKey {
+                vip: k.service_ip,
+                port: k.service_port,
+                proto: 6,
+                pad: 0,
+            };
+            let service = *service_of
+                .entry((k.service_ip, k.service_port))
+                .or_insert_with(|| {
+                    self.maps
+                        .services
+                        .lookup(skey.as_bytes(), MapFlags::ANY)
+                        .ok()
+                        .flatten()
+                        .and_then(|v| CService::from_bytes(&v))
+                        .and_then(|s| u16::try_from(s.index).ok())
+                });
+            match (server, service) {
+                (Some(server), Some(service)) => {
+                    keys.push(k);
+                    vals.push(CFlow {
+                        server,
+                        service,
+                        ..f
+                    });
+                }
+                _ => skipped += 1,
+            }
+        }
+        batch_update(&self.maps.flows, "flows", &keys, &vals)?;
+        Ok((keys.len(), skipped))
     }
 
     /// Makes later [`Self::attach`] calls use generic (SKB) XDP: slower,
@@ -528,8 +1062,43 @@ impl BpfDataPlane {
         self.generic_xdp = on;
     }
 
+    /// Detaches the program from every interface: pins removed, links
+    /// dropped (the interfaces run no program after this).
+    ///
+    /// Each link is detached explicitly (`BPF_LINK_DETACH`) before its pin
+    /// and descriptor go: the kernel lets go of a removed pin's reference
+    /// only after an RCU grace period, so without it the program could
+    /// still run for a moment after this returns (a successor attaching
+    /// at once, or a test looking, would see it).
     pub fn detach_all(&mut self) {
+        use libbpf_rs::libbpf_sys;
+        use std::os::fd::AsRawFd;
+        for (ifindex, l) in &self.links {
+            // SAFETY: a valid link descriptor we own.
+            let rc = unsafe { libbpf_sys::bpf_link_detach(l.fd.as_raw_fd()) };
+            if rc < 0 {
+                eprintln!(
+                    "switchd: cannot detach the XDP link of ifindex {ifindex} ({}); it goes with its last reference",
+                    os_err(rc)
+                );
+            }
+            if let Some(p) = &l.pin {
+                if let Err(e) = std::fs::remove_file(p) {
+                    eprintln!("switchd: cannot remove the pin {} ({e})", p.display());
+                }
+            }
+        }
         self.links.clear();
+    }
+
+    /// Lets go of the links but leaves the pinned ones attached, running
+    /// this program with its maps until a successor replaces it
+    /// ([`Self::attach_pinned`]): a hand-over without a gap. Unpinned links
+    /// detach. Returns how many stay pinned.
+    pub fn release_links(&mut self) -> usize {
+        let n = self.links.iter().filter(|(_, l)| l.pin.is_some()).count();
+        self.links.clear();
+        n
     }
 
     /// Id of the XDP program attached to `ifindex` (ours or another

@@ -128,7 +128,19 @@ pub struct HaConfig {
     /// client-side interface (claims the service addresses where clients
     /// share an L2 segment with the switch pair).
     pub claim_vips: bool,
+    /// bpffs directory under which the XDP links are pinned, one directory
+    /// per network namespace and election (`<pin_dir>/net<inode>-<election>`),
+    /// so that the program keeps forwarding after its process dies and a
+    /// successor (standby, or this switchd restarted) replaces it in place
+    /// without a gap. Applies with HA off too (a restarted switchd). Empty:
+    /// no pinning (links die with the process, as before 2026-11-24). Not on
+    /// a bpffs mount in this mount namespace (e.g. under `ip netns exec`,
+    /// which mounts a fresh /sys): logged, no pinning.
+    pub pin_dir: String,
 }
+
+/// Default `ha.pin_dir`.
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/capybara";
 
 impl Default for HaConfig {
     fn default() -> Self {
@@ -140,6 +152,7 @@ impl Default for HaConfig {
             flow_sync_interval_ms: 500,
             fast_takeover: true,
             claim_vips: false,
+            pin_dir: DEFAULT_PIN_DIR.into(),
         }
     }
 }
@@ -588,6 +601,7 @@ impl Config {
         }
         let mut services = Vec::new();
         let mut seen = BTreeSet::new();
+        let mut names = BTreeSet::new();
         for (i, s) in raw.services.iter().enumerate() {
             let f = |n: &str| format!("services[{i}].{n}");
             // At most 64: the REST API takes no longer name, so a longer
@@ -625,6 +639,22 @@ impl Config {
                     f("vip"),
                     format!("{:?}", s.vip),
                     "another service has the same VIP:port",
+                ));
+            }
+            // The switch answers its control channel there: client
+            // connections to it would never reach a server.
+            if vip.ip() == control_listen.ip() {
+                return Err(invalid(
+                    f("vip"),
+                    format!("{:?}", s.vip),
+                    "is switchd's own control_listen address (a VIP must be an address only clients use)",
+                ));
+            }
+            if !names.insert(s.name.as_str()) {
+                return Err(invalid(
+                    f("name"),
+                    format!("{:?}", s.name),
+                    "another service has this name",
                 ));
             }
             let mut ids = BTreeSet::new();
@@ -706,6 +736,18 @@ impl Config {
                     "must be 50..=60000",
                 ));
             }
+        }
+        // Checked whether HA is on or not: pinning applies to a lone
+        // switchd too (a restart takes over what a crash left forwarding).
+        let pin = &raw.ha.pin_dir;
+        if !pin.is_empty()
+            && (!pin.starts_with('/') || pin.len() > 200 || pin.split('/').any(|c| c == ".."))
+        {
+            return Err(invalid(
+                "ha.pin_dir",
+                format!("{pin:?}"),
+                "an absolute path of at most 200 bytes without `..` (or \"\" for no pinning)",
+            ));
         }
         let xdp_generic = match raw.xdp_mode.as_str() {
             "native" => false,
@@ -815,6 +857,20 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
         assert_eq!(c.embryonic_timeout, Duration::from_secs(10));
         assert_eq!(c.dead_flow_grace, Duration::from_secs(10));
         assert_eq!(c.service_retire_timeout, Duration::from_secs(300));
+    }
+
+    #[test]
+    fn ha_pin_dir_is_validated() {
+        assert_eq!(Config::from_toml(OK).unwrap().ha.pin_dir, DEFAULT_PIN_DIR);
+        let with = |v: &str| format!("{OK}\n[ha]\npin_dir = {v:?}\n");
+        assert_eq!(Config::from_toml(&with("")).unwrap().ha.pin_dir, "");
+        for bad in ["relative/dir", "/sys/fs/bpf/../etc"] {
+            let e = err(&with(bad));
+            assert!(
+                e.contains("`ha.pin_dir`") && e.contains("absolute path"),
+                "{e}"
+            );
+        }
     }
 
     #[test]
@@ -963,6 +1019,26 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
             .to_string();
         assert!(e.contains("is not a directory"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn services_need_their_own_name_and_an_address_of_clients() {
+        let e = err(&OK.replace("198.18.100.1:80", "198.18.1.1:80"));
+        assert!(
+            e.contains("services[0].vip") && e.contains("control_listen"),
+            "{e}"
+        );
+        let two = format!("{OK}[[services]]\nname = \"web\"\nvip = \"198.18.100.7:80\"\n");
+        let e = err(&two);
+        assert!(
+            e.contains("services[1].name") && e.contains("another service has this name"),
+            "{e}"
+        );
+        let other = two.replace(
+            "name = \"web\"\nvip = \"198.18.100.7",
+            "name = \"api\"\nvip = \"198.18.100.7",
+        );
+        assert_eq!(Config::from_toml(&other).unwrap().services.len(), 2);
     }
 
     #[test]

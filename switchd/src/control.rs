@@ -110,6 +110,13 @@ impl Server {
         self.backend_down.contains(&SocketAddrV4::new(vip, port))
     }
 
+    /// Whether its REGISTER lists services and not `addr`: its stack
+    /// leaves a connection to `addr` unanswered, so it takes none of
+    /// them, even where a pool names it.
+    pub fn serves_not(&self, addr: SocketAddrV4) -> bool {
+        !self.wanted.is_empty() && !self.lists(addr)
+    }
+
     /// Whether its REGISTER lists service `addr` (a listed 0.0.0.0:port
     /// stands for every VIP on that port: the stack matches by port).
     fn lists(&self, addr: SocketAddrV4) -> bool {
@@ -468,8 +475,74 @@ pub enum ControlError {
     },
 }
 
+/// How long the control plane remembers the FLOWS claims it judged, to
+/// settle a conflicting claim of another server (reports of one recovery
+/// arrive within seconds of each other).
+pub const CLAIM_MEMORY: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// A FLOWS claim the control plane judged ([`ControlPlane::claim_flow`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct JudgedClaim {
+    server: ServerId,
+    epoch: u64,
+    /// When the claimant took the connection, on this switch's clock
+    /// (arrival minus the claim's age).
+    owned_since: Instant,
+    /// When the claim arrived.
+    at: Instant,
+}
+
+/// What became of one FLOWS claim ([`ControlPlane::claim_flow`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// The flow now goes to the claimant (it had no mapping, or another
+    /// server's, from the store, a placement or an earlier claim).
+    Applied,
+    /// The flow already went to the claimant.
+    Agreed,
+    /// A migration of the flow is in progress (pending entry): the data
+    /// plane settles its owner, the claim is not applied.
+    InProgress,
+    /// Another server claimed the flow with a later ownership: it keeps it.
+    LaterClaim,
+    /// The data plane moved the flow by a live migration in the last
+    /// [`LIVE_MOVE_MEMORY`]: the claim was built before it (a report
+    /// batch in flight, or sent again, while the connection migrated
+    /// away), so the data plane's owner stands.
+    MovedSince,
+    /// The flow's service is not served here.
+    UnknownService,
+}
+
+/// FLOWS claims by outcome (`/status` `flow_claims`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClaimCounters {
+    pub applied: u64,
+    pub agreed: u64,
+    pub in_progress: u64,
+    pub later_claim: u64,
+    pub moved_since: u64,
+    pub unknown_service: u64,
+}
+
+/// How long a live migration seen in the data plane's events outranks FLOWS
+/// claims of the flow ([`ClaimOutcome::MovedSince`]): longer than a report
+/// batch lives (a hostagent sends one at most 10 times, 200 ms apart), so a
+/// claim built before the migration cannot undo it. A claim built after it
+/// comes from the new owner (the origin no longer holds the connection)
+/// and agrees.
+pub const LIVE_MOVE_MEMORY: std::time::Duration = std::time::Duration::from_secs(10);
+
 pub struct ControlPlane<D: DataPlane> {
     pub dp: D,
+    /// FLOWS claims judged in the last [`CLAIM_MEMORY`], by flow.
+    claims: std::collections::HashMap<FlowKey, JudgedClaim>,
+    /// Flows the data plane moved by a live migration (its events) in the
+    /// last [`LIVE_MOVE_MEMORY`], when seen.
+    live_moves: std::collections::HashMap<FlowKey, Instant>,
+    last_move_prune: Instant,
+    last_claim_prune: Instant,
+    pub claim_counters: ClaimCounters,
     cfg: ControlConfig,
     /// While a lowered `dead_after` is not yet in force (the store's policy
     /// lowered it): until when, and the value that holds until then.
@@ -508,6 +581,11 @@ impl<D: DataPlane> ControlPlane<D> {
     pub fn new(dp: D, cfg: ControlConfig) -> Self {
         ControlPlane {
             dp,
+            claims: std::collections::HashMap::new(),
+            live_moves: std::collections::HashMap::new(),
+            last_move_prune: Instant::ZERO,
+            last_claim_prune: Instant::ZERO,
+            claim_counters: ClaimCounters::default(),
             cfg,
             dead_after_held: None,
             servers: BTreeMap::new(),
@@ -559,13 +637,15 @@ impl<D: DataPlane> ControlPlane<D> {
     /// server registered for it (yet), and one may any moment.
     pub fn refusing(&self, i: usize) -> bool {
         let svc = &self.services[i];
+        let addr = svc.addr();
         self.refusals_on
             && svc.retiring.is_none()
             && !svc.pool.is_empty()
-            && svc
-                .pool
-                .keys()
-                .all(|id| self.servers.get(id).is_some_and(|s| self.out_for_good(s)))
+            && svc.pool.keys().all(|id| {
+                self.servers
+                    .get(id)
+                    .is_some_and(|s| self.out_for_good(s) || s.serves_not(addr))
+            })
     }
 
     /// Brings every service's `SVC_REFUSE` flag up to date (written only
@@ -883,8 +963,10 @@ impl<D: DataPlane> ControlPlane<D> {
     /// the configured weight, 0 meaning the REGISTER's), then, with their
     /// REGISTER weight, those whose REGISTER lists the service and, if the
     /// pool is open, every server whose REGISTER lists no service at all (a
-    /// server that lists others does not serve this one: placed there, its
-    /// connections would be reset).
+    /// server that lists others does not serve this one: its stack would
+    /// leave the connections unanswered). A configured member that lists
+    /// others stays a member but takes no new connection
+    /// ([`Server::serves_not`]).
     fn pool_of(&self, svc: &Service) -> BTreeMap<ServerId, u32> {
         let addr = SocketAddrV4::new(svc.vip, svc.port);
         self.servers
@@ -1494,6 +1576,7 @@ impl<D: DataPlane> ControlPlane<D> {
         };
         s.flows_kept_until = None;
         let idx = s.index;
+        self.prune_claims(Instant::ZERO, Some(id));
         let removed = self.dp.remove_flows_of(idx)?;
         let n = removed.len();
         for key in removed {
@@ -1592,6 +1675,152 @@ impl<D: DataPlane> ControlPlane<D> {
             });
         }
         Ok(())
+    }
+
+    /// A FLOWS claim from `sender`: it holds the connection of `claim.flow`,
+    /// brought to it by migration `claim.epoch` (0: placed there),
+    /// `claim.owned_ms` ago. The server that holds an established
+    /// connection is the truth, so the claim replaces what the data plane
+    /// had (a mapping from the store, maybe an older backup's; a Maglev
+    /// placement of a segment that found no entry; nothing), and the store
+    /// follows (NEW or MIGRATED event), except:
+    /// - a migration of the flow in progress (pending entry): the data
+    ///   plane settles its owner (CONN_STATE_ACK or the target's ABORT);
+    /// - another server claimed the flow in the last [`CLAIM_MEMORY`] with
+    ///   a later ownership ([`claim_is_later`]): the later migration wins.
+    ///
+    /// A claim that moves the flow writes a final migration entry naming
+    /// the claimant and its epoch when the flow had one (so that the
+    /// claimant's next PREPARE_ACK, which carries that epoch, supersedes
+    /// it), else the flow entry's server. Errors: `sender` not registered
+    /// (or dead), data plane failures.
+    pub fn claim_flow(
+        &mut self,
+        now: Instant,
+        sender: ServerId,
+        claim: &capybara_proto::control::FlowClaim,
+    ) -> std::result::Result<ClaimOutcome, ControlError> {
+        let s = self
+            .servers
+            .get(&sender)
+            .filter(|s| s.liveness != Liveness::Dead)
+            .ok_or(ControlError::UnknownServer(sender))?;
+        let (sidx, sender_ip) = (s.index, s.reg.data_ip);
+        let key = claim.flow;
+        let Some(svc) = self
+            .services
+            .iter()
+            .find(|v| v.vip == key.service_ip && v.port == key.service_port)
+            .map(|v| v.index)
+        else {
+            self.claim_counters.unknown_service += 1;
+            return Ok(ClaimOutcome::UnknownService);
+        };
+        let new = JudgedClaim {
+            server: sender,
+            epoch: claim.epoch,
+            owned_since: Instant::from_micros(
+                now.as_micros()
+                    .saturating_sub(u64::from(claim.owned_ms) * 1000),
+            ),
+            at: now,
+        };
+        if let Some(old) = self
+            .claims
+            .get(&key)
+            .filter(|o| o.server != sender && now.saturating_since(o.at) < CLAIM_MEMORY)
+        {
+            let old_ip = self.servers.get(&old.server).map(|s| s.reg.data_ip);
+            if !claim_is_later(&new, sender_ip, old, old_ip) {
+                self.claim_counters.later_claim += 1;
+                return Ok(ClaimOutcome::LaterClaim);
+            }
+        }
+        let ck = CFlowKey::from(key);
+        let entry = self.dp.lookup_migration(ck)?;
+        if entry.is_some_and(|m| m.is_pending()) {
+            self.claim_counters.in_progress += 1;
+            return Ok(ClaimOutcome::InProgress);
+        }
+        let flow = self.dp.lookup_flow(ck)?;
+        let current = entry.map(|m| m.server).or(flow.map(|f| f.server));
+        if current != Some(sidx)
+            && entry.is_some()
+            && self
+                .live_moves
+                .get(&key)
+                .is_some_and(|t| now.saturating_since(*t) < LIVE_MOVE_MEMORY)
+        {
+            self.claim_counters.moved_since += 1;
+            return Ok(ClaimOutcome::MovedSince);
+        }
+        self.claims.insert(key, new);
+        if current == Some(sidx) {
+            self.claim_counters.agreed += 1;
+            return Ok(ClaimOutcome::Agreed);
+        }
+        match (entry, flow) {
+            (Some(_), Some(_)) => {
+                self.dp
+                    .insert_migration(ck, CMigration::owner(sidx, claim.epoch))?;
+            }
+            (_, Some(f)) => {
+                self.dp.insert_flow(ck, CFlow { server: sidx, ..f })?;
+            }
+            (_, None) => {
+                // Established: it carried data before the switch lost it.
+                let f = CFlow {
+                    server: sidx,
+                    service: svc as u16,
+                    flags: FLOW_ESTABLISHED,
+                    created_ns: 0,
+                };
+                self.dp.insert_flow(ck, f)?;
+                if entry.is_some() {
+                    self.dp.delete_migration(ck)?;
+                }
+            }
+        }
+        self.events.push(CFlowEvent {
+            key: ck,
+            kind: if current.is_some() {
+                EV_MIGRATED
+            } else {
+                EV_NEW
+            },
+            server: sidx,
+            prev_server: current.unwrap_or(sidx),
+            ts_ns: 0,
+        });
+        self.claim_counters.applied += 1;
+        Ok(ClaimOutcome::Applied)
+    }
+
+    /// Forgets judged claims older than [`CLAIM_MEMORY`] (at most once a
+    /// second), and those of `gone` (a server whose flows were removed).
+    fn prune_claims(&mut self, now: Instant, gone: Option<ServerId>) {
+        if !self.live_moves.is_empty()
+            && now.saturating_since(self.last_move_prune) >= std::time::Duration::from_secs(1)
+        {
+            self.last_move_prune = now;
+            self.live_moves
+                .retain(|_, t| now.saturating_since(*t) < LIVE_MOVE_MEMORY);
+        }
+        if self.claims.is_empty() {
+            return;
+        }
+        if let Some(id) = gone {
+            self.claims.retain(|_, c| c.server != id);
+        } else if now.saturating_since(self.last_claim_prune) >= std::time::Duration::from_secs(1) {
+            self.last_claim_prune = now;
+            self.claims
+                .retain(|_, c| now.saturating_since(c.at) < CLAIM_MEMORY);
+        }
+    }
+
+    /// Judged FLOWS claims remembered (`/status`).
+    pub fn claims_remembered(&self) -> usize {
+        self.claims.len()
     }
 
     /// Loads flow mappings (a standby taking over): each flow is routed to
@@ -1748,14 +1977,18 @@ impl<D: DataPlane> ControlPlane<D> {
     }
 
     /// Live members of service `i`, with their pool weights; a server the
-    /// operator weighted 0 is none (no new connections, not a target).
+    /// operator weighted 0 is none (no new connections, not a target), nor
+    /// one whose REGISTER lists other services and not this one (a
+    /// configured member whose stack would leave the connections
+    /// unanswered).
     fn live_members(&self, i: usize) -> Vec<Server> {
+        let addr = self.services[i].addr();
         self.services[i]
             .pool
             .iter()
             .filter_map(|(id, w)| {
                 let s = self.servers.get(id)?;
-                if self.operator_weights.get(id) == Some(&0) {
+                if self.operator_weights.get(id) == Some(&0) || s.serves_not(addr) {
                     return None;
                 }
                 (s.liveness == Liveness::Live).then(|| Server {
@@ -1832,6 +2065,7 @@ impl<D: DataPlane> ControlPlane<D> {
     /// removed (and reported as closed to the sink) when `dead_flow_grace`
     /// has passed without a heartbeat or REGISTER.
     pub fn tick(&mut self, now: Instant) -> std::result::Result<Vec<LoadReport>, ControlError> {
+        self.prune_claims(now, None);
         self.reap_closed(now)?;
         self.apply_health(now)?;
         let grace_over: Vec<ServerId> = self
@@ -1991,6 +2225,11 @@ impl<D: DataPlane> ControlPlane<D> {
             for e in &self.events[from_liveness..] {
                 if e.kind == EV_CLOSED {
                     self.closing.push_back((now, e.key));
+                }
+                // A migration the data plane finished (or an origin took
+                // back): newer than any FLOWS claim built before it.
+                if e.kind == EV_MIGRATED || e.kind == EV_RETURNED {
+                    self.live_moves.insert(FlowKey::from(e.key), now);
                 }
             }
             let updates: Vec<FlowUpdate> = self
@@ -2162,6 +2401,34 @@ fn place_code(p: Placement) -> u32 {
         Placement::Maglev => PLACE_MAGLEV,
         Placement::Lwrr => PLACE_RING,
     }
+}
+
+/// Whether claim `new` (from the server at `new_ip`) holds a later
+/// ownership of its flow than `old` (from the server at `old_ip`, `None`
+/// if it is gone): the later migration wins.
+/// - causality first: a claim whose epoch (the migration that brought the
+///   connection) came from the other claimant is later (that claimant
+///   handed the connection over; migration ids of two hosts do not
+///   compare, their counters are per host);
+/// - otherwise the claimant that took its connection more recently (on
+///   the switch's clock: arrival minus the claim's age; this also settles
+///   a 4-tuple reused by a new connection, which the client uses, over an
+///   old connection a server still holds);
+/// - a tie keeps `old`.
+fn claim_is_later(
+    new: &JudgedClaim,
+    new_ip: Ipv4Addr,
+    old: &JudgedClaim,
+    old_ip: Option<Ipv4Addr>,
+) -> bool {
+    let origin = |epoch: u64| (epoch != 0).then(|| Ipv4Addr::from((epoch >> 32) as u32));
+    if old_ip.is_some() && origin(new.epoch) == old_ip {
+        return true;
+    }
+    if origin(old.epoch) == Some(new_ip) {
+        return false;
+    }
+    new.owned_since > old.owned_since
 }
 
 pub fn lwrr_ring(live: &[Server]) -> Vec<u32> {
@@ -3062,6 +3329,259 @@ pub(crate) mod tests {
         assert_eq!(c.dp.current_owner(CFlowKey::from(k)), Some(1));
     }
 
+    fn claim(port: u16, epoch: u64, owned_ms: u32) -> capybara_proto::control::FlowClaim {
+        capybara_proto::control::FlowClaim {
+            flow: FlowKey::from(key(port)),
+            epoch,
+            owned_ms,
+        }
+    }
+
+    /// A migration id of the server at 198.18.2.(10 + j).
+    fn mid(j: u8, counter: u32) -> u64 {
+        u64::from(u32::from(Ipv4Addr::new(198, 18, 2, 10 + j))) << 32 | u64::from(counter)
+    }
+
+    fn owners_in_store(c: &mut ControlPlane<MemDataPlane>) -> Vec<(u16, u32, Option<u32>)> {
+        let mut sink = Sinked::default();
+        c.flush_events(Instant::ZERO, &mut sink).unwrap();
+        sink.0
+    }
+
+    /// (client port, event kind, owner id) of every update.
+    #[derive(Default)]
+    struct Sinked(Vec<(u16, u32, Option<u32>)>);
+    impl FlowEventSink for Sinked {
+        fn write_batch(&mut self, events: &[FlowUpdate]) {
+            self.0.extend(
+                events
+                    .iter()
+                    .map(|u| (u.key.client_port, u.event.kind, u.owner.map(|o| o.0))),
+            );
+        }
+    }
+
+    #[test]
+    fn claims_rebuild_lost_and_stale_mappings_and_the_store_follows() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let now = Instant::from_millis(10_000);
+        let mut store = Sinked::default();
+        // Lost: no entry at all. The claimant gets an established flow.
+        assert_eq!(
+            c.claim_flow(now, ServerId(2), &claim(1, mid(1, 5), 300))
+                .unwrap(),
+            ClaimOutcome::Applied
+        );
+        let f = c.dp.flows[&key(1)];
+        assert_eq!((f.server, f.service, f.flags), (1, 0, FLOW_ESTABLISHED));
+        // Stale: the store (an older backup) or a Maglev placement says s1.
+        c.dp.place_flow(key(2), 0, 0);
+        c.flush_events(now, &mut store).unwrap();
+        assert_eq!(
+            c.claim_flow(now, ServerId(3), &claim(2, mid(1, 9), 300))
+                .unwrap(),
+            ClaimOutcome::Applied
+        );
+        assert_eq!(c.dp.current_owner(key(2)), Some(2));
+        assert!(
+            c.dp.migrations.get(&key(2)).is_none(),
+            "the flow entry moved"
+        );
+        // A final entry (a migration passed) on s1: the claim of s2 replaces
+        // it with one naming s2's epoch, which s2's next PREPARE_ACK carries.
+        // (Seen long before the claim: a backup's state, not a live move.)
+        c.dp.place_flow(key(3), 2, 0);
+        c.dp.migrate_flow(key(3), 0);
+        c.flush_events(Instant::ZERO, &mut store).unwrap();
+        assert_eq!(
+            c.claim_flow(now, ServerId(2), &claim(3, mid(1, 11), 300))
+                .unwrap(),
+            ClaimOutcome::Applied
+        );
+        let m = c.dp.migrations[&key(3)];
+        assert_eq!(
+            (m.server, m.migration_id, m.is_pending()),
+            (1, mid(1, 11), false)
+        );
+        // Already right: agreed, nothing written.
+        assert_eq!(
+            c.claim_flow(now, ServerId(3), &claim(2, mid(1, 9), 300))
+                .unwrap(),
+            ClaimOutcome::Agreed
+        );
+        c.flush_events(now, &mut store).unwrap();
+        assert_eq!(
+            store.0,
+            vec![
+                (1, EV_NEW, Some(2)),
+                // Placed on s1 (the stale mapping), then claimed by s3.
+                (2, EV_NEW, Some(1)),
+                (2, EV_MIGRATED, Some(3)),
+                // Placed on s3, migrated to s1, then claimed by s2.
+                (3, EV_NEW, Some(3)),
+                (3, EV_MIGRATED, Some(1)),
+                (3, EV_MIGRATED, Some(2)),
+            ]
+        );
+        assert_eq!(
+            c.claim_counters,
+            ClaimCounters {
+                applied: 3,
+                agreed: 1,
+                ..Default::default()
+            }
+        );
+    }
+
+    #[test]
+    fn a_migration_in_progress_is_not_overridden_by_a_claim() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let now = Instant::from_millis(10_000);
+        c.dp.place_flow(key(4), 0, 0);
+        c.dp.migrations
+            .insert(key(4), CMigration::pending(1, mid(1, 3)));
+        c.flush_events(now, &mut VecSink::default()).unwrap();
+        assert_eq!(
+            c.claim_flow(now, ServerId(1), &claim(4, 0, 900)).unwrap(),
+            ClaimOutcome::InProgress
+        );
+        assert_eq!(
+            c.claim_flow(now, ServerId(3), &claim(4, 0, 1)).unwrap(),
+            ClaimOutcome::InProgress
+        );
+        assert_eq!(c.dp.migrations[&key(4)], CMigration::pending(1, mid(1, 3)));
+        assert!(owners_in_store(&mut c).is_empty());
+        assert_eq!(c.claim_counters.in_progress, 2);
+    }
+
+    #[test]
+    fn of_two_claims_the_later_migration_wins_in_either_order() {
+        let now = Instant::from_millis(100_000);
+        // s1 placed the connection 50 s ago and handed it to s2 (migration
+        // id of s1) 2 s ago; s1 still claims it (a stale holder).
+        let s1 = claim(5, 0, 50_000);
+        let s2 = claim(5, mid(1, 7), 2_000);
+        for first_s1 in [true, false] {
+            let mut c = cp(TargetPolicy::RoundRobin);
+            let (a, b) = if first_s1 {
+                ((1, s1), (2, s2))
+            } else {
+                ((2, s2), (1, s1))
+            };
+            c.claim_flow(now, ServerId(a.0), &a.1).unwrap();
+            let second = c.claim_flow(now, ServerId(b.0), &b.1).unwrap();
+            assert_eq!(
+                c.dp.current_owner(key(5)),
+                Some(1),
+                "s2 holds it (s1 first: {first_s1})"
+            );
+            let want = if first_s1 {
+                ClaimOutcome::Applied
+            } else {
+                ClaimOutcome::LaterClaim
+            };
+            assert_eq!(second, want);
+        }
+        // Causality beats age: s3 got it from s2 (s2's id), even if s2's
+        // claim says it took the connection later.
+        let mut c = cp(TargetPolicy::RoundRobin);
+        c.claim_flow(now, ServerId(3), &claim(6, mid(2, 1), 4_000))
+            .unwrap();
+        assert_eq!(
+            c.claim_flow(now, ServerId(2), &claim(6, mid(1, 1), 1_000))
+                .unwrap(),
+            ClaimOutcome::LaterClaim
+        );
+        assert_eq!(c.dp.current_owner(key(6)), Some(2));
+        // Unrelated claimants (a 4-tuple reused by a new connection): the
+        // more recent ownership wins; a tie keeps the first.
+        let mut c = cp(TargetPolicy::RoundRobin);
+        c.claim_flow(now, ServerId(1), &claim(7, 0, 30_000))
+            .unwrap();
+        assert_eq!(
+            c.claim_flow(now, ServerId(3), &claim(7, 0, 400)).unwrap(),
+            ClaimOutcome::Applied
+        );
+        assert_eq!(
+            c.claim_flow(now, ServerId(1), &claim(7, 0, 30_000))
+                .unwrap(),
+            ClaimOutcome::LaterClaim
+        );
+        assert_eq!(
+            c.claim_flow(now, ServerId(2), &claim(7, 0, 400)).unwrap(),
+            ClaimOutcome::LaterClaim,
+            "a tie keeps the current claimant"
+        );
+        assert_eq!(c.dp.current_owner(key(7)), Some(2));
+        // Claims are forgotten after CLAIM_MEMORY: then the data plane's
+        // mapping is all there is, and the claimant is the truth.
+        let later = now + CLAIM_MEMORY;
+        c.prune_claims(later, None);
+        assert_eq!(c.claims_remembered(), 0);
+        assert_eq!(
+            c.claim_flow(later, ServerId(1), &claim(7, 0, 30_000))
+                .unwrap(),
+            ClaimOutcome::Applied
+        );
+    }
+
+    #[test]
+    fn a_claim_built_before_a_live_migration_does_not_undo_it() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let now = Instant::from_millis(10_000);
+        let mut store = Sinked::default();
+        // s1 holds the connection and reports it; the report is in flight
+        // (or sent again) while the data plane migrates it to s2.
+        c.dp.place_flow(key(7), 0, 0);
+        c.dp.migrate_flow(key(7), 1);
+        c.flush_events(now, &mut store).unwrap();
+        let stale = claim(7, 0, 5_000);
+        assert_eq!(
+            c.claim_flow(now + Duration::from_millis(200), ServerId(1), &stale)
+                .unwrap(),
+            ClaimOutcome::MovedSince
+        );
+        assert_eq!(c.dp.current_owner(key(7)), Some(1), "still s2");
+        assert_eq!(c.claim_counters.moved_since, 1);
+        // The new owner's claim agrees.
+        assert_eq!(
+            c.claim_flow(now, ServerId(2), &claim(7, mid(1, 1), 0))
+                .unwrap(),
+            ClaimOutcome::Agreed
+        );
+        // Past the memory (a report much later, e.g. the origin holds a
+        // connection again that a switch restart left wrong), claims apply.
+        let later = now + LIVE_MOVE_MEMORY + Duration::from_secs(1);
+        for j in 1..=3 {
+            c.heartbeat(later, ServerId(j)).unwrap();
+        }
+        c.tick(later).unwrap();
+        assert_eq!(
+            c.claim_flow(later, ServerId(1), &claim(7, mid(2, 4), 100))
+                .unwrap(),
+            ClaimOutcome::Applied
+        );
+        assert_eq!(c.dp.current_owner(key(7)), Some(0));
+    }
+
+    #[test]
+    fn claims_of_unknown_services_or_unregistered_servers_are_refused() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let now = Instant::from_millis(1_000);
+        let mut other = claim(8, 0, 1);
+        other.flow.service_port = 81;
+        assert_eq!(
+            c.claim_flow(now, ServerId(1), &other).unwrap(),
+            ClaimOutcome::UnknownService
+        );
+        assert!(matches!(
+            c.claim_flow(now, ServerId(9), &claim(8, 0, 1)),
+            Err(ControlError::UnknownServer(ServerId(9)))
+        ));
+        assert!(c.dp.flows.get(&key(8)).is_none());
+        assert_eq!(c.claim_counters.unknown_service, 1);
+    }
+
     fn spec(name: &str, addr: SocketAddrV4, members: &[u32], open: bool) -> ServiceSpec {
         ServiceSpec {
             name: name.into(),
@@ -3624,6 +4144,30 @@ pub(crate) mod tests {
         )
         .unwrap();
         assert_eq!(pool(&c, 0), [2, 3]);
+        // ... but its stack leaves web's connections unanswered: it is in
+        // no placement table and no target ring of web.
+        let index = |j: u32| c.server(ServerId(j)).unwrap().index;
+        let web_index = c.services()[0].index;
+        let table = &c.dp.maglev[&web_index];
+        assert!(table.contains(&index(2)) && !table.contains(&index(3)));
+        assert!(!c.services()[0].refusing);
+        // Nobody left who serves web: refused at once (a lasting reason),
+        // not a hang on a server that never answers.
+        c.allow_refusals_from(Instant::ZERO);
+        c.tick(Instant::ZERO).unwrap();
+        c.apply_services(
+            Instant::ZERO,
+            &[
+                spec("web", web, &[3], false),
+                spec("cache", cache, &[], true),
+            ],
+            true,
+        )
+        .unwrap();
+        c.set_operator_weights(BTreeMap::from([(ServerId(2), 0)]))
+            .unwrap();
+        assert!(c.services()[0].refusing);
+        assert!(c.dp.maglev[&web_index].iter().all(|v| *v == NO_SERVER));
     }
 
     #[test]

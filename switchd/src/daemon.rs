@@ -37,7 +37,7 @@ use capybara_store::{FlowWriter, FlowWriterConfig, LeaderLease, ServerState, Sto
 use serde_json::json;
 
 use crate::abi::*;
-use crate::bpf::{BpfDataPlane, BpfOptions};
+use crate::bpf::{Attached, BpfDataPlane, BpfOptions, LinkPins};
 use crate::config::{Config, Role};
 use crate::control::{
     ControlConfig, ControlPlane, FlowsRemovedWhy, HealthEvent, Liveness, LivenessEvent,
@@ -146,6 +146,15 @@ struct Peer {
     /// one sent at the change was lost.
     ack_resends: u8,
     ack_resend_at: Instant,
+    /// Its FLOWS report (the connections it holds) arrived complete since
+    /// this switchd knows it (REGISTER, or restored from the store).
+    flows_reported: bool,
+    /// FLOWS requests (FLOWS_ACK with REQUEST) still to send while it has
+    /// not reported, answering its heartbeats, not before `flow_request_at`.
+    flow_requests_left: u8,
+    flow_request_at: Instant,
+    /// Claims of its current report so far: (claims, applied, skipped).
+    flow_claims: (u64, u64, u64),
 }
 
 /// The hostagent-side tunables of a policy as a POLICY message; the
@@ -166,7 +175,7 @@ fn lease_lost_text(holder: &str, term: u64, ours: Option<u64>) -> String {
         |t| format!("ours was term {t}"),
     );
     format!(
-        "{holder:?} holds the leader lease with term {term} ({ours}): stepping down (detaching) so that the new leader owns the interfaces"
+        "{holder:?} holds the leader lease with term {term} ({ours}): stepping down (handing the pinned XDP links over to a standby on this box, else detaching) so that the new leader owns the interfaces"
     )
 }
 
@@ -320,12 +329,34 @@ pub fn run(cfg: Config) -> anyhow::Result<()> {
         published,
         cmd_rx,
     )?;
+    sw.pins = link_pins(&sw.cfg);
     let result = sw.main();
     sw.shutdown(&rt);
     drop(sw);
     rt.shutdown_timeout(Duration::from_secs(2));
     eprintln!("switchd: stopped");
     result
+}
+
+/// The pin directory of this namespace and election, or `None` with the
+/// reason logged (see `ha.pin_dir`).
+fn link_pins(cfg: &Config) -> Option<LinkPins> {
+    if cfg.ha.pin_dir.is_empty() {
+        eprintln!("switchd: XDP links not pinned (ha.pin_dir = \"\"): a takeover or restart attaches only after this process's links are gone");
+        return None;
+    }
+    match LinkPins::open(std::path::Path::new(&cfg.ha.pin_dir), &cfg.ha.election) {
+        Ok(p) => {
+            eprintln!("switchd: XDP links pinned in {}", p.dir().display());
+            Some(p)
+        }
+        Err(why) => {
+            eprintln!(
+                "switchd: XDP links not pinned ({why}; `ip netns exec` mounts a fresh /sys without it: enter only the network namespace, e.g. `nsenter --net=/run/netns/NAME`): a takeover or restart attaches only after this process's links are gone, a gap of tens of ms"
+            );
+            None
+        }
+    }
 }
 
 struct Switch {
@@ -363,6 +394,12 @@ struct Switch {
     warm_syncs: u64,
     /// Took over on the interfaces' evidence, before holding the lease.
     fast_takeover: bool,
+    /// Where the XDP links are pinned, and the owner lock that fences them
+    /// (`None`: no bpffs or `ha.pin_dir = ""`, links die with the process).
+    pins: Option<LinkPins>,
+    /// Interfaces whose pinned link a predecessor left was taken over in
+    /// place (no gap) at the last attach.
+    links_taken_over: usize,
     garp_sent: u64,
     campaign_pending: Arc<AtomicBool>,
     won_lease: Arc<Mutex<Option<LeaderLease>>>,
@@ -379,6 +416,9 @@ struct Switch {
     /// REGISTER_ACKs sent to registered servers because the heartbeat
     /// interval changed.
     register_acks_resent: u64,
+    /// FLOWS requests sent, FLOWS batches taken.
+    flow_requests_sent: u64,
+    flow_batches: u64,
     /// What a store without a policy is seeded with: the config's liveness
     /// timing (`self.cfg`'s follows the store once read).
     policy_seed: capybara_store::Policy,
@@ -590,6 +630,8 @@ impl Switch {
             warm: HashMap::new(),
             warm_syncs: 0,
             fast_takeover: false,
+            pins: None,
+            links_taken_over: 0,
             garp_sent: 0,
             campaign_pending: Arc::new(AtomicBool::new(false)),
             won_lease: Arc::new(Mutex::new(None)),
@@ -600,6 +642,8 @@ impl Switch {
             policy_sent: 0,
             policy_rejected: 0,
             register_acks_resent: 0,
+            flow_requests_sent: 0,
+            flow_batches: 0,
             policy_seed,
             services_slot: Arc::new(Mutex::new(None)),
             weights_slot: Arc::new(Mutex::new(None)),
@@ -694,26 +738,67 @@ impl Switch {
         self.serve()
     }
 
-    /// Attaches to every interface. A dead predecessor's links vanish with
-    /// its process; one still alive (lost lease, not yet noticed) holds the
-    /// interface, so retry for a bounded time.
+    /// Attaches to every interface. With pins: takes the owner lock first
+    /// (the fence: a predecessor still alive, e.g. stepping down for a newer
+    /// leader, holds it until it exits; waited for up to 2 s), then replaces
+    /// the program of each link the predecessor left pinned in place (no
+    /// gap), or attaches and pins a new one. Without: a dead predecessor's
+    /// links vanish with its process; one still alive holds the interface,
+    /// so retry for a bounded time.
     fn attach_all(&mut self) -> anyhow::Result<()> {
+        if let Some(p) = self.pins.as_mut() {
+            match p.own_within(Duration::from_secs(2), || SHUTDOWN.load(Ordering::SeqCst)) {
+                Ok(true) => p.end_standby(),
+                Ok(false) => anyhow::bail!(
+                    "the XDP links pinned in {} belong to another switchd that is still running (it holds their owner lock): not attaching",
+                    p.dir().display()
+                ),
+                Err(e) => {
+                    eprintln!(
+                        "switchd: owner lock on {}: {e}; attaching without pins",
+                        p.dir().display()
+                    );
+                    self.pins = None;
+                }
+            }
+        }
         let ifs: Vec<u32> = self.ifaces.iter().map(|i| i.0).collect();
+        let (mut replaced, mut pinned, mut unpinned) = (0, 0, 0);
         for idx in ifs {
             let mut tries = 0;
             loop {
-                match self.cp.dp.attach(idx) {
-                    Ok(()) => break,
+                let r = match self.pins.as_ref() {
+                    Some(p) => self.cp.dp.attach_pinned(idx, &p.link_path(idx)),
+                    None => self
+                        .cp
+                        .dp
+                        .attach(idx)
+                        .map(|()| Attached::New { pinned: false }),
+                };
+                match r {
+                    Ok(Attached::Replaced { .. }) => replaced += 1,
+                    Ok(Attached::New { pinned: true }) => pinned += 1,
+                    Ok(Attached::New { pinned: false }) => unpinned += 1,
                     Err(e) if tries < 100 && !SHUTDOWN.load(Ordering::SeqCst) => {
                         if tries == 0 {
                             eprintln!("switchd: attach to ifindex {idx} failed ({e}); retrying");
                         }
                         tries += 1;
                         std::thread::sleep(Duration::from_millis(20));
+                        continue;
                     }
                     Err(e) => return Err(e.into()),
                 }
+                break;
             }
+        }
+        self.links_taken_over = replaced;
+        if let Some(p) = &self.pins {
+            let (adopted, unknown) = self.cp.dp.adopted_flows();
+            eprintln!(
+                "switchd: XDP links in {}: {replaced} taken over in place from the predecessor (no gap), {pinned} new and pinned, {unpinned} not pinned; {adopted} flows newer than the store copied from the predecessor's table ({unknown} of unknown servers or services skipped)",
+                p.dir().display()
+            );
         }
         Ok(())
     }
@@ -736,33 +821,79 @@ impl Switch {
         // exclusive per interface, so the interfaces themselves fence a
         // live active out. The lease is still taken before serving HA
         // duties that need it (renewal, fencing token).
+        //
+        // With pinned links the programs no longer vanish when the active
+        // dies (they forward on until replaced): its death shows as its
+        // owner lock on the pin directory coming free (the kernel releases
+        // a flock with the process), polled every 2 ms. The lock is the
+        // fence then: held by the active for its whole life. This standby
+        // also marks itself (shared lock), so that an active stopping
+        // cleanly hands its links over instead of detaching them.
         let ifs: Vec<u32> = self.ifaces.iter().map(|i| i.0).collect();
         let mut seen_active_program = false;
+        let mut seen_owner = false;
+        let mut attached = 0;
+        if let Some(p) = self.pins.as_mut() {
+            if let Err(e) = p.stand_by() {
+                eprintln!(
+                    "switchd: cannot mark this standby in {} ({e}): an active stopping cleanly will detach instead of handing over",
+                    p.dir().display()
+                );
+            }
+        }
+        let poll = Duration::from_millis(if self.pins.is_some() { 2 } else { 10 });
         let mut next_campaign = StdInstant::now();
-        // Bounded by SHUTDOWN or winning; each round sleeps 10 ms.
+        let mut next_prog_check = StdInstant::now();
+        // Bounded by SHUTDOWN or winning; each round sleeps `poll`.
         loop {
             if SHUTDOWN.load(Ordering::SeqCst) {
                 return Ok(false);
             }
-            let attached = ifs
-                .iter()
-                .filter(|i| {
-                    self.cp
-                        .dp
-                        .attached_prog_id(**i)
-                        .map(|id| id != 0)
-                        .unwrap_or(false)
-                })
-                .count();
-            if attached > 0 {
-                seen_active_program = true;
-            } else if seen_active_program && self.cfg.ha.fast_takeover {
+            if StdInstant::now() >= next_prog_check {
+                attached = ifs
+                    .iter()
+                    .filter(|i| {
+                        self.cp
+                            .dp
+                            .attached_prog_id(**i)
+                            .map(|id| id != 0)
+                            .unwrap_or(false)
+                    })
+                    .count();
+                seen_active_program |= attached > 0;
+                next_prog_check = StdInstant::now() + Duration::from_millis(10);
+            }
+            // An active without pins (none possible on its side) still
+            // shows its death as its programs vanishing.
+            let programs_gone = seen_active_program && attached == 0;
+            if let Some(p) = self.pins.as_mut() {
+                match p.try_own() {
+                    Ok(true) if (seen_owner || programs_gone) && self.cfg.ha.fast_takeover => {
+                        eprintln!(
+                            "switchd: the active's owner lock on {} came free (it is gone): taking over its pinned XDP links before the lease expires",
+                            p.dir().display()
+                        );
+                        self.fast_takeover = true;
+                        return Ok(true);
+                    }
+                    // Nobody was active: not ours to take without the lease.
+                    Ok(true) => p.disown(),
+                    Ok(false) => seen_owner = true,
+                    Err(e) => {
+                        eprintln!(
+                            "switchd: owner lock on {}: {e}; watching the interfaces instead",
+                            p.dir().display()
+                        );
+                        self.pins = None;
+                    }
+                }
+            } else if programs_gone && self.cfg.ha.fast_takeover {
                 eprintln!("switchd: the active's XDP programs are gone from every interface: taking over before the lease expires");
                 self.fast_takeover = true;
                 return Ok(true);
             }
             if StdInstant::now() < next_campaign {
-                std::thread::sleep(Duration::from_millis(10));
+                std::thread::sleep(poll);
                 continue;
             }
             next_campaign = StdInstant::now() + Duration::from_millis(100);
@@ -1181,6 +1312,12 @@ impl Switch {
             .context("binding the load-notification socket")?;
         load_sock.set_nonblocking(true)?;
         sock.set_nonblocking(true)?;
+        // The servers restored from the store report the connections they
+        // hold: the store may be older than the data plane it was written
+        // from (a backup). Asked at once, so that they hold resets of
+        // connections they do not know before the data plane sends them
+        // stale ones (docs/OPERATIONS.md, "Recovery").
+        self.request_flow_reports(&sock);
         self.warm.clear();
         self.start_policy_poller();
         self.start_weights_poller();
@@ -1641,7 +1778,10 @@ impl Switch {
                 Some(_) => {}
                 None => {
                     *self.drops.entry("not_registered").or_default() += 1;
-                    if matches!(kind, ControlKind::Heartbeat | ControlKind::SetOwner) {
+                    if matches!(
+                        kind,
+                        ControlKind::Heartbeat | ControlKind::SetOwner | ControlKind::Flows
+                    ) {
                         return self.error_reply(
                             id,
                             ErrorCode::NotRegistered,
@@ -1735,6 +1875,8 @@ impl Switch {
                 let mut peer = new_peer(from);
                 peer.last_seq = repr.seq;
                 peer.services = wanted.clone();
+                // It reports its connections after the REGISTER_ACK.
+                peer.flow_request_at = now + FLOW_REQUEST_AFTER_REGISTER;
                 self.peers.insert(id, peer);
                 eprintln!(
                     "switchd: registered {id}: data {} mac {} via {dev}, weight {}, instance {:#018x}",
@@ -1829,7 +1971,22 @@ impl Switch {
                     self.policy_sent += 1;
                     return self.reply(id, ControlBody::Policy(self.policy_msg));
                 }
+                if let Some(p) = self.peers.get_mut(&id).filter(|p| {
+                    !p.flows_reported && p.flow_requests_left > 0 && now >= p.flow_request_at
+                }) {
+                    // No complete FLOWS report yet: ask for one.
+                    p.flow_requests_left -= 1;
+                    p.flow_request_at = now + Duration::from_secs(1);
+                    self.flow_requests_sent += 1;
+                    return self.reply(id, ControlBody::FlowsAck(ctl::FlowsAck::request()));
+                }
                 None
+            }
+            ControlBody::Flows(f) => {
+                if let Some(p) = self.peers.get_mut(&id) {
+                    p.last_seq = repr.seq;
+                }
+                self.take_flows(now, id, f)
             }
             ControlBody::SetOwner(s) => {
                 if let Some(p) = self.peers.get_mut(&id) {
@@ -1876,7 +2033,93 @@ impl Switch {
             ControlBody::RegisterAck(_)
             | ControlBody::Drain(_)
             | ControlBody::Migrate(_)
-            | ControlBody::Policy(_) => self.drop_msg("unexpected_kind"),
+            | ControlBody::Policy(_)
+            | ControlBody::FlowsAck(_) => self.drop_msg("unexpected_kind"),
+        }
+    }
+
+    /// A FLOWS batch from `id`: each claim judged by the control plane
+    /// (`ControlPlane::claim_flow`: the data plane and, through flow
+    /// events, the store follow), then acknowledged (FLOWS_ACK with the
+    /// numbers). A batch the control plane cannot take (the sender is not
+    /// a live server, a data-plane failure) is acknowledged REFUSED and
+    /// counted (`control_drops.flows_refused`); a malformed one never gets
+    /// here (`control_drops.malformed`, not acknowledged: sent again).
+    fn take_flows(&mut self, now: Instant, id: ServerId, f: ctl::Flows<'_>) -> Option<Vec<u8>> {
+        let (mut applied, mut skipped) = (0u16, 0u16);
+        let mut refused = None;
+        for c in f.claims.iter() {
+            match self.cp.claim_flow(now, id, &c) {
+                Ok(crate::control::ClaimOutcome::Applied) => applied += 1,
+                Ok(crate::control::ClaimOutcome::Agreed) => {}
+                Ok(_) => skipped += 1,
+                Err(e) => {
+                    refused = Some(e);
+                    break;
+                }
+            }
+        }
+        self.flow_batches += 1;
+        if let Some(e) = &refused {
+            *self.drops.entry("flows_refused").or_default() += 1;
+            eprintln!(
+                "switchd: {id}: FLOWS batch {} of report {} refused: {e}",
+                f.batch, f.report_id
+            );
+        }
+        if let Some(p) = self.peers.get_mut(&id) {
+            let c = &mut p.flow_claims;
+            c.0 += f.claims.len() as u64;
+            c.1 += u64::from(applied);
+            c.2 += u64::from(skipped);
+            if f.flags & ctl::FLOWS_LAST != 0 && refused.is_none() {
+                let was = p.flows_reported;
+                p.flows_reported = true;
+                if !was {
+                    eprintln!(
+                        "switchd: {id} reported its connections (FLOWS report {}, {} batches): {} claims, {} applied, {} skipped",
+                        f.report_id,
+                        u32::from(f.batch) + 1,
+                        c.0,
+                        c.1,
+                        c.2
+                    );
+                }
+                p.flow_claims = (0, 0, 0);
+            }
+        }
+        let flags = if refused.is_some() {
+            ctl::FLOWS_REFUSED
+        } else {
+            0
+        };
+        self.reply(
+            id,
+            ControlBody::FlowsAck(ctl::FlowsAck {
+                report_id: f.report_id,
+                batch: f.batch,
+                flags,
+                applied,
+                skipped,
+            }),
+        )
+    }
+
+    /// Asks every known server that has not reported its connections for a
+    /// FLOWS report (FLOWS_ACK with REQUEST), at its management address.
+    fn request_flow_reports(&mut self, sock: &UdpSocket) {
+        let ids: Vec<(ServerId, SocketAddr)> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| !p.flows_reported)
+            .map(|(id, p)| (*id, p.mgmt))
+            .collect();
+        for (id, mgmt) in ids {
+            if let Some(m) = self.reply(id, ControlBody::FlowsAck(ctl::FlowsAck::request())) {
+                if sock.send_to(&m, mgmt).is_ok() {
+                    self.flow_requests_sent += 1;
+                }
+            }
         }
     }
 
@@ -2585,6 +2828,19 @@ impl Switch {
             })),
         });
         let mut status = status;
+        // FLOWS reports (docs/SWITCHD.md, "Control channel").
+        let cc = self.cp.claim_counters;
+        status["flow_claims"] = json!({
+            "requests_sent": self.flow_requests_sent,
+            "batches": self.flow_batches,
+            "applied": cc.applied,
+            "agreed": cc.agreed,
+            "in_progress": cc.in_progress,
+            "later_claim": cc.later_claim,
+            "moved_since": cc.moved_since,
+            "unknown_service": cc.unknown_service,
+            "remembered": self.cp.claims_remembered(),
+        });
         let lv = self.cp.liveness;
         status["liveness"] = json!({
             // The stored policy's (the config's until it is read); while a
@@ -2609,6 +2865,19 @@ impl Switch {
         });
         status["embryonic"] = embryonic_status;
         status["lease"] = lease_status;
+        // HA: where the XDP links are pinned (null: not pinned) and how many
+        // a predecessor left that this switchd took over in place.
+        status["pin_dir"] = json!(self.pins.as_ref().map(|p| p.dir().display().to_string()));
+        status["links_taken_over"] = json!(self.links_taken_over);
+        status["flows_adopted"] = json!(self.cp.dp.adopted_flows().0);
+        // The switch's own addresses, which an API refuses as a service VIP
+        // or a server data address: control_listen and the IPv4 addresses
+        // its configured interfaces have now.
+        status["control_listen"] = json!(self.cfg.control_listen.to_string());
+        status["interface_addrs"] = json!(own_interface_addrs(&self.cfg.interfaces)
+            .into_iter()
+            .map(|(name, a)| json!({"interface": name, "addr": a.to_string()}))
+            .collect::<Vec<_>>());
         if let (Some(m), Some(st)) = (writer.as_ref(), status["store"].as_object_mut()) {
             st.insert("fenced_total".into(), json!(m.fenced_total));
             st.insert("abandoned_total".into(), json!(m.abandoned_total));
@@ -2712,8 +2981,29 @@ impl Switch {
         }
     }
 
+    /// Stops serving. The XDP links: with HA on, pinned, and a standby of
+    /// this namespace and election waiting (its mark held), they are handed
+    /// over: left attached, running this program on its maps, until the
+    /// standby (which gets the owner lock released last, after the flow
+    /// writer's flush and the lease's resignation) replaces the program in
+    /// place, so an upgrade or a step-down for a newer leader on this box
+    /// loses no packet. Otherwise detached and unpinned: a switchd stopped
+    /// with nobody to take over leaves no program on the interfaces.
     fn shutdown(&mut self, rt: &tokio::runtime::Runtime) {
-        self.cp.dp.detach_all();
+        let hand_over = self.cfg.ha.enabled
+            && self
+                .pins
+                .as_ref()
+                .is_some_and(|p| p.owned() && p.standby_waiting());
+        if !hand_over {
+            self.cp.dp.detach_all();
+            if let Some(p) = self.pins.as_mut() {
+                if p.owned() {
+                    p.disown();
+                    p.remove_if_unused();
+                }
+            }
+        }
         if let Some(sink) = self.sink.take() {
             let w = sink.writer().clone();
             if let Err(e) = rt.block_on(w.close(Duration::from_secs(2))) {
@@ -2724,6 +3014,16 @@ impl Switch {
             let _ = rt.block_on(async {
                 tokio::time::timeout(Duration::from_secs(1), store.resign(&lease)).await
             });
+        }
+        if hand_over {
+            let n = self.cp.dp.release_links();
+            if let Some(p) = self.pins.as_mut() {
+                p.disown();
+                eprintln!(
+                    "switchd: handed {n} pinned XDP links in {} over to the standby (they forward with this program until it replaces it)",
+                    p.dir().display()
+                );
+            }
         }
     }
 }
@@ -2802,8 +3102,20 @@ fn new_peer(mgmt: SocketAddr) -> Peer {
         services: Vec::new(),
         ack_resends: 0,
         ack_resend_at: Instant::ZERO,
+        flows_reported: false,
+        flow_requests_left: FLOW_REQUESTS,
+        flow_request_at: Instant::ZERO,
+        flow_claims: (0, 0, 0),
     }
 }
+
+/// FLOWS requests sent to a server that has not reported its connections
+/// (one per heartbeat at most, a second apart): a hostagent that predates
+/// FLOWS drops them, so they stop.
+const FLOW_REQUESTS: u8 = 5;
+/// How long a server that just registered has to send its FLOWS report on
+/// its own (it does after every REGISTER_ACK) before it is asked.
+const FLOW_REQUEST_AFTER_REGISTER: Duration = Duration::from_secs(1);
 
 fn kind_name(k: ControlKind) -> &'static str {
     match k {
@@ -2816,6 +3128,8 @@ fn kind_name(k: ControlKind) -> &'static str {
         ControlKind::SetOwner => "set_owner",
         ControlKind::Policy => "policy",
         ControlKind::MigrationReport => "migration_report",
+        ControlKind::Flows => "flows",
+        ControlKind::FlowsAck => "flows_ack",
     }
 }
 
@@ -2990,6 +3304,20 @@ fn route(
     }
 }
 
+/// The IPv4 addresses of `interfaces` (in their order), for `/status`'s
+/// `interface_addrs`; empty when the system cannot list them.
+fn own_interface_addrs(interfaces: &[crate::config::InterfaceConfig]) -> Vec<(String, Ipv4Addr)> {
+    let mut out: Vec<(usize, String, Ipv4Addr)> = crate::sys::interface_addrs()
+        .into_iter()
+        .filter_map(|(name, a)| {
+            let i = interfaces.iter().position(|c| c.name == name)?;
+            Some((i, name, a))
+        })
+        .collect();
+    out.sort_by_key(|(i, _, _)| *i);
+    out.into_iter().map(|(_, n, a)| (n, a)).collect()
+}
+
 /// `switchd --dump`: fetches `/status` (or another path) from a running switchd.
 pub fn fetch(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
     let mut c = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))
@@ -3011,6 +3339,24 @@ pub fn fetch(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
 
 #[cfg(test)]
 mod tests {
+    /// `/status`'s `interface_addrs`: the IPv4 addresses of the configured
+    /// interfaces only (`lo`, which every namespace has, here), named.
+    #[test]
+    fn interface_addrs_are_the_configured_interfaces() {
+        use crate::config::{InterfaceConfig, Role};
+        let lo = InterfaceConfig {
+            name: "lo".into(),
+            role: Role::Server,
+        };
+        let got = super::own_interface_addrs(&[lo]);
+        assert!(
+            got.contains(&("lo".to_string(), std::net::Ipv4Addr::LOCALHOST)),
+            "{got:?}"
+        );
+        assert!(got.iter().all(|(n, _)| n == "lo"), "{got:?}");
+        assert!(super::own_interface_addrs(&[]).is_empty());
+    }
+
     /// A late `draining` never turns a drained record back (the API's
     /// completed drain), and a write that changes nothing is skipped;
     /// real SQLite store.

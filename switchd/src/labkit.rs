@@ -20,7 +20,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -125,6 +125,9 @@ pub struct Lab {
     pub dir: PathBuf,
     switchds: Vec<Child>,
     stop: Arc<AtomicBool>,
+    /// `ha.pin_dir` of the switchds this lab starts: unique to the lab,
+    /// removed with it (pins a SIGKILLed switchd left included).
+    pub pin_dir: String,
 }
 
 impl Lab {
@@ -135,6 +138,7 @@ impl Lab {
         std::fs::create_dir_all(&dir)?;
         let lab = Lab {
             store: None,
+            pin_dir: format!("/sys/fs/bpf/capy-switchd-{prefix}"),
             prefix,
             dir,
             switchds: Vec::new(),
@@ -245,6 +249,12 @@ impl Lab {
         metrics_port: u16,
         extra: &str,
     ) -> anyhow::Result<PathBuf> {
+        // The lab's pin directory, in the `[ha]` table `extra` may open.
+        let pin = format!("pin_dir = {:?}\n", self.pin_dir);
+        let extra = match extra.find("[ha]\n") {
+            Some(i) => format!("{}{pin}{}", &extra[..i + 5], &extra[i + 5..]),
+            None => format!("{extra}\n[ha]\n{pin}"),
+        };
         let mut t = format!(
             "control_listen = \"{SWITCH_SV}:7692\"\nkey_file = \"{}\"\nmetrics_listen = \"127.0.0.1:{metrics_port}\"\n\
              store = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 500\nclosed_linger_ms = 1000\nmax_flows = 65536\n{extra}\n\
@@ -270,28 +280,45 @@ impl Lab {
     }
 
     /// Starts switchd in the switch namespace; returns its index for [`Self::kill`].
+    ///
+    /// Only the network namespace is entered (`setns` in the child before
+    /// exec), not `ip netns exec`, which also mounts a fresh /sys and so
+    /// hides bpffs: switchd pins its XDP links in the lab's
+    /// [`Lab::pin_dir`] on the machine's bpffs.
     pub fn start_switchd(
         &mut self,
         bin: &std::path::Path,
         config: &std::path::Path,
         log: &str,
     ) -> anyhow::Result<usize> {
+        use std::os::unix::process::CommandExt;
         let logf = std::fs::File::create(self.dir.join(log))?;
-        let child = Command::new("ip")
-            .args(["netns", "exec", &self.ns("sw")])
-            .arg(bin)
-            .arg("--config")
+        let ns = std::fs::File::open(format!("/run/netns/{}", self.ns("sw")))?;
+        let nsfd = ns.as_raw_fd();
+        let mut cmd = Command::new(bin);
+        cmd.arg("--config")
             .arg(config)
             .stdout(Stdio::from(logf.try_clone()?))
-            .stderr(Stdio::from(logf))
-            .spawn()?;
+            .stderr(Stdio::from(logf));
+        // SAFETY: setns(2) only, async-signal-safe, on an fd kept open by
+        // `ns` until spawn returns.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(nsfd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn()?;
+        drop(ns);
         self.switchds.push(child);
         Ok(self.switchds.len() - 1)
     }
 
     pub fn kill(&mut self, i: usize, signal: i32) {
         if let Some(c) = self.switchds.get_mut(i) {
-            // `ip netns exec` execs the binary: the child pid is switchd's.
+            // Spawned directly (setns before exec): the child pid is switchd's.
             // SAFETY: signalling our own child.
             unsafe { libc::kill(c.id() as i32, signal) };
         }
@@ -590,6 +617,9 @@ impl Drop for Lab {
             let _ = c.kill();
             let _ = c.wait();
         }
+        // Pins of switchds that did not stop cleanly (SIGKILL): their
+        // programs forward until the pins go.
+        remove_pin_dir(&self.pin_dir);
         let bin = capybara_bin();
         let _ = Command::new(bin)
             .args(["lab", "down", "--prefix", &self.prefix])
@@ -598,6 +628,33 @@ impl Drop for Lab {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
+}
+
+/// Removes a pin directory tree (bpffs: pins and directories), best effort.
+pub fn remove_pin_dir(dir: &str) {
+    if Path::new(dir).exists() {
+        if let Err(e) = std::fs::remove_dir_all(dir) {
+            eprintln!("labkit: cannot remove {dir}: {e}");
+        }
+    }
+}
+
+/// Files under `dir` (recursively; pins of a pin directory).
+pub fn pins_under(dir: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![PathBuf::from(dir)];
+    // Bounded by the tree.
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
 }
 
 /// Outcome of one failover run.
@@ -615,6 +672,66 @@ pub struct FailoverResult {
     pub flows_restored: u64,
     /// The client saw the new active's gratuitous ARP for the VIP.
     pub garp_seen: bool,
+    /// Interfaces whose pinned link the new active took over in place.
+    pub links_taken_over: u64,
+    /// Segments TCP retransmitted in the client and server namespaces from
+    /// just before the stop to the end (after the check of every held
+    /// connection): a packet lost in the takeover shows here (a tail loss
+    /// probe or timeout ~200 ms later), a slow machine does not.
+    pub tcp_retransmits: u64,
+}
+
+/// Segments TCP retransmitted in network namespace `ns` (`Tcp:
+/// RetransSegs`: timeouts, tail loss probes, fast retransmits).
+pub fn tcp_retransmits(ns: &str) -> anyhow::Result<u64> {
+    let text = in_ns(ns, || std::fs::read_to_string("/proc/thread-self/net/snmp"))??;
+    let mut lines = text.lines();
+    // Pairs of lines: names, then values, per protocol.
+    while let (Some(names), Some(values)) = (lines.next(), lines.next()) {
+        if !names.starts_with("Tcp:") {
+            continue;
+        }
+        let i = names
+            .split_whitespace()
+            .position(|n| n == "RetransSegs")
+            .ok_or_else(|| anyhow::anyhow!("no RetransSegs in {ns}'s snmp"))?;
+        return values
+            .split_whitespace()
+            .nth(i)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| anyhow::anyhow!("bad RetransSegs value in {ns}'s snmp"));
+    }
+    anyhow::bail!("no Tcp line in {ns}'s snmp")
+}
+
+/// How [`failover_run_with`] stops the active and measures.
+#[derive(Debug, Clone)]
+pub struct FailoverOptions {
+    /// Established connections held across the takeover.
+    pub connections: usize,
+    /// Same-box fast takeover (false: the standby waits for the lease).
+    pub fast_takeover: bool,
+    /// Pin the XDP links in the lab's pin directory (false: `ha.pin_dir =
+    /// ""`, links die with the process, the behaviour before 2026-11-24).
+    pub pins: bool,
+    /// Signal that stops the active: SIGKILL (a crash) or SIGTERM (a clean
+    /// stop, e.g. for an upgrade: hand-over to the standby).
+    pub signal: i32,
+    /// Interval of the pinging connection: well below the gap a takeover
+    /// without pins leaves (25-90 ms), so a gap always costs one RTO.
+    pub ping_every: Duration,
+}
+
+impl Default for FailoverOptions {
+    fn default() -> Self {
+        FailoverOptions {
+            connections: 200,
+            fast_takeover: true,
+            pins: true,
+            signal: libc::SIGKILL,
+            ping_every: Duration::from_millis(2),
+        }
+    }
 }
 
 /// A raw socket receiving every ARP frame of this namespace.
@@ -679,7 +796,25 @@ pub fn failover_run<G>(
     fast_takeover: bool,
     store_setup: impl FnOnce(&Lab) -> anyhow::Result<(Option<String>, G)>,
 ) -> anyhow::Result<FailoverResult> {
+    let opts = FailoverOptions {
+        connections: n,
+        fast_takeover,
+        ..Default::default()
+    };
+    failover_run_with(switchd, &opts, store_setup)
+}
+
+/// [`failover_run`] with every option.
+pub fn failover_run_with<G>(
+    switchd: &std::path::Path,
+    opts: &FailoverOptions,
+    store_setup: impl FnOnce(&Lab) -> anyhow::Result<(Option<String>, G)>,
+) -> anyhow::Result<FailoverResult> {
+    let (n, fast_takeover) = (opts.connections, opts.fast_takeover);
     let mut lab = Lab::up("swh", 3)?;
+    if !opts.pins {
+        lab.pin_dir = String::new();
+    }
     let (store, _store_guard) = store_setup(&lab)?;
     lab.store = store;
     let ha = format!(
@@ -718,6 +853,7 @@ pub fn failover_run<G>(
     .map_err(|e| anyhow::anyhow!("{e}\n{}", lab.log("b.log")))?;
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
+    let ping_every = opts.ping_every;
     let stall = std::thread::spawn(move || -> anyhow::Result<f64> {
         let mut worst: f64 = 0.0;
         let mut i = 0u64;
@@ -727,13 +863,17 @@ pub fn failover_run<G>(
             ping(&mut pc, psrv, &format!("p{i}"))?;
             worst = worst.max(t.elapsed().as_secs_f64() * 1e3);
             i += 1;
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(ping_every);
         }
         Ok(worst)
     });
     let arp = in_ns(&lab.ns("c1"), arp_listener)??;
     std::thread::sleep(Duration::from_millis(200));
-    lab.kill(ia, libc::SIGKILL);
+    let namespaces = ["c1", "s1", "s2", "s3"].map(|n| lab.ns(n));
+    let retransmits =
+        || -> anyhow::Result<u64> { namespaces.iter().map(|n| tcp_retransmits(n)).sum() };
+    let retransmits_before = retransmits()?;
+    lab.kill(ia, opts.signal);
     let killed = Instant::now();
     let (st, _) = lab
         .wait_status(9103, Duration::from_secs(15), "standby takes over", |s| {
@@ -766,6 +906,7 @@ pub fn failover_run<G>(
         }
         Err(_) => f64::NAN,
     };
+    let tcp_retransmits = retransmits()?.saturating_sub(retransmits_before);
     let garp_seen = saw_garp(&arp, VIP, Duration::from_secs(1));
     let result = FailoverResult {
         garp_seen,
@@ -774,6 +915,8 @@ pub fn failover_run<G>(
         connections_lost: lost,
         max_stall_ms,
         flows_restored: st["restored_flows"].as_u64().unwrap_or(0),
+        links_taken_over: st["links_taken_over"].as_u64().unwrap_or(0),
+        tcp_retransmits,
     };
     // Switchds first, then the store they talk to.
     drop(lab);

@@ -172,3 +172,36 @@ mod garp_tests {
         assert_eq!(&f[38..42], &[198, 18, 100, 1]);
     }
 }
+
+/// Every IPv4 address of this network namespace, by interface name (empty
+/// when the system cannot list them).
+pub fn interface_addrs() -> Vec<(String, Ipv4Addr)> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list freed below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    let mut p = head;
+    while !p.is_null() {
+        // SAFETY: `p` is an element of the list getifaddrs returned.
+        let ifa = unsafe { &*p };
+        if !ifa.ifa_addr.is_null()
+            // SAFETY: a non-null ifa_addr points to a sockaddr.
+            && i32::from(unsafe { (*ifa.ifa_addr).sa_family }) == libc::AF_INET
+            && !ifa.ifa_name.is_null()
+        {
+            // SAFETY: an AF_INET address is a sockaddr_in; the name is a C string.
+            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+            let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
+            out.push((
+                name.to_string_lossy().into_owned(),
+                Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
+            ));
+        }
+        p = ifa.ifa_next;
+    }
+    // SAFETY: `head` came from getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(head) };
+    out
+}

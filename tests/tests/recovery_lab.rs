@@ -8,17 +8,20 @@
 //!   (`sqlite3 DB ".timeout 5000" ".backup OUT"`, `pragma integrity_check`
 //!   ok), some after it; SIGTERM, the store files moved aside, the backup in
 //!   place, start: weights, drains, services and flow mappings are those of
-//!   the backup, every connection that did not migrate after the backup goes
-//!   on byte-exact, the ones that did end with a reset.
+//!   the backup, then the hostagents report the connections they hold
+//!   (FLOWS) and the store names the owners they had before the stop again;
+//!   every connection goes on byte-exact, also the ones that migrated after
+//!   the backup (before FLOWS reports they ended with a reset).
 //! - Lost store: held echo connections, some migrated through the API; an
 //!   operator weight and a service set after they were placed, and more
 //!   connections placed at that weight; the store files moved aside and no
-//!   backup: the hostagents register again (timed), the weight and the
-//!   service are gone, the connections that never migrated go on
-//!   byte-exact, the migrated ones end with a reset within a bounded time
-//!   (never a hang), the ones placed at the lost weight go on or are reset
-//!   (counted). Also counted: the connections the hostagents still report
-//!   open (the reset ones stay open on the server that held them).
+//!   backup: the hostagents register again and report the connections they
+//!   hold (both timed), the weight and the service are gone, the store names
+//!   every connection's owner again, and every connection goes on
+//!   byte-exact: the ones that never migrated, the migrated ones and the
+//!   ones placed at the lost weight (before FLOWS reports the migrated ones
+//!   ended with a reset, and some of those placed at the lost weight too).
+//!   Also counted: the connections the hostagents still report open.
 //! - Corrupt file: `capybara run` exits 1 naming the file and the reason,
 //!   for a file that is not SQLite, one with every page after the first
 //!   damaged, and one with only the flows table damaged; `capybara --check`
@@ -311,6 +314,31 @@ fn wait_origins_forgot(migrated_at: Instant) {
     std::thread::sleep(wait.saturating_sub(migrated_at.elapsed()));
 }
 
+/// Waits until switchd (logging to `log`) has every server's complete
+/// FLOWS report ("sN reported its connections"): milliseconds from `since`.
+fn wait_flow_reports(lab: &Lab, log: &Path, since: Instant) -> u128 {
+    let start = Instant::now();
+    loop {
+        let l = log_of(log);
+        if (1..=SERVERS).all(|j| l.contains(&format!("s{j} reported its connections"))) {
+            return since.elapsed().as_millis();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the hostagents did not report their connections: {l}"
+        );
+        let _ = lab;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// switchd's `/status` `flow_claims` (FLOWS claims by outcome).
+fn flow_claims(lab: &Lab) -> String {
+    capybara_systests::switchd_status_at(lab, 9102)
+        .map(|s| s["flow_claims"].to_string())
+        .unwrap_or_default()
+}
+
 #[test]
 fn a_live_backup_restored_after_a_stop_brings_back_what_it_held() {
     let _one = one_lab();
@@ -384,11 +412,32 @@ fn a_live_backup_restored_after_a_stop_brings_back_what_it_held() {
     });
     let migrated_at = Instant::now();
     assert_all_ok(&mut holder, &ports, "before the stop");
+    let before_stop = owners(&lab, &token);
 
-    // Restore: stop, the store files aside, the backup in place, start.
+    // Restore, once the migrations' origins forgot them (GONE_LINGER: the
+    // backup's stale mapping then reaches a server that no longer knows
+    // the connection): stop, the store files aside, the backup in place,
+    // start.
+    wait_origins_forgot(migrated_at);
     stop_and_move_aside(&mut app, &log1, &dir);
     std::fs::copy(&backup, &db).expect("put the backup in place");
-    let (mut app, _, read_servers, read_flows) = restart(&lab, &config, &dir);
+    let (mut app, log2, read_servers, read_flows) = restart(&lab, &config, &dir);
+    let switchd_active = Instant::now();
+    // A round at once; switchd asks the servers it restored for their
+    // connections meanwhile.
+    let all = except(&ports, &BTreeSet::new());
+    let (window, reported) = std::thread::scope(|sc| {
+        let round = sc.spawn(|| holder.round_outcomes(HANG));
+        let reported = wait_flow_reports(&lab, &log2, switchd_active);
+        (round.join().expect("the round"), reported)
+    });
+    assert_outcomes(
+        &window,
+        &all,
+        "ok",
+        "a connection sent to at once after the restore",
+    );
+    let window_ms = slowest(&window, &all);
     assert_eq!(read_servers, backup_servers, "servers read from the backup");
     assert_eq!(read_flows, backup_flows, "flows read from the backup");
     wait_api(&lab);
@@ -421,29 +470,37 @@ fn a_live_backup_restored_after_a_stop_brings_back_what_it_held() {
         .collect();
     names.sort();
     assert_eq!(names, ["echo", "echo2", "web"], "services: {services}");
+    // The hostagents reported the connections they hold (FLOWS): the store
+    // names the owners they had before the stop again, the ones that
+    // migrated after the backup included.
+    lab.wait_for(
+        "the store to name the owners before the stop",
+        Duration::from_secs(10),
+        || {
+            let o = owners(&lab, &token);
+            ports.iter().all(|p| o.get(p) == before_stop.get(p))
+        },
+    );
     let restored = owners(&lab, &token);
-    for p in &ports {
-        assert_eq!(restored.get(p), at_backup.get(p), "restored owner of {p}");
+    for p in &after_backup {
+        assert_ne!(
+            at_backup.get(p),
+            before_stop.get(p),
+            "{p} migrated after the backup"
+        );
     }
 
-    // The connections go on, except the ones that migrated after the
-    // backup (once their origin forgot them: GONE_LINGER).
-    wait_origins_forgot(migrated_at);
+    // Every connection goes on, also the ones that migrated after the
+    // backup.
     let r = holder.round_outcomes(HANG);
-    let stay = except(&ports, &after_backup);
+    let stay = except(&ports, &BTreeSet::new());
     assert_outcomes(
         &r,
         &stay,
         "ok",
-        "a connection that did not migrate after the backup",
+        "a connection after the restore (migrated after the backup or not)",
     );
-    assert_outcomes(
-        &r,
-        &after_backup,
-        "reset",
-        "a connection that migrated after the backup",
-    );
-    let reset_ms = slowest(&r, &after_backup);
+    let slow_ms = slowest(&r, &after_backup);
 
     // The restored appliance migrates again.
     let p = ports[6];
@@ -452,16 +509,19 @@ fn a_live_backup_restored_after_a_stop_brings_back_what_it_held() {
     assert_outcomes(&r, &stay, "ok", "after a migration on the restored store");
     assert!(echo_once(&lab, ECHO), "a new connection after the restore");
     let held: u64 = reported_connections(&lab).iter().sum();
+    let claims = flow_claims(&lab);
 
     println!(
         "RECOVERY backup: {} servers, {backup_flows} flow mappings in the backup and back after the restore; \
-         {N} held echo connections, {} migrated before the backup: {} go on byte-exact, \
-         the {} migrated after it reset (slowest {reset_ms:.1} ms); the hostagents report \
-         {held} open connections",
+         the hostagents reported their connections {reported} ms after switchd was active \
+         (flow_claims {claims}); {N} held echo connections, {} migrated before the backup, {} after it: \
+         all {} go on byte-exact, in a round sent at once after the start (slowest {window_ms:.1} ms) \
+         and later (slowest of those migrated after it {slow_ms:.1} ms); the hostagents \
+         report {held} open connections",
         backup_servers,
         before_backup.len(),
-        stay.len(),
-        after_backup.len()
+        after_backup.len(),
+        stay.len()
     );
     let st = app.stop();
     assert!(st.success(), "second run exited with {st}");
@@ -486,6 +546,7 @@ fn on_a_lost_store_the_servers_register_again_and_unmigrated_connections_go_on()
     }
     let migrated_at = Instant::now();
     assert_all_ok(&mut holder, &ports, "before the stop");
+    let before_stop = owners(&lab, &token);
     // What an operator set after those were placed: a weight and a
     // service, and connections placed at that weight.
     lab.set_weight(API, &token, 2, 3);
@@ -504,26 +565,47 @@ fn on_a_lost_store_the_servers_register_again_and_unmigrated_connections_go_on()
         &wports,
         "placed at weight 3, before the stop",
     );
+    let wbefore_stop = owners(&lab, &token);
 
-    // Stop, the store files aside, start on an empty store.
+    // Once the migrations' origins forgot them (GONE_LINGER: a segment
+    // that reaches the origin finds no connection there), stop, the store
+    // files aside, start on an empty store.
+    wait_origins_forgot(migrated_at);
     stop_and_move_aside(&mut app, &log1, &dir);
     let (mut app, log2, read_servers, read_flows) = restart(&lab, &config, &dir);
     let active = Instant::now();
     assert_eq!((read_servers, read_flows), (0, 0), "an empty store");
-    // Polled every 10 ms: the hostagents' next heartbeats are refused
-    // ("not registered") and they register again.
-    let start = Instant::now();
-    let registered = loop {
-        let l = log_of(&log2);
-        if (1..=SERVERS).all(|j| l.contains(&format!("registered s{j}"))) {
-            break active.elapsed();
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "the hostagents did not register again: {l}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    // A round at once, while the hostagents register again and report:
+    // segments that find no server, or a server that does not hold their
+    // connection, are dropped, never reset; the client retransmits. Polled
+    // every 10 ms meanwhile: the hostagents' next heartbeats are refused
+    // ("not registered") and they register again, then report the
+    // connections they hold.
+    let all = except(&ports, &BTreeSet::new());
+    let (window, registered, reported) = std::thread::scope(|sc| {
+        let round = sc.spawn(|| holder.round_outcomes(HANG));
+        let start = Instant::now();
+        let registered = loop {
+            let l = log_of(&log2);
+            if (1..=SERVERS).all(|j| l.contains(&format!("registered s{j}"))) {
+                break active.elapsed();
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "the hostagents did not register again: {l}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let reported = wait_flow_reports(&lab, &log2, active);
+        (round.join().expect("the round"), registered, reported)
+    });
+    assert_outcomes(
+        &window,
+        &all,
+        "ok",
+        "a connection sent to at once after the restart",
+    );
+    let window_ms = slowest(&window, &all);
     wait_api(&lab);
     let services = api_json(&lab, &token, "/v1/services");
     let text = services.to_string();
@@ -536,41 +618,51 @@ fn on_a_lost_store_the_servers_register_again_and_unmigrated_connections_go_on()
     assert!(!text.contains("echo2"), "{text}");
     assert_eq!(server_json(&lab, &token, 2)["weight"], 1, "s2's weight");
 
-    // The unmigrated connections go on; the migrated ones end (once their
-    // origin forgot them: GONE_LINGER).
-    wait_origins_forgot(migrated_at);
+    // Their reports (FLOWS) named every owner: the store has them all
+    // again, the migrated ones and those placed at the lost weight
+    // included.
+    lab.wait_for(
+        "the store to name every owner again",
+        Duration::from_secs(10),
+        || {
+            let o = owners(&lab, &token);
+            ports.iter().all(|p| o.get(p) == before_stop.get(p))
+                && wports.iter().all(|p| o.get(p) == wbefore_stop.get(p))
+        },
+    );
+
+    // Every connection goes on, the migrated ones too.
     let r = holder.round_outcomes(HANG);
-    let stay = except(&ports, &migrated);
-    assert_outcomes(&r, &stay, "ok", "a connection that never migrated");
-    assert_outcomes(&r, &migrated, "reset", "a migrated connection");
-    let reset_ms = slowest(&r, &migrated);
+    let stay = except(&ports, &BTreeSet::new());
+    assert_outcomes(&r, &stay, "ok", "a connection (migrated or not)");
+    let migrated_ms = slowest(&r, &migrated);
     let r = holder.round_outcomes(HANG);
     assert_outcomes(&r, &stay, "ok", "a second round");
-    // Placed at weight 3 and recovered at weight 1: the ones Maglev now
-    // puts on another server are reset there, the others go on.
+    // Placed at weight 3 and recovered at weight 1: their owners reported
+    // them, none is reset.
     let r = weighted.round_outcomes(HANG);
     let weighted_reset = r.values().filter(|o| o.what == "reset").count();
-    for (p, o) in &r {
-        assert!(
-            o.what == "ok" || o.what == "reset",
-            "a connection placed at weight 3, from port {p}: {o:?}"
-        );
-    }
+    assert_outcomes(
+        &r,
+        &except(&wports, &BTreeSet::new()),
+        "ok",
+        "a connection placed at weight 3",
+    );
     assert!(echo_once(&lab, ECHO), "a new connection on the empty store");
-    // What the servers still hold: the client reset the migrated ones, but
-    // the reset reached their origin, not their new owner.
+    // What the servers hold: every held connection, and no other.
     let held = reported_connections(&lab);
     let held_total: u64 = held.iter().sum();
+    let claims = flow_claims(&lab);
 
     println!(
-        "RECOVERY lost store: hostagents registered again {} ms after switchd was active; \
-         {N} held echo connections, {MIGRATED} migrated before: {} go on byte-exact, \
-         {} reset (slowest {reset_ms:.1} ms); the hostagents report {held_total} open \
-         connections {held:?}; of {WEIGHTED} placed while s2 had weight 3 (lost with the \
-         store), {weighted_reset} reset",
+        "RECOVERY lost store: hostagents registered again {} ms and reported their connections \
+         {reported} ms after switchd was active (flow_claims {claims}); {N} held echo connections, \
+         {MIGRATED} migrated before: all {} go on byte-exact, in a round sent at once after the \
+         restart (slowest {window_ms:.1} ms) and after the reports (slowest migrated {migrated_ms:.1} ms); \
+         the hostagents report {held_total} open connections {held:?}; of {WEIGHTED} placed while \
+         s2 had weight 3 (lost with the store), {weighted_reset} reset",
         registered.as_millis(),
         stay.len(),
-        migrated.len()
     );
     let st = app.stop();
     assert!(st.success(), "second run exited with {st}");

@@ -40,6 +40,10 @@ struct Args {
     /// API works from the store alone.
     #[arg(long, value_name = "URL")]
     switchd: Option<String>,
+    /// One of the switch's own addresses (e.g. its `control_listen` IP),
+    /// refused as a service VIP or a server data address; repeatable.
+    #[arg(long, value_name = "IPV4")]
+    switch_addr: Vec<std::net::Ipv4Addr>,
 }
 
 #[actix_web::main]
@@ -69,10 +73,12 @@ async fn main() -> anyhow::Result<()> {
         PathBuf::from(p)
     });
     let db = Arc::new(ApiDb::open(&api_db_path)?);
-    if let Some(secret) = db.bootstrap_admin(args.admin_token_file.as_deref())? {
-        match &args.admin_token_file {
-            Some(f) => eprintln!("admin token written to {}", f.display()),
-            None => println!("admin token (shown once): {secret}"),
+    // A token file keeps the first admin token whatever happens next, and
+    // is there once the API answers (scripts wait for /healthz, then read
+    // it). Without one, the token is shown once, so only once listening.
+    if let Some(f) = &args.admin_token_file {
+        if db.bootstrap_admin(Some(f))?.is_some() {
+            eprintln!("admin token written to {}", f.display());
         }
     }
     let cp = StoreControlPlane::new(store.clone(), db.clone())
@@ -85,16 +91,25 @@ async fn main() -> anyhow::Result<()> {
         ),
         None => Arc::new(cp),
     };
-    let running = capybara_api::start(ApiConfig {
+    let mut running = capybara_api::start(ApiConfig {
         listen: args.listen,
         store,
         control_plane,
-        db,
+        db: db.clone(),
         static_dir: args.static_dir,
         workers: args.workers,
+        switch_addrs: capybara_api::server::fixed_switch_addrs(
+            args.switch_addr
+                .iter()
+                .map(|a| (*a, "--switch-addr".to_string()))
+                .collect(),
+        ),
     })
     .await
     .with_context(|| format!("binding {}", args.listen))?;
+    if args.admin_token_file.is_none() {
+        running = running.show_first_admin_token(&db).await?;
+    }
     println!("listening on http://{}", running.addr);
     use std::io::Write;
     std::io::stdout().flush().ok();

@@ -211,6 +211,17 @@ impl ControlPlane for ActiveSwitchd {
         let idx = self.cached().unwrap_or(0);
         self.planes[idx].migration_metrics()
     }
+    /// Every endpoint's own addresses (a standby's are the switch's too:
+    /// it takes them over).
+    fn switch_addrs(&self) -> Vec<(Ipv4Addr, String)> {
+        let mut out: Vec<(Ipv4Addr, String)> = Vec::new();
+        for (a, what) in self.planes.iter().flat_map(|p| p.switch_addrs()) {
+            if !out.iter().any(|(b, _)| *b == a) {
+                out.push((a, what));
+            }
+        }
+        out
+    }
     /// Reachable when an endpoint answers as the active one (live
     /// operations need it); every endpoint is probed at once, so the answer
     /// comes within `limit` however many are down.

@@ -11,6 +11,7 @@
 
 pub mod active;
 pub mod config;
+pub mod own_addrs;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -80,10 +81,12 @@ async fn run_api(cfg: &ApplianceConfig, api: &ApiSettings) -> anyhow::Result<()>
     let db = Arc::new(
         ApiDb::open(&api.db).with_context(|| format!("opening api.db {}", api.db.display()))?,
     );
-    if let Some(secret) = db.bootstrap_admin(api.admin_token_file.as_deref())? {
-        match &api.admin_token_file {
-            Some(f) => eprintln!("capybara: admin token written to {}", f.display()),
-            None => println!("admin token (shown once): {secret}"),
+    // A token file keeps the first admin token whatever happens next, and
+    // is there once the API answers (scripts wait for /healthz, then read
+    // it). Without one, the token is shown once, so only once listening.
+    if let Some(f) = &api.admin_token_file {
+        if db.bootstrap_admin(Some(f))?.is_some() {
+            eprintln!("capybara: admin token written to {}", f.display());
         }
     }
     // The problem's detail (e.g. `store error: SQLite store PATH: file is
@@ -116,16 +119,20 @@ async fn run_api(cfg: &ApplianceConfig, api: &ApiSettings) -> anyhow::Result<()>
             Arc::new(active::ActiveSwitchd::new(planes))
         }
     };
-    let running = capybara_api::start(ApiConfig {
+    let mut running = capybara_api::start(ApiConfig {
         listen: api.listen,
         store,
         control_plane,
-        db,
+        db: db.clone(),
         static_dir: api.static_dir.clone(),
         workers: api.workers,
+        switch_addrs: own_addrs::switch_addrs(cfg, api),
     })
     .await
     .with_context(|| format!("binding api.listen {}", api.listen))?;
+    if api.admin_token_file.is_none() {
+        running = running.show_first_admin_token(&db).await?;
+    }
     println!("capybara: api listening on http://{}", running.addr);
     use std::io::Write;
     std::io::stdout().flush().ok();

@@ -45,4 +45,8 @@ pub struct DropCounters {
     /// Non-SYN segments for a tuple closed from LAST-ACK moments ago
     /// (stale duplicates; dropped instead of reset, `endpoint::CLOSED_LINGER`).
     pub recently_closed: u64,
+    /// Non-SYN segments for unknown connections dropped instead of reset
+    /// while resets are held ([`crate::Endpoint::hold_resets_until`]: the
+    /// switch is rebuilding its flow mappings after losing them).
+    pub reset_held: u64,
 }

@@ -12,15 +12,21 @@
 //! ready and RST queues are pre-sized (they grow only if a burst exceeds
 //! their initial capacity).
 //!
-//! Timers: every connection's earliest deadline is registered in a binary
+//! Timers: every connection has at most one live entry in a binary
 //! min-heap keyed by (deadline, id), with lazy deletion: an entry is live
-//! only while it equals the connection's `scheduled` deadline. Whenever a
-//! connection's deadline changes the new one is pushed, and stale entries are
-//! dropped when they reach the top, so after every `&mut self` call the top
-//! is live and `poll_timeout` is an O(1) peek. `handle_timeout` pops only
-//! due entries: idle connections cost nothing per call, a deadline change
-//! costs O(log n). The heap is compacted when stale entries outnumber live
-//! ones.
+//! only while it equals the connection's `scheduled` instant. The entry is
+//! armed no later than the connection's earliest deadline, and moves only
+//! when that deadline comes earlier: a deadline pushed later (the keep-alive
+//! idle timer and the retransmission timer restart on every segment, a
+//! delayed ACK is cancelled when the ACK goes out) keeps the armed entry,
+//! which then fires early and re-arms at the deadline of the moment, as
+//! Linux's keep-alive timer does. So a busy connection costs one heap push
+//! per timer period, not one per segment. Superseded entries are dropped
+//! when they reach the top, so after every `&mut self` call the top is live
+//! and `poll_timeout` is an O(1) peek; it can be earlier than any deadline
+//! (a postponed one), where `handle_timeout` only re-arms. `handle_timeout`
+//! pops only due entries: idle connections cost nothing per call. The heap
+//! is compacted when stale entries outnumber live ones.
 //!
 //! Migration: `export` serializes a connection (`snapshot.rs`, layout in
 //! `docs/SNAPSHOT.md`) and removes it silently; `import` validates a
@@ -200,7 +206,8 @@ struct Entry {
     /// The application called `close`; the entry goes when CLOSED.
     app_closed: bool,
     in_ready: bool,
-    /// Deadline registered in the timer heap (the live heap entry).
+    /// Instant of the live timer-heap entry: no later than the
+    /// connection's earliest deadline (see the module doc).
     scheduled: Option<Instant>,
 }
 
@@ -255,6 +262,9 @@ pub struct Endpoint {
     /// Tuples of connections closed from LAST-ACK a moment ago, whose late
     /// segments are dropped rather than reset (`RecentlyClosed`).
     closed: RecentlyClosed,
+    /// Until then a non-SYN segment for an unknown connection is dropped
+    /// instead of answered with RST ([`Endpoint::hold_resets_until`]).
+    hold_resets: Option<Instant>,
 }
 
 impl Endpoint {
@@ -279,7 +289,26 @@ impl Endpoint {
             now: Instant::ZERO,
             counters: Counters::default(),
             closed: RecentlyClosed::default(),
+            hold_resets: None,
         }
+    }
+
+    /// Until `until`, non-SYN segments for connections this endpoint does
+    /// not know are dropped silently (counted in `drops.reset_held`)
+    /// instead of answered with RST: the switch lost its flow mappings and
+    /// may send this host segments of connections another host serves
+    /// until that host's report fixes the mapping; their clients
+    /// retransmit. A later `until` extends the hold, an earlier one never
+    /// shortens it.
+    pub fn hold_resets_until(&mut self, until: Instant) {
+        if self.hold_resets.is_none_or(|u| u < until) {
+            self.hold_resets = Some(until);
+        }
+    }
+
+    /// When the reset hold ends, if one is in force at `now`.
+    pub fn resets_held_until(&self, now: Instant) -> Option<Instant> {
+        self.hold_resets.filter(|u| *u > now)
     }
 
     pub fn config(&self) -> &TcpConfig {
@@ -932,7 +961,8 @@ impl Endpoint {
             self.timers.pop();
             if let Some(e) = self.conns.get_mut(&id) {
                 if e.scheduled == Some(t) {
-                    // Consumed: `sync` registers whatever deadline follows.
+                    // Consumed: `sync` or `reschedule` registers whatever
+                    // deadline follows.
                     e.scheduled = None;
                     due.push(id);
                 }
@@ -940,8 +970,14 @@ impl Endpoint {
         }
         for &id in &due {
             if let Some(e) = self.conns.get_mut(&id) {
-                e.conn.on_timeout(now, &mut self.counters);
-                self.sync(id);
+                if e.conn.next_deadline().is_some_and(|d| d <= now) {
+                    e.conn.on_timeout(now, &mut self.counters);
+                    self.sync(id);
+                } else {
+                    // Armed for a deadline since postponed (or cancelled):
+                    // nothing fires, the entry re-arms at the current one.
+                    self.reschedule(id);
+                }
             }
         }
         self.clean_timers();
@@ -989,19 +1025,24 @@ impl Endpoint {
         }
     }
 
-    /// Registers the connection's current earliest deadline in the heap.
+    /// Keeps the connection's heap entry no later than its earliest
+    /// deadline: pushes a new entry only when there is none or the deadline
+    /// came earlier than it. A later or cancelled deadline keeps the armed
+    /// entry (no heap work on the per-segment path); when it fires,
+    /// `handle_timeout` finds nothing due and re-arms here.
     fn reschedule(&mut self, id: ConnId) {
         let Some(e) = self.conns.get_mut(&id) else {
             return;
         };
-        let d = e.conn.next_deadline();
-        if d != e.scheduled {
-            e.scheduled = d;
-            if let Some(t) = d {
-                self.timers.push(Reverse((t, id)));
-            }
+        if arm(e, id, &mut self.timers) {
             self.clean_timers();
         }
+    }
+
+    /// Entries in the timer heap, superseded ones included (diagnostics and
+    /// tests: a connection whose deadlines only move later keeps one).
+    pub fn timer_heap_len(&self) -> usize {
+        self.timers.len()
     }
 
     /// Restores the heap invariant: the top entry is live. Compacts the
@@ -1042,6 +1083,10 @@ impl Endpoint {
 
     fn queue_rst(&mut self, seg: &TcpRepr, local: SocketAddrV4, remote: SocketAddrV4) {
         if !self.cfg.rst_unknown {
+            return;
+        }
+        if !seg.syn && self.hold_resets.is_some_and(|u| self.now < u) {
+            self.counters.drops.reset_held += 1;
             return;
         }
         if self.rsts.len() >= RST_QUEUE {
@@ -1116,9 +1161,25 @@ impl Endpoint {
             && (e.app_closed || e.stage == Stage::HalfOpen);
         if done {
             self.remove(id);
-        } else {
-            self.reschedule(id);
+        } else if arm(e, id, &mut self.timers) {
+            // (`reschedule` with the entry at hand: no second lookup.)
+            self.clean_timers();
         }
+    }
+}
+
+/// `reschedule`'s work on an entry: pushes a heap entry when the connection
+/// has a deadline and none is armed or the deadline came earlier than the
+/// armed one. True when it pushed (the superseded entry, if any, is stale:
+/// the caller runs `clean_timers`).
+fn arm(e: &mut Entry, id: ConnId, timers: &mut BinaryHeap<Reverse<(Instant, ConnId)>>) -> bool {
+    match e.conn.next_deadline() {
+        Some(d) if e.scheduled.is_none_or(|s| d < s) => {
+            e.scheduled = Some(d);
+            timers.push(Reverse((d, id)));
+            true
+        }
+        _ => false,
     }
 }
 

@@ -11,6 +11,20 @@ use capybara_tcp::{Duration, Endpoint, State, TcpConfig};
 use common::*;
 
 fn check_invariants(ep: &Endpoint) {
+    // No deadline is missed: the timer heap's top (the endpoint's wake-up)
+    // is no later than any connection's earliest deadline (it may be
+    // earlier: a postponed deadline's armed entry).
+    if let Some(d) = ep
+        .connections()
+        .filter_map(|(_, c)| c.next_deadline())
+        .min()
+    {
+        assert!(
+            ep.poll_timeout().is_some_and(|t| t <= d),
+            "wake-up {:?} after the earliest deadline {d:?}",
+            ep.poll_timeout()
+        );
+    }
     for (id, c) in ep.connections() {
         let ctx = || format!("{id:?} {:?}", c.state);
         assert!(c.snd.una <= c.snd.nxt, "una <= nxt: {}", ctx());

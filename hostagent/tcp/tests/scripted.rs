@@ -619,3 +619,95 @@ fn a_new_syn_on_a_recently_closed_tuple_is_a_new_connection() {
     assert_eq!(s.ep.connection_count(), 1);
     assert_eq!(s.ep.counters().resets_sent, 0);
 }
+
+/// Keep-alive 10 s idle, a probe every 2 s, 3 probes.
+fn keepalive_cfg() -> TcpConfig {
+    TcpConfig {
+        keepalive: Some(capybara_tcp::KeepAlive {
+            idle: capybara_tcp::Duration::from_secs(10),
+            interval: capybara_tcp::Duration::from_secs(2),
+            probes: 3,
+        }),
+        ..TcpConfig::default()
+    }
+}
+
+/// Every segment restarts the idle time, but only the armed timer entry
+/// stays in the heap (it fires early and re-arms at the last segment +
+/// idle, as Linux's keep-alive timer does); the probes then come at the
+/// exact instants: idle after the last segment, then every interval, and
+/// the connection times out one interval after the last probe.
+#[test]
+fn keepalive_counts_from_the_last_segment_with_one_timer_entry() {
+    let (mut s, id) = socket_established(keepalive_cfg());
+    // A second, idle connection established 2 ms later: its deadline is
+    // the heap's top while the first one's moves on, so superseded
+    // entries of the first would stay in the heap instead of being
+    // popped at once.
+    let mut syn = TcpRepr::new(PEER_PORT + 1, PORT, SeqNum(5000));
+    syn.syn = true;
+    syn.window = 65535;
+    s.inject(Instant::from_millis(12), &syn);
+    let synack = recv!(s, time 12);
+    let mut ack = TcpRepr::new(PEER_PORT + 1, PORT, SeqNum(5001));
+    ack.ack = Some(SeqNum(synack.seq + 1));
+    ack.window = 65535;
+    s.inject(Instant::from_millis(12), &ack);
+    let idle = s.ep.accept().expect("second connection");
+    assert_eq!(s.ep.timer_heap_len(), 2);
+    // 1000 bare ACKs 5 ms apart on the first (t = 20 .. 5015 ms): each
+    // moves its keep-alive deadline, none adds a heap entry (before: one
+    // each, until the heap's compaction at 2 x 2 + 64 entries).
+    for i in 0..1000u64 {
+        let t = 20 + 5 * i;
+        send!(s, time t, seq PEER_ISS + 1, ack Some(s.srv_iss + 1), ; &[]);
+        recv_nothing!(s, time t);
+        assert_eq!(s.ep.timer_heap_len(), 2, "after the ACK at {t} ms");
+    }
+    s.ep.abort(idle).unwrap();
+    assert!(recv!(s, time 5016).rst);
+    // The armed entry fired (early) and re-armed at 5015 + 10 000 ms.
+    recv_nothing!(s, time 15014);
+    assert_eq!(s.ep.poll_timeout(), Some(Instant::from_millis(15_015)));
+    let probe = recv!(s, time 15_015);
+    assert_eq!(
+        (probe.seq, probe.ack, probe.payload.len()),
+        (s.srv_iss, Some(PEER_ISS + 1), 0),
+        "keep-alive probe: SND.UNA - 1, no data"
+    );
+    recv_nothing!(s, time 17_014);
+    assert_eq!(
+        recv!(s, time 17_015),
+        probe,
+        "second probe one interval later"
+    );
+    recv_nothing!(s, time 19_014);
+    assert_eq!(recv!(s, time 19_015), probe, "third");
+    recv_nothing!(s, time 21_014);
+    assert_eq!(s.ep.state(id), Some(State::Established));
+    let _ = s.poll(Instant::from_millis(21_015));
+    assert_eq!(s.ep.state(id), Some(State::Closed), "3 probes unanswered");
+    let mut buf = [0u8; 4];
+    assert_eq!(s.ep.recv(id, &mut buf), Err(TcpError::TimedOut));
+    assert_eq!(s.ep.counters().keepalive_probes, 3);
+    assert_eq!(s.ep.counters().connections_timed_out, 1);
+}
+
+/// An answered probe restarts the idle time from the answer: the probe
+/// interval's armed entry fires for nothing and re-arms.
+#[test]
+fn keepalive_answered_probe_restarts_the_idle_time() {
+    let (mut s, id) = socket_established(keepalive_cfg());
+    // Established by the ACK at 10 ms: first probe at 10 010 ms.
+    recv_nothing!(s, time 10_009);
+    let probe = recv!(s, time 10_010);
+    assert_eq!(probe.seq, s.srv_iss);
+    send!(s, time 10_020, seq PEER_ISS + 1, ack Some(s.srv_iss + 1), ; &[]);
+    recv_nothing!(s, time 12_010);
+    assert_eq!(s.ep.poll_timeout(), Some(Instant::from_millis(20_020)));
+    recv_nothing!(s, time 20_019);
+    assert_eq!(recv!(s, time 20_020), probe);
+    assert_eq!(s.ep.counters().keepalive_probes, 2);
+    assert_eq!(s.ep.state(id), Some(State::Established));
+    assert_eq!(s.ep.timer_heap_len(), 1);
+}

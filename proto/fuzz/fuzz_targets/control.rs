@@ -1,8 +1,9 @@
 //! Control-channel parser: no panic; accepted input re-emits to bytes that
 //! parse to the same Repr (reserved fields are normalised to zero). Covers
-//! every kind, MIGRATION_REPORT's report list included (its reports are
-//! validated in `parse` and re-read by `ReportList::iter`, exercised here
-//! through the Repr comparison).
+//! every kind, MIGRATION_REPORT's report list and FLOWS's claim list
+//! included (their entries are validated in `parse` and re-read by
+//! `ReportList::iter` / `ClaimList::iter`, exercised here through the Repr
+//! comparison).
 #![no_main]
 
 use capybara_proto::control::ControlRepr;

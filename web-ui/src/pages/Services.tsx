@@ -306,7 +306,7 @@ function Serving({ svc, servers }: { svc: ServiceView; servers: Record<number, S
       {v.refusing && (
         <span
           className="chip badge-dead"
-          title="no server can take a new connection (every one drained, at weight 0 or dead): new connections are refused; undrain a server or give one a weight"
+          title="no server can take a new connection (every one drained, at weight 0, dead or not serving it): new connections are refused; undrain a server or give one a weight"
           data-testid={`service-refusing-${svc.name}`}
         >
           refusing new connections

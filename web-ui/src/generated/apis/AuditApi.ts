@@ -33,6 +33,10 @@ export interface ListAuditRequest {
      * Maximum number of items (default 100).
      */
     limit?: number;
+    /**
+     * `asc` (default): oldest first, the `limit` oldest with `seq` greater than `after` (for paging and polling). `desc`: newest first, the `limit` newest with `seq` greater than `after` (what changed just now).
+     */
+    order?: ListAuditOrderEnum;
 }
 
 /**
@@ -46,6 +50,7 @@ export interface AuditApiInterface {
      * Creates request options for listAudit without sending the request
      * @param {number} [after] Only entries with &#x60;seq&#x60; greater than this.
      * @param {number} [limit] Maximum number of items (default 100).
+     * @param {'asc' | 'desc'} [order] &#x60;asc&#x60; (default): oldest first, the &#x60;limit&#x60; oldest with &#x60;seq&#x60; greater than &#x60;after&#x60; (for paging and polling). &#x60;desc&#x60;: newest first, the &#x60;limit&#x60; newest with &#x60;seq&#x60; greater than &#x60;after&#x60; (what changed just now).
      * @throws {RequiredError}
      * @memberof AuditApiInterface
      */
@@ -56,6 +61,7 @@ export interface AuditApiInterface {
      * @summary The audit log of every mutation (who, what, when)
      * @param {number} [after] Only entries with &#x60;seq&#x60; greater than this.
      * @param {number} [limit] Maximum number of items (default 100).
+     * @param {'asc' | 'desc'} [order] &#x60;asc&#x60; (default): oldest first, the &#x60;limit&#x60; oldest with &#x60;seq&#x60; greater than &#x60;after&#x60; (for paging and polling). &#x60;desc&#x60;: newest first, the &#x60;limit&#x60; newest with &#x60;seq&#x60; greater than &#x60;after&#x60; (what changed just now).
      * @param {*} [options] Override http request option.
      * @throws {RequiredError}
      * @memberof AuditApiInterface
@@ -86,6 +92,10 @@ export class AuditApi extends runtime.BaseAPI implements AuditApiInterface {
 
         if (requestParameters['limit'] != null) {
             queryParameters['limit'] = requestParameters['limit'];
+        }
+
+        if (requestParameters['order'] != null) {
+            queryParameters['order'] = requestParameters['order'];
         }
 
         const headerParameters: runtime.HTTPHeaders = {};
@@ -128,3 +138,12 @@ export class AuditApi extends runtime.BaseAPI implements AuditApiInterface {
     }
 
 }
+
+/**
+ * @export
+ */
+export const ListAuditOrderEnum = {
+    asc: 'asc',
+    desc: 'desc',
+} as const;
+export type ListAuditOrderEnum = typeof ListAuditOrderEnum[keyof typeof ListAuditOrderEnum];

@@ -40,7 +40,7 @@ export interface ListConnectionsRequest {
      */
     server?: number;
     /**
-     * Only connections of this service.
+     * Only connections of this service, also those at the addresses it still retires (deleted, or moved by a `PUT`).
      */
     service?: string;
     /**
@@ -70,7 +70,7 @@ export interface ConnectionsApiInterface {
     /**
      * Creates request options for listConnections without sending the request
      * @param {number} [server] Only connections owned by this server.
-     * @param {string} [service] Only connections of this service.
+     * @param {string} [service] Only connections of this service, also those at the addresses it still retires (deleted, or moved by a &#x60;PUT&#x60;).
      * @param {number} [limit] Maximum number of items (default 100).
      * @throws {RequiredError}
      * @memberof ConnectionsApiInterface
@@ -81,7 +81,7 @@ export interface ConnectionsApiInterface {
      * 
      * @summary List connections, optionally of one server or service
      * @param {number} [server] Only connections owned by this server.
-     * @param {string} [service] Only connections of this service.
+     * @param {string} [service] Only connections of this service, also those at the addresses it still retires (deleted, or moved by a &#x60;PUT&#x60;).
      * @param {number} [limit] Maximum number of items (default 100).
      * @param {*} [options] Override http request option.
      * @throws {RequiredError}

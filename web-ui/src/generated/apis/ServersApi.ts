@@ -271,7 +271,7 @@ export interface ServersApiInterface {
     registerServerRequestOpts(requestParameters: RegisterServerRequest): Promise<runtime.RequestOpts>;
 
     /**
-     * Registers a server in state `active`. Without `id`, the next free id is assigned. An id or a name already in use is a conflict (409). 
+     * Registers a server in state `active`. Without `id`, the next free id is assigned. An id, a name or a data address already in use is a conflict (409; for the data address, `field` is `data_addr` and the detail names the server that has it). 
      * @summary Register a server (operator)
      * @param {ServerRegistration} serverRegistration 
      * @param {*} [options] Override http request option.
@@ -281,7 +281,7 @@ export interface ServersApiInterface {
     registerServerRaw(requestParameters: RegisterServerRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Server>>;
 
     /**
-     * Registers a server in state `active`. Without `id`, the next free id is assigned. An id or a name already in use is a conflict (409). 
+     * Registers a server in state `active`. Without `id`, the next free id is assigned. An id, a name or a data address already in use is a conflict (409; for the data address, `field` is `data_addr` and the detail names the server that has it). 
      * Register a server (operator)
      */
     registerServer(requestParameters: RegisterServerRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Server>;
@@ -706,7 +706,7 @@ export class ServersApi extends runtime.BaseAPI implements ServersApiInterface {
     }
 
     /**
-     * Registers a server in state `active`. Without `id`, the next free id is assigned. An id or a name already in use is a conflict (409). 
+     * Registers a server in state `active`. Without `id`, the next free id is assigned. An id, a name or a data address already in use is a conflict (409; for the data address, `field` is `data_addr` and the detail names the server that has it). 
      * Register a server (operator)
      */
     async registerServerRaw(requestParameters: RegisterServerRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Server>> {
@@ -717,7 +717,7 @@ export class ServersApi extends runtime.BaseAPI implements ServersApiInterface {
     }
 
     /**
-     * Registers a server in state `active`. Without `id`, the next free id is assigned. An id or a name already in use is a conflict (409). 
+     * Registers a server in state `active`. Without `id`, the next free id is assigned. An id, a name or a data address already in use is a conflict (409; for the data address, `field` is `data_addr` and the detail names the server that has it). 
      * Register a server (operator)
      */
     async registerServer(requestParameters: RegisterServerRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Server> {

@@ -32,7 +32,7 @@ export interface AuditList {
      */
     items: Array<AuditEntry>;
     /**
-     * Pass as `after` to get the following entries.
+     * The greatest `seq` listed (`after` when none): pass as `after` to get the following entries.
      */
     next_after: number;
 }

@@ -32,7 +32,7 @@ export interface ServerRegistration {
      */
     mgmt_addr: string;
     /**
-     * Address owned by the server's user-space stack (unicast; 0.0.0.0, 255.255.255.255 and multicast addresses are a 422).
+     * Address owned by the server's user-space stack (unicast; 0.0.0.0, 255.255.255.255 and multicast addresses, a service's VIP and the switch's own addresses are a 422; another server's is a 409).
      */
     data_addr: string;
     /**

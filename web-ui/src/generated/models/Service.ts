@@ -24,7 +24,7 @@ export interface Service {
      */
     name: string;
     /**
-     * A unicast address clients reach through the switch: not 0.0.0.0, broadcast, multicast, loopback, nor a registered server's data address (422 naming `vip`).
+     * A unicast address clients reach through the switch: not 0.0.0.0, broadcast, multicast, loopback, nor a registered server's data address, nor one of the switch's own addresses (its control address, its interfaces' addresses: 422 naming `vip`).
      */
     vip: string;
     /**

@@ -53,6 +53,17 @@ export interface ServiceServing {
      * 
      */
     refusing: boolean;
+    /**
+     * Members named in the pool whose hostagent lists other services
+     * and not this VIP:port: their stacks would leave its connections
+     * unanswered, so switchd places no new connection there and
+     * migrates none there (with no other member left the service
+     * refuses new connections). Serve the VIP:port there (a
+     * `[[service]]` in its hostagent config) or take the server out
+     * of the pool.
+     * 
+     */
+    not_serving?: Array<number>;
 }
 
 /**
@@ -82,6 +93,7 @@ export function ServiceServingFromJSONTyped(json: any, ignoreDiscriminator: bool
         'apps_down': json['apps_down'],
         'fail_open': json['fail_open'],
         'refusing': json['refusing'],
+        'not_serving': json['not_serving'] == null ? undefined : json['not_serving'],
     };
 }
 
@@ -101,6 +113,7 @@ export function ServiceServingToJSONTyped(value?: ServiceServing | null, ignoreD
         'apps_down': value['apps_down'],
         'fail_open': value['fail_open'],
         'refusing': value['refusing'],
+        'not_serving': value['not_serving'],
     };
 }
 

@@ -15,7 +15,7 @@ from pydantic import validate_call, Field, StrictFloat, StrictStr, StrictInt
 from typing import Any, Dict, List, Optional, Tuple, Union
 from typing_extensions import Annotated
 
-from pydantic import Field
+from pydantic import Field, StrictStr, field_validator
 from typing import Optional
 from typing_extensions import Annotated
 from capybara_client.models.audit_list import AuditList
@@ -43,6 +43,7 @@ class AuditApi:
         self,
         after: Annotated[Optional[Annotated[int, Field(strict=True, ge=0)]], Field(description="Only entries with `seq` greater than this.")] = None,
         limit: Annotated[Optional[Annotated[int, Field(le=10000, strict=True, ge=1)]], Field(description="Maximum number of items (default 100).")] = None,
+        order: Annotated[Optional[StrictStr], Field(description="`asc` (default): oldest first, the `limit` oldest with `seq` greater than `after` (for paging and polling). `desc`: newest first, the `limit` newest with `seq` greater than `after` (what changed just now).")] = None,
         _request_timeout: Union[
             None,
             Annotated[StrictFloat, Field(gt=0)],
@@ -63,6 +64,8 @@ class AuditApi:
         :type after: int
         :param limit: Maximum number of items (default 100).
         :type limit: int
+        :param order: `asc` (default): oldest first, the `limit` oldest with `seq` greater than `after` (for paging and polling). `desc`: newest first, the `limit` newest with `seq` greater than `after` (what changed just now).
+        :type order: str
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
                                  timeout. It can also be a pair (tuple) of
@@ -88,6 +91,7 @@ class AuditApi:
         _param = self._list_audit_serialize(
             after=after,
             limit=limit,
+            order=order,
             _request_auth=_request_auth,
             _content_type=_content_type,
             _headers=_headers,
@@ -118,6 +122,7 @@ class AuditApi:
         self,
         after: Annotated[Optional[Annotated[int, Field(strict=True, ge=0)]], Field(description="Only entries with `seq` greater than this.")] = None,
         limit: Annotated[Optional[Annotated[int, Field(le=10000, strict=True, ge=1)]], Field(description="Maximum number of items (default 100).")] = None,
+        order: Annotated[Optional[StrictStr], Field(description="`asc` (default): oldest first, the `limit` oldest with `seq` greater than `after` (for paging and polling). `desc`: newest first, the `limit` newest with `seq` greater than `after` (what changed just now).")] = None,
         _request_timeout: Union[
             None,
             Annotated[StrictFloat, Field(gt=0)],
@@ -138,6 +143,8 @@ class AuditApi:
         :type after: int
         :param limit: Maximum number of items (default 100).
         :type limit: int
+        :param order: `asc` (default): oldest first, the `limit` oldest with `seq` greater than `after` (for paging and polling). `desc`: newest first, the `limit` newest with `seq` greater than `after` (what changed just now).
+        :type order: str
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
                                  timeout. It can also be a pair (tuple) of
@@ -163,6 +170,7 @@ class AuditApi:
         _param = self._list_audit_serialize(
             after=after,
             limit=limit,
+            order=order,
             _request_auth=_request_auth,
             _content_type=_content_type,
             _headers=_headers,
@@ -193,6 +201,7 @@ class AuditApi:
         self,
         after: Annotated[Optional[Annotated[int, Field(strict=True, ge=0)]], Field(description="Only entries with `seq` greater than this.")] = None,
         limit: Annotated[Optional[Annotated[int, Field(le=10000, strict=True, ge=1)]], Field(description="Maximum number of items (default 100).")] = None,
+        order: Annotated[Optional[StrictStr], Field(description="`asc` (default): oldest first, the `limit` oldest with `seq` greater than `after` (for paging and polling). `desc`: newest first, the `limit` newest with `seq` greater than `after` (what changed just now).")] = None,
         _request_timeout: Union[
             None,
             Annotated[StrictFloat, Field(gt=0)],
@@ -213,6 +222,8 @@ class AuditApi:
         :type after: int
         :param limit: Maximum number of items (default 100).
         :type limit: int
+        :param order: `asc` (default): oldest first, the `limit` oldest with `seq` greater than `after` (for paging and polling). `desc`: newest first, the `limit` newest with `seq` greater than `after` (what changed just now).
+        :type order: str
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
                                  timeout. It can also be a pair (tuple) of
@@ -238,6 +249,7 @@ class AuditApi:
         _param = self._list_audit_serialize(
             after=after,
             limit=limit,
+            order=order,
             _request_auth=_request_auth,
             _content_type=_content_type,
             _headers=_headers,
@@ -263,6 +275,7 @@ class AuditApi:
         self,
         after,
         limit,
+        order,
         _request_auth,
         _content_type,
         _headers,
@@ -292,6 +305,10 @@ class AuditApi:
         if limit is not None:
             
             _query_params.append(('limit', limit))
+            
+        if order is not None:
+            
+            _query_params.append(('order', order))
             
         # process the header parameters
         # process the form parameters

@@ -44,7 +44,7 @@ class ConnectionsApi:
     def list_connections(
         self,
         server: Annotated[Optional[Annotated[int, Field(le=4294967295, strict=True, ge=1)]], Field(description="Only connections owned by this server.")] = None,
-        service: Annotated[Optional[Annotated[str, Field(min_length=1, strict=True, max_length=64)]], Field(description="Only connections of this service.")] = None,
+        service: Annotated[Optional[Annotated[str, Field(min_length=1, strict=True, max_length=64)]], Field(description="Only connections of this service, also those at the addresses it still retires (deleted, or moved by a `PUT`).")] = None,
         limit: Annotated[Optional[Annotated[int, Field(le=10000, strict=True, ge=1)]], Field(description="Maximum number of items (default 100).")] = None,
         _request_timeout: Union[
             None,
@@ -64,7 +64,7 @@ class ConnectionsApi:
 
         :param server: Only connections owned by this server.
         :type server: int
-        :param service: Only connections of this service.
+        :param service: Only connections of this service, also those at the addresses it still retires (deleted, or moved by a `PUT`).
         :type service: str
         :param limit: Maximum number of items (default 100).
         :type limit: int
@@ -105,6 +105,7 @@ class ConnectionsApi:
             '400': "Problem",
             '401': "Problem",
             '403': "Problem",
+            '404': "Problem",
             '500': "Problem",
             '503': "Problem",
         }
@@ -123,7 +124,7 @@ class ConnectionsApi:
     def list_connections_with_http_info(
         self,
         server: Annotated[Optional[Annotated[int, Field(le=4294967295, strict=True, ge=1)]], Field(description="Only connections owned by this server.")] = None,
-        service: Annotated[Optional[Annotated[str, Field(min_length=1, strict=True, max_length=64)]], Field(description="Only connections of this service.")] = None,
+        service: Annotated[Optional[Annotated[str, Field(min_length=1, strict=True, max_length=64)]], Field(description="Only connections of this service, also those at the addresses it still retires (deleted, or moved by a `PUT`).")] = None,
         limit: Annotated[Optional[Annotated[int, Field(le=10000, strict=True, ge=1)]], Field(description="Maximum number of items (default 100).")] = None,
         _request_timeout: Union[
             None,
@@ -143,7 +144,7 @@ class ConnectionsApi:
 
         :param server: Only connections owned by this server.
         :type server: int
-        :param service: Only connections of this service.
+        :param service: Only connections of this service, also those at the addresses it still retires (deleted, or moved by a `PUT`).
         :type service: str
         :param limit: Maximum number of items (default 100).
         :type limit: int
@@ -184,6 +185,7 @@ class ConnectionsApi:
             '400': "Problem",
             '401': "Problem",
             '403': "Problem",
+            '404': "Problem",
             '500': "Problem",
             '503': "Problem",
         }
@@ -202,7 +204,7 @@ class ConnectionsApi:
     def list_connections_without_preload_content(
         self,
         server: Annotated[Optional[Annotated[int, Field(le=4294967295, strict=True, ge=1)]], Field(description="Only connections owned by this server.")] = None,
-        service: Annotated[Optional[Annotated[str, Field(min_length=1, strict=True, max_length=64)]], Field(description="Only connections of this service.")] = None,
+        service: Annotated[Optional[Annotated[str, Field(min_length=1, strict=True, max_length=64)]], Field(description="Only connections of this service, also those at the addresses it still retires (deleted, or moved by a `PUT`).")] = None,
         limit: Annotated[Optional[Annotated[int, Field(le=10000, strict=True, ge=1)]], Field(description="Maximum number of items (default 100).")] = None,
         _request_timeout: Union[
             None,
@@ -222,7 +224,7 @@ class ConnectionsApi:
 
         :param server: Only connections owned by this server.
         :type server: int
-        :param service: Only connections of this service.
+        :param service: Only connections of this service, also those at the addresses it still retires (deleted, or moved by a `PUT`).
         :type service: str
         :param limit: Maximum number of items (default 100).
         :type limit: int
@@ -263,6 +265,7 @@ class ConnectionsApi:
             '400': "Problem",
             '401': "Problem",
             '403': "Problem",
+            '404': "Problem",
             '500': "Problem",
             '503': "Problem",
         }

@@ -1755,7 +1755,7 @@ class ServersApi:
     ) -> Server:
         """Register a server (operator)
 
-        Registers a server in state `active`. Without `id`, the next free id is assigned. An id or a name already in use is a conflict (409). 
+        Registers a server in state `active`. Without `id`, the next free id is assigned. An id, a name or a data address already in use is a conflict (409; for the data address, `field` is `data_addr` and the detail names the server that has it). 
 
         :param server_registration: (required)
         :type server_registration: ServerRegistration
@@ -1831,7 +1831,7 @@ class ServersApi:
     ) -> ApiResponse[Server]:
         """Register a server (operator)
 
-        Registers a server in state `active`. Without `id`, the next free id is assigned. An id or a name already in use is a conflict (409). 
+        Registers a server in state `active`. Without `id`, the next free id is assigned. An id, a name or a data address already in use is a conflict (409; for the data address, `field` is `data_addr` and the detail names the server that has it). 
 
         :param server_registration: (required)
         :type server_registration: ServerRegistration
@@ -1907,7 +1907,7 @@ class ServersApi:
     ) -> RESTResponseType:
         """Register a server (operator)
 
-        Registers a server in state `active`. Without `id`, the next free id is assigned. An id or a name already in use is a conflict (409). 
+        Registers a server in state `active`. Without `id`, the next free id is assigned. An id, a name or a data address already in use is a conflict (409; for the data address, `field` is `data_addr` and the detail names the server that has it). 
 
         :param server_registration: (required)
         :type server_registration: ServerRegistration

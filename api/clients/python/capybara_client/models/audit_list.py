@@ -29,7 +29,7 @@ class AuditList(BaseModel):
     AuditList
     """ # noqa: E501
     items: List[AuditEntry]
-    next_after: StrictInt = Field(description="Pass as `after` to get the following entries.")
+    next_after: StrictInt = Field(description="The greatest `seq` listed (`after` when none): pass as `after` to get the following entries.")
     __properties: ClassVar[List[str]] = ["items", "next_after"]
 
     model_config = ConfigDict(

@@ -31,7 +31,7 @@ class ServerRegistration(BaseModel):
     id: Optional[Annotated[int, Field(le=4294967295, strict=True, ge=1)]] = Field(default=None, description="Requested id; the next free one when omitted.")
     name: Annotated[str, Field(min_length=1, strict=True, max_length=64)]
     mgmt_addr: Annotated[str, Field(strict=True, max_length=64)] = Field(description="Kernel-owned management address `IPv4:port` (control channel).", json_schema_extra={"examples": ["10.0.1.11:7000"]})
-    data_addr: Annotated[str, Field(strict=True, max_length=64)] = Field(description="Address owned by the server's user-space stack (unicast; 0.0.0.0, 255.255.255.255 and multicast addresses are a 422).")
+    data_addr: Annotated[str, Field(strict=True, max_length=64)] = Field(description="Address owned by the server's user-space stack (unicast; 0.0.0.0, 255.255.255.255 and multicast addresses, a service's VIP and the switch's own addresses are a 422; another server's is a 409).")
     weight: Optional[Annotated[int, Field(le=65535, strict=True, ge=0)]] = 100
     __properties: ClassVar[List[str]] = ["id", "name", "mgmt_addr", "data_addr", "weight"]
 

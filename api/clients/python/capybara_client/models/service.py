@@ -29,7 +29,7 @@ class Service(BaseModel):
     Service
     """ # noqa: E501
     name: Annotated[str, Field(min_length=1, strict=True, max_length=64)]
-    vip: Annotated[str, Field(strict=True, max_length=64)] = Field(description="A unicast address clients reach through the switch: not 0.0.0.0, broadcast, multicast, loopback, nor a registered server's data address (422 naming `vip`).")
+    vip: Annotated[str, Field(strict=True, max_length=64)] = Field(description="A unicast address clients reach through the switch: not 0.0.0.0, broadcast, multicast, loopback, nor a registered server's data address, nor one of the switch's own addresses (its control address, its interfaces' addresses: 422 naming `vip`).")
     port: Annotated[int, Field(le=65535, strict=True, ge=1)]
     pool: Annotated[List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]], Field(max_length=1024)]
     __properties: ClassVar[List[str]] = ["name", "vip", "port", "pool"]

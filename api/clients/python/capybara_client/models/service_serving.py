@@ -18,7 +18,7 @@ import re  # noqa: F401
 import json
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
-from typing import Any, ClassVar, Dict, List
+from typing import Any, ClassVar, Dict, List, Optional
 from typing_extensions import Annotated
 from typing import Optional, Set
 from typing_extensions import Self
@@ -33,7 +33,8 @@ class ServiceServing(BaseModel):
     apps_down: List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]] = Field(description="Members whose application of this service their health checks report down.")
     fail_open: StrictBool = Field(description="Every live member reports its application down, so placement keeps them all.")
     refusing: StrictBool = Field(description="No member can take a new connection for a lasting reason (every one drained or draining, at operator weight 0, or dead past its grace): switchd answers new connections with a reset (connection refused) instead of leaving them unanswered (docs/SWITCHD.md, \"No server to take a connection\"). Undrain a server or give one a weight to serve again. ")
-    __properties: ClassVar[List[str]] = ["served", "members", "apps_down", "fail_open", "refusing"]
+    not_serving: Optional[List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]]] = Field(default=None, description="Members named in the pool whose hostagent lists other services and not this VIP:port: their stacks would leave its connections unanswered, so switchd places no new connection there and migrates none there (with no other member left the service refuses new connections). Serve the VIP:port there (a `[[service]]` in its hostagent config) or take the server out of the pool. ")
+    __properties: ClassVar[List[str]] = ["served", "members", "apps_down", "fail_open", "refusing", "not_serving"]
 
     model_config = ConfigDict(
         validate_by_name=True,
@@ -90,7 +91,8 @@ class ServiceServing(BaseModel):
             "members": obj.get("members"),
             "apps_down": obj.get("apps_down"),
             "fail_open": obj.get("fail_open"),
-            "refusing": obj.get("refusing")
+            "refusing": obj.get("refusing"),
+            "not_serving": obj.get("not_serving")
         })
         return _obj
 

@@ -29,10 +29,12 @@ pub async fn list_audit(
     configuration: &configuration::Configuration,
     after: Option<i64>,
     limit: Option<i32>,
+    order: Option<&str>,
 ) -> Result<models::AuditList, Error<ListAuditError>> {
     // add a prefix to parameters to efficiently prevent name collisions
     let p_query_after = after;
     let p_query_limit = limit;
+    let p_query_order = order;
 
     let uri_str = format!("{}/v1/audit", configuration.base_path);
     let mut req_builder = configuration.client.request(reqwest::Method::GET, &uri_str);
@@ -42,6 +44,9 @@ pub async fn list_audit(
     }
     if let Some(ref param_value) = p_query_limit {
         req_builder = req_builder.query(&[("limit", &param_value.to_string())]);
+    }
+    if let Some(ref param_value) = p_query_order {
+        req_builder = req_builder.query(&[("order", &param_value.to_string())]);
     }
     if let Some(ref user_agent) = configuration.user_agent {
         req_builder = req_builder.header(reqwest::header::USER_AGENT, user_agent.clone());

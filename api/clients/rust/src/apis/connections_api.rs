@@ -20,6 +20,7 @@ pub enum ListConnectionsError {
     Status400(models::Problem),
     Status401(models::Problem),
     Status403(models::Problem),
+    Status404(models::Problem),
     Status500(models::Problem),
     Status503(models::Problem),
     UnknownValue(serde_json::Value),

@@ -423,7 +423,7 @@ pub async fn list_servers(
     }
 }
 
-/// Registers a server in state `active`. Without `id`, the next free id is assigned. An id or a name already in use is a conflict (409).
+/// Registers a server in state `active`. Without `id`, the next free id is assigned. An id, a name or a data address already in use is a conflict (409; for the data address, `field` is `data_addr` and the detail names the server that has it).
 pub async fn register_server(
     configuration: &configuration::Configuration,
     server_registration: models::ServerRegistration,

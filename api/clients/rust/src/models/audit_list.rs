@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 pub struct AuditList {
     #[serde(rename = "items")]
     pub items: Vec<models::AuditEntry>,
-    /// Pass as `after` to get the following entries.
+    /// The greatest `seq` listed (`after` when none): pass as `after` to get the following entries.
     #[serde(rename = "next_after")]
     pub next_after: i64,
 }

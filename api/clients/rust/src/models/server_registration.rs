@@ -21,7 +21,7 @@ pub struct ServerRegistration {
     /// Kernel-owned management address `IPv4:port` (control channel).
     #[serde(rename = "mgmt_addr")]
     pub mgmt_addr: String,
-    /// Address owned by the server's user-space stack (unicast; 0.0.0.0, 255.255.255.255 and multicast addresses are a 422).
+    /// Address owned by the server's user-space stack (unicast; 0.0.0.0, 255.255.255.255 and multicast addresses, a service's VIP and the switch's own addresses are a 422; another server's is a 409).
     #[serde(rename = "data_addr")]
     pub data_addr: String,
     #[serde(rename = "weight", skip_serializing_if = "Option::is_none")]

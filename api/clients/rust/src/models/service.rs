@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 pub struct Service {
     #[serde(rename = "name")]
     pub name: String,
-    /// A unicast address clients reach through the switch: not 0.0.0.0, broadcast, multicast, loopback, nor a registered server's data address (422 naming `vip`).
+    /// A unicast address clients reach through the switch: not 0.0.0.0, broadcast, multicast, loopback, nor a registered server's data address, nor one of the switch's own addresses (its control address, its interfaces' addresses: 422 naming `vip`).
     #[serde(rename = "vip")]
     pub vip: String,
     #[serde(rename = "port")]

@@ -28,6 +28,9 @@ pub struct ServiceServing {
     /// No member can take a new connection for a lasting reason (every one drained or draining, at operator weight 0, or dead past its grace): switchd answers new connections with a reset (connection refused) instead of leaving them unanswered (docs/SWITCHD.md, \"No server to take a connection\"). Undrain a server or give one a weight to serve again.
     #[serde(rename = "refusing")]
     pub refusing: bool,
+    /// Members named in the pool whose hostagent lists other services and not this VIP:port: their stacks would leave its connections unanswered, so switchd places no new connection there and migrates none there (with no other member left the service refuses new connections). Serve the VIP:port there (a `[[service]]` in its hostagent config) or take the server out of the pool.
+    #[serde(rename = "not_serving", skip_serializing_if = "Option::is_none")]
+    pub not_serving: Option<Vec<i64>>,
 }
 
 impl ServiceServing {
@@ -44,6 +47,7 @@ impl ServiceServing {
             apps_down,
             fail_open,
             refusing,
+            not_serving: None,
         }
     }
 }

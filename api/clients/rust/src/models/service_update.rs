@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Default, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ServiceUpdate {
-    /// A unicast address clients reach through the switch: not 0.0.0.0, broadcast, multicast, loopback, nor a registered server's data address (422 naming `vip`).
+    /// A unicast address clients reach through the switch: not 0.0.0.0, broadcast, multicast, loopback, nor a registered server's data address, nor one of the switch's own addresses (its control address, its interfaces' addresses: 422 naming `vip`).
     #[serde(rename = "vip")]
     pub vip: String,
     #[serde(rename = "port")]
