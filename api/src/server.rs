@@ -1394,10 +1394,6 @@ async fn revoke_token(
 
 // ----- audit, health
 
-/// Entries read per store call when `GET /v1/audit?order=desc` reads to
-/// the newest.
-const AUDIT_SCAN_PAGE: usize = 1000;
-
 async fn list_audit(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<HttpResponse> {
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
@@ -1406,25 +1402,7 @@ async fn list_audit(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<Ht
     let limit = q.u64_in("limit", 1, 10_000)?.unwrap_or(100) as usize;
     let newest_first = q.newest_first()?;
     let entries = if newest_first {
-        // The store lists oldest first: read on from `after` page by page,
-        // keeping the last `limit` (memory bounded by `limit`).
-        let mut tail = std::collections::VecDeque::with_capacity(limit);
-        let mut from = after;
-        loop {
-            let page = state.store.list_audit(from, AUDIT_SCAN_PAGE).await?;
-            let full = page.len() >= AUDIT_SCAN_PAGE;
-            for e in page {
-                from = e.seq;
-                if tail.len() == limit {
-                    tail.pop_front();
-                }
-                tail.push_back(e);
-            }
-            if !full {
-                break;
-            }
-        }
-        tail.into_iter().rev().collect::<Vec<_>>()
+        state.store.list_audit_newest(after, limit).await?
     } else {
         state.store.list_audit(after, limit).await?
     };

@@ -144,6 +144,54 @@ pub mod field {
         pub const LEN: usize = 8;
     }
 
+    /// The flow key as the messages naming a connection carry it (offsets
+    /// relative to where each message puts it; every message's own
+    /// CLIENT_IP..SERVICE_IP below follow it, checked at compile time).
+    pub mod flow_key {
+        use super::Field;
+        pub const CLIENT_IP: Field = 0..4;
+        pub const CLIENT_PORT: Field = 4..6;
+        pub const SERVICE_PORT: Field = 6..8;
+        pub const SERVICE_IP: Field = 8..12;
+        pub const LEN: usize = 12;
+    }
+
+    /// Whether a message's flow-key fields follow [`flow_key`]'s layout.
+    const fn is_flow_key(ip: Field, cport: Field, sport: Field, sip: Field) -> bool {
+        let at = ip.start;
+        ip.end == at + flow_key::CLIENT_IP.end
+            && cport.start == at + flow_key::CLIENT_PORT.start
+            && cport.end == at + flow_key::CLIENT_PORT.end
+            && sport.start == at + flow_key::SERVICE_PORT.start
+            && sport.end == at + flow_key::SERVICE_PORT.end
+            && sip.start == at + flow_key::SERVICE_IP.start
+            && sip.end == at + flow_key::SERVICE_IP.end
+    }
+    const _: () = assert!(is_flow_key(
+        migrate::CLIENT_IP,
+        migrate::CLIENT_PORT,
+        migrate::SERVICE_PORT,
+        migrate::SERVICE_IP
+    ));
+    const _: () = assert!(is_flow_key(
+        set_owner::CLIENT_IP,
+        set_owner::CLIENT_PORT,
+        set_owner::SERVICE_PORT,
+        set_owner::SERVICE_IP
+    ));
+    const _: () = assert!(is_flow_key(
+        migration_report::CLIENT_IP,
+        migration_report::CLIENT_PORT,
+        migration_report::SERVICE_PORT,
+        migration_report::SERVICE_IP
+    ));
+    const _: () = assert!(is_flow_key(
+        flows::CLIENT_IP,
+        flows::CLIENT_PORT,
+        flows::SERVICE_PORT,
+        flows::SERVICE_IP
+    ));
+
     /// MIGRATE body (switch/api -> server).
     pub mod migrate {
         use super::Field;
@@ -397,6 +445,31 @@ fn rd32(b: &[u8], r: field::Field) -> u32 {
 }
 fn rd64(b: &[u8], r: field::Field) -> u64 {
     u64::from_be_bytes(rd(b, r))
+}
+
+/// The 12-byte flow key every message naming a connection carries (MIGRATE,
+/// SET_OWNER, each MIGRATION_REPORT report, each FLOWS claim), at offset
+/// `at` of `b`: client address, client port, service port, service
+/// address, big-endian (the layout of [`field::flow_key`]).
+fn read_flow_key(b: &[u8], at: usize) -> FlowKey {
+    use field::flow_key as k;
+    let b = &b[at..at + k::LEN];
+    FlowKey {
+        client_ip: Ipv4Addr::from(rd32(b, k::CLIENT_IP)),
+        client_port: rd16(b, k::CLIENT_PORT),
+        service_ip: Ipv4Addr::from(rd32(b, k::SERVICE_IP)),
+        service_port: rd16(b, k::SERVICE_PORT),
+    }
+}
+
+/// Writes `key` at offset `at` of `b` ([`read_flow_key`]'s layout).
+fn write_flow_key(b: &mut [u8], at: usize, key: &FlowKey) {
+    use field::flow_key as k;
+    let b = &mut b[at..at + k::LEN];
+    b[k::CLIENT_IP].copy_from_slice(&key.client_ip.octets());
+    b[k::CLIENT_PORT].copy_from_slice(&key.client_port.to_be_bytes());
+    b[k::SERVICE_PORT].copy_from_slice(&key.service_port.to_be_bytes());
+    b[k::SERVICE_IP].copy_from_slice(&key.service_ip.octets());
 }
 
 /// Zero-copy view of a control message.
@@ -1006,12 +1079,7 @@ impl MigrationReport {
         }
         Ok(MigrationReport {
             id: rd64(c, f::MIGRATION_ID),
-            flow: FlowKey {
-                client_ip: Ipv4Addr::from(rd32(c, f::CLIENT_IP)),
-                client_port: rd16(c, f::CLIENT_PORT),
-                service_ip: Ipv4Addr::from(rd32(c, f::SERVICE_IP)),
-                service_port: rd16(c, f::SERVICE_PORT),
-            },
+            flow: read_flow_key(c, f::CLIENT_IP.start),
             peer: (!peer.is_unspecified()).then_some(peer),
             outcome,
             trigger,
@@ -1028,10 +1096,7 @@ impl MigrationReport {
     fn write(&self, c: &mut [u8]) {
         use field::migration_report as f;
         c[f::MIGRATION_ID].copy_from_slice(&self.id.to_be_bytes());
-        c[f::CLIENT_IP].copy_from_slice(&self.flow.client_ip.octets());
-        c[f::CLIENT_PORT].copy_from_slice(&self.flow.client_port.to_be_bytes());
-        c[f::SERVICE_PORT].copy_from_slice(&self.flow.service_port.to_be_bytes());
-        c[f::SERVICE_IP].copy_from_slice(&self.flow.service_ip.octets());
+        write_flow_key(c, f::CLIENT_IP.start, &self.flow);
         let peer = self.peer.unwrap_or(Ipv4Addr::UNSPECIFIED);
         c[f::PEER].copy_from_slice(&peer.octets());
         c[f::OUTCOME] = self.outcome.to_u8();
@@ -1048,50 +1113,72 @@ impl MigrationReport {
     }
 }
 
-/// The reports of a MIGRATION_REPORT: the validated wire bytes of a parsed
+/// A fixed-size record of a message body that carries a list of them
+/// (MIGRATION_REPORT's reports, FLOWS' claims).
+pub trait WireRecord: Copy + 'static {
+    /// Bytes of one record.
+    const LEN: usize;
+    /// The record in `c` (`LEN` bytes), `None` when invalid (the parser
+    /// says why with its own error before a list ever holds it).
+    fn decode(c: &[u8]) -> Option<Self>;
+}
+
+/// The records of a list body: the validated wire bytes of a parsed
 /// message or a slice to emit; both iterate the same way and compare equal
 /// by content.
 #[derive(Clone, Copy)]
-pub enum ReportList<'a> {
-    /// `n * REPORT_LEN` bytes, every report checked by [`ControlRepr::parse`].
+pub enum RecordList<'a, R: WireRecord> {
+    /// `n * R::LEN` bytes, every record checked by [`ControlRepr::parse`].
     Wire(&'a [u8]),
-    /// Reports to emit.
-    Slice(&'a [MigrationReport]),
+    /// Records to emit.
+    Slice(&'a [R]),
 }
 
-impl<'a> ReportList<'a> {
+/// The reports of a MIGRATION_REPORT.
+pub type ReportList<'a> = RecordList<'a, MigrationReport>;
+/// The claims of a FLOWS batch.
+pub type ClaimList<'a> = RecordList<'a, FlowClaim>;
+
+impl<'a, R: WireRecord> RecordList<'a, R> {
     pub fn len(&self) -> usize {
         match self {
-            ReportList::Wire(b) => b.len() / field::migration_report::REPORT_LEN,
-            ReportList::Slice(s) => s.len(),
+            RecordList::Wire(b) => b.len() / R::LEN,
+            RecordList::Slice(s) => s.len(),
         }
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    pub fn iter(&self) -> impl Iterator<Item = MigrationReport> + 'a {
-        let (wire, slice): (&'a [u8], &'a [MigrationReport]) = match *self {
-            ReportList::Wire(b) => (b, &[]),
-            ReportList::Slice(s) => (&[], s),
+    pub fn iter(&self) -> impl Iterator<Item = R> + 'a {
+        let (wire, slice): (&'a [u8], &'a [R]) = match *self {
+            RecordList::Wire(b) => (b, &[]),
+            RecordList::Slice(s) => (&[], s),
         };
-        // Wire reports were validated by `parse`: `read` cannot fail here
-        // (a failure would only skip the report, never panic).
-        wire.chunks_exact(field::migration_report::REPORT_LEN)
-            .filter_map(|c| MigrationReport::read(c).ok())
+        // Wire records were validated by `parse`: `decode` cannot fail
+        // here (a failure would only skip the record, never panic).
+        wire.chunks_exact(R::LEN)
+            .filter_map(R::decode)
             .chain(slice.iter().copied())
     }
 }
 
-impl PartialEq for ReportList<'_> {
+impl<R: WireRecord + PartialEq> PartialEq for RecordList<'_, R> {
     fn eq(&self, other: &Self) -> bool {
         self.len() == other.len() && self.iter().eq(other.iter())
     }
 }
-impl Eq for ReportList<'_> {}
+impl<R: WireRecord + Eq> Eq for RecordList<'_, R> {}
 
-impl std::fmt::Debug for ReportList<'_> {
+impl<R: WireRecord + std::fmt::Debug> std::fmt::Debug for RecordList<'_, R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl WireRecord for MigrationReport {
+    const LEN: usize = field::migration_report::REPORT_LEN;
+    fn decode(c: &[u8]) -> Option<Self> {
+        MigrationReport::read(c).ok()
     }
 }
 
@@ -1120,12 +1207,7 @@ impl FlowClaim {
     fn read(c: &[u8]) -> Result<Self, &'static str> {
         use field::flows as f;
         let claim = FlowClaim {
-            flow: FlowKey {
-                client_ip: Ipv4Addr::from(rd32(c, f::CLIENT_IP)),
-                client_port: rd16(c, f::CLIENT_PORT),
-                service_ip: Ipv4Addr::from(rd32(c, f::SERVICE_IP)),
-                service_port: rd16(c, f::SERVICE_PORT),
-            },
+            flow: read_flow_key(c, f::CLIENT_IP.start),
             epoch: rd64(c, f::EPOCH),
             owned_ms: rd32(c, f::OWNED_MS),
         };
@@ -1140,58 +1222,16 @@ impl FlowClaim {
 
     fn write(&self, c: &mut [u8]) {
         use field::flows as f;
-        c[f::CLIENT_IP].copy_from_slice(&self.flow.client_ip.octets());
-        c[f::CLIENT_PORT].copy_from_slice(&self.flow.client_port.to_be_bytes());
-        c[f::SERVICE_PORT].copy_from_slice(&self.flow.service_port.to_be_bytes());
-        c[f::SERVICE_IP].copy_from_slice(&self.flow.service_ip.octets());
+        write_flow_key(c, f::CLIENT_IP.start, &self.flow);
         c[f::EPOCH].copy_from_slice(&self.epoch.to_be_bytes());
         c[f::OWNED_MS].copy_from_slice(&self.owned_ms.to_be_bytes());
     }
 }
 
-/// The claims of a FLOWS batch: the validated wire bytes of a parsed
-/// message or a slice to emit; both iterate the same way and compare equal
-/// by content.
-#[derive(Clone, Copy)]
-pub enum ClaimList<'a> {
-    /// `n * CLAIM_LEN` bytes, every claim checked by [`ControlRepr::parse`].
-    Wire(&'a [u8]),
-    /// Claims to emit.
-    Slice(&'a [FlowClaim]),
-}
-
-impl<'a> ClaimList<'a> {
-    pub fn len(&self) -> usize {
-        match self {
-            ClaimList::Wire(b) => b.len() / field::flows::CLAIM_LEN,
-            ClaimList::Slice(s) => s.len(),
-        }
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    pub fn iter(&self) -> impl Iterator<Item = FlowClaim> + 'a {
-        let (wire, slice): (&'a [u8], &'a [FlowClaim]) = match *self {
-            ClaimList::Wire(b) => (b, &[]),
-            ClaimList::Slice(s) => (&[], s),
-        };
-        // Wire claims were validated by `parse`: `read` cannot fail here.
-        wire.chunks_exact(field::flows::CLAIM_LEN)
-            .filter_map(|c| FlowClaim::read(c).ok())
-            .chain(slice.iter().copied())
-    }
-}
-
-impl PartialEq for ClaimList<'_> {
-    fn eq(&self, other: &Self) -> bool {
-        self.len() == other.len() && self.iter().eq(other.iter())
-    }
-}
-impl Eq for ClaimList<'_> {}
-
-impl std::fmt::Debug for ClaimList<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_list().entries(self.iter()).finish()
+impl WireRecord for FlowClaim {
+    const LEN: usize = field::flows::CLAIM_LEN;
+    fn decode(c: &[u8]) -> Option<Self> {
+        FlowClaim::read(c).ok()
     }
 }
 
@@ -1411,12 +1451,7 @@ impl<'a> ControlRepr<'a> {
                     exact(f::LEN)?;
                     let target = Ipv4Addr::from(rd32(body, f::TARGET));
                     ControlBody::Migrate(Migrate {
-                        flow: FlowKey {
-                            client_ip: Ipv4Addr::from(rd32(body, f::CLIENT_IP)),
-                            client_port: rd16(body, f::CLIENT_PORT),
-                            service_ip: Ipv4Addr::from(rd32(body, f::SERVICE_IP)),
-                            service_port: rd16(body, f::SERVICE_PORT),
-                        },
+                        flow: read_flow_key(body, f::CLIENT_IP.start),
                         target: (!target.is_unspecified()).then_some(target),
                     })
                 }
@@ -1438,12 +1473,7 @@ impl<'a> ControlRepr<'a> {
                     use field::set_owner as f;
                     exact(f::LEN)?;
                     ControlBody::SetOwner(SetOwner {
-                        flow: FlowKey {
-                            client_ip: Ipv4Addr::from(rd32(body, f::CLIENT_IP)),
-                            client_port: rd16(body, f::CLIENT_PORT),
-                            service_ip: Ipv4Addr::from(rd32(body, f::SERVICE_IP)),
-                            service_port: rd16(body, f::SERVICE_PORT),
-                        },
+                        flow: read_flow_key(body, f::CLIENT_IP.start),
                         owner: Ipv4Addr::from(rd32(body, f::OWNER)),
                     })
                 }
@@ -1648,19 +1678,13 @@ impl<'a> ControlRepr<'a> {
             }
             ControlBody::Migrate(m) => {
                 use field::migrate as f;
-                body[f::CLIENT_IP].copy_from_slice(&m.flow.client_ip.octets());
-                body[f::CLIENT_PORT].copy_from_slice(&m.flow.client_port.to_be_bytes());
-                body[f::SERVICE_PORT].copy_from_slice(&m.flow.service_port.to_be_bytes());
-                body[f::SERVICE_IP].copy_from_slice(&m.flow.service_ip.octets());
+                write_flow_key(body, f::CLIENT_IP.start, &m.flow);
                 let target = m.target.unwrap_or(Ipv4Addr::UNSPECIFIED);
                 body[f::TARGET].copy_from_slice(&target.octets());
             }
             ControlBody::SetOwner(o) => {
                 use field::set_owner as f;
-                body[f::CLIENT_IP].copy_from_slice(&o.flow.client_ip.octets());
-                body[f::CLIENT_PORT].copy_from_slice(&o.flow.client_port.to_be_bytes());
-                body[f::SERVICE_PORT].copy_from_slice(&o.flow.service_port.to_be_bytes());
-                body[f::SERVICE_IP].copy_from_slice(&o.flow.service_ip.octets());
+                write_flow_key(body, f::CLIENT_IP.start, &o.flow);
                 body[f::OWNER].copy_from_slice(&o.owner.octets());
             }
             ControlBody::MigrationReport(r) => {
@@ -1796,6 +1820,11 @@ mod tests {
             r.phases_us[3] = PHASE_NOT_REACHED;
             r
         }];
+        let claims = [FlowClaim {
+            flow,
+            epoch: 0xc612_020b_0000_0007,
+            owned_ms: 1234,
+        }];
         let bodies = [
             ControlBody::MigrationReport(ReportList::Slice(&reports)),
             ControlBody::MigrationReport(ReportList::Slice(&[])),
@@ -1862,11 +1891,7 @@ mod tests {
                 report_id: 7,
                 batch: 2,
                 flags: FLOWS_LAST,
-                claims: ClaimList::Slice(&[FlowClaim {
-                    flow,
-                    epoch: 0xc612_020b_0000_0007,
-                    owned_ms: 1234,
-                }]),
+                claims: ClaimList::Slice(&claims),
             }),
             ControlBody::FlowsAck(FlowsAck {
                 report_id: 7,

@@ -46,8 +46,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use capybara_proto::flow::{FlowKey, ServerId};
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, Txn,
-    TxnOp, WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions,
+    SortOrder, SortTarget, Txn, TxnOp, WatchOptions,
 };
 use serde::{Deserialize, Serialize};
 
@@ -272,6 +272,41 @@ impl EtcdStore {
             Ok(r) => r.map_err(self.err(op)),
             Err(_) => Err(StoreError::Timeout { op, after }),
         }
+    }
+
+    /// Up to `limit` audit entries with `seq > after`, oldest first or
+    /// (`newest`) newest first (keys are zero-padded: key order is seq
+    /// order).
+    async fn audit_page(
+        &self,
+        op: &'static str,
+        after: u64,
+        limit: usize,
+        newest: bool,
+    ) -> Result<Vec<AuditEntry>> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let start = self.full(&codec::audit_key(after.saturating_add(1)));
+        let end = prefix_end(&self.full("audit/"));
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let mut opts = GetOptions::new().with_range(end).with_limit(limit);
+        if newest {
+            opts = opts.with_sort(SortTarget::Key, SortOrder::Descend);
+        }
+        let mut resp = self
+            .retry(op, |mut c| {
+                let (k, o) = (start.clone(), opts.clone());
+                async move { c.get(k, Some(o)).await }
+            })
+            .await?;
+        let mut out = Vec::new();
+        for kv in resp.take_kvs() {
+            let logical = self.logical(kv.key())?;
+            codec::parse_audit_seq(logical, logical.trim_start_matches("audit/"))?;
+            out.push(decode::<AuditEntry>(logical, kv.value())?);
+        }
+        Ok(out)
     }
 
     /// Runs a request, retrying it on another member when it provably did
@@ -1211,26 +1246,12 @@ impl Store for EtcdStore {
     }
 
     async fn list_audit(&self, after: u64, limit: usize) -> Result<Vec<AuditEntry>> {
-        if limit == 0 {
-            return Ok(Vec::new());
-        }
-        let start = self.full(&codec::audit_key(after.saturating_add(1)));
-        let end = prefix_end(&self.full("audit/"));
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let opts = GetOptions::new().with_range(end).with_limit(limit);
-        let mut resp = self
-            .retry("list_audit", |mut c| {
-                let (k, o) = (start.clone(), opts.clone());
-                async move { c.get(k, Some(o)).await }
-            })
-            .await?;
-        let mut out = Vec::new();
-        for kv in resp.take_kvs() {
-            let logical = self.logical(kv.key())?;
-            codec::parse_audit_seq(logical, logical.trim_start_matches("audit/"))?;
-            out.push(decode::<AuditEntry>(logical, kv.value())?);
-        }
-        Ok(out)
+        self.audit_page("list_audit", after, limit, false).await
+    }
+
+    async fn list_audit_newest(&self, after: u64, limit: usize) -> Result<Vec<AuditEntry>> {
+        self.audit_page("list_audit_newest", after, limit, true)
+            .await
     }
 
     async fn campaign(

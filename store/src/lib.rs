@@ -188,6 +188,9 @@ pub trait Store: Send + Sync + 'static {
     async fn append_audit(&self, record: &AuditRecord) -> Result<AuditEntry>;
     /// Up to `limit` entries with `seq > after`, oldest first.
     async fn list_audit(&self, after: u64, limit: usize) -> Result<Vec<AuditEntry>>;
+    /// Up to `limit` entries with `seq > after`, newest first (the newest
+    /// `limit` of them: one read however long the log).
+    async fn list_audit_newest(&self, after: u64, limit: usize) -> Result<Vec<AuditEntry>>;
 
     // ----- leader election (switchd HA)
     /// Tries once to become leader of `election` with a lease of `ttl`

@@ -536,6 +536,39 @@ impl SqliteStore {
         })
     }
 
+    /// Up to `limit` audit entries with `seq > after`, oldest first or
+    /// (`newest`) newest first.
+    async fn audit_page(
+        &self,
+        op: &'static str,
+        after: u64,
+        limit: usize,
+        newest: bool,
+    ) -> Result<Vec<AuditEntry>> {
+        let after = i64::try_from(after).unwrap_or(i64::MAX);
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.run(op, move |conn| {
+            let sql = if newest {
+                "SELECT seq, value FROM audit WHERE seq > ?1 ORDER BY seq DESC LIMIT ?2"
+            } else {
+                "SELECT seq, value FROM audit WHERE seq > ?1 ORDER BY seq LIMIT ?2"
+            };
+            let mut st = conn.prepare_cached(sql).map_err(StoreError::sqlite(op))?;
+            let rows = st
+                .query_map([after, limit], |r| {
+                    Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?))
+                })
+                .map_err(StoreError::sqlite(op))?;
+            let mut out = Vec::new();
+            for r in rows {
+                let (seq, v) = r.map_err(StoreError::sqlite(op))?;
+                out.push(decode(&codec::audit_key(seq.max(0) as u64), &v)?);
+            }
+            Ok(out)
+        })
+        .await
+    }
+
     /// One `BEGIN IMMEDIATE` transaction of flow writes. With a fence, the
     /// lease row is checked inside it: the write lock serializes it against
     /// `campaign`, so no other candidate can win between check and commit.
@@ -1564,26 +1597,12 @@ impl Store for SqliteStore {
     }
 
     async fn list_audit(&self, after: u64, limit: usize) -> Result<Vec<AuditEntry>> {
-        let after = i64::try_from(after).unwrap_or(i64::MAX);
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        self.run("list_audit", move |conn| {
-            let op = "list_audit";
-            let mut st = conn
-                .prepare_cached("SELECT seq, value FROM audit WHERE seq > ?1 ORDER BY seq LIMIT ?2")
-                .map_err(StoreError::sqlite(op))?;
-            let rows = st
-                .query_map([after, limit], |r| {
-                    Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?))
-                })
-                .map_err(StoreError::sqlite(op))?;
-            let mut out = Vec::new();
-            for r in rows {
-                let (seq, v) = r.map_err(StoreError::sqlite(op))?;
-                out.push(decode(&codec::audit_key(seq.max(0) as u64), &v)?);
-            }
-            Ok(out)
-        })
-        .await
+        self.audit_page("list_audit", after, limit, false).await
+    }
+
+    async fn list_audit_newest(&self, after: u64, limit: usize) -> Result<Vec<AuditEntry>> {
+        self.audit_page("list_audit_newest", after, limit, true)
+            .await
     }
 
     async fn campaign(

@@ -896,6 +896,21 @@ mod cases {
         assert_eq!(page[0].record, audit("action-10"));
         assert!(s.list_audit(seqs[24], 10).await.unwrap().is_empty());
         assert!(s.list_audit(0, 0).await.unwrap().is_empty());
+        // Newest first: the newest `limit` after `after`, in one read.
+        let newest = s.list_audit_newest(0, 3).await.unwrap();
+        assert_eq!(
+            newest.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![seqs[24], seqs[23], seqs[22]]
+        );
+        assert_eq!(newest[0].record, audit("action-24"));
+        let tail = s.list_audit_newest(seqs[21], 10).await.unwrap();
+        assert_eq!(
+            tail.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![seqs[24], seqs[23], seqs[22]]
+        );
+        assert_eq!(s.list_audit_newest(0, 1000).await.unwrap().len(), 25);
+        assert!(s.list_audit_newest(seqs[24], 10).await.unwrap().is_empty());
+        assert!(s.list_audit_newest(0, 0).await.unwrap().is_empty());
     }
 
     pub async fn concurrent_writers(f: &Fixture) {
