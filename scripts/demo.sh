@@ -4,7 +4,11 @@
 #   lab (prefix demo): client c1, switch sw, servers s1..s3
 #   sw: `capybara run` (switchd with XDP on cl1, sv1..sv3 and its HTTP
 #       endpoint on 127.0.0.1:9102 there; the REST API + dashboard on
-#       127.0.0.1:8080 there; SQLite store in the state dir)
+#       127.0.0.1:8080 there; SQLite store in the state dir). Started with
+#       `nsenter --net` (network namespace only: `ip netns exec` would
+#       mount a fresh /sys without bpffs), so switchd pins its XDP links
+#       in /sys/fs/bpf/capybara-lab-PREFIX/switchd: a restart takes them
+#       over in place; `capybara lab down` (the teardown) removes them.
 #   s1..s3: nginx on 127.0.0.1:8081 (the demo application, a page naming
 #       the server) behind the hostagent sidecar (app = "sidecar",
 #       protocol = "http1") on VIP 198.18.100.1:80; migration, control and
@@ -34,6 +38,10 @@ ROUND=${CAPYBARA_DEMO_ROUND:-20s}
 # Requests per second of the client load (keep-alive, 100 connections).
 RATE=${CAPYBARA_DEMO_RATE:-1000}
 APP_PORT=8081
+# The lab's bpffs directory (`capybara lab down --prefix` removes it) and
+# switchd's pin directory in it.
+LAB_BPF=/sys/fs/bpf/capybara-lab-$PREFIX
+PIN_DIR=$LAB_BPF/switchd
 
 # Binaries: target/release (what `make setup` builds); CAPYBARA_BIN_DIR
 # overrides, per binary, when it holds that binary.
@@ -54,6 +62,7 @@ NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 [ -x "$NGINX" ] || { echo "demo: missing nginx (run \`make setup\`, or apt-get install nginx-light)" >&2; exit 1; }
 [ -f "$ROOT/web-ui/dist/index.html" ] || { echo "demo: missing web-ui/dist (run \`make setup\`)" >&2; exit 1; }
 if [ "$(id -u)" != 0 ]; then echo "demo: needs root (network namespaces, eBPF)" >&2; exit 1; fi
+command -v nsenter >/dev/null || { echo "demo: missing nsenter (util-linux)" >&2; exit 1; }
 
 PIDS=()
 LOADGEN_LOOP=
@@ -76,8 +85,11 @@ cleanup() {
   for f in "$DIR"/nginx-s*/nginx.pid; do
     [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true
   done
-  # Also kills whatever is left inside the lab's namespaces.
+  # Also kills whatever is left inside the lab's namespaces, and removes
+  # the lab's pins (a switchd killed above leaves its XDP links pinned:
+  # their program forwards on until the pins go).
   "$CAPYBARA" lab down --prefix "$PREFIX" >/dev/null 2>&1 || "$CAPYBARA" lab down --prefix "$PREFIX" || true
+  if [ -e "$LAB_BPF" ]; then rm -rf "$LAB_BPF" || echo "demo: cannot remove $LAB_BPF" >&2; fi
   rm -f "$DIR/demo.pid"
   echo "demo: stopped (lab $PREFIX removed)"
   exit "$rc"
@@ -141,6 +153,7 @@ metrics_listen = "127.0.0.1:9102"
 
 [switchd.ha]
 enabled = false
+pin_dir = "$PIN_DIR"
 
 [[switchd.interfaces]]
 name = "cl1"
@@ -230,7 +243,7 @@ for j in $(seq 1 $SERVERS); do
 done
 
 echo "demo: starting the appliance (capybara run: switchd + API + dashboard)"
-ip netns exec "$(NS sw)" "$CAPYBARA" run "$DIR/capybara.toml" > "$DIR/capybara.log" 2>&1 &
+nsenter --net="/run/netns/$(NS sw)" "$CAPYBARA" run "$DIR/capybara.toml" > "$DIR/capybara.log" 2>&1 &
 PIDS+=($!)
 wait_until 60 "the API" ip netns exec "$(NS sw)" curl -sf -m 1 -o /dev/null "http://127.0.0.1:$API_PORT/healthz"
 

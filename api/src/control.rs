@@ -93,6 +93,11 @@ pub struct ServerStats {
     /// down (None: the server does not report application health, or the
     /// source does not know).
     pub apps_down: Option<u32>,
+    /// switchd's liveness of the server (`Some(false)`: dead, missed its
+    /// heartbeats); `None` when the source does not know (the store, or a
+    /// server switchd does not hold). Shown as the server's `liveness`.
+    #[serde(skip)]
+    pub live: Option<bool>,
 }
 
 #[derive(Debug, Clone, Serialize, Default)]
@@ -559,6 +564,7 @@ impl ControlPlane for Arc<StoreControlPlane> {
                     connections: 0,
                     load_pps: None,
                     apps_down: None,
+                    live: None,
                 },
             );
         }
@@ -569,6 +575,7 @@ impl ControlPlane for Arc<StoreControlPlane> {
                     connections: 0,
                     load_pps: None,
                     apps_down: None,
+                    live: None,
                 })
                 .connections += 1;
         }

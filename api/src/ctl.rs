@@ -73,8 +73,10 @@ const COMMAND_HELP: &[(&str, &str)] = &[
         "servers",
         "usage: capybara ctl servers
 Lists the registered servers: id, name, state (active, draining, drained,
-dead), weight, open connections, load in packets/s (- while switchd does not
-answer) and data address.
+dead), liveness (live, dead, never_seen: created through the API and no
+hostagent registered it, so it takes no connection), weight, open
+connections, load in packets/s (- while switchd does not answer) and data
+address.
 example:
   capybara ctl servers",
     ),
@@ -766,6 +768,14 @@ async fn ready(cfg: &Configuration) -> Result<(), CtlError> {
     Ok(())
 }
 
+fn liveness_str(l: models::ServerLiveness) -> &'static str {
+    match l {
+        models::ServerLiveness::Live => "live",
+        models::ServerLiveness::Dead => "dead",
+        models::ServerLiveness::NeverSeen => "never_seen",
+    }
+}
+
 fn state_str(s: models::ServerState) -> &'static str {
     match s {
         models::ServerState::Active => "active",
@@ -780,8 +790,8 @@ async fn servers(cfg: &Configuration) -> Result<(), CtlError> {
         .await
         .map_err(api_err)?;
     println!(
-        "{:>5}  {:<16} {:<9} {:>6} {:>11} {:>10}  DATA_ADDR",
-        "ID", "NAME", "STATE", "WEIGHT", "CONNECTIONS", "LOAD_PPS"
+        "{:>5}  {:<16} {:<9} {:<10} {:>6} {:>11} {:>10}  DATA_ADDR",
+        "ID", "NAME", "STATE", "LIVENESS", "WEIGHT", "CONNECTIONS", "LOAD_PPS"
     );
     let mut operator_weights = Vec::new();
     for s in list.items {
@@ -801,10 +811,11 @@ async fn servers(cfg: &Configuration) -> Result<(), CtlError> {
             s.weight.to_string()
         };
         println!(
-            "{:>5}  {:<16} {:<9} {:>6} {:>11} {:>10}  {}",
+            "{:>5}  {:<16} {:<9} {:<10} {:>6} {:>11} {:>10}  {}",
             s.id,
             s.name,
             state_str(s.state),
+            liveness_str(s.liveness),
             weight,
             s.stats.connections,
             load,
@@ -1082,15 +1093,22 @@ async fn policy_set(cfg: &Configuration, kvs: &[&str]) -> Result<(), CtlError> {
 }
 
 /// The services that draining `id` leaves with no server to place new
-/// connections on (every other member drained, draining, dead or at weight
-/// 0; an empty pool counts every registered server). `None` when the API
-/// does not answer: the drain goes on, only the warning is lost.
+/// connections on (every other member drained, draining, dead, never seen
+/// or at weight 0; an empty pool counts every registered server). `None`
+/// when the API does not answer: the drain goes on, only the warning is
+/// lost.
 async fn services_left_without(cfg: &Configuration, id: i64) -> Option<Vec<String>> {
     let servers = apis::servers_api::list_servers(cfg).await.ok()?.items;
     let services = apis::services_api::list_services(cfg).await.ok()?.items;
     let available: Vec<(i64, bool)> = servers
         .iter()
-        .map(|s| (s.id, s.state == models::ServerState::Active && s.weight > 0))
+        .map(|s| {
+            let live = s.liveness == models::ServerLiveness::Live;
+            (
+                s.id,
+                live && s.state == models::ServerState::Active && s.weight > 0,
+            )
+        })
         .collect();
     let pools: Vec<(String, Vec<i64>)> = services.into_iter().map(|s| (s.name, s.pool)).collect();
     Some(left_without(id, &available, &pools))

@@ -352,6 +352,25 @@ impl Query {
             .map(|q| Query(q.into_inner()))
             .map_err(|e| Problem::bad_request(format!("malformed query string: {e}")))
     }
+    /// Refuses a parameter the endpoint does not take (400 naming it):
+    /// a misspelt filter (`?servr=2`, `?services=web`) would otherwise be
+    /// ignored and list everything, as if the filter matched it all.
+    pub fn only(&self, known: &[&str]) -> ApiResult<&Self> {
+        match self.0.iter().find(|(k, _)| !known.contains(&k.as_str())) {
+            None => Ok(self),
+            Some((k, _)) => Err(Problem::bad_param(
+                k,
+                format!(
+                    "unknown query parameter `{k}`; this endpoint takes {}",
+                    known
+                        .iter()
+                        .map(|k| format!("`{k}`"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )),
+        }
+    }
     pub fn get(&self, key: &str) -> Option<&str> {
         self.0
             .iter()

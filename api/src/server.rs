@@ -277,6 +277,11 @@ pub struct ServerView {
     pub mgmt_addr: String,
     pub data_addr: String,
     pub state: ServerState,
+    /// Whether the server's hostagent is heard: `never_seen` (created
+    /// through the API, no hostagent has registered it: switchd places no
+    /// connection on it), `live`, `dead` (missed its heartbeats). Apart
+    /// from `state`, which keeps the operator's drain.
+    pub liveness: &'static str,
     pub weight: u32,
     /// `operator`: `weight` was set through the API (REST, `ctl weight`,
     /// dashboard) and outlives the server's REGISTERs until cleared;
@@ -309,15 +314,18 @@ pub async fn server_view(
                 connections: 0,
                 load_pps: None,
                 apps_down: None,
+                live: None,
             }),
     };
     let drain = state.cp.drain_status(s.id).await?;
+    let liveness = server_liveness(&s, &stats);
     Ok(ServerView {
         id: s.id.0,
         name: s.name,
         mgmt_addr: s.mgmt_addr.to_string(),
         data_addr: s.data_addr.to_string(),
         state: s.state,
+        liveness,
         weight: s.weight,
         weight_source: if s.weight_set { "operator" } else { "register" },
         register_weight: if s.weight_set {
@@ -330,6 +338,21 @@ pub async fn server_view(
         stats,
         drain,
     })
+}
+
+/// A server's `liveness`: switchd's when it holds the server, else the
+/// record's (`dead` as switchd last wrote it); `never_seen` for a record
+/// no hostagent has registered, whatever its `state` says.
+fn server_liveness(s: &Server, stats: &ServerStats) -> &'static str {
+    if !s.hostagent_seen() {
+        return "never_seen";
+    }
+    match stats.live {
+        Some(true) => "live",
+        Some(false) => "dead",
+        None if s.state == ServerState::Dead => "dead",
+        None => "live",
+    }
 }
 
 /// What `addr` is when it is one of the switch's own addresses.
@@ -366,6 +389,7 @@ async fn list_servers(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<
                     connections: 0,
                     load_pps: None,
                     apps_down: None,
+                    live: None,
                 })),
             )
             .await?,
@@ -1021,6 +1045,7 @@ async fn list_connections(req: HttpRequest, data: web::Data<AppState>) -> ApiRes
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
     let q = Query::parse(&req)?;
+    q.only(&["server", "service", "limit"])?;
     let server = q
         .u64_in("server", 1, u32::MAX as u64)?
         .map(|s| ServerId(s as u32));
@@ -1161,6 +1186,7 @@ async fn list_migrations(req: HttpRequest, data: web::Data<AppState>) -> ApiResu
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
     let q = Query::parse(&req)?;
+    q.only(&["after", "limit", "order"])?;
     let after = q.u64_in("after", 0, i64::MAX as u64)?.unwrap_or(0);
     let limit = q.u64_in("limit", 1, 10_000)?.unwrap_or(100) as usize;
     let newest_first = q.newest_first()?;
@@ -1398,6 +1424,7 @@ async fn list_audit(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<Ht
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
     let q = Query::parse(&req)?;
+    q.only(&["after", "limit", "order"])?;
     let after = q.u64_in("after", 0, i64::MAX as u64)?.unwrap_or(0);
     let limit = q.u64_in("limit", 1, 10_000)?.unwrap_or(100) as usize;
     let newest_first = q.newest_first()?;
@@ -1471,6 +1498,7 @@ pub async fn server_event(
                     connections: 0,
                     load_pps: None,
                     apps_down: None,
+                    live: None,
                 })),
             )
             .await?,

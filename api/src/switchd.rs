@@ -287,6 +287,9 @@ pub fn parse_status(body: &str) -> Result<HashMap<ServerId, ServerStats>, Proble
                 apps_down: s
                     .health_reported
                     .then(|| s.backends.iter().filter(|b| b.up == Some(false)).count() as u32),
+                // "live" or "draining" (a drain is the operator's, not
+                // liveness), "dead".
+                live: (!s.state.is_empty()).then(|| s.state != "dead"),
             };
             (ServerId(s.id), stats)
         })
@@ -1077,6 +1080,7 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
                 connections: 0,
                 load_pps: None,
                 apps_down: None,
+                live: None,
             });
         }
         Ok(out)

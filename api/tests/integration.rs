@@ -133,6 +133,19 @@ async fn register(api: &Api, token: &str, name: &str) -> u64 {
     v["id"].as_u64().unwrap()
 }
 
+/// Marks server `id` as its hostagent's REGISTER would (switchd writes the
+/// record with the data MAC): no longer `never_seen`.
+async fn hostagent_registers(api: &Api, id: u64) {
+    let mut rec = api
+        .store
+        .get_server(ServerId(id as u32))
+        .await
+        .unwrap()
+        .unwrap();
+    rec.data_mac = Some(format!("02:00:00:00:00:{:02x}", id & 0xff));
+    api.store.put_registered_server(&rec).await.unwrap();
+}
+
 async fn wait_drain(api: &Api, token: &str, id: u64, state: &str) -> Value {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
@@ -2126,6 +2139,9 @@ async fn ctl_drain_warns_when_a_service_is_left_without_servers() {
     let admin = api.token("root", Role::Admin);
     let a = register(&api, &admin, "web1").await;
     let b = register(&api, &admin, "web2").await;
+    // Both serve (a server no hostagent registered counts as unavailable).
+    hostagent_registers(&api, a).await;
+    hostagent_registers(&api, b).await;
     let svc = json!({ "name": "web", "vip": "198.18.100.1", "port": 80, "pool": [] });
     let (s, v, _) = call(
         "POST",
@@ -2248,5 +2264,212 @@ async fn ctl_deletes_a_drained_server() {
         .unwrap();
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("`server delete SERVER`"), "{err}");
+    api.stop().await;
+}
+
+/// A server created through the API that no hostagent registers is shown
+/// `never_seen` (REST and `ctl servers`), not as serving; its hostagent's
+/// REGISTER (the record switchd writes) makes it `live`, a death switchd
+/// writes `dead`; with switchd answering, its view of the server wins.
+/// Before, such a server was `active` forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_no_hostagent_registered_is_shown_never_seen() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let ops = api.token("ops", Role::Operator);
+    let id = register(&api, &ops, "ghost").await;
+    let url = format!("{}/v1/servers/{id}", api.url);
+    let (s, v, _) = call("GET", url.clone(), Some(&ops), None).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        (&v["state"], &v["liveness"]),
+        (&json!("active"), &json!("never_seen")),
+        "{v}"
+    );
+    let (_, v, _) = call("GET", format!("{}/v1/servers", api.url), Some(&ops), None).await;
+    assert_eq!(v["items"][0]["liveness"], "never_seen", "{v}");
+    let (u, t) = (api.url.clone(), ops.clone());
+    let (code, out, err) = tokio::task::spawn_blocking(move || ctl(&u, &t, &["servers"]))
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("LIVENESS") && out.contains(" never_seen "),
+        "{out}"
+    );
+
+    // Its hostagent registers: switchd writes the REGISTER's record.
+    hostagent_registers(&api, id).await;
+    let (_, v, _) = call("GET", url.clone(), Some(&ops), None).await;
+    assert_eq!(
+        (&v["state"], &v["liveness"]),
+        (&json!("active"), &json!("live")),
+        "{v}"
+    );
+    api.store
+        .set_server_state(ServerId(id as u32), capybara_store::ServerState::Dead)
+        .await
+        .unwrap();
+    let (_, v, _) = call("GET", url, Some(&ops), None).await;
+    assert_eq!(v["liveness"], "dead", "{v}");
+    api.stop().await;
+
+    // switchd's view: it holds server 1 and says it is dead, while the
+    // record still says active; server 2 it does not hold (never seen).
+    let status = json!({ "role": "active", "servers": [
+        {"id": 1, "index": 0, "data_addr": "10.0.2.11", "state": "dead", "load": 0},
+    ]});
+    let (sw_url, task) = switchd_status_endpoint(status).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (running, inner, url, db) = start_with_switchd_db(dir.path(), &sw_url).await;
+    let ops = db.create("ops", Role::Operator, "test").unwrap().1;
+    for (name, data) in [("s1", "10.0.2.11"), ("s2", "10.0.2.12")] {
+        let body = json!({ "name": name, "mgmt_addr": "10.0.1.11:7000", "data_addr": data });
+        let (s, v, _) = call("POST", format!("{url}/v1/servers"), Some(&ops), Some(body)).await;
+        assert_eq!(s, 201, "{v}");
+    }
+    let store = SqliteStore::open(SqliteConfig {
+        path: dir.path().join("store.db"),
+        ..SqliteConfig::default()
+    })
+    .await
+    .unwrap();
+    let mut s1 = store.get_server(ServerId(1)).await.unwrap().unwrap();
+    s1.data_mac = Some("02:00:00:00:00:01".into());
+    store.put_registered_server(&s1).await.unwrap();
+    let (_, v, _) = call("GET", format!("{url}/v1/servers"), Some(&ops), None).await;
+    let items = v["items"].as_array().unwrap();
+    let of = |id: u64| items.iter().find(|s| s["id"] == id).unwrap().clone();
+    assert_eq!(
+        (&of(1)["state"], &of(1)["liveness"]),
+        (&json!("active"), &json!("dead")),
+        "{v}"
+    );
+    assert_eq!(of(1)["stats"]["data_source"], "switchd", "{v}");
+    assert_eq!(of(2)["liveness"], "never_seen", "{v}");
+    task.abort();
+    inner.shutdown();
+    running.stop().await;
+}
+
+/// A stand-in for switchd's HTTP endpoint whose `/status` is `status`.
+async fn switchd_status_endpoint(status: Value) -> (String, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let body = status.to_string();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut c, _)) = listener.accept().await else {
+                continue;
+            };
+            let body = body.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut n = 0;
+                while n < buf.len() {
+                    match c.read(&mut buf[n..]).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(k) => {
+                            n += k;
+                            if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                                break;
+                            }
+                        }
+                    }
+                }
+                let head = String::from_utf8_lossy(&buf[..n]).to_string();
+                let path = head.split_whitespace().nth(1).unwrap_or("");
+                let (code, body) = match path.split('?').next().unwrap_or("") {
+                    "/status" => ("200 OK", body),
+                    "/migrations" => (
+                        "200 OK",
+                        json!({ "epoch": 1, "next": 1, "items": [] }).to_string(),
+                    ),
+                    _ => ("404 Not Found", "not found\n".to_string()),
+                };
+                let _ = c
+                    .write_all(
+                        format!(
+                            "HTTP/1.1 {code}\r\nContent-Type: application/json\r\n\
+                             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                            body.len()
+                        )
+                        .as_bytes(),
+                    )
+                    .await;
+            });
+        }
+    });
+    (url, task)
+}
+
+/// A query parameter the endpoint does not take is a 400 naming it: a
+/// misspelt filter (`?servr=`) listed every connection, as if it matched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_query_parameters_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let admin = api.token("root", Role::Admin);
+    let id = register(&api, &admin, "web1").await;
+    api.store
+        .apply_flows(&[FlowOp::Put {
+            key: flow(42),
+            server: ServerId(id as u32),
+        }])
+        .await
+        .unwrap();
+    for (path, bad, takes) in [
+        ("connections", "servr=7", "`server`, `service`, `limit`"),
+        ("migrations", "afer=3", "`after`, `limit`, `order`"),
+        ("audit", "sort=desc", "`after`, `limit`, `order`"),
+        ("events", "type=load", "`types`, `access_token`"),
+    ] {
+        let field = bad.split('=').next().unwrap();
+        let (s, v, ct) = call(
+            "GET",
+            format!("{}/v1/{path}?{bad}&limit=5", api.url),
+            Some(&admin),
+            None,
+        )
+        .await;
+        assert_eq!(
+            (s, ct.as_str()),
+            (400, "application/problem+json"),
+            "{path}: {v}"
+        );
+        assert_eq!(v["field"], field, "{path}: {v}");
+        let detail = v["detail"].as_str().unwrap();
+        assert!(
+            detail.contains(&format!("unknown query parameter `{field}`"))
+                && detail.contains(takes),
+            "{path}: {v}"
+        );
+    }
+    // The parameters each endpoint takes still work.
+    let (s, v, _) = call(
+        "GET",
+        format!("{}/v1/connections?server=7&limit=5", api.url),
+        Some(&admin),
+        None,
+    )
+    .await;
+    assert_eq!((s, &v["field"]), (404, &json!("server")), "{v}");
+    for q in [
+        "connections?server=1&limit=5",
+        "migrations?after=0&limit=5&order=desc",
+        "audit?after=0&limit=5&order=asc",
+    ] {
+        let (s, v, _) = call("GET", format!("{}/v1/{q}", api.url), Some(&admin), None).await;
+        assert_eq!(s, 200, "{q}: {v}");
+    }
+    let (s, v, _) = call(
+        "GET",
+        format!("{}/v1/connections?server={id}", api.url),
+        Some(&admin),
+        None,
+    )
+    .await;
+    assert_eq!((s, &v["total"]), (200, &json!(1)), "{v}");
     api.stop().await;
 }

@@ -151,6 +151,20 @@ impl Server {
             services: Vec::new(),
         }
     }
+
+    /// Whether a hostagent has ever registered this server with switchd.
+    /// switchd writes the data interface's MAC address from every REGISTER
+    /// (`data_mac`; records older than that field carried it in the name
+    /// as `data_mac=...`); a record created through the API
+    /// (`POST /v1/servers`) has none until its hostagent registers. Such a
+    /// server is not in switchd's placement: no connection goes to it.
+    pub fn hostagent_seen(&self) -> bool {
+        self.data_mac.is_some()
+            || self
+                .name
+                .split_whitespace()
+                .any(|t| t.starts_with("data_mac="))
+    }
 }
 
 /// The highest control-channel `seq` a switch accepted from one process of
@@ -647,4 +661,25 @@ impl Change {
 pub struct WatchEvent {
     pub revision: u64,
     pub change: Change,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_registered_record_was_seen_by_a_hostagent() {
+        let mgmt: SocketAddr = "10.0.1.11:7000".parse().unwrap();
+        let data = Ipv4Addr::new(10, 0, 2, 11);
+        // What `POST /v1/servers` stores.
+        let api = Server::new(ServerId(1), "web1", mgmt, data);
+        assert!(!api.hostagent_seen());
+        // What switchd writes from the server's REGISTER, merged over it.
+        let mut reg = Server::new(ServerId(1), "s1", mgmt, data);
+        reg.data_mac = Some("02:00:00:00:00:01".into());
+        assert!(merge_registered_server(reg, Some(&api)).hostagent_seen());
+        // A record from before `data_mac` carried it in the name.
+        let old = Server::new(ServerId(2), "s2 data_mac=02:00:00:00:00:02", mgmt, data);
+        assert!(old.hostagent_seen());
+    }
 }

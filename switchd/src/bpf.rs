@@ -373,6 +373,89 @@ pub enum Attached {
     Replaced { old_prog: u32 },
 }
 
+/// What a takeover copied from the predecessor's program
+/// ([`BpfDataPlane::attach_pinned`], [`BpfDataPlane::finish_adoption`];
+/// `/status` `adopted`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Adopted {
+    /// Flow entries this table lacked (placed after the last sync from the
+    /// store), copied.
+    pub flows: usize,
+    /// Flow entries not copied: their server or service is unknown here.
+    pub flows_skipped: usize,
+    /// Migration entries copied, pending and final.
+    pub migrations: usize,
+    /// Of those, pending: migrations in flight at the takeover.
+    pub migrations_pending: usize,
+    /// Migration entries not copied: their server is unknown here.
+    pub migrations_skipped: usize,
+    /// PREPARE steering memories (migration id -> target) copied.
+    pub prepare_targets: usize,
+    /// Migration entries the predecessor's program changed between the copy
+    /// and the last link's switch (a migration settled, started or reset
+    /// in that window), applied here by `finish_adoption`.
+    pub settled_late: usize,
+    /// Final entries naming another owner than this flow table (the
+    /// store's): MIGRATED events queued for the store.
+    pub owner_events: usize,
+}
+
+/// The predecessor's maps, held between the copy and
+/// [`BpfDataPlane::finish_adoption`] (held, they outlive its program).
+struct Predecessor {
+    flows: MapHandle,
+    migrations: MapHandle,
+    servers: MapHandle,
+    /// Its server index -> ours (`None`: unknown here).
+    server_of: std::collections::HashMap<u32, Option<u32>>,
+    /// Migration entries copied: key -> (its value, ours).
+    copied: std::collections::HashMap<CFlowKey, (CMigration, CMigration)>,
+}
+
+/// Key of `prepare_targets`: a migration id, host order.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct MigId(u64);
+// SAFETY: one u64, no padding.
+unsafe impl Pod for MigId {}
+
+/// Value of `prepare_targets`: a server index.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TargetIdx(u32);
+// SAFETY: one u32, no padding.
+unsafe impl Pod for TargetIdx {}
+
+/// The predecessor's server index `old` as ours: the same data address
+/// (`old_servers`: its `servers` map; `by_addr`: our `server_by_addr`).
+/// Remembered in `cache`. `None`: an empty slot there, or an address
+/// unknown here.
+fn translate_server(
+    old_servers: &MapHandle,
+    by_addr: &MapHandle,
+    cache: &mut std::collections::HashMap<u32, Option<u32>>,
+    old: u32,
+) -> Option<u32> {
+    *cache.entry(old).or_insert_with(|| {
+        old_servers
+            .lookup(&old.to_ne_bytes(), MapFlags::ANY)
+            .ok()
+            .flatten()
+            .and_then(|v| CServer::from_bytes(&v))
+            .filter(|s| s.data_ip != 0)
+            .and_then(|s| {
+                by_addr
+                    .lookup(&s.data_ip.to_ne_bytes(), MapFlags::ANY)
+                    .ok()
+                    .flatten()
+            })
+            .and_then(|v| {
+                v.get(..4)
+                    .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+            })
+    })
+}
+
 /// The compiled XDP object.
 pub static SWITCH_BPF_OBJ: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/switch.bpf.o"));
 
@@ -655,6 +738,7 @@ struct Maps {
     config: MapHandle,
     server_stats: MapHandle,
     stats: MapHandle,
+    prepare_targets: MapHandle,
 }
 
 pub struct BpfDataPlane {
@@ -669,9 +753,13 @@ pub struct BpfDataPlane {
     /// Attach in generic (SKB) mode ([`Self::set_generic_xdp`]).
     generic_xdp: bool,
     live_servers: BTreeSet<u32>,
-    /// The predecessor program whose flows were adopted, and how many.
+    /// The predecessor program whose tables were adopted, and what was
+    /// copied.
     adopted_from: Option<u32>,
-    adopted: (usize, usize),
+    adopted: Adopted,
+    /// The predecessor's maps, held from the copy until
+    /// [`Self::finish_adoption`].
+    predecessor: Option<Predecessor>,
     /// Exact table counts; `None`: this kernel cannot, counts walk the maps.
     counter: Option<Counter>,
     obj: Object,
@@ -725,6 +813,7 @@ impl BpfDataPlane {
             config: handle("config")?,
             server_stats: handle("server_stats")?,
             stats: handle("stats")?,
+            prepare_targets: handle("prepare_targets")?,
         };
         let maglev_mem = MaglevMem::map(&maps.maglev)?;
         let event_map = Box::new(handle("flow_events")?);
@@ -765,7 +854,8 @@ impl BpfDataPlane {
             generic_xdp: false,
             live_servers: BTreeSet::new(),
             adopted_from: None,
-            adopted: (0, 0),
+            adopted: Adopted::default(),
+            predecessor: None,
             counter,
             obj,
         })
@@ -865,13 +955,14 @@ impl BpfDataPlane {
                 Ok((t, old_prog, idx)) if t == libbpf_sys::BPF_LINK_TYPE_XDP && idx == ifindex => {
                     // Before the switch, while the predecessor's program
                     // (and so its maps) is alive: its flows this table
-                    // lacks. Once per predecessor program.
+                    // lacks, its migration entries and PREPARE steering.
+                    // Once per predecessor program.
                     if self.adopted_from != Some(old_prog) && old_prog != self.own_prog_id() {
                         self.adopted_from = Some(old_prog);
-                        match self.adopt_flows(old_prog) {
+                        match self.adopt(old_prog) {
                             Ok(n) => self.adopted = n,
                             Err(e) => eprintln!(
-                                "switchd: flows of the predecessor's program {old_prog} not copied ({e}); the store's are in place, newer ones are recovered by Maglev while the pool is unchanged"
+                                "switchd: tables of the predecessor's program {old_prog} not copied ({e}); the store's flows are in place, newer ones are recovered by Maglev while the pool is unchanged, migrations in flight are lost"
                             ),
                         }
                     }
@@ -945,18 +1036,36 @@ impl BpfDataPlane {
             .unwrap_or(0)
     }
 
-    /// (copied, skipped) by the last flow adoption of
-    /// [`Self::attach_pinned`]: entries of the predecessor's flow table
-    /// this one lacked (flows it placed after the last sync from the
-    /// store), copied with their server and service translated by address
-    /// (server by data address, service by VIP:port); skipped: unknown
-    /// here. Migration entries are not copied.
+    /// (copied, skipped) flow entries of the last adoption
+    /// ([`Self::adopted`]).
     pub fn adopted_flows(&self) -> (usize, usize) {
+        (self.adopted.flows, self.adopted.flows_skipped)
+    }
+
+    /// What the last takeover copied from the predecessor's tables
+    /// ([`Self::attach_pinned`], [`Self::finish_adoption`]).
+    pub fn adopted(&self) -> Adopted {
         self.adopted
     }
 
-    fn adopt_flows(&mut self, old_prog: u32) -> Result<(usize, usize)> {
+    /// Copies what the predecessor's program `old_prog` knows and this
+    /// one's tables (the store's copy) lack, while it still forwards:
+    /// - flow entries this table lacks (flows it placed after the last sync
+    ///   from the store);
+    /// - every migration entry, pending (a migration in flight: the client's
+    ///   segments must go on reaching its target, and the CONN_STATE_ACK or
+    ///   ABORT that settles it must find it) or final (owners the store may
+    ///   not have yet, and the ids the stale PREPARE_ACK checks compare);
+    /// - the PREPARE steering memory (retransmissions of a PREPARE reach the
+    ///   target its first copy reached).
+    ///
+    /// Server indexes are translated by data address, services by VIP:port;
+    /// an entry naming one unknown here is skipped. The predecessor's maps
+    /// are kept until [`Self::finish_adoption`], which applies what its
+    /// program changed after this copy.
+    fn adopt(&mut self, old_prog: u32) -> Result<Adopted> {
         use libbpf_rs::libbpf_sys;
+        use std::collections::{HashMap, HashSet};
         use std::os::fd::{AsRawFd, FromRawFd};
         let err = |op: &'static str, detail: String| DataPlaneError::Map {
             map: "flows",
@@ -972,7 +1081,7 @@ impl BpfDataPlane {
         let prog = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
         let mut ids = Vec::new();
         prog_info(prog.as_raw_fd(), &mut ids).map_err(|e| err("prog_info", e.to_string()))?;
-        let (mut flows, mut servers) = (None, None);
+        let (mut flows, mut servers, mut migrations, mut steering) = (None, None, None, None);
         for id in ids {
             let Ok(m) = MapHandle::from_map_id(id) else {
                 continue;
@@ -980,6 +1089,8 @@ impl BpfDataPlane {
             match m.name().to_str() {
                 Some("flows") => flows = Some(m),
                 Some("servers") => servers = Some(m),
+                Some("migrations") => migrations = Some(m),
+                Some("prepare_targets") => steering = Some(m),
                 _ => {}
             }
         }
@@ -989,39 +1100,27 @@ impl BpfDataPlane {
                 "the predecessor's program has no flows or servers map".into(),
             ));
         };
-        let mut ours = std::collections::HashSet::new();
-        for (k, _) in entries::<CFlowKey, CFlow>(&self.maps.flows, "flows", usize::MAX)? {
-            ours.insert(k);
-        }
-        // Old server index -> ours, through the data address.
-        let mut server_of = std::collections::HashMap::new();
-        let mut service_of = std::collections::HashMap::new();
-        let (mut keys, mut vals, mut skipped) = (Vec::new(), Vec::new(), 0);
+        let mut done = Adopted::default();
+        let mut server_of = HashMap::new();
+        let ours: HashSet<CFlowKey> =
+            entries::<CFlowKey, CFlow>(&self.maps.flows, "flows", usize::MAX)?
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect();
+        let mut service_of = HashMap::new();
+        let (mut keys, mut vals) = (Vec::new(), Vec::new());
         for (k, f) in
             entries::<CFlowKey, CFlow>(&old_flows, "flows", self.maps.flows.max_entries() as usize)?
         {
             if ours.contains(&k) {
                 continue;
             }
-            let server = *server_of.entry(f.server).or_insert_with(|| {
-                old_servers
-                    .lookup(&f.server.to_ne_bytes(), MapFlags::ANY)
-                    .ok()
-                    .flatten()
-                    .and_then(|v| CServer::from_bytes(&v))
-                    .filter(|s| s.data_ip != 0)
-                    .and_then(|s| {
-                        self.maps
-                            .server_by_addr
-                            .lookup(&s.data_ip.to_ne_bytes(), MapFlags::ANY)
-                            .ok()
-                            .flatten()
-                    })
-                    .and_then(|v| {
-                        v.get(..4)
-                            .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
-                    })
-            });
+            let server = translate_server(
+                &old_servers,
+                &self.maps.server_by_addr,
+                &mut server_of,
+                f.server,
+            );
             let skey = CServiceKey {
                 vip: k.service_ip,
                 port: k.service_port,
@@ -1048,11 +1147,253 @@ impl BpfDataPlane {
                         ..f
                     });
                 }
-                _ => skipped += 1,
+                _ => done.flows_skipped += 1,
             }
         }
         batch_update(&self.maps.flows, "flows", &keys, &vals)?;
-        Ok((keys.len(), skipped))
+        done.flows = keys.len();
+
+        // Migrations: a failure costs them only (logged), not the flows.
+        let Some(old_migrations) = migrations else {
+            eprintln!("switchd: the predecessor's program {old_prog} has no migrations map: its migrations in flight are lost");
+            return Ok(done);
+        };
+        if let Err(e) = self.adopt_migrations(
+            old_flows,
+            old_servers,
+            old_migrations,
+            steering,
+            server_of,
+            &mut done,
+        ) {
+            eprintln!("switchd: migration entries of the predecessor's program {old_prog} not copied ({e}): its migrations in flight are lost");
+        }
+        Ok(done)
+    }
+
+    /// [`Self::adopt`]'s migration part: every migration entry and PREPARE
+    /// steering memory of the predecessor, translated; keeps its maps
+    /// for [`Self::finish_adoption`].
+    fn adopt_migrations(
+        &mut self,
+        old_flows: MapHandle,
+        old_servers: MapHandle,
+        old_migrations: MapHandle,
+        steering: Option<MapHandle>,
+        mut server_of: std::collections::HashMap<u32, Option<u32>>,
+        done: &mut Adopted,
+    ) -> Result<()> {
+        use std::collections::{HashMap, HashSet};
+        // Migration entries. This table has none of its own before the
+        // first link runs its program (a standby's sync writes flows only),
+        // but one it has is newer: kept.
+        let ours: HashSet<CFlowKey> =
+            entries::<CFlowKey, CMigration>(&self.maps.migrations, "migrations", usize::MAX)?
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect();
+        let mut copied = HashMap::new();
+        let (mut keys, mut vals) = (Vec::new(), Vec::new());
+        for (k, m) in entries::<CFlowKey, CMigration>(
+            &old_migrations,
+            "migrations",
+            self.maps.migrations.max_entries() as usize,
+        )? {
+            if ours.contains(&k) {
+                continue;
+            }
+            match translate_server(
+                &old_servers,
+                &self.maps.server_by_addr,
+                &mut server_of,
+                m.server,
+            ) {
+                Some(server) => {
+                    let n = CMigration { server, ..m };
+                    keys.push(k);
+                    vals.push(n);
+                    copied.insert(k, (m, n));
+                    if m.is_pending() {
+                        done.migrations_pending += 1;
+                    }
+                }
+                None => done.migrations_skipped += 1,
+            }
+        }
+        batch_update(&self.maps.migrations, "migrations", &keys, &vals)?;
+        done.migrations = keys.len();
+
+        // PREPARE steering: migration id -> target.
+        if let Some(old) = steering {
+            let ours: HashSet<MigId> = entries::<MigId, TargetIdx>(
+                &self.maps.prepare_targets,
+                "prepare_targets",
+                usize::MAX,
+            )?
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+            let (mut keys, mut vals) = (Vec::new(), Vec::new());
+            for (id, t) in entries::<MigId, TargetIdx>(&old, "prepare_targets", usize::MAX)? {
+                if ours.contains(&id) {
+                    continue;
+                }
+                if let Some(t) =
+                    translate_server(&old_servers, &self.maps.server_by_addr, &mut server_of, t.0)
+                {
+                    keys.push(id);
+                    vals.push(TargetIdx(t));
+                }
+            }
+            // An LRU map: never full, the oldest memories give way.
+            batch_update(&self.maps.prepare_targets, "prepare_targets", &keys, &vals)?;
+            done.prepare_targets = keys.len();
+        }
+        self.predecessor = Some(Predecessor {
+            flows: old_flows,
+            migrations: old_migrations,
+            servers: old_servers,
+            server_of,
+            copied,
+        });
+        Ok(())
+    }
+
+    /// Ends the adoption of [`Self::attach_pinned`], once every link runs
+    /// this program (the predecessor's runs nowhere any more): applies the
+    /// migration entries its program changed after the copy (a
+    /// CONN_STATE_ACK, ABORT or PREPARE_ACK that passed it in between: the
+    /// message went on to its server, which will not send it again), where
+    /// this program has not written since; removes the entries of
+    /// connections a client reset there meanwhile; and queues, for the
+    /// store, a MIGRATED event for every final entry whose owner this flow
+    /// table (the store's owners, or the predecessor's placement) does
+    /// not name: owner changes the predecessor's writer may not have
+    /// persisted before it died. Then lets the predecessor's maps go.
+    /// Nothing to do without an adoption; call it once all links are
+    /// attached.
+    pub fn finish_adoption(&mut self) -> Result<Adopted> {
+        let Some(mut p) = self.predecessor.take() else {
+            return Ok(self.adopted);
+        };
+        let now: std::collections::HashMap<CFlowKey, CMigration> =
+            entries::<CFlowKey, CMigration>(&p.migrations, "migrations", usize::MAX)?
+                .into_iter()
+                .collect();
+        let mut late = 0;
+        for (k, m) in &now {
+            let copied = p.copied.get(k).copied();
+            if copied.is_some_and(|(raw, _)| raw == *m) {
+                continue;
+            }
+            // Only where this program has not written since the copy: its
+            // writes are later than anything the predecessor did.
+            let untouched = match copied {
+                Some((_, c)) => self.lookup_migration(*k)? == Some(c),
+                None => self.lookup_migration(*k)?.is_none(),
+            };
+            if !untouched {
+                continue;
+            }
+            if let Some(server) = translate_server(
+                &p.servers,
+                &self.maps.server_by_addr,
+                &mut p.server_of,
+                m.server,
+            ) {
+                let n = CMigration { server, ..*m };
+                self.insert_migration(*k, n)?;
+                p.copied.insert(*k, (*m, n));
+                late += 1;
+            }
+        }
+        let gone: Vec<(CFlowKey, CMigration)> = p
+            .copied
+            .iter()
+            .filter(|(k, _)| !now.contains_key(k))
+            .map(|(k, (_, c))| (*k, *c))
+            .collect();
+        let mut events = Vec::new();
+        for (k, c) in gone {
+            p.copied.remove(&k);
+            if self.lookup_migration(k)? != Some(c) {
+                continue;
+            }
+            self.delete_migration(k)?;
+            late += 1;
+            // A client's reset removed both entries there; a SYN reusing
+            // the 4-tuple of the closed connection removed the migration
+            // entry and made a new flow (on the old connection's last
+            // owner): followed here, and told to the store.
+            let old_flow = p
+                .flows
+                .lookup(k.as_bytes(), MapFlags::ANY)
+                .map_err(map_err("flows", "lookup"))?
+                .and_then(|v| CFlow::from_bytes(&v));
+            match old_flow {
+                None => {
+                    self.delete_flow(k)?;
+                    events.push(CFlowEvent {
+                        key: k,
+                        kind: EV_CLOSED,
+                        server: c.server,
+                        prev_server: c.server,
+                        ts_ns: 0,
+                    });
+                }
+                Some(of) => {
+                    let server = translate_server(
+                        &p.servers,
+                        &self.maps.server_by_addr,
+                        &mut p.server_of,
+                        of.server,
+                    );
+                    if let (Some(server), Some(ours)) = (server, self.lookup_flow(k)?) {
+                        self.insert_flow(
+                            k,
+                            CFlow {
+                                server,
+                                flags: of.flags,
+                                created_ns: of.created_ns,
+                                ..ours
+                            },
+                        )?;
+                        events.push(CFlowEvent {
+                            key: k,
+                            kind: EV_NEW,
+                            server,
+                            prev_server: server,
+                            ts_ns: 0,
+                        });
+                    }
+                }
+            }
+        }
+        let mut owner_events = 0;
+        for (k, (_, c)) in &p.copied {
+            if c.is_pending() || self.lookup_migration(*k)? != Some(*c) {
+                continue;
+            }
+            if let Some(f) = self.lookup_flow(*k)?.filter(|f| f.server != c.server) {
+                events.push(CFlowEvent {
+                    key: *k,
+                    kind: EV_MIGRATED,
+                    server: c.server,
+                    prev_server: f.server,
+                    ts_ns: 0,
+                });
+                owner_events += 1;
+            }
+        }
+        if !events.is_empty() {
+            self.pending
+                .lock()
+                .map_err(|_| DataPlaneError::Load("event buffer poisoned".into()))?
+                .extend(events);
+        }
+        self.adopted.settled_late = late;
+        self.adopted.owner_events = owner_events;
+        Ok(self.adopted)
     }
 
     /// Makes later [`Self::attach`] calls use generic (SKB) XDP: slower,

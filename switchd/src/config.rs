@@ -24,7 +24,7 @@
 //! [[services]]
 //! name = "web"
 //! vip = "198.18.100.1:80"
-//! pool = [{ server = 1, weight = 1 }]   # empty: every registered server
+//! pool = [{ server = 1, weight = 1 }]   # or [1, 2]; empty: every registered server
 //!
 //! [ha]
 //! enabled = true
@@ -83,12 +83,55 @@ pub struct InterfaceConfig {
     pub role: Role,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// A pool member: `{ server = 1, weight = 2 }`, or a bare server id
+/// (`pool = [1, 2]`, weight 1), the form the REST API and `capybara ctl
+/// service add --pool 1,2` take (a bare id was refused with "expected a
+/// table", which did not say what a member looks like).
+#[derive(Debug, Clone, Copy)]
 pub struct PoolMember {
     pub server: u32,
-    #[serde(default = "one")]
     pub weight: u32,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PoolMemberTable {
+    server: u32,
+    #[serde(default = "one")]
+    weight: u32,
+}
+
+impl<'de> Deserialize<'de> for PoolMember {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Member;
+        impl<'de> serde::de::Visitor<'de> for Member {
+            type Value = PoolMember;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a server id or a table { server = ID, weight = W }")
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<PoolMember, E> {
+                match u32::try_from(v) {
+                    Ok(server) => Ok(PoolMember { server, weight: 1 }),
+                    Err(_) => Err(E::invalid_value(serde::de::Unexpected::Signed(v), &self)),
+                }
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<PoolMember, E> {
+                match u32::try_from(v) {
+                    Ok(server) => Ok(PoolMember { server, weight: 1 }),
+                    Err(_) => Err(E::invalid_value(serde::de::Unexpected::Unsigned(v), &self)),
+                }
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, m: A) -> Result<PoolMember, A::Error> {
+                let t =
+                    PoolMemberTable::deserialize(serde::de::value::MapAccessDeserializer::new(m))?;
+                Ok(PoolMember {
+                    server: t.server,
+                    weight: t.weight,
+                })
+            }
+        }
+        d.deserialize_any(Member)
+    }
 }
 
 fn one() -> u32 {
@@ -1039,6 +1082,36 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
             "name = \"api\"\nvip = \"198.18.100.7",
         );
         assert_eq!(Config::from_toml(&other).unwrap().services.len(), 2);
+    }
+
+    /// `pool = [1, 2]`, as the REST API and `ctl service add --pool 1,2`
+    /// take it; a member that is neither an id nor a table says what a
+    /// member looks like.
+    #[test]
+    fn pool_members_are_ids_or_tables() {
+        let c = Config::from_toml(&OK.replace(
+            "[{ server = 1, weight = 2 }, { server = 2 }]",
+            "[3, { server = 1, weight = 2 }]",
+        ))
+        .unwrap();
+        let pool: Vec<(u32, u32)> = c.services[0]
+            .pool
+            .iter()
+            .map(|m| (m.server, m.weight))
+            .collect();
+        assert_eq!(pool, [(3, 1), (1, 2)]);
+        for bad in ["[\"s1\"]", "[-1]", "[4294967296]", "[{ srv = 1 }]"] {
+            let e = err(&OK.replace("[{ server = 1, weight = 2 }, { server = 2 }]", bad));
+            assert!(e.contains(&format!("pool = {bad}")), "{bad}: {e}");
+            if bad != "[{ srv = 1 }]" {
+                assert!(
+                    e.contains("a server id or a table { server = ID, weight = W }"),
+                    "{bad}: {e}"
+                );
+            } else {
+                assert!(e.contains("srv"), "{bad}: {e}");
+            }
+        }
     }
 
     #[test]

@@ -793,11 +793,26 @@ impl Switch {
             }
         }
         self.links_taken_over = replaced;
+        // Every link runs this program now: what the predecessor's changed
+        // after the copy, and its owners the store lacks (bpf.rs `adopt`).
+        let a = match self.cp.dp.finish_adoption() {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("switchd: finishing the adoption of the predecessor's tables: {e}");
+                self.cp.dp.adopted()
+            }
+        };
         if let Some(p) = &self.pins {
-            let (adopted, unknown) = self.cp.dp.adopted_flows();
             eprintln!(
-                "switchd: XDP links in {}: {replaced} taken over in place from the predecessor (no gap), {pinned} new and pinned, {unpinned} not pinned; {adopted} flows newer than the store copied from the predecessor's table ({unknown} of unknown servers or services skipped)",
-                p.dir().display()
+                "switchd: XDP links in {}: {replaced} taken over in place from the predecessor (no gap), {pinned} new and pinned, {unpinned} not pinned; {} flows newer than the store copied from the predecessor's table ({} of unknown servers or services skipped); {} migration entries copied ({} pending, {} of unknown servers skipped, {} changed there before the switch), {} owners the store lacked sent to it",
+                p.dir().display(),
+                a.flows,
+                a.flows_skipped,
+                a.migrations,
+                a.migrations_pending,
+                a.migrations_skipped,
+                a.settled_late,
+                a.owner_events
             );
         }
         Ok(())
@@ -2870,6 +2885,15 @@ impl Switch {
         status["pin_dir"] = json!(self.pins.as_ref().map(|p| p.dir().display().to_string()));
         status["links_taken_over"] = json!(self.links_taken_over);
         status["flows_adopted"] = json!(self.cp.dp.adopted_flows().0);
+        let a = self.cp.dp.adopted();
+        status["migrations_adopted"] = json!({
+            "copied": a.migrations,
+            "pending": a.migrations_pending,
+            "skipped": a.migrations_skipped,
+            "prepare_targets": a.prepare_targets,
+            "changed_before_switch": a.settled_late,
+            "owner_events": a.owner_events,
+        });
         // The switch's own addresses, which an API refuses as a service VIP
         // or a server data address: control_listen and the IPv4 addresses
         // its configured interfaces have now.

@@ -5,11 +5,13 @@
 #   2. k6 sends traffic to the service address while server 1 is drained
 #      through the REST API: the drain completes, zero failed k6 requests
 #   3. k6 again while the active switchd gets `docker kill`: the standby
-#      takes over (its takeover time is printed), zero failed requests
+#      takes over the pinned XDP links in place (its takeover time is
+#      printed), zero failed requests
 #   4. k6 again while one etcd member is stopped: nothing visible changes
 #      (zero failed requests, the API answers, the same switchd is active)
 #   5. `compose down -v` (always, also on failure) leaves no container,
-#      network or volume of the project behind
+#      network or volume of the project behind, and no pin on the host's
+#      bpffs (/sys/fs/bpf/capybara-compose-PROJECT)
 # Prints `N passed, N failed` at the end; exit status 1 on any failure.
 #
 # Environment: CAPYBARA_BIN_DIR / CARGO_TARGET_DIR (binaries, see
@@ -33,7 +35,10 @@ else
   echo "compose: neither \`docker compose\` nor docker-compose found" >&2
   exit 1
 fi
-export CAPYBARA_KEY CAPYBARA_API_PORT=$API_PORT
+# COMPOSE_PROJECT_NAME: the project's pin directory in compose.yml (`-p`
+# alone does not reach compose v1's interpolation).
+export CAPYBARA_KEY CAPYBARA_API_PORT=$API_PORT COMPOSE_PROJECT_NAME=$PROJECT
+PIN_DIR=/sys/fs/bpf/capybara-compose-$PROJECT
 CAPYBARA_KEY=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')
 dc() { "${COMPOSE[@]}" -p "$PROJECT" -f "$ROOT/docker/compose.yml" "$@"; }
 cname() { docker ps -aq --filter "label=com.docker.compose.project=$PROJECT" --filter "label=com.docker.compose.service=$1" | head -1; }
@@ -57,6 +62,13 @@ teardown() {
            docker network ls -q --filter "label=com.docker.compose.project=$PROJECT"
            docker volume ls -q --filter "label=com.docker.compose.project=$PROJECT") | wc -l)
   if [ "$left" = 0 ]; then ok "compose down left no container, network or volume"; else bad "compose down left $left object(s) behind"; rc=1; fi
+  if [ ! -e "$PIN_DIR" ]; then
+    ok "compose down left no pin in $PIN_DIR"
+  else
+    bad "compose down left pins behind: $(find "$PIN_DIR" | tr '\n' ' ')"
+    rm -rf "$PIN_DIR" || true
+    rc=1
+  fi
   echo "$passed passed, $failed failed"
   [ "$failed" = 0 ] || rc=1
   exit "$rc"
@@ -88,6 +100,7 @@ bash tests/compose/build-image.sh
 
 # Leftovers of an interrupted run of this project.
 dc down -v --remove-orphans >/dev/null 2>&1 || true
+rm -rf "$PIN_DIR"
 trap teardown EXIT
 
 echo "compose: up (project $PROJECT)"
@@ -166,6 +179,12 @@ wait_until 30 "the standby to become active" test "$(role_of "$standby")" = acti
 takeover=$(sw_status "$standby" | python3 -c 'import json,sys; print("%.1f" % json.load(sys.stdin)["takeover_ms"])')
 echo "compose: takeover by the standby after docker kill of $victim: takeover_ms=$takeover"
 ok "standby took over (takeover_ms=$takeover)"
+# Both interfaces' links were pinned (the host's bpffs) and replaced in place.
+pins=$(sw_status "$standby" | python3 -c 'import json,sys; s=json.load(sys.stdin); print(s["links_taken_over"], s["pin_dir"])')
+case "$pins" in
+  "2 $PIN_DIR/"*) ok "the standby took the 2 pinned XDP links over in place ($pins)" ;;
+  *) bad "the standby did not take 2 pinned links in $PIN_DIR over: links_taken_over, pin_dir = $pins" ;;
+esac
 k6_check failover "k6 across the switchd kill"
 # The API follows the new active switchd: live server stats come from it.
 live_stats() { api_get /v1/servers | grep -q '"data_source":"switchd"'; }

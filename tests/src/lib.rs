@@ -47,6 +47,19 @@ pub struct Lab {
 
 static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
+/// The lab node where switchd (and `capybara run`) runs.
+pub const SWITCH_NODE: &str = "sw";
+
+/// The bpffs directory of lab `prefix` that `capybara lab down` removes
+/// (appliance/src/lab/plan.rs `pin_dir`).
+fn lab_bpffs_dir(prefix: &str) -> String {
+    format!("/sys/fs/bpf/capybara-lab-{prefix}")
+}
+
+/// switchd's default `ha.pin_dir` (switchd/src/config.rs): a switchd of a
+/// lab config that does not name the lab's pin directory pins here.
+const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/capybara";
+
 impl Lab {
     /// Builds a lab with `servers` servers and a prefix unique to this
     /// process and call (`tag` helps when reading `ip netns`).
@@ -81,11 +94,50 @@ impl Lab {
     }
 
     /// A command that runs `program` inside `node`.
+    ///
+    /// The switch node ([`SWITCH_NODE`]) is entered network namespace only
+    /// (`setns` in the child before exec, as `nsenter --net` does): switchd
+    /// there sees the machine's bpffs and pins its XDP links in
+    /// [`Lab::pin_dir`], so that a takeover or restart replaces the program
+    /// in place, as in a deployment. `ip netns exec` would mount a fresh
+    /// /sys without bpffs (switchd then falls back to unpinned links: a
+    /// takeover gap of tens of ms and a TCP retransmission). Other nodes
+    /// keep `ip netns exec`: their /sys shows their own interfaces, for
+    /// tools that read /sys/class/net.
     pub fn command(&self, node: &str, program: impl AsRef<std::ffi::OsStr>) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.namespace(node)])
-            .arg(program);
+        if node != SWITCH_NODE {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &self.namespace(node)])
+                .arg(program);
+            return c;
+        }
+        use std::os::fd::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        let path = format!("/run/netns/{}", self.namespace(node));
+        let ns = std::fs::File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
+        let mut c = Command::new(program);
+        // SAFETY: setns(2) only (async-signal-safe) on a descriptor the
+        // closure owns, open until the command is dropped (close-on-exec:
+        // the program does not inherit it).
+        unsafe {
+            c.pre_exec(move || {
+                if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         c
+    }
+
+    /// `ha.pin_dir` for the switchds of this lab (the config writers here
+    /// put it in every switchd config): unique to the lab, under the bpffs
+    /// directory that `capybara lab down --prefix` removes, so that pins a
+    /// killed switchd left (their programs forward until the pins go) are
+    /// removed with the lab by the guard's drop, or by `lab down` after a
+    /// crashed test.
+    pub fn pin_dir(&self) -> String {
+        format!("{}/switchd", lab_bpffs_dir(&self.prefix))
     }
 
     /// Runs a command inside `node` to completion, with a time limit.
@@ -373,15 +425,54 @@ impl Lab {
     }
 }
 
+impl Lab {
+    /// Removes pins a switchd of this lab left under switchd's default pin
+    /// root (`<root>/net<switch namespace inode>-*`: a config written
+    /// without [`Lab::pin_dir`]), saying so: their programs would forward
+    /// on, holding their maps, until the pins go. Before `lab down` (the
+    /// namespace's inode names the directory).
+    fn remove_default_root_pins(&self) {
+        use std::os::unix::fs::MetadataExt;
+        let ns = format!("/run/netns/{}", self.namespace(SWITCH_NODE));
+        let Ok(ino) = std::fs::metadata(&ns).map(|m| m.ino()) else {
+            return;
+        };
+        let mine = format!("net{ino}-");
+        let Ok(entries) = std::fs::read_dir(DEFAULT_PIN_ROOT) else {
+            return;
+        };
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&mine) {
+                eprintln!(
+                    "lab {}: a switchd pinned in {} (its config lacks `pin_dir = Lab::pin_dir()`): removing",
+                    self.prefix,
+                    e.path().display()
+                );
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+        let _ = std::fs::remove_dir(DEFAULT_PIN_ROOT);
+    }
+}
+
 impl Drop for Lab {
     fn drop(&mut self) {
         for c in &mut self.children {
             let _ = c.kill();
             let _ = c.wait();
         }
+        self.remove_default_root_pins();
+        // Also removes the lab's bpffs directory: the pins of switchds
+        // killed above (SIGKILL leaves them; their programs run on).
         let _ = Command::new(bin("capybara"))
             .args(["lab", "down", "--prefix", &self.prefix])
             .output();
+        let pins = lab_bpffs_dir(&self.prefix);
+        if std::path::Path::new(&pins).exists() {
+            if let Err(e) = std::fs::remove_dir_all(&pins) {
+                eprintln!("lab {}: cannot remove {pins}: {e}", self.prefix);
+            }
+        }
         for d in &self.scratch_dirs {
             let _ = std::fs::remove_dir_all(d);
         }
@@ -418,11 +509,12 @@ pub fn disable_policies(cfg: &std::path::Path) {
     std::fs::write(cfg, text).expect("write hostagent config");
 }
 
-/// An appliance config (`capybara run`) for a lab: the lab's switchd
-/// settings under `[switchd]` (the store named once, the default SQLite in
-/// `dir`), the API on `api_listen` inside the switch namespace, the admin
-/// token written to `dir/admin-token`.
+/// An appliance config (`capybara run`) for `lab`: the lab's switchd
+/// settings under `[switchd]` ([`switchd_config`]; the store named once,
+/// the default SQLite in `dir`), the API on `api_listen` inside the switch
+/// namespace, the admin token written to `dir/admin-token`.
 pub fn appliance_config(
+    lab: &Lab,
     dir: &std::path::Path,
     servers: u32,
     key: &std::path::Path,
@@ -433,7 +525,7 @@ pub fn appliance_config(
         dir.display(),
         dir.join("admin-token").display()
     );
-    t.push_str(&switchd_section(&switchd_config(dir, servers, key)));
+    t.push_str(&switchd_section(&switchd_config(lab, dir, servers, key)));
     let path = dir.join("capybara.toml");
     std::fs::write(&path, t).expect("write appliance config");
     path
@@ -468,8 +560,12 @@ fn switchd_section(switchd_toml: &std::path::Path) -> String {
 /// `metrics_listen` (127.0.0.1:`status_ports[i]`, in the switch namespace)
 /// and state_dir; and an API-only one (`[api]` on `api_listen`, admin
 /// token in `dir/admin-token`, `switchd` = every status URL). All on the
-/// etcd at `etcd` (a client URL). Returns (switchd configs, API config).
+/// etcd at `etcd` (a client URL). Both switchds pin their XDP links in
+/// the lab's [`Lab::pin_dir`] (one pin directory per namespace and
+/// election: the pair shares it). Returns (switchd configs, API config).
+#[allow(clippy::too_many_arguments)]
 pub fn ha_appliance_configs(
+    lab: &Lab,
     dir: &std::path::Path,
     servers: u32,
     key: &std::path::Path,
@@ -479,7 +575,7 @@ pub fn ha_appliance_configs(
     ha_lines: &str,
 ) -> (Vec<PathBuf>, PathBuf) {
     let store = format!("[store]\netcd = [\"{etcd}\"]\n");
-    let sw = switchd_config(dir, servers, key);
+    let sw = switchd_config(lab, dir, servers, key);
     let base = std::fs::read_to_string(&sw).expect("read switchd config");
     assert!(base.contains("[ha]\nenabled = false\n"));
     let mut switchds = Vec::new();
@@ -1231,21 +1327,28 @@ pub fn appliance_lab(
     let dir = output_dir(test);
     let lab = Lab::up(tag, servers);
     let key = deployment_key(&dir);
-    let config = appliance_config(&dir, servers, &key, api_listen);
+    let config = appliance_config(&lab, &dir, servers, &key, api_listen);
     (lab, dir, key, config)
 }
 
-/// A switchd configuration for a lab with `servers` servers and one client:
+/// A switchd configuration for `lab` with `servers` servers and one client:
 /// echo on VIP 198.18.100.1:7 and HTTP on :80, every registered server in
-/// the pool, SQLite store in `dir`.
-pub fn switchd_config(dir: &std::path::Path, servers: u32, key: &std::path::Path) -> PathBuf {
+/// the pool, SQLite store in `dir`, XDP links pinned in the lab's
+/// [`Lab::pin_dir`] (`pin_dir` right after `[ha]`'s `enabled` line).
+pub fn switchd_config(
+    lab: &Lab,
+    dir: &std::path::Path,
+    servers: u32,
+    key: &std::path::Path,
+) -> PathBuf {
     let mut t = format!(
         "control_listen = \"198.18.1.1:7692\"\nkey_file = \"{}\"\nplacement = \"maglev\"\n\
          target_selection = \"round_robin\"\nload_interval_us = 1000\nheartbeat_interval_ms = 100\n\
          dead_after_ms = 1000\nclosed_linger_ms = 5000\nmetrics_listen = \"127.0.0.1:9102\"\n\
-         store = \"sqlite:{}\"\n[ha]\nenabled = false\n[[interfaces]]\nname = \"cl1\"\nrole = \"client\"\n",
+         store = \"sqlite:{}\"\n[ha]\nenabled = false\npin_dir = {:?}\n[[interfaces]]\nname = \"cl1\"\nrole = \"client\"\n",
         key.display(),
-        dir.join("store.db").display()
+        dir.join("store.db").display(),
+        lab.pin_dir()
     );
     for j in 1..=servers {
         t.push_str(&format!(

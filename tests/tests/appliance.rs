@@ -31,8 +31,8 @@ fn one_lab() -> std::sync::MutexGuard<'static, ()> {
     ONE_LAB.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn appliance_config(dir: &Path, key: &Path) -> PathBuf {
-    capybara_systests::appliance_config(dir, SERVERS, key, "127.0.0.1:18081")
+fn appliance_config(lab: &Lab, dir: &Path, key: &Path) -> PathBuf {
+    capybara_systests::appliance_config(lab, dir, SERVERS, key, "127.0.0.1:18081")
 }
 
 /// The appliance, then a hostagent on every server (policies off; `extra`
@@ -133,7 +133,7 @@ fn restart_keeps_flow_mappings_and_established_connections() {
     let dir = output_dir("appliance");
     let mut lab = Lab::up("ap", SERVERS);
     let key = deployment_key(&dir);
-    let config = appliance_config(&dir, &key);
+    let config = appliance_config(&lab, &dir, &key);
     assert_check_passes(&config, "the test's config");
 
     let log1 = dir.join("capybara-1.log");
@@ -218,7 +218,7 @@ fn services_created_through_the_api_are_served() {
     let dir = output_dir("appliance-services");
     let mut lab = Lab::up("asv", SERVERS);
     let key = deployment_key(&dir);
-    let config = appliance_config(&dir, &key);
+    let config = appliance_config(&lab, &dir, &key);
     // Both servers also serve echo on a VIP the appliance's config does not
     // name: nothing reaches it until an operator creates the service.
     const NEW: &str = "198.18.100.2:17";
@@ -385,7 +385,7 @@ fn a_configured_service_deleted_through_the_api_stays_deleted() {
     let dir = output_dir("appliance-seeded");
     let mut lab = Lab::up("asd", SERVERS);
     let key = deployment_key(&dir);
-    let config = appliance_config(&dir, &key);
+    let config = appliance_config(&lab, &dir, &key);
     const ECHO: &str = "198.18.100.1:7";
     let log1 = dir.join("capybara-1.log");
     let (mut app, token) = start_with_servers(&mut lab, &dir, &key, &config, &log1, "");

@@ -3,8 +3,10 @@
 //! API port and state/output dirs through the `CAPYBARA_*` knobs), checks
 //! the dashboard and the API from the host, that the servers carry the
 //! client load and that the policies migrate connections without anyone
-//! asking, then stops the demo (SIGTERM, as `make demo-stop` does) and
-//! checks that nothing of it remains: no namespace, no process.
+//! asking, that switchd pins its XDP links in the lab's bpffs directory
+//! (it sees bpffs: a restart would take them over in place), then stops
+//! the demo (SIGTERM, as `make demo-stop` does) and checks that nothing of
+//! it remains: no namespace, no process, no pin.
 
 use capybara_systests::{bin, output_dir};
 use std::collections::BTreeSet;
@@ -185,6 +187,17 @@ fn wait_for(
     }
 }
 
+/// switchd's `pin_dir` in its `/status` (empty when not pinned).
+fn switchd_pin_dir(prefix: &str) -> String {
+    let out = Command::new("ip")
+        .args(["netns", "exec", &format!("{prefix}-sw")])
+        .args(["curl", "-s", "-m", "2", "http://127.0.0.1:9102/status"])
+        .output()
+        .expect("curl switchd's /status");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    v["pin_dir"].as_str().unwrap_or("").to_string()
+}
+
 /// PREPARE-ACKs switchd forwarded (each one installs a migration-table
 /// entry: a migration that reached its second phase).
 fn prepare_acks(prefix: &str) -> u64 {
@@ -279,6 +292,12 @@ fn demo_serves_the_dashboard_rebalances_and_tears_down() {
     let (code, health) = curl(&[&format!("{api}/healthz")]);
     assert_eq!(code, 200, "{health}");
     assert!(health.contains("\"control_plane\":\"switchd\""), "{health}");
+    let lab_bpf = format!("/sys/fs/bpf/capybara-lab-{prefix}");
+    let pins = switchd_pin_dir(&prefix);
+    assert!(
+        pins.starts_with(&format!("{lab_bpf}/switchd/")),
+        "switchd pins its XDP links in the lab's directory {lab_bpf}/switchd: pin_dir {pins:?}"
+    );
 
     // The API: three servers, all carrying client connections.
     let mut servers = String::new();
@@ -377,6 +396,10 @@ fn demo_serves_the_dashboard_rebalances_and_tears_down() {
     );
     let left: Vec<u32> = pids.iter().copied().filter(|p| alive(*p)).collect();
     assert!(left.is_empty(), "processes left behind: {left:?}");
+    assert!(
+        !Path::new(&lab_bpf).exists(),
+        "pins left behind in {lab_bpf}"
+    );
     assert!(
         demo_processes(&prefix, &dir).is_empty(),
         "processes left behind"

@@ -17,7 +17,17 @@
 //! another client keeps calling `GET /v1/servers`:
 //!
 //! - every held connection echoes byte-exact through the takeover (none
-//!   lost, no reset sent by any server);
+//!   lost, no reset sent by any server), and no packet is lost: no TCP
+//!   segment is retransmitted, by the client's kernel (`Tcp: RetransSegs`
+//!   in its namespace) nor by any hostagent
+//!   (`capybara_tcp_retransmits_total`). The switchds run in the switch
+//!   namespace seeing the machine's bpffs (the lab enters it network
+//!   namespace only) and pin their XDP links in the lab's pin directory:
+//!   the standby replaces the program of every pinned link in place
+//!   (`links_taken_over`: all 4 interfaces). Under `ip netns exec` (a
+//!   fresh /sys, no bpffs: links die with the process, the standby
+//!   attaches after) this failed: N segments retransmitted per takeover,
+//!   the worst round trip ~200+ ms (the retransmission timeout);
 //! - `GET /v1/servers` answers 200 throughout, through the other URL, with
 //!   live data (`data_source: switchd`) for every request sent once the
 //!   standby is active (200 ms of slack). Before 2026-11-23 the API kept
@@ -43,12 +53,14 @@
 //!
 //! Bounded: every wait has a limit; a run takes ~16 s. Every process it
 //! starts (etcd, the three `capybara run`, the hostagents, the clients) is
-//! killed and the lab and etcd's data removed on every exit path (the
-//! [`Lab`] and [`EchoHolder`] guards).
+//! killed and the lab, its pins and etcd's data removed on every exit path
+//! (the [`Lab`] and [`EchoHolder`] guards); the test checks that no pin is
+//! left after the guard drops.
 
 use capybara_systests::{
-    deployment_key, ha_appliance_configs, http_get, log_of, output_dir, place_echo_connections,
-    switchd_status_at, switchd_status_server_at, wait_appliance_ready, EchoHolder, Lab,
+    deployment_key, ha_appliance_configs, http_get, log_of, metric_sum, output_dir,
+    place_echo_connections, switchd_status_at, switchd_status_server_at, wait_appliance_ready,
+    EchoHolder, Lab,
 };
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -259,6 +271,33 @@ fn kill_active(lab: &Lab, active: &Switchd, standby: &Switchd) -> f64 {
     took.as_secs_f64() * 1e3
 }
 
+/// TCP segments retransmitted so far by the client's kernel (`Tcp:
+/// RetransSegs` of c1's namespace: timeouts, tail loss probes, fast
+/// retransmits) and by the hostagents of servers 1..=SERVERS (their
+/// stacks' `capybara_tcp_retransmits_total`): a packet the switch lost
+/// shows here, a slow machine does not (the minimum RTO is 200 ms).
+fn retransmits(lab: &Lab) -> (u64, u64) {
+    let snmp = lab.in_netns("c1", || {
+        std::fs::read_to_string("/proc/thread-self/net/snmp").expect("read c1's /proc/net/snmp")
+    });
+    let mut lines = snmp.lines().filter(|l| l.starts_with("Tcp:"));
+    let (names, values) = (lines.next().unwrap_or(""), lines.next().unwrap_or(""));
+    let client = names
+        .split_whitespace()
+        .position(|n| n == "RetransSegs")
+        .and_then(|i| values.split_whitespace().nth(i))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no Tcp RetransSegs in c1's snmp:\n{snmp}"));
+    let servers = (1..=SERVERS)
+        .map(|j| {
+            metric_sum(&lab.server_metrics(j), "capybara_tcp_retransmits_total", "")
+                .unwrap_or_else(|| panic!("s{j}'s hostagent metrics (retransmits) unreachable"))
+                as u64
+        })
+        .sum();
+    (client, servers)
+}
+
 /// The API's view of server `id`: (state, weight).
 fn api_server(lab: &Lab, token: &str, id: u32) -> (String, u64) {
     let (code, body) = lab.api_call(API, token, "GET", &format!("/v1/servers/{id}"), None);
@@ -324,8 +363,16 @@ fn a_switchd_takeover_keeps_connections_weights_and_drains() {
     let key = deployment_key(&dir);
     let (etcd_pid, etcd) = lab.spawn_etcd("sw", &dir.join("etcd.data"), &dir.join("etcd.log"));
     let ha = format!("lease_ttl_ms = {LEASE_TTL_MS}\nflow_sync_interval_ms = 200\n");
-    let (configs, api_config) =
-        ha_appliance_configs(&dir, SERVERS, &key, &etcd, "127.0.0.1:18091", &STATUS, &ha);
+    let (configs, api_config) = ha_appliance_configs(
+        &lab,
+        &dir,
+        SERVERS,
+        &key,
+        &etcd,
+        "127.0.0.1:18091",
+        &STATUS,
+        &ha,
+    );
     let mut sw: Vec<Switchd> = configs
         .into_iter()
         .zip(STATUS)
@@ -386,6 +433,7 @@ fn a_switchd_takeover_keeps_connections_weights_and_drains() {
     let mut active = 0;
     for round in 1..=2 {
         let standby = 1 - active;
+        let before = retransmits(&lab);
         let w = under_load(
             &lab,
             &mut held,
@@ -397,6 +445,32 @@ fn a_switchd_takeover_keeps_connections_weights_and_drains() {
         eprintln!(
             "takeover {round}: active after {:.0} ms, worst round trip {:.1} ms ({} rounds; {} API calls, {} answered from the store, the last sent {:.0} ms after the kill)",
             w.takeover_ms, w.worst_rtt_ms, w.rounds, w.api_calls, w.api_from_store, w.api_store_until_ms
+        );
+        // Held connections only in c1 (the API calls come from the switch
+        // namespace): what the kill cost them.
+        let after = retransmits(&lab);
+        let st = switchd_status_at(&lab, sw[standby].port).unwrap_or_default();
+        assert_eq!(
+            (after.0 - before.0, after.1 - before.1),
+            (0, 0),
+            "takeover {round}: TCP segments retransmitted (client, hostagents) across the kill -9: \
+             packets lost in the takeover (worst round trip {:.0} ms; new active's pin_dir {}, \
+             links_taken_over {})",
+            w.worst_rtt_ms,
+            st["pin_dir"],
+            st["links_taken_over"]
+        );
+        assert!(
+            st["pin_dir"]
+                .as_str()
+                .is_some_and(|d| d.starts_with(&format!("{}/", lab.pin_dir()))),
+            "takeover {round}: the new active pins in the lab's pin directory {}: {st}",
+            lab.pin_dir()
+        );
+        assert_eq!(
+            st["links_taken_over"],
+            SERVERS + 1,
+            "takeover {round}: the standby replaced the program of every pinned link (cl1, sv1..sv3) in place: {st}"
         );
         windows.push(w);
         let pid = sw[active].pid.take().unwrap();
@@ -572,6 +646,19 @@ fn a_switchd_takeover_keeps_connections_weights_and_drains() {
     assert_eq!(held.round_trip(), "ok", "held connections after the freeze");
     assert_eq!(held.close(), "closed");
     lab.assert_no_resets(1..=SERVERS);
+    // The guard kills the switchds with SIGKILL: their pinned links (whose
+    // programs forward on) must go with the lab.
+    let pin_dir = lab.pin_dir();
+    assert!(
+        std::path::Path::new(&pin_dir).exists(),
+        "no pin directory {pin_dir} while the switchds run"
+    );
+    drop(held);
+    drop(lab);
+    assert!(
+        !std::path::Path::new(&pin_dir).exists(),
+        "pins left after the lab guard dropped: {pin_dir}"
+    );
 
     let t = |w: &Window| {
         format!(
@@ -580,7 +667,8 @@ fn a_switchd_takeover_keeps_connections_weights_and_drains() {
         )
     };
     println!(
-        "HA-LAB RESULT: {HELD} held echo connections, none lost through 2 kill -9 takeovers \
+        "HA-LAB RESULT: {HELD} held echo connections, none lost and no TCP segment \
+         retransmitted through 2 kill -9 takeovers (XDP links pinned, taken over in place) \
          (standby active after / worst round trip / API from the store until: {}, {}) and etcd \
          frozen {} ms ({}, worst round trip {:.1} ms); s1 drained before: 0 of {BATCH} new \
          connections after each takeover; total {:.0} s",

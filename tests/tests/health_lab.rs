@@ -175,7 +175,7 @@ fn a_dead_application_leaves_placement_and_its_idle_connections_migrate() {
     let dir = output_dir("health_lab");
     let mut lab = Lab::up("hl", 2);
     let key = deployment_key(&dir);
-    let sw = switchd_config(&dir, 2, &key);
+    let sw = switchd_config(&lab, &dir, 2, &key);
     lab.spawn_logged(
         "sw",
         bin("switchd"),

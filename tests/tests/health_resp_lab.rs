@@ -339,7 +339,7 @@ fn setup(test: &str, tag: &str) -> (Lab, PathBuf, PathBuf, [u32; 3]) {
     let dir = output_dir(test);
     let mut lab = Lab::up(tag, 2);
     let key = deployment_key(&dir);
-    let sw = switchd_config(&dir, 2, &key);
+    let sw = switchd_config(&lab, &dir, 2, &key);
     let mut t = std::fs::read_to_string(&sw).expect("read switchd config");
     t.push_str(&format!(
         "[[services]]\nname = \"cache\"\nvip = \"{VIP}:{PORT}\"\npool = []\n"

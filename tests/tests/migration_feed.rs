@@ -50,8 +50,8 @@ s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
 s.sendto(ip + tcp, (dst, 0))
 "#;
 
-fn appliance_config(dir: &Path, key: &Path) -> PathBuf {
-    capybara_systests::appliance_config(dir, SERVERS, key, "127.0.0.1:18082")
+fn appliance_config(lab: &Lab, dir: &Path, key: &Path) -> PathBuf {
+    capybara_systests::appliance_config(lab, dir, SERVERS, key, "127.0.0.1:18082")
 }
 
 /// `curl` inside the switch namespace: (status, body).
@@ -102,7 +102,7 @@ fn churn_and_requested_migrations_reach_the_api_with_phase_timings() {
     let dir = output_dir("migration_feed");
     let mut lab = Lab::up("mf", SERVERS);
     let key = deployment_key(&dir);
-    let config = appliance_config(&dir, &key);
+    let config = appliance_config(&lab, &dir, &key);
     let log = dir.join("capybara.log");
     lab.spawn_logged(
         "sw",

@@ -18,7 +18,7 @@ fn env_u64(name: &str, default: u64) -> u64 {
 /// every server answers through the VIP.
 fn start(lab: &mut Lab, dir: &std::path::Path, servers: u32, churn_ms: u64) {
     let key = deployment_key(dir);
-    let sw = switchd_config(dir, servers, &key);
+    let sw = switchd_config(lab, dir, servers, &key);
     lab.spawn_logged(
         "sw",
         bin("switchd"),

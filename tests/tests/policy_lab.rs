@@ -69,7 +69,7 @@ fn put_policy(db: &Path, edit: impl FnOnce(&mut capybara_store::Policy)) {
 
 fn start(lab: &mut Lab, dir: &Path, policies: bool) {
     let key = deployment_key(dir);
-    let sw = switchd_config(dir, 2, &key);
+    let sw = switchd_config(lab, dir, 2, &key);
     lab.spawn_logged(
         "sw",
         bin("switchd"),

@@ -63,7 +63,7 @@ fn readyz_stays_ready_from_the_store_and_says_whether_switchd_answers() {
     let dir = output_dir("readyz_lab");
     let mut lab = Lab::up("rz", 1);
     let key = deployment_key(&dir);
-    let sw = switchd_config(&dir, 1, &key);
+    let sw = switchd_config(&lab, &dir, 1, &key);
     let switchd = start_switchd(&mut lab, &sw, &dir.join("switchd.log"));
     let store = format!("sqlite:{}", dir.join("store.db").display());
     let token_file = dir.join("admin-token");

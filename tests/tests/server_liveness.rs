@@ -48,7 +48,7 @@ fn start_with_switchd_pid(
     switchd_extra: &str,
 ) -> (PathBuf, u32, Vec<u32>) {
     let key = deployment_key(dir);
-    let sw = switchd_config(dir, servers, &key);
+    let sw = switchd_config(lab, dir, servers, &key);
     if !switchd_extra.is_empty() {
         switchd_field(&sw, switchd_extra);
     }

@@ -61,15 +61,17 @@ struct Setup {
     cert: PathBuf,
 }
 
-fn switchd_config(dir: &Path, key: &Path, ports: &[u16]) -> PathBuf {
+/// switchd's config for `lab` (XDP links pinned in [`Lab::pin_dir`]).
+fn switchd_config(lab: &Lab, dir: &Path, key: &Path, ports: &[u16]) -> PathBuf {
     let mut t = format!(
         "control_listen = \"198.18.1.1:7692\"\nkey_file = \"{}\"\nplacement = \"maglev\"\n\
          target_selection = \"round_robin\"\nload_interval_us = 1000\nheartbeat_interval_ms = 100\n\
          dead_after_ms = 1000\nclosed_linger_ms = 5000\nmetrics_listen = \"127.0.0.1:9102\"\n\
-         store = \"sqlite:{}\"\n[ha]\nenabled = false\n[[interfaces]]\nname = \"cl1\"\nrole = \"client\"\n\
+         store = \"sqlite:{}\"\n[ha]\nenabled = false\npin_dir = {:?}\n[[interfaces]]\nname = \"cl1\"\nrole = \"client\"\n\
          [[interfaces]]\nname = \"sv1\"\nrole = \"server\"\n[[interfaces]]\nname = \"sv2\"\nrole = \"server\"\n",
         key.display(),
-        dir.join("store.db").display()
+        dir.join("store.db").display(),
+        lab.pin_dir()
     );
     for p in ports {
         t.push_str(&format!(
@@ -169,7 +171,7 @@ fn start(tag: &str, test: &str) -> Setup {
 
     let key = deployment_key(&dir);
     let ports: Vec<u16> = services().iter().map(|s| s.port).collect();
-    let sw = switchd_config(&dir, &key, &ports);
+    let sw = switchd_config(&lab, &dir, &key, &ports);
     lab.spawn_logged(
         "sw",
         bin("switchd"),
@@ -681,7 +683,7 @@ fn native_application_migrates_its_own_state() {
     let script = dir.join("sidecar_client.py");
     std::fs::write(&script, CLIENT_SCRIPT).unwrap();
     let key = deployment_key(&dir);
-    let sw = switchd_config(&dir, &key, &[9000]);
+    let sw = switchd_config(&lab, &dir, &key, &[9000]);
     lab.spawn_logged(
         "sw",
         bin("switchd"),

@@ -45,6 +45,10 @@ def test_login_then_three_servers_with_live_counts(page: Page, api: Api, shot):
         expect(card).to_be_visible()
         expect(page.get_by_test_id(f"server-name-{sid}")).to_have_text(name)
         expect(page.get_by_test_id(f"server-state-{sid}")).to_have_text("active")
+        # Created through the API, no hostagent registered them: the card
+        # says so instead of looking like a serving server.
+        expect(page.get_by_test_id(f"server-liveness-{sid}")).to_have_text("never seen")
+        expect(card).to_have_attribute("data-liveness", "never_seen")
         expect(page.get_by_test_id(f"server-connections-{sid}")).to_have_text("0")
 
     # Connections appear on the cards without a reload, from the `load`

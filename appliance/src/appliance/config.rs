@@ -646,10 +646,11 @@ pool = []
             e,
             "config : invalid type: string \"4\", expected a non-negative integer (line 2: workers = \"4\")"
         );
-        let e = err(&SWITCHD.replace("pool = []", "pool = [1]"));
+        let e = err(&SWITCHD.replace("pool = []", "pool = [true]"));
         assert!(
             e.ends_with(
-                "`switchd.services[0].pool[0]`: invalid type: integer `1`, expected a table"
+                "`switchd.services[0].pool[0]`: invalid type: boolean `true`, \
+                 expected a server id or a table { server = ID, weight = W }"
             ),
             "{e}"
         );

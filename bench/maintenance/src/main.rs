@@ -339,7 +339,7 @@ fn run_mode(mode: Mode, rate: f64) -> Result<ModeResult, String> {
     let mut lab = Lab::up("bm", 2);
     let cert = make_cert(&dir)?;
     let key = deployment_key(&dir);
-    let sw = switchd_config(&dir, &key);
+    let sw = switchd_config(&lab, &dir, &key);
     let switchd_pid = lab.spawn_logged(
         "sw",
         bin("switchd"),
@@ -831,7 +831,8 @@ fn make_cert(dir: &Path) -> Result<PathBuf, String> {
     Ok(cert)
 }
 
-fn switchd_config(dir: &Path, key: &Path) -> PathBuf {
+/// switchd's config for `lab` (XDP links pinned in `Lab::pin_dir`).
+fn switchd_config(lab: &Lab, dir: &Path, key: &Path) -> PathBuf {
     // `max_flows` (the flow table's capacity; switchd's default when unset).
     let max_flows = std::env::var("CAPYBARA_BENCH_MAX_FLOWS")
         .ok()
@@ -841,11 +842,12 @@ fn switchd_config(dir: &Path, key: &Path) -> PathBuf {
         "control_listen = \"198.18.1.1:7692\"\nkey_file = \"{}\"\nplacement = \"maglev\"\n\
          target_selection = \"round_robin\"\nload_interval_us = 1000\nheartbeat_interval_ms = 100\n\
          dead_after_ms = 1000\nclosed_linger_ms = 5000\nmetrics_listen = \"127.0.0.1:9102\"\n\
-         store = \"sqlite:{}\"\n{max_flows}[ha]\nenabled = false\n[[interfaces]]\nname = \"cl1\"\nrole = \"client\"\n\
+         store = \"sqlite:{}\"\n{max_flows}[ha]\nenabled = false\npin_dir = {:?}\n[[interfaces]]\nname = \"cl1\"\nrole = \"client\"\n\
          [[interfaces]]\nname = \"sv1\"\nrole = \"server\"\n[[interfaces]]\nname = \"sv2\"\nrole = \"server\"\n\
          [[services]]\nname = \"redis\"\nvip = \"{VIP}:{PORT}\"\npool = []\n",
         key.display(),
-        dir.join("store.db").display()
+        dir.join("store.db").display(),
+        lab.pin_dir()
     );
     let path = dir.join("switchd.toml");
     std::fs::write(&path, t).expect("write switchd config");

@@ -162,7 +162,7 @@ fn run(opt: &Options) -> Result<String, String> {
     }
     let mut lab = Lab::up("bmig", 2);
     let key = deployment_key(&dir);
-    let sw = switchd_config(&dir, 2, &key);
+    let sw = switchd_config(&lab, &dir, 2, &key);
     lab.spawn_logged(
         "sw",
         bin("switchd"),

@@ -152,7 +152,7 @@ function ServerCard({
   const canUndrain = operate && (s.state === 'draining' || s.state === 'drained' || drainRunning);
 
   return (
-    <div className={`card state-${s.state}`} data-testid={`server-card-${s.id}`} data-server-name={s.name} data-state={s.state}>
+    <div className={`card state-${s.state}`} data-testid={`server-card-${s.id}`} data-server-name={s.name} data-state={s.state} data-liveness={s.liveness}>
       <div className="card-head">
         <span className="dot" style={{ background: colorFor(s.id) }} />
         <strong data-testid={`server-name-${s.id}`}>{s.name}</strong>
@@ -160,6 +160,19 @@ function ServerCard({
         <span className={`badge badge-${s.state}`} data-testid={`server-state-${s.id}`}>
           {s.state}
         </span>
+        {(s.liveness === 'never_seen' || (s.liveness === 'dead' && s.state !== 'dead')) && (
+          <span
+            className="badge badge-dead"
+            title={
+              s.liveness === 'never_seen'
+                ? 'no hostagent has registered this server: it takes no connections'
+                : 'its hostagent missed its heartbeats: no new connections'
+            }
+            data-testid={`server-liveness-${s.id}`}
+          >
+            {s.liveness === 'never_seen' ? 'never seen' : 'not heard'}
+          </span>
+        )}
         {(s.stats.apps_down ?? 0) > 0 && (
           <span
             className="badge badge-draining"

@@ -180,7 +180,11 @@ function Pool({ pool: poolSet, servers }: { pool: Set<number>; servers: Record<n
       {pool.map((id) => {
         const s = servers[id];
         return (
-          <span key={id} className={`chip badge-${s?.state ?? 'dead'}`} title={s ? `${s.state}, weight ${s.weight}` : 'unknown server'}>
+          <span
+            key={id}
+            className={`chip badge-${s ? (s.liveness === 'live' ? s.state : 'dead') : 'dead'}`}
+            title={s ? `${s.state}, ${s.liveness.replace('_', ' ')}, weight ${s.weight}` : 'unknown server'}
+          >
             {s?.name ?? `#${id}`}
           </span>
         );

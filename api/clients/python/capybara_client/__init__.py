@@ -65,6 +65,7 @@ __all__ = [
     "Server",
     "ServerEvent",
     "ServerList",
+    "ServerLiveness",
     "ServerRegistration",
     "ServerState",
     "ServerStats",
@@ -134,6 +135,7 @@ from capybara_client.models.retiring_service import RetiringService as RetiringS
 from capybara_client.models.server import Server as Server
 from capybara_client.models.server_event import ServerEvent as ServerEvent
 from capybara_client.models.server_list import ServerList as ServerList
+from capybara_client.models.server_liveness import ServerLiveness as ServerLiveness
 from capybara_client.models.server_registration import ServerRegistration as ServerRegistration
 from capybara_client.models.server_state import ServerState as ServerState
 from capybara_client.models.server_stats import ServerStats as ServerStats

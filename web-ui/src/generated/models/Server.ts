@@ -34,6 +34,13 @@ import {
     DrainToJSON,
     DrainToJSONTyped,
 } from './Drain';
+import type { ServerLiveness } from './ServerLiveness';
+import {
+    ServerLivenessFromJSON,
+    ServerLivenessFromJSONTyped,
+    ServerLivenessToJSON,
+    ServerLivenessToJSONTyped,
+} from './ServerLiveness';
 
 /**
  * 
@@ -61,6 +68,10 @@ export interface Server {
      * 
      */
     state: ServerState;
+    /**
+     * 
+     */
+    liveness: ServerLiveness;
     /**
      * 
      */
@@ -121,6 +132,7 @@ export function instanceOfServer(value: object): value is Server {
     if (!('mgmt_addr' in value) || value['mgmt_addr'] === undefined) return false;
     if (!('data_addr' in value) || value['data_addr'] === undefined) return false;
     if (!('state' in value) || value['state'] === undefined) return false;
+    if (!('liveness' in value) || value['liveness'] === undefined) return false;
     if (!('weight' in value) || value['weight'] === undefined) return false;
     if (!('weight_source' in value) || value['weight_source'] === undefined) return false;
     if (!('registered_unix_ms' in value) || value['registered_unix_ms'] === undefined) return false;
@@ -144,6 +156,7 @@ export function ServerFromJSONTyped(json: any, ignoreDiscriminator: boolean): Se
         'mgmt_addr': json['mgmt_addr'],
         'data_addr': json['data_addr'],
         'state': ServerStateFromJSON(json['state']),
+        'liveness': ServerLivenessFromJSON(json['liveness']),
         'weight': json['weight'],
         'weight_source': json['weight_source'],
         'register_weight': json['register_weight'] === undefined ? undefined : json['register_weight'] === null ? null : json['register_weight'],
@@ -170,6 +183,7 @@ export function ServerToJSONTyped(value?: Server | null, ignoreDiscriminator: bo
         'mgmt_addr': value['mgmt_addr'],
         'data_addr': value['data_addr'],
         'state': ServerStateToJSON(value['state']),
+        'liveness': ServerLivenessToJSON(value['liveness']),
         'weight': value['weight'],
         'weight_source': value['weight_source'],
         'register_weight': value['register_weight'],

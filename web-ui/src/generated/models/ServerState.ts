@@ -14,6 +14,11 @@
 
 
 /**
+ * The operator's view of the server: `active` (in service),
+ * `draining`, `drained` (the operator's drain, kept across restarts
+ * until undrain), `dead` (switchd declared it dead while in
+ * service). Whether the server is heard at all is `liveness`: an
+ * `active` server may be `never_seen` or `dead` there.
  * 
  * @export
  */

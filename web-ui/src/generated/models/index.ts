@@ -29,6 +29,7 @@ export * from './RetiringService';
 export * from './Server';
 export * from './ServerEvent';
 export * from './ServerList';
+export * from './ServerLiveness';
 export * from './ServerRegistration';
 export * from './ServerState';
 export * from './ServerStats';

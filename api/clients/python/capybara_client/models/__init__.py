@@ -42,6 +42,7 @@ from capybara_client.models.retiring_service import RetiringService
 from capybara_client.models.server import Server
 from capybara_client.models.server_event import ServerEvent
 from capybara_client.models.server_list import ServerList
+from capybara_client.models.server_liveness import ServerLiveness
 from capybara_client.models.server_registration import ServerRegistration
 from capybara_client.models.server_state import ServerState
 from capybara_client.models.server_stats import ServerStats

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_v
 from typing import Any, ClassVar, Dict, List, Optional
 from typing_extensions import Annotated
 from capybara_client.models.drain import Drain
+from capybara_client.models.server_liveness import ServerLiveness
 from capybara_client.models.server_state import ServerState
 from capybara_client.models.server_stats import ServerStats
 from typing import Optional, Set
@@ -36,6 +37,7 @@ class Server(BaseModel):
     mgmt_addr: StrictStr
     data_addr: StrictStr
     state: ServerState
+    liveness: ServerLiveness
     weight: Annotated[int, Field(strict=True, ge=0)]
     weight_source: StrictStr = Field(description="`operator`: `weight` was set through the API (`PUT /v1/servers/{server_id}/weight`, `ctl weight`, the dashboard) and applies over the server's REGISTER, across its restarts, until `DELETE /v1/servers/{server_id}/weight` clears it. `register`: the weight the server's hostagent reports (`[control] weight`). ")
     register_weight: Optional[Annotated[int, Field(strict=True, ge=0)]] = Field(default=None, description="While `weight_source` is `operator`: the weight the server's REGISTER reports, which clearing the operator's weight brings back. Null otherwise, or when not known (a weight given when the server was created through the API). ")
@@ -43,7 +45,7 @@ class Server(BaseModel):
     updated_unix_ms: StrictInt
     stats: ServerStats
     drain: Optional[Drain] = Field(default=None, description="The current or last drain, if any.")
-    __properties: ClassVar[List[str]] = ["id", "name", "mgmt_addr", "data_addr", "state", "weight", "weight_source", "register_weight", "registered_unix_ms", "updated_unix_ms", "stats", "drain"]
+    __properties: ClassVar[List[str]] = ["id", "name", "mgmt_addr", "data_addr", "state", "liveness", "weight", "weight_source", "register_weight", "registered_unix_ms", "updated_unix_ms", "stats", "drain"]
 
     @field_validator('weight_source')
     def weight_source_validate_enum(cls, value):
@@ -124,6 +126,7 @@ class Server(BaseModel):
             "mgmt_addr": obj.get("mgmt_addr"),
             "data_addr": obj.get("data_addr"),
             "state": obj.get("state"),
+            "liveness": obj.get("liveness"),
             "weight": obj.get("weight"),
             "weight_source": obj.get("weight_source"),
             "register_weight": obj.get("register_weight"),

@@ -56,6 +56,8 @@ pub mod server_event;
 pub use self::server_event::ServerEvent;
 pub mod server_list;
 pub use self::server_list::ServerList;
+pub mod server_liveness;
+pub use self::server_liveness::ServerLiveness;
 pub mod server_registration;
 pub use self::server_registration::ServerRegistration;
 pub mod server_state;

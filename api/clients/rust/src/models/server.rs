@@ -23,6 +23,8 @@ pub struct Server {
     pub data_addr: String,
     #[serde(rename = "state")]
     pub state: models::ServerState,
+    #[serde(rename = "liveness")]
+    pub liveness: models::ServerLiveness,
     #[serde(rename = "weight")]
     pub weight: i32,
     /// `operator`: `weight` was set through the API (`PUT /v1/servers/{server_id}/weight`, `ctl weight`, the dashboard) and applies over the server's REGISTER, across its restarts, until `DELETE /v1/servers/{server_id}/weight` clears it. `register`: the weight the server's hostagent reports (`[control] weight`).
@@ -59,6 +61,7 @@ impl Server {
         mgmt_addr: String,
         data_addr: String,
         state: models::ServerState,
+        liveness: models::ServerLiveness,
         weight: i32,
         weight_source: WeightSource,
         registered_unix_ms: i64,
@@ -71,6 +74,7 @@ impl Server {
             mgmt_addr,
             data_addr,
             state,
+            liveness,
             weight,
             weight_source,
             register_weight: None,
