@@ -65,6 +65,16 @@ if [ "$(id -u)" != 0 ]; then echo "demo: needs root (network namespaces, eBPF)" 
 command -v nsenter >/dev/null || { echo "demo: missing nsenter (util-linux)" >&2; exit 1; }
 
 PIDS=()
+# Per pid: what it is, its log, the command that starts it again, and
+# whether the demo can go on without it (see the watch loop at the end).
+declare -A PNAME=() PLOG=() PCMD=() PVITAL=()
+# track PID VITAL NAME LOG COMMAND...: records the process started last.
+track() {
+  local pid=$1 vital=$2 name=$3 log=$4; shift 4
+  PIDS+=("$pid")
+  PVITAL[$pid]=$vital PNAME[$pid]=$name PLOG[$pid]=$log
+  PCMD[$pid]="$(printf '%q ' "$@")>> $(printf '%q' "$log") 2>&1 &"
+}
 LOADGEN_LOOP=
 cleaned=
 owned=
@@ -236,7 +246,8 @@ echo "demo: starting nginx on s1..s$SERVERS (127.0.0.1:$APP_PORT)"
 for j in $(seq 1 $SERVERS); do
   ip netns exec "$(NS s$j)" "$NGINX" -p "$DIR/nginx-s$j" -c "$DIR/nginx-s$j/nginx.conf" \
     > "$DIR/nginx-s$j.log" 2>&1 &
-  PIDS+=($!)
+  track $! 0 "nginx of s$j in namespace $(NS s$j)" "$DIR/nginx-s$j.log" \
+    ip netns exec "$(NS s$j)" "$NGINX" -p "$DIR/nginx-s$j" -c "$DIR/nginx-s$j/nginx.conf"
 done
 for j in $(seq 1 $SERVERS); do
   wait_until 30 "nginx on s$j" ip netns exec "$(NS s$j)" curl -sf -m 1 -o /dev/null "http://127.0.0.1:$APP_PORT/"
@@ -244,21 +255,22 @@ done
 
 echo "demo: starting the appliance (capybara run: switchd + API + dashboard)"
 nsenter --net="/run/netns/$(NS sw)" "$CAPYBARA" run "$DIR/capybara.toml" > "$DIR/capybara.log" 2>&1 &
-PIDS+=($!)
+track $! 1 "the appliance (capybara run in namespace $(NS sw))" "$DIR/capybara.log" :
 wait_until 60 "the API" ip netns exec "$(NS sw)" curl -sf -m 1 -o /dev/null "http://127.0.0.1:$API_PORT/healthz"
 
 echo "demo: starting hostagents (sidecar -> nginx) on s1..s$SERVERS"
 for j in $(seq 1 $SERVERS); do
   ip netns exec "$(NS s$j)" "$HOSTAGENT" --config "$DIR/hostagent-s$j.toml" --metrics "198.18.1.$((10 + j)):9100" \
     > "$DIR/hostagent-s$j.log" 2>&1 &
-  PIDS+=($!)
+  track $! 0 "hostagent of s$j in namespace $(NS s$j)" "$DIR/hostagent-s$j.log" \
+    ip netns exec "$(NS s$j)" "$HOSTAGENT" --config "$DIR/hostagent-s$j.toml" --metrics "198.18.1.$((10 + j)):9100"
 done
 registered() { for j in $(seq 1 $SERVERS); do grep -q "registered s$j" "$DIR/capybara.log" || return 1; done; }
 wait_until 60 "every server to register with switchd" registered
 wait_until 60 "the VIP to answer from c1" ip netns exec "$(NS c1)" curl -sf -m 1 -o /dev/null "http://$VIP/"
 
 python3 "$ROOT/scripts/demo-relay.py" "127.0.0.1:$API_PORT" "/run/netns/$(NS sw)" "127.0.0.1:$API_PORT" > "$DIR/relay.log" 2>&1 &
-PIDS+=($!)
+track $! 1 "the API relay to the host (demo-relay.py)" "$DIR/relay.log" :
 wait_until 20 "the API from the host" curl -sf -m 1 -o /dev/null "http://127.0.0.1:$API_PORT/healthz"
 cp "$OUT/admin-token" "$DIR/admin-token"
 TOKEN=$(cat "$OUT/admin-token")
@@ -302,7 +314,16 @@ while true; do
     echo "demo: CAPYBARA_DEMO_SECONDS=$CAPYBARA_DEMO_SECONDS elapsed"
     exit 0
   fi
+  # A server's hostagent or nginx dying is one of the failures the demo is
+  # for (docs/OPERATIONS.md): the appliance notices, the dashboard shows it,
+  # and the demo goes on. Without the appliance or the relay there is no
+  # demo left to watch.
   for p in "${PIDS[@]}"; do
-    kill -0 "$p" 2>/dev/null || fail "a demo process ($p: $(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null || echo exited)) stopped; see $DIR/*.log"
+    kill -0 "$p" 2>/dev/null && continue
+    [ "${PVITAL[$p]}" = 1 ] && fail "${PNAME[$p]} (pid $p) exited; the demo cannot go on without it (log: ${PLOG[$p]})"
+    [ "${PVITAL[$p]}" = gone ] && continue
+    PVITAL[$p]=gone
+    echo "demo: ${PNAME[$p]} (pid $p) exited (log: ${PLOG[$p]}); the demo goes on without it. Start it again:" >&2
+    echo "  ${PCMD[$p]}" >&2
   done
 done

@@ -85,7 +85,10 @@ example:
         "usage: capybara ctl drain SERVER [--deadline DURATION] [--force] [--wait]
 Takes SERVER out of placement at once (no new connections) and migrates its
 open connections to the other servers; the drain completes when it holds
-none. Prints the drain's state (running) unless --wait.
+none. Prints the drain's state (running) unless --wait. Draining a server
+again is a no-op: a drained server stays drained (prints completed), a
+running drain goes on unchanged (a different --deadline or --force is
+refused: undrain first).
 arguments:
   SERVER               the server's id: 3 or s3 (see `servers`)
 flags:
@@ -1198,13 +1201,40 @@ async fn drain(cfg: &Configuration, id: i64, a: &Args) -> Result<(), CtlError> {
         mode: Some(mode),
         targets: None,
     };
+    // The API answers a retried drain with the drain the server already has;
+    // the drain running before the request tells a retry from a new start
+    // (its start time, not this host's clock).
+    let running_before = apis::servers_api::get_drain(cfg, id)
+        .await
+        .ok()
+        .filter(|d| d.state == models::DrainState::Running)
+        .map(|d| d.started_unix_ms);
     let d = apis::servers_api::drain_server(cfg, id, req)
         .await
         .map_err(api_err)?;
-    eprintln!(
-        "draining server {id}: {} connections, deadline in {secs} s",
-        d.progress.flows_total
-    );
+    // A new drain always starts `running`: `completed` is the earlier drain.
+    if d.state == models::DrainState::Completed {
+        let p = &d.progress;
+        eprintln!(
+            "server {id} is already drained: its drain completed ({} migrated, {} closed of {}); nothing to do (`capybara ctl undrain {id}` returns it to service)",
+            p.flows_migrated, p.flows_closed, p.flows_total
+        );
+        println!("{}", drain_state_str(d.state));
+        return Ok(());
+    }
+    if running_before == Some(d.started_unix_ms) {
+        eprintln!(
+            "server {id} is already draining (not restarted): {} of {} connections remain, deadline {} s after its start",
+            d.progress.flows_remaining,
+            d.progress.flows_total,
+            (d.deadline_unix_ms - d.started_unix_ms) / 1000
+        );
+    } else {
+        eprintln!(
+            "draining server {id}: {} connections, deadline in {secs} s",
+            d.progress.flows_total
+        );
+    }
     // Accepted, but worth saying: a service left with no server to place
     // on refuses every new connection until one comes back.
     if let Some(left) = services_left_without(cfg, id).await {

@@ -15,7 +15,7 @@ use actix_web::dev::{ServerHandle, Service as _};
 use actix_web::http::header;
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer, ResponseError};
 use capybara_proto::flow::ServerId;
-use capybara_store::{AuditRecord, Policy, Server, ServerState, Service, Store};
+use capybara_store::{AuditRecord, DrainState, Policy, Server, ServerState, Service, Store};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::sync::broadcast;
@@ -698,6 +698,34 @@ async fn drain_server(
         mode: b.mode.unwrap_or(DrainMode::Migrate),
         targets,
     };
+    // Automation retries drains: a drain the server already has is answered
+    // with its record (200) instead of being replaced by a new one, which
+    // would lose the finished drain's progress or reset a running deadline.
+    // A drained server that holds connections again has work for a new one.
+    if let Some(d) = state.cp.drain_status(s.id).await? {
+        match d.state {
+            DrainState::Completed
+                if s.state == ServerState::Drained
+                    && state.store.list_flows_by_server(s.id).await?.is_empty() =>
+            {
+                return Ok(ok(&d))
+            }
+            DrainState::Running => {
+                if let Some(diff) = running_drain_differs(&d, &spec) {
+                    let left_s = d
+                        .deadline_unix_ms
+                        .saturating_sub(capybara_store::unix_ms_now())
+                        .div_ceil(1000);
+                    return Err(Problem::conflict(format!(
+                        "server {} is already draining (deadline in {left_s} s) with {diff}; undrain it first to start another drain",
+                        s.id.0
+                    )));
+                }
+                return Ok(ok(&d));
+            }
+            _ => {}
+        }
+    }
     let view = state.cp.start_drain(s.id, spec).await?;
     audit(
         state,
@@ -708,6 +736,34 @@ async fn drain_server(
     )
     .await;
     Ok(json_response(actix_web::http::StatusCode::ACCEPTED, &view))
+}
+
+/// What a drain request asks that differs from the running drain `d`, in
+/// words (`None`: the same drain, a retry).
+fn running_drain_differs(d: &DrainView, spec: &DrainSpec) -> Option<String> {
+    let mut diffs = Vec::new();
+    if d.mode != spec.mode {
+        diffs.push(format!(
+            "mode {} (not {})",
+            d.mode.as_str(),
+            spec.mode.as_str()
+        ));
+    }
+    let running_s = d.deadline_unix_ms.saturating_sub(d.started_unix_ms) / 1000;
+    if running_s != spec.deadline.as_secs() {
+        diffs.push(format!(
+            "deadline_seconds {running_s} (not {})",
+            spec.deadline.as_secs()
+        ));
+    }
+    let mut running_targets = d.targets.clone();
+    running_targets.sort_unstable();
+    let mut asked: Vec<u32> = spec.targets.iter().map(|t| t.0).collect();
+    asked.sort_unstable();
+    if running_targets != asked {
+        diffs.push(format!("targets {running_targets:?} (not {asked:?})"));
+    }
+    (!diffs.is_empty()).then(|| diffs.join(", "))
 }
 
 async fn get_drain(

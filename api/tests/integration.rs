@@ -918,7 +918,13 @@ async fn drain_completed_before_switchd_records_draining_ends_drained() {
     let url = format!("{}/v1/servers/{a}/drain", api.url);
     let (s, _, _) = call("POST", url.clone(), Some(&token), Some(json!({}))).await;
     assert_eq!(s, 202);
-    let (s, v, _) = call("POST", url, Some(&token), Some(json!({}))).await;
+    let (s, v, _) = call(
+        "POST",
+        url,
+        Some(&token),
+        Some(json!({"deadline_seconds": 10})),
+    )
+    .await;
     assert_eq!(s, 409, "{v}");
     let detail = v["detail"].as_str().unwrap();
     assert!(
@@ -2471,5 +2477,106 @@ async fn unknown_query_parameters_are_refused() {
     )
     .await;
     assert_eq!((s, &v["total"]), (200, &json!(1)), "{v}");
+    api.stop().await;
+}
+
+/// Draining again is a retry, not a new drain: a drained server answers 200
+/// with its completed drain (the real drain's progress kept, not a new 0/0
+/// one), a running drain goes on with its start and deadline unchanged, and
+/// a request asking a different deadline or mode of a running drain is a
+/// 409 naming what differs. `capybara ctl drain` says so and exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_again_keeps_the_drain_the_server_has() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let token = api.token("ops", Role::Operator);
+    let a = register(&api, &token, "web1").await;
+    register(&api, &token, "web2").await;
+    api.store
+        .apply_flows(&[
+            FlowOp::Put {
+                key: flow(1),
+                server: ServerId(a as u32),
+            },
+            FlowOp::Put {
+                key: flow(2),
+                server: ServerId(a as u32),
+            },
+        ])
+        .await
+        .unwrap();
+    let drain_url = format!("{}/v1/servers/{a}/drain", api.url);
+    let body = json!({"deadline_seconds": 60});
+    let (s, first, _) = call("POST", drain_url.clone(), Some(&token), Some(body.clone())).await;
+    assert_eq!(s, 202, "{first}");
+
+    // The same request again: the running drain, not restarted.
+    let (s, again, _) = call("POST", drain_url.clone(), Some(&token), Some(body.clone())).await;
+    assert_eq!(s, 200, "{again}");
+    assert_eq!(again["state"], "running");
+    assert_eq!(again["started_unix_ms"], first["started_unix_ms"]);
+    assert_eq!(again["deadline_unix_ms"], first["deadline_unix_ms"]);
+    let (code, out, err) = ctl(
+        &api.url,
+        &token,
+        &["drain", &a.to_string(), "--deadline", "60s"],
+    );
+    assert_eq!((code, out.trim()), (0, "running"), "{err}");
+    assert!(err.contains("already draining (not restarted)"), "{err}");
+
+    // Asking something else of a running drain is refused, naming it.
+    for (other, named) in [
+        (
+            json!({"deadline_seconds": 10}),
+            "deadline_seconds 60 (not 10)",
+        ),
+        (
+            json!({"deadline_seconds": 60, "mode": "force"}),
+            "mode migrate (not force)",
+        ),
+    ] {
+        let (s, v, _) = call("POST", drain_url.clone(), Some(&token), Some(other)).await;
+        assert_eq!(s, 409, "{v}");
+        assert!(v["detail"].as_str().unwrap().contains(named), "{v}");
+    }
+    let (_, d, _) = call("GET", drain_url.clone(), Some(&token), None).await;
+    assert_eq!(d["deadline_unix_ms"], first["deadline_unix_ms"]);
+
+    // The connections close: the drain completes with its real progress.
+    api.store
+        .apply_flows(&[
+            FlowOp::Delete { key: flow(1) },
+            FlowOp::Delete { key: flow(2) },
+        ])
+        .await
+        .unwrap();
+    let done = wait_drain(&api, &token, a, "completed").await;
+    assert_eq!(done["progress"]["flows_closed"], 2, "{done}");
+
+    // Draining the drained server again (any deadline or mode): that drain.
+    for retry in [
+        body.clone(),
+        json!({"deadline_seconds": 5, "mode": "force"}),
+    ] {
+        let (s, v, _) = call("POST", drain_url.clone(), Some(&token), Some(retry)).await;
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(v, done);
+    }
+    let (code, out, err) = ctl(&api.url, &token, &["drain", &a.to_string()]);
+    assert_eq!((code, out.trim()), (0, "completed"), "{err}");
+    assert!(
+        err.contains(&format!("server {a} is already drained")),
+        "{err}"
+    );
+    let (_, d, _) = call("GET", drain_url.clone(), Some(&token), None).await;
+    assert_eq!(d, done, "the completed drain's record is kept");
+    let (_, srv, _) = call(
+        "GET",
+        format!("{}/v1/servers/{a}", api.url),
+        Some(&token),
+        None,
+    )
+    .await;
+    assert_eq!(srv["state"], "drained");
     api.stop().await;
 }

@@ -195,6 +195,7 @@ fn main() {
                 pool_load: 2000,
                 live_servers: 2,
                 least_loaded: Ipv4Addr::new(198, 18, 2, 12),
+                weights: None,
             },
         );
     }

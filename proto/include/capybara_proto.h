@@ -130,6 +130,12 @@ _Static_assert(sizeof(struct tcpmig_hdr) == TCPMIG_HDR_LEN, "tcpmig_hdr size");
 #define LOAD_MAGIC 0xCA9C
 #define LOAD_VERSION 1
 #define LOAD_LEN 48
+/* Version 2: the 48 bytes of version 1 (version 2), then own_weight and
+ * pool_weight (__be32 each); sent while the pool's weights differ. */
+#define LOAD_VERSION_WEIGHTED 2
+#define LOAD_LEN_WEIGHTED 56
+#define LOAD_OFF_OWN_WEIGHT 48
+#define LOAD_OFF_POOL_WEIGHT 52
 
 #define LOAD_OFF_MAGIC 0
 #define LOAD_OFF_VERSION 2

@@ -1118,9 +1118,46 @@ impl MigrationReport {
 pub trait WireRecord: Copy + 'static {
     /// Bytes of one record.
     const LEN: usize;
+    /// Most records one message may carry.
+    const MAX: usize;
     /// The record in `c` (`LEN` bytes), `None` when invalid (the parser
-    /// says why with its own error before a list ever holds it).
+    /// says why with [`Self::check`] before a list ever holds it).
     fn decode(c: &[u8]) -> Option<Self>;
+    /// Why record `index` (`c`, `LEN` bytes) is invalid.
+    fn check(c: &[u8], index: usize) -> Result<(), ControlError>;
+    /// The error for a message that announces `count` > `MAX` records.
+    fn too_many(count: usize) -> ControlError;
+}
+
+/// The records of a list body of `kind`: a `header` of `header` bytes
+/// whose `count` field announces the records that follow, each checked.
+fn record_list<R: WireRecord>(
+    kind: ControlKind,
+    body: &[u8],
+    header: usize,
+    count: field::Field,
+) -> Result<&[u8], ControlError> {
+    let bad_len = |expected| ControlError::BadBodyLength {
+        kind,
+        len: body.len(),
+        expected,
+    };
+    if body.len() < header {
+        return Err(bad_len(header));
+    }
+    let count = usize::from(rd16(body, count));
+    if count > R::MAX {
+        return Err(R::too_many(count));
+    }
+    let expected = header + count * R::LEN;
+    if body.len() != expected {
+        return Err(bad_len(expected));
+    }
+    let records = &body[header..];
+    for (index, c) in records.chunks_exact(R::LEN).enumerate() {
+        R::check(c, index)?;
+    }
+    Ok(records)
 }
 
 /// The records of a list body: the validated wire bytes of a parsed
@@ -1177,8 +1214,17 @@ impl<R: WireRecord + std::fmt::Debug> std::fmt::Debug for RecordList<'_, R> {
 
 impl WireRecord for MigrationReport {
     const LEN: usize = field::migration_report::REPORT_LEN;
+    const MAX: usize = MAX_REPORTS;
     fn decode(c: &[u8]) -> Option<Self> {
         MigrationReport::read(c).ok()
+    }
+    fn check(c: &[u8], index: usize) -> Result<(), ControlError> {
+        MigrationReport::read(c)
+            .map(|_| ())
+            .map_err(|(field, code)| ControlError::BadReport { index, field, code })
+    }
+    fn too_many(count: usize) -> ControlError {
+        ControlError::TooManyReports { count }
     }
 }
 
@@ -1230,8 +1276,17 @@ impl FlowClaim {
 
 impl WireRecord for FlowClaim {
     const LEN: usize = field::flows::CLAIM_LEN;
+    const MAX: usize = MAX_FLOW_CLAIMS;
     fn decode(c: &[u8]) -> Option<Self> {
         FlowClaim::read(c).ok()
+    }
+    fn check(c: &[u8], index: usize) -> Result<(), ControlError> {
+        FlowClaim::read(c)
+            .map(|_| ())
+            .map_err(|what| ControlError::BadFlowClaim { index, what })
+    }
+    fn too_many(count: usize) -> ControlError {
+        ControlError::TooManyFlowClaims { count }
     }
 }
 
@@ -1379,188 +1434,154 @@ impl<'a> ControlRepr<'a> {
                 })
             }
         };
-        let parsed =
-            match kind {
-                ControlKind::Register => {
-                    use field::register as f;
-                    if body.len() < f::SERVICES {
-                        return Err(ControlError::BadBodyLength {
-                            kind,
-                            len: body.len(),
-                            expected: f::SERVICES,
-                        });
+        let parsed = match kind {
+            ControlKind::Register => {
+                use field::register as f;
+                if body.len() < f::SERVICES {
+                    return Err(ControlError::BadBodyLength {
+                        kind,
+                        len: body.len(),
+                        expected: f::SERVICES,
+                    });
+                }
+                let count = usize::from(rd16(body, f::SERVICE_COUNT));
+                if count > MAX_SERVICES {
+                    return Err(ControlError::TooManyServices { count });
+                }
+                let end = f::SERVICES + count * f::SERVICE_LEN;
+                let has_instance = rd16(body, f::FLAGS) & REGISTER_INSTANCE != 0;
+                let instance = if has_instance {
+                    exact(end + f::INSTANCE_LEN)?;
+                    let id = rd64(body, end..end + f::INSTANCE_LEN);
+                    if id == 0 {
+                        return Err(ControlError::ZeroInstance);
                     }
-                    let count = usize::from(rd16(body, f::SERVICE_COUNT));
-                    if count > MAX_SERVICES {
-                        return Err(ControlError::TooManyServices { count });
-                    }
-                    let end = f::SERVICES + count * f::SERVICE_LEN;
-                    let has_instance = rd16(body, f::FLAGS) & REGISTER_INSTANCE != 0;
-                    let instance = if has_instance {
-                        exact(end + f::INSTANCE_LEN)?;
-                        let id = rd64(body, end..end + f::INSTANCE_LEN);
-                        if id == 0 {
-                            return Err(ControlError::ZeroInstance);
-                        }
-                        id
-                    } else {
-                        exact(end)?;
-                        0
-                    };
-                    ControlBody::Register(Register {
-                        mgmt_addr: Ipv4Addr::from(rd32(body, f::MGMT_ADDR)),
-                        data_addr: Ipv4Addr::from(rd32(body, f::DATA_ADDR)),
-                        data_mac: rd(body, f::DATA_MAC),
-                        weight: rd16(body, f::WEIGHT),
-                        services: ServiceList::Wire(&body[f::SERVICES..end]),
-                        instance,
-                    })
+                    id
+                } else {
+                    exact(end)?;
+                    0
+                };
+                ControlBody::Register(Register {
+                    mgmt_addr: Ipv4Addr::from(rd32(body, f::MGMT_ADDR)),
+                    data_addr: Ipv4Addr::from(rd32(body, f::DATA_ADDR)),
+                    data_mac: rd(body, f::DATA_MAC),
+                    weight: rd16(body, f::WEIGHT),
+                    services: ServiceList::Wire(&body[f::SERVICES..end]),
+                    instance,
+                })
+            }
+            ControlKind::RegisterAck => {
+                use field::register_ack as f;
+                exact(f::LEN)?;
+                ControlBody::RegisterAck(RegisterAck {
+                    switch_epoch: rd32(body, f::SWITCH_EPOCH),
+                    load_interval_us: rd32(body, f::LOAD_INTERVAL_US),
+                    heartbeat_interval_ms: rd32(body, f::HEARTBEAT_INTERVAL_MS),
+                    dead_after_ms: rd32(body, f::DEAD_AFTER_MS),
+                })
+            }
+            ControlKind::Heartbeat => {
+                use field::heartbeat as f;
+                exact(f::LEN)?;
+                ControlBody::Heartbeat(Heartbeat {
+                    connections: rd32(body, f::CONNECTIONS),
+                    migrations_in_flight: rd32(body, f::MIGRATIONS_IN_FLIGHT),
+                    load_pps: rd64(body, f::LOAD_PPS),
+                    rx_backlog_bytes: rd64(body, f::RX_BACKLOG_BYTES),
+                    flags: rd32(body, f::FLAGS),
+                    policy_generation: rd32(body, f::POLICY_GENERATION),
+                })
+            }
+            ControlKind::Drain => {
+                use field::drain as f;
+                exact(f::LEN)?;
+                ControlBody::Drain(Drain {
+                    deadline_ms: rd32(body, f::DEADLINE_MS),
+                    flags: rd32(body, f::FLAGS),
+                })
+            }
+            ControlKind::Migrate => {
+                use field::migrate as f;
+                exact(f::LEN)?;
+                let target = Ipv4Addr::from(rd32(body, f::TARGET));
+                ControlBody::Migrate(Migrate {
+                    flow: read_flow_key(body, f::CLIENT_IP.start),
+                    target: (!target.is_unspecified()).then_some(target),
+                })
+            }
+            ControlKind::Policy => {
+                use field::policy as f;
+                exact(f::LEN)?;
+                ControlBody::Policy(PolicyMsg {
+                    generation: rd32(body, f::GENERATION),
+                    flags: rd32(body, f::FLAGS),
+                    proactive_threshold_bp: rd32(body, f::PROACTIVE_THRESHOLD_BP),
+                    hysteresis_bp: rd32(body, f::HYSTERESIS_BP),
+                    reactive_backlog_packets: rd32(body, f::REACTIVE_BACKLOG_PACKETS),
+                    cooldown_ms: rd32(body, f::COOLDOWN_MS),
+                    max_migrations_per_sec: rd32(body, f::MAX_MIGRATIONS_PER_SEC),
+                    migration_deadline_ms: rd32(body, f::MIGRATION_DEADLINE_MS),
+                })
+            }
+            ControlKind::SetOwner => {
+                use field::set_owner as f;
+                exact(f::LEN)?;
+                ControlBody::SetOwner(SetOwner {
+                    flow: read_flow_key(body, f::CLIENT_IP.start),
+                    owner: Ipv4Addr::from(rd32(body, f::OWNER)),
+                })
+            }
+            ControlKind::MigrationReport => {
+                use field::migration_report as f;
+                let reports = record_list::<MigrationReport>(kind, body, f::REPORTS, f::COUNT)?;
+                ControlBody::MigrationReport(ReportList::Wire(reports))
+            }
+            ControlKind::Flows => {
+                use field::flows as f;
+                let claims = record_list::<FlowClaim>(kind, body, f::CLAIMS, f::COUNT)?;
+                ControlBody::Flows(Flows {
+                    report_id: rd32(body, f::REPORT_ID),
+                    batch: rd16(body, f::BATCH),
+                    flags: rd16(body, f::FLAGS),
+                    claims: ClaimList::Wire(claims),
+                })
+            }
+            ControlKind::FlowsAck => {
+                use field::flows_ack as f;
+                exact(f::LEN)?;
+                ControlBody::FlowsAck(FlowsAck {
+                    report_id: rd32(body, f::REPORT_ID),
+                    batch: rd16(body, f::BATCH),
+                    flags: rd16(body, f::FLAGS),
+                    applied: rd16(body, f::APPLIED),
+                    skipped: rd16(body, f::SKIPPED),
+                })
+            }
+            ControlKind::Error => {
+                use field::error as f;
+                if body.len() < f::TEXT {
+                    return Err(ControlError::BadBodyLength {
+                        kind,
+                        len: body.len(),
+                        expected: f::TEXT,
+                    });
                 }
-                ControlKind::RegisterAck => {
-                    use field::register_ack as f;
-                    exact(f::LEN)?;
-                    ControlBody::RegisterAck(RegisterAck {
-                        switch_epoch: rd32(body, f::SWITCH_EPOCH),
-                        load_interval_us: rd32(body, f::LOAD_INTERVAL_US),
-                        heartbeat_interval_ms: rd32(body, f::HEARTBEAT_INTERVAL_MS),
-                        dead_after_ms: rd32(body, f::DEAD_AFTER_MS),
-                    })
+                let text = &body[f::TEXT..];
+                if text.len() > MAX_ERROR_TEXT {
+                    return Err(ControlError::ErrorTextTooLong { len: text.len() });
                 }
-                ControlKind::Heartbeat => {
-                    use field::heartbeat as f;
-                    exact(f::LEN)?;
-                    ControlBody::Heartbeat(Heartbeat {
-                        connections: rd32(body, f::CONNECTIONS),
-                        migrations_in_flight: rd32(body, f::MIGRATIONS_IN_FLIGHT),
-                        load_pps: rd64(body, f::LOAD_PPS),
-                        rx_backlog_bytes: rd64(body, f::RX_BACKLOG_BYTES),
-                        flags: rd32(body, f::FLAGS),
-                        policy_generation: rd32(body, f::POLICY_GENERATION),
-                    })
-                }
-                ControlKind::Drain => {
-                    use field::drain as f;
-                    exact(f::LEN)?;
-                    ControlBody::Drain(Drain {
-                        deadline_ms: rd32(body, f::DEADLINE_MS),
-                        flags: rd32(body, f::FLAGS),
-                    })
-                }
-                ControlKind::Migrate => {
-                    use field::migrate as f;
-                    exact(f::LEN)?;
-                    let target = Ipv4Addr::from(rd32(body, f::TARGET));
-                    ControlBody::Migrate(Migrate {
-                        flow: read_flow_key(body, f::CLIENT_IP.start),
-                        target: (!target.is_unspecified()).then_some(target),
-                    })
-                }
-                ControlKind::Policy => {
-                    use field::policy as f;
-                    exact(f::LEN)?;
-                    ControlBody::Policy(PolicyMsg {
-                        generation: rd32(body, f::GENERATION),
-                        flags: rd32(body, f::FLAGS),
-                        proactive_threshold_bp: rd32(body, f::PROACTIVE_THRESHOLD_BP),
-                        hysteresis_bp: rd32(body, f::HYSTERESIS_BP),
-                        reactive_backlog_packets: rd32(body, f::REACTIVE_BACKLOG_PACKETS),
-                        cooldown_ms: rd32(body, f::COOLDOWN_MS),
-                        max_migrations_per_sec: rd32(body, f::MAX_MIGRATIONS_PER_SEC),
-                        migration_deadline_ms: rd32(body, f::MIGRATION_DEADLINE_MS),
-                    })
-                }
-                ControlKind::SetOwner => {
-                    use field::set_owner as f;
-                    exact(f::LEN)?;
-                    ControlBody::SetOwner(SetOwner {
-                        flow: read_flow_key(body, f::CLIENT_IP.start),
-                        owner: Ipv4Addr::from(rd32(body, f::OWNER)),
-                    })
-                }
-                ControlKind::MigrationReport => {
-                    use field::migration_report as f;
-                    if body.len() < f::REPORTS {
-                        return Err(ControlError::BadBodyLength {
-                            kind,
-                            len: body.len(),
-                            expected: f::REPORTS,
-                        });
-                    }
-                    let count = usize::from(rd16(body, f::COUNT));
-                    if count > MAX_REPORTS {
-                        return Err(ControlError::TooManyReports { count });
-                    }
-                    exact(f::REPORTS + count * f::REPORT_LEN)?;
-                    let reports = &body[f::REPORTS..];
-                    for (index, c) in reports.chunks_exact(f::REPORT_LEN).enumerate() {
-                        MigrationReport::read(c).map_err(|(field, code)| {
-                            ControlError::BadReport { index, field, code }
-                        })?;
-                    }
-                    ControlBody::MigrationReport(ReportList::Wire(reports))
-                }
-                ControlKind::Flows => {
-                    use field::flows as f;
-                    if body.len() < f::CLAIMS {
-                        return Err(ControlError::BadBodyLength {
-                            kind,
-                            len: body.len(),
-                            expected: f::CLAIMS,
-                        });
-                    }
-                    let count = usize::from(rd16(body, f::COUNT));
-                    if count > MAX_FLOW_CLAIMS {
-                        return Err(ControlError::TooManyFlowClaims { count });
-                    }
-                    exact(f::CLAIMS + count * f::CLAIM_LEN)?;
-                    let claims = &body[f::CLAIMS..];
-                    for (index, c) in claims.chunks_exact(f::CLAIM_LEN).enumerate() {
-                        FlowClaim::read(c)
-                            .map_err(|what| ControlError::BadFlowClaim { index, what })?;
-                    }
-                    ControlBody::Flows(Flows {
-                        report_id: rd32(body, f::REPORT_ID),
-                        batch: rd16(body, f::BATCH),
-                        flags: rd16(body, f::FLAGS),
-                        claims: ClaimList::Wire(claims),
-                    })
-                }
-                ControlKind::FlowsAck => {
-                    use field::flows_ack as f;
-                    exact(f::LEN)?;
-                    ControlBody::FlowsAck(FlowsAck {
-                        report_id: rd32(body, f::REPORT_ID),
-                        batch: rd16(body, f::BATCH),
-                        flags: rd16(body, f::FLAGS),
-                        applied: rd16(body, f::APPLIED),
-                        skipped: rd16(body, f::SKIPPED),
-                    })
-                }
-                ControlKind::Error => {
-                    use field::error as f;
-                    if body.len() < f::TEXT {
-                        return Err(ControlError::BadBodyLength {
-                            kind,
-                            len: body.len(),
-                            expected: f::TEXT,
-                        });
-                    }
-                    let text = &body[f::TEXT..];
-                    if text.len() > MAX_ERROR_TEXT {
-                        return Err(ControlError::ErrorTextTooLong { len: text.len() });
-                    }
-                    let text =
-                        std::str::from_utf8(text).map_err(|e| ControlError::ErrorTextNotUtf8 {
-                            valid_up_to: e.valid_up_to(),
-                        })?;
-                    ControlBody::Error(ErrorMsg {
-                        code: ErrorCode::from_u16(rd16(body, f::CODE)),
-                        ref_kind: body[f::REF_KIND],
-                        ref_seq: rd64(body, f::REF_SEQ),
-                        text,
-                    })
-                }
-            };
+                let text =
+                    std::str::from_utf8(text).map_err(|e| ControlError::ErrorTextNotUtf8 {
+                        valid_up_to: e.valid_up_to(),
+                    })?;
+                ControlBody::Error(ErrorMsg {
+                    code: ErrorCode::from_u16(rd16(body, f::CODE)),
+                    ref_kind: body[f::REF_KIND],
+                    ref_seq: rd64(body, f::REF_SEQ),
+                    text,
+                })
+            }
+        };
         Ok(ControlRepr {
             server_id: p.server_id(),
             seq: p.seq(),

@@ -1,12 +1,16 @@
-//! LOAD-NOTIFICATION, version 1: the pool monitor's per-interval report
-//! (UDP port 7691, switch -> each server's data address).
+//! LOAD-NOTIFICATION, versions 1 and 2: the pool monitor's per-interval
+//! report (UDP port 7691, switch -> each server's data address).
 //!
 //! Every interval (default 1 ms) the switch tells each server how many
 //! packets it forwarded to that server and to the whole pool; a server whose
-//! share exceeds the pool average by a threshold sheds load (seed 000 §5.1).
+//! load per unit of weight exceeds the pool's by a threshold sheds load (seed
+//! 000 §5.1).
 //!
 //! Wire layout: a fixed 48-byte message, every field naturally aligned
-//! (docs/TCPMIG.md; C mirror `struct load_notification`).
+//! (docs/TCPMIG.md; C mirror `struct load_notification`). Version 2 (56
+//! bytes) is version 1 followed by the server's weight and the pool's total
+//! weight; a switch sends it only while the pool's weights differ, so a
+//! pool of equal weights still speaks version 1 (what older servers parse).
 //!
 //! Not MAC'd, on purpose: the notification is emitted once per server per
 //! millisecond, possibly by the data plane itself (Tofino packet generator,
@@ -31,6 +35,12 @@ pub const MAGIC: u16 = 0xCA9C;
 pub const VERSION: u8 = 1;
 /// Length of a version-1 notification.
 pub const LEN: usize = 48;
+/// Version 1 and the weights ([`LoadWeights`]).
+pub const VERSION_WEIGHTED: u8 = 2;
+/// Length of a version-2 notification.
+pub const LEN_WEIGHTED: usize = 56;
+/// Longest notification (a buffer this long emits any of them).
+pub const MAX_LEN: usize = LEN_WEIGHTED;
 
 /// Byte ranges of the fields.
 pub mod field {
@@ -47,6 +57,9 @@ pub mod field {
     pub const POOL_LOAD: Field = 32..40;
     pub const LIVE_SERVERS: Field = 40..44;
     pub const LEAST_LOADED: Field = 44..48;
+    /// Version 2 only.
+    pub const OWN_WEIGHT: Field = 48..52;
+    pub const POOL_WEIGHT: Field = 52..56;
 }
 
 /// What was wrong with a LOAD-NOTIFICATION.
@@ -56,9 +69,11 @@ pub enum LoadError {
     Truncated { len: usize },
     #[error("not a load notification: magic {found:#06x}, expected {MAGIC:#06x}")]
     BadMagic { found: u16 },
-    #[error("unsupported load notification version {found} (this node speaks {VERSION})")]
+    #[error("unsupported load notification version {found} (this node speaks {VERSION} and {VERSION_WEIGHTED})")]
     UnsupportedVersion { found: u8 },
-    #[error("load notification has {len} bytes, version 1 has exactly {LEN}")]
+    #[error(
+        "load notification has {len} bytes, version 1 has exactly {LEN}, version 2 {LEN_WEIGHTED}"
+    )]
     TrailingBytes { len: usize },
     #[error("load notification buffer too small to emit: {len} bytes, need {LEN}")]
     BufferTooSmall { len: usize },
@@ -98,15 +113,15 @@ impl<T: AsRef<[u8]>> LoadPacket<T> {
         if magic != MAGIC {
             return Err(LoadError::BadMagic { found: magic });
         }
-        if b[field::VERSION] != VERSION {
-            return Err(LoadError::UnsupportedVersion {
-                found: b[field::VERSION],
-            });
-        }
-        if b.len() < LEN {
+        let len = match b[field::VERSION] {
+            VERSION => LEN,
+            VERSION_WEIGHTED => LEN_WEIGHTED,
+            found => return Err(LoadError::UnsupportedVersion { found }),
+        };
+        if b.len() < len {
             return Err(LoadError::Truncated { len: b.len() });
         }
-        if b.len() > LEN {
+        if b.len() > len {
             return Err(LoadError::TrailingBytes { len: b.len() });
         }
         Ok(())
@@ -151,6 +166,26 @@ impl<T: AsRef<[u8]>> LoadPacket<T> {
             field::LEAST_LOADED,
         )))
     }
+    /// The weights of a version-2 notification (`None` for version 1).
+    pub fn weights(&self) -> Option<LoadWeights> {
+        let b = self.buffer.as_ref();
+        (b[field::VERSION] == VERSION_WEIGHTED).then(|| LoadWeights {
+            own: u32::from_be_bytes(rd(b, field::OWN_WEIGHT)),
+            pool: u32::from_be_bytes(rd(b, field::POOL_WEIGHT)),
+        })
+    }
+}
+
+/// Placement weights (version 2): the server's, and the sum over the
+/// servers in the pool (those `pool_load` counts). A server's fair share of
+/// the pool's load is `pool_load * own / pool`. Version 1 means every
+/// server in the pool has the same weight (a share of `1 / live_servers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadWeights {
+    /// The receiving server's weight (0: it takes no new connections).
+    pub own: u32,
+    /// Sum of the weights of the servers in the pool.
+    pub pool: u32,
 }
 
 /// A parsed LOAD-NOTIFICATION.
@@ -176,6 +211,9 @@ pub struct LoadRepr {
     /// Data address of the least-loaded server, for reference only: the
     /// switch still picks the target of a PREPARE.
     pub least_loaded: Ipv4Addr,
+    /// The weights (version 2), when the pool's servers' weights differ;
+    /// `None` (version 1): all equal.
+    pub weights: Option<LoadWeights>,
 }
 
 impl LoadRepr {
@@ -190,6 +228,7 @@ impl LoadRepr {
             pool_load: packet.pool_load(),
             live_servers: packet.live_servers(),
             least_loaded: packet.least_loaded(),
+            weights: packet.weights(),
         })
     }
 
@@ -198,18 +237,29 @@ impl LoadRepr {
         Self::parse(&LoadPacket::new_checked(bytes)?)
     }
 
+    /// [`LEN`], or [`LEN_WEIGHTED`] with weights.
     pub const fn buffer_len(&self) -> usize {
-        LEN
+        if self.weights.is_some() {
+            LEN_WEIGHTED
+        } else {
+            LEN
+        }
     }
 
-    /// Writes the notification into the first [`LEN`] bytes of `buf`.
+    /// Writes the notification into the first [`Self::buffer_len`] bytes
+    /// of `buf`: version 2 with weights, else version 1.
     pub fn emit(&self, buf: &mut [u8]) -> Result<usize, LoadError> {
-        if buf.len() < LEN {
+        let len = self.buffer_len();
+        if buf.len() < len {
             return Err(LoadError::BufferTooSmall { len: buf.len() });
         }
-        let b = &mut buf[..LEN];
+        let b = &mut buf[..len];
         b[field::MAGIC].copy_from_slice(&MAGIC.to_be_bytes());
-        b[field::VERSION] = VERSION;
+        b[field::VERSION] = if self.weights.is_some() {
+            VERSION_WEIGHTED
+        } else {
+            VERSION
+        };
         b[field::FLAGS] = 0;
         b[field::EPOCH].copy_from_slice(&self.epoch.to_be_bytes());
         b[field::SEQUENCE].copy_from_slice(&self.sequence.to_be_bytes());
@@ -219,7 +269,11 @@ impl LoadRepr {
         b[field::POOL_LOAD].copy_from_slice(&self.pool_load.to_be_bytes());
         b[field::LIVE_SERVERS].copy_from_slice(&self.live_servers.to_be_bytes());
         b[field::LEAST_LOADED].copy_from_slice(&u32::from(self.least_loaded).to_be_bytes());
-        Ok(LEN)
+        if let Some(w) = self.weights {
+            b[field::OWN_WEIGHT].copy_from_slice(&w.own.to_be_bytes());
+            b[field::POOL_WEIGHT].copy_from_slice(&w.pool.to_be_bytes());
+        }
+        Ok(len)
     }
 
     /// The pool's average load per live server (0 with no live server).
@@ -259,6 +313,7 @@ mod tests {
             pool_load: 400,
             live_servers: 4,
             least_loaded: Ipv4Addr::new(198, 18, 2, 13),
+            weights: None,
         }
     }
 
@@ -277,6 +332,41 @@ mod tests {
         assert_eq!(r.own_pps(), 150_000);
     }
 
+    /// Version 2: the first 48 bytes as version 1 (but the version), then
+    /// the weights; version 1 still parses, as a pool of equal weights.
+    #[test]
+    fn weighted_golden_bytes_and_round_trip() {
+        let w = LoadRepr {
+            weights: Some(LoadWeights {
+                own: 5,
+                pool: 0x0102_0007,
+            }),
+            ..sample()
+        };
+        let mut buf = [0xffu8; 60];
+        assert_eq!(w.emit(&mut buf).unwrap(), 56);
+        let mut v1 = [0u8; 48];
+        sample().emit(&mut v1).unwrap();
+        assert_eq!(buf[2], 2);
+        assert_eq!((&buf[..2], &buf[3..48]), (&v1[..2], &v1[3..48]));
+        assert_eq!(&buf[48..56], &[0, 0, 0, 5, 1, 2, 0, 7]);
+        assert_eq!(&buf[56..], &[0xff; 4]);
+        assert_eq!(LoadRepr::parse_bytes(&buf[..56]).unwrap(), w);
+        assert_eq!(LoadRepr::parse_bytes(&v1).unwrap().weights, None);
+        assert_eq!(
+            LoadRepr::parse_bytes(&buf[..48]),
+            Err(LoadError::Truncated { len: 48 })
+        );
+        assert_eq!(
+            LoadRepr::parse_bytes(&buf[..57]),
+            Err(LoadError::TrailingBytes { len: 57 })
+        );
+        assert_eq!(
+            w.emit(&mut [0u8; 48]),
+            Err(LoadError::BufferTooSmall { len: 48 })
+        );
+    }
+
     #[test]
     fn errors() {
         let mut buf = [0u8; 49];
@@ -289,10 +379,10 @@ mod tests {
             LoadRepr::parse_bytes(&buf),
             Err(LoadError::TrailingBytes { len: 49 })
         );
-        buf[2] = 2;
+        buf[2] = 3;
         assert_eq!(
             LoadRepr::parse_bytes(&buf[..48]),
-            Err(LoadError::UnsupportedVersion { found: 2 })
+            Err(LoadError::UnsupportedVersion { found: 3 })
         );
         assert_eq!(
             LoadRepr::parse_bytes(&[0, 0, 0, 0]),

@@ -26,6 +26,10 @@ fn c_items() -> Vec<(&'static str, &'static str)> {
         ("load_magic", "LOAD_MAGIC"),
         ("load_version", "LOAD_VERSION"),
         ("load_len", "LOAD_LEN"),
+        ("load_version_weighted", "LOAD_VERSION_WEIGHTED"),
+        ("load_len_weighted", "LOAD_LEN_WEIGHTED"),
+        ("load_off_own_weight", "LOAD_OFF_OWN_WEIGHT"),
+        ("load_off_pool_weight", "LOAD_OFF_POOL_WEIGHT"),
         (
             "sizeof_load_notification",
             "sizeof(struct load_notification)",
@@ -400,6 +404,13 @@ fn c_header_matches_rust_definitions() {
     expect("load_magic", load::MAGIC.into());
     expect("load_version", load::VERSION.into());
     expect("load_len", load::LEN as u64);
+    expect("load_version_weighted", load::VERSION_WEIGHTED.into());
+    expect("load_len_weighted", load::LEN_WEIGHTED as u64);
+    expect("load_off_own_weight", load::field::OWN_WEIGHT.start as u64);
+    expect(
+        "load_off_pool_weight",
+        load::field::POOL_WEIGHT.start as u64,
+    );
     expect("sizeof_load_notification", load::LEN as u64);
     expect("control_magic", control::MAGIC.into());
     expect("control_version", control::VERSION.into());

@@ -169,9 +169,10 @@ fn check_tcpmig(bytes: &[u8]) {
 fn check_load(bytes: &[u8]) {
     if let Ok(p) = LoadPacket::new_checked(bytes) {
         let r = LoadRepr::parse(&p).unwrap();
-        let mut out = [0u8; 48];
-        r.emit(&mut out).unwrap();
-        assert_eq!(LoadRepr::parse_bytes(&out).unwrap(), r);
+        let mut out = [0u8; capybara_proto::load::MAX_LEN];
+        let n = r.emit(&mut out).unwrap();
+        assert_eq!(n, bytes.len());
+        assert_eq!(LoadRepr::parse_bytes(&out[..n]).unwrap(), r);
         let _ = (r.pool_average(), r.own_pps());
     }
 }
@@ -252,11 +253,15 @@ fn load_valid_round_trips_and_mutations() {
             pool_load: rng.next(),
             live_servers: rng.next() as u32,
             least_loaded: rng.ip(),
+            weights: (rng.next() % 2 == 0).then(|| capybara_proto::load::LoadWeights {
+                own: rng.next() as u32,
+                pool: rng.next() as u32,
+            }),
         };
-        let mut out = [0u8; 48];
-        repr.emit(&mut out).unwrap();
-        assert_eq!(LoadRepr::parse_bytes(&out).unwrap(), repr);
-        let mut m = out.to_vec();
+        let mut out = [0u8; capybara_proto::load::MAX_LEN];
+        let n = repr.emit(&mut out).unwrap();
+        assert_eq!(LoadRepr::parse_bytes(&out[..n]).unwrap(), repr);
+        let mut m = out[..n].to_vec();
         mutate(&mut rng, &mut m);
         check_load(&m);
     }

@@ -56,14 +56,17 @@ proptest! {
         epoch in any::<u32>(), sequence in any::<u64>(), interval_us in any::<u32>(),
         server in any::<u32>(), own in any::<u64>(), pool in any::<u64>(),
         live in any::<u32>(), least in ip(),
+        weights in proptest::option::of((any::<u32>(), any::<u32>())),
     ) {
         let repr = LoadRepr {
             epoch, sequence, interval_us, server_id: ServerId(server), own_load: own,
             pool_load: pool, live_servers: live, least_loaded: least,
+            weights: weights.map(|(own, pool)| capybara_proto::load::LoadWeights { own, pool }),
         };
-        let mut buf = [0u8; 48];
-        prop_assert_eq!(repr.emit(&mut buf).unwrap(), repr.buffer_len());
-        prop_assert_eq!(LoadRepr::parse_bytes(&buf).unwrap(), repr);
+        let mut buf = [0u8; capybara_proto::load::MAX_LEN];
+        let n = repr.emit(&mut buf).unwrap();
+        prop_assert_eq!(n, repr.buffer_len());
+        prop_assert_eq!(LoadRepr::parse_bytes(&buf[..n]).unwrap(), repr);
     }
 
     #[test]

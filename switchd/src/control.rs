@@ -358,6 +358,9 @@ pub struct LoadReport {
     pub pool_load: u64,
     pub live_servers: u32,
     pub least_loaded: Ipv4Addr,
+    /// This server's weight and the pool's total weight, when the pool's
+    /// weights differ (LOAD-NOTIFICATION version 2); `None`: all equal.
+    pub weights: Option<capybara_proto::load::LoadWeights>,
 }
 
 /// A flow event with server indexes resolved to server ids, as the store
@@ -1956,10 +1959,13 @@ impl<D: DataPlane> ControlPlane<D> {
         self.push(true)
     }
 
-    /// Live, and a placement and migration target of at least one of its
-    /// services (or in none): counted in the pool load of LOAD-NOTIFICATION.
+    /// Live, not weighted 0 by the operator, and a placement and migration
+    /// target of at least one of its services (or in none): counted in the
+    /// pool load of LOAD-NOTIFICATION. (A weight-0 server takes no new
+    /// connection and no migration: counted, its load was the others' to
+    /// share, and their fair share looked larger than it is.)
     fn takes_load(&self, s: &Server) -> bool {
-        if s.liveness != Liveness::Live {
+        if s.liveness != Liveness::Live || self.weight_of(s) == 0 {
             return false;
         }
         let mut member = false;
@@ -2146,27 +2152,46 @@ impl<D: DataPlane> ControlPlane<D> {
             .filter(|s| self.takes_load(s))
             .collect();
         let pool_load: u64 = in_pool.iter().map(|s| s.load).sum();
+        // The policies compare load per unit of weight (an operator's
+        // weight 5 is five times the load of a weight 1, not an excess to
+        // shed): the weights go along while they differ.
         let least = in_pool
             .iter()
             .min_by(|a, b| {
-                a.load_pps
-                    .total_cmp(&b.load_pps)
+                let per_weight = |s: &Server| s.load_pps / f64::from(self.weight_of(s).max(1));
+                per_weight(a)
+                    .total_cmp(&per_weight(b))
                     .then(a.index.cmp(&b.index))
             })
             .map(|s| s.reg.data_ip)
             .unwrap_or(Ipv4Addr::UNSPECIFIED);
         let live_servers = in_pool.len() as u32;
+        let pool_weight: u64 = in_pool.iter().map(|s| u64::from(self.weight_of(s))).sum();
+        let first_weight = in_pool.first().map(|s| self.weight_of(s));
+        let equal = in_pool
+            .iter()
+            .all(|s| Some(self.weight_of(s)) == first_weight);
         let reports = self
             .servers
             .values()
             .filter(|s| s.liveness != Liveness::Dead)
-            .map(|s| LoadReport {
-                server: s.reg.id,
-                data_ip: s.reg.data_ip,
-                own_load: s.load,
-                pool_load,
-                live_servers,
-                least_loaded: least,
+            .map(|s| {
+                let own = self.weight_of(s);
+                let weights = (!equal || first_weight.is_some_and(|w| w != own)).then(|| {
+                    capybara_proto::load::LoadWeights {
+                        own,
+                        pool: pool_weight.min(u64::from(u32::MAX)) as u32,
+                    }
+                });
+                LoadReport {
+                    server: s.reg.id,
+                    data_ip: s.reg.data_ip,
+                    own_load: s.load,
+                    pool_load,
+                    live_servers,
+                    least_loaded: least,
+                    weights,
+                }
             })
             .collect();
         if self.cfg.target_policy == TargetPolicy::LeastLoaded
@@ -2465,8 +2490,9 @@ pub fn lwrr_ring(live: &[Server]) -> Vec<u32> {
 }
 
 /// Target ring: every live server in index order (round robin), or the two
-/// least-loaded first-fit (the second covers the case where the first is
-/// the origin).
+/// least loaded per unit of weight (a service's pool weight), first-fit
+/// (the second covers the case where the first is the origin). `live`
+/// holds no server of weight 0 ([`ControlPlane::live_members`]).
 pub fn target_ring(live: &[Server], policy: TargetPolicy) -> CRing {
     match policy {
         TargetPolicy::RoundRobin => {
@@ -2476,9 +2502,10 @@ pub fn target_ring(live: &[Server], policy: TargetPolicy) -> CRing {
         }
         TargetPolicy::LeastLoaded => {
             let mut v: Vec<&Server> = live.iter().collect();
+            let per_weight = |s: &Server| s.load_pps / f64::from(s.reg.weight.max(1));
             v.sort_by(|a, b| {
-                a.load_pps
-                    .total_cmp(&b.load_pps)
+                per_weight(a)
+                    .total_cmp(&per_weight(b))
                     .then(a.index.cmp(&b.index))
             });
             let idx: Vec<u32> = v.iter().take(2).map(|s| s.index).collect();
@@ -2736,6 +2763,58 @@ pub(crate) mod tests {
         c.dp.count_packets(0, 5);
         let r = c.tick(Instant::from_millis(2)).unwrap();
         assert_eq!((r[0].own_load, r[0].pool_load), (5, 5));
+        assert!(
+            r.iter().all(|x| x.weights.is_none()),
+            "equal weights: version 1"
+        );
+    }
+
+    /// Operator weights reach the policies: while the pool's weights
+    /// differ every report carries this server's and the pool's (a weight-0
+    /// server is out of the pool, as it takes no new connection and no
+    /// migration), and the least-loaded target is least loaded per unit of
+    /// weight.
+    #[test]
+    fn load_reports_carry_weights_and_targets_are_least_loaded_per_weight() {
+        use capybara_proto::load::LoadWeights;
+        let mut c = cp(TargetPolicy::LeastLoaded);
+        c.set_operator_weights([(ServerId(3), 5)].into()).unwrap();
+        // s1 10, s2 20, s3 30 per interval: per unit of weight s3 (6) is
+        // the least loaded, then s1.
+        for (i, n) in [(0, 10), (1, 20), (2, 30)] {
+            c.dp.count_packets(i, n);
+        }
+        let r = c.tick(Instant::from_millis(1)).unwrap();
+        assert!(r.iter().all(|x| x.pool_load == 60 && x.live_servers == 3));
+        let w: Vec<_> = r.iter().map(|x| x.weights).collect();
+        assert_eq!(
+            w,
+            [1, 1, 5].map(|own| Some(LoadWeights { own, pool: 7 })),
+            "{r:?}"
+        );
+        assert_eq!(r[0].least_loaded, Ipv4Addr::new(198, 18, 2, 13));
+        let ring = c.dp.rings[&(0, RING_TARGET)];
+        assert_eq!((ring.mode, ring.as_slice()), (RING_FIRST, &[2u32, 0][..]));
+        // Weight 0: no target, not in the pool, and told its weight.
+        c.set_operator_weights([(ServerId(3), 5), (ServerId(1), 0)].into())
+            .unwrap();
+        for (i, n) in [(0, 10), (1, 20), (2, 30)] {
+            c.dp.count_packets(i, n);
+        }
+        let r = c.tick(Instant::from_millis(2)).unwrap();
+        assert!(r.iter().all(|x| x.pool_load == 50 && x.live_servers == 2));
+        let w: Vec<_> = r.iter().map(|x| x.weights).collect();
+        assert_eq!(
+            w,
+            [0, 1, 5].map(|own| Some(LoadWeights { own, pool: 6 })),
+            "{r:?}"
+        );
+        let ring = c.dp.rings[&(0, RING_TARGET)];
+        assert_eq!(ring.as_slice(), &[2u32, 1][..]);
+        // Equal weights again: version 1.
+        c.set_operator_weights(BTreeMap::new()).unwrap();
+        let r = c.tick(Instant::from_millis(3)).unwrap();
+        assert!(r.iter().all(|x| x.weights.is_none()), "{r:?}");
     }
 
     /// A draining server, and one whose only service's application is

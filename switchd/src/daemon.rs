@@ -1401,11 +1401,13 @@ impl Switch {
                         pool_load: r.pool_load,
                         live_servers: r.live_servers,
                         least_loaded: r.least_loaded,
+                        weights: r.weights,
                     };
-                    let mut b = [0u8; capybara_proto::load::LEN];
-                    if repr.emit(&mut b).is_ok()
+                    let mut b = [0u8; capybara_proto::load::MAX_LEN];
+                    let n = repr.emit(&mut b).unwrap_or(0);
+                    if n > 0
                         && load_sock
-                            .send_to(&b, SocketAddrV4::new(r.data_ip, ports::LOAD))
+                            .send_to(&b[..n], SocketAddrV4::new(r.data_ip, ports::LOAD))
                             .is_ok()
                     {
                         self.load_sent += 1;

@@ -52,26 +52,7 @@ const NEW_SVC: u32 = 2;
 /// Servers, the Maglev service VIP:80 at index `svc` (every slot on
 /// server 0) and a migration-target ring of `targets` (logical servers).
 fn configure(dp: &mut BpfDataPlane, cl: u32, sv: u32, idx: &[u32; 3], svc: u32, targets: &[u32]) {
-    dp.set_config(CConfig::new(SWITCH_SV)).unwrap();
-    dp.set_iface(
-        cl,
-        CIface {
-            role: IFACE_CLIENT,
-            mac: CL_MAC,
-            pad: 0,
-        },
-    )
-    .unwrap();
-    dp.set_iface(
-        sv,
-        CIface {
-            role: IFACE_SERVER,
-            mac: SV_MAC,
-            pad: 0,
-        },
-    )
-    .unwrap();
-    dp.add_tx_port(sv).unwrap();
+    set_switch(dp, cl, sv);
     for (i, &at) in idx.iter().enumerate() {
         let mut s = CServer {
             ifindex: sv,

@@ -381,6 +381,53 @@ fn demo_serves_the_dashboard_rebalances_and_tears_down() {
         &migrations[..migrations.len().min(600)]
     );
 
+    // A server's hostagent dying (docs/OPERATIONS.md, "Server stalls and
+    // restarts") is a failure to watch, not the end of the demo: it says
+    // which process died and how to start it again, and goes on.
+    let config = dir.join("hostagent-s3.toml").display().to_string();
+    let hostagent = demo_processes(&prefix, &dir)
+        .into_iter()
+        .find(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+                .is_ok_and(|c| c.contains("--config") && c.contains(&config))
+        })
+        .expect("s3's hostagent process");
+    let killed = Command::new("kill")
+        .args(["-9", &hostagent.to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let said = format!("demo: hostagent of s3 in namespace {prefix}-s3 (pid {hostagent}) exited");
+    wait_for(
+        "the demo to report the dead hostagent",
+        Duration::from_secs(20),
+        &mut demo,
+        &log,
+        || {
+            std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .contains(&said)
+        },
+    );
+    // The watch loop checks every second: still running well after that.
+    std::thread::sleep(Duration::from_secs(3));
+    let demo_log = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        demo.running(),
+        "the demo ended after a hostagent died:\n{demo_log}"
+    );
+    assert!(
+        demo_log.contains(&format!("ip netns exec {prefix}-s3 ")) && demo_log.contains(&config),
+        "no command to start the hostagent again:\n{demo_log}"
+    );
+    assert_eq!(
+        demo_log.matches(&said).count(),
+        1,
+        "reported once:\n{demo_log}"
+    );
+    assert!(!demo_log.contains("No such file"), "{demo_log}");
+
     let pids = demo_processes(&prefix, &dir);
     assert!(!pids.is_empty(), "no demo process found");
     let status = demo.stop().expect("demo was running");

@@ -41,11 +41,9 @@ pub struct Lab {
     pub maglev: Vec<u32>,
 }
 
-pub fn setup() -> Lab {
-    let ns = TestNetns::enter(&["cl0", "sv0"]).expect("netns (needs root)");
-    let cl = ns.ifindex("cl0").unwrap();
-    let sv = ns.ifindex("sv0").unwrap();
-    let mut dp = BpfDataPlane::load(BpfOptions::small()).expect("load XDP program (needs root)");
+/// The switch's config and its two interfaces: `cl` facing clients, `sv`
+/// facing servers (also an XDP_REDIRECT port).
+pub fn set_switch(dp: &mut BpfDataPlane, cl: u32, sv: u32) {
     dp.set_config(CConfig::new(SWITCH_SV)).unwrap();
     dp.set_iface(
         cl,
@@ -66,6 +64,14 @@ pub fn setup() -> Lab {
     )
     .unwrap();
     dp.add_tx_port(sv).unwrap();
+}
+
+pub fn setup() -> Lab {
+    let ns = TestNetns::enter(&["cl0", "sv0"]).expect("netns (needs root)");
+    let cl = ns.ifindex("cl0").unwrap();
+    let sv = ns.ifindex("sv0").unwrap();
+    let mut dp = BpfDataPlane::load(BpfOptions::small()).expect("load XDP program (needs root)");
+    set_switch(&mut dp, cl, sv);
     // s0, s1 live; s2 draining; s3 dead.
     for (i, state) in [SERVER_LIVE, SERVER_LIVE, SERVER_DRAINING, SERVER_DEAD]
         .into_iter()

@@ -623,7 +623,7 @@ class ServersApi:
     ) -> Drain:
         """Start draining a server (operator)
 
-        At once the server's state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A drain already running on the server is a conflict (409); a dead server cannot be drained. 
+        At once the server's state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202). 
 
         :param server_id: Server id. (required)
         :type server_id: int
@@ -661,6 +661,7 @@ class ServersApi:
         )
 
         _response_types_map: Dict[str, Optional[str]] = {
+            '200': "Drain",
             '202': "Drain",
             '400': "Problem",
             '401': "Problem",
@@ -704,7 +705,7 @@ class ServersApi:
     ) -> ApiResponse[Drain]:
         """Start draining a server (operator)
 
-        At once the server's state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A drain already running on the server is a conflict (409); a dead server cannot be drained. 
+        At once the server's state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202). 
 
         :param server_id: Server id. (required)
         :type server_id: int
@@ -742,6 +743,7 @@ class ServersApi:
         )
 
         _response_types_map: Dict[str, Optional[str]] = {
+            '200': "Drain",
             '202': "Drain",
             '400': "Problem",
             '401': "Problem",
@@ -785,7 +787,7 @@ class ServersApi:
     ) -> RESTResponseType:
         """Start draining a server (operator)
 
-        At once the server's state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A drain already running on the server is a conflict (409); a dead server cannot be drained. 
+        At once the server's state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202). 
 
         :param server_id: Server id. (required)
         :type server_id: int
@@ -823,6 +825,7 @@ class ServersApi:
         )
 
         _response_types_map: Dict[str, Optional[str]] = {
+            '200': "Drain",
             '202': "Drain",
             '400': "Problem",
             '401': "Problem",
