@@ -1120,11 +1120,9 @@ pub trait WireRecord: Copy + 'static {
     const LEN: usize;
     /// Most records one message may carry.
     const MAX: usize;
-    /// The record in `c` (`LEN` bytes), `None` when invalid (the parser
-    /// says why with [`Self::check`] before a list ever holds it).
-    fn decode(c: &[u8]) -> Option<Self>;
-    /// Why record `index` (`c`, `LEN` bytes) is invalid.
-    fn check(c: &[u8], index: usize) -> Result<(), ControlError>;
+    /// Record `index` of a list, in `c` (`LEN` bytes), or why it is
+    /// invalid.
+    fn read_at(c: &[u8], index: usize) -> Result<Self, ControlError>;
     /// The error for a message that announces `count` > `MAX` records.
     fn too_many(count: usize) -> ControlError;
 }
@@ -1155,7 +1153,7 @@ fn record_list<R: WireRecord>(
     }
     let records = &body[header..];
     for (index, c) in records.chunks_exact(R::LEN).enumerate() {
-        R::check(c, index)?;
+        R::read_at(c, index)?;
     }
     Ok(records)
 }
@@ -1191,10 +1189,10 @@ impl<'a, R: WireRecord> RecordList<'a, R> {
             RecordList::Wire(b) => (b, &[]),
             RecordList::Slice(s) => (&[], s),
         };
-        // Wire records were validated by `parse`: `decode` cannot fail
+        // Wire records were validated by `parse`: `read_at` cannot fail
         // here (a failure would only skip the record, never panic).
         wire.chunks_exact(R::LEN)
-            .filter_map(R::decode)
+            .filter_map(|c| R::read_at(c, 0).ok())
             .chain(slice.iter().copied())
     }
 }
@@ -1215,13 +1213,12 @@ impl<R: WireRecord + std::fmt::Debug> std::fmt::Debug for RecordList<'_, R> {
 impl WireRecord for MigrationReport {
     const LEN: usize = field::migration_report::REPORT_LEN;
     const MAX: usize = MAX_REPORTS;
-    fn decode(c: &[u8]) -> Option<Self> {
-        MigrationReport::read(c).ok()
-    }
-    fn check(c: &[u8], index: usize) -> Result<(), ControlError> {
-        MigrationReport::read(c)
-            .map(|_| ())
-            .map_err(|(field, code)| ControlError::BadReport { index, field, code })
+    fn read_at(c: &[u8], index: usize) -> Result<Self, ControlError> {
+        MigrationReport::read(c).map_err(|(field, code)| ControlError::BadReport {
+            index,
+            field,
+            code,
+        })
     }
     fn too_many(count: usize) -> ControlError {
         ControlError::TooManyReports { count }
@@ -1277,13 +1274,8 @@ impl FlowClaim {
 impl WireRecord for FlowClaim {
     const LEN: usize = field::flows::CLAIM_LEN;
     const MAX: usize = MAX_FLOW_CLAIMS;
-    fn decode(c: &[u8]) -> Option<Self> {
-        FlowClaim::read(c).ok()
-    }
-    fn check(c: &[u8], index: usize) -> Result<(), ControlError> {
-        FlowClaim::read(c)
-            .map(|_| ())
-            .map_err(|what| ControlError::BadFlowClaim { index, what })
+    fn read_at(c: &[u8], index: usize) -> Result<Self, ControlError> {
+        FlowClaim::read(c).map_err(|what| ControlError::BadFlowClaim { index, what })
     }
     fn too_many(count: usize) -> ControlError {
         ControlError::TooManyFlowClaims { count }
