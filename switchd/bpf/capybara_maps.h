@@ -113,6 +113,9 @@
 #define CAPY_RING_ROTATE 0 /* next entry at each use (round robin, LWRR)         */
 #define CAPY_RING_FIRST 1  /* first entry, or the second if the first must be
 			    * skipped (least-loaded target, origin excluded)  */
+#define CAPY_RING_PAIRED 2 /* (target, alternate) pairs: the next pair at each
+			    * use, its alternate if the target must be skipped
+			    * (weighted round-robin target, origin excluded)  */
 
 /* Reasons, one counter each in `stats`. Every verdict of the program
  * increments exactly one of them, so sum(stats) == packets seen. */
@@ -210,10 +213,11 @@ struct capy_service {
 /* A ring of server indexes the program rotates through with an atomic
  * cursor: the LWRR placement sequence (weights already expanded by the
  * control plane) or the migration-target sequence (round robin over live
- * servers, or a single least-loaded server). */
+ * servers, by weight as (target, alternate) pairs when the weights differ,
+ * or the two least-loaded servers). */
 struct capy_ring {
 	__u32 len;  /* 0 = empty: nothing to choose from */
-	__u32 mode; /* CAPY_RING_ROTATE or CAPY_RING_FIRST */
+	__u32 mode; /* CAPY_RING_ROTATE, CAPY_RING_FIRST or CAPY_RING_PAIRED */
 	__u32 servers[CAPY_RING_SIZE];
 };
 

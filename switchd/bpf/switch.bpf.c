@@ -203,8 +203,10 @@ static __always_inline void emit_event(const struct capy_flow_key *key, __u32 ki
 
 /* Server at position `attempt` (0 or 1) of a ring pushed by the control
  * plane: the next one in rotation, or the first/second entry for a
- * preference-ordered ring. -1 if empty. */
-static __always_inline int ring_pick(__u32 ring, __u32 attempt, __u32 *out)
+ * preference-ordered ring. For a paired ring, attempt 0 takes the next
+ * pair's target and attempt 1 the alternate of the pair attempt 0 took
+ * (`*pair`, set by attempt 0). -1 if empty. */
+static __always_inline int ring_pick(__u32 ring, __u32 attempt, __u32 *pair, __u32 *out)
 {
 	struct capy_ring *r = bpf_map_lookup_elem(&rings, &ring);
 	__u64 *cur = bpf_map_lookup_elem(&ring_cursors, &ring);
@@ -215,10 +217,17 @@ static __always_inline int ring_pick(__u32 ring, __u32 attempt, __u32 *out)
 	len = r->len;
 	if (len == 0 || len > CAPY_RING_SIZE)
 		return -1;
-	if (r->mode == CAPY_RING_FIRST)
+	if (r->mode == CAPY_RING_FIRST) {
 		i = attempt < len ? attempt : len - 1;
-	else
+	} else if (r->mode == CAPY_RING_PAIRED) {
+		if (len < 2)
+			return -1;
+		if (attempt == 0)
+			*pair = (__u32)__sync_fetch_and_add(cur, 1) % (len / 2);
+		i = 2 * *pair + (attempt ? 1 : 0);
+	} else {
 		i = (__u32)__sync_fetch_and_add(cur, 1) % len;
+	}
 	/* No-op (i < len <= CAPY_RING_SIZE, a power of two) that the
 	 * verifier can see as a bound. */
 	asm volatile("" : "+r"(i)); /* keep clang from folding the mask away */
@@ -372,10 +381,12 @@ static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, st
 		 * where Maglev put it originally as long as the pool is stable. */
 		reason = syn_only ? CAPY_STAT_FWD_NEW_FLOW : CAPY_STAT_FWD_RECOVERED;
 	} else {
+		__u32 pair = 0;
+
 		/* Ring placement is not reproducible without state. */
 		if (!syn_only)
 			return verdict(CAPY_STAT_DROP_NO_FLOW, XDP_DROP);
-		if (ring_pick(svc->index * CAPY_RING_KINDS + CAPY_RING_PLACEMENT, 0, &server) < 0)
+		if (ring_pick(svc->index * CAPY_RING_KINDS + CAPY_RING_PLACEMENT, 0, &pair, &server) < 0)
 			return no_server(ctx, eth, ip, tcp, svc, syn_only);
 		reason = CAPY_STAT_FWD_NEW_FLOW;
 	}
@@ -531,6 +542,7 @@ static __always_inline int handle_prepare(struct ethhdr *eth, struct iphdr *ip, 
 			srv = NULL;
 	}
 	if (!srv) {
+		__u32 pair = 0;
 		int tries;
 
 		svc = bpf_map_lookup_elem(&services, &sk);
@@ -538,9 +550,10 @@ static __always_inline int handle_prepare(struct ethhdr *eth, struct iphdr *ip, 
 			return verdict(CAPY_STAT_DROP_TCPMIG_NO_TARGET, XDP_DROP);
 		/* The ring holds live, non-draining servers only (control plane);
 		 * skip the origin, which may be in it. Two tries suffice: the
-		 * control plane never puts the origin twice in a row. */
+		 * control plane never puts the origin twice in a row, and a
+		 * paired ring's alternate is never its pair's target. */
 		for (tries = 0; tries < 2; tries++) {
-			if (ring_pick(svc->index * CAPY_RING_KINDS + CAPY_RING_TARGET, tries, &target) < 0)
+			if (ring_pick(svc->index * CAPY_RING_KINDS + CAPY_RING_TARGET, tries, &pair, &target) < 0)
 				return verdict(CAPY_STAT_DROP_TCPMIG_NO_TARGET, XDP_DROP);
 			if (target != origin)
 				break;
@@ -795,6 +808,58 @@ static __always_inline void note_server_rst(const struct ethhdr *eth, const stru
 	bpf_map_delete_elem(&flows, &key);
 }
 
+/* What server_rst_from_vip's walk over the services looks for. */
+struct rst_vip_search {
+	struct capy_flow_key key; /* service_ip set by each candidate */
+	__u32 server;             /* index of the reset's sender */
+	__u32 found;
+};
+
+/* bpf_for_each_map_elem callback over `services`: stops at the TCP service
+ * on the reset's port whose flow with the reset's client is the sender's. */
+static long rst_vip_match(void *map, struct capy_service_key *sk, struct capy_service *svc,
+			  struct rst_vip_search *s)
+{
+	struct capy_flow *flow;
+
+	if (sk->proto != IPPROTO_TCP || sk->port != s->key.service_port)
+		return 0;
+	s->key.service_ip = sk->vip;
+	flow = bpf_map_lookup_elem(&flows, &s->key);
+	if (!flow || flow->server != s->server)
+		return 0;
+	s->found = 1;
+	return 1;
+}
+
+/* A reset from a server's data address instead of the VIP: its stack
+ * refused a SYN for a port it does not listen on and could not tell which
+ * VIP the client used (the switch rewrote the destination to the data
+ * address; its listeners are bound to 0.0.0.0 or to several VIPs). The
+ * client ignores a reset from an address it did not connect to and retries
+ * its SYN until connect() times out; from VIP:port it fails at once
+ * ("connection refused"). The source becomes the VIP of the service on the
+ * reset's port whose flow with that client is on the sender (at most
+ * CAPY_MAX_SERVICES candidates). Resets only: a data address that is no
+ * server's costs one lookup, other packets nothing. */
+static __always_inline void server_rst_from_vip(struct iphdr *ip, struct tcphdr *tcp)
+{
+	struct rst_vip_search s = {
+		.key = { .client_ip = ip->daddr,
+			 .client_port = tcp->dest,
+			 .service_port = tcp->source },
+	};
+
+	if (lookup_server_idx(ip->saddr, &s.server) < 0)
+		return;
+	bpf_for_each_map_elem(&services, rst_vip_match, &s, 0);
+	if (!s.found)
+		return;
+	ip->check = csum_replace4(ip->check, ip->saddr, s.key.service_ip);
+	tcp->check = csum_replace4(tcp->check, ip->saddr, s.key.service_ip);
+	ip->saddr = s.key.service_ip;
+}
+
 SEC("xdp")
 int capy_switch(struct xdp_md *ctx)
 {
@@ -836,10 +901,12 @@ int capy_switch(struct xdp_md *ctx)
 		 * none otherwise). */
 		if (ifc->role != CAPY_IFACE_CLIENT) {
 			if ((void *)(tcp + 1) <= data_end && !(ip->frag_off & bpf_htons(IP_FRAG_MASK))) {
-				if (tcp->fin)
+				if (tcp->fin) {
 					note_server_fin(ip, tcp);
-				else if (tcp->rst)
+				} else if (tcp->rst) {
+					server_rst_from_vip(ip, tcp);
 					note_server_rst(eth, ip, tcp);
+				}
 			}
 			return verdict(CAPY_STAT_PASS_NOT_SERVICE, XDP_PASS);
 		}

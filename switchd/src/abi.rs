@@ -62,6 +62,10 @@ pub const RING_KINDS: u32 = 2;
 
 pub const RING_ROTATE: u32 = 0;
 pub const RING_FIRST: u32 = 1;
+/// Pairs (target, alternate) in `servers`: the next pair at each use, its
+/// alternate when the target must be skipped (weighted round-robin
+/// migration targets, `control::weighted_target_ring`).
+pub const RING_PAIRED: u32 = 2;
 
 /// Sentinel server index in a Maglev slot or ring: nobody (no live server).
 pub const NO_SERVER: u32 = u32::MAX;

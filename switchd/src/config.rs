@@ -6,7 +6,7 @@
 //! control_listen = "198.18.1.1:7692"   # server-side address; PREPAREs go here too
 //! key_file = "/etc/capybara/deployment.key"  # hex, >= 16 bytes
 //! placement = "maglev"                 # or "lwrr"
-//! target_selection = "round_robin"     # or "least_loaded"
+//! target_selection = "round_robin"     # by pool weight; or "least_loaded" (per unit of weight)
 //! load_interval_us = 1000
 //! heartbeat_interval_ms = 100
 //! dead_after_ms = 500

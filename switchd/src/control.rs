@@ -2489,16 +2489,31 @@ pub fn lwrr_ring(live: &[Server]) -> Vec<u32> {
     ring
 }
 
-/// Target ring: every live server in index order (round robin), or the two
-/// least loaded per unit of weight (a service's pool weight), first-fit
-/// (the second covers the case where the first is the origin). `live`
+/// Target ring: round robin over the live servers by weight, or the two
+/// least loaded per unit of weight, first-fit (the second covers the case
+/// where the first is the origin). The weight is a service's pool weight
+/// (its configured weight, else the server's), as placement uses. `live`
 /// holds no server of weight 0 ([`ControlPlane::live_members`]).
+///
+/// Round robin with equal weights is every live server once, in index
+/// order ([`RING_ROTATE`]: the data plane skips the origin by taking the
+/// next entry, never the same server). With unequal weights each server
+/// appears in proportion to its weight, interleaved by smooth weighted
+/// round robin ([`weighted_target_ring`], [`RING_PAIRED`]).
 pub fn target_ring(live: &[Server], policy: TargetPolicy) -> CRing {
     match policy {
         TargetPolicy::RoundRobin => {
-            let mut idx: Vec<u32> = live.iter().map(|s| s.index).collect();
-            idx.sort_unstable();
-            CRing::from_slice(RING_ROTATE, &idx)
+            let mut v: Vec<(u32, u32)> = live
+                .iter()
+                .map(|s| (s.index, s.reg.weight.max(1)))
+                .collect();
+            v.sort_unstable();
+            let idx: Vec<u32> = v.iter().map(|(i, _)| *i).collect();
+            let weights: Vec<u32> = v.iter().map(|(_, w)| *w).collect();
+            match weighted_target_ring(&idx, &weights) {
+                Some(pairs) => CRing::from_slice(RING_PAIRED, &pairs),
+                None => CRing::from_slice(RING_ROTATE, &idx),
+            }
         }
         TargetPolicy::LeastLoaded => {
             let mut v: Vec<&Server> = live.iter().collect();
@@ -2512,6 +2527,111 @@ pub fn target_ring(live: &[Server], policy: TargetPolicy) -> CRing {
             CRing::from_slice(RING_FIRST, &idx)
         }
     }
+}
+
+/// Pairs a [`RING_PAIRED`] ring holds at most.
+pub const TARGET_RING_PAIRS: usize = RING_SIZE / 2;
+
+/// `weights` (each at least 1) made as small as they go while keeping
+/// their ratios, and summing to at most `cap` (>= `weights.len()`):
+/// divided by their greatest common divisor, then, if still above `cap`,
+/// scaled down proportionally (each kept at least 1: the ratios are then
+/// approximate).
+pub fn ring_weights(weights: &[u32], cap: usize) -> Vec<u32> {
+    fn gcd(a: u64, b: u64) -> u64 {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    let reduce = |w: Vec<u64>| -> Vec<u64> {
+        let g = w.iter().fold(0, |g, x| gcd(g, *x)).max(1);
+        w.into_iter().map(|x| x / g).collect()
+    };
+    let mut w = reduce(weights.iter().map(|x| u64::from((*x).max(1))).collect());
+    let cap = cap as u64;
+    let total: u64 = w.iter().sum();
+    if total > cap {
+        // floor(w * c / total), at least 1: sums to at most c + n, so some
+        // c in (cap - n ..= cap] fits; the largest that does is taken.
+        let orig = w.clone();
+        let mut c = cap;
+        loop {
+            w = orig.iter().map(|x| (x * c / total).max(1)).collect();
+            if w.iter().sum::<u64>() <= cap || c <= 1 {
+                break;
+            }
+            c -= 1;
+        }
+        w = reduce(w);
+    }
+    w.into_iter().map(|x| x as u32).collect()
+}
+
+/// A [`RING_PAIRED`] target ring for servers `idx` (ascending indexes) of
+/// weights `weights`: pairs (target, alternate), flattened. The targets
+/// are smooth weighted round robin over every server (each in proportion
+/// to its weight, spread out: a weight 3 of 5 comes as A B A B A, not A A
+/// A B B), the weights reduced by [`ring_weights`] and the cycle repeated
+/// as often as [`TARGET_RING_PAIRS`] allows. The alternate of a pair is
+/// the target to use when the first is the migration's origin: for the
+/// pairs whose target is X, a smooth weighted round robin over the other
+/// servers, so the migrations of X too go out in proportion to the
+/// others' weights. An alternate is never its pair's target.
+///
+/// `None` when a plain round robin in index order is the same ring (fewer
+/// than two servers, or equal weights once reduced), or when the servers
+/// do not fit (more than [`TARGET_RING_PAIRS`]: round robin unweighted).
+pub fn weighted_target_ring(idx: &[u32], weights: &[u32]) -> Option<Vec<u32>> {
+    let n = idx.len();
+    if n < 2 || n > TARGET_RING_PAIRS || weights.len() != n {
+        return None;
+    }
+    let w: Vec<i64> = ring_weights(weights, TARGET_RING_PAIRS)
+        .into_iter()
+        .map(i64::from)
+        .collect();
+    if w.iter().all(|x| *x == w[0]) {
+        return None;
+    }
+    let total: i64 = w.iter().sum();
+    let cycles = TARGET_RING_PAIRS / total as usize;
+    let mut current = vec![0i64; n];
+    // One alternate sequence per server, over the others.
+    let mut alt_current = vec![vec![0i64; n]; n];
+    let mut ring = Vec::with_capacity(2 * cycles * total as usize);
+    for _ in 0..cycles * total as usize {
+        let t = swrr_step(&mut current, &w, None);
+        let a = swrr_step(&mut alt_current[t], &w, Some(t));
+        ring.push(idx[t]);
+        ring.push(idx[a]);
+    }
+    Some(ring)
+}
+
+/// One step of smooth weighted round robin (as nginx's): every entry but
+/// `skip` gains its weight, the largest (the lowest position on a tie) is
+/// chosen and loses the sum of the weights. `weights` has at least one
+/// entry besides `skip`.
+fn swrr_step(current: &mut [i64], weights: &[i64], skip: Option<usize>) -> usize {
+    let mut sum = 0;
+    let mut best: Option<usize> = None;
+    for i in 0..current.len() {
+        if Some(i) == skip {
+            continue;
+        }
+        current[i] += weights[i];
+        sum += weights[i];
+    }
+    for i in 0..current.len() {
+        if Some(i) != skip && best.is_none_or(|b| current[i] > current[b]) {
+            best = Some(i);
+        }
+    }
+    let best = best.unwrap_or(0);
+    current[best] -= sum;
+    best
 }
 
 #[cfg(test)]
@@ -2629,7 +2749,15 @@ pub(crate) mod tests {
         // Weight 3: three fifths of the slots (1 + 3 + 1).
         c.set_operator_weights([(ServerId(2), 3)].into()).unwrap();
         assert!((share(&c, 1) - 0.6).abs() < 0.01, "{}", share(&c, 1));
-        assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 1, 2]);
+        // Migration targets by weight too: 1:3:1 (pairs of target and
+        // alternate, weighted_target_ring).
+        let ring = c.dp.rings[&(0, RING_TARGET)];
+        assert_eq!(ring.mode, RING_PAIRED);
+        let targets: Vec<u32> = ring.as_slice().chunks(2).map(|p| p[0]).collect();
+        assert_eq!(
+            (0..3).map(|i| count_of(&targets, i)).collect::<Vec<_>>(),
+            [25, 75, 25]
+        );
         // No operator weight any more: the REGISTER's again.
         c.set_operator_weights(BTreeMap::new()).unwrap();
         assert!((share(&c, 1) - 1.0 / 3.0).abs() < 0.01);
@@ -4399,6 +4527,185 @@ pub(crate) mod tests {
         }
         assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[1]);
         assert!(c.heartbeat(Instant::ZERO, ServerId(9)).is_err());
+    }
+
+    /// A live server of index `index` and (pool) weight `weight`.
+    fn weighted(index: u32, weight: u32) -> Server {
+        Server {
+            reg: Registration {
+                weight,
+                ..reg(index, 0)
+            },
+            index,
+            liveness: Liveness::Live,
+            last_heartbeat: Instant::ZERO,
+            dead_since: None,
+            flows_kept_until: None,
+            revive_as: Liveness::Live,
+            load: 0,
+            load_pps: 0.0,
+            last_counter: 0,
+            backend_down: Default::default(),
+            health_reported: false,
+            wanted: Vec::new(),
+        }
+    }
+
+    /// What the data plane picks from target ring `r` for a PREPARE of
+    /// `origin` at each cursor position of one full turn (switch.bpf.c
+    /// `ring_pick`, two tries); `None`: dropped (no target).
+    fn targets_over_a_turn(r: &CRing, origin: u32) -> Vec<Option<u32>> {
+        let s = r.as_slice();
+        match r.mode {
+            RING_PAIRED => s
+                .chunks(2)
+                .map(|p| {
+                    let t = if p[0] != origin { p[0] } else { p[1] };
+                    (t != origin).then_some(t)
+                })
+                .collect(),
+            _ => (0..s.len())
+                .map(|c| {
+                    let t = if s[c] != origin {
+                        s[c]
+                    } else {
+                        s[(c + 1) % s.len()]
+                    };
+                    (t != origin).then_some(t)
+                })
+                .collect(),
+        }
+    }
+
+    fn count_of<T: PartialEq>(v: &[T], x: T) -> usize {
+        v.iter().filter(|y| **y == x).count()
+    }
+
+    #[test]
+    fn round_robin_targets_follow_weights_over_a_full_ring() {
+        // Indexes 3, 0, 7 at weights 1, 5, 1 (given out of order).
+        let live = [weighted(3, 1), weighted(0, 5), weighted(7, 1)];
+        let r = target_ring(&live, TargetPolicy::RoundRobin);
+        assert_eq!(r.mode, RING_PAIRED);
+        let s = r.as_slice();
+        assert!(s.len() <= RING_SIZE && s.len() % 2 == 0, "{}", s.len());
+        // 128 / 7 = 18 turns of the 7-entry cycle.
+        assert_eq!(s.len(), 2 * 18 * 7);
+        let targets: Vec<u32> = s.chunks(2).map(|p| p[0]).collect();
+        assert_eq!(
+            (
+                count_of(&targets, 0),
+                count_of(&targets, 3),
+                count_of(&targets, 7)
+            ),
+            (5 * 18, 18, 18)
+        );
+        // An alternate is never its pair's target.
+        assert!(s.chunks(2).all(|p| p[0] != p[1]), "{s:?}");
+        // Interleaved (smooth weighted round robin), not five in a row.
+        assert_eq!(&targets[..7], &[0, 0, 3, 0, 7, 0, 0]);
+        assert_eq!(&targets[7..14], &targets[..7]);
+        // Whatever the origin, every PREPARE finds a target, and the
+        // others get them by weight: origin 0 splits 1:1 between 3 and 7;
+        // origin 3 sends 5:1 to 0 and 7.
+        let from0 = targets_over_a_turn(&r, 0);
+        assert_eq!(
+            (count_of(&from0, Some(3)), count_of(&from0, Some(7))),
+            (63, 63)
+        );
+        let from3 = targets_over_a_turn(&r, 3);
+        assert_eq!(
+            (count_of(&from3, Some(0)), count_of(&from3, Some(7))),
+            (105, 21)
+        );
+        assert_eq!(count_of(&from3, None), 0);
+        // Two servers 1:3: the heavier one gets three quarters.
+        let r = target_ring(&[weighted(1, 1), weighted(2, 3)], TargetPolicy::RoundRobin);
+        let t: Vec<u32> = r.as_slice().chunks(2).map(|p| p[0]).collect();
+        assert_eq!(3 * count_of(&t, 1), count_of(&t, 2));
+        assert_eq!(&t[..4], &[2, 1, 2, 2]);
+        assert_eq!(targets_over_a_turn(&r, 2), vec![Some(1); t.len()]);
+        assert_eq!(targets_over_a_turn(&r, 1), vec![Some(2); t.len()]);
+    }
+
+    #[test]
+    fn round_robin_targets_with_equal_weights_stay_in_index_order() {
+        for w in [1, 1000] {
+            let live = [weighted(4, w), weighted(1, w), weighted(2, w)];
+            let r = target_ring(&live, TargetPolicy::RoundRobin);
+            assert_eq!((r.mode, r.as_slice()), (RING_ROTATE, &[1u32, 2, 4][..]));
+        }
+        let r = target_ring(&[weighted(5, 3)], TargetPolicy::RoundRobin);
+        assert_eq!((r.mode, r.as_slice()), (RING_ROTATE, &[5u32][..]));
+        let r = target_ring(&[], TargetPolicy::RoundRobin);
+        assert!(r.as_slice().is_empty());
+    }
+
+    #[test]
+    fn round_robin_target_weights_are_reduced_by_their_gcd() {
+        assert_eq!(ring_weights(&[10, 20, 30], 128), vec![1, 2, 3]);
+        assert_eq!(ring_weights(&[4, 6], 128), vec![2, 3]);
+        let small = target_ring(
+            &[weighted(0, 1), weighted(1, 2), weighted(2, 3)],
+            TargetPolicy::RoundRobin,
+        );
+        let big = target_ring(
+            &[weighted(0, 100), weighted(1, 200), weighted(2, 300)],
+            TargetPolicy::RoundRobin,
+        );
+        assert_eq!(small, big);
+        assert_eq!(small.as_slice().len(), 2 * 126);
+    }
+
+    #[test]
+    fn round_robin_target_ring_stays_within_its_capacity() {
+        // Weights that do not reduce: scaled down to fit 128 pairs, every
+        // server kept, the ratios close.
+        assert_eq!(ring_weights(&[1000, 1, 1], 128), vec![126, 1, 1]);
+        let w = ring_weights(&[997, 500, 3], 128);
+        assert!(w.iter().sum::<u32>() <= 128, "{w:?}");
+        assert_eq!(w, vec![85, 42, 1]);
+        let r = target_ring(
+            &[weighted(0, 1000), weighted(1, 1), weighted(2, 1)],
+            TargetPolicy::RoundRobin,
+        );
+        assert_eq!(r.as_slice().len(), RING_SIZE);
+        let t: Vec<u32> = r.as_slice().chunks(2).map(|p| p[0]).collect();
+        assert_eq!(
+            (count_of(&t, 0), count_of(&t, 1), count_of(&t, 2)),
+            (126, 1, 1)
+        );
+        let from0 = targets_over_a_turn(&r, 0);
+        assert_eq!(
+            (count_of(&from0, Some(1)), count_of(&from0, Some(2))),
+            (64, 64)
+        );
+        // 128 servers of weights 1..=128 scale down to weight 1 each:
+        // every server once, in index order.
+        let many: Vec<Server> = (0..128).map(|i| weighted(i, i + 1)).collect();
+        let r = target_ring(&many, TargetPolicy::RoundRobin);
+        assert_eq!(r.mode, RING_ROTATE);
+        assert_eq!(r.as_slice(), &(0..128).collect::<Vec<u32>>()[..]);
+        // More servers than pairs: unweighted round robin, as before.
+        let more: Vec<Server> = (0..200).map(|i| weighted(i, i % 3 + 1)).collect();
+        let r = target_ring(&more, TargetPolicy::RoundRobin);
+        assert_eq!(r.mode, RING_ROTATE);
+        assert_eq!(r.as_slice(), &(0..200).collect::<Vec<u32>>()[..]);
+        // Capacity for any mix (a property over deterministic weights).
+        let mut x: u64 = 7;
+        for n in 2..40u32 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let live: Vec<Server> = (0..n)
+                .map(|i| weighted(i, 1 + ((x >> (i % 32)) % 1000) as u32))
+                .collect();
+            let r = target_ring(&live, TargetPolicy::RoundRobin);
+            assert!(r.as_slice().len() <= RING_SIZE);
+            for o in 0..n {
+                assert!(targets_over_a_turn(&r, o).iter().all(|t| t.is_some()));
+            }
+        }
     }
 
     #[test]

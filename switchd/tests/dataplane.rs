@@ -827,6 +827,56 @@ fn prepare_retransmissions_keep_their_target() {
     assert_eq!(seen.len(), 2, "{seen:?}");
 }
 
+/// A weighted round-robin target ring (pairs of target and alternate):
+/// each PREPARE takes the next pair's target, or its alternate when the
+/// target is the origin, so a server whose weight fills most of the ring
+/// (and comes twice in a row) still finds a target for every migration of
+/// its own.
+#[test]
+fn paired_target_ring_skips_the_origin_to_its_alternate() {
+    let mut lab = setup();
+    let mut s4 = CServer {
+        ifindex: lab.sv,
+        mac: server_mac(4),
+        src_mac: SV_MAC,
+        state: SERVER_LIVE,
+        weight: 1,
+        ..Default::default()
+    };
+    s4.set_data_addr(server_ip(4));
+    lab.dp.set_server(4, s4).unwrap();
+    // Targets 0 0 1 0 4 0 (weights 4:1:1), alternates of 0 alternating
+    // 1 and 4, of 1 and 4 the server 0.
+    lab.dp
+        .write_ring(
+            0,
+            RING_TARGET,
+            &CRing::from_slice(RING_PAIRED, &[0, 1, 0, 4, 1, 0, 0, 1, 4, 0, 0, 4]),
+        )
+        .unwrap();
+    let sport = 45100;
+    let target_of = |lab: &mut Lab, origin: u32, n: u32| {
+        let m = mig(Kind::Prepare, mid(origin, n), sport, origin, None);
+        let r = lab
+            .dp
+            .test_run(&udp_from(server_ip(origin), SWITCH_SV, &m), lab.sv, 1)
+            .unwrap();
+        assert_eq!(r.verdict, XDP_REDIRECT, "PREPARE {n} of origin {origin}");
+        [0u32, 1, 4]
+            .into_iter()
+            .find(|s| r.packet == udp_to_server(*s, server_ip(origin), &m))
+            .expect("steered to 0, 1 or 4")
+    };
+    // Two turns of the ring from origin 0: 1 and 4 three times each per turn.
+    let from0: Vec<u32> = (0..12).map(|n| target_of(&mut lab, 0, n)).collect();
+    assert!(!from0.contains(&0), "{from0:?}");
+    let count = |v: &[u32], x: u32| v.iter().filter(|y| **y == x).count();
+    assert_eq!((count(&from0, 1), count(&from0, 4)), (6, 6), "{from0:?}");
+    // From origin 1: server 0 for its own pairs and as the alternate of 1.
+    let from1: Vec<u32> = (0..6).map(|n| target_of(&mut lab, 1, n)).collect();
+    assert_eq!((count(&from1, 0), count(&from1, 4)), (5, 1), "{from1:?}");
+}
+
 #[test]
 fn owners_and_malformed_packets() {
     let mut lab = setup();

@@ -121,3 +121,88 @@ fn a_reset_from_the_owner_ends_the_flow_entry() {
         )],
     );
 }
+
+/// A reset from the owner's data address instead of the VIP (its stack
+/// refused a SYN for a port it does not listen on and could not tell which
+/// VIP the client used: listeners bound to 0.0.0.0 or to several VIPs)
+/// leaves with the VIP as source (`server_rst_from_vip`), so that the
+/// client accepts it and connect() fails at once with "connection
+/// refused", and it ends the entry. Before, it left from the data address:
+/// the client ignored it and retried its SYN until it timed out, and the
+/// entry stayed until the embryonic reaper. A reset from a data address
+/// that does not own the client's flow is left as it is.
+#[test]
+fn a_reset_from_the_owners_data_address_leaves_from_the_vip() {
+    let mut lab = setup();
+    let from_data = |s: u32, sport: u16| {
+        tcp_frame(
+            SV_MAC,
+            server_mac(s),
+            server_ip(s),
+            80,
+            CLIENT,
+            sport,
+            TCP_RST | TCP_ACK,
+            b"",
+        )
+    };
+    let refused = 46101u16;
+    let owner = maglev_server(&lab, refused, VIP);
+    let key = flow_key(refused);
+    run(
+        &mut lab,
+        vec![client_to(
+            "SYN placed",
+            refused,
+            TCP_SYN,
+            owner,
+            "fwd_new_flow",
+        )],
+    );
+    let _ = flow_events(&mut lab, key);
+    run(
+        &mut lab,
+        vec![Case {
+            desc: "the owner refuses it from its data address",
+            side: Side::Server,
+            input: from_data(owner, refused),
+            verdict: XDP_PASS,
+            // Built from scratch: also checks the checksum updates.
+            output: Some(server_tcp(owner, refused, TCP_RST | TCP_ACK)),
+            reason: "pass_not_service",
+        }],
+    );
+    assert_eq!(lab.dp.lookup_flow(key).unwrap(), None, "entry removed");
+    assert_eq!(closed_events(&mut lab, key), 1, "one CLOSED event");
+
+    // Another server's data address: not the flow's owner, unchanged.
+    let live = 46102u16;
+    let owner = maglev_server(&lab, live, VIP);
+    let other = if owner == 0 { 1 } else { 0 };
+    run(
+        &mut lab,
+        vec![
+            client_to("SYN placed", live, TCP_SYN, owner, "fwd_new_flow"),
+            server_says_raw("another server's reset", from_data(other, live)),
+            // No flow with that client port at all: unchanged.
+            server_says_raw("a reset for no flow", from_data(owner, 46199)),
+        ],
+    );
+    let f = lab
+        .dp
+        .lookup_flow(flow_key(live))
+        .unwrap()
+        .expect("entry kept");
+    assert_eq!(f.server, owner);
+}
+
+fn server_says_raw(desc: &'static str, input: Vec<u8>) -> Case {
+    Case {
+        desc,
+        side: Side::Server,
+        input,
+        verdict: XDP_PASS,
+        output: None,
+        reason: "pass_not_service",
+    }
+}

@@ -1064,7 +1064,10 @@ impl Endpoint {
     /// Source address of a RST for a port nobody listens on. The packet's
     /// destination is our data address (the switch rewrote the VIP), which
     /// the client would not recognise; when every listener is bound to the
-    /// same VIP, that VIP is the address the client used.
+    /// same VIP, that VIP is the address the client used. Otherwise (no
+    /// listener, listeners on 0.0.0.0 or on several VIPs) the reset leaves
+    /// from `dst` and switchd rewrites its source to the flow's VIP
+    /// (bpf/switch.bpf.c `server_rst_from_vip`).
     fn rst_source(&self, dst: Ipv4Addr) -> Ipv4Addr {
         let mut vip = None;
         for l in self.listeners.values() {
