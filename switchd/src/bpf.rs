@@ -1883,9 +1883,35 @@ impl DataPlane for BpfDataPlane {
         let mut removed = Vec::new();
         // Keys with a migration entry, to it (removed) or elsewhere (kept).
         let mut migrated_away = std::collections::HashSet::new();
+        let maps = &self.maps;
+        let server_at = |ip: u32| {
+            let v = maps
+                .server_by_addr
+                .lookup(&ip.to_ne_bytes(), MapFlags::ANY)
+                .ok()??;
+            let i = u32::from_ne_bytes(v.get(..4)?.try_into().ok()?);
+            let s = maps
+                .servers
+                .lookup(&i.to_ne_bytes(), MapFlags::ANY)
+                .ok()??;
+            Some((i, CServer::from_bytes(&s)?.state))
+        };
         for (k, m) in
             entries::<CFlowKey, CMigration>(&self.maps.migrations, "migrations", usize::MAX)?
         {
+            if let Some(o) = crate::dataplane::pending_back_to_origin(&m, server, server_at) {
+                // Only over the entry still there (EXIST): the target, dead,
+                // sends nothing that could change it meanwhile.
+                let back = CMigration::owner(o, m.migration_id);
+                if maps
+                    .migrations
+                    .update(k.as_bytes(), back.as_bytes(), MapFlags::EXIST)
+                    .is_ok()
+                {
+                    migrated_away.insert(k);
+                    continue;
+                }
+            }
             if m.server == server {
                 let _ = self.maps.migrations.delete(k.as_bytes());
                 let _ = self.maps.flows.delete(k.as_bytes());

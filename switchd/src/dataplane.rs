@@ -36,6 +36,28 @@ pub(crate) fn check_range(what: &'static str, value: u32, max: u32) -> Result<()
     Ok(())
 }
 
+/// Where a migration entry pending toward `dead` (a server whose entries
+/// are being removed) goes instead ([`DataPlane::remove_flows_of`]): back
+/// to the migration's origin (its id's high 32 bits are the origin's data
+/// address), final, when `server_at(data address in network order)` names
+/// another server, LIVE or DRAINING (`(index, state)`). By then the origin
+/// resumed the connection (it was not sending its snapshot yet), or gave it
+/// up as `Lost` after `in_doubt_limit` and resets the client's next segment:
+/// either way it is the one owner, and the target that never answered is
+/// dead. `None`: not pending, or no live origin (the entry is removed).
+pub(crate) fn pending_back_to_origin(
+    m: &CMigration,
+    dead: u32,
+    server_at: impl Fn(u32) -> Option<(u32, u8)>,
+) -> Option<u32> {
+    if m.server != dead || m.pending != MIG_PENDING {
+        return None;
+    }
+    let origin = std::net::Ipv4Addr::from((m.migration_id >> 32) as u32);
+    let (index, state) = server_at(u32::from_ne_bytes(origin.octets()))?;
+    (index != dead && matches!(state, SERVER_LIVE | SERVER_DRAINING)).then_some(index)
+}
+
 /// A flow event from the data plane (decoded `struct capy_flow_event`).
 pub type FlowEvent = CFlowEvent;
 
@@ -94,6 +116,9 @@ pub trait DataPlane {
     /// Removes every flow currently owned by `server` (migration entries to
     /// it, and flow entries placed on it that did not migrate away).
     /// Returns the removed keys. Flows owned by other servers are untouched.
+    /// A migration still pending toward `server` whose origin is a live
+    /// server is not removed: it becomes final on its origin
+    /// ([`pending_back_to_origin`]; not in the returned keys).
     fn remove_flows_of(&mut self, server: u32) -> Result<Vec<CFlowKey>>;
     /// Removes every flow and migration entry of service `key` (a service
     /// removed at run time). Returns the removed keys with their owner
@@ -309,6 +334,19 @@ impl DataPlane for MemDataPlane {
         Ok(self.migrations.get(&key).copied())
     }
     fn remove_flows_of(&mut self, server: u32) -> Result<Vec<CFlowKey>> {
+        let server_at = |ip: u32| {
+            let i = *self.server_by_addr.get(&ip)?;
+            Some((i, self.servers.get(&i)?.state))
+        };
+        let back: Vec<(CFlowKey, CMigration)> = self
+            .migrations
+            .iter()
+            .filter_map(|(k, m)| {
+                let o = pending_back_to_origin(m, server, server_at)?;
+                Some((*k, CMigration::owner(o, m.migration_id)))
+            })
+            .collect();
+        self.migrations.extend(back);
         let mut removed: Vec<CFlowKey> = self
             .migrations
             .iter()
