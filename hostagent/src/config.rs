@@ -498,7 +498,13 @@ impl MigrationConfig {
                 .map_err(|e| bad(f.clone(), format!("cannot read the key file: {e}")))?
                 .trim()
                 .to_string(),
-            _ => {
+            (Some(_), Some(f)) => {
+                return Err(bad(
+                    format!("<secret>, key_file = {f}"),
+                    "give exactly one of key or key_file, not both".into(),
+                ))
+            }
+            (None, None) => {
                 return Err(bad(
                     "(none)".into(),
                     "give exactly one of key or key_file".into(),
@@ -511,6 +517,36 @@ impl MigrationConfig {
 
 fn default_name() -> String {
     "hostagent".into()
+}
+
+/// A sidecar's `max_request_bytes` when the config gives none (1 MiB).
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1 << 20;
+
+/// What a sidecar connection's migrating state may hold beyond its
+/// `max_request_bytes` of client bytes not forwarded yet: the read that
+/// crossed the limit (64 KiB), a TLS session (a partial record, plaintext
+/// and ciphertext not taken yet, the seal) and the state's header.
+pub const SIDECAR_STATE_SLACK: usize = 256 << 10;
+
+impl Config {
+    /// The largest connection snapshot this host sends and accepts
+    /// (TCPMig's `max_snapshot_bytes`): both TCP queues, the largest
+    /// application state a service's connection may carry (a sidecar's
+    /// partially received request, up to its `max_request_bytes`) and
+    /// room for the snapshot's headers. Sized from the queues alone, a
+    /// connection in the middle of receiving a request of more than about
+    /// the two queues could not migrate (the engine refused its snapshot as
+    /// too large and the migration ended `cancelled`: docs/SIDECAR.md).
+    pub fn max_snapshot_bytes(&self) -> usize {
+        let app = self
+            .services
+            .iter()
+            .filter(|s| s.app == App::Sidecar)
+            .map(|s| s.max_request_bytes.unwrap_or(DEFAULT_MAX_REQUEST_BYTES) + SIDECAR_STATE_SLACK)
+            .max()
+            .unwrap_or(0);
+        self.stack.send_buffer + self.stack.recv_buffer + app + 4096
+    }
 }
 
 /// The keys of the file's top level (`Config`'s fields as spelled in TOML).
@@ -660,6 +696,23 @@ impl Config {
             }
         }
         if let Some(c) = &self.control {
+            // The control channel is signed with the deployment secret of
+            // `[migration]`; without it the agent never registered, and
+            // said nothing (the server just never appeared in switchd).
+            if self.migration.is_none() {
+                return Err(bad(
+                    "migration",
+                    "(none)".into(),
+                    "[control] needs a [migration] section: its key (the deployment secret) signs the REGISTER and heartbeats",
+                ));
+            }
+            if c.switch.port() == 0 {
+                return Err(bad(
+                    "control.switch",
+                    c.switch.to_string(),
+                    "needs a port (switchd's control_listen, usually 7692)",
+                ));
+            }
             if c.weight == 0 {
                 return Err(bad("control.weight", "0".into(), "must be at least 1"));
             }
@@ -757,6 +810,30 @@ impl Config {
             }
             if let Err((field, value, why)) = a.check_sidecar() {
                 return Err(bad(&format!("service[{i}].{field}"), value, &why));
+            }
+            // The sidecar reaches its application through the kernel; the
+            // stack's data address and the service addresses belong to the
+            // user-space stack (the kernel does not own them and drops
+            // their frames), so a backend there is never answered.
+            if let Some(b) = a.backend {
+                let ours = if *b.ip() == s.address {
+                    Some("the stack's data address (stack.address)".to_string())
+                } else {
+                    self.services
+                        .iter()
+                        .position(|o| o.listen.ip() == b.ip())
+                        .map(|j| format!("a service address (service[{j}].listen)"))
+                };
+                if let Some(what) = ours {
+                    return Err(bad(
+                        &format!("service[{i}].backend"),
+                        b.to_string(),
+                        &format!(
+                            "is {what}, served by the user-space stack, not the kernel: the application's address is the kernel's, e.g. 127.0.0.1:{}",
+                            b.port()
+                        ),
+                    ));
+                }
             }
             if a.listen.port() == 0 {
                 return Err(bad(
@@ -882,11 +959,14 @@ app = "echo"
         assert!(e.contains("expected an array"), "{e}");
     }
 
+    const MIGRATION: &str =
+        "[migration]\nkey = \"00112233445566778899aabbccddeeff\"\nswitch = \"198.18.1.1\"\n";
+
     #[test]
     fn control_section_names_a_reserved_id_and_a_shared_address() {
         let ctl = |id: u32, mgmt: &str| {
             format!(
-                "{GOOD}[control]\nswitch = \"198.18.1.1:7692\"\nserver_id = {id}\nmanagement = \"{mgmt}\"\n"
+                "{GOOD}{MIGRATION}[control]\nswitch = \"198.18.1.1:7692\"\nserver_id = {id}\nmanagement = \"{mgmt}\"\n"
             )
         };
         assert_eq!(
@@ -909,6 +989,85 @@ app = "echo"
         );
         let e = check(&ctl(1, "0.0.0.0")).unwrap_err();
         assert!(e.contains("control.management = 0.0.0.0"), "{e}");
+    }
+
+    /// `[control]` without `[migration]` was accepted, and the agent then
+    /// never registered (the control channel needs the deployment key),
+    /// silently; a control address without a port never reached switchd.
+    #[test]
+    fn control_needs_the_migration_key_and_a_port() {
+        let ctl = "[control]\nswitch = \"198.18.1.1:7692\"\nserver_id = 3\nmanagement = \"198.18.1.13\"\n";
+        let e = check(&format!("{GOOD}{ctl}")).unwrap_err();
+        assert!(
+            e.contains("migration = (none): [control] needs a [migration] section"),
+            "{e}"
+        );
+        assert!(check(&format!("{GOOD}{MIGRATION}{ctl}")).is_ok());
+        let e = check(&format!("{GOOD}{MIGRATION}{}", ctl.replace(":7692", ":0"))).unwrap_err();
+        assert!(
+            e.contains("control.switch = 198.18.1.1:0: needs a port"),
+            "{e}"
+        );
+    }
+
+    /// Both `key` and `key_file` were reported as `migration.key = (none)`.
+    #[test]
+    fn both_key_and_key_file_are_named() {
+        let e = check(&format!(
+            "{GOOD}[migration]\nkey = \"00112233445566778899aabbccddeeff\"\nkey_file = \"/k\"\nswitch = \"198.18.1.1\"\n"
+        ))
+        .unwrap_err();
+        assert!(
+            e.contains("migration.key = <secret>, key_file = /k: give exactly one of key or key_file, not both")
+                && !e.contains("0011"),
+            "{e}"
+        );
+    }
+
+    /// A sidecar backend at the stack's own address or at a service
+    /// address is the user-space stack's, never answered by the kernel's
+    /// application: refused, naming the field (it was accepted).
+    #[test]
+    fn a_backend_the_stack_owns_is_refused() {
+        let side = |backend: &str| {
+            format!(
+                "{GOOD}[[service]]\nlisten = \"198.18.100.1:443\"\napp = \"sidecar\"\nbackend = \"{backend}\"\nprotocol = \"raw\"\n"
+            )
+        };
+        assert!(check(&side("127.0.0.1:8080")).is_ok());
+        // Another host's application: allowed (the kernel routes it).
+        assert!(check(&side("10.1.2.3:8080")).is_ok());
+        let e = check(&side("198.18.2.11:8080")).unwrap_err();
+        assert!(
+            e.contains("service[2].backend = 198.18.2.11:8080: is the stack's data address (stack.address)")
+                && e.contains("127.0.0.1:8080"),
+            "{e}"
+        );
+        let e = check(&side("198.18.100.1:443")).unwrap_err();
+        assert!(
+            e.contains(
+                "service[2].backend = 198.18.100.1:443: is a service address (service[0].listen)"
+            ),
+            "{e}"
+        );
+    }
+
+    /// The snapshot limit covers both queues and, with a sidecar, the
+    /// most client bytes a relay holds (its `max_request_bytes` and one
+    /// read); without a sidecar it is the queues alone, as before.
+    #[test]
+    fn the_snapshot_limit_covers_a_sidecars_largest_request() {
+        let queues = 2 * (256 << 10) + 4096;
+        assert_eq!(check(GOOD).unwrap().max_snapshot_bytes(), queues);
+        let side = |extra: &str| {
+            format!(
+                "{GOOD}[[service]]\nlisten = \"198.18.100.1:443\"\napp = \"sidecar\"\nbackend = \"127.0.0.1:8080\"\nprotocol = \"http1\"\n{extra}"
+            )
+        };
+        let c = check(&side("")).unwrap();
+        assert!(c.max_snapshot_bytes() >= queues + (1 << 20) + (64 << 10));
+        let c = check(&side("max_request_bytes = 67108864\n")).unwrap();
+        assert!(c.max_snapshot_bytes() >= queues + (64 << 20) + (64 << 10));
     }
 
     #[test]

@@ -61,13 +61,32 @@ type Imported = Vec<Rc<RefCell<Vec<Vec<u8>>>>>;
 /// An echo world whose two servers record every imported state, run until
 /// the client got `warm` bytes back.
 fn recording_world(seed: u64, len: usize, warm: usize) -> (World, Imported) {
-    let mut w = World::new(
+    recording_world_limited(seed, len, warm, None)
+}
+
+/// `recording_world` with the servers' snapshot limit set to `limit`.
+fn recording_world_limited(
+    seed: u64,
+    len: usize,
+    warm: usize,
+    limit: Option<usize>,
+) -> (World, Imported) {
+    let mut w = World::with(
         Setup {
             seed,
             app: App::Echo,
             net: Net::clean(),
         },
         stream(seed, len),
+        client_tcp_config(),
+        server_tcp_config,
+        |addr| {
+            let mut c = server_mig_config(addr);
+            if let Some(l) = limit {
+                c.max_snapshot_bytes = l;
+            }
+            c
+        },
     );
     let imported: Imported = (0..2).map(|_| Rc::new(RefCell::new(Vec::new()))).collect();
     for (s, rec) in w.servers.iter_mut().zip(&imported) {
@@ -143,5 +162,59 @@ fn a_registered_manager_takes_the_imported_state_over() {
     assert_eq!(imported[0].borrow().as_slice(), [Vec::<u8>::new()]);
 
     assert!(w.finish(LIMIT), "{}", w.describe());
+    assert_eq!(w.client.received, w.client.to_send, "echo stream exact");
+}
+
+/// A manager holding `0` bytes of state (a sidecar in the middle of a
+/// large request: client bytes read, not forwarded).
+struct Big(Vec<u8>);
+
+impl ConnectionManager for Big {
+    fn prepare(&mut self) -> Readiness {
+        Readiness::Ready
+    }
+    fn export_state(&mut self, out: &mut Vec<u8>) -> Result<(), String> {
+        out.extend_from_slice(&self.0);
+        Ok(())
+    }
+    fn resume(&mut self) {}
+}
+
+/// A sidecar connection migrates with up to its `max_request_bytes` (1 MiB
+/// by default) of a partially received request, and one read more, as
+/// state. The hostagent sized the engine's snapshot limit from the TCP
+/// queues alone (both + 4 KiB, 516 KiB), so such a connection could not
+/// migrate: the engine refused the snapshot as too large and the migration
+/// ended `cancelled` (seen in the demo: a 900 kB upload paused mid-body,
+/// `ctl migrate` of it aborted, `reason: cancelled`). With the limit the
+/// configuration gives (`Config::max_snapshot_bytes`) it migrates, its
+/// state intact.
+#[test]
+fn a_sidecars_largest_partial_request_migrates_under_the_configs_limit() {
+    use capybara_hostagent::config::{Config, DEFAULT_MAX_REQUEST_BYTES};
+    let cfg = Config::parse(
+        "t.toml",
+        "name = \"s1\"\n[interface]\nname = \"eth0\"\n[stack]\naddress = \"198.18.2.11\"\n\
+         gateway = \"198.18.1.1\"\n[[service]]\nlisten = \"198.18.100.1:80\"\napp = \"sidecar\"\n\
+         backend = \"127.0.0.1:8080\"\nprotocol = \"http1\"\n",
+    )
+    .unwrap();
+    let state: Vec<u8> = (0..DEFAULT_MAX_REQUEST_BYTES + (64 << 10))
+        .map(|i| (i % 251) as u8)
+        .collect();
+    let (mut w, imported) =
+        recording_world_limited(83, 300_000, 20_000, Some(cfg.max_snapshot_bytes()));
+    register(&mut w, 0, Box::new(Big(state.clone())));
+    migrate_and_settle(&mut w, 1);
+    let got = imported[1].borrow();
+    assert_eq!(got.len(), 1, "imported once");
+    assert!(
+        got[0] == state,
+        "the state arrived intact ({} bytes)",
+        got[0].len()
+    );
+    drop(got);
+    assert!(w.finish(LIMIT), "{}", w.describe());
+    w.assert_single_owner();
     assert_eq!(w.client.received, w.client.to_send, "echo stream exact");
 }

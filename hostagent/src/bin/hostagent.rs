@@ -185,9 +185,10 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
     if let Some(m) = &cfg.migration {
         let k = m.load_key("config").map_err(|e| e.to_string())?;
         let mut ec = EngineConfig::new(cfg.stack.address, m.switch);
-        // A snapshot holds both queues; the target buffers up to a receive
+        // A snapshot holds both queues and the application's state (a
+        // sidecar's partial request); the target buffers up to a receive
         // window of client data.
-        ec.max_snapshot_bytes = cfg.stack.send_buffer + cfg.stack.recv_buffer + 4096;
+        ec.max_snapshot_bytes = cfg.max_snapshot_bytes();
         ec.max_buffer_bytes = cfg.stack.recv_buffer;
         // An explicit local choice: the engine keeps dropping whatever the
         // store's `buffer_mode` (POLICY) says (`set_policy_buffer_mode`),

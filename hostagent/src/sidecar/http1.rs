@@ -59,6 +59,34 @@ pub struct Request {
     pub upgrade: bool,
 }
 
+/// The interim response a client that sent `Expect: 100-continue` waits
+/// for before sending the body.
+pub const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+/// Whether `buf` starts with the complete head of an HTTP/1.1 request
+/// that has a body and `Expect: 100-continue` (RFC 9110 §10.1.1): its
+/// client may wait for `100 Continue` before sending the body. Call it for
+/// a request [`parse_request`] found incomplete.
+pub fn expects_continue(buf: &[u8]) -> bool {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    if !matches!(req.parse(buf), Ok(httparse::Status::Complete(_))) || req.version != Some(1) {
+        return false;
+    }
+    let mut expect = false;
+    let mut body = false;
+    for h in req.headers.iter() {
+        if h.name.eq_ignore_ascii_case("expect") {
+            expect = h.value.trim_ascii().eq_ignore_ascii_case(b"100-continue");
+        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+            body = true;
+        } else if h.name.eq_ignore_ascii_case("content-length") {
+            body |= parse_length(h.value).is_some_and(|n| n > 0);
+        }
+    }
+    expect && body
+}
+
 /// Where the first request in `buf` ends: `Ok(None)` while incomplete.
 /// `max_request` bounds head plus body.
 pub fn parse_request(buf: &[u8], max_request: usize) -> Result<Option<Request>, RequestError> {
@@ -418,6 +446,32 @@ impl ResponseTracker {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn expect_100_continue_is_recognised_on_a_complete_head_with_a_body() {
+        let r = |t: &str| expects_continue(t.as_bytes());
+        assert!(r(
+            "PUT / HTTP/1.1\r\nContent-Length: 9\r\nExpect: 100-continue\r\n\r\n"
+        ));
+        assert!(r("POST / HTTP/1.1\r\nexpect:  100-Continue \r\nTransfer-Encoding: chunked\r\n\r\n3\r\nab"));
+        // Head not complete yet, no body, HTTP/1.0, another expectation,
+        // no expectation.
+        assert!(!r(
+            "PUT / HTTP/1.1\r\nContent-Length: 9\r\nExpect: 100-continue\r\n"
+        ));
+        assert!(!r("GET / HTTP/1.1\r\nExpect: 100-continue\r\n\r\n"));
+        assert!(!r(
+            "PUT / HTTP/1.1\r\nContent-Length: 0\r\nExpect: 100-continue\r\n\r\n"
+        ));
+        assert!(!r(
+            "PUT / HTTP/1.0\r\nContent-Length: 9\r\nExpect: 100-continue\r\n\r\n"
+        ));
+        assert!(!r(
+            "PUT / HTTP/1.1\r\nContent-Length: 9\r\nExpect: something\r\n\r\n"
+        ));
+        assert!(!r("PUT / HTTP/1.1\r\nContent-Length: 9\r\n\r\n"));
+        assert!(!r("\x00\x01garbage"));
+    }
+
     use super::*;
     use proptest::prelude::*;
 

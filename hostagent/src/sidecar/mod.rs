@@ -154,7 +154,9 @@ impl Service {
             listen: s.listen,
             backend: s.backend.ok_or("sidecar needs a backend")?,
             protocol: s.protocol.ok_or("sidecar needs a protocol")?,
-            max_request: s.max_request_bytes.unwrap_or(1 << 20),
+            max_request: s
+                .max_request_bytes
+                .unwrap_or(crate::config::DEFAULT_MAX_REQUEST_BYTES),
             tls,
             seal: None,
             health: None,
@@ -178,7 +180,7 @@ pub fn load_tls(s: &crate::config::ServiceConfig) -> Result<Option<TlsConfig>, S
         let key_field = format!("tls_key = {key:?}");
         let field = match &e {
             E::Io { what, .. } if *what == "certificate" => cert_field,
-            E::Io { .. } | E::NoKey(_) => key_field,
+            E::Io { .. } | E::NoKey(_) | E::EncryptedKey(_) => key_field,
             E::NoCertificate(_) => cert_field,
             E::Pem { what, .. } if what == cert => cert_field,
             E::Pem { .. } => key_field,
@@ -522,6 +524,7 @@ async fn run_connection(
         peer,
         requests: 0,
         orphan: None,
+        continue_sent: false,
     };
     if relay.app.is_none() {
         // A connection that migrated in idle owes nothing either way: on a
@@ -613,6 +616,8 @@ struct Relay {
     requests: u64,
     /// The application closed the connection while idle (`Relay::orphan`).
     orphan: Option<Orphan>,
+    /// `100 Continue` sent for the request being received (`http1`).
+    continue_sent: bool,
 }
 
 /// A relay whose application closed its idle connection, on a service with
@@ -1059,12 +1064,32 @@ impl Relay {
             }
         }
         inbuf.drain(..off);
+        if forwarded > 0 {
+            self.continue_sent = false;
+        }
+        // A client that sent `Expect: 100-continue` waits for it before
+        // the body, and the request goes to the application only once
+        // complete: answer it here (RFC 9110 §10.1.1), once nothing of an
+        // earlier response can still come (it would interleave). Without
+        // it every such request (curl -T, .NET, libcurl clients) waited
+        // for the client's expect timeout, 1 s with curl.
+        let send_continue = matches!(proto, Proto::Http(t) if t.outstanding() == 0)
+            && !self.continue_sent
+            && self.fatal.is_none()
+            && self.app.is_some()
+            && !inbuf.is_empty()
+            && http1::expects_continue(inbuf);
         if !matches!(proto, Proto::Raw(_)) {
             self.requests += forwarded;
         }
         if self.app.is_none() && self.orphan.is_none() && !inbuf.is_empty() && !self.fatal_sent {
             // The backend failed: the error answers the first request.
             inbuf.clear();
+        }
+        if send_continue && sh.to_client.is_empty() {
+            self.continue_sent = true;
+            self.queue_for_client(sh, http1::CONTINUE);
+            return true;
         }
         off > 0
     }
@@ -1542,6 +1567,112 @@ mod tests {
                 !serve.is_finished(),
                 "the application saw SELECT 3 and PING"
             );
+            relay.abort();
+            serve.abort();
+        });
+    }
+
+    /// A client that sends `Expect: 100-continue` waits for `100 Continue`
+    /// before the body (curl -T, libcurl and .NET clients). The relay
+    /// forwards a request only once complete, so the application never saw
+    /// the head and nobody answered: every such request waited for the
+    /// client's expect timeout (1 s with curl, seen through the demo's VIP).
+    /// The relay answers it; the application's own interim 100 (nginx
+    /// sends one on seeing the header) passes as an interim response. A
+    /// second request on the same connection gets its own. Real stacks
+    /// over an in-memory link, a real loopback HTTP "application".
+    #[test]
+    fn expect_100_continue_is_answered_before_the_body() {
+        use std::net::Ipv4Addr;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let local = tokio::task::LocalSet::new();
+        local.block_on(&rt, async {
+            let (cip, sip) = (Ipv4Addr::new(198, 18, 0, 11), Ipv4Addr::new(198, 18, 2, 12));
+            let (a, b) = capybara_net::device::memory::pair(Default::default());
+            let client = mem_stack(a, 1, cip, sip);
+            let server = mem_stack(b, 2, sip, cip);
+            tokio::task::spawn_local(client.clone().drive());
+            tokio::task::spawn_local(server.clone().drive());
+
+            // The application: reads a whole request (head + 5-byte body),
+            // answers an interim 100 (as nginx does) and a 200.
+            let app = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let backend = match app.local_addr().unwrap() {
+                std::net::SocketAddr::V4(a) => a,
+                _ => unreachable!(),
+            };
+            let serve = tokio::task::spawn_local(async move {
+                let (mut c, _) = app.accept().await.unwrap();
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 1024];
+                for _ in 0..2 {
+                    while !seen.ends_with(b"\r\n\r\nhello") {
+                        let n = c.read(&mut buf).await.unwrap();
+                        assert!(n > 0, "the sidecar closed: {seen:?}");
+                        seen.extend_from_slice(&buf[..n]);
+                    }
+                    seen.clear();
+                    c.write_all(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .await
+                        .unwrap();
+                }
+                std::future::pending::<()>().await;
+                drop(c);
+            });
+            let listen = SocketAddrV4::new(sip, 80);
+            let svc = Rc::new(Service {
+                listen,
+                backend,
+                protocol: SidecarProtocol::Http1,
+                max_request: 1 << 20,
+                tls: None,
+                seal: None,
+                health: None,
+                relay_buffers: RelayBuffers::prewarmed(1),
+            });
+            let listener = TcpListener::bind(&server, listen).unwrap();
+            let id = client.with(|i| {
+                let now = i.clock.now();
+                i.transports
+                    .tcp
+                    .connect(now, SocketAddrV4::new(cip, 0), listen)
+                    .unwrap()
+            });
+            let (stream, peer) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+                .await
+                .expect("accepted within 10 s")
+                .unwrap();
+            let relay = tokio::task::spawn_local(run_connection(stream, peer, svc, None));
+
+            let head = b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n";
+            for round in 0..2 {
+                client.with(|i| i.transports.tcp.send(id, head).unwrap());
+                // 10 s: far past any client's expect timeout; without the
+                // relay's answer nothing comes at all.
+                let (got, ended) = client_read(&client, id, Duration::from_secs(10), |g| {
+                    g.ends_with(b"\r\n\r\n")
+                })
+                .await;
+                assert_eq!(
+                    String::from_utf8_lossy(&got),
+                    "HTTP/1.1 100 Continue\r\n\r\n",
+                    "round {round}: before the body (closed: {ended})"
+                );
+                client.with(|i| i.transports.tcp.send(id, b"hello").unwrap());
+                let (got, ended) = client_read(&client, id, Duration::from_secs(10), |g| {
+                    g.ends_with(b"\r\n\r\nok")
+                })
+                .await;
+                assert!(
+                    got.ends_with(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"),
+                    "round {round}: {:?} (closed: {ended})",
+                    String::from_utf8_lossy(&got)
+                );
+            }
             relay.abort();
             serve.abort();
         });

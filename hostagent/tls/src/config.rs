@@ -165,6 +165,13 @@ impl TlsConfig {
         if certs.is_empty() {
             return Err(ConfigError::NoCertificate(cert_name.to_string()));
         }
+        // Said before parsing: an encrypted block is no key block to the
+        // parser ("no private key block found" sent people looking for a
+        // missing key).
+        let has = |needle: &[u8]| key_pem.windows(needle.len()).any(|w| w == needle);
+        if has(b"-----BEGIN ENCRYPTED PRIVATE KEY-----") || has(b"Proc-Type: 4,ENCRYPTED") {
+            return Err(ConfigError::EncryptedKey(key_name.to_string()));
+        }
         let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| match e {
             rustls_pki_types::pem::Error::NoItemsFound => ConfigError::NoKey(key_name.to_string()),
             e => ConfigError::Pem {

@@ -170,6 +170,10 @@ pub enum ConfigError {
     NoCertificate(String),
     #[error("{0}: no private key block found (PKCS#8, PKCS#1 RSA or SEC1 EC PEM expected)")]
     NoKey(String),
+    /// A passphrase-protected key (`ENCRYPTED PRIVATE KEY`, or a legacy
+    /// `Proc-Type: 4,ENCRYPTED` block): nothing can ask for the passphrase.
+    #[error("{0}: the private key is encrypted (passphrase-protected), which is not supported: decrypt it (`openssl pkey -in KEY -out PLAIN_KEY`) and protect the file by its permissions")]
+    EncryptedKey(String),
     #[error("certificate and key rejected by rustls: {0}")]
     Rustls(rustls::Error),
 }

@@ -416,6 +416,20 @@ fn pem_loading_errors_name_the_problem() {
     assert!(matches!(e, ConfigError::NoCertificate(_)), "{e}");
     let e = TlsConfig::from_pem(cert.cert_pem.as_bytes(), cert.cert_pem.as_bytes()).unwrap_err();
     assert!(matches!(e, ConfigError::NoKey(_)), "{e}");
+    // Passphrase-protected keys (PKCS#8 and legacy OpenSSL) are named as
+    // such (they were "no private key block found").
+    for key in [
+        "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIFHDBOBgkqhkiG9w0BBQ0wQTApBgkqhkiG9w0BBQwwHAQI\n-----END ENCRYPTED PRIVATE KEY-----\n",
+        "-----BEGIN RSA PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\nDEK-Info: AES-256-CBC,00112233445566778899AABBCCDDEEFF\n\nMIIEpAIBAAKCAQEA\n-----END RSA PRIVATE KEY-----\n",
+    ] {
+        let e = TlsConfig::from_pem(cert.cert_pem.as_bytes(), key.as_bytes()).unwrap_err();
+        assert!(matches!(e, ConfigError::EncryptedKey(_)), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("private key PEM: the private key is encrypted"),
+            "{e}"
+        );
+    }
     let other = test_cert();
     let e = TlsConfig::from_pem(cert.cert_pem.as_bytes(), other.key_pem.as_bytes()).unwrap_err();
     assert!(matches!(e, ConfigError::Rustls(_)), "mismatched key: {e}");
