@@ -6,8 +6,9 @@
 //!   store (they lag the data plane by up to one flow-writer batch);
 //! - load is unknown (`load_pps: null`), no migration ever happens, so the
 //!   migration list is empty and `migrate` answers 503;
-//! - drains are real state machines: the server becomes `draining` in the
-//!   store at once (switchd watches it and stops placing flows), progress is
+//! - drains are real state machines: the server's `Drain` record says it
+//!   is drained (shown `draining`, then `drained`; switchd reads it when it
+//!   syncs), apart from its liveness in the server record; progress is
 //!   recomputed from the stored mappings, a drain completes when none is
 //!   left, and at the deadline `force` mode deletes the remaining mappings
 //!   (a switchd implementation resets those connections) while `migrate`
@@ -22,7 +23,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use capybara_proto::flow::{FlowKey, ServerId};
-use capybara_store::{unix_ms_now, Drain, DrainProgress, DrainState, FlowOp, ServerState, Store};
+use capybara_store::{
+    shown_state, unix_ms_now, Drain, DrainProgress, DrainState, FlowOp, Server, ServerState, Store,
+};
 use serde::Serialize;
 use tokio::sync::broadcast;
 
@@ -194,9 +197,12 @@ pub trait ControlPlane: Send + Sync + 'static {
         after: u64,
         limit: usize,
     ) -> Result<Vec<MigrationView>, Problem>;
-    /// Starts a drain: the server is `draining` when this returns.
+    /// Starts a drain: its record is `running` (the server shown
+    /// `draining`) when this returns.
     async fn start_drain(&self, server: ServerId, spec: DrainSpec) -> Result<DrainView, Problem>;
-    /// Cancels a running drain (if any) and makes the server active again.
+    /// Cancels the server's drain (running, timed out or completed: it no
+    /// longer holds the server) and clears a drain state a previous
+    /// version wrote in the server record.
     async fn stop_drain(&self, server: ServerId) -> Result<(), Problem>;
     /// The current or last drain of the server.
     async fn drain_status(&self, server: ServerId) -> Result<Option<DrainView>, Problem>;
@@ -278,11 +284,13 @@ pub struct ServiceServing {
 /// How often a drain supervisor re-reads the server's flows.
 const DRAIN_POLL: Duration = Duration::from_millis(200);
 const REMAINING_LISTED: usize = 1000;
-/// Steps of `DRAIN_POLL` after a completed drain during which a late
-/// `draining` written by switchd is corrected (`settle_drained`): 10 s,
-/// which also covers a switchd that took over fast and replays its held
-/// server writes once it wins the lease.
-const DRAIN_SETTLE_STEPS: u32 = 50;
+
+/// The state `s` is shown in: its drain's while the operator's drain holds
+/// it, else its record's liveness (`capybara_store::shown_state`).
+pub async fn server_shown_state(store: &dyn Store, s: &Server) -> Result<ServerState, Problem> {
+    let drain = store.get_drain(s.id).await?;
+    Ok(shown_state(s, drain.map(|d| d.state)))
+}
 
 pub struct StoreControlPlane {
     store: Arc<dyn Store>,
@@ -293,8 +301,14 @@ pub struct StoreControlPlane {
 
 impl StoreControlPlane {
     /// Also resumes the supervision of drains left running by a previous
-    /// process (their deadlines are wall-clock, so a restart loses nothing).
+    /// process (their deadlines are wall-clock, so a restart loses nothing),
+    /// after moving drains a previous version kept in the server records
+    /// into drain records (`upgrade_legacy_drain_states`).
     pub async fn new(store: Arc<dyn Store>, db: Arc<ApiDb>) -> Result<Arc<Self>, Problem> {
+        let moved = capybara_store::upgrade_legacy_drain_states(store.as_ref()).await?;
+        if !moved.is_empty() {
+            tracing::info!(servers = ?moved, "moved drains from server records to drain records");
+        }
         let (events, _) = broadcast::channel(256);
         let cp = Arc::new(StoreControlPlane {
             store,
@@ -340,7 +354,6 @@ impl StoreControlPlane {
                     }
                 }
             }
-            me.settle_drained(server, started).await;
         });
         if let Some(old) = self
             .supervisors
@@ -415,37 +428,6 @@ impl StoreControlPlane {
         Ok(true)
     }
 
-    /// switchd records a draining server as `draining` in the store
-    /// itself, asynchronously, after the API's drain request reaches it: a
-    /// drain that completed first (a server with no connection completes at
-    /// once) would leave the server `draining` for good. For a short while
-    /// after the completion, `drained` is put back.
-    async fn settle_drained(&self, server: ServerId, started: u64) {
-        for _ in 0..DRAIN_SETTLE_STEPS {
-            tokio::time::sleep(DRAIN_POLL).await;
-            let same_drain = matches!(
-                self.store.get_drain(server).await,
-                Ok(Some(d)) if d.state == DrainState::Completed && d.started_unix_ms == started
-            );
-            if !same_drain {
-                return;
-            }
-            match self.store.get_server(server).await {
-                Ok(Some(s)) if s.state == ServerState::Draining => {
-                    if let Err(e) = self
-                        .store
-                        .set_server_state(server, ServerState::Drained)
-                        .await
-                    {
-                        tracing::warn!(server = %server, error = %e, "marking a drained server drained");
-                    }
-                }
-                Ok(Some(_)) => {}
-                _ => return,
-            }
-        }
-    }
-
     async fn finish(
         &self,
         server: ServerId,
@@ -453,11 +435,6 @@ impl StoreControlPlane {
         state: DrainState,
     ) -> Result<(), Problem> {
         self.store.update_drain(server, progress, state).await?;
-        if state == DrainState::Completed {
-            self.store
-                .set_server_state(server, ServerState::Drained)
-                .await?;
-        }
         Ok(())
     }
 
@@ -606,11 +583,12 @@ impl ControlPlane for Arc<StoreControlPlane> {
                     t.0
                 )));
             }
-            if ts.state != ServerState::Active {
+            let shown = server_shown_state(self.store.as_ref(), &ts).await?;
+            if shown != ServerState::Active {
                 return Err(Problem::conflict(format!(
                     "target server {} is {}, not active",
                     t.0,
-                    ts.state.as_str()
+                    shown.as_str()
                 )));
             }
         }
@@ -631,7 +609,9 @@ impl ControlPlane for Arc<StoreControlPlane> {
         let Some(s) = self.store.get_server(server).await? else {
             return Err(Problem::not_found(format!("server {} not found", server.0)));
         };
-        if s.state == ServerState::Dead {
+        // A dead server has nothing to drain; one drained before it died
+        // may be drained again.
+        if server_shown_state(self.store.as_ref(), &s).await? == ServerState::Dead {
             return Err(Problem::conflict(format!(
                 "server {} is dead; it has no connections to drain",
                 server.0
@@ -663,10 +643,8 @@ impl ControlPlane for Arc<StoreControlPlane> {
                 ));
             }
         }
-        // No new connections from now on: switchd watches this state.
-        self.store
-            .set_server_state(server, ServerState::Draining)
-            .await?;
+        // The drain record is the drain: no new connections from now on
+        // (switchd is told by its caller, and reads it when it syncs).
         let total = self.store.list_flows_by_server(server).await?.len() as u64;
         let now = unix_ms_now();
         let drain = Drain {
@@ -694,7 +672,9 @@ impl ControlPlane for Arc<StoreControlPlane> {
         let Some(s) = self.store.get_server(server).await? else {
             return Err(Problem::not_found(format!("server {} not found", server.0)));
         };
-        if s.state == ServerState::Dead {
+        // Dead and not drained: nothing to undo (a drained server that
+        // died is undrained: it comes back into placement when it does).
+        if server_shown_state(self.store.as_ref(), &s).await? == ServerState::Dead {
             return Err(Problem::conflict(format!(
                 "server {} is dead; re-register it instead",
                 server.0
@@ -708,14 +688,18 @@ impl ControlPlane for Arc<StoreControlPlane> {
         {
             h.abort();
         }
+        // The drain (running, timed out or completed) no longer holds the
+        // server: `cancelled`, kept as its last drain with its progress.
         if let Some(d) = self.store.get_drain(server).await? {
-            if d.state == DrainState::Running {
+            if d.state != DrainState::Cancelled {
                 self.store
                     .update_drain(server, d.progress, DrainState::Cancelled)
                     .await?;
             }
         }
-        if s.state != ServerState::Active {
+        // A drain state a previous version wrote in the record (not moved
+        // yet): the record goes back to liveness.
+        if matches!(s.state, ServerState::Draining | ServerState::Drained) {
             self.store
                 .set_server_state(server, ServerState::Active)
                 .await?;

@@ -533,9 +533,11 @@ fn default_sigpipe() {
 }
 
 fn server_id(s: &str) -> Result<i64, CtlError> {
-    s.trim_start_matches('s')
-        .parse::<i64>()
-        .ok()
+    // One optional `s` and digits only (`ss3` and `+3` were taken as 3).
+    let digits = s.strip_prefix('s').unwrap_or(s);
+    Some(digits)
+        .filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|d| d.parse::<i64>().ok())
         .filter(|n| (1..=u32::MAX as i64).contains(n))
         .ok_or_else(|| {
             CtlError::Usage(format!(
@@ -609,9 +611,25 @@ async fn dispatch(a: &Args) -> Result<(), CtlError> {
         .timeout(Duration::from_secs(30))
         .build()
         .map_err(|e| CtlError::Api(format!("building the HTTP client: {e}")))?;
-    if !cfg.base_path.starts_with("http://") && !cfg.base_path.starts_with("https://") {
+    if cfg.base_path.starts_with("https://") {
+        // The client is built without TLS: reqwest's own "invalid URL,
+        // scheme is not http" came out as "cannot reach the API".
+        return Err(CtlError::Usage(format!(
+            "--api (or CAPYBARA_API): this capybara ctl speaks plain HTTP only, as the API serves it (http://...); got {:?}",
+            cfg.base_path
+        )));
+    }
+    if !cfg.base_path.starts_with("http://") {
         return Err(CtlError::Usage(format!(
             "--api (or CAPYBARA_API) must be a URL such as http://127.0.0.1:8080, got {:?}",
+            cfg.base_path
+        )));
+    }
+    if cfg.base_path.ends_with("/v1") {
+        // Every path already starts with /v1: `.../v1/v1/servers` was a 404
+        // "no such route".
+        return Err(CtlError::Usage(format!(
+            "--api (or CAPYBARA_API) is the API's base URL, without /v1 (e.g. http://127.0.0.1:8080), got {:?}",
             cfg.base_path
         )));
     }
@@ -1113,17 +1131,43 @@ async fn services_left_without(cfg: &Configuration, id: i64) -> Option<Vec<Strin
             )
         })
         .collect();
-    let pools: Vec<(String, Vec<i64>)> = services.into_iter().map(|s| (s.name, s.pool)).collect();
+    let all: Vec<i64> = available.iter().map(|(s, _)| *s).collect();
+    // Who can take the service's connections: switchd's resolved pool
+    // (`serving.members`) without the members whose hostagent does not
+    // serve the VIP:port (`not_serving`); the store's pool (empty: every
+    // server) while switchd does not answer. The store's pool alone named
+    // no service that only the drained server's hostagent serves.
+    let pools: Vec<(String, Vec<i64>)> = services
+        .iter()
+        .map(|s| (s.name.clone(), service_members(s, &all)))
+        .collect();
     Some(left_without(id, &available, &pools))
 }
 
-/// `services_left_without` on plain data: `servers` is (id, available).
+/// The servers that can take `s`'s connections: switchd's resolved pool
+/// without the members whose hostagent does not serve the VIP:port; the
+/// store's pool (empty: `all`) while switchd does not answer.
+fn service_members(s: &models::ServiceView, all: &[i64]) -> Vec<i64> {
+    match &s.serving {
+        Some(v) => {
+            let not = v.not_serving.as_deref().unwrap_or_default();
+            v.members
+                .iter()
+                .copied()
+                .filter(|m| !not.contains(m))
+                .collect()
+        }
+        None if s.pool.is_empty() => all.to_vec(),
+        None => s.pool.clone(),
+    }
+}
+
+/// `services_left_without` on plain data: `servers` is (id, available),
+/// `pools` (service, the servers that can take its connections).
 fn left_without(id: i64, servers: &[(i64, bool)], pools: &[(String, Vec<i64>)]) -> Vec<String> {
-    let all: Vec<i64> = servers.iter().map(|(s, _)| *s).collect();
     pools
         .iter()
-        .filter(|(_, pool)| {
-            let members = if pool.is_empty() { &all } else { pool };
+        .filter(|(_, members)| {
             members.contains(&id)
                 && !members
                     .iter()
@@ -1138,7 +1182,12 @@ fn left_without(id: i64, servers: &[(i64, bool)], pools: &[(String, Vec<i64>)]) 
 fn remaining_text(id: i64, remaining: &[String], left: usize) -> String {
     const SHOWN: usize = 5;
     let mut t = format!(
-        "; {left} connections remain: {}",
+        "; {left} {}: {}",
+        if left == 1 {
+            "connection remains"
+        } else {
+            "connections remain"
+        },
         remaining[..remaining.len().min(SHOWN)].join(" ")
     );
     if left > SHOWN.min(remaining.len()) {
@@ -1519,13 +1568,66 @@ mod tests {
         assert_eq!(command_help(&pos("frob")), None);
     }
 
+    /// A service's members are switchd's (its resolved pool without the
+    /// servers that do not serve it) when it answers, the store's pool
+    /// otherwise. Draining s3 of a service with an open pool that only
+    /// s3's hostagent serves (switchd: members [3]) named nothing: the
+    /// store's empty pool counted every server (seen in the demo).
+    #[test]
+    fn members_come_from_switchd_when_it_answers() {
+        let all = [1, 2, 3];
+        let mut s = models::ServiceView::new("redis".into(), "198.18.100.1".into(), 6379, vec![]);
+        assert_eq!(service_members(&s, &all), [1, 2, 3]);
+        s.serving = Some(models::ServiceServing::new(
+            true,
+            vec![3],
+            vec![],
+            false,
+            false,
+        ));
+        assert_eq!(service_members(&s, &all), [3]);
+        let pools = vec![("redis".to_string(), service_members(&s, &all))];
+        let servers = [(1, true), (2, true), (3, true)];
+        assert_eq!(left_without(3, &servers, &pools), ["redis"]);
+        assert!(left_without(1, &servers, &pools).is_empty());
+        // Named pool members whose hostagent lists other services.
+        s.pool = vec![2, 3];
+        let mut v = models::ServiceServing::new(true, vec![2, 3], vec![], false, false);
+        v.not_serving = Some(vec![2]);
+        s.serving = Some(v);
+        assert_eq!(service_members(&s, &all), [3]);
+        s.serving = None;
+        assert_eq!(service_members(&s, &all), [2, 3]);
+    }
+
+    #[test]
+    fn server_ids_are_a_number_with_one_optional_s() {
+        assert_eq!(server_id("3").unwrap(), 3);
+        assert_eq!(server_id("s3").unwrap(), 3);
+        assert_eq!(server_id("4294967295").unwrap(), 4294967295);
+        for bad in [
+            "ss3",
+            "+3",
+            "s",
+            "",
+            "0",
+            "s0",
+            "-1",
+            "3s",
+            "4294967296",
+            "s 3",
+        ] {
+            assert!(server_id(bad).is_err(), "{bad:?}");
+        }
+    }
+
     /// Draining the last server a service can place on is named; other
     /// services, or one with another available member, are not.
     #[test]
     fn drains_that_leave_a_service_without_servers_are_named() {
         let servers = [(1, true), (2, false), (3, true)];
         let pools = vec![
-            ("all".to_string(), vec![]),
+            ("all".to_string(), vec![1, 2, 3]),
             ("one".to_string(), vec![1]),
             ("one_and_drained".to_string(), vec![1, 2]),
             ("other".to_string(), vec![3]),
@@ -1547,7 +1649,7 @@ mod tests {
         let ids: Vec<String> = (1..=7).map(|i| format!("c{i}")).collect();
         assert_eq!(
             remaining_text(2, &ids[..1], 1),
-            "; 1 connections remain: c1"
+            "; 1 connection remains: c1"
         );
         assert_eq!(
             remaining_text(2, &ids[..5], 5),

@@ -129,10 +129,19 @@ async fn publish_change(state: &AppState, change: Change) -> ApiResult<()> {
         Change::ServicePut(s) => frame("service", &service_event(&s.name, Some(&s))),
         Change::ServiceDeleted(name) => frame("service", &service_event(&name, None)),
         Change::PolicyPut(p) => frame("policy", &json!(p)),
-        Change::DrainPut(d) => match state.cp.drain_status(d.server).await? {
-            Some(v) => frame("drain", &json!(v)),
-            None => return Ok(()),
-        },
+        Change::DrainPut(d) => {
+            // The server's shown state is its drain's: a `server` event
+            // too (the drain is not in the server record).
+            let server = frame(
+                "server",
+                &server_event(state, d.server, &state.cp.server_stats().await?).await?,
+            );
+            let _ = state.hub.send(server);
+            match state.cp.drain_status(d.server).await? {
+                Some(v) => frame("drain", &json!(v)),
+                None => return Ok(()),
+            }
+        }
         Change::DrainDeleted(_) | Change::AuditAppended(_) | Change::LeaderChanged { .. } => {
             return Ok(())
         }

@@ -120,7 +120,11 @@ async fn render(state: &AppState) -> ApiResult<String> {
         "# HELP capybara_server_state 1 for the server's current lifecycle state."
     );
     let _ = writeln!(w, "# TYPE capybara_server_state gauge");
+    let drain_of: std::collections::HashMap<_, _> =
+        drains.iter().map(|d| (d.server, d.state)).collect();
     for s in &servers {
+        // As the REST API shows it: the operator's drain over liveness.
+        let shown = capybara_store::shown_state(s, drain_of.get(&s.id).copied());
         for st in [
             ServerState::Active,
             ServerState::Draining,
@@ -133,7 +137,7 @@ async fn render(state: &AppState) -> ApiResult<String> {
                 s.id.0,
                 esc(&s.name),
                 st.as_str(),
-                u8::from(s.state == st)
+                u8::from(shown == st)
             );
         }
     }

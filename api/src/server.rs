@@ -227,8 +227,12 @@ pub fn routes(cfg: &mut web::ServiceConfig, static_dir: Option<PathBuf>) {
     .service(resource("/healthz", "GET").route(web::get().to(healthz)))
     .service(resource("/readyz", "GET").route(web::get().to(readyz)));
     if let Some(dir) = static_dir {
+        // Routed for GET and HEAD only: other methods on an unknown path
+        // reach the default service (a 404 problem document) instead of
+        // actix-files' own text/plain 405 without an Allow header.
         cfg.service(
             actix_files::Files::new("/", dir)
+                .guard(actix_web::guard::Any(actix_web::guard::Get()).or(actix_web::guard::Head()))
                 .index_file("index.html")
                 .default_handler(web::to(|| async { not_found_route().await })),
         );
@@ -276,6 +280,9 @@ pub struct ServerView {
     pub name: String,
     pub mgmt_addr: String,
     pub data_addr: String,
+    /// The operator's drain while it holds the server (`draining`,
+    /// `drained`), else its liveness as switchd last recorded it
+    /// (`active`, `dead`): `capybara_store::shown_state`.
     pub state: ServerState,
     /// Whether the server's hostagent is heard: `never_seen` (created
     /// through the API, no hostagent has registered it: switchd places no
@@ -319,12 +326,13 @@ pub async fn server_view(
     };
     let drain = state.cp.drain_status(s.id).await?;
     let liveness = server_liveness(&s, &stats);
+    let shown = capybara_store::shown_state(&s, drain.as_ref().map(|d| d.state));
     Ok(ServerView {
         id: s.id.0,
         name: s.name,
         mgmt_addr: s.mgmt_addr.to_string(),
         data_addr: s.data_addr.to_string(),
-        state: s.state,
+        state: shown,
         liveness,
         weight: s.weight,
         weight_source: if s.weight_set { "operator" } else { "register" },
@@ -564,11 +572,12 @@ async fn deregister_server(
     let state = st(&data);
     let who = authorize(&req, state, Role::Admin, false)?;
     let s = existing_server(state, &path).await?;
-    if !matches!(s.state, ServerState::Drained | ServerState::Dead) {
+    let shown = crate::control::server_shown_state(state.store.as_ref(), &s).await?;
+    if !matches!(shown, ServerState::Drained | ServerState::Dead) {
         return Err(Problem::conflict(format!(
             "server {} is {}; drain it (or wait until it is dead) before deregistering",
             s.id.0,
-            s.state.as_str()
+            shown.as_str()
         )));
     }
     let _g = state.write_lock.lock().await;
@@ -704,10 +713,7 @@ async fn drain_server(
     // A drained server that holds connections again has work for a new one.
     if let Some(d) = state.cp.drain_status(s.id).await? {
         match d.state {
-            DrainState::Completed
-                if s.state == ServerState::Drained
-                    && state.store.list_flows_by_server(s.id).await?.is_empty() =>
-            {
+            DrainState::Completed if state.store.list_flows_by_server(s.id).await?.is_empty() => {
                 return Ok(ok(&d))
             }
             DrainState::Running => {
@@ -791,13 +797,14 @@ async fn undrain_server(
     let state = st(&data);
     let who = authorize(&req, state, Role::Operator, false)?;
     let s = existing_server(state, &path).await?;
+    let previous = crate::control::server_shown_state(state.store.as_ref(), &s).await?;
     state.cp.stop_drain(s.id).await?;
     audit(
         state,
         &who,
         "server.undrain",
         format!("servers/{}", s.id.0),
-        json!({ "previous_state": s.state.as_str() }),
+        json!({ "previous_state": previous.as_str() }),
     )
     .await;
     let s = existing_server(state, &path).await?;

@@ -194,6 +194,29 @@ pub fn parse_own_addrs(body: &str) -> Result<Vec<(Ipv4Addr, String)>, Problem> {
     Ok(out)
 }
 
+/// Whether server `id`'s hostagent serves `vip` according to switchd's
+/// `/status`: `Some(false)` when its REGISTER lists other services and not
+/// this VIP:port (nor `0.0.0.0:PORT`): its stack has no listener there,
+/// so a connection migrated to it cannot be imported. `None` when the
+/// status does not say (unreadable, server absent, nothing listed).
+pub fn server_serves(body: &str, id: u32, vip: std::net::SocketAddrV4) -> Option<bool> {
+    let st: Status = serde_json::from_str(body).ok()?;
+    let s = st.servers.iter().find(|s| s.id == id)?;
+    let listed: Vec<std::net::SocketAddrV4> = s
+        .backends
+        .iter()
+        .filter_map(|b| b.service.as_deref()?.parse().ok())
+        .collect();
+    if listed.is_empty() {
+        return None;
+    }
+    Some(
+        listed
+            .iter()
+            .any(|a| a.port() == vip.port() && (a.ip() == vip.ip() || a.ip().is_unspecified())),
+    )
+}
+
 /// Parses the served services of switchd's `/status`, by VIP:port.
 pub fn parse_status_services(
     body: &str,
@@ -1112,12 +1135,29 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
                         t.0
                     )));
                 }
-                if ts.state != ServerState::Active {
+                let shown = crate::control::server_shown_state(self.store.as_ref(), &ts).await?;
+                if shown != ServerState::Active {
                     return Err(Problem::conflict(format!(
                         "target server {} is {}, not active",
                         t.0,
-                        ts.state.as_str()
+                        shown.as_str()
                     )));
+                }
+                // A target whose hostagent does not serve the VIP:port has
+                // no listener for the connection: the migration was sent
+                // and ended `aborted` (`import failed`). Unknown (switchd
+                // does not answer): the request goes on as before.
+                let vip = std::net::SocketAddrV4::new(conn.service_ip, conn.service_port);
+                if let Ok(body) = self.http.get("/status").await {
+                    if server_serves(&body, t.0, vip) == Some(false) {
+                        return Err(Problem::invalid(
+                            "target",
+                            format!(
+                                "server {} does not serve {vip} (its hostagent lists other services): the connection cannot be imported there",
+                                t.0
+                            ),
+                        ));
+                    }
                 }
                 Some(ts.data_addr)
             }
@@ -1179,7 +1219,7 @@ impl ControlPlane for Arc<SwitchdControlPlane> {
 
     async fn start_drain(&self, server: ServerId, spec: DrainSpec) -> Result<DrainView, Problem> {
         let deadline_ms = spec.deadline.as_millis().min(u32::MAX as u128);
-        // Validates and records the drain (the server is `draining` in the store).
+        // Validates and records the drain (its `Drain` record, running).
         let view = self.inner.start_drain(server, spec).await?;
         if let Err(p) = self
             .http
@@ -1356,6 +1396,30 @@ mod tests {
             m[&(Ipv4Addr::new(198, 18, 100, 2), 8080)].not_serving,
             [1, 4]
         );
+    }
+
+    /// A migration target that lists other services (not the VIP:port,
+    /// nor 0.0.0.0:PORT) cannot import the connection; one that lists
+    /// nothing, or that the status does not name, is not known not to.
+    #[test]
+    fn whether_a_server_serves_a_vip() {
+        let body = r#"{"servers": [
+              {"id": 1, "backends": [{"service": "198.18.100.1:80", "up": true}]},
+              {"id": 2, "backends": [{"service": "0.0.0.0:8083", "up": null}]},
+              {"id": 3, "backends": []},
+              {"id": 4, "backends": [{"service": "198.18.100.2:80"}, {"service": "bad"}]}
+            ]}"#;
+        let vip: std::net::SocketAddrV4 = "198.18.100.1:8083".parse().unwrap();
+        assert_eq!(server_serves(body, 1, vip), Some(false));
+        assert_eq!(server_serves(body, 2, vip), Some(true));
+        assert_eq!(server_serves(body, 3, vip), None);
+        assert_eq!(server_serves(body, 4, vip), Some(false));
+        assert_eq!(server_serves(body, 5, vip), None);
+        assert_eq!(
+            server_serves(body, 1, "198.18.100.1:80".parse().unwrap()),
+            Some(true)
+        );
+        assert_eq!(server_serves("not json", 1, vip), None);
     }
 
     #[test]

@@ -1032,7 +1032,7 @@ async fn ctl_refuses_mistakes_and_lists_connections() {
     assert_eq!(code, 3, "{out} {err}");
     assert!(out.trim_end().ends_with("timed_out"), "{out}");
     assert!(
-        err.contains("1 connections remain: 192.0.2.1:40-10.0.0.100:80"),
+        err.contains("1 connection remains: 192.0.2.1:40-10.0.0.100:80"),
         "{err}"
     );
     // A wrong token says which setting to check.
@@ -1053,6 +1053,25 @@ async fn ctl_refuses_mistakes_and_lists_connections() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("must be a URL such as"));
+    // https:// (this ctl has no TLS: it said "cannot reach the API ...
+    // scheme is not http") and a URL ending in /v1 (every request then
+    // went to /v1/v1/...: "no such route") are usage errors saying so.
+    for (api_url, says) in [
+        (
+            api.url.replace("http://", "https://"),
+            "speaks plain HTTP only",
+        ),
+        (format!("{}/v1", api.url), "without /v1"),
+        (format!("{}/v1/", api.url), "without /v1"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_capybara-ctl"))
+            .args(["--api", &api_url, "--token", &token, "servers"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{api_url}: {err}");
+        assert!(err.contains(says), "{api_url}: {err}");
+    }
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let dead_url = format!("http://{}", dead.local_addr().unwrap());
     drop(dead);
@@ -2578,5 +2597,207 @@ async fn draining_again_keeps_the_drain_the_server_has() {
     )
     .await;
     assert_eq!(srv["state"], "drained");
+    api.stop().await;
+}
+
+/// With the dashboard served (`static_dir`), a method other than GET or
+/// HEAD on a path no route has is a 404 problem document, as without it;
+/// it was actix-files' text/plain 405 ("Request did not meet this
+/// resource's requirements.") with no `Allow` header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_routes_are_problem_documents_with_the_dashboard_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let web = dir.path().join("dist");
+    std::fs::create_dir(&web).unwrap();
+    std::fs::write(web.join("index.html"), "<!doctype html><title>t</title>").unwrap();
+    let (store, db) = store_and_db(dir.path()).await;
+    let cp = StoreControlPlane::new(store.clone(), db.clone())
+        .await
+        .unwrap();
+    let running = capybara_api::start(ApiConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        store,
+        control_plane: Arc::new(cp.clone()),
+        db: db.clone(),
+        static_dir: Some(web),
+        workers: 1,
+        switch_addrs: capybara_api::server::fixed_switch_addrs(Vec::new()),
+    })
+    .await
+    .unwrap();
+    let url = format!("http://{}", running.addr);
+    let admin = db.create("root", Role::Admin, "test").unwrap().1;
+    let c = reqwest::Client::new();
+    let r = c.get(format!("{url}/")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.unwrap().contains("<title>t</title>"));
+    let r = c.head(format!("{url}/index.html")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    for (method, path) in [
+        ("POST", "/nope"),
+        ("DELETE", "/index.html"),
+        ("POST", "/v1/tokens/"),
+        ("POST", "/v1/servers/1/nope"),
+        ("DELETE", "/v1/services/web/extra"),
+        ("PUT", "/v1"),
+    ] {
+        let (s, v, ct) = call(method, format!("{url}{path}"), Some(&admin), None).await;
+        assert_eq!(s, 404, "{method} {path}: {v}");
+        assert_eq!(ct, "application/problem+json", "{method} {path}");
+        assert_eq!(
+            v["type"], "urn:capybara:problem:not-found",
+            "{method} {path}"
+        );
+    }
+    // A known route with a method it does not take is still a 405 naming
+    // the methods.
+    let (s, v, _) = call("PATCH", format!("{url}/v1/servers"), Some(&admin), None).await;
+    assert_eq!(s, 405, "{v}");
+    cp.shutdown();
+    running.stop().await;
+}
+
+/// `POST /v1/connections/{id}/migrate` to a server whose hostagent lists
+/// other services and not the connection's VIP:port (switchd's `/status`)
+/// is a 422 naming `target`: it was accepted (202) and the migration then
+/// ended `aborted`, `import failed` (seen in the demo: a connection of a
+/// service only s3 serves, `ctl migrate CONN --target 1`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_to_a_server_that_does_not_serve_the_vip_is_refused() {
+    let status = json!({ "role": "active", "servers": [
+        {"id": 1, "index": 0, "data_addr": "10.0.2.11", "state": "active", "load": 0,
+         "backends": [{"service": "198.18.100.1:80", "up": true},
+                      {"service": "198.18.100.1:8083", "up": true}]},
+        {"id": 2, "index": 1, "data_addr": "10.0.2.12", "state": "active", "load": 0,
+         "backends": [{"service": "198.18.100.1:80", "up": true}]},
+    ]});
+    let (sw_url, task) = switchd_status_endpoint(status).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (running, inner, url, db) = start_with_switchd_db(dir.path(), &sw_url).await;
+    let ops = db.create("ops", Role::Operator, "test").unwrap().1;
+    for (name, data) in [("s1", "10.0.2.11"), ("s2", "10.0.2.12")] {
+        let body = json!({ "name": name, "mgmt_addr": "10.0.1.11:7000", "data_addr": data });
+        let (s, v, _) = call("POST", format!("{url}/v1/servers"), Some(&ops), Some(body)).await;
+        assert_eq!(s, 201, "{v}");
+    }
+    let store = SqliteStore::open(SqliteConfig {
+        path: dir.path().join("store.db"),
+        ..SqliteConfig::default()
+    })
+    .await
+    .unwrap();
+    let key = |port: u16| FlowKey {
+        client_ip: Ipv4Addr::new(198, 18, 0, 11),
+        client_port: 40000,
+        service_ip: Ipv4Addr::new(198, 18, 100, 1),
+        service_port: port,
+    };
+    for port in [80, 8083] {
+        store
+            .apply_flows(&[FlowOp::Put {
+                key: key(port),
+                server: ServerId(1),
+            }])
+            .await
+            .unwrap();
+    }
+    let migrate = |port: u16| {
+        call(
+            "POST",
+            format!("{url}/v1/connections/198.18.0.11:40000-198.18.100.1:{port}/migrate"),
+            Some(&ops),
+            Some(json!({ "target": 2 })),
+        )
+    };
+    let (s, v, ct) = migrate(8083).await;
+    assert_eq!((s, v["field"].as_str()), (422, Some("target")), "{v}");
+    assert_eq!(ct, "application/problem+json");
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .contains("server 2 does not serve 198.18.100.1:8083"),
+        "{v}"
+    );
+    // Server 2 serves port 80: the request goes on to switchd (whose
+    // stand-in has no migrate endpoint): not refused for the target.
+    let (_, v, _) = migrate(80).await;
+    assert_ne!(v["field"].as_str(), Some("target"), "{v}");
+    task.abort();
+    inner.shutdown();
+    running.stop().await;
+}
+
+/// The operator's drain and switchd's liveness are two records: a drained
+/// server that dies is shown `drained` with liveness `dead` (switchd's
+/// `dead` does not undo the drain), back it is `drained` and `live` (a
+/// REGISTER does not either), and undrained while dead it is `dead`. A
+/// drain state a previous version wrote in the server record reads as a
+/// drain until undrain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_and_liveness_are_shown_apart() {
+    use capybara_store::ServerState;
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let token = api.token("ops", Role::Operator);
+    let a = register(&api, &token, "a").await;
+    hostagent_registers(&api, a).await;
+    let id = ServerId(a as u32);
+    let url = format!("{}/v1/servers/{a}", api.url);
+    let shown = || async {
+        let (s, v, _) = call("GET", url.clone(), Some(&token), None).await;
+        assert_eq!(s, 200, "{v}");
+        (
+            v["state"].as_str().unwrap_or("").to_string(),
+            v["liveness"].as_str().unwrap_or("").to_string(),
+        )
+    };
+    let (s, v, _) = call(
+        "POST",
+        format!("{url}/drain"),
+        Some(&token),
+        Some(json!({"deadline_seconds": 5})),
+    )
+    .await;
+    assert_eq!(s, 202, "{v}");
+    wait_drain(&api, &token, a, "completed").await;
+    assert_eq!(shown().await, ("drained".into(), "live".into()));
+    // switchd declares it dead: the record says so, the drain stays.
+    api.store
+        .set_server_state(id, ServerState::Dead)
+        .await
+        .unwrap();
+    assert_eq!(shown().await, ("drained".into(), "dead".into()));
+    // Its hostagent registers again: switchd writes the REGISTER's record.
+    let mut rec = api.store.get_server(id).await.unwrap().unwrap();
+    rec.state = ServerState::Active;
+    api.store.put_registered_server(&rec).await.unwrap();
+    assert_eq!(shown().await, ("drained".into(), "live".into()));
+    // Dead again, then undrained: its liveness is what is left.
+    api.store
+        .set_server_state(id, ServerState::Dead)
+        .await
+        .unwrap();
+    let (s, v, _) = call("POST", format!("{url}/undrain"), Some(&token), None).await;
+    assert_eq!((s, &v["state"]), (200, &json!("dead")), "{v}");
+    assert_eq!(wait_drain(&api, &token, a, "cancelled").await["server"], a);
+    // A dead server that is not drained has nothing to drain or undrain.
+    let (s, v, _) = call(
+        "POST",
+        format!("{url}/drain"),
+        Some(&token),
+        Some(json!({"deadline_seconds": 5})),
+    )
+    .await;
+    assert_eq!(s, 409, "{v}");
+
+    // What a previous version wrote: the drain in the server record.
+    api.store
+        .set_server_state(id, ServerState::Drained)
+        .await
+        .unwrap();
+    assert_eq!(shown().await, ("drained".into(), "live".into()));
+    let (s, v, _) = call("POST", format!("{url}/undrain"), Some(&token), None).await;
+    assert_eq!((s, &v["state"]), (200, &json!("active")), "{v}");
     api.stop().await;
 }

@@ -68,7 +68,9 @@ pub trait Store: Send + Sync + 'static {
     async fn get_server(&self, id: ServerId) -> Result<Option<Server>>;
     /// All servers, ordered by id.
     async fn list_servers(&self) -> Result<Vec<Server>>;
-    /// Sets the lifecycle state; `NotFound` if the server is not registered.
+    /// Sets the record's state (switchd's liveness: `Active`, `Dead`; an
+    /// operator's drain is a `Drain` record); `NotFound` if the server is
+    /// not registered.
     async fn set_server_state(&self, id: ServerId, state: ServerState) -> Result<Server>;
     /// Sets the placement weight as the operator's (`weight_set`: switchd
     /// applies it and a REGISTER keeps it); `NotFound` if the server is not
@@ -235,6 +237,47 @@ pub async fn open(config: &StoreConfig) -> Result<Arc<dyn Store>> {
         StoreConfig::Sqlite(c) => Arc::new(SqliteStore::open(c.clone()).await?),
         StoreConfig::Etcd(c) => Arc::new(EtcdStore::connect(c.clone()).await?),
     })
+}
+
+/// Moves drains a previous version kept in the server records (`state`
+/// `draining` / `drained`) into `Drain` records, then writes the records'
+/// state back to liveness (`active`): such a server stays out of placement
+/// until `undrain`. A server whose `Drain` record already holds it (the
+/// drain that wrote the state) keeps that record; otherwise one is
+/// written, started and ended at the upgrade, without progress:
+/// `completed` for `drained`, `timed_out` for `draining` (no supervisor
+/// runs it: it waits for an `undrain`, as the record did). Idempotent; switchd runs it when it becomes active,
+/// before it writes any server record, and the API when it starts.
+/// Returns the servers moved.
+pub async fn upgrade_legacy_drain_states(store: &dyn Store) -> Result<Vec<ServerId>> {
+    let mut moved = Vec::new();
+    for s in store.list_servers().await? {
+        let drain_state = match s.state {
+            ServerState::Draining => DrainState::TimedOut,
+            ServerState::Drained => DrainState::Completed,
+            ServerState::Active | ServerState::Dead => continue,
+        };
+        let held = store
+            .get_drain(s.id)
+            .await?
+            .is_some_and(|d| d.state != DrainState::Cancelled);
+        if !held {
+            let now = unix_ms_now();
+            store
+                .put_drain(&Drain {
+                    server: s.id,
+                    targets: Vec::new(),
+                    started_unix_ms: now,
+                    deadline_unix_ms: now,
+                    state: drain_state,
+                    progress: DrainProgress::default(),
+                })
+                .await?;
+        }
+        store.set_server_state(s.id, ServerState::Active).await?;
+        moved.push(s.id);
+    }
+    Ok(moved)
 }
 
 /// Rounds a lease TTL up to whole seconds (etcd's granularity), minimum 1 s.

@@ -43,7 +43,13 @@ pub mod server_ids_serde {
     }
 }
 
-/// Lifecycle of a server in the pool.
+/// Lifecycle of a server in the pool, as shown (REST `state`, metrics,
+/// `ctl`): [`shown_state`]. Stored in a server record (`Server::state`) it
+/// is switchd's liveness only, `Active` or `Dead`; the operator's drain is
+/// the server's [`Drain`] record. `Draining` and `Drained` in a server
+/// record are what versions before the split wrote there: read as a drain
+/// (running, completed) until [`crate::upgrade_legacy_drain_states`] moves
+/// them into a `Drain` record, or `undrain` clears them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ServerState {
@@ -55,6 +61,29 @@ pub enum ServerState {
     Drained,
     /// Missed heartbeats for longer than `dead_after`; its flows are removed.
     Dead,
+}
+
+/// The state a server is shown in: its drain's when the operator's drain
+/// holds it (running or timed out: `Draining`; completed: `Drained`),
+/// else its record's `state` (switchd's liveness, or a drain state a
+/// previous version wrote there). `drain`: the state of the server's
+/// `Drain` record, if any. A drained server that dies is still shown
+/// drained (its liveness is told apart: REST `liveness`).
+pub fn shown_state(server: &Server, drain: Option<DrainState>) -> ServerState {
+    match drain {
+        Some(DrainState::Running | DrainState::TimedOut) => ServerState::Draining,
+        Some(DrainState::Completed) => ServerState::Drained,
+        Some(DrainState::Cancelled) | None => server.state,
+    }
+}
+
+/// Whether the operator's drain keeps the server out of placement (no new
+/// connections, whatever its liveness) until `undrain`.
+pub fn out_of_placement(server: &Server, drain: Option<DrainState>) -> bool {
+    matches!(
+        shown_state(server, drain),
+        ServerState::Draining | ServerState::Drained
+    )
 }
 
 impl ServerState {
@@ -79,6 +108,10 @@ pub struct Server {
     pub mgmt_addr: SocketAddr,
     /// Address owned by the server's user-space stack.
     pub data_addr: Ipv4Addr,
+    /// switchd's liveness: `Active` (registered, heard) or `Dead` (missed
+    /// its heartbeats). Not the operator's drain, which is the server's
+    /// `Drain` record ([`shown_state`]); `Draining` / `Drained` here are
+    /// from a previous version (see [`ServerState`]).
     pub state: ServerState,
     /// Relative weight for placement (Maglev / LWRR); 0 takes no new flows.
     pub weight: u32,
@@ -225,19 +258,15 @@ impl RetiringService {
 /// (`old`): an operator weight stored there (`weight_set`) stays unless
 /// `new` sets one itself, and `new`'s weight becomes the REGISTER weight it
 /// keeps for `Store::clear_server_weight`. Both backends apply it inside
-/// their read-modify-write (`Store::put_registered_server`).
+/// their read-modify-write (`Store::put_registered_server`). `new.state`
+/// (switchd's liveness) is written as it is: an operator's drain is the
+/// server's `Drain` record, which a REGISTER does not touch.
 pub fn merge_registered_server(mut new: Server, old: Option<&Server>) -> Server {
     if let Some(old) = old {
         if old.weight_set && !new.weight_set {
             new.register_weight = Some(new.weight);
             new.weight = old.weight;
             new.weight_set = true;
-        }
-        // An operator's drain outlives the server's process: a REGISTER
-        // (a restarted hostagent, or switchd restoring it) does not put a
-        // draining or drained server back into placement; `undrain` does.
-        if matches!(old.state, ServerState::Draining | ServerState::Drained) {
-            new.state = old.state;
         }
     }
     new
@@ -542,7 +571,10 @@ pub struct DrainProgress {
     pub flows_remaining: u64,
 }
 
-/// A drain of one server.
+/// A drain of one server: the operator's, apart from the server's
+/// liveness (`Server::state`). While it is running, timed out or completed
+/// the server takes no new connections ([`out_of_placement`]); `undrain`
+/// cancels it (the record stays, `Cancelled`, as the server's last drain).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Drain {
@@ -681,5 +713,61 @@ mod tests {
         // A record from before `data_mac` carried it in the name.
         let old = Server::new(ServerId(2), "s2 data_mac=02:00:00:00:00:02", mgmt, data);
         assert!(old.hostagent_seen());
+    }
+
+    /// The shown state is the drain's while it holds the server, whatever
+    /// the record's liveness; the record's otherwise (a drain state a
+    /// previous version wrote there included).
+    #[test]
+    fn a_drain_is_shown_over_liveness_and_undrain_gives_liveness_back() {
+        let mgmt: SocketAddr = "10.0.1.11:7000".parse().unwrap();
+        let mut s = Server::new(ServerId(1), "s1", mgmt, Ipv4Addr::new(10, 0, 2, 11));
+        use DrainState::*;
+        use ServerState::*;
+        for (liveness, drain, shown) in [
+            (Active, None, Active),
+            (Dead, None, Dead),
+            (Active, Some(Running), Draining),
+            (Dead, Some(Running), Draining),
+            (Active, Some(TimedOut), Draining),
+            (Active, Some(Completed), Drained),
+            (Dead, Some(Completed), Drained),
+            (Active, Some(Cancelled), Active),
+            (Dead, Some(Cancelled), Dead),
+            // Written by a previous version: a drain until undrain.
+            (Draining, None, Draining),
+            (Drained, None, Drained),
+            (Drained, Some(Cancelled), Drained),
+            (Draining, Some(Completed), Drained),
+        ] {
+            s.state = liveness;
+            assert_eq!(shown_state(&s, drain), shown, "{liveness:?} {drain:?}");
+            assert_eq!(
+                out_of_placement(&s, drain),
+                matches!(shown, Draining | Drained),
+                "{liveness:?} {drain:?}"
+            );
+        }
+    }
+
+    /// A REGISTER writes its liveness over any stored state: the drain is
+    /// not in the server record.
+    #[test]
+    fn a_register_writes_its_own_state() {
+        let mgmt: SocketAddr = "10.0.1.11:7000".parse().unwrap();
+        let data = Ipv4Addr::new(10, 0, 2, 11);
+        let reg = Server::new(ServerId(1), "s1", mgmt, data);
+        for st in [
+            ServerState::Dead,
+            ServerState::Draining,
+            ServerState::Drained,
+        ] {
+            let mut old = reg.clone();
+            old.state = st;
+            assert_eq!(
+                merge_registered_server(reg.clone(), Some(&old)).state,
+                ServerState::Active
+            );
+        }
     }
 }

@@ -868,6 +868,71 @@ mod cases {
         assert_eq!(s.list_drains().await.unwrap().len(), 1);
     }
 
+    /// A store a previous version wrote, drains in the server records
+    /// (`draining` / `drained`, with or without a `Drain` record), reads
+    /// as drained before and after `upgrade_legacy_drain_states`, which
+    /// moves them into `Drain` records and leaves liveness in the records;
+    /// a REGISTER then cannot undo them. Idempotent.
+    pub async fn legacy_drain_states_move_to_drain_records(f: &Fixture) {
+        let s = &f.store;
+        use DrainState::*;
+        use ServerState::*;
+        // (id, record state, stored drain)
+        let old = [
+            (1, Active, None),
+            (2, Drained, None),
+            (3, Draining, Some(Running)),
+            (4, Draining, None),
+            (5, Drained, Some(Cancelled)),
+            (6, Dead, None),
+            (7, Drained, Some(Completed)),
+        ];
+        for (id, st, d) in old {
+            s.put_server(&server(id)).await.unwrap();
+            s.set_server_state(ServerId(id), st).await.unwrap();
+            if let Some(d) = d {
+                s.put_drain(&Drain {
+                    state: d,
+                    ..drain(id)
+                })
+                .await
+                .unwrap();
+            }
+        }
+        let shown = || async {
+            let mut out = Vec::new();
+            for id in 1..=7 {
+                let rec = f.second.get_server(ServerId(id)).await.unwrap().unwrap();
+                let d = f.second.get_drain(ServerId(id)).await.unwrap();
+                out.push(shown_state(&rec, d.map(|d| d.state)));
+            }
+            out
+        };
+        let want = vec![Active, Drained, Draining, Draining, Drained, Dead, Drained];
+        assert_eq!(shown().await, want, "read before the upgrade");
+        let moved = upgrade_legacy_drain_states(s.as_ref()).await.unwrap();
+        assert_eq!(moved, [2, 3, 4, 5, 7].map(ServerId).to_vec());
+        assert_eq!(shown().await, want, "read after the upgrade");
+        for id in 1..=7 {
+            let rec = s.get_server(ServerId(id)).await.unwrap().unwrap();
+            let want = if id == 6 { Dead } else { Active };
+            assert_eq!(rec.state, want, "server {id}: liveness only");
+        }
+        let d = |id| async move { s.get_drain(ServerId(id)).await.unwrap().unwrap() };
+        assert_eq!(d(3).await, drain(3), "a running drain is kept as it is");
+        assert_eq!(d(7).await.started_unix_ms, 1_000, "kept");
+        assert_eq!((d(2).await.state, d(4).await.state), (Completed, TimedOut));
+        assert_eq!((d(5).await.state, d(5).await.targets), (Completed, vec![]));
+        assert!(s.get_drain(ServerId(1)).await.unwrap().is_none());
+        assert!(upgrade_legacy_drain_states(s.as_ref())
+            .await
+            .unwrap()
+            .is_empty());
+        // A REGISTER writes liveness; the drain stays.
+        s.put_registered_server(&server(2)).await.unwrap();
+        assert_eq!(shown().await, want, "after a REGISTER");
+    }
+
     pub async fn audit_append_and_page(f: &Fixture) {
         let s = &f.store;
         assert!(s.list_audit(0, 10).await.unwrap().is_empty());
@@ -1472,6 +1537,7 @@ conformance!(
     flows_batch_semantics,
     flows_large_batch_and_scan,
     drains_crud_and_progress,
+    legacy_drain_states_move_to_drain_records,
     audit_append_and_page,
     concurrent_writers,
     watch_delivers_changes_from_other_handle,

@@ -86,6 +86,10 @@ pub enum Command {
         server: ServerId,
         deadline_ms: u32,
         cancel: bool,
+        /// Told once the control loop applied it (the HTTP answer waits
+        /// for it: a connection opened after the answer is placed without
+        /// the drained server).
+        applied: Option<mpsc::Sender<()>>,
     },
     Migrate {
         server: ServerId,
@@ -461,6 +465,13 @@ struct Switch {
     held_servers: HeldServerWrites,
     /// The seq floors last handed to the store, by server.
     floors_written: HashMap<ServerId, capybara_store::SeqFloor>,
+    /// The operator's drains as this switchd knows them (the API's drain
+    /// and undrain requests; the store's `Drain` records when it syncs):
+    /// the server stays out of placement, also across its REGISTERs. The
+    /// value is the drain's deadline (wall clock, Unix ms) while it runs,
+    /// `None` once it is over (completed, timed out): a hostagent that
+    /// registers while it runs is sent DRAIN again.
+    op_drains: HashMap<ServerId, Option<u64>>,
     lease_losses: u64,
     lease_regained: u64,
     /// HA: the lease the flow writer writes under (`apply_flows_fenced`):
@@ -661,6 +672,7 @@ impl Switch {
             held: crate::persist::HeldUpdates::new(1 << 20),
             held_servers: HeldServerWrites::default(),
             floors_written: HashMap::new(),
+            op_drains: HashMap::new(),
             lease_losses: 0,
             lease_regained: 0,
             fence,
@@ -1120,10 +1132,20 @@ impl Switch {
         };
         let seed_cfg = &self.cfg;
         let policy_seed = self.policy_seed.clone();
-        let (records, servers, services, flows, policy) = self
+        let (records, servers, services, flows, policy, drains) = self
             .rt
             .block_on(async {
                 tokio::time::timeout(Duration::from_secs(5), async {
+                    if active {
+                        // Drains a previous version kept in the server
+                        // records move to `Drain` records before this
+                        // switchd writes a record (a REGISTER's would
+                        // write liveness over them).
+                        let moved = capybara_store::upgrade_legacy_drain_states(store.as_ref()).await?;
+                        if !moved.is_empty() {
+                            eprintln!("switchd: moved the drains of servers {moved:?} from their server records to drain records");
+                        }
+                    }
                     // Records before services: a record read is of a delete
                     // the services read then shows (`apply_store_services`).
                     // One that does not decode costs the retiring services,
@@ -1182,12 +1204,19 @@ impl Switch {
                     } else {
                         None
                     };
+                    let drains: HashMap<ServerId, capybara_store::Drain> = store
+                        .list_drains()
+                        .await?
+                        .into_iter()
+                        .map(|d| (d.server, d))
+                        .collect();
                     Ok::<_, capybara_store::StoreError>((
                         records,
                         store.list_servers().await?,
                         services,
                         store.scan_flows().await?,
                         policy,
+                        drains,
                     ))
                 })
                 .await
@@ -1208,6 +1237,18 @@ impl Switch {
         let weights = crate::persist::operator_weights(&servers);
         let mut servers = servers;
         servers.sort_by_key(|s| s.state == ServerState::Dead);
+        // The operator's drains: the store's `Drain` records (and drain
+        // states a previous version left in server records).
+        self.op_drains = servers
+            .iter()
+            .filter_map(|s| {
+                let d = drains.get(&s.id);
+                capybara_store::out_of_placement(s, d.map(|d| d.state)).then(|| {
+                    let running = d.filter(|d| d.state == capybara_store::DrainState::Running);
+                    (s.id, running.map(|d| d.deadline_unix_ms))
+                })
+            })
+            .collect();
         for s in servers {
             // Known from an earlier sync: follow its record (the active
             // registered it since, and judged any restart), so that a
@@ -1221,11 +1262,10 @@ impl Switch {
             if s.state == ServerState::Dead && !dead_with_flows {
                 continue;
             }
-            // An operator's drain (running or completed) keeps the server
-            // out of placement here too, until `undrain` writes `active`;
-            // a drained server is restored like a draining one (before, it
-            // was skipped and its next REGISTER placed it again).
-            let drained = matches!(s.state, ServerState::Draining | ServerState::Drained);
+            // An operator's drain (running, timed out or completed) keeps
+            // the server out of placement here too, until `undrain`; a
+            // drained server is restored like a draining one.
+            let drained = self.op_drains.contains_key(&s.id);
             if dead_with_flows
                 && (self.cp.server(s.id).is_some() || self.cp.server_by_addr(s.data_addr).is_some())
             {
@@ -1607,13 +1647,10 @@ impl Switch {
                         "switchd: server {id} {how} after {:.0} ms dead, within the grace: back in placement, every flow kept",
                         dead_for.as_secs_f64() * 1e3
                     );
-                    // A REGISTER writes the whole record itself.
+                    // A REGISTER writes the whole record itself. The record
+                    // holds liveness only (a drain is its `Drain` record).
                     if !by_register {
-                        let state = match self.cp.server(id).map(|s| s.liveness) {
-                            Some(Liveness::Draining) => ServerState::Draining,
-                            _ => ServerState::Active,
-                        };
-                        self.store_state(id, state);
+                        self.store_state(id, ServerState::Active);
                     }
                 }
                 LivenessEvent::FlowsRemoved { id, flows, why } => {
@@ -1874,7 +1911,8 @@ impl Switch {
                 // the operator drained stays out of placement: the drain
                 // is the operator's, not the process's (before, the REGISTER
                 // placed it again while the API said `drained`).
-                let was_draining = self.cp.server(id).is_some_and(|s| s.draining());
+                let was_draining = self.cp.server(id).is_some_and(|s| s.draining())
+                    || self.op_drains.contains_key(&id);
                 let mut registered = self.cp.register_as(now, &reg, &wanted);
                 if let (Ok(n), true) = (&registered, was_draining) {
                     let n = *n;
@@ -1892,6 +1930,14 @@ impl Switch {
                 let mut peer = new_peer(from);
                 peer.last_seq = repr.seq;
                 peer.services = wanted.clone();
+                // Its drain still runs: the process may not know (a new
+                // one does not), so DRAIN goes again with the time left,
+                // answering its heartbeats until their flag says draining.
+                peer.pending_drain = drain_to_resend(
+                    self.op_drains.get(&id).copied(),
+                    capybara_store::unix_ms_now(),
+                )
+                .map(|left_ms| (left_ms, false, 10));
                 // It reports its connections after the REGISTER_ACK.
                 peer.flow_request_at = now + FLOW_REQUEST_AFTER_REGISTER;
                 self.peers.insert(id, peer);
@@ -2664,19 +2710,25 @@ impl Switch {
                 server,
                 deadline_ms,
                 cancel,
+                applied,
             } => {
-                if let Err(e) = self.cp.set_draining(server, !cancel) {
+                // The API recorded the drain (its `Drain` record) before it
+                // asked: switchd keeps it for the server's REGISTERs and
+                // writes nothing (the record holds liveness only).
+                if cancel {
+                    self.op_drains.remove(&server);
+                } else {
+                    let deadline = capybara_store::unix_ms_now() + u64::from(deadline_ms);
+                    self.op_drains.insert(server, Some(deadline));
+                }
+                let set = self.cp.set_draining(server, !cancel);
+                if let Some(tx) = applied {
+                    let _ = tx.send(());
+                }
+                if let Err(e) = set {
                     eprintln!("switchd: drain {server}: {e}");
                     return;
                 }
-                self.store_state(
-                    server,
-                    if cancel {
-                        ServerState::Active
-                    } else {
-                        ServerState::Draining
-                    },
-                );
                 let Some(mgmt) = self.peers.get(&server).map(|p| p.mgmt) else {
                     return;
                 };
@@ -3067,15 +3119,11 @@ async fn write_server(store: Arc<dyn Store>, w: ServerWrite) {
             }
         }
         ServerWrite::State(id, state) => {
-            // switchd's draining covers drained: a drain's record is
-            // written `draining` by whoever starts it (the API does before
-            // it asks switchd) and `drained` by the API when it completes,
-            // so a `draining` from here that lands after the completion (a
-            // server with no connection completes at once), or a drained
-            // server's heartbeats coming back, must not undo `drained`.
+            // Liveness only (`active`, `dead`): the operator's drain is
+            // the server's `Drain` record, which this never touches.
             // Writes that change nothing are skipped (no watch event).
             if let Ok(Some(rec)) = store.get_server(id).await {
-                if !state_write_changes(rec.state, state) {
+                if rec.state == state {
                     return;
                 }
             }
@@ -3086,16 +3134,15 @@ async fn write_server(store: Arc<dyn Store>, w: ServerWrite) {
     }
 }
 
-/// Whether switchd writing `to` over a stored `from` says something new.
-/// A drained or draining server that dies keeps that state in its record:
-/// the liveness is switchd's (`/status`), the drain the operator's, and a
-/// `dead` written over it made the server come back into placement with
-/// its next REGISTER after a maintenance stop longer than `dead_after_ms`.
-fn state_write_changes(from: ServerState, to: ServerState) -> bool {
-    !(from == to
-        || (from == ServerState::Drained && to == ServerState::Draining)
-        || (matches!(from, ServerState::Draining | ServerState::Drained)
-            && to == ServerState::Dead))
+/// The DRAIN deadline (ms left) to send a server that registers, given
+/// its operator's drain as switchd knows it (`Switch::op_drains`): while
+/// the drain runs (its deadline ahead), the time left; nothing when there
+/// is no drain, or it is over (completed or timed out: the server is out
+/// of placement, and has nothing left to migrate).
+fn drain_to_resend(drain: Option<Option<u64>>, now_unix_ms: u64) -> Option<u32> {
+    let deadline = drain??;
+    let left = deadline.checked_sub(now_unix_ms).filter(|l| *l > 0)?;
+    Some(left.min(u64::from(u32::MAX)) as u32)
 }
 
 /// Waits until `sock` is readable or `timeout` passed (nanosecond timer).
@@ -3204,6 +3251,10 @@ fn start_http(
     Ok(())
 }
 
+/// How long `POST /servers/<id>/drain|undrain` waits for the control loop
+/// to apply it before answering `202 Accepted` (under the API's 2 s).
+const DRAIN_APPLY_WAIT: Duration = Duration::from_millis(1500);
+
 fn route(
     method: &str,
     target: &str,
@@ -3300,17 +3351,9 @@ fn route(
             let Ok(deadline_ms) = deadline_ms else {
                 return ("400 Bad Request", "text/plain", "bad deadline_ms\n".into());
             };
-            let cmd = match action {
-                "drain" => Command::Drain {
-                    server: ServerId(id),
-                    deadline_ms,
-                    cancel: false,
-                },
-                "undrain" => Command::Drain {
-                    server: ServerId(id),
-                    deadline_ms,
-                    cancel: true,
-                },
+            let cancel = match action {
+                "drain" => false,
+                "undrain" => true,
                 _ => {
                     return (
                         "404 Not Found",
@@ -3319,8 +3362,21 @@ fn route(
                     )
                 }
             };
-            let _ = cmds.send(cmd);
-            ("202 Accepted", "text/plain", "accepted\n".into())
+            let (applied, done) = mpsc::channel();
+            let _ = cmds.send(Command::Drain {
+                server: ServerId(id),
+                deadline_ms,
+                cancel,
+                applied: Some(applied),
+            });
+            // Answered once the control loop applied it (a connection
+            // opened after the answer misses a drained server); a loop
+            // that does not take commands now (a standby) applies it when
+            // it does: answered after DRAIN_APPLY_WAIT all the same.
+            match done.recv_timeout(DRAIN_APPLY_WAIT) {
+                Ok(()) => ("200 OK", "text/plain", "applied\n".into()),
+                Err(_) => ("202 Accepted", "text/plain", "accepted\n".into()),
+            }
         }
         _ => (
             "404 Not Found",
@@ -3383,13 +3439,14 @@ mod tests {
         assert!(super::own_interface_addrs(&[]).is_empty());
     }
 
-    /// A late `draining` never turns a drained record back (the API's
-    /// completed drain), and a write that changes nothing is skipped;
-    /// real SQLite store.
+    /// switchd writes liveness over whatever the record says (a drain
+    /// state a previous version wrote there included: the drain is a
+    /// `Drain` record, moved there before switchd writes), and skips a
+    /// write that changes nothing; real SQLite store.
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
-    async fn a_late_draining_write_keeps_a_drained_record() {
+    async fn liveness_writes_are_written_as_they_are() {
         use super::*;
-        let dir = std::env::temp_dir().join(format!("capybara-drained-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("capybara-liveness-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let store: Arc<dyn Store> = Arc::new(
@@ -3405,34 +3462,43 @@ mod tests {
             Ipv4Addr::new(198, 18, 2, 14),
         );
         store.put_server(&rec).await.unwrap();
-        let state = || async { store.get_server(id).await.unwrap().unwrap().state };
-        write_server(store.clone(), ServerWrite::State(id, ServerState::Draining)).await;
-        assert_eq!(state().await, ServerState::Draining);
-        store
-            .set_server_state(id, ServerState::Drained)
-            .await
-            .unwrap();
-        write_server(store.clone(), ServerWrite::State(id, ServerState::Draining)).await;
-        assert_eq!(
-            state().await,
-            ServerState::Drained,
-            "a late draining undid drained"
-        );
-        write_server(store.clone(), ServerWrite::State(id, ServerState::Dead)).await;
-        assert_eq!(
-            state().await,
-            ServerState::Drained,
-            "dead written over an operator's drain"
-        );
-        for s in [ServerState::Active, ServerState::Dead, ServerState::Active] {
+        let get = || async { store.get_server(id).await.unwrap().unwrap() };
+        for s in [ServerState::Dead, ServerState::Active, ServerState::Dead] {
             write_server(store.clone(), ServerWrite::State(id, s)).await;
-            assert_eq!(state().await, s);
+            assert_eq!(get().await.state, s);
         }
-        assert!(!state_write_changes(
-            ServerState::Active,
-            ServerState::Active
-        ));
+        let before = get().await;
+        write_server(store.clone(), ServerWrite::State(id, ServerState::Dead)).await;
+        assert_eq!(get().await, before, "an unchanged state is not written");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A server that registers while its drain runs is sent DRAIN again
+    /// with the time left; not once the drain is over, nor without one.
+    #[test]
+    fn a_register_during_a_running_drain_gets_drain_again() {
+        let now = 1_700_000_000_000u64;
+        assert_eq!(
+            super::drain_to_resend(Some(Some(now + 12_345)), now),
+            Some(12_345)
+        );
+        assert_eq!(
+            super::drain_to_resend(Some(Some(now)), now),
+            None,
+            "deadline reached"
+        );
+        assert_eq!(
+            super::drain_to_resend(Some(Some(now - 1)), now),
+            None,
+            "past"
+        );
+        assert_eq!(super::drain_to_resend(Some(None), now), None, "completed");
+        assert_eq!(super::drain_to_resend(None, now), None, "no drain");
+        assert_eq!(
+            super::drain_to_resend(Some(Some(now + (1 << 40))), now),
+            Some(u32::MAX),
+            "clamped"
+        );
     }
 
     use super::*;
@@ -3556,16 +3622,38 @@ mod tests {
             route("POST", "/servers/3/drain?deadline_ms=abc", &published, &tx).0,
             "400 Bad Request"
         );
+        // Answered once the control loop applied it.
+        let applier = std::thread::spawn(move || {
+            let cmd = rx.recv().unwrap();
+            let Command::Drain {
+                server,
+                deadline_ms,
+                cancel,
+                applied,
+            } = cmd
+            else {
+                panic!("{cmd:?}")
+            };
+            assert_eq!((server, deadline_ms, cancel), (ServerId(3), 500, false));
+            applied.unwrap().send(()).unwrap();
+            rx
+        });
         assert_eq!(
             route("POST", "/servers/3/drain?deadline_ms=500", &published, &tx).0,
+            "200 OK"
+        );
+        let rx = applier.join().unwrap();
+        // Not applied in time (a standby's loop takes no commands): accepted.
+        assert_eq!(
+            route("POST", "/servers/3/undrain", &published, &tx).0,
             "202 Accepted"
         );
         assert!(matches!(
             rx.try_recv(),
             Ok(Command::Drain {
                 server: ServerId(3),
-                deadline_ms: 500,
-                cancel: false
+                cancel: true,
+                ..
             })
         ));
         assert_eq!(

@@ -5,7 +5,10 @@
 //! (a REGISTER of a new instance), s1's hostagent stopped for longer than
 //! `dead_after_ms` and started again (a maintenance stop), and the
 //! appliance (switchd) restarting from its store. The API says `drained`
-//! throughout; `undrain` puts s1 back into placement.
+//! throughout; `undrain` puts s1 back into placement. s1's hostagent
+//! restarted within the drain's deadline is sent DRAIN again (its log says
+//! `drain started`; before, only the process running when the drain
+//! started was told).
 //!
 //! Before: each of the three put s1 back into placement while the API
 //! still said `drained` (a REGISTER made it live; a restored `drained`
@@ -66,8 +69,10 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
     let c = place_new_connections(&lab, &token);
     assert!(c[0] > 0, "s1 takes connections before the drain: {c:?}");
 
-    // Drain s1 (no connection left on it: it completes at once).
-    lab.start_drain(API, &token, 1, 10);
+    // Drain s1 (no connection left on it: it completes at once). The
+    // deadline outlasts the restart below: switchd, which does not hear of
+    // the completion, re-sends DRAIN until it.
+    lab.start_drain(API, &token, 1, 120);
     lab.wait_for("s1 drained", Duration::from_secs(15), || {
         api_state(&lab, &token, 1) == "drained"
     });
@@ -83,6 +88,12 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
     });
     std::thread::sleep(Duration::from_millis(500));
     wait_status(&lab, 1, "draining", "after a restart of s1's hostagent");
+    let agent_log = dir.join("hostagent-s1-2.log");
+    lab.wait_for(
+        "the restarted s1 hostagent to be sent DRAIN",
+        Duration::from_secs(5),
+        || log_of(&agent_log).contains("hostagent: drain started"),
+    );
     let c = place_new_connections(&lab, &token);
     assert_eq!(c[0], 0, "new connections on s1 after its restart: {c:?}");
     assert_eq!(api_state(&lab, &token, 1), "drained");
