@@ -770,16 +770,9 @@ fn abort_decision_without_entry_leaves_a_tombstone() {
 #[test]
 fn prepare_retransmissions_keep_their_target() {
     let mut lab = setup();
-    let mut s4 = CServer {
-        ifindex: lab.sv,
-        mac: server_mac(4),
-        src_mac: SV_MAC,
-        state: SERVER_LIVE,
-        weight: 1,
-        ..Default::default()
-    };
-    s4.set_data_addr(server_ip(4));
-    lab.dp.set_server(4, s4).unwrap();
+    lab.dp
+        .set_server(4, server(SERVER_LIVE, 4, lab.sv))
+        .unwrap();
     lab.dp
         .write_ring(0, RING_TARGET, &CRing::from_slice(RING_ROTATE, &[0, 1, 4]))
         .unwrap();
@@ -835,16 +828,9 @@ fn prepare_retransmissions_keep_their_target() {
 #[test]
 fn paired_target_ring_skips_the_origin_to_its_alternate() {
     let mut lab = setup();
-    let mut s4 = CServer {
-        ifindex: lab.sv,
-        mac: server_mac(4),
-        src_mac: SV_MAC,
-        state: SERVER_LIVE,
-        weight: 1,
-        ..Default::default()
-    };
-    s4.set_data_addr(server_ip(4));
-    lab.dp.set_server(4, s4).unwrap();
+    lab.dp
+        .set_server(4, server(SERVER_LIVE, 4, lab.sv))
+        .unwrap();
     // Targets 0 0 1 0 4 0 (weights 4:1:1), alternates of 0 alternating
     // 1 and 4, of 1 and 4 the server 0.
     lab.dp

@@ -21,19 +21,6 @@ mod support;
 use capybara_switchd::dataplane::MemDataPlane;
 use support::*;
 
-fn server(state: u8, i: u32, ifindex: u32) -> CServer {
-    let mut s = CServer {
-        ifindex,
-        mac: server_mac(i),
-        src_mac: SV_MAC,
-        state,
-        weight: 1,
-        ..Default::default()
-    };
-    s.set_data_addr(server_ip(i));
-    s
-}
-
 fn flow_on(server: u32) -> CFlow {
     CFlow {
         server,

@@ -54,16 +54,8 @@ const NEW_SVC: u32 = 2;
 fn configure(dp: &mut BpfDataPlane, cl: u32, sv: u32, idx: &[u32; 3], svc: u32, targets: &[u32]) {
     set_switch(dp, cl, sv);
     for (i, &at) in idx.iter().enumerate() {
-        let mut s = CServer {
-            ifindex: sv,
-            mac: server_mac(i as u32),
-            src_mac: SV_MAC,
-            state: SERVER_LIVE,
-            weight: 1,
-            ..Default::default()
-        };
-        s.set_data_addr(server_ip(i as u32));
-        dp.set_server(at, s).unwrap();
+        dp.set_server(at, server(SERVER_LIVE, i as u32, sv))
+            .unwrap();
     }
     dp.set_service(
         CServiceKey::tcp(VIP, 80),

@@ -412,6 +412,37 @@ impl Lab {
         })
     }
 
+    /// One TCP connect from `node` to `addr` ("IP:PORT"), given 5 s: its
+    /// outcome (`ok`, `refused`, `timeout`, or the error) and how long it
+    /// took in seconds (99 when the client printed nothing).
+    pub fn connect_outcome(&self, node: &str, addr: &str) -> (String, f64) {
+        const CONNECT: &str = r#"
+import socket, sys, time
+host, port = sys.argv[1].split(":")
+t0 = time.monotonic()
+try:
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.close()
+    r = "ok"
+except ConnectionRefusedError:
+    r = "refused"
+except socket.timeout:
+    r = "timeout"
+except OSError as e:
+    r = "error:%s" % e
+print(r, "%.3f" % (time.monotonic() - t0))
+"#;
+        let out = self.run(
+            node,
+            "python3",
+            &["-c", CONNECT, addr],
+            Duration::from_secs(15),
+        );
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let (r, secs) = text.trim().split_once(' ').unwrap_or(("no answer", "99"));
+        (r.to_string(), secs.parse().unwrap_or(99.0))
+    }
+
     /// Waits until `cond` holds, polling every 20 ms, up to `limit`.
     pub fn wait_for(&self, what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
         let start = Instant::now();

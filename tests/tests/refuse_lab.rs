@@ -23,35 +23,10 @@ const ECHO: &str = "198.18.100.1:7";
 /// switchd's `metrics_listen` port in the lab config.
 const STATUS_PORT: u16 = 9102;
 
-/// One TCP connect from client c1 to the echo service, given 5 s: its
-/// outcome (`ok`, `refused`, `timeout`, or the error) and how long it took
-/// in seconds.
+/// One TCP connect from client c1 to the echo service: its outcome and
+/// how long it took in seconds ([`Lab::connect_outcome`]).
 fn connect_once(lab: &Lab) -> (String, f64) {
-    const CONNECT: &str = r#"
-import socket, sys, time
-host, port = sys.argv[1].split(":")
-t0 = time.monotonic()
-try:
-    s = socket.create_connection((host, int(port)), timeout=5)
-    s.close()
-    r = "ok"
-except ConnectionRefusedError:
-    r = "refused"
-except socket.timeout:
-    r = "timeout"
-except OSError as e:
-    r = "error:%s" % e
-print(r, "%.3f" % (time.monotonic() - t0))
-"#;
-    let out = lab.run(
-        "c1",
-        "python3",
-        &["-c", CONNECT, ECHO],
-        Duration::from_secs(15),
-    );
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    let (r, secs) = text.trim().split_once(' ').unwrap_or(("no answer", "99"));
-    (r.to_string(), secs.parse().unwrap_or(99.0))
+    lab.connect_outcome("c1", ECHO)
 }
 
 /// Asserts that a new connection is refused within a second, by the small

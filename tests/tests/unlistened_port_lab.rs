@@ -37,31 +37,10 @@ fn hostagent_without_services(dir: &Path, key: &Path) -> std::path::PathBuf {
     path
 }
 
-/// One TCP connect from client c1 to `addr`, given 5 s: `ok`, `refused`,
-/// `timeout`, or the error.
+/// One TCP connect from client c1 to `addr`: `ok`, `refused`, `timeout`,
+/// or the error ([`Lab::connect_outcome`]).
 fn connect_once(lab: &Lab, addr: &str) -> String {
-    const CONNECT: &str = r#"
-import socket, sys
-host, port = sys.argv[1].split(":")
-try:
-    s = socket.create_connection((host, int(port)), timeout=5)
-    s.close()
-    r = "ok"
-except ConnectionRefusedError:
-    r = "refused"
-except socket.timeout:
-    r = "timeout"
-except OSError as e:
-    r = "error:%s" % e
-print(r)
-"#;
-    let out = lab.run(
-        "c1",
-        "python3",
-        &["-c", CONNECT, addr],
-        Duration::from_secs(15),
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    lab.connect_outcome("c1", addr).0
 }
 
 #[test]

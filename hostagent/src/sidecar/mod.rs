@@ -1420,6 +1420,25 @@ mod tests {
         )
     }
 
+    /// A client stack (198.18.0.11) and a server stack (198.18.2.12) on the
+    /// two ends of an in-memory link, both driven by local tasks (call it
+    /// inside a `LocalSet`): `(client, server, client ip, server ip)`.
+    fn linked_stacks() -> (
+        crate::stack::Stack,
+        crate::stack::Stack,
+        std::net::Ipv4Addr,
+        std::net::Ipv4Addr,
+    ) {
+        use std::net::Ipv4Addr;
+        let (cip, sip) = (Ipv4Addr::new(198, 18, 0, 11), Ipv4Addr::new(198, 18, 2, 12));
+        let (a, b) = capybara_net::device::memory::pair(Default::default());
+        let client = mem_stack(a, 1, cip, sip);
+        let server = mem_stack(b, 2, sip, cip);
+        tokio::task::spawn_local(client.clone().drive());
+        tokio::task::spawn_local(server.clone().drive());
+        (client, server, cip, sip)
+    }
+
     /// Reads from the client's connection until `until` holds for what
     /// arrived, the stream ends (`true` in the result), or `limit` passes.
     async fn client_read(
@@ -1456,7 +1475,6 @@ mod tests {
     /// in-memory link, a real loopback "application".
     #[test]
     fn an_idle_connection_migrated_in_survives_a_refused_first_connect() {
-        use std::net::Ipv4Addr;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -1464,12 +1482,7 @@ mod tests {
             .unwrap();
         let local = tokio::task::LocalSet::new();
         local.block_on(&rt, async {
-            let (cip, sip) = (Ipv4Addr::new(198, 18, 0, 11), Ipv4Addr::new(198, 18, 2, 12));
-            let (a, b) = capybara_net::device::memory::pair(Default::default());
-            let client = mem_stack(a, 1, cip, sip);
-            let server = mem_stack(b, 2, sip, cip);
-            tokio::task::spawn_local(client.clone().drive());
-            tokio::task::spawn_local(server.clone().drive());
+            let (client, server, cip, sip) = linked_stacks();
 
             // Nothing listens on the application's port (it died).
             let app = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -1583,7 +1596,6 @@ mod tests {
     /// over an in-memory link, a real loopback HTTP "application".
     #[test]
     fn expect_100_continue_is_answered_before_the_body() {
-        use std::net::Ipv4Addr;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -1591,12 +1603,7 @@ mod tests {
             .unwrap();
         let local = tokio::task::LocalSet::new();
         local.block_on(&rt, async {
-            let (cip, sip) = (Ipv4Addr::new(198, 18, 0, 11), Ipv4Addr::new(198, 18, 2, 12));
-            let (a, b) = capybara_net::device::memory::pair(Default::default());
-            let client = mem_stack(a, 1, cip, sip);
-            let server = mem_stack(b, 2, sip, cip);
-            tokio::task::spawn_local(client.clone().drive());
-            tokio::task::spawn_local(server.clone().drive());
+            let (client, server, cip, sip) = linked_stacks();
 
             // The application: reads a whole request (head + 5-byte body),
             // answers an interim 100 (as nginx does) and a 200.
@@ -1736,19 +1743,13 @@ mod tests {
     /// check is driven by hand (no probe task), in the order its probes
     /// would see it.
     fn idle_through_an_outage(migrated_in: bool) {
-        use std::net::Ipv4Addr;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
         let local = tokio::task::LocalSet::new();
         local.block_on(&rt, async {
-            let (cip, sip) = (Ipv4Addr::new(198, 18, 0, 11), Ipv4Addr::new(198, 18, 2, 12));
-            let (a, b) = capybara_net::device::memory::pair(Default::default());
-            let client = mem_stack(a, 1, cip, sip);
-            let server = mem_stack(b, 2, sip, cip);
-            tokio::task::spawn_local(client.clone().drive());
-            tokio::task::spawn_local(server.clone().drive());
+            let (client, server, cip, sip) = linked_stacks();
 
             let seen = Rc::new(RefCell::new(Vec::new()));
             let app = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -66,6 +66,21 @@ pub fn set_switch(dp: &mut BpfDataPlane, cl: u32, sv: u32) {
     dp.add_tx_port(sv).unwrap();
 }
 
+/// Logical server `i` (`server_ip(i)`, `server_mac(i)`) behind the
+/// server-side port `ifindex`, in `state`, weight 1.
+pub fn server(state: u8, i: u32, ifindex: u32) -> CServer {
+    let mut s = CServer {
+        ifindex,
+        mac: server_mac(i),
+        src_mac: SV_MAC,
+        state,
+        weight: 1,
+        ..Default::default()
+    };
+    s.set_data_addr(server_ip(i));
+    s
+}
+
 pub fn setup() -> Lab {
     let ns = TestNetns::enter(&["cl0", "sv0"]).expect("netns (needs root)");
     let cl = ns.ifindex("cl0").unwrap();
@@ -77,16 +92,8 @@ pub fn setup() -> Lab {
         .into_iter()
         .enumerate()
     {
-        let mut s = CServer {
-            ifindex: sv,
-            mac: server_mac(i as u32),
-            src_mac: SV_MAC,
-            state,
-            weight: 1,
-            ..Default::default()
-        };
-        s.set_data_addr(server_ip(i as u32));
-        dp.set_server(i as u32, s).unwrap();
+        dp.set_server(i as u32, server(state, i as u32, sv))
+            .unwrap();
     }
     let table = maglev::build_table(
         &[
