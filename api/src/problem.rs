@@ -305,7 +305,9 @@ pub fn parse_body<T: DeserializeOwned>(v: Value) -> ApiResult<T> {
     }
     serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
         // `expected u64` -> `expected a non-negative integer`.
-        let msg = capybara_confkit::plain_types(&e.inner().to_string(), "an object");
+        let raw = e.inner().to_string();
+        let msg =
+            out_of_range(&raw).unwrap_or_else(|| capybara_confkit::plain_types(&raw, "an object"));
         let path = e.path().to_string();
         let field = field_from_message(&msg).map(|f| {
             if path == "." {
@@ -323,6 +325,36 @@ pub fn parse_body<T: DeserializeOwned>(v: Value) -> ApiResult<T> {
         });
         Problem::invalid(field, msg)
     })
+}
+
+/// An integer too large for 64 bits (`"weight": 99999999999999999999999`)
+/// reaches serde as a float: `invalid type: floating point `1e+23`,
+/// expected u32`. A whole number outside the field's integer type reads as
+/// out of range instead: `1e23 is out of range: expected an integer from 0
+/// to 4294967295`. Fractions and other messages are left to serde's words.
+fn out_of_range(raw: &str) -> Option<String> {
+    let (x, ty) = raw
+        .strip_prefix("invalid type: floating point `")?
+        .split_once("`, expected ")?;
+    let (lo, hi): (i128, i128) = match ty {
+        "u8" => (0, u8::MAX.into()),
+        "u16" => (0, u16::MAX.into()),
+        "u32" => (0, u32::MAX.into()),
+        "u64" | "usize" => (0, u64::MAX.into()),
+        "i8" => (i8::MIN.into(), i8::MAX.into()),
+        "i16" => (i16::MIN.into(), i16::MAX.into()),
+        "i32" => (i32::MIN.into(), i32::MAX.into()),
+        "i64" | "isize" => (i64::MIN.into(), i64::MAX.into()),
+        _ => return None,
+    };
+    let f: f64 = x.parse().ok()?;
+    // `as` saturates: 1e300 compares as i128::MAX.
+    if !f.is_finite() || f.fract() != 0.0 || (lo..=hi).contains(&(f as i128)) {
+        return None;
+    }
+    Some(format!(
+        "{f:e} is out of range: expected an integer from {lo} to {hi}"
+    ))
 }
 
 /// serde names the field itself in "missing field `x`" messages, where the
@@ -444,11 +476,27 @@ mod tests {
     #[test]
     fn huge_floats_are_printed_readably() {
         let d = |v: Value| parse_body::<T>(v).unwrap_err().detail;
-        // serde's own wording (in exponent form already).
+        // A whole number too large for the field, in words.
         assert_eq!(
             d(json!({"a": 1e300})),
-            "`a`: invalid type: floating point `1e+300`, expected an integer from 0 to 4294967295"
+            "`a`: 1e300 is out of range: expected an integer from 0 to 4294967295"
         );
+        assert_eq!(
+            d(json!({"a": -1e20})),
+            "`a`: -1e20 is out of range: expected an integer from 0 to 4294967295"
+        );
+        assert_eq!(
+            d(json!({"a": 1, "b": [1, 1e20]})),
+            "`b[1]`: 1e20 is out of range: expected an integer from 0 to 18446744073709551615"
+        );
+        // A fraction, or a whole number in range written as a float, keeps
+        // serde's own wording.
+        for (v, shown) in [(1.5, "1.5"), (5.0, "5.0")] {
+            assert_eq!(
+                d(json!({ "a": v })),
+                format!("`a`: invalid type: floating point `{shown}`, expected an integer from 0 to 4294967295")
+            );
+        }
         // Messages that print an f64 with `{}` (the store's policy checks).
         let p = Problem::invalid("x", format!("must be in (0, 1000], got {}", 1e300_f64));
         assert_eq!(p.detail, "`x`: must be in (0, 1000], got 1e300");

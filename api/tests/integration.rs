@@ -2801,3 +2801,81 @@ async fn a_drain_and_liveness_are_shown_apart() {
     assert_eq!((s, &v["state"]), (200, &json!("active")), "{v}");
     api.stop().await;
 }
+
+/// An integer too large for 64 bits (JSON reads it as a float) is refused
+/// with a 422 that says it is out of range, naming the field, instead of
+/// "invalid type: floating point `1e+23`"; a weight of 70000 keeps the
+/// API's own bound, and a fraction keeps serde's wording.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_integer_is_out_of_range() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let ops = api.token("ops", Role::Operator);
+    let id = register(&api, &ops, "web1").await;
+    let send = |method: &'static str, path: String, body: &'static str| {
+        let (url, ops) = (format!("{}{path}", api.url), ops.clone());
+        async move {
+            let resp = reqwest::Client::new()
+                .request(method.parse().unwrap(), url)
+                .bearer_auth(ops)
+                .header("content-type", "application/json")
+                .body(body)
+                .timeout(Duration::from_secs(10))
+                .send()
+                .await
+                .unwrap();
+            let s = resp.status().as_u16();
+            let v: Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+            (s, v)
+        }
+    };
+    let weight = format!("/v1/servers/{id}/weight");
+    let (s, v) = send(
+        "PUT",
+        weight.clone(),
+        r#"{"weight": 99999999999999999999999}"#,
+    )
+    .await;
+    assert_eq!((s, &v["field"]), (422, &json!("weight")), "{v}");
+    assert_eq!(
+        v["detail"],
+        "`weight`: 1e23 is out of range: expected an integer from 0 to 18446744073709551615",
+        "{v}"
+    );
+    let body = r#"{"name": "web2", "mgmt_addr": "10.0.1.12:7000", "data_addr": "10.0.2.12", "weight": -99999999999999999999999}"#;
+    let (s, v) = send("POST", "/v1/servers".into(), body).await;
+    assert_eq!((s, &v["field"]), (422, &json!("weight")), "{v}");
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .contains("-1e23 is out of range"),
+        "{v}"
+    );
+    let (s, v) = send("PUT", weight.clone(), r#"{"weight": 70000}"#).await;
+    assert_eq!(s, 422, "{v}");
+    assert_eq!(
+        v["detail"], "`weight`: must be in [0, 65535], got 70000",
+        "{v}"
+    );
+    let (s, v) = send("PUT", weight.clone(), r#"{"weight": 1.5}"#).await;
+    assert_eq!(s, 422, "{v}");
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .contains("invalid type: floating point `1.5`"),
+        "{v}"
+    );
+    // Nothing was changed or created.
+    let rec = api
+        .store
+        .get_server(ServerId(id as u32))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!rec.weight_set, "{rec:?}");
+    let (s, v) = send("PUT", weight, r#"{"weight": 3}"#).await;
+    assert_eq!((s, &v["weight"]), (200, &json!(3)), "{v}");
+    api.stop().await;
+}

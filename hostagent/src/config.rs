@@ -793,6 +793,27 @@ impl Config {
             ));
         }
         for (i, a) in self.services.iter().enumerate() {
+            // The stack owns each listen address (the interface answers for
+            // it), so it must be one unicast address: 0.0.0.0 passed here
+            // and the start failed ("address 0.0.0.0 is not a unicast IPv4
+            // address"). Ports are unique per server, so a wildcard would
+            // stand for one VIP anyway.
+            let ip = *a.listen.ip();
+            if ip.is_unspecified() || ip.is_broadcast() || ip.is_multicast() {
+                let why = if ip.is_unspecified() {
+                    format!(
+                        "the stack cannot listen on 0.0.0.0 (every address): list the service's VIP instead (listen = \"VIP:{}\", one [[service]] per VIP:port)",
+                        a.listen.port()
+                    )
+                } else {
+                    "must be a unicast address: the service's VIP".to_string()
+                };
+                return Err(bad(
+                    &format!("service[{i}].listen"),
+                    a.listen.to_string(),
+                    &why,
+                ));
+            }
             if a.app == App::Testserver {
                 if let Err((field, value, why)) = a.testserver(&self.name) {
                     return Err(bad(&format!("service[{i}].{field}"), value, &why));
@@ -1022,6 +1043,30 @@ app = "echo"
                 && !e.contains("0011"),
             "{e}"
         );
+    }
+
+    /// `listen = "0.0.0.0:7"` passed --check and the start then failed
+    /// ("address 0.0.0.0 is not a unicast IPv4 address"): refused here,
+    /// naming the field and what to write instead.
+    #[test]
+    fn a_wildcard_listen_address_is_refused() {
+        let e = check(&GOOD.replace("198.18.100.1:7", "0.0.0.0:7")).unwrap_err();
+        assert!(
+            e.contains("service[1].listen = 0.0.0.0:7: the stack cannot listen on 0.0.0.0")
+                && e.contains("list the service's VIP instead (listen = \"VIP:7\""),
+            "{e}"
+        );
+        for addr in ["255.255.255.255:7", "224.0.0.1:7"] {
+            let e = check(&GOOD.replace("198.18.100.1:7", addr)).unwrap_err();
+            assert!(
+                e.contains(&format!(
+                    "service[1].listen = {addr}: must be a unicast address"
+                )),
+                "{e}"
+            );
+        }
+        // The stack's own data address stays allowed (clients connect directly).
+        assert!(check(&GOOD.replace("198.18.100.1:7", "198.18.2.11:7")).is_ok());
     }
 
     /// A sidecar backend at the stack's own address or at a service

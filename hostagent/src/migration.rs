@@ -166,6 +166,40 @@ pub struct Migrator {
     pub forwarded_gone: u64,
     /// Off: late segments are dropped as before (`CAPYBARA_FORWARD_LATE=0`).
     pub forward_late: bool,
+    /// Rate limit of the "snapshot too large" log line.
+    too_large_log: TooLargeLog,
+}
+
+/// The origin's log line for a migration refused because the connection's
+/// snapshot exceeds the snapshot limit (the report says `snapshot too
+/// large`; the line names the connection and the sizes). At most one line
+/// per [`TooLargeLog::EVERY`]; the next line counts those left out.
+#[derive(Debug, Default)]
+struct TooLargeLog {
+    next_at: Option<Instant>,
+    quiet: u64,
+}
+
+impl TooLargeLog {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn note(&mut self, now: Instant, flow: FlowKey, len: usize, max: usize) -> Option<String> {
+        if self.next_at.is_some_and(|t| now < t) {
+            self.quiet += 1;
+            return None;
+        }
+        self.next_at = Some(now + Self::EVERY);
+        let quiet = std::mem::take(&mut self.quiet);
+        let more = if quiet > 0 {
+            format!(" ({quiet} more since the last such line)")
+        } else {
+            String::new()
+        };
+        Some(format!(
+            "hostagent: connection {flow} not migrated: snapshot {len} bytes > limit {max} bytes \
+             (reason snapshot too large; the connection stays here){more}"
+        ))
+    }
 }
 
 /// What the glue keeps of a flow that left this host or is leaving it
@@ -241,6 +275,7 @@ impl Migrator {
             forwarded_frozen: 0,
             forwarded_gone: 0,
             forward_late: std::env::var_os("CAPYBARA_FORWARD_LATE").is_none_or(|v| v != "0"),
+            too_large_log: TooLargeLog::default(),
         }
     }
 
@@ -705,6 +740,16 @@ impl Migrator {
                             // comes back (the migration then resumes).
                             let done = self.fresh(now);
                             let back = self.engine.offer_snapshot(done, id, snap).err();
+                            if let Some((
+                                capybara_tcpmig::MigError::SnapshotTooLarge { len, max },
+                                _,
+                            )) = &back
+                            {
+                                if let Some(line) = self.too_large_log.note(done, flow, *len, *max)
+                                {
+                                    eprintln!("{line}");
+                                }
+                            }
                             let d = self.departed.entry(flow).or_default();
                             d.frozen = Some(Frozen {
                                 id,
@@ -1254,5 +1299,41 @@ mod claim_tests {
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].flow, flow(2));
         assert_eq!(m.owned_at.len(), 1, "its age is forgotten too");
+    }
+}
+
+#[cfg(test)]
+mod too_large_log_tests {
+    use super::*;
+
+    #[test]
+    fn an_oversized_snapshot_is_logged_with_the_connection_and_sizes_rate_limited() {
+        let flow = FlowKey {
+            client_ip: Ipv4Addr::new(10, 1, 0, 9),
+            client_port: 40000,
+            service_ip: Ipv4Addr::new(10, 0, 0, 100),
+            service_port: 80,
+        };
+        let mut log = TooLargeLog::default();
+        let t0 = Instant::from_millis(5_000);
+        let line = log.note(t0, flow, 300_000, 262_144).expect("first line");
+        assert!(line.contains("10.1.0.9:40000->10.0.0.100:80"), "{line}");
+        assert!(
+            line.contains("snapshot 300000 bytes > limit 262144 bytes"),
+            "{line}"
+        );
+        assert!(line.contains("snapshot too large"), "{line}");
+        // Within the interval: counted, not printed.
+        for _ in 0..3 {
+            assert_eq!(log.note(t0 + Duration::from_secs(1), flow, 1, 0), None);
+        }
+        let line = log
+            .note(t0 + TooLargeLog::EVERY, flow, 300_001, 262_144)
+            .expect("after the interval");
+        assert!(line.contains("(3 more since the last such line)"), "{line}");
+        let line = log
+            .note(t0 + TooLargeLog::EVERY * 3, flow, 300_001, 262_144)
+            .expect("after another interval");
+        assert!(!line.contains("more since"), "{line}");
     }
 }

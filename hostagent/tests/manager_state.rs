@@ -218,3 +218,34 @@ fn a_sidecars_largest_partial_request_migrates_under_the_configs_limit() {
     w.assert_single_owner();
     assert_eq!(w.client.received, w.client.to_send, "echo stream exact");
 }
+
+/// A connection whose snapshot exceeds the limit stays on its origin and
+/// the migration's outcome says why: `snapshot too large` (it said
+/// `cancelled`, which sent operators looking for who cancelled it). The
+/// origin also logs the connection and both sizes (`TooLargeLog`).
+#[test]
+fn an_oversized_snapshot_resumes_with_the_reason_snapshot_too_large() {
+    use capybara_hostagent::migration::Outcome;
+    use capybara_tcpmig::Reason;
+    let state: Vec<u8> = (0..(2 << 20)).map(|i| (i % 251) as u8).collect();
+    let (mut w, imported) = recording_world_limited(84, 300_000, 20_000, Some(1 << 20));
+    register(&mut w, 0, Box::new(Big(state)));
+    w.migrate(true).expect("migrate");
+    assert!(
+        w.run_until(LIMIT, |w| !w.any_migrating() && !w.outcomes().is_empty()),
+        "{}",
+        w.describe()
+    );
+    let origin: Vec<Outcome> = w
+        .outcomes()
+        .into_iter()
+        .filter(|(s, _, _)| *s == 0)
+        .map(|(_, _, o)| o)
+        .collect();
+    assert_eq!(origin, [Outcome::Resumed(Reason::SnapshotTooLarge)]);
+    assert!(imported[1].borrow().is_empty(), "nothing imported");
+    assert!(w.finish(LIMIT), "{}", w.describe());
+    w.assert_single_owner();
+    assert_eq!(w.owners(), vec![0]);
+    assert_eq!(w.client.received, w.client.to_send, "echo stream exact");
+}

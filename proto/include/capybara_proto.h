@@ -65,6 +65,7 @@
 #define TCPMIG_REASON_IMPORT_FAILED 6    /* snapshot could not be imported      */
 #define TCPMIG_REASON_DUPLICATE_FLOW 7   /* target already holds this flow      */
 #define TCPMIG_REASON_CANCELLED 8        /* origin gave up (conn closed, ...)   */
+#define TCPMIG_REASON_SNAPSHOT_TOO_LARGE 9 /* origin's snapshot over its limit */
 #define TCPMIG_REASON_UNSPECIFIED 0xFFFF
 
 /* Lengths. A datagram is header + payload_len bytes of payload + MAC. */

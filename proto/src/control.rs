@@ -2180,6 +2180,28 @@ mod tests {
         assert_eq!(got, reports);
         assert_eq!(got[0].phase_us(3), None);
         assert_eq!(got[0].phase_us(4), Some(120));
+        // A TCPMig reason this version does not know is kept, not refused
+        // (a newer hostagent's report to an older switchd).
+        for (code, text) in [(9u16, "snapshot too large"), (10, "unknown reason 10")] {
+            let mut r = sample_report(flow);
+            r.outcome = ReportOutcome::Resumed;
+            r.reason = crate::tcpmig::Reason::from_u16(code);
+            let one = [r];
+            let repr = ControlRepr {
+                server_id: ServerId(2),
+                seq: 10,
+                body: ControlBody::MigrationReport(ReportList::Slice(&one)),
+            };
+            let mut b = [0u8; 256];
+            let m = repr.emit(&mut b).unwrap();
+            let ControlBody::MigrationReport(list) = ControlRepr::parse(&b[..m]).unwrap().body
+            else {
+                panic!("not a report");
+            };
+            let got: Vec<MigrationReport> = list.iter().collect();
+            assert_eq!(got, one);
+            assert_eq!(got[0].reason_text().as_deref(), Some(text));
+        }
         // An unknown trigger in the second report.
         let mut bad = buf;
         let off = HEADER_LEN + field::migration_report::REPORTS + 72;

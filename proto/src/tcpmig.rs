@@ -155,6 +155,9 @@ pub enum Reason {
     DuplicateFlow,
     /// 8: the origin gave up (connection closed, operator cancel).
     Cancelled,
+    /// 9: the origin's snapshot of the connection exceeds its snapshot
+    /// size limit (nothing was sent; the origin keeps the connection).
+    SnapshotTooLarge,
     /// 0xFFFF: unspecified.
     Unspecified,
     /// Any other code.
@@ -173,6 +176,7 @@ impl Reason {
             Reason::ImportFailed => 6,
             Reason::DuplicateFlow => 7,
             Reason::Cancelled => 8,
+            Reason::SnapshotTooLarge => 9,
             Reason::Unspecified => 0xFFFF,
             Reason::Unknown(v) => v,
         }
@@ -189,6 +193,7 @@ impl Reason {
             6 => Reason::ImportFailed,
             7 => Reason::DuplicateFlow,
             8 => Reason::Cancelled,
+            9 => Reason::SnapshotTooLarge,
             0xFFFF => Reason::Unspecified,
             v => Reason::Unknown(v),
         }
@@ -219,6 +224,7 @@ impl std::fmt::Display for Reason {
             Reason::ImportFailed => f.write_str("import failed"),
             Reason::DuplicateFlow => f.write_str("duplicate flow"),
             Reason::Cancelled => f.write_str("cancelled"),
+            Reason::SnapshotTooLarge => f.write_str("snapshot too large"),
             Reason::Unspecified => f.write_str("unspecified"),
             Reason::Unknown(v) => write!(f, "unknown reason {v}"),
         }
@@ -765,9 +771,10 @@ mod tests {
 
     #[test]
     fn reasons_round_trip() {
-        for v in [0u16, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1000, 0xFFFE, 0xFFFF] {
+        for v in [0u16, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1000, 0xFFFE, 0xFFFF] {
             assert_eq!(Reason::from_u16(v).to_u16(), v);
         }
-        assert_eq!(Reason::from(9), Reason::Unknown(9));
+        assert_eq!(Reason::from(9), Reason::SnapshotTooLarge);
+        assert_eq!(Reason::from(10), Reason::Unknown(10));
     }
 }

@@ -110,6 +110,11 @@ const REASONS: &[(&str, &str, tcpmig::Reason)] = &[
         tcpmig::Reason::Cancelled,
     ),
     (
+        "reason_snapshot_too_large",
+        "TCPMIG_REASON_SNAPSHOT_TOO_LARGE",
+        tcpmig::Reason::SnapshotTooLarge,
+    ),
+    (
         "reason_unspecified",
         "TCPMIG_REASON_UNSPECIFIED",
         tcpmig::Reason::Unspecified,

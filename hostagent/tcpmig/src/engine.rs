@@ -840,7 +840,12 @@ impl Engine {
             }
             Err(e) => {
                 // Nothing was sent: the target cannot commit, we may resume.
-                origin_resume_unilaterally(id.0, r, &mut cx, now, Reason::Cancelled);
+                // An oversized snapshot says so (the report's reason).
+                let why = match e {
+                    MigError::SnapshotTooLarge { .. } => Reason::SnapshotTooLarge,
+                    _ => Reason::Cancelled,
+                };
+                origin_resume_unilaterally(id.0, r, &mut cx, now, why);
                 Err((e, snapshot))
             }
         }

@@ -604,7 +604,8 @@ fn oversized_snapshot_is_refused_and_origin_resumes() {
     w.origin().stack.pending_exports.clear();
     w.flush();
     w.settle();
-    assert_eq!(resumed(&w), Some(Reason::Cancelled));
+    // The report names the cause (was `cancelled`, misleading operators).
+    assert_eq!(resumed(&w), Some(Reason::SnapshotTooLarge));
     assert_origin_kept(&w);
 }
 
