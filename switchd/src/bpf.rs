@@ -398,6 +398,13 @@ pub struct Adopted {
     /// Final entries naming another owner than this flow table (the
     /// store's): MIGRATED events queued for the store.
     pub owner_events: usize,
+    /// Flows whose FINs (one way or both) the predecessor's program saw
+    /// and this table (the store's copy) lacked: flags merged here.
+    pub fins_merged: usize,
+    /// Flows the predecessor's program had seen closed (CLOSING): CLOSED
+    /// events queued, so the closed-flow reaper removes them after
+    /// `closed_linger` and the store forgets them.
+    pub closed: usize,
 }
 
 /// The predecessor's maps, held between the copy and
@@ -425,6 +432,18 @@ unsafe impl Pod for MigId {}
 struct TargetIdx(u32);
 // SAFETY: one u32, no padding.
 unsafe impl Pod for TargetIdx {}
+
+/// A CLOSED event of flow `key` on `server`, for the control plane (its
+/// closed-flow reaper) and the store.
+fn closed_event(key: CFlowKey, server: u32) -> CFlowEvent {
+    CFlowEvent {
+        key,
+        kind: EV_CLOSED,
+        server,
+        prev_server: server,
+        ts_ns: 0,
+    }
+}
 
 /// The predecessor's server index `old` as ours: the same data address
 /// (`old_servers`: its `servers` map; `by_addr`: our `server_by_addr`).
@@ -1051,7 +1070,9 @@ impl BpfDataPlane {
     /// Copies what the predecessor's program `old_prog` knows and this
     /// one's tables (the store's copy) lack, while it still forwards:
     /// - flow entries this table lacks (flows it placed after the last sync
-    ///   from the store);
+    ///   from the store), and the FIN flags of those it has (the store
+    ///   keeps none): a flow it saw closed is queued as CLOSED for the
+    ///   reaper and the store;
     /// - every migration entry, pending (a migration in flight: the client's
     ///   segments must go on reaching its target, and the CONN_STATE_ACK or
     ///   ABORT that settles it must find it) or final (owners the store may
@@ -1065,7 +1086,7 @@ impl BpfDataPlane {
     /// program changed after this copy.
     fn adopt(&mut self, old_prog: u32) -> Result<Adopted> {
         use libbpf_rs::libbpf_sys;
-        use std::collections::{HashMap, HashSet};
+        use std::collections::HashMap;
         use std::os::fd::{AsRawFd, FromRawFd};
         let err = |op: &'static str, detail: String| DataPlaneError::Map {
             map: "flows",
@@ -1102,17 +1123,32 @@ impl BpfDataPlane {
         };
         let mut done = Adopted::default();
         let mut server_of = HashMap::new();
-        let ours: HashSet<CFlowKey> =
+        let ours: HashMap<CFlowKey, CFlow> =
             entries::<CFlowKey, CFlow>(&self.maps.flows, "flows", usize::MAX)?
                 .into_iter()
-                .map(|(k, _)| k)
                 .collect();
         let mut service_of = HashMap::new();
         let (mut keys, mut vals) = (Vec::new(), Vec::new());
+        let (mut merged_keys, mut merged_vals, mut closed) = (Vec::new(), Vec::new(), Vec::new());
         for (k, f) in
             entries::<CFlowKey, CFlow>(&old_flows, "flows", self.maps.flows.max_entries() as usize)?
         {
-            if ours.contains(&k) {
+            if let Some(o) = ours.get(&k) {
+                // The store's copy of a flow knows nothing of its FINs: the
+                // predecessor's (newer) flags are merged, or its close would
+                // never be reaped here and a half-closed flow would not
+                // close when its other FIN comes.
+                let add = f.flags & (FLOW_FIN_CLIENT | FLOW_FIN_SERVER | FLOW_CLOSING) & !o.flags;
+                if add != 0 {
+                    merged_keys.push(k);
+                    merged_vals.push(CFlow {
+                        flags: o.flags | add,
+                        ..*o
+                    });
+                    if add & FLOW_CLOSING != 0 {
+                        closed.push(closed_event(k, o.server));
+                    }
+                }
                 continue;
             }
             let server = translate_server(
@@ -1140,6 +1176,9 @@ impl BpfDataPlane {
                 });
             match (server, service) {
                 (Some(server), Some(service)) => {
+                    if f.flags & FLOW_CLOSING != 0 {
+                        closed.push(closed_event(k, server));
+                    }
                     keys.push(k);
                     vals.push(CFlow {
                         server,
@@ -1152,6 +1191,15 @@ impl BpfDataPlane {
         }
         batch_update(&self.maps.flows, "flows", &keys, &vals)?;
         done.flows = keys.len();
+        batch_update(&self.maps.flows, "flows", &merged_keys, &merged_vals)?;
+        done.fins_merged = merged_keys.len();
+        done.closed = closed.len();
+        if !closed.is_empty() {
+            self.pending
+                .lock()
+                .map_err(|_| DataPlaneError::Load("event buffer poisoned".into()))?
+                .extend(closed);
+        }
 
         // Migrations: a failure costs them only (logged), not the flows.
         let Some(old_migrations) = migrations else {

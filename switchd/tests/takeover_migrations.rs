@@ -41,6 +41,46 @@ impl Drop for PinRoot {
     }
 }
 
+/// Where a test's predecessor and successor run: a throw-away namespace
+/// with a client-side and a server-side interface, and a pin directory of
+/// its own (owned).
+struct Place {
+    _root: PinRoot,
+    ns: TestNetns,
+    pins: LinkPins,
+    cl: u32,
+    sv: u32,
+}
+
+/// `None` (skipped) unless root. `tag`: the interfaces' and pins' prefix.
+fn place(tag: &str) -> Option<Place> {
+    // SAFETY: no arguments.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root");
+        return None;
+    }
+    assert!(
+        on_bpffs(std::path::Path::new("/sys/fs/bpf")),
+        "/sys/fs/bpf is not bpffs"
+    );
+    let root = PinRoot(PathBuf::from(format!(
+        "/sys/fs/bpf/capy-test-{tag}-{}",
+        std::process::id()
+    )));
+    let (c, s) = (format!("{tag}0"), format!("{tag}1"));
+    let ns = TestNetns::enter(&[c.as_str(), s.as_str()]).expect("netns");
+    let (cl, sv) = (ns.ifindex(&c).unwrap(), ns.ifindex(&s).unwrap());
+    let mut pins = LinkPins::open(&root.0, "test").expect("pin dir");
+    assert!(pins.try_own().unwrap());
+    Some(Place {
+        _root: root,
+        ns,
+        pins,
+        cl,
+        sv,
+    })
+}
+
 /// Logical servers 0, 1, 2 (support's `server_ip(i)`, `server_mac(i)`) at
 /// these indexes in the predecessor's tables, and at others in the
 /// successor's.
@@ -100,23 +140,16 @@ fn expect_redirect(dp: &BpfDataPlane, ingress: u32, input: &[u8], output: &[u8],
 
 #[test]
 fn migration_entries_survive_a_takeover_in_place_translated() {
-    // SAFETY: no arguments.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root");
+    let Some(Place {
+        _root,
+        ns,
+        mut pins,
+        cl,
+        sv,
+    }) = place("tm")
+    else {
         return;
-    }
-    assert!(
-        on_bpffs(std::path::Path::new("/sys/fs/bpf")),
-        "/sys/fs/bpf is not bpffs"
-    );
-    let root = PinRoot(PathBuf::from(format!(
-        "/sys/fs/bpf/capy-test-tmig-{}",
-        std::process::id()
-    )));
-    let ns = TestNetns::enter(&["tm0", "tm1"]).expect("netns");
-    let (cl, sv) = (ns.ifindex("tm0").unwrap(), ns.ifindex("tm1").unwrap());
-    let mut pins = LinkPins::open(&root.0, "test").expect("pin dir");
-    assert!(pins.try_own().unwrap());
+    };
 
     // in flight: placed on 0, migrating to 1 (pending).
     let (inflight, m_inflight) = (flow_key(1001), mid(0, 1));
@@ -295,6 +328,9 @@ fn migration_entries_survive_a_takeover_in_place_translated() {
             (inflight, EV_MIGRATED, NEW_IDX[1], NEW_IDX[0]),
             (finished, EV_MIGRATED, NEW_IDX[2], NEW_IDX[0]),
             (reset, EV_CLOSED, NEW_IDX[1], NEW_IDX[1]),
+            // Closed at the copy (its FINs merged), then a new connection
+            // on its 4-tuple: the store deletes it and learns the new one.
+            (reused, EV_CLOSED, NEW_IDX[1], NEW_IDX[1]),
             (reused, EV_NEW, NEW_IDX[1], NEW_IDX[1]),
         ]
     );
@@ -345,6 +381,96 @@ fn migration_entries_survive_a_takeover_in_place_translated() {
         &udp_from(server_ip(0), SWITCH_SV, &prepare),
         &udp_to_server(1, server_ip(0), &prepare),
         "a retransmitted PREPARE reaches the first one's target, not the ring's",
+    );
+
+    new.detach_all();
+    pins.disown();
+    pins.remove_if_unused();
+    drop(ns);
+}
+
+/// The store keeps no FIN flags: a flow the predecessor saw half-closed or
+/// closed is in the successor's table (the store's copy) as open. Without
+/// the merge, a closed flow was never reaped (its CLOSED event went to the
+/// dead process) and a half-closed one never closed (its other FIN alone
+/// does not make it CLOSING here); a closed flow the store lacked was
+/// copied CLOSING but never queued for the reaper either.
+#[test]
+fn fins_the_predecessor_saw_survive_a_takeover() {
+    let Some(Place {
+        _root,
+        ns,
+        mut pins,
+        cl,
+        sv,
+    }) = place("tf")
+    else {
+        return;
+    };
+
+    // half: the client sent its FIN; closed: both did; closed_late: both
+    // did, and the store never had it.
+    let (half, closed, closed_late) = (flow_key(1008), flow_key(1009), flow_key(1010));
+    let mut old = BpfDataPlane::load(BpfOptions::small()).unwrap();
+    configure(&mut old, cl, sv, &OLD_IDX, OLD_SVC, &[1]);
+    for i in [cl, sv] {
+        old.attach_pinned(i, &pins.link_path(i)).unwrap();
+    }
+    let both = FLOW_CLOSING | FLOW_FIN_CLIENT | FLOW_FIN_SERVER;
+    for (k, flags) in [(half, FLOW_FIN_CLIENT), (closed, both), (closed_late, both)] {
+        let mut f = flow(&OLD_IDX, OLD_SVC, 0);
+        f.flags = FLOW_ESTABLISHED | flags;
+        old.insert_flow(k, f).unwrap();
+    }
+    old.release_links();
+    let _ = events(&mut old);
+
+    let mut new = BpfDataPlane::load(BpfOptions::small()).unwrap();
+    configure(&mut new, cl, sv, &NEW_IDX, NEW_SVC, &[2]);
+    for k in [half, closed] {
+        let mut f = flow(&NEW_IDX, NEW_SVC, 0);
+        f.flags = FLOW_ESTABLISHED;
+        new.insert_flow(k, f).unwrap();
+    }
+    for i in [cl, sv] {
+        match new.attach_pinned(i, &pins.link_path(i)).unwrap() {
+            Attached::Replaced { .. } => {}
+            other => panic!("expected the link replaced in place, got {other:?}"),
+        }
+    }
+    let a = new.finish_adoption().unwrap();
+    drop(old);
+    assert_eq!(
+        (a.flows, a.fins_merged, a.closed),
+        (1, 2, 2),
+        "closed_late copied; half and closed merged; closed and closed_late queued: {a:?}"
+    );
+    let flags = |dp: &mut BpfDataPlane, k| dp.lookup_flow(k).unwrap().expect("flow").flags;
+    assert_eq!(
+        flags(&mut new, half) & both,
+        FLOW_FIN_CLIENT,
+        "half-closed, not closed"
+    );
+    assert_eq!(flags(&mut new, closed) & both, both);
+    assert_eq!(flags(&mut new, closed_late) & both, both);
+    let mut evs = events(&mut new);
+    evs.sort_by_key(|e| e.0.client_port);
+    assert_eq!(
+        evs,
+        vec![
+            (closed, EV_CLOSED, NEW_IDX[0], NEW_IDX[0]),
+            (closed_late, EV_CLOSED, NEW_IDX[0], NEW_IDX[0]),
+        ],
+        "the reaper and the store hear of both closes"
+    );
+
+    // The half-closed flow closes with its server's FIN at the successor.
+    new.test_run(&server_tcp(0, 1008, TCP_FIN | TCP_ACK), sv, 1)
+        .unwrap();
+    assert_eq!(flags(&mut new, half) & both, both);
+    assert_eq!(
+        events(&mut new),
+        vec![(half, EV_CLOSED, NEW_IDX[0], NEW_IDX[0])]
     );
 
     new.detach_all();
