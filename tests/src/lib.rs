@@ -198,6 +198,36 @@ impl Lab {
         )
     }
 
+    /// Starts switchd in the switch node with config `cfg`, stdout and
+    /// stderr to `log`. Returns its pid.
+    pub fn spawn_switchd(&mut self, cfg: &std::path::Path, log: &std::path::Path) -> u32 {
+        let cfg = cfg.to_str().expect("config path is UTF-8");
+        self.spawn_logged(SWITCH_NODE, bin("switchd"), &["--config", cfg], log)
+    }
+
+    /// Waits (30 s) until the switchd or appliance logging to `log` has
+    /// registered servers 1..=`servers`.
+    pub fn wait_registered(&self, log: &std::path::Path, servers: u32) {
+        self.wait_for("every server to register", Duration::from_secs(30), || {
+            let l = log_of(log);
+            (1..=servers).all(|j| l.contains(&format!("registered s{j}")))
+        });
+    }
+
+    /// Waits (30 s) until an HTTP GET from client c1 to the VIP
+    /// (198.18.100.1:80) succeeds.
+    pub fn wait_vip_http(&self) {
+        self.wait_for("the VIP to answer", Duration::from_secs(30), || {
+            self.try_run(
+                "c1",
+                "curl",
+                &["-s", "-m", "1", "-o", "/dev/null", "http://198.18.100.1/"],
+                Duration::from_secs(5),
+            )
+            .is_some_and(|o| o.status.success())
+        });
+    }
+
     /// One hostagent per server 1..=`servers` behind the switch, the way
     /// the appliance tests start them: services on the VIP, migration and
     /// control channel on ([`hostagent_migrating_config`], key `key`),
@@ -690,10 +720,7 @@ pub fn wait_appliance_ready(
     api: &str,
     dir: &std::path::Path,
 ) -> String {
-    lab.wait_for("every server to register", Duration::from_secs(30), || {
-        let l = log_of(log);
-        (1..=servers).all(|j| l.contains(&format!("registered s{j}")))
-    });
+    lab.wait_registered(log, servers);
     lab.wait_for("the API", Duration::from_secs(30), || {
         lab.api_call(api, "", "GET", "/healthz", None).0 == 200
     });
@@ -701,6 +728,22 @@ pub fn wait_appliance_ready(
         .expect("admin token file")
         .trim()
         .to_string()
+}
+
+/// Waits up to `limit` until the load generator logging to
+/// `dir/loadgen.log` printed its `RESULT ` line and wrote `json`, then
+/// reads that JSON report.
+pub fn wait_loadgen_report(
+    lab: &Lab,
+    dir: &std::path::Path,
+    json: &std::path::Path,
+    limit: Duration,
+) -> serde_json::Value {
+    lab.wait_for("the load generator's report", limit, || {
+        log_of(&dir.join("loadgen.log")).contains("RESULT ") && json.exists()
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    serde_json::from_str(&std::fs::read_to_string(json).unwrap()).expect("loadgen JSON")
 }
 
 /// Server `id` in switchd's `/status` (`metrics_listen` of the lab's
@@ -1359,6 +1402,18 @@ pub fn appliance_lab(
     let lab = Lab::up(tag, servers);
     let key = deployment_key(&dir);
     let config = appliance_config(&lab, &dir, servers, &key, api_listen);
+    (lab, dir, key, config)
+}
+
+/// Where a switchd lab test starts: [`appliance_lab`]'s output directory,
+/// lab and deployment key, and a switchd config for them
+/// ([`switchd_config`]); nothing started yet. Returns (lab, dir, key,
+/// switchd config).
+pub fn switchd_lab(test: &str, tag: &str, servers: u32) -> (Lab, PathBuf, PathBuf, PathBuf) {
+    let dir = output_dir(test);
+    let lab = Lab::up(tag, servers);
+    let key = deployment_key(&dir);
+    let config = switchd_config(&lab, &dir, servers, &key);
     (lab, dir, key, config)
 }
 

@@ -10,7 +10,7 @@
 
 mod health_common;
 
-use capybara_systests::{bin, deployment_key, output_dir, switchd_config, Lab};
+use capybara_systests::{switchd_lab, Lab};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -172,16 +172,8 @@ fn count(answers: &[Answer], who: &str) -> usize {
 
 #[test]
 fn a_dead_application_leaves_placement_and_its_idle_connections_migrate() {
-    let dir = output_dir("health_lab");
-    let mut lab = Lab::up("hl", 2);
-    let key = deployment_key(&dir);
-    let sw = switchd_config(&lab, &dir, 2, &key);
-    lab.spawn_logged(
-        "sw",
-        bin("switchd"),
-        &["--config", sw.to_str().unwrap()],
-        &dir.join("switchd.log"),
-    );
+    let (mut lab, dir, key, sw) = switchd_lab("health_lab", "hl", 2);
+    lab.spawn_switchd(&sw, &dir.join("switchd.log"));
     let mut nginx = [0u32; 3];
     for j in 1..=2u32 {
         nginx[j as usize] = start_nginx(&mut lab, &dir, j);
@@ -189,10 +181,7 @@ fn a_dead_application_leaves_placement_and_its_idle_connections_migrate() {
         lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
     }
     let log = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap_or_default();
-    lab.wait_for("both servers to register", Duration::from_secs(30), || {
-        let l = log("switchd.log");
-        (1..=2).all(|j| l.contains(&format!("registered s{j}")))
-    });
+    lab.wait_registered(&dir.join("switchd.log"), 2);
     lab.wait_for("nginx on both servers", Duration::from_secs(30), || {
         let a = fresh(&lab, 8);
         a.len() == 8 && count(&a, "s1") + count(&a, "s2") == 8 && count(&a, "s1") > 0

@@ -25,7 +25,7 @@
 
 mod health_common;
 
-use capybara_systests::{bin, deployment_key, metric_sum, output_dir, switchd_config, Lab};
+use capybara_systests::{metric_sum, switchd_lab, Lab};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -336,31 +336,20 @@ fn switchd_backend_up(lab: &Lab, sw: &Path, j: u32, up: bool) -> bool {
 }
 
 fn setup(test: &str, tag: &str) -> (Lab, PathBuf, PathBuf, [u32; 3]) {
-    let dir = output_dir(test);
-    let mut lab = Lab::up(tag, 2);
-    let key = deployment_key(&dir);
-    let sw = switchd_config(&lab, &dir, 2, &key);
+    let (mut lab, dir, key, sw) = switchd_lab(test, tag, 2);
     let mut t = std::fs::read_to_string(&sw).expect("read switchd config");
     t.push_str(&format!(
         "[[services]]\nname = \"cache\"\nvip = \"{VIP}:{PORT}\"\npool = []\n"
     ));
     std::fs::write(&sw, t).expect("write switchd config");
-    lab.spawn_logged(
-        "sw",
-        bin("switchd"),
-        &["--config", sw.to_str().unwrap()],
-        &dir.join("switchd.log"),
-    );
+    lab.spawn_switchd(&sw, &dir.join("switchd.log"));
     let mut redis = [0u32; 3];
     for j in 1..=2u32 {
         redis[j as usize] = start_redis(&mut lab, &dir, j);
         let cfg = hostagent_config(&dir, j, &key);
         lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
     }
-    lab.wait_for("both servers to register", Duration::from_secs(30), || {
-        let l = std::fs::read_to_string(dir.join("switchd.log")).unwrap_or_default();
-        (1..=2).all(|j| l.contains(&format!("registered s{j}")))
-    });
+    lab.wait_registered(&dir.join("switchd.log"), 2);
     lab.wait_for("redis on both servers", Duration::from_secs(30), || {
         let a = fresh(&lab, 8);
         a.len() == 8 && count(&a, "s1") + count(&a, "s2") == 8 && count(&a, "s1") > 0

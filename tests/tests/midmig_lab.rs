@@ -46,8 +46,8 @@
 //! [`Lab`] and [`EchoHolder`] guards).
 
 use capybara_systests::{
-    bin, deployment_key, disable_policies, hostagent_migrating_config, http_get, metric_sum,
-    output_dir, switchd_config, switchd_status_at, EchoHolder, EchoOutcome, Lab,
+    disable_policies, hostagent_migrating_config, http_get, metric_sum, switchd_lab,
+    switchd_status_at, EchoHolder, EchoOutcome, Lab,
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -85,10 +85,7 @@ struct Rig {
 }
 
 fn start(test: &str, tag: &str) -> Rig {
-    let dir = output_dir(test);
-    let mut lab = Lab::up(tag, SERVERS);
-    let key = deployment_key(&dir);
-    let sw = switchd_config(&lab, &dir, SERVERS, &key);
+    let (mut lab, dir, key, sw) = switchd_lab(test, tag, SERVERS);
     let text = std::fs::read_to_string(&sw).expect("read switchd config");
     assert!(text.contains("dead_after_ms = 1000\n"), "{text}");
     let text = text.replace(
@@ -96,12 +93,7 @@ fn start(test: &str, tag: &str) -> Rig {
         &format!("dead_after_ms = 1000\ndead_flow_grace_ms = {GRACE_MS}\n"),
     );
     std::fs::write(&sw, text).expect("write switchd config");
-    lab.spawn_logged(
-        "sw",
-        bin("switchd"),
-        &["--config", sw.to_str().unwrap()],
-        &dir.join("switchd.log"),
-    );
+    lab.spawn_switchd(&sw, &dir.join("switchd.log"));
     let mut pids = Vec::new();
     for j in 1..=SERVERS {
         let churn = match j {
@@ -114,14 +106,7 @@ fn start(test: &str, tag: &str) -> Rig {
         let log = dir.join(format!("hostagent-s{j}.log"));
         pids.push(lab.spawn_hostagent(j, &cfg, &log));
     }
-    lab.wait_for(
-        "every server to register with switchd",
-        Duration::from_secs(30),
-        || {
-            let log = std::fs::read_to_string(dir.join("switchd.log")).unwrap_or_default();
-            (1..=SERVERS).all(|j| log.contains(&format!("registered s{j}")))
-        },
-    );
+    lab.wait_registered(&dir.join("switchd.log"), SERVERS);
     lab.wait_for("the VIP to answer", Duration::from_secs(30), || {
         capybara_systests::echo_once(&lab, VIP)
     });

@@ -19,12 +19,7 @@ fn env_u64(name: &str, default: u64) -> u64 {
 fn start(lab: &mut Lab, dir: &std::path::Path, servers: u32, churn_ms: u64) {
     let key = deployment_key(dir);
     let sw = switchd_config(lab, dir, servers, &key);
-    lab.spawn_logged(
-        "sw",
-        bin("switchd"),
-        &["--config", sw.to_str().unwrap()],
-        &dir.join("switchd.log"),
-    );
+    lab.spawn_switchd(&sw, &dir.join("switchd.log"));
     for j in 1..=servers {
         // Each server hands its connections to the next one.
         let churn = (churn_ms > 0).then_some((churn_ms, j % servers + 1));
@@ -37,25 +32,8 @@ fn start(lab: &mut Lab, dir: &std::path::Path, servers: u32, churn_ms: u64) {
         let log = dir.join(format!("hostagent-s{j}.log"));
         lab.spawn_hostagent(j, &cfg, &log);
     }
-    let registered = || {
-        let log = std::fs::read_to_string(dir.join("switchd.log")).unwrap_or_default();
-        (1..=servers).all(|j| log.contains(&format!("registered s{j}")))
-    };
-    lab.wait_for(
-        "every server to register with switchd",
-        Duration::from_secs(30),
-        registered,
-    );
-    let answers = || {
-        lab.try_run(
-            "c1",
-            "curl",
-            &["-s", "-m", "1", "-o", "/dev/null", "http://198.18.100.1/"],
-            Duration::from_secs(5),
-        )
-        .is_some_and(|o| o.status.success())
-    };
-    lab.wait_for("the VIP to answer", Duration::from_secs(30), answers);
+    lab.wait_registered(&dir.join("switchd.log"), servers);
+    lab.wait_vip_http();
 }
 
 fn migrations_out(

@@ -16,7 +16,9 @@
 //!
 //! Root only (namespaces, XDP). About a minute.
 
-use capybara_systests::{bin, deployment_key, metric_sum, output_dir, switchd_config, Lab};
+use capybara_systests::{
+    bin, deployment_key, metric_sum, output_dir, switchd_config, wait_loadgen_report, Lab,
+};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -70,29 +72,13 @@ fn put_policy(db: &Path, edit: impl FnOnce(&mut capybara_store::Policy)) {
 fn start(lab: &mut Lab, dir: &Path, policies: bool) {
     let key = deployment_key(dir);
     let sw = switchd_config(lab, dir, 2, &key);
-    lab.spawn_logged(
-        "sw",
-        bin("switchd"),
-        &["--config", sw.to_str().unwrap()],
-        &dir.join("switchd.log"),
-    );
+    lab.spawn_switchd(&sw, &dir.join("switchd.log"));
     for j in 1..=2 {
         let cfg = hostagent_config(dir, j, &key, policies);
         lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
     }
-    lab.wait_for("both servers to register", Duration::from_secs(30), || {
-        let log = std::fs::read_to_string(dir.join("switchd.log")).unwrap_or_default();
-        log.contains("registered s1") && log.contains("registered s2")
-    });
-    lab.wait_for("the VIP to answer", Duration::from_secs(30), || {
-        lab.try_run(
-            "c1",
-            "curl",
-            &["-s", "-m", "1", "-o", "/dev/null", "http://198.18.100.1/"],
-            Duration::from_secs(5),
-        )
-        .is_some_and(|o| o.status.success())
-    });
+    lab.wait_registered(&dir.join("switchd.log"), 2);
+    lab.wait_vip_http();
 }
 
 /// Starts the load generator: `base_rps` spread over 20 connections, plus
@@ -143,17 +129,6 @@ fn loadgen(
         &dir.join("loadgen.log"),
     );
     json
-}
-
-fn wait_report(lab: &Lab, dir: &Path, json: &Path, limit: Duration) -> serde_json::Value {
-    lab.wait_for("the load generator's report", limit, || {
-        std::fs::read_to_string(dir.join("loadgen.log"))
-            .unwrap_or_default()
-            .contains("RESULT ")
-            && json.exists()
-    });
-    std::thread::sleep(Duration::from_millis(200));
-    serde_json::from_str(&std::fs::read_to_string(json).unwrap()).expect("loadgen JSON")
 }
 
 /// Connections whose responses came from more than one server.
@@ -249,7 +224,7 @@ fn overloaded_server_sheds_once_the_store_enables_proactive() {
     );
     let applied = t.elapsed();
     println!("store change applied on both servers after {applied:?}");
-    let report = wait_report(&lab, &dir, &json, Duration::from_secs(30));
+    let report = wait_loadgen_report(&lab, &dir, &json, Duration::from_secs(30));
     let errors = report["errors"].as_u64().unwrap();
     assert_eq!(errors, 0, "client errors: {}", report["errors_by_kind"]);
     let moved = moved_connections(&report);
@@ -284,7 +259,7 @@ fn policies_off_in_the_hostagent_config_never_migrate() {
     start(&mut lab, &dir, false);
     let base = 0.2 * 2.0 * CAPACITY_RPS;
     let json = loadgen(&mut lab, &dir, base, 3_000.0, "500ms", "4s");
-    let report = wait_report(&lab, &dir, &json, Duration::from_secs(30));
+    let report = wait_loadgen_report(&lab, &dir, &json, Duration::from_secs(30));
     assert_eq!(
         report["errors"].as_u64().unwrap(),
         0,
@@ -384,7 +359,7 @@ fn backlogged_server_sheds_with_reactive_alone() {
         std::thread::sleep(Duration::from_millis(250));
     }
     println!("sampled during the run:\n  {}", samples.join("\n  "));
-    let report = wait_report(&lab, &dir, &json, Duration::from_secs(40));
+    let report = wait_loadgen_report(&lab, &dir, &json, Duration::from_secs(40));
     let scraped: Vec<String> = (1..=2).map(|j| lab.server_metrics(j)).collect();
     let orders = |j: u32, reason: &str| {
         let label = format!("reason=\"{reason}\"");

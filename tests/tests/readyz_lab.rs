@@ -11,7 +11,7 @@
 //! Needs root and curl (`make setup`). Run:
 //! `cargo test --release -p capybara-systests --test readyz_lab`.
 
-use capybara_systests::{bin, deployment_key, output_dir, switchd_config, Lab};
+use capybara_systests::{bin, switchd_lab, Lab};
 use serde_json::Value;
 use std::time::Duration;
 
@@ -49,22 +49,10 @@ fn readyz(lab: &Lab) -> (u16, Value, f64) {
     readyz_of(lab, API)
 }
 
-fn start_switchd(lab: &mut Lab, config: &std::path::Path, log: &std::path::Path) -> u32 {
-    lab.spawn_logged(
-        "sw",
-        bin("switchd"),
-        &["--config", config.to_str().unwrap()],
-        log,
-    )
-}
-
 #[test]
 fn readyz_stays_ready_from_the_store_and_says_whether_switchd_answers() {
-    let dir = output_dir("readyz_lab");
-    let mut lab = Lab::up("rz", 1);
-    let key = deployment_key(&dir);
-    let sw = switchd_config(&lab, &dir, 1, &key);
-    let switchd = start_switchd(&mut lab, &sw, &dir.join("switchd.log"));
+    let (mut lab, dir, _key, sw) = switchd_lab("readyz_lab", "rz", 1);
+    let switchd = lab.spawn_switchd(&sw, &dir.join("switchd.log"));
     let store = format!("sqlite:{}", dir.join("store.db").display());
     let token_file = dir.join("admin-token");
     lab.spawn_logged(
@@ -152,7 +140,7 @@ fn readyz_stays_ready_from_the_store_and_says_whether_switchd_answers() {
     assert_eq!(code, 200, "{body}");
 
     // switchd back: reachable again.
-    start_switchd(&mut lab, &sw, &dir.join("switchd-2.log"));
+    lab.spawn_switchd(&sw, &dir.join("switchd-2.log"));
     lab.wait_for(
         "switchd reachable again in readyz",
         Duration::from_secs(30),

@@ -17,7 +17,7 @@
 //!
 //! Root only (namespaces, XDP). About 10 s.
 
-use capybara_systests::{bin, deployment_key, output_dir, switchd_config, Lab};
+use capybara_systests::{switchd_lab, Lab};
 use std::path::Path;
 use std::time::Duration;
 
@@ -45,23 +45,11 @@ fn connect_once(lab: &Lab, addr: &str) -> String {
 
 #[test]
 fn a_syn_for_a_port_the_server_does_not_listen_on_is_refused() {
-    let dir = output_dir("unlistened_port_lab");
-    let mut lab = Lab::up("ul", 1);
-    let key = deployment_key(&dir);
-    let sw = switchd_config(&lab, &dir, 1, &key);
-    lab.spawn_logged(
-        "sw",
-        bin("switchd"),
-        &["--config", sw.to_str().unwrap()],
-        &dir.join("switchd.log"),
-    );
+    let (mut lab, dir, key, sw) = switchd_lab("unlistened_port_lab", "ul", 1);
+    lab.spawn_switchd(&sw, &dir.join("switchd.log"));
     let cfg = hostagent_without_services(&dir, &key);
     lab.spawn_hostagent(1, &cfg, &dir.join("hostagent-s1.log"));
-    lab.wait_for("s1 to register", Duration::from_secs(30), || {
-        std::fs::read_to_string(dir.join("switchd.log"))
-            .unwrap_or_default()
-            .contains("registered s1")
-    });
+    lab.wait_registered(&dir.join("switchd.log"), 1);
     // s1 lists no service: it is in the echo service's pool (every
     // registered server), the only server there, and has no listener: its
     // stack answers every SYN with a reset. A first connect may still

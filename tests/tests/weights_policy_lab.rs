@@ -10,7 +10,7 @@
 //!
 //! Root only (namespaces, XDP). About 20 s.
 
-use capybara_systests::{bin, deployment_key, metric_sum, output_dir, switchd_config, Lab};
+use capybara_systests::{bin, metric_sum, switchd_lab, wait_loadgen_report};
 use std::path::Path;
 use std::time::Duration;
 
@@ -56,33 +56,14 @@ fn responses(report: &serde_json::Value, from_ms: f64) -> (u64, u64) {
 
 #[test]
 fn a_server_of_weight_five_keeps_the_load_its_weight_gives_it() {
-    let dir = output_dir("weights_policy_lab");
-    let mut lab = Lab::up("wp", 2);
-    let key = deployment_key(&dir);
-    let sw = switchd_config(&lab, &dir, 2, &key);
-    lab.spawn_logged(
-        "sw",
-        bin("switchd"),
-        &["--config", sw.to_str().unwrap()],
-        &dir.join("switchd.log"),
-    );
+    let (mut lab, dir, key, sw) = switchd_lab("weights_policy_lab", "wp", 2);
+    lab.spawn_switchd(&sw, &dir.join("switchd.log"));
     for (j, w) in [(1, 1), (2, 5)] {
         let cfg = hostagent_config(&dir, j, &key, w);
         lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log")));
     }
-    lab.wait_for("both servers to register", Duration::from_secs(30), || {
-        let log = std::fs::read_to_string(dir.join("switchd.log")).unwrap_or_default();
-        log.contains("registered s1") && log.contains("registered s2")
-    });
-    lab.wait_for("the VIP to answer", Duration::from_secs(30), || {
-        lab.try_run(
-            "c1",
-            "curl",
-            &["-s", "-m", "1", "-o", "/dev/null", "http://198.18.100.1/"],
-            Duration::from_secs(5),
-        )
-        .is_some_and(|o| o.status.success())
-    });
+    lab.wait_registered(&dir.join("switchd.log"), 2);
+    lab.wait_vip_http();
     // 36 connections, 3,000 requests/s in all: s2 (~30 connections) at
     // ~25 % of its 10,000 rps, s1 at ~5 %.
     let json = dir.join("loadgen.json");
@@ -112,19 +93,7 @@ fn a_server_of_weight_five_keeps_the_load_its_weight_gives_it() {
         ],
         &dir.join("loadgen.log"),
     );
-    lab.wait_for(
-        "the load generator's report",
-        Duration::from_secs(40),
-        || {
-            std::fs::read_to_string(dir.join("loadgen.log"))
-                .unwrap_or_default()
-                .contains("RESULT ")
-                && json.exists()
-        },
-    );
-    std::thread::sleep(Duration::from_millis(200));
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).expect("loadgen JSON");
+    let report = wait_loadgen_report(&lab, &dir, &json, Duration::from_secs(40));
     let total = |name: &str| -> f64 {
         (1..=2)
             .map(|j| metric_sum(&lab.server_metrics(j), name, "").unwrap_or(0.0))

@@ -29,7 +29,7 @@
 
 use capybara_systests::bench_run::{sleep, stop_on_signals, wait_until, ClientGuard, STOP};
 use capybara_systests::{
-    bin, deployment_key, hostagent_migrating_config, metric_sum, output_dir, switchd_config, Lab,
+    deployment_key, hostagent_migrating_config, metric_sum, output_dir, switchd_config, Lab,
 };
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -163,12 +163,7 @@ fn run(opt: &Options) -> Result<String, String> {
     let mut lab = Lab::up("bmig", 2);
     let key = deployment_key(&dir);
     let sw = switchd_config(&lab, &dir, 2, &key);
-    lab.spawn_logged(
-        "sw",
-        bin("switchd"),
-        &["--config", sw.to_str().unwrap()],
-        &dir.join("switchd.log"),
-    );
+    lab.spawn_switchd(&sw, &dir.join("switchd.log"));
     let mut pids = Vec::new();
     for j in 1..=2u32 {
         // Each server hands its connections to the other one.
@@ -190,13 +185,7 @@ fn run(opt: &Options) -> Result<String, String> {
         }
         text.push_str("[policy]\nenabled = false\n");
         std::fs::write(&cfg, text).map_err(|e| e.to_string())?;
-        let metrics = format!("198.18.1.{}:9100", 10 + j);
-        pids.push(lab.spawn_logged(
-            &format!("s{j}"),
-            bin("hostagent"),
-            &["--config", cfg.to_str().unwrap(), "--metrics", &metrics],
-            &dir.join(format!("hostagent-s{j}.log")),
-        ));
+        pids.push(lab.spawn_hostagent(j, &cfg, &dir.join(format!("hostagent-s{j}.log"))));
     }
     if opt.pin {
         for (cpu, pid) in pids.iter().enumerate() {
