@@ -141,6 +141,7 @@ pub fn render(stack: &Stack, name: &str) -> String {
             }
         }
         crate::policy::render_metrics(i, &l, &mut s);
+        crate::sidecar::render_metrics(&l, &mut s);
         if let Some(h) = &i.transports.health {
             h.render_metrics(&l, &mut s);
             if !h.checks.is_empty() {

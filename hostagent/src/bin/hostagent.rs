@@ -1,6 +1,8 @@
 //! `hostagent --config FILE [--check]`: runs the user-space stack on one
 //! interface and serves the configured services on it.
 //!
+//! SIGHUP reloads every TLS sidecar's certificate and key (`sidecar::reload_tls`).
+//!
 //! Exit status: 0 after a clean stop (SIGINT/SIGTERM), 1 when the device
 //! fails, 2 for a bad command line or configuration (one line naming the bad
 //! field and value).
@@ -28,6 +30,8 @@ configured services, live migration and the registration with switchd
   --metrics ADDR:PORT  serve Prometheus metrics over kernel TCP there (the
                        management address)
   -h, --help           this help
+SIGHUP reloads the sidecars' TLS certificates and keys (new handshakes use
+them; a file that fails to load keeps the old one, logged).
 exit status: 0 after SIGINT/SIGTERM, 1 the device failed, 2 a bad command line
 or configuration";
 
@@ -261,6 +265,11 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, async move {
+        // Installed first: until then SIGHUP's default action would end the
+        // process (docs/OPERATIONS.md, "Rotating TLS certificates").
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .map_err(|e| format!("cannot install the SIGHUP handler: {e}"))?;
+        let mut tls_services = Vec::new();
         for s in &cfg.services {
             let l = TcpListener::bind(&stack, s.listen)
                 .map_err(|e| format!("listen {}: {e}", s.listen))?;
@@ -287,7 +296,11 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
                         }
                     }
                     svc.health = board.check_of(s.listen);
-                    tokio::task::spawn_local(capybara_hostagent::sidecar::serve(l, Rc::new(svc)))
+                    let svc = Rc::new(svc);
+                    if svc.tls.is_some() {
+                        tls_services.push(svc.clone());
+                    }
+                    tokio::task::spawn_local(capybara_hostagent::sidecar::serve(l, svc))
                 }
             };
         }
@@ -304,6 +317,14 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
             ));
         }
         capybara_hostagent::health::spawn(stack.clone(), board.clone());
+        // SIGHUP: new certificates for new handshakes. The signal handler
+        // only flags and wakes the runtime; the reload runs here between two
+        // turns of the driver, so the packet path takes no lock.
+        tokio::task::spawn_local(async move {
+            while hup.recv().await.is_some() {
+                capybara_hostagent::sidecar::reload_tls(&tls_services);
+            }
+        });
         if let Some(m) = cfg.migration.as_ref().filter(|m| m.churn_every_ms > 0) {
             let (every, to) = (m.churn_every_ms, m.churn_to);
             tokio::task::spawn_local(churn(stack.clone(), every, to));

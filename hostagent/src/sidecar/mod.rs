@@ -87,7 +87,9 @@ pub struct Service {
     pub backend: SocketAddrV4,
     pub protocol: SidecarProtocol,
     pub max_request: usize,
-    pub tls: Option<TlsConfig>,
+    /// With a certificate: the TLS configuration new connections use
+    /// (replaced by [`reload_tls`]).
+    pub tls: Option<ServiceTls>,
     /// Seals the TLS session state (keys, sequence numbers) that travels in
     /// a migration, with a key derived from the deployment secret: without
     /// it a TLS connection does not migrate (docs/TLS.md, sealed snapshots).
@@ -96,6 +98,107 @@ pub struct Service {
     /// cannot connect reports it at once.
     pub health: Option<Rc<crate::health::Check>>,
     relay_buffers: RelayBuffers,
+}
+
+/// A TLS service's certificate and key: the files the configuration names
+/// and the configuration new handshakes use. A reload ([`reload_tls`], on
+/// SIGHUP) reads the files again and replaces the configuration only if
+/// they load; sessions made earlier (handshaking, established, migrated
+/// in) each hold their own and go on untouched. The sidecar runs on one
+/// thread: taking the configuration is a `RefCell` borrow per new
+/// connection, no lock.
+pub struct ServiceTls {
+    cert: std::path::PathBuf,
+    key: std::path::PathBuf,
+    current: RefCell<TlsConfig>,
+}
+
+impl ServiceTls {
+    pub fn new(
+        cert: impl Into<std::path::PathBuf>,
+        key: impl Into<std::path::PathBuf>,
+        config: TlsConfig,
+    ) -> ServiceTls {
+        ServiceTls {
+            cert: cert.into(),
+            key: key.into(),
+            current: RefCell::new(config),
+        }
+    }
+
+    /// The configuration new handshakes use now.
+    pub fn current(&self) -> TlsConfig {
+        self.current.borrow().clone()
+    }
+
+    /// Reads the files again; on success new handshakes use them and the
+    /// new certificate is returned, else the old one stays and the error
+    /// names the field, the file and why (as `hostagent --check` does).
+    pub fn reload(&self) -> Result<capybara_tls::CertInfo, String> {
+        let next = self
+            .current
+            .borrow()
+            .reload_pem_files(&self.cert, &self.key)
+            .map_err(|e| tls_error(&self.cert, &self.key, e))?;
+        let info = next.certificate();
+        *self.current.borrow_mut() = next;
+        Ok(info)
+    }
+}
+
+/// Certificate reloads since start (SIGHUP), all services together:
+/// `capybara_tls_reloads_total` in the metrics.
+pub static TLS_RELOADS_OK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+pub static TLS_RELOADS_FAILED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Reloads every TLS service's certificate and key (the hostagent does on
+/// SIGHUP), logging one line per service: the new certificate, or why the
+/// old one stays in service. Never fails: a bad file leaves that service
+/// as it was. Returns (reloaded, failed).
+pub fn reload_tls(services: &[Rc<Service>]) -> (usize, usize) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (mut ok, mut failed) = (0, 0);
+    for svc in services {
+        let Some(t) = &svc.tls else { continue };
+        match t.reload() {
+            Ok(info) => {
+                ok += 1;
+                TLS_RELOADS_OK.fetch_add(1, Relaxed);
+                eprintln!(
+                    "hostagent: service {}: TLS certificate reloaded from {} and {}: {info}",
+                    svc.listen,
+                    t.cert.display(),
+                    t.key.display()
+                );
+            }
+            Err(e) => {
+                failed += 1;
+                TLS_RELOADS_FAILED.fetch_add(1, Relaxed);
+                eprintln!(
+                    "hostagent: service {}: TLS reload failed, the previous certificate stays in service: {e}",
+                    svc.listen
+                );
+            }
+        }
+    }
+    if ok + failed == 0 {
+        eprintln!("hostagent: TLS reload: no sidecar service has a certificate, nothing to reload");
+    }
+    (ok, failed)
+}
+
+/// The reload counters in Prometheus text.
+pub fn render_metrics(labels: &str, out: &mut String) {
+    use std::fmt::Write;
+    use std::sync::atomic::Ordering::Relaxed;
+    let _ = writeln!(
+        out,
+        "# TYPE capybara_tls_reloads_total counter\n\
+         capybara_tls_reloads_total{{{labels},outcome=\"ok\"}} {}\n\
+         capybara_tls_reloads_total{{{labels},outcome=\"failed\"}} {}",
+        TLS_RELOADS_OK.load(Relaxed),
+        TLS_RELOADS_FAILED.load(Relaxed)
+    );
 }
 
 /// The relays' 64 KiB buffers, recycled: a connection takes one from the
@@ -149,7 +252,10 @@ impl Service {
     pub fn from_config(s: &crate::config::ServiceConfig) -> Result<Service, String> {
         s.check_sidecar()
             .map_err(|(f, v, why)| format!("{f} = {v}: {why}"))?;
-        let tls = load_tls(s)?;
+        let tls = match (load_tls(s)?, &s.tls_cert, &s.tls_key) {
+            (Some(c), Some(cert), Some(key)) => Some(ServiceTls::new(cert, key, c)),
+            _ => None,
+        };
         Ok(Service {
             listen: s.listen,
             backend: s.backend.ok_or("sidecar needs a backend")?,
@@ -174,20 +280,29 @@ pub fn load_tls(s: &crate::config::ServiceConfig) -> Result<Option<TlsConfig>, S
     let (Some(cert), Some(key)) = (&s.tls_cert, &s.tls_key) else {
         return Ok(None);
     };
-    TlsConfig::from_pem_files(cert, key).map(Some).map_err(|e| {
-        use capybara_tls::ConfigError as E;
-        let cert_field = format!("tls_cert = {cert:?}");
-        let key_field = format!("tls_key = {key:?}");
-        let field = match &e {
-            E::Io { what, .. } if *what == "certificate" => cert_field,
-            E::Io { .. } | E::NoKey(_) | E::EncryptedKey(_) => key_field,
-            E::NoCertificate(_) => cert_field,
-            E::Pem { what, .. } if what == cert => cert_field,
-            E::Pem { .. } => key_field,
-            E::Rustls(_) => format!("{cert_field}, {key_field}"),
-        };
-        format!("{field}: {e}")
-    })
+    TlsConfig::from_pem_files(cert, key)
+        .map(Some)
+        .map_err(|e| tls_error(std::path::Path::new(cert), std::path::Path::new(key), e))
+}
+
+/// `e`, preceded by the field (or fields) it is about and its value.
+fn tls_error(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+    e: capybara_tls::ConfigError,
+) -> String {
+    use capybara_tls::ConfigError as E;
+    let cert_field = format!("tls_cert = {:?}", cert.display().to_string());
+    let key_field = format!("tls_key = {:?}", key.display().to_string());
+    let field = match &e {
+        E::Io { what, .. } if *what == "certificate" => cert_field,
+        E::Io { .. } | E::NoKey(_) | E::EncryptedKey(_) => key_field,
+        E::NoCertificate(_) => cert_field,
+        E::Pem { what, .. } if *what == cert.display().to_string() => cert_field,
+        E::Pem { .. } => key_field,
+        E::Rustls(_) => format!("{cert_field}, {key_field}"),
+    };
+    format!("{field}: {e}")
 }
 
 /// Accepts connections (new and migrated in) and relays each one.
@@ -247,7 +362,7 @@ impl StateImporter for Importer {
                 inbuf: Vec::new(),
                 db: None,
                 tls: match &self.svc.tls {
-                    Some(c) => Some(TlsServer::new(c).map_err(|e| e.to_string())?),
+                    Some(t) => Some(TlsServer::new(&t.current()).map_err(|e| e.to_string())?),
                     None => None,
                 },
             }));
@@ -452,7 +567,7 @@ async fn run_connection(
         Some(i) => (i.inbuf, i.db, i.tls),
         None => {
             let tls = match &svc.tls {
-                Some(c) => match TlsServer::new(c) {
+                Some(t) => match TlsServer::new(&t.current()) {
                     Ok(t) => Some(t),
                     Err(e) => {
                         println!("sidecar peer={peer} error=tls setup: {e}");
@@ -1264,6 +1379,8 @@ mod tests {
     use crate::config::Config;
     use std::io::{Read, Write};
     use std::os::fd::AsRawFd;
+
+    mod tls_reload;
 
     fn raw_shared(app_fd: std::os::fd::RawFd) -> Shared {
         Shared {

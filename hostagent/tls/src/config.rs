@@ -120,6 +120,8 @@ pub struct TlsConfig {
     pub(crate) server: Arc<ServerConfig>,
     pub(crate) secrets: Arc<SecretLog>,
     pub(crate) handshakes: Arc<AtomicU64>,
+    /// The leaf certificate (for [`certificate`](Self::certificate)).
+    leaf: CertificateDer<'static>,
 }
 
 impl TlsConfig {
@@ -187,7 +189,52 @@ impl TlsConfig {
         certs: Vec<CertificateDer<'static>>,
         key: PrivateKeyDer<'static>,
     ) -> Result<TlsConfig, ConfigError> {
-        let secrets = Arc::new(SecretLog::default());
+        Self::build(
+            certs,
+            key,
+            Arc::new(SecretLog::default()),
+            Arc::new(AtomicU64::new(0)),
+        )
+    }
+
+    /// A configuration with the certificate chain and key now in these
+    /// files and everything else of this one (ALPN, the handshake counter,
+    /// the secret log): what a certificate rotation swaps in for new
+    /// handshakes. Sessions made from `self` are unaffected (each holds its
+    /// own configuration), and `self` stays usable when this fails.
+    pub fn reload_pem_files(
+        &self,
+        cert_path: impl AsRef<Path>,
+        key_path: impl AsRef<Path>,
+    ) -> Result<TlsConfig, ConfigError> {
+        let fresh = Self::from_pem_files(cert_path, key_path)?;
+        let certs = fresh.server.cert_resolver.clone();
+        let mut server = (*self.server).clone();
+        server.cert_resolver = certs;
+        Ok(TlsConfig {
+            server: Arc::new(server),
+            secrets: self.secrets.clone(),
+            handshakes: self.handshakes.clone(),
+            leaf: fresh.leaf,
+        })
+    }
+
+    /// The leaf certificate new handshakes present: subject, expiry and
+    /// fingerprint, for logs.
+    pub fn certificate(&self) -> crate::certinfo::CertInfo {
+        crate::certinfo::CertInfo::of(&self.leaf)
+    }
+
+    fn build(
+        certs: Vec<CertificateDer<'static>>,
+        key: PrivateKeyDer<'static>,
+        secrets: Arc<SecretLog>,
+        handshakes: Arc<AtomicU64>,
+    ) -> Result<TlsConfig, ConfigError> {
+        let leaf = certs
+            .first()
+            .cloned()
+            .ok_or_else(|| ConfigError::NoCertificate("certificate chain".into()))?;
         let mut server =
             ServerConfig::builder_with_provider(Arc::new(provider::default_provider()))
                 // The migratable record layer implements both (AEAD suites
@@ -206,7 +253,8 @@ impl TlsConfig {
         Ok(TlsConfig {
             server: Arc::new(server),
             secrets,
-            handshakes: Arc::new(AtomicU64::new(0)),
+            handshakes,
+            leaf,
         })
     }
 

@@ -39,6 +39,7 @@
 //! }
 //! ```
 
+mod certinfo;
 mod config;
 mod error;
 mod keys;
@@ -47,6 +48,7 @@ mod seal;
 mod server;
 mod snapshot;
 
+pub use certinfo::CertInfo;
 pub use config::TlsConfig;
 pub use error::{Alert, ConfigError, SnapshotError, TlsError};
 pub use keys::{Protocol, Suite};
