@@ -139,6 +139,15 @@ pub fn render(stack: &Stack, name: &str) -> String {
                     "capybara_late_segments_total{{{l},outcome=\"{what}\"}} {v}"
                 );
             }
+            // Failure handling (docs/TCPMIG.md §1.7 rule 8, MIGRATION.md):
+            // clients reset when their migration was lost; migrations
+            // refused as too large before anything was frozen.
+            let _ = writeln!(
+                s,
+                "# TYPE capybara_migration_lost_resets_total counter\ncapybara_migration_lost_resets_total{{{l}}} {}\n# TYPE capybara_migration_too_large_before_export_total counter\ncapybara_migration_too_large_before_export_total{{{l}}} {}",
+                m.lost_resets,
+                m.too_large_before_export
+            );
         }
         crate::policy::render_metrics(i, &l, &mut s);
         crate::sidecar::render_metrics(&l, &mut s);

@@ -11,6 +11,9 @@
 //! - a segment for a frozen or recently gone flow is dropped silently, never
 //!   answered with a RST: the client retransmits and the switch sends the
 //!   retransmission to the new owner;
+//! - a frozen connection given up as lost (the target failed while the
+//!   origin was in doubt) is reset toward its client at once, with the
+//!   sequence numbers it was frozen with (docs/TCPMIG.md §1.7 rule 8);
 //! - a segment for a flow being migrated in is buffered by the engine until
 //!   the import, then replayed into the imported connection.
 
@@ -168,6 +171,12 @@ pub struct Migrator {
     pub forward_late: bool,
     /// Rate limit of the "snapshot too large" log line.
     too_large_log: TooLargeLog,
+    /// Migrations refused as too large before their connection was frozen
+    /// (its queues and application state already over the limit).
+    pub too_large_before_export: u64,
+    /// Clients reset because their migration was lost (target failed with
+    /// the connection in doubt; docs/TCPMIG.md §1.7 rule 8).
+    pub lost_resets: u64,
 }
 
 /// The origin's log line for a migration refused because the connection's
@@ -226,6 +235,9 @@ struct Frozen {
     /// The snapshot, if the engine refused it; otherwise the engine keeps
     /// it (`Engine::take_resumed_snapshot`) for resuming here.
     kept: Option<Vec<u8>>,
+    /// How to reset the client if the migration is lost (captured before
+    /// the export; `None` when the connection's abort sends no RST).
+    reset: Option<capybara_tcp::PeerReset>,
 }
 
 impl Departed {
@@ -276,6 +288,8 @@ impl Migrator {
             forwarded_gone: 0,
             forward_late: std::env::var_os("CAPYBARA_FORWARD_LATE").is_none_or(|v| v != "0"),
             too_large_log: TooLargeLog::default(),
+            too_large_before_export: 0,
+            lost_resets: 0,
         }
     }
 
@@ -722,11 +736,22 @@ impl Migrator {
                     // application's handle (it differs from the endpoint id
                     // after a resumed migration).
                     let handle = self.app_handle(cid);
+                    // Refused before anything is frozen when the queues
+                    // alone (then with the application state) are over the
+                    // limit: the connection is served on without a pause.
+                    if self.refuse_too_large(now, tcp, id, flow, cid, 0) {
+                        continue;
+                    }
                     let mut app = Vec::new();
                     if self.managers.export(handle, &mut app).is_err() {
                         let _ = self.engine.abort_out(now, id);
                         continue;
                     }
+                    if !app.is_empty() && self.refuse_too_large(now, tcp, id, flow, cid, app.len())
+                    {
+                        continue;
+                    }
+                    let reset = tcp.peer_reset(cid);
                     // `export_to_vec` reserves its cheap upper bound itself
                     // (no sizing walk of the connection), in a buffer the
                     // engine recycles from an earlier migration out.
@@ -755,6 +780,7 @@ impl Migrator {
                                 id,
                                 handle,
                                 kept: back.map(|(_, s)| s),
+                                reset,
                             });
                             d.target = match self.msg_target {
                                 Some((f, t)) if f == flow => Some(t),
@@ -806,8 +832,19 @@ impl Migrator {
                     self.record(id, flow, Outcome::Resumed(reason), Ipv4Addr::UNSPECIFIED);
                 }
                 Event::Lost { id, flow, reason } => {
-                    if let Some(Frozen { handle: cid, .. }) = self.take_frozen(now, flow, id, None)
+                    if let Some(Frozen {
+                        handle: cid, reset, ..
+                    }) = self.take_frozen(now, flow, id, None)
                     {
+                        // The client is told now (docs/TCPMIG.md §1.7 rule
+                        // 8), not at its next retransmission once the dead
+                        // target's entries are gone, or never if it only
+                        // waits to receive.
+                        if let Some(r) = reset {
+                            if tcp.reset_peer(&r) > 0 {
+                                self.lost_resets += 1;
+                            }
+                        }
                         self.owned_at.remove(&flow);
                         self.handles.insert(cid, HandleState::Lost);
                         self.managers.gone(cid);
@@ -874,6 +911,38 @@ impl Migrator {
                 }
             }
         }
+    }
+}
+
+impl Migrator {
+    /// At `ExportNow`: refuses the migration `id` (`Resumed{SnapshotTooLarge}`,
+    /// logged like a refusal after the export) when the connection's
+    /// snapshot with `app_len` bytes of application state is already over
+    /// the engine's limit. Returns whether it was refused.
+    fn refuse_too_large(
+        &mut self,
+        now: Instant,
+        tcp: &Endpoint,
+        id: MigrationId,
+        flow: FlowKey,
+        cid: ConnId,
+        app_len: usize,
+    ) -> bool {
+        let max = self.engine.config().max_snapshot_bytes;
+        let Some(len) = tcp.snapshot_len_over(now, cid, app_len, max) else {
+            return false;
+        };
+        if !matches!(
+            self.engine.refuse_snapshot_over_limit(now, id, len),
+            Err(capybara_tcpmig::MigError::SnapshotTooLarge { .. })
+        ) {
+            return false;
+        }
+        self.too_large_before_export += 1;
+        if let Some(line) = self.too_large_log.note(now, flow, len, max) {
+            eprintln!("{line}");
+        }
+        true
     }
 }
 
@@ -1205,6 +1274,7 @@ mod late_segment_tests {
             id: MigrationId(7),
             handle: ConnId(1),
             kept: None,
+            reset: None,
         });
         assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Drop);
         assert_eq!(m.dropped_frozen, 1);

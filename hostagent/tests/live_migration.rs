@@ -935,3 +935,179 @@ fn app_handle_follows_the_connection_across_repeated_resumes() {
         w.describe()
     );
 }
+
+/// The origin exports, its CONN_STATE never arrives and the target dies
+/// (after its PREPARE_ACK passed the switch, which now sends the flow to
+/// it): the origin is in doubt, gives the migration up as `Lost` after
+/// `in_doubt_limit`, and resets the client at once. The client only
+/// waits to receive (its own data and FIN were acknowledged before), so it
+/// sends nothing that could find out: without the origin's RST it hangs
+/// (no liveness removal here, no keepalive) until the limit.
+#[test]
+fn lost_migration_resets_a_client_that_only_receives() {
+    let app = App::Source {
+        seed: 21,
+        len: 4_000_000,
+    };
+    let mut w = World::new(setup(21, app, Net::clean()), stream(21, 100));
+    run_to_rx(&mut w, 50_000);
+    assert_eq!(w.client.sent, 100, "{}", w.describe());
+    w.switch.drops.push(KindDrop {
+        kind: Kind::ConnState,
+        after_switch: false,
+        remaining: u32::MAX,
+    });
+    let id = w.migrate(true).expect("migrate");
+    let sending = |w: &World| {
+        matches!(
+            w.servers[0].engine().phase(id),
+            Some(capybara_tcpmig::Phase::Origin(
+                capybara_tcpmig::OriginPhase::Sending
+            ))
+        )
+    };
+    assert!(w.run_until(LIMIT, sending), "{}", w.describe());
+    w.servers[1].alive = false;
+    let lost = |w: &World| count(w, |o| matches!(o, Outcome::Lost(_))) == 1;
+    assert!(w.run_until(LIMIT, lost), "{}", w.describe());
+    let lost_at = w.now;
+    // Promptly: one trip through the switch, not a retransmission timeout.
+    let prompt = lost_at + Duration::from_millis(10);
+    assert!(
+        w.run_until(prompt, |w| w.client.done()),
+        "the client did not hear of its lost connection: {}",
+        w.describe()
+    );
+    assert_eq!(
+        w.client.error,
+        Some(capybara_tcp::TcpError::Reset),
+        "{}",
+        w.describe()
+    );
+    assert!(
+        w.switch
+            .resets
+            .iter()
+            .all(|(_, from)| *from == Port::Server(0)),
+        "{:?}",
+        w.switch.resets
+    );
+    assert_eq!(w.servers[0].migrator().lost_resets, 1, "{}", w.describe());
+    // Never wrong bytes: what arrived is a prefix of the stream.
+    let want = expected(&w);
+    let got = &w.client.received;
+    assert!(got.len() < want.len() && got[..] == want[..got.len()]);
+}
+
+/// The other side of the origin's reset on `Lost`: a target that imported
+/// and serves, all of whose answers to the origin are lost after the
+/// switch made it the flow's owner (every CONN_STATE_ACK dropped after the
+/// switch), leaves the origin in doubt until it gives up as `Lost` too. Its
+/// RST then carries the sequence numbers of the frozen connection, behind
+/// what the target sent since, so the client drops it (RFC 5961 §3.2) and
+/// gets its whole stream (docs/TCPMIG.md §1.7 rule 8).
+#[test]
+fn lost_reset_never_ends_a_connection_the_target_serves_and_sent_on() {
+    let app = App::Source {
+        seed: 22,
+        len: 40_000_000,
+    };
+    // Short deadline and doubt, so that the stream is still flowing when
+    // the origin gives up (`linger` still outlasts both).
+    let mut w = World::with(
+        setup(22, app, Net::clean()),
+        stream(22, 100),
+        client_tcp_config(),
+        server_tcp_config,
+        |addr| {
+            let mut c = server_mig_config(addr);
+            c.in_doubt_limit = Duration::from_millis(1);
+            c.migration_deadline = Duration::from_millis(5);
+            c.migration_deadline_max = Duration::from_millis(5);
+            c
+        },
+    );
+    run_to_rx(&mut w, 50_000);
+    w.switch.drops.push(KindDrop {
+        kind: Kind::ConnStateAck,
+        after_switch: true,
+        remaining: u32::MAX,
+    });
+    w.migrate(true).expect("migrate");
+    let lost = |w: &World| count(w, |o| matches!(o, Outcome::Lost(_))) == 1;
+    assert!(w.run_until(LIMIT, lost), "{}", w.describe());
+    assert_eq!(w.servers[0].migrator().lost_resets, 1, "{}", w.describe());
+    assert!(
+        !w.client.done() && w.client.received.len() < expected(&w).len(),
+        "the stream should still flow; {}",
+        w.describe()
+    );
+    assert!(w.finish(LIMIT), "{}", w.describe());
+    assert_eq!(w.client.error, None, "{}", w.describe());
+    assert_eq!(w.client.received, expected(&w), "{}", w.describe());
+    assert_eq!(w.owners(), vec![1], "{}", w.describe());
+    assert!(w.switch.counters.resets_to_client > 0, "{}", w.describe());
+    assert_eq!(
+        w.client.tr.tcp.counters().resets_received,
+        0,
+        "{}",
+        w.describe()
+    );
+}
+
+/// A connection whose queues alone are over the snapshot limit is refused
+/// at `ExportNow` before anything is frozen: no export (the connection
+/// never leaves the endpoint, its id stays), the outcome says `snapshot too
+/// large` as a refusal after the export would, and the client's stream
+/// goes on byte-exact without a reset.
+#[test]
+fn an_oversized_connection_is_never_frozen() {
+    use capybara_hostagent::migration::HandleState;
+    let app = App::Source {
+        seed: 23,
+        len: 2_000_000,
+    };
+    let mut w = World::with(
+        setup(23, app, Net::clean()),
+        stream(23, 50_000),
+        client_tcp_config(),
+        server_tcp_config,
+        |addr| {
+            let mut c = server_mig_config(addr);
+            c.max_snapshot_bytes = 2048;
+            c
+        },
+    );
+    run_to_rx(&mut w, 50_000);
+    let cid = w.servers[0].conns[0];
+    w.migrate(true).expect("migrate");
+    assert!(
+        w.run_until(LIMIT, |w| !w.any_migrating() && !w.outcomes().is_empty()),
+        "{}",
+        w.describe()
+    );
+    let origin: Vec<_> = w.outcomes().into_iter().filter(|o| o.0 == 0).collect();
+    assert_eq!(
+        origin,
+        vec![(
+            0,
+            w.started[0].2,
+            Outcome::Resumed(Reason::SnapshotTooLarge)
+        )],
+        "{}",
+        w.describe()
+    );
+    let m = w.servers[0].migrator();
+    assert!(
+        w.servers[0].exports.is_empty(),
+        "exported: {:?}",
+        w.servers[0].exports
+    );
+    assert_eq!(m.handle(cid), HandleState::Live(cid), "{}", w.describe());
+    assert_eq!(m.too_large_before_export, 1, "{}", w.describe());
+    assert!(w.servers[0].tr.tcp.connection(cid).is_some());
+    assert!(w.finish(LIMIT), "{}", w.describe());
+    assert_stream_exact(&w);
+    w.assert_single_owner();
+    assert_eq!(w.owners(), vec![0]);
+}

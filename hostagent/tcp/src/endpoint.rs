@@ -218,7 +218,20 @@ struct Listener {
     queued: usize,
 }
 
-/// A RST for a segment that matched no connection (RFC 9293 §3.10.7.1).
+/// Addresses and sequence numbers of a connection's RST, kept after the
+/// connection left the endpoint ([`Endpoint::peer_reset`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerReset {
+    /// Our address as the peer sees it (the service VIP).
+    pub local: SocketAddrV4,
+    pub remote: SocketAddrV4,
+    pub snd_una: SeqNum,
+    pub snd_max: SeqNum,
+    pub rcv_nxt: SeqNum,
+}
+
+/// A RST for a segment that matched no connection (RFC 9293 §3.10.7.1), or
+/// for a connection's peer ([`Endpoint::reset_peer`]).
 #[derive(Debug, Clone, Copy)]
 struct RstReply {
     local: SocketAddrV4,
@@ -575,6 +588,73 @@ impl Endpoint {
         let n = snapshot::connection_len(c, now, &[]);
         // The application state's length field is fixed-width.
         Some(n + app_len)
+    }
+
+    /// [`Endpoint::snapshot_len`] when it exceeds `max`, else `None`: a
+    /// cheap upper bound first, the exact sizing walk only when the bound
+    /// is over `max` (the origin's check before it freezes a connection).
+    pub fn snapshot_len_over(
+        &self,
+        now: Instant,
+        id: ConnId,
+        app_len: usize,
+        max: usize,
+    ) -> Option<usize> {
+        let c = &self.conns.get(&id)?.conn;
+        if snapshot::connection_max_len(c, now, &[]).saturating_add(app_len) <= max {
+            return None;
+        }
+        let n = snapshot::connection_len(c, now, &[]).saturating_add(app_len);
+        (n > max).then_some(n)
+    }
+
+    /// What a reset of the connection's peer needs once the connection is
+    /// gone (exported, then lost with a failed target); `None` when its
+    /// abort would send no RST (not synchronized yet, TIME-WAIT, closed).
+    pub fn peer_reset(&self, id: ConnId) -> Option<PeerReset> {
+        let c = &self.conns.get(&id)?.conn;
+        if matches!(c.state, State::Closed | State::SynSent | State::TimeWait) {
+            return None;
+        }
+        Some(PeerReset {
+            local: c.local,
+            remote: c.remote,
+            snd_una: c.snd.una,
+            snd_max: c.snd.max,
+            rcv_nxt: c.rcv.nxt,
+        })
+    }
+
+    /// Resets the peer of a connection this endpoint no longer holds
+    /// ([`Endpoint::peer_reset`], captured before the export): RST at
+    /// `snd_max` with ACK, as the connection's own abort would send, and, if
+    /// data was unacknowledged, a second one at `snd_una`. The peer accepts
+    /// the one at its RCV.NXT (RFC 5961 §3.2), which lies between the two;
+    /// the other falls below its window (dropped) or inside it (a challenge
+    /// ACK). Not subject to `rst_unknown` or held resets: a deliberate reset
+    /// of a known connection. Returns the RSTs queued.
+    pub fn reset_peer(&mut self, r: &PeerReset) -> usize {
+        let mut queued = 0;
+        for seq in [
+            Some(r.snd_max),
+            (r.snd_una != r.snd_max).then_some(r.snd_una),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if self.rsts.len() >= RST_QUEUE {
+                self.counters.drops.rst_queue_full += 1;
+                continue;
+            }
+            self.rsts.push_back(RstReply {
+                local: r.local,
+                remote: r.remote,
+                seq,
+                ack: Some(r.rcv_nxt),
+            });
+            queued += 1;
+        }
+        queued
     }
 
     /// Migration export: writes the connection's snapshot with `app_state`

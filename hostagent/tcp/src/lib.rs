@@ -26,7 +26,7 @@ pub use capybara_proto::time::{Duration, Instant};
 pub use config::{KeepAlive, TcpConfig};
 pub use conn::{Connection, State};
 pub use counters::{Counters, DropCounters};
-pub use endpoint::{ConnId, ConnInfo, ConnLoad, Endpoint, Event, Imported, Transmit};
+pub use endpoint::{ConnId, ConnInfo, ConnLoad, Endpoint, Event, Imported, PeerReset, Transmit};
 pub use error::{CloseReason, TcpError};
 pub use seq::SeqNum;
 pub use snapshot::{Snapshot, SnapshotError, SnapshotView};

@@ -1039,6 +1039,12 @@ pub(crate) fn connection_len(conn: &Connection, now: Instant, app: &[u8]) -> usi
     Parts::of_connection(conn, now, app).buffer_len()
 }
 
+/// An upper bound of `connection_len` without its sizing walk (every
+/// optional field counted present).
+pub(crate) fn connection_max_len(conn: &Connection, now: Instant, app: &[u8]) -> usize {
+    Parts::of_connection(conn, now, app).max_len()
+}
+
 /// `emit_connection` appending to `out`; returns the bytes appended.
 pub(crate) fn append_connection(
     conn: &Connection,

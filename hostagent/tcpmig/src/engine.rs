@@ -860,6 +860,48 @@ impl Engine {
         res
     }
 
+    /// Origin, at `Event::ExportNow`: the snapshot is known to need at
+    /// least `len` bytes before the connection is frozen and exported
+    /// (queue lengths, application state). Over `max_snapshot_bytes` the
+    /// migration is given up at once as the snapshot's own check would
+    /// after the export (`Resumed{SnapshotTooLarge}`, the same report),
+    /// and `SnapshotTooLarge` is returned; within the limit nothing
+    /// changes (`provide_snapshot`'s check stays the authority).
+    pub fn refuse_snapshot_over_limit(
+        &mut self,
+        now: Instant,
+        id: MigrationId,
+        len: usize,
+    ) -> Result<(), MigError> {
+        let max = self.cfg.max_snapshot_bytes;
+        if len <= max {
+            return Ok(());
+        }
+        let (records, mut cx) = self.ctx_parts();
+        match records.get_mut(&id.0) {
+            Some(Record::Out(r)) if r.phase == OriginPhase::Exporting => {
+                origin_resume_unilaterally(id.0, r, &mut cx, now, Reason::SnapshotTooLarge);
+            }
+            Some(Record::Out(r)) => {
+                return Err(MigError::WrongState {
+                    id,
+                    state: r.phase.name(),
+                    expected: OriginPhase::Exporting.name(),
+                })
+            }
+            Some(Record::In(r)) => {
+                return Err(MigError::WrongState {
+                    id,
+                    state: r.phase.name(),
+                    expected: "exporting (origin)",
+                })
+            }
+            None => return Err(MigError::UnknownMigration(id)),
+        }
+        self.rearm(id.0);
+        Err(MigError::SnapshotTooLarge { len, max })
+    }
+
     fn abort_out_inner(&mut self, now: Instant, id: MigrationId) -> Result<(), MigError> {
         let (records, mut cx) = self.ctx_parts();
         let r = match records.get_mut(&id.0) {

@@ -609,6 +609,46 @@ fn oversized_snapshot_is_refused_and_origin_resumes() {
     assert_origin_kept(&w);
 }
 
+/// The size known before the export (`refuse_snapshot_over_limit`): within
+/// the limit nothing changes (the export goes on), over it the origin
+/// resumes with the same reason as a refusal after the export, and no
+/// state is ever sent.
+#[test]
+fn snapshot_known_oversized_before_the_export_is_refused_the_same_way() {
+    let mut w = World::serving(N, &[TARGET], Box::new(NoFaults));
+    w.origin().stack.manual_export = true;
+    let id = w.migrate(None);
+    w.run_for(Duration::from_micros(100));
+    let now = w.now;
+    let max = w.origin().engine.config().max_snapshot_bytes;
+    w.origin()
+        .engine
+        .refuse_snapshot_over_limit(now, id, max)
+        .expect("within the limit");
+    let err = w
+        .origin()
+        .engine
+        .refuse_snapshot_over_limit(now, id, max + 1)
+        .unwrap_err();
+    assert!(
+        matches!(err, MigError::SnapshotTooLarge { len, max: m } if len == max + 1 && m == max),
+        "{err}"
+    );
+    // Not exporting any more: a second refusal is a typed error.
+    let again = w
+        .origin()
+        .engine
+        .refuse_snapshot_over_limit(now, id, max + 1)
+        .unwrap_err();
+    assert!(matches!(again, MigError::WrongState { .. }), "{again}");
+    w.origin().stack.pending_exports.clear();
+    w.flush();
+    w.settle();
+    assert_eq!(resumed(&w), Some(Reason::SnapshotTooLarge));
+    assert_eq!(w.origin().engine.counters().tx.get(Kind::ConnState), 0);
+    assert_origin_kept(&w);
+}
+
 #[test]
 fn api_misuse_is_a_typed_error() {
     let mut w = World::serving(N, &[TARGET], Box::new(NoFaults));
