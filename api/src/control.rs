@@ -672,14 +672,11 @@ impl ControlPlane for Arc<StoreControlPlane> {
         let Some(s) = self.store.get_server(server).await? else {
             return Err(Problem::not_found(format!("server {} not found", server.0)));
         };
-        // Dead and not drained: nothing to undo (a drained server that
-        // died is undrained: it comes back into placement when it does).
-        if server_shown_state(self.store.as_ref(), &s).await? == ServerState::Dead {
-            return Err(Problem::conflict(format!(
-                "server {} is dead; re-register it instead",
-                server.0
-            )));
-        }
+        // Whatever its liveness: an operator who finished the maintenance
+        // of a dead server lifts its drain, and it re-enters placement
+        // when its hostagent registers again (shown `dead` until then). A
+        // dead server no drain holds has nothing to undo: answered as a
+        // live one is (before, 409 "re-register it instead").
         if let Some(h) = self
             .supervisors
             .lock()

@@ -693,12 +693,20 @@ async fn dispatch(a: &Args) -> Result<(), CtlError> {
             let srv = apis::servers_api::undrain_server(&cfg, server_id(s)?)
                 .await
                 .map_err(api_err)?;
-            println!(
-                "server {} ({}) is {}",
-                srv.id,
-                srv.name,
-                state_str(srv.state)
-            );
+            if srv.state == models::ServerState::Dead {
+                // Not "is dead" alone, which reads as a refusal.
+                println!(
+                    "server {} ({}) is undrained; it is dead (its hostagent is not heard): it takes new connections once its hostagent registers again",
+                    srv.id, srv.name
+                );
+            } else {
+                println!(
+                    "server {} ({}) is {}",
+                    srv.id,
+                    srv.name,
+                    state_str(srv.state)
+                );
+            }
             Ok(())
         }
         ["migrate", conn] => {

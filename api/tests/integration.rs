@@ -1231,9 +1231,18 @@ fn retiring_status() -> Value {
 /// A stand-in endpoint on 127.0.0.1 (free port): its URL, and the task to
 /// abort when done.
 async fn switchd_endpoint(kind: Endpoint) -> (String, tokio::task::JoinHandle<()>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let status = match kind {
+        Endpoint::Retiring => retiring_status(),
+        _ => json!({ "role": "active", "servers": [] }),
+    };
+    stand_in(kind, status).await
+}
+
+/// [`switchd_endpoint`]'s server, its `/status` answering `status`.
+async fn stand_in(kind: Endpoint, status: Value) -> (String, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
+    let status = status.to_string();
     let task = tokio::spawn(async move {
         let mut held = Vec::new();
         loop {
@@ -1244,49 +1253,60 @@ async fn switchd_endpoint(kind: Endpoint) -> (String, tokio::task::JoinHandle<()
                 held.push(c);
                 continue;
             }
+            let status = status.clone();
             tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
-                let mut n = 0;
-                while n < buf.len() {
-                    match c.read(&mut buf[n..]).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(k) => {
-                            n += k;
-                            if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                                break;
-                            }
-                        }
-                    }
-                }
-                let head = String::from_utf8_lossy(&buf[..n]).to_string();
-                let path = head.split_whitespace().nth(1).unwrap_or("");
-                let (code, body) = match (kind, path.split('?').next().unwrap_or("")) {
+                let target = request_target(&mut c).await;
+                let (code, body) = match (kind, target.split('?').next().unwrap_or("")) {
                     (Endpoint::NotSwitchd, _) => ("200 OK", "<html>welcome</html>".to_string()),
-                    (Endpoint::Retiring, "/status") => ("200 OK", retiring_status().to_string()),
-                    (_, "/status") => (
-                        "200 OK",
-                        json!({ "role": "active", "servers": [] }).to_string(),
-                    ),
+                    (_, "/status") => ("200 OK", status),
                     (_, "/migrations") => (
                         "200 OK",
                         json!({ "epoch": 1, "next": 1, "items": [] }).to_string(),
                     ),
                     _ => ("404 Not Found", "not found\n".to_string()),
                 };
-                let _ = c
-                    .write_all(
-                        format!(
-                            "HTTP/1.1 {code}\r\nContent-Type: application/json\r\n\
-                             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                            body.len()
-                        )
-                        .as_bytes(),
-                    )
-                    .await;
+                respond(&mut c, code, &body).await;
             });
         }
     });
     (url, task)
+}
+
+/// The target ("/status?x=1") of the request a stand-in reads on `c`, up
+/// to the end of its head (4 KiB at most); empty if there is none.
+async fn request_target(c: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut buf = vec![0u8; 4096];
+    let mut n = 0;
+    while n < buf.len() {
+        match c.read(&mut buf[n..]).await {
+            Ok(0) | Err(_) => break,
+            Ok(k) => {
+                n += k;
+                if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+        }
+    }
+    let head = String::from_utf8_lossy(&buf[..n]);
+    head.split_whitespace().nth(1).unwrap_or("").to_string()
+}
+
+/// A stand-in's answer: `code` with the JSON `body`, as switchd's
+/// `metrics_listen` sends it (HTTP/1.1, `Connection: close`).
+async fn respond(c: &mut tokio::net::TcpStream, code: &str, body: &str) {
+    use tokio::io::AsyncWriteExt;
+    let _ = c
+        .write_all(
+            format!(
+                "HTTP/1.1 {code}\r\nContent-Type: application/json\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await;
 }
 
 /// `GET /readyz`: (status, body, how long it took).
@@ -1584,7 +1604,6 @@ async fn retiring_services_are_listed_from_switchd() {
 /// ends quietly (killed by SIGPIPE like other Unix tools, no panic).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_newest_migrations_are_listed_first_with_order_desc() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     // A stand-in for switchd whose `GET /migrations` holds 1000 origin
     // reports (seq 1..=1000), as switchd's `metrics_listen` answers.
     const REPORTS: u64 = 1000;
@@ -1596,21 +1615,7 @@ async fn the_newest_migrations_are_listed_first_with_order_desc() {
                 continue;
             };
             tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
-                let mut n = 0;
-                while n < buf.len() {
-                    match c.read(&mut buf[n..]).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(k) => {
-                            n += k;
-                            if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                                break;
-                            }
-                        }
-                    }
-                }
-                let head = String::from_utf8_lossy(&buf[..n]).to_string();
-                let target = head.split_whitespace().nth(1).unwrap_or("").to_string();
+                let target = request_target(&mut c).await;
                 let (path, query) = target.split_once('?').unwrap_or((&target, ""));
                 let param = |k: &str| {
                     query
@@ -1642,16 +1647,7 @@ async fn the_newest_migrations_are_listed_first_with_order_desc() {
                     _ => json!({ "role": "active", "servers": [] }),
                 }
                 .to_string();
-                let _ = c
-                    .write_all(
-                        format!(
-                            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\
-                             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                            body.len()
-                        )
-                        .as_bytes(),
-                    )
-                    .await;
+                respond(&mut c, "200 OK", &body).await;
             });
         }
     });
@@ -2344,7 +2340,46 @@ async fn a_server_no_hostagent_registered_is_shown_never_seen() {
     let status = json!({ "role": "active", "servers": [
         {"id": 1, "index": 0, "data_addr": "10.0.2.11", "state": "dead", "load": 0},
     ]});
-    let (sw_url, task) = switchd_status_endpoint(status).await;
+    let api = two_servers_behind(status).await;
+    let (url, ops, store) = (&api.url, api.ops.as_str(), &api.store);
+    let mut s1 = store.get_server(ServerId(1)).await.unwrap().unwrap();
+    s1.data_mac = Some("02:00:00:00:00:01".into());
+    store.put_registered_server(&s1).await.unwrap();
+    let (_, v, _) = call("GET", format!("{url}/v1/servers"), Some(&ops), None).await;
+    let items = v["items"].as_array().unwrap();
+    let of = |id: u64| items.iter().find(|s| s["id"] == id).unwrap().clone();
+    assert_eq!(
+        (&of(1)["state"], &of(1)["liveness"]),
+        (&json!("active"), &json!("dead")),
+        "{v}"
+    );
+    assert_eq!(of(1)["stats"]["data_source"], "switchd", "{v}");
+    assert_eq!(of(2)["liveness"], "never_seen", "{v}");
+    api.stop().await;
+}
+
+/// A stand-in for switchd's HTTP endpoint whose `/status` is `status`.
+async fn switchd_status_endpoint(status: Value) -> (String, tokio::task::JoinHandle<()>) {
+    stand_in(Endpoint::Switchd, status).await
+}
+
+/// The API in front of a stand-in switchd whose `/status` is `status`
+/// ([`switchd_status_endpoint`]), with servers s1 (data address 10.0.2.11)
+/// and s2 (10.0.2.12) created by an operator.
+struct StandInApi {
+    running: RunningApi,
+    inner: Arc<StoreControlPlane>,
+    url: String,
+    /// The operator's token.
+    ops: String,
+    /// The API's store, opened a second time (to write what switchd would).
+    store: SqliteStore,
+    endpoint: tokio::task::JoinHandle<()>,
+    _dir: tempfile::TempDir,
+}
+
+async fn two_servers_behind(status: Value) -> StandInApi {
+    let (sw_url, endpoint) = switchd_status_endpoint(status).await;
     let dir = tempfile::tempdir().unwrap();
     let (running, inner, url, db) = start_with_switchd_db(dir.path(), &sw_url).await;
     let ops = db.create("ops", Role::Operator, "test").unwrap().1;
@@ -2359,74 +2394,23 @@ async fn a_server_no_hostagent_registered_is_shown_never_seen() {
     })
     .await
     .unwrap();
-    let mut s1 = store.get_server(ServerId(1)).await.unwrap().unwrap();
-    s1.data_mac = Some("02:00:00:00:00:01".into());
-    store.put_registered_server(&s1).await.unwrap();
-    let (_, v, _) = call("GET", format!("{url}/v1/servers"), Some(&ops), None).await;
-    let items = v["items"].as_array().unwrap();
-    let of = |id: u64| items.iter().find(|s| s["id"] == id).unwrap().clone();
-    assert_eq!(
-        (&of(1)["state"], &of(1)["liveness"]),
-        (&json!("active"), &json!("dead")),
-        "{v}"
-    );
-    assert_eq!(of(1)["stats"]["data_source"], "switchd", "{v}");
-    assert_eq!(of(2)["liveness"], "never_seen", "{v}");
-    task.abort();
-    inner.shutdown();
-    running.stop().await;
+    StandInApi {
+        running,
+        inner,
+        url,
+        ops,
+        store,
+        endpoint,
+        _dir: dir,
+    }
 }
 
-/// A stand-in for switchd's HTTP endpoint whose `/status` is `status`.
-async fn switchd_status_endpoint(status: Value) -> (String, tokio::task::JoinHandle<()>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let body = status.to_string();
-    let task = tokio::spawn(async move {
-        loop {
-            let Ok((mut c, _)) = listener.accept().await else {
-                continue;
-            };
-            let body = body.clone();
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
-                let mut n = 0;
-                while n < buf.len() {
-                    match c.read(&mut buf[n..]).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(k) => {
-                            n += k;
-                            if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                                break;
-                            }
-                        }
-                    }
-                }
-                let head = String::from_utf8_lossy(&buf[..n]).to_string();
-                let path = head.split_whitespace().nth(1).unwrap_or("");
-                let (code, body) = match path.split('?').next().unwrap_or("") {
-                    "/status" => ("200 OK", body),
-                    "/migrations" => (
-                        "200 OK",
-                        json!({ "epoch": 1, "next": 1, "items": [] }).to_string(),
-                    ),
-                    _ => ("404 Not Found", "not found\n".to_string()),
-                };
-                let _ = c
-                    .write_all(
-                        format!(
-                            "HTTP/1.1 {code}\r\nContent-Type: application/json\r\n\
-                             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                            body.len()
-                        )
-                        .as_bytes(),
-                    )
-                    .await;
-            });
-        }
-    });
-    (url, task)
+impl StandInApi {
+    async fn stop(self) {
+        self.endpoint.abort();
+        self.inner.shutdown();
+        self.running.stop().await;
+    }
 }
 
 /// A query parameter the endpoint does not take is a 400 naming it: a
@@ -2671,21 +2655,8 @@ async fn a_migration_to_a_server_that_does_not_serve_the_vip_is_refused() {
         {"id": 2, "index": 1, "data_addr": "10.0.2.12", "state": "active", "load": 0,
          "backends": [{"service": "198.18.100.1:80", "up": true}]},
     ]});
-    let (sw_url, task) = switchd_status_endpoint(status).await;
-    let dir = tempfile::tempdir().unwrap();
-    let (running, inner, url, db) = start_with_switchd_db(dir.path(), &sw_url).await;
-    let ops = db.create("ops", Role::Operator, "test").unwrap().1;
-    for (name, data) in [("s1", "10.0.2.11"), ("s2", "10.0.2.12")] {
-        let body = json!({ "name": name, "mgmt_addr": "10.0.1.11:7000", "data_addr": data });
-        let (s, v, _) = call("POST", format!("{url}/v1/servers"), Some(&ops), Some(body)).await;
-        assert_eq!(s, 201, "{v}");
-    }
-    let store = SqliteStore::open(SqliteConfig {
-        path: dir.path().join("store.db"),
-        ..SqliteConfig::default()
-    })
-    .await
-    .unwrap();
+    let api = two_servers_behind(status).await;
+    let (url, ops, store) = (&api.url, api.ops.as_str(), &api.store);
     let key = |port: u16| FlowKey {
         client_ip: Ipv4Addr::new(198, 18, 0, 11),
         client_port: 40000,
@@ -2723,16 +2694,15 @@ async fn a_migration_to_a_server_that_does_not_serve_the_vip_is_refused() {
     // stand-in has no migrate endpoint): not refused for the target.
     let (_, v, _) = migrate(80).await;
     assert_ne!(v["field"].as_str(), Some("target"), "{v}");
-    task.abort();
-    inner.shutdown();
-    running.stop().await;
+    api.stop().await;
 }
 
 /// The operator's drain and switchd's liveness are two records: a drained
 /// server that dies is shown `drained` with liveness `dead` (switchd's
 /// `dead` does not undo the drain), back it is `drained` and `live` (a
-/// REGISTER does not either), and undrained while dead it is `dead`. A
-/// drain state a previous version wrote in the server record reads as a
+/// REGISTER does not either), and undrained while dead it is `dead` (an
+/// undrain of a dead server is answered as a live one's), `active` once
+/// its hostagent registers again. A drain state a previous version wrote in the server record reads as a
 /// drain until undrain.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_and_liveness_are_shown_apart() {
@@ -2781,7 +2751,20 @@ async fn a_drain_and_liveness_are_shown_apart() {
     let (s, v, _) = call("POST", format!("{url}/undrain"), Some(&token), None).await;
     assert_eq!((s, &v["state"]), (200, &json!("dead")), "{v}");
     assert_eq!(wait_drain(&api, &token, a, "cancelled").await["server"], a);
-    // A dead server that is not drained has nothing to drain or undrain.
+    // Undrained again (automation retries), now that no drain holds the
+    // dead server: answered as for a live one (before: 409 "re-register
+    // it instead"), and ctl says what it means.
+    let (s, v, _) = call("POST", format!("{url}/undrain"), Some(&token), None).await;
+    assert_eq!((s, &v["state"]), (200, &json!("dead")), "{v}");
+    let (code, out, err) = ctl(&api.url, &token, &["undrain", &a.to_string()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(&format!("server {a} (a) is undrained; it is dead"))
+            && out.contains("once its hostagent registers again"),
+        "{out}"
+    );
+    assert_eq!(wait_drain(&api, &token, a, "cancelled").await["server"], a);
+    // A dead server has nothing to drain.
     let (s, v, _) = call(
         "POST",
         format!("{url}/drain"),
@@ -2790,6 +2773,12 @@ async fn a_drain_and_liveness_are_shown_apart() {
     )
     .await;
     assert_eq!(s, 409, "{v}");
+    // Its hostagent registers again: active, in placement (switchd's side:
+    // tests/tests/drain_dead_lab.rs).
+    let mut rec = api.store.get_server(id).await.unwrap().unwrap();
+    rec.state = ServerState::Active;
+    api.store.put_registered_server(&rec).await.unwrap();
+    assert_eq!(shown().await, ("active".into(), "live".into()));
 
     // What a previous version wrote: the drain in the server record.
     api.store

@@ -98,6 +98,10 @@ pub enum Command {
     },
 }
 
+/// The drain commands applied before a store read, and the operator's
+/// drains that read found ([`op_drains_of`]).
+type StoredDrains = (u64, HashMap<ServerId, Option<u64>>);
+
 /// What the HTTP thread serves; refreshed by the control thread.
 #[derive(Default)]
 struct Published {
@@ -107,6 +111,9 @@ struct Published {
     migrations: crate::control::MigrationRing,
     /// The switch epoch (`/migrations` names it: a new epoch restarts `seq`).
     epoch: u32,
+    /// `standby` while this switchd stands by (HA): its control loop takes
+    /// no commands then, so drains and undrains are refused at once.
+    role: &'static str,
 }
 
 /// How often the flow and migration counts of `/status` and `/metrics`
@@ -432,6 +439,14 @@ struct Switch {
     /// The operator weights of the store's server records as the weights
     /// poller last read them (taken by the control thread).
     weights_slot: Arc<Mutex<Option<BTreeMap<ServerId, u32>>>>,
+    /// The operator's drains as the weights poller last read them from the
+    /// store ([`op_drains_of`]), with the count of drain commands applied
+    /// before the read began (taken by the control thread:
+    /// [`Switch::take_drains`]).
+    drains_slot: Arc<Mutex<Option<StoredDrains>>>,
+    /// Drain and undrain commands applied so far: a store read begun before
+    /// the last one may predate its record, and is not applied.
+    drain_cmds: Arc<AtomicU64>,
     /// The store's retiring records as last read.
     retiring_records: Vec<capybara_store::RetiringService>,
     /// Retiring records (name, address, deleted_unix_ms) whose retiring
@@ -469,8 +484,9 @@ struct Switch {
     /// and undrain requests; the store's `Drain` records when it syncs):
     /// the server stays out of placement, also across its REGISTERs. The
     /// value is the drain's deadline (wall clock, Unix ms) while it runs,
-    /// `None` once it is over (completed, timed out): a hostagent that
-    /// registers while it runs is sent DRAIN again.
+    /// `None` once it is over (completed, timed out: the API says so in
+    /// the store, read every 250 ms, [`Switch::take_drains`]): a hostagent
+    /// that registers while it runs is sent DRAIN again.
     op_drains: HashMap<ServerId, Option<u64>>,
     lease_losses: u64,
     lease_regained: u64,
@@ -658,6 +674,8 @@ impl Switch {
             policy_seed,
             services_slot: Arc::new(Mutex::new(None)),
             weights_slot: Arc::new(Mutex::new(None)),
+            drains_slot: Arc::new(Mutex::new(None)),
+            drain_cmds: Arc::new(AtomicU64::new(0)),
             retiring_records: Vec::new(),
             ended_records: std::collections::HashSet::new(),
             records_resync: Arc::new(AtomicBool::new(false)),
@@ -709,9 +727,18 @@ impl Switch {
         }
     }
 
+    /// Sets the role `/status` shows, and the HTTP thread's (which answers
+    /// a standby's drain requests at once).
+    fn set_role(&mut self, role: &'static str) {
+        self.role = role;
+        if let Ok(mut pb) = self.published.lock() {
+            pb.role = role;
+        }
+    }
+
     fn main(&mut self) -> anyhow::Result<()> {
         if self.cfg.ha.enabled {
-            self.role = "standby";
+            self.set_role("standby");
             if !self.wait_for_lease()? {
                 return Ok(());
             }
@@ -737,7 +764,7 @@ impl Switch {
         if self.cfg.ha.claim_vips {
             self.claim_vips();
         }
-        self.role = "active";
+        self.set_role("active");
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         self.takeover_ms = Some(ms);
         eprintln!(
@@ -1239,16 +1266,7 @@ impl Switch {
         servers.sort_by_key(|s| s.state == ServerState::Dead);
         // The operator's drains: the store's `Drain` records (and drain
         // states a previous version left in server records).
-        self.op_drains = servers
-            .iter()
-            .filter_map(|s| {
-                let d = drains.get(&s.id);
-                capybara_store::out_of_placement(s, d.map(|d| d.state)).then(|| {
-                    let running = d.filter(|d| d.state == capybara_store::DrainState::Running);
-                    (s.id, running.map(|d| d.deadline_unix_ms))
-                })
-            })
-            .collect();
+        self.op_drains = op_drains_of(&servers, &drains);
         for s in servers {
             // Known from an earlier sync: follow its record (the active
             // registered it since, and judged any restart), so that a
@@ -1425,6 +1443,7 @@ impl Switch {
             self.take_policy(&sock);
             self.take_services();
             self.take_weights();
+            self.take_drains();
             let interval = self.cfg.load_interval;
             if now >= next_tick {
                 self.ticks += 1;
@@ -2317,10 +2336,15 @@ impl Switch {
             return;
         };
         let slot = self.weights_slot.clone();
+        let drains_slot = self.drains_slot.clone();
+        let drain_cmds = self.drain_cmds.clone();
         self.rt.spawn(async move {
             let mut last: Option<BTreeMap<ServerId, u32>> = None;
             let mut last_error = String::new();
             while !SHUTDOWN.load(Ordering::SeqCst) {
+                // Before the reads: a drain command applied after this
+                // count may have a record these reads do not show.
+                let cmds_before = drain_cmds.load(Ordering::SeqCst);
                 match tokio::time::timeout(Duration::from_secs(2), store.list_servers()).await {
                     Ok(Ok(servers)) => {
                         last_error.clear();
@@ -2329,6 +2353,18 @@ impl Switch {
                             last = Some(w.clone());
                             if let Ok(mut s) = slot.lock() {
                                 *s = Some(w);
+                            }
+                        }
+                        // The drains, handed over at every read (the
+                        // control thread skips a read a command overtook).
+                        if let Ok(Ok(drains)) =
+                            tokio::time::timeout(Duration::from_secs(2), store.list_drains()).await
+                        {
+                            let drains: HashMap<ServerId, capybara_store::Drain> =
+                                drains.into_iter().map(|d| (d.server, d)).collect();
+                            let held = op_drains_of(&servers, &drains);
+                            if let Ok(mut s) = drains_slot.lock() {
+                                *s = Some((cmds_before, held));
                             }
                         }
                     }
@@ -2344,6 +2380,25 @@ impl Switch {
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
         });
+    }
+
+    /// Learns from the drains the poller read which drains the API ended
+    /// (completed, timed out): their servers stay out of placement, but a
+    /// hostagent that registers is no longer sent DRAIN (before, it was
+    /// until the drain's deadline). A read that a drain command overtook
+    /// is skipped (the next one, 250 ms later, is not).
+    fn take_drains(&mut self) {
+        let Some((cmds_before, stored)) =
+            self.drains_slot.try_lock().ok().and_then(|mut s| s.take())
+        else {
+            return;
+        };
+        if cmds_before != self.drain_cmds.load(Ordering::SeqCst) {
+            return;
+        }
+        for id in learn_drain_ends(&mut self.op_drains, &stored) {
+            eprintln!("switchd: the drain of {id} is over (the store says so): it stays out of placement until undrain; a hostagent that registers is not sent DRAIN again");
+        }
     }
 
     /// Applies the operator weights the poller read.
@@ -2715,6 +2770,7 @@ impl Switch {
                 // The API recorded the drain (its `Drain` record) before it
                 // asked: switchd keeps it for the server's REGISTERs and
                 // writes nothing (the record holds liveness only).
+                self.drain_cmds.fetch_add(1, Ordering::SeqCst);
                 if cancel {
                     self.op_drains.remove(&server);
                 } else {
@@ -3134,6 +3190,47 @@ async fn write_server(store: Arc<dyn Store>, w: ServerWrite) {
     }
 }
 
+/// The operator's drains as switchd keeps them (`Switch::op_drains`), from
+/// the store's server records and `Drain` records: every server its drain
+/// holds out of placement (`capybara_store::out_of_placement`: running,
+/// timed out, completed, or a drain state a previous version left in the
+/// record), with the drain's deadline while it runs.
+fn op_drains_of(
+    servers: &[capybara_store::Server],
+    drains: &HashMap<ServerId, capybara_store::Drain>,
+) -> HashMap<ServerId, Option<u64>> {
+    servers
+        .iter()
+        .filter_map(|s| {
+            let d = drains.get(&s.id);
+            capybara_store::out_of_placement(s, d.map(|d| d.state)).then(|| {
+                let running = d.filter(|d| d.state == capybara_store::DrainState::Running);
+                (s.id, running.map(|d| d.deadline_unix_ms))
+            })
+        })
+        .collect()
+}
+
+/// Marks over (`None`) the running drains of `op_drains` that the store's
+/// (`stored`, from [`op_drains_of`]) says are over while they still hold
+/// the server; the servers whose drain it marked. Only that: a drain or
+/// an undrain is the API's command's to apply (its server's placement and
+/// the DRAIN to its hostagent go with it).
+fn learn_drain_ends(
+    op_drains: &mut HashMap<ServerId, Option<u64>>,
+    stored: &HashMap<ServerId, Option<u64>>,
+) -> Vec<ServerId> {
+    let mut ended = Vec::new();
+    for (id, deadline) in op_drains.iter_mut() {
+        if deadline.is_some() && stored.get(id) == Some(&None) {
+            *deadline = None;
+            ended.push(*id);
+        }
+    }
+    ended.sort_by_key(|id| id.0);
+    ended
+}
+
 /// The DRAIN deadline (ms left) to send a server that registers, given
 /// its operator's drain as switchd knows it (`Switch::op_drains`): while
 /// the drain runs (its deadline ahead), the time left; nothing when there
@@ -3362,6 +3459,18 @@ fn route(
                     )
                 }
             };
+            // A standby's loop takes no commands until it takes over, and
+            // then reads the drains from the store: queued now, this one
+            // would be applied after whatever the store says by then (an
+            // undrain since included). Refused at once, not after
+            // DRAIN_APPLY_WAIT: the API asks the active one.
+            if published.lock().is_ok_and(|p| p.role == "standby") {
+                return (
+                    "503 Service Unavailable",
+                    "text/plain",
+                    format!("this switchd is a standby: {action} server {id} on the active switchd (a standby reads the drains from the store when it takes over)\n"),
+                );
+            }
             let (applied, done) = mpsc::channel();
             let _ = cmds.send(Command::Drain {
                 server: ServerId(id),
@@ -3371,7 +3480,7 @@ fn route(
             });
             // Answered once the control loop applied it (a connection
             // opened after the answer misses a drained server); a loop
-            // that does not take commands now (a standby) applies it when
+            // that does not take commands yet (starting) applies it when
             // it does: answered after DRAIN_APPLY_WAIT all the same.
             match done.recv_timeout(DRAIN_APPLY_WAIT) {
                 Ok(()) => ("200 OK", "text/plain", "applied\n".into()),
@@ -3499,6 +3608,85 @@ mod tests {
             Some(u32::MAX),
             "clamped"
         );
+    }
+
+    /// A drain the API ended before its deadline (its record in the store
+    /// says completed or timed out) is learned: a hostagent that registers
+    /// then is not sent DRAIN again, and the server stays out of placement
+    /// (in `op_drains`). A running drain is still sent; a drain the store
+    /// no longer holds (an undrain is the API's command's) is left as is.
+    #[test]
+    fn a_drain_the_store_says_is_over_is_not_sent_again() {
+        use capybara_store::{Drain, DrainProgress, DrainState};
+        let now = 1_700_000_000_000u64;
+        let server = |id: u32, state: &str| -> capybara_store::Server {
+            serde_json::from_value(serde_json::json!({
+                "id": id, "name": format!("s{id}"), "mgmt_addr": format!("198.18.1.{id}:7691"),
+                "data_addr": format!("198.18.2.{id}"), "state": state, "weight": 1,
+                "registered_unix_ms": 1, "updated_unix_ms": 2
+            }))
+            .unwrap()
+        };
+        let drain = |id: u32, state| Drain {
+            server: ServerId(id),
+            targets: Vec::new(),
+            started_unix_ms: now - 1_000,
+            deadline_unix_ms: now + 60_000,
+            state,
+            progress: DrainProgress::default(),
+        };
+        let servers = [
+            server(1, "active"),
+            server(2, "active"),
+            server(3, "active"),
+            server(4, "dead"),
+            server(5, "drained"),
+        ];
+        let drains: HashMap<ServerId, Drain> = [
+            drain(1, DrainState::Completed),
+            drain(2, DrainState::Running),
+            drain(3, DrainState::Cancelled),
+            drain(4, DrainState::TimedOut),
+        ]
+        .into_iter()
+        .map(|d| (d.server, d))
+        .collect();
+        let stored = super::op_drains_of(&servers, &drains);
+        assert_eq!(
+            stored,
+            HashMap::from([
+                (ServerId(1), None),
+                (ServerId(2), Some(now + 60_000)),
+                (ServerId(4), None),
+                // A drain state a previous version wrote in the record.
+                (ServerId(5), None),
+            ])
+        );
+        // As the API's drain commands left them (deadlines on switchd's clock).
+        let mut op: HashMap<ServerId, Option<u64>> =
+            (1..=4).map(|i| (ServerId(i), Some(now + 59_990))).collect();
+        assert_eq!(
+            super::drain_to_resend(op.get(&ServerId(1)).copied(), now),
+            Some(59_990),
+            "before the store is read, a completed drain is still sent"
+        );
+        assert_eq!(
+            super::learn_drain_ends(&mut op, &stored),
+            vec![ServerId(1), ServerId(4)]
+        );
+        for (id, resend) in [(1, None), (2, Some(59_990)), (3, Some(59_990)), (4, None)] {
+            assert!(
+                op.contains_key(&ServerId(id)),
+                "s{id} stays out of placement"
+            );
+            assert_eq!(
+                super::drain_to_resend(op.get(&ServerId(id)).copied(), now),
+                resend,
+                "s{id}"
+            );
+        }
+        // Learned once.
+        assert!(super::learn_drain_ends(&mut op, &stored).is_empty());
     }
 
     use super::*;
@@ -3656,6 +3844,28 @@ mod tests {
                 ..
             })
         ));
+        // A standby answers at once, and queues nothing its loop would
+        // apply after the store's drains at a takeover.
+        published.lock().unwrap().role = "standby";
+        for (req, action) in [
+            ("/servers/3/drain?deadline_ms=500", "drain"),
+            ("/servers/3/undrain", "undrain"),
+        ] {
+            let (code, _, body) = route("POST", req, &published, &tx);
+            assert_eq!(code, "503 Service Unavailable", "{body}");
+            assert!(
+                body.contains("standby")
+                    && body.contains(&format!("{action} server 3 on the active switchd")),
+                "{body}"
+            );
+        }
+        assert!(rx.try_recv().is_err(), "nothing queued on a standby");
+        // Bad input is still named as such.
+        assert_eq!(
+            route("POST", "/servers/3/drain?deadline_ms=abc", &published, &tx).0,
+            "400 Bad Request"
+        );
+        published.lock().unwrap().role = "active";
         assert_eq!(
             route(
                 "POST",

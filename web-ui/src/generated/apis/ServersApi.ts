@@ -320,7 +320,7 @@ export interface ServersApiInterface {
     undrainServerRequestOpts(requestParameters: UndrainServerRequest): Promise<runtime.RequestOpts>;
 
     /**
-     * Cancels the server\'s drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op; a dead server that is not drained is a conflict (409). 
+     * Cancels the server\'s drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op, and so is undraining a dead server that is not drained (answered as for a live one). 
      * @summary Cancel a drain and return the server to active (operator)
      * @param {number} serverId Server id.
      * @param {*} [options] Override http request option.
@@ -330,7 +330,7 @@ export interface ServersApiInterface {
     undrainServerRaw(requestParameters: UndrainServerRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Server>>;
 
     /**
-     * Cancels the server\'s drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op; a dead server that is not drained is a conflict (409). 
+     * Cancels the server\'s drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op, and so is undraining a dead server that is not drained (answered as for a live one). 
      * Cancel a drain and return the server to active (operator)
      */
     undrainServer(requestParameters: UndrainServerRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Server>;
@@ -824,7 +824,7 @@ export class ServersApi extends runtime.BaseAPI implements ServersApiInterface {
     }
 
     /**
-     * Cancels the server\'s drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op; a dead server that is not drained is a conflict (409). 
+     * Cancels the server\'s drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op, and so is undraining a dead server that is not drained (answered as for a live one). 
      * Cancel a drain and return the server to active (operator)
      */
     async undrainServerRaw(requestParameters: UndrainServerRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Server>> {
@@ -835,7 +835,7 @@ export class ServersApi extends runtime.BaseAPI implements ServersApiInterface {
     }
 
     /**
-     * Cancels the server\'s drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op; a dead server that is not drained is a conflict (409). 
+     * Cancels the server\'s drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op, and so is undraining a dead server that is not drained (answered as for a live one). 
      * Cancel a drain and return the server to active (operator)
      */
     async undrainServer(requestParameters: UndrainServerRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Server> {

@@ -2374,7 +2374,7 @@ class ServersApi:
     ) -> Server:
         """Cancel a drain and return the server to active (operator)
 
-        Cancels the server's drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op; a dead server that is not drained is a conflict (409). 
+        Cancels the server's drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op, and so is undraining a dead server that is not drained (answered as for a live one). 
 
         :param server_id: Server id. (required)
         :type server_id: int
@@ -2448,7 +2448,7 @@ class ServersApi:
     ) -> ApiResponse[Server]:
         """Cancel a drain and return the server to active (operator)
 
-        Cancels the server's drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op; a dead server that is not drained is a conflict (409). 
+        Cancels the server's drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op, and so is undraining a dead server that is not drained (answered as for a live one). 
 
         :param server_id: Server id. (required)
         :type server_id: int
@@ -2522,7 +2522,7 @@ class ServersApi:
     ) -> RESTResponseType:
         """Cancel a drain and return the server to active (operator)
 
-        Cancels the server's drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op; a dead server that is not drained is a conflict (409). 
+        Cancels the server's drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op, and so is undraining a dead server that is not drained (answered as for a live one). 
 
         :param server_id: Server id. (required)
         :type server_id: int

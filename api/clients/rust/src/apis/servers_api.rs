@@ -526,7 +526,7 @@ pub async fn set_server_weight(
     }
 }
 
-/// Cancels the server's drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op; a dead server that is not drained is a conflict (409).
+/// Cancels the server's drain (running, timed out or completed: its state becomes `cancelled`) and returns the server to placement; its `state` is then its liveness again (`active`, or `dead` when it died while drained: it is placed again when its hostagent registers). Undraining an active server is a no-op, and so is undraining a dead server that is not drained (answered as for a live one).
 pub async fn undrain_server(
     configuration: &configuration::Configuration,
     server_id: i64,
