@@ -843,7 +843,7 @@ impl Switch {
         };
         if let Some(p) = &self.pins {
             eprintln!(
-                "switchd: XDP links in {}: {replaced} taken over in place from the predecessor (no gap), {pinned} new and pinned, {unpinned} not pinned; {} flows newer than the store copied from the predecessor's table ({} of unknown servers or services skipped); {} migration entries copied ({} pending, {} of unknown servers skipped, {} changed there before the switch), {} owners the store lacked sent to it",
+                "switchd: XDP links in {}: {replaced} taken over in place from the predecessor (no gap), {pinned} new and pinned, {unpinned} not pinned; {} flows newer than the store copied from the predecessor's table ({} of unknown servers or services skipped); {} migration entries copied ({} pending, {} of unknown servers skipped, {} changed there before the switch), {} owners the store lacked sent to it; FINs of {} flows merged, {} closed flows queued for the reaper",
                 p.dir().display(),
                 a.flows,
                 a.flows_skipped,
@@ -851,7 +851,9 @@ impl Switch {
                 a.migrations_pending,
                 a.migrations_skipped,
                 a.settled_late,
-                a.owner_events
+                a.owner_events,
+                a.fins_merged,
+                a.closed
             );
         }
         Ok(())
@@ -3003,6 +3005,8 @@ impl Switch {
             "prepare_targets": a.prepare_targets,
             "changed_before_switch": a.settled_late,
             "owner_events": a.owner_events,
+            "fins_merged": a.fins_merged,
+            "closed": a.closed,
         });
         // The switch's own addresses, which an API refuses as a service VIP
         // or a server data address: control_listen and the IPv4 addresses
