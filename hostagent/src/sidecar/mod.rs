@@ -1556,6 +1556,48 @@ mod tests {
         (client, server, cip, sip)
     }
 
+    /// The address of a socket the tests bound to 127.0.0.1.
+    fn v4(addr: std::net::SocketAddr) -> SocketAddrV4 {
+        match addr {
+            std::net::SocketAddr::V4(a) => a,
+            _ => unreachable!(),
+        }
+    }
+
+    /// Opens a connection from the client stack (`cip`, any port) to `to`.
+    fn client_connect(
+        client: &crate::stack::Stack,
+        cip: std::net::Ipv4Addr,
+        to: SocketAddrV4,
+    ) -> capybara_tcp::ConnId {
+        client.with(|i| {
+            let now = i.clock.now();
+            i.transports
+                .tcp
+                .connect(now, SocketAddrV4::new(cip, 0), to)
+                .unwrap()
+        })
+    }
+
+    /// Listens on `listen` on the server stack, connects the client stack
+    /// to it and accepts (within 10 s): `(listener, client's connection,
+    /// accepted stream, its peer)`. Keep the listener as long as the
+    /// connection: dropping it unlistens the port.
+    async fn connect_through(
+        client: &crate::stack::Stack,
+        server: &crate::stack::Stack,
+        cip: std::net::Ipv4Addr,
+        listen: SocketAddrV4,
+    ) -> (TcpListener, capybara_tcp::ConnId, TcpStream, SocketAddrV4) {
+        let listener = TcpListener::bind(server, listen).unwrap();
+        let id = client_connect(client, cip, listen);
+        let (stream, peer) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+            .await
+            .expect("accepted within 10 s")
+            .unwrap();
+        (listener, id, stream, peer)
+    }
+
     /// Reads from the client's connection until `until` holds for what
     /// arrived, the stream ends (`true` in the result), or `limit` passes.
     async fn client_read(
@@ -1603,10 +1645,7 @@ mod tests {
 
             // Nothing listens on the application's port (it died).
             let app = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            let backend = match app.local_addr().unwrap() {
-                std::net::SocketAddr::V4(a) => a,
-                _ => unreachable!(),
-            };
+            let backend = v4(app.local_addr().unwrap());
             drop(app);
             let listen = SocketAddrV4::new(sip, 6379);
             // Checks far apart: the service stays UP for the whole test, as
@@ -1627,18 +1666,8 @@ mod tests {
                 relay_buffers: RelayBuffers::prewarmed(1),
             });
 
-            let listener = TcpListener::bind(&server, listen).unwrap();
-            let id = client.with(|i| {
-                let now = i.clock.now();
-                i.transports
-                    .tcp
-                    .connect(now, SocketAddrV4::new(cip, 0), listen)
-                    .unwrap()
-            });
-            let (stream, peer) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
-                .await
-                .expect("accepted within 10 s")
-                .unwrap();
+            let (_listener, id, stream, peer) =
+                connect_through(&client, &server, cip, listen).await;
             // As the importer rebuilds an idle connection that had
             // selected database 3.
             let imported = Imported {
@@ -1725,10 +1754,7 @@ mod tests {
             // The application: reads a whole request (head + 5-byte body),
             // answers an interim 100 (as nginx does) and a 200.
             let app = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let backend = match app.local_addr().unwrap() {
-                std::net::SocketAddr::V4(a) => a,
-                _ => unreachable!(),
-            };
+            let backend = v4(app.local_addr().unwrap());
             let serve = tokio::task::spawn_local(async move {
                 let (mut c, _) = app.accept().await.unwrap();
                 let mut seen = Vec::new();
@@ -1758,18 +1784,8 @@ mod tests {
                 health: None,
                 relay_buffers: RelayBuffers::prewarmed(1),
             });
-            let listener = TcpListener::bind(&server, listen).unwrap();
-            let id = client.with(|i| {
-                let now = i.clock.now();
-                i.transports
-                    .tcp
-                    .connect(now, SocketAddrV4::new(cip, 0), listen)
-                    .unwrap()
-            });
-            let (stream, peer) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
-                .await
-                .expect("accepted within 10 s")
-                .unwrap();
+            let (_listener, id, stream, peer) =
+                connect_through(&client, &server, cip, listen).await;
             let relay = tokio::task::spawn_local(run_connection(stream, peer, svc, None));
 
             let head = b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n";
@@ -1870,10 +1886,7 @@ mod tests {
 
             let seen = Rc::new(RefCell::new(Vec::new()));
             let app = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let backend = match app.local_addr().unwrap() {
-                std::net::SocketAddr::V4(a) => a,
-                _ => unreachable!(),
-            };
+            let backend = v4(app.local_addr().unwrap());
             // Migrated in: the application is already dead.
             let mut app_task = if migrated_in {
                 drop(app);
@@ -1897,18 +1910,8 @@ mod tests {
                 health: Some(check.clone()),
                 relay_buffers: RelayBuffers::prewarmed(1),
             });
-            let listener = TcpListener::bind(&server, listen).unwrap();
-            let id = client.with(|i| {
-                let now = i.clock.now();
-                i.transports
-                    .tcp
-                    .connect(now, SocketAddrV4::new(cip, 0), listen)
-                    .unwrap()
-            });
-            let (stream, peer) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
-                .await
-                .expect("accepted within 10 s")
-                .unwrap();
+            let (_listener, id, stream, peer) =
+                connect_through(&client, &server, cip, listen).await;
             let ping = |c: &crate::stack::Stack| {
                 c.with(|i| i.transports.tcp.send(id, b"*1\r\n$4\r\nPING\r\n").unwrap());
             };

@@ -58,13 +58,7 @@ impl TlsClient {
         .with_no_client_auth();
         let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
         let tls = rustls::ClientConnection::new(Arc::new(cfg), name).unwrap();
-        let id = client.with(|i| {
-            let now = i.clock.now();
-            i.transports
-                .tcp
-                .connect(now, SocketAddrV4::new(cip, 0), to)
-                .unwrap()
-        });
+        let id = client_connect(client, cip, to);
         TlsClient {
             id,
             tls,
