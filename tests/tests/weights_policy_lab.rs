@@ -115,8 +115,11 @@ fn a_server_of_weight_five_keeps_the_load_its_weight_gives_it() {
     // Balanced per unit of weight: at most a few noise orders in 10 s
     // (each server's Maglev share is what its weight gives it; 36
     // connections put more than 12 on s1 with probability < 0.3 %).
+    // 0-1 on a quiet machine, 4 once in a CI with a build running beside
+    // it (load skews the per-ms counts the policy reads); the engine
+    // ignoring the weights made 12, and the ratio below fails then too.
     assert!(
-        started <= 3.0,
+        started <= 6.0,
         "{started} policy migrations in a pool balanced by weight"
     );
     assert!(
