@@ -752,6 +752,17 @@ pub fn switchd_status_server(lab: &Lab, id: u32) -> Option<serde_json::Value> {
     switchd_status_server_at(lab, 9102, id)
 }
 
+/// Server `id`'s `state` in switchd's `/status` ([`switchd_status_server`]):
+/// `live`, `draining`, `dead`, ...; `None` when switchd does not answer or
+/// does not list it.
+pub fn switchd_status_state(lab: &Lab, id: u32) -> Option<String> {
+    Some(
+        switchd_status_server(lab, id)?["state"]
+            .as_str()?
+            .to_string(),
+    )
+}
+
 /// The `/status` of the switchd whose `metrics_listen` is
 /// 127.0.0.1:`port` in the switch namespace; `None` when it does not
 /// answer within 1 s (stopped, or not listening yet).
@@ -905,6 +916,19 @@ impl Lab {
         let text = String::from_utf8_lossy(&out.stdout).to_string();
         let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
         (code.trim().parse().unwrap_or(0), body.to_string())
+    }
+
+    /// Server `id` as the REST API at `base` tells it (`GET
+    /// /v1/servers/{id}`, checked to answer 200): (`state`, `liveness`),
+    /// each empty when absent.
+    pub fn api_server(&self, base: &str, token: &str, id: u32) -> (String, String) {
+        let (code, body) = self.api_call(base, token, "GET", &format!("/v1/servers/{id}"), None);
+        assert_eq!(code, 200, "GET /v1/servers/{id}: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).expect("server JSON");
+        (
+            v["state"].as_str().unwrap_or("").to_string(),
+            v["liveness"].as_str().unwrap_or("").to_string(),
+        )
     }
 
     /// Sets server `id`'s operator weight through the REST API at `base`

@@ -11,7 +11,7 @@
 
 use capybara_systests::{
     appliance_lab, log_of, place_echo_connections, start_appliance, stop_appliance,
-    switchd_status_server, wait_appliance_ready, Lab,
+    switchd_status_state, wait_appliance_ready, Lab,
 };
 use std::time::Duration;
 
@@ -20,26 +20,6 @@ const API: &str = "http://127.0.0.1:18113";
 /// New connections per round: with s1 at a third of the placement, all of
 /// them miss it with probability (2/3)^24 < 1e-4.
 const N: usize = 24;
-
-/// Server `id`'s state in switchd's `/status`.
-fn status_state(lab: &Lab, id: u32) -> Option<String> {
-    Some(
-        switchd_status_server(lab, id)?["state"]
-            .as_str()?
-            .to_string(),
-    )
-}
-
-/// Server `id` as the API tells it: (`state`, `liveness`).
-fn api_server(lab: &Lab, token: &str, id: u32) -> (String, String) {
-    let (code, body) = lab.api_call(API, token, "GET", &format!("/v1/servers/{id}"), None);
-    assert_eq!(code, 200, "GET /v1/servers/{id}: {body}");
-    let v: serde_json::Value = serde_json::from_str(&body).expect("server JSON");
-    (
-        v["state"].as_str().unwrap_or("").to_string(),
-        v["liveness"].as_str().unwrap_or("").to_string(),
-    )
-}
 
 /// `POST /v1/servers/{id}/undrain`: its answer's `state`, checked `200`.
 fn undrain(lab: &Lab, token: &str, id: u32) -> String {
@@ -67,16 +47,16 @@ fn a_dead_drained_server_undrained_is_placed_again_when_it_comes_back() {
     // Drained (no connection on it: it completes at once), then down.
     lab.start_drain(API, &token, 1, 120);
     lab.wait_for("s1 drained", Duration::from_secs(15), || {
-        api_server(&lab, &token, 1).0 == "drained"
+        lab.api_server(API, &token, 1).0 == "drained"
     });
     lab.kill_and_wait(agents[0].pid);
     lab.wait_for(
         "switchd to declare s1 dead",
         Duration::from_secs(10),
-        || status_state(&lab, 1).as_deref() == Some("dead"),
+        || switchd_status_state(&lab, 1).as_deref() == Some("dead"),
     );
     assert_eq!(
-        api_server(&lab, &token, 1),
+        lab.api_server(API, &token, 1),
         ("drained".into(), "dead".into())
     );
 
@@ -93,12 +73,12 @@ fn a_dead_drained_server_undrained_is_placed_again_when_it_comes_back() {
     // Its hostagent comes back: placed again.
     agents[0].pid = lab.spawn_hostagent(1, &agents[0].config, &dir.join("hostagent-s1-2.log"));
     lab.wait_for("s1 live again", Duration::from_secs(30), || {
-        status_state(&lab, 1).as_deref() == Some("live")
+        switchd_status_state(&lab, 1).as_deref() == Some("live")
     });
     let c = place_echo_connections(&lab, API, &token, N, SERVERS);
     assert!(c[0] > 0, "s1 takes new connections once back: {c:?}");
     assert_eq!(
-        api_server(&lab, &token, 1),
+        lab.api_server(API, &token, 1),
         ("active".into(), "live".into())
     );
     assert!(

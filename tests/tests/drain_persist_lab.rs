@@ -18,7 +18,7 @@
 
 use capybara_systests::{
     appliance_lab, log_of, place_echo_connections, start_appliance, stop_appliance,
-    switchd_status_server, wait_appliance_ready, Lab,
+    switchd_status_state, wait_appliance_ready, Lab,
 };
 use std::time::Duration;
 
@@ -28,31 +28,14 @@ const API: &str = "http://127.0.0.1:18085";
 /// them miss it with probability (2/3)^24 < 1e-4.
 const N: usize = 24;
 
-/// Server `id`'s state in switchd's `/status`.
-fn status_state(lab: &Lab, id: u32) -> Option<String> {
-    Some(
-        switchd_status_server(lab, id)?["state"]
-            .as_str()?
-            .to_string(),
-    )
-}
-
 /// Waits until switchd's `/status` (published every few hundred ms) says
 /// `want` for server `id`.
 fn wait_status(lab: &Lab, id: u32, want: &str, when: &str) {
     lab.wait_for(
         &format!("s{id} {want} in switchd's /status {when}"),
         Duration::from_secs(5),
-        || status_state(lab, id).as_deref() == Some(want),
+        || switchd_status_state(lab, id).as_deref() == Some(want),
     );
-}
-
-/// Server `id`'s state as the API tells it.
-fn api_state(lab: &Lab, token: &str, id: u32) -> String {
-    let (code, body) = lab.api_call(API, token, "GET", &format!("/v1/servers/{id}"), None);
-    assert_eq!(code, 200, "GET /v1/servers/{id}: {body}");
-    let v: serde_json::Value = serde_json::from_str(&body).expect("server JSON");
-    v["state"].as_str().unwrap_or("").to_string()
 }
 
 fn place_new_connections(lab: &Lab, token: &str) -> Vec<usize> {
@@ -75,7 +58,7 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
     // from the store and sends no DRAIN to the restarted hostagent.
     lab.start_drain(API, &token, 1, 120);
     lab.wait_for("s1 drained", Duration::from_secs(15), || {
-        api_state(&lab, &token, 1) == "drained"
+        lab.api_server(API, &token, 1).0 == "drained"
     });
     wait_status(&lab, 1, "draining", "after the drain");
     lab.wait_for(
@@ -101,24 +84,24 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
         !log_of(&dir.join("hostagent-s1-2.log")).contains("hostagent: drain started"),
         "the restarted s1 hostagent was sent DRAIN for a completed drain"
     );
-    assert_eq!(api_state(&lab, &token, 1), "drained");
+    assert_eq!(lab.api_server(API, &token, 1).0, "drained");
 
     // 2. A maintenance stop: s1 dies (dead_after_ms), then comes back.
     lab.kill_and_wait(agents[0].pid);
     lab.wait_for(
         "switchd to declare s1 dead",
         Duration::from_secs(10),
-        || status_state(&lab, 1).as_deref() == Some("dead"),
+        || switchd_status_state(&lab, 1).as_deref() == Some("dead"),
     );
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(
-        api_state(&lab, &token, 1),
+        lab.api_server(API, &token, 1).0,
         "drained",
         "the record keeps the operator's drain while the server is down"
     );
     agents[0].pid = lab.spawn_hostagent(1, &agents[0].config, &dir.join("hostagent-s1-3.log"));
     lab.wait_for("s1 back", Duration::from_secs(30), || {
-        status_state(&lab, 1).is_some_and(|s| s != "dead")
+        switchd_status_state(&lab, 1).is_some_and(|s| s != "dead")
     });
     wait_status(&lab, 1, "draining", "back from a stop");
     let c = place_new_connections(&lab, &token);
@@ -138,7 +121,7 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
     lab.wait_for(
         "s1 live in the restarted switchd",
         Duration::from_secs(10),
-        || status_state(&lab, 1).is_some_and(|s| s != "dead"),
+        || switchd_status_state(&lab, 1).is_some_and(|s| s != "dead"),
     );
     wait_status(&lab, 1, "draining", "after a switchd restart");
     let c = place_new_connections(&lab, &token);
@@ -146,7 +129,7 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
         c[0], 0,
         "new connections on s1 after a switchd restart: {c:?}"
     );
-    assert_eq!(api_state(&lab, &token, 1), "drained");
+    assert_eq!(lab.api_server(API, &token, 1).0, "drained");
 
     // Undrain: s1 takes new connections again.
     let (code, body) = lab.api_call(API, &token, "POST", "/v1/servers/1/undrain", None);
@@ -154,7 +137,7 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
     wait_status(&lab, 1, "live", "after undrain");
     let c = place_new_connections(&lab, &token);
     assert!(c[0] > 0, "s1 takes new connections after undrain: {c:?}");
-    assert_eq!(api_state(&lab, &token, 1), "active");
+    assert_eq!(lab.api_server(API, &token, 1).0, "active");
     lab.assert_no_resets(2..=SERVERS);
     let st = stop_appliance(&mut app);
     assert!(st.success(), "second run exited with {st}");
