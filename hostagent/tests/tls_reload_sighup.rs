@@ -11,30 +11,11 @@
 //! Needs root (network namespace, AF_PACKET); skipped otherwise. Run it
 //! under `flock /work/notes/lab.lock` on a shared machine like the lab tests.
 
+use capybara_tls_testcerts::{localhost_client, test_cert_named, TestCert};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-struct TestCert {
-    cert_pem: String,
-    key_pem: String,
-    der: Vec<u8>,
-}
-
-fn test_cert(cn: &str) -> TestCert {
-    let key = rcgen::KeyPair::generate().unwrap();
-    let mut p = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
-    p.distinguished_name = rcgen::DistinguishedName::new();
-    p.distinguished_name.push(rcgen::DnType::CommonName, cn);
-    let c = p.self_signed(&key).unwrap();
-    TestCert {
-        cert_pem: c.pem(),
-        key_pem: key.serialize_pem(),
-        der: c.der().to_vec(),
-    }
-}
 
 fn run(args: &[&str]) {
     let out = Command::new(args[0])
@@ -90,19 +71,6 @@ fn wait_log(log: &std::path::Path, child: &mut Child, what: &str, n: usize) -> S
 }
 
 fn tls_connect(trusted: &[&TestCert]) -> rustls::StreamOwned<rustls::ClientConnection, TcpStream> {
-    let mut roots = rustls::RootCertStore::empty();
-    for c in trusted {
-        roots
-            .add(rustls::pki_types::CertificateDer::from(c.der.clone()))
-            .unwrap();
-    }
-    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
     let addr: SocketAddr = format!("{STACK}:443").parse().unwrap();
     let end = Instant::now() + Duration::from_secs(20);
     let tcp = loop {
@@ -118,9 +86,7 @@ fn tls_connect(trusted: &[&TestCert]) -> rustls::StreamOwned<rustls::ClientConne
     tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     tcp.set_write_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-    let conn = rustls::ClientConnection::new(Arc::new(cfg), name).unwrap();
-    let mut s = rustls::StreamOwned::new(conn, tcp);
+    let mut s = rustls::StreamOwned::new(localhost_client(trusted), tcp);
     while s.conn.is_handshaking() {
         s.conn
             .complete_io(&mut s.sock)
@@ -231,7 +197,10 @@ fn scenario(dir: &std::path::Path, guard: &mut Guard) {
         l.local_addr().unwrap().port()
     };
 
-    let (a, b) = (test_cert("cert-a.example"), test_cert("cert-b.example"));
+    let (a, b) = (
+        test_cert_named("cert-a.example"),
+        test_cert_named("cert-b.example"),
+    );
     let (cert_path, key_path) = (dir.join("cert.pem"), dir.join("key.pem"));
     replace(&cert_path, &a.cert_pem);
     replace(&key_path, &a.key_pem);
@@ -261,7 +230,7 @@ fn scenario(dir: &std::path::Path, guard: &mut Guard) {
     wait_log(&log, child, "hostagent s1: ", 1);
 
     let mut held = tls_connect(&[&a, &b]);
-    assert!(peer_cert(&held) == a.der, "certificate A at start");
+    assert!(peer_cert(&held) == *a.cert_der, "certificate A at start");
     echo(&mut held, b"before the rotation");
 
     replace(&cert_path, &b.cert_pem);
@@ -272,7 +241,7 @@ fn scenario(dir: &std::path::Path, guard: &mut Guard) {
     assert!(line.contains("CN=cert-b.example"), "{line}");
     let mut fresh = tls_connect(&[&a, &b]);
     assert!(
-        peer_cert(&fresh) == b.der,
+        peer_cert(&fresh) == *b.cert_der,
         "a new handshake after SIGHUP gets B"
     );
     echo(&mut fresh, b"new session");
@@ -292,7 +261,7 @@ fn scenario(dir: &std::path::Path, guard: &mut Guard) {
     );
     let mut after = tls_connect(&[&a, &b]);
     assert!(
-        peer_cert(&after) == b.der,
+        peer_cert(&after) == *b.cert_der,
         "B still served after a failed reload"
     );
     echo(&mut after, b"still B");

@@ -21,14 +21,10 @@ use rustls::{ClientConfig, ClientConnection, RootCertStore};
 const ITERS: u32 = 100_000;
 
 fn main() {
-    let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
-    let cfg = TlsConfig::from_pem(
-        ck.cert.pem().as_bytes(),
-        ck.key_pair.serialize_pem().as_bytes(),
-    )
-    .unwrap();
+    let cert = capybara_tls_testcerts::test_cert();
+    let cfg = TlsConfig::from_pem(cert.cert_pem.as_bytes(), cert.key_pem.as_bytes()).unwrap();
     let mut roots = RootCertStore::empty();
-    roots.add(ck.cert.der().clone()).unwrap();
+    roots.add(cert.cert_der).unwrap();
     let mut p = provider::default_provider();
     p.cipher_suites = vec![provider::cipher_suite::TLS13_AES_128_GCM_SHA256];
     let ccfg = ClientConfig::builder_with_provider(Arc::new(p))

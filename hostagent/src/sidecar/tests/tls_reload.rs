@@ -5,26 +5,7 @@
 //! files that fail to load keep the certificate in service.
 
 use super::*;
-use std::sync::Arc;
-
-struct TestCert {
-    cert_pem: String,
-    key_pem: String,
-    der: Vec<u8>,
-}
-
-fn test_cert(cn: &str) -> TestCert {
-    let key = rcgen::KeyPair::generate().unwrap();
-    let mut p = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
-    p.distinguished_name = rcgen::DistinguishedName::new();
-    p.distinguished_name.push(rcgen::DnType::CommonName, cn);
-    let c = p.self_signed(&key).unwrap();
-    TestCert {
-        cert_pem: c.pem(),
-        key_pem: key.serialize_pem(),
-        der: c.der().to_vec(),
-    }
-}
+use capybara_tls_testcerts::{localhost_client, test_cert_named, TestCert};
 
 /// A rustls client on the client stack's connection `id`.
 struct TlsClient {
@@ -43,21 +24,7 @@ impl TlsClient {
         to: SocketAddrV4,
         trusted: &[&TestCert],
     ) -> TlsClient {
-        let mut roots = rustls::RootCertStore::empty();
-        for c in trusted {
-            roots
-                .add(rustls::pki_types::CertificateDer::from(c.der.clone()))
-                .unwrap();
-        }
-        let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-        let tls = rustls::ClientConnection::new(Arc::new(cfg), name).unwrap();
+        let tls = localhost_client(trusted);
         let id = client_connect(client, cip, to);
         TlsClient {
             id,
@@ -207,7 +174,7 @@ fn a_reload_serves_the_new_certificate_and_keeps_established_sessions() {
             std::fs::write(&cert_path, &c.cert_pem).unwrap();
             std::fs::write(&key_path, &c.key_pem).unwrap();
         };
-        let (a, b) = (test_cert("cert-a.example"), test_cert("cert-b.example"));
+        let (a, b) = (test_cert_named("cert-a.example"), test_cert_named("cert-b.example"));
         install(&a);
 
         let app = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -228,7 +195,7 @@ fn a_reload_serves_the_new_certificate_and_keeps_established_sessions() {
 
         // An established session with certificate A.
         let mut held = TlsClient::connect(&client, cip, listen, &[&a, &b]);
-        assert!(held.handshake(&client).await == a.der, "certificate A at first");
+        assert!(held.handshake(&client).await == *a.cert_der, "certificate A at first");
         held.echo(&client, b"before the rotation").await;
 
         // Rotation: the files now hold B; the reload swaps them in.
@@ -243,7 +210,7 @@ fn a_reload_serves_the_new_certificate_and_keeps_established_sessions() {
 
         let mut fresh = TlsClient::connect(&client, cip, listen, &[&a, &b]);
         assert!(
-            fresh.handshake(&client).await == b.der,
+            fresh.handshake(&client).await == *b.cert_der,
             "a new handshake after the reload gets certificate B"
         );
         fresh.echo(&client, b"new session").await;
@@ -253,7 +220,7 @@ fn a_reload_serves_the_new_certificate_and_keeps_established_sessions() {
 
         // Files that cannot be used: each reload fails, names the field
         // and file, and B stays in service.
-        let c = test_cert("cert-c.example");
+        let c = test_cert_named("cert-c.example");
         let bad: [(&str, &str, &str); 4] = [
             (&b.cert_pem, "not a key\n", "tls_key = "),
             // A's key with B's certificate.
@@ -277,7 +244,7 @@ fn a_reload_serves_the_new_certificate_and_keeps_established_sessions() {
             assert_eq!(reload_tls(std::slice::from_ref(&svc)), (0, 1));
             let mut after = TlsClient::connect(&client, cip, listen, &[&a, &b]);
             assert!(
-                after.handshake(&client).await == b.der,
+                after.handshake(&client).await == *b.cert_der,
                 "B still in service after a failed reload ({says})"
             );
         }

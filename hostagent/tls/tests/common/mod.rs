@@ -5,28 +5,10 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 
 use capybara_tls::{TlsConfig, TlsServer};
+pub use capybara_tls_testcerts::{test_cert, TestCert};
 use rustls::crypto::ring as provider;
 use rustls::pki_types::ServerName;
 use rustls::{ClientConfig, ClientConnection, RootCertStore, SupportedCipherSuite};
-
-/// A fresh self-signed certificate for "localhost" and 127.0.0.1 (generated per test run;
-/// no private key is stored in the repository).
-pub struct TestCert {
-    pub cert_pem: String,
-    pub key_pem: String,
-    pub cert_der: rustls::pki_types::CertificateDer<'static>,
-}
-
-pub fn test_cert() -> TestCert {
-    let ck =
-        rcgen::generate_simple_self_signed(vec!["localhost".to_string(), "127.0.0.1".to_string()])
-            .expect("rcgen");
-    TestCert {
-        cert_pem: ck.cert.pem(),
-        key_pem: ck.key_pair.serialize_pem(),
-        cert_der: ck.cert.der().clone(),
-    }
-}
 
 pub fn server_config(cert: &TestCert) -> TlsConfig {
     TlsConfig::from_pem(cert.cert_pem.as_bytes(), cert.key_pem.as_bytes()).expect("server config")
