@@ -189,10 +189,14 @@ for j in $(seq 1 $SERVERS); do
 <title>Capybara demo: s$j</title>
 <p>Served by <b>s$j</b> (nginx behind the hostagent sidecar).</p>
 EOF
+  # One process (no master): the pid the demo watches is the server, so a
+  # `kill -9` of it takes the application down as the health checks and
+  # docs/OPERATIONS.md expect. With a master, SIGKILL left its worker
+  # serving (and holding the port, so the printed restart command failed).
   cat > "$nd/nginx.conf" <<EOF
 daemon off;
+master_process off;
 user root;
-worker_processes 1;
 pid $nd/nginx.pid;
 error_log $nd/error.log warn;
 events { worker_connections 1024; }
