@@ -19,7 +19,7 @@
 //! unregistered servers are counted by reason and dropped (answered with
 //! ERROR where the sender is authenticated).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -98,9 +98,14 @@ pub enum Command {
     },
 }
 
-/// The drain commands applied before a store read, and the operator's
-/// drains that read found ([`op_drains_of`]).
-type StoredDrains = (u64, HashMap<ServerId, Option<u64>>);
+/// A store read of the operator's drains: the drain commands applied
+/// before it, the drains it found ([`op_drains_of`]) and the servers that
+/// have a record.
+struct StoredDrains {
+    cmds_before: u64,
+    held: HashMap<ServerId, Option<u64>>,
+    recorded: HashSet<ServerId>,
+}
 
 /// What the HTTP thread serves; refreshed by the control thread.
 #[derive(Default)]
@@ -1445,7 +1450,7 @@ impl Switch {
             self.take_policy(&sock);
             self.take_services();
             self.take_weights();
-            self.take_drains();
+            self.take_drains(&sock);
             let interval = self.cfg.load_interval;
             if now >= next_tick {
                 self.ticks += 1;
@@ -2365,8 +2370,13 @@ impl Switch {
                             let drains: HashMap<ServerId, capybara_store::Drain> =
                                 drains.into_iter().map(|d| (d.server, d)).collect();
                             let held = op_drains_of(&servers, &drains);
+                            let recorded = servers.iter().map(|s| s.id).collect();
                             if let Ok(mut s) = drains_slot.lock() {
-                                *s = Some((cmds_before, held));
+                                *s = Some(StoredDrains {
+                                    cmds_before,
+                                    held,
+                                    recorded,
+                                });
                             }
                         }
                     }
@@ -2384,22 +2394,80 @@ impl Switch {
         });
     }
 
-    /// Learns from the drains the poller read which drains the API ended
-    /// (completed, timed out): their servers stay out of placement, but a
-    /// hostagent that registers is no longer sent DRAIN (before, it was
-    /// until the drain's deadline). A read that a drain command overtook
-    /// is skipped (the next one, 250 ms later, is not).
-    fn take_drains(&mut self) {
-        let Some((cmds_before, stored)) =
-            self.drains_slot.try_lock().ok().and_then(|mut s| s.take())
+    /// Follows the operator's drains the poller read from the store (the
+    /// API records a drain or an undrain before it asks switchd over HTTP,
+    /// and the request may never arrive: switchd unreachable or slow for a
+    /// moment, the API stopped in between, a timeout after the send):
+    /// a drain the API ended (completed, timed out) keeps its server out of
+    /// placement but is no longer sent to a hostagent that registers; a
+    /// drain switchd was not told of takes its server out of placement and
+    /// is sent to its hostagent; an undrain it was not told of puts the
+    /// server back. A read that a drain command overtook is skipped (the
+    /// next one, 250 ms later, is not).
+    fn take_drains(&mut self, sock: &UdpSocket) {
+        let Some(stored) = self.drains_slot.try_lock().ok().and_then(|mut s| s.take()) else {
+            return;
+        };
+        if stored.cmds_before != self.drain_cmds.load(Ordering::SeqCst) {
+            return;
+        }
+        let now_ms = capybara_store::unix_ms_now();
+        for change in follow_stored_drains(&mut self.op_drains, &stored.held, &stored.recorded) {
+            match change {
+                StoredDrainChange::Ended(id) => eprintln!("switchd: the drain of {id} is over (the store says so): it stays out of placement until undrain; a hostagent that registers is not sent DRAIN again"),
+                StoredDrainChange::Started(id, deadline) => {
+                    let resend = drain_to_resend(Some(deadline), now_ms);
+                    eprintln!(
+                        "switchd: the store holds a drain of {id} this switchd was not told of (the API's request did not arrive): out of placement now{}",
+                        match resend {
+                            Some(ms) => format!(", DRAIN sent with {ms} ms left"),
+                            None => ", its drain is over (nothing sent)".to_string(),
+                        }
+                    );
+                    self.drain_now(sock, id, resend, false);
+                }
+                StoredDrainChange::Lifted(id) => {
+                    eprintln!("switchd: the store no longer holds the drain of {id} (an undrain this switchd was not told of): back in placement");
+                    self.drain_now(sock, id, Some(0), true);
+                }
+            }
+        }
+    }
+
+    /// Applies a drain (or, `cancel`, an undrain) to the data plane and
+    /// sends DRAIN to the server's hostagent (`deadline_ms`; `None`: a drain
+    /// that is over, nothing to send), resent with heartbeats until its
+    /// flag agrees. A server not registered (yet) is placed as its drain
+    /// says when it registers.
+    fn drain_now(
+        &mut self,
+        sock: &UdpSocket,
+        server: ServerId,
+        deadline_ms: Option<u32>,
+        cancel: bool,
+    ) {
+        match self.cp.set_draining(server, !cancel) {
+            Ok(()) => {}
+            Err(crate::control::ControlError::UnknownServer(_)) => return,
+            Err(e) => {
+                eprintln!("switchd: drain {server}: {e}");
+                return;
+            }
+        }
+        let (Some(deadline_ms), Some(mgmt)) =
+            (deadline_ms, self.peers.get(&server).map(|p| p.mgmt))
         else {
             return;
         };
-        if cmds_before != self.drain_cmds.load(Ordering::SeqCst) {
-            return;
+        let flags = if cancel { ctl::DRAIN_CANCEL } else { 0 };
+        if let Some(msg) = self.reply(
+            server,
+            ControlBody::Drain(ctl::Drain { deadline_ms, flags }),
+        ) {
+            let _ = sock.send_to(&msg, mgmt);
         }
-        for id in learn_drain_ends(&mut self.op_drains, &stored) {
-            eprintln!("switchd: the drain of {id} is over (the store says so): it stays out of placement until undrain; a hostagent that registers is not sent DRAIN again");
+        if let Some(p) = self.peers.get_mut(&server) {
+            p.pending_drain = Some((deadline_ms, cancel, 10));
         }
     }
 
@@ -2779,27 +2847,9 @@ impl Switch {
                     let deadline = capybara_store::unix_ms_now() + u64::from(deadline_ms);
                     self.op_drains.insert(server, Some(deadline));
                 }
-                let set = self.cp.set_draining(server, !cancel);
+                self.drain_now(sock, server, Some(deadline_ms), cancel);
                 if let Some(tx) = applied {
                     let _ = tx.send(());
-                }
-                if let Err(e) = set {
-                    eprintln!("switchd: drain {server}: {e}");
-                    return;
-                }
-                let Some(mgmt) = self.peers.get(&server).map(|p| p.mgmt) else {
-                    return;
-                };
-                let flags = if cancel { ctl::DRAIN_CANCEL } else { 0 };
-                if let Some(msg) = self.reply(
-                    server,
-                    ControlBody::Drain(ctl::Drain { deadline_ms, flags }),
-                ) {
-                    let _ = sock.send_to(&msg, mgmt);
-                }
-                if let Some(p) = self.peers.get_mut(&server) {
-                    // Resent with heartbeats until the server's flag agrees.
-                    p.pending_drain = Some((deadline_ms, cancel, 10));
                 }
             }
             Command::Migrate {
@@ -3215,24 +3265,63 @@ fn op_drains_of(
         .collect()
 }
 
-/// Marks over (`None`) the running drains of `op_drains` that the store's
-/// (`stored`, from [`op_drains_of`]) says are over while they still hold
-/// the server; the servers whose drain it marked. Only that: a drain or
-/// an undrain is the API's command's to apply (its server's placement and
-/// the DRAIN to its hostagent go with it).
-fn learn_drain_ends(
+/// How the operator's drains in the store differ from switchd's
+/// (`Switch::op_drains`), as [`follow_stored_drains`] applied them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StoredDrainChange {
+    /// The running drain is over (completed or timed out): the server
+    /// stays out of placement, its hostagent is not sent DRAIN again.
+    Ended(ServerId),
+    /// A drain switchd was not told of (its deadline while it runs).
+    Started(ServerId, Option<u64>),
+    /// An undrain switchd was not told of.
+    Lifted(ServerId),
+}
+
+/// Makes `op_drains` follow the store's drains (`stored`, from
+/// [`op_drains_of`]; `recorded`: the servers with a record in the same
+/// read), returning the changes for the caller to apply (placement, DRAIN
+/// to the hostagent), in server order. A server without a record keeps
+/// switchd's drain: the API deleted a drained server whose hostagent still
+/// runs, and it stays out of placement until that hostagent stops.
+fn follow_stored_drains(
     op_drains: &mut HashMap<ServerId, Option<u64>>,
     stored: &HashMap<ServerId, Option<u64>>,
-) -> Vec<ServerId> {
-    let mut ended = Vec::new();
+    recorded: &HashSet<ServerId>,
+) -> Vec<StoredDrainChange> {
+    let mut changes = Vec::new();
     for (id, deadline) in op_drains.iter_mut() {
-        if deadline.is_some() && stored.get(id) == Some(&None) {
-            *deadline = None;
-            ended.push(*id);
+        match stored.get(id) {
+            Some(None) if deadline.is_some() => {
+                *deadline = None;
+                changes.push(StoredDrainChange::Ended(*id));
+            }
+            None if recorded.contains(id) => changes.push(StoredDrainChange::Lifted(*id)),
+            _ => {}
         }
     }
-    ended.sort_by_key(|id| id.0);
-    ended
+    for (id, deadline) in stored {
+        if !op_drains.contains_key(id) {
+            changes.push(StoredDrainChange::Started(*id, *deadline));
+        }
+    }
+    for c in &changes {
+        match *c {
+            StoredDrainChange::Started(id, deadline) => {
+                op_drains.insert(id, deadline);
+            }
+            StoredDrainChange::Lifted(id) => {
+                op_drains.remove(&id);
+            }
+            StoredDrainChange::Ended(_) => {}
+        }
+    }
+    changes.sort_by_key(|c| match *c {
+        StoredDrainChange::Ended(id)
+        | StoredDrainChange::Started(id, _)
+        | StoredDrainChange::Lifted(id) => id.0,
+    });
+    changes
 }
 
 /// The DRAIN deadline (ms left) to send a server that registers, given
@@ -3421,6 +3510,16 @@ fn route(
                     "need server=ID&client=IP:PORT&service=VIP:PORT[&target=IP]\n".into(),
                 );
             };
+            // A standby's loop takes no commands until it takes over: queued,
+            // the request would move a connection at some later moment,
+            // long after the caller gave up on it. The API asks the active.
+            if published.lock().is_ok_and(|p| p.role == "standby") {
+                return (
+                    "503 Service Unavailable",
+                    "text/plain",
+                    format!("this switchd is a standby: ask the active switchd to migrate {client} (server {server})\n"),
+                );
+            }
             let flow = FlowKey {
                 client_ip: *client.ip(),
                 client_port: client.port(),
@@ -3617,10 +3716,11 @@ mod tests {
     /// A drain the API ended before its deadline (its record in the store
     /// says completed or timed out) is learned: a hostagent that registers
     /// then is not sent DRAIN again, and the server stays out of placement
-    /// (in `op_drains`). A running drain is still sent; a drain the store
-    /// no longer holds (an undrain is the API's command's) is left as is.
+    /// (in `op_drains`). A running drain is still sent. A drain or an
+    /// undrain the API recorded but switchd was not told of is followed; a
+    /// server without a record keeps its drain.
     #[test]
-    fn a_drain_the_store_says_is_over_is_not_sent_again() {
+    fn the_active_follows_the_operators_drains_in_the_store() {
         use capybara_store::{Drain, DrainProgress, DrainState};
         let now = 1_700_000_000_000u64;
         let server = |id: u32, state: &str| -> capybara_store::Server {
@@ -3674,11 +3774,26 @@ mod tests {
             Some(59_990),
             "before the store is read, a completed drain is still sent"
         );
+        // s6: a drained server the API deleted while its hostagent runs.
+        op.insert(ServerId(6), Some(now + 59_990));
+        let recorded: HashSet<ServerId> = servers.iter().map(|s| s.id).collect();
+        use super::StoredDrainChange::*;
         assert_eq!(
-            super::learn_drain_ends(&mut op, &stored),
-            vec![ServerId(1), ServerId(4)]
+            super::follow_stored_drains(&mut op, &stored, &recorded),
+            vec![
+                Ended(ServerId(1)),
+                Lifted(ServerId(3)),
+                Ended(ServerId(4)),
+                Started(ServerId(5), None)
+            ]
         );
-        for (id, resend) in [(1, None), (2, Some(59_990)), (3, Some(59_990)), (4, None)] {
+        for (id, resend) in [
+            (1, None),
+            (2, Some(59_990)),
+            (4, None),
+            (5, None),
+            (6, Some(59_990)),
+        ] {
             assert!(
                 op.contains_key(&ServerId(id)),
                 "s{id} stays out of placement"
@@ -3689,8 +3804,21 @@ mod tests {
                 "s{id}"
             );
         }
+        assert!(!op.contains_key(&ServerId(3)), "s3 was undrained");
         // Learned once.
-        assert!(super::learn_drain_ends(&mut op, &stored).is_empty());
+        assert!(super::follow_stored_drains(&mut op, &stored, &recorded).is_empty());
+        // A running drain switchd was not told of is sent with the store's
+        // deadline.
+        let mut op = HashMap::new();
+        let running = HashMap::from([(ServerId(2), Some(now + 60_000))]);
+        assert_eq!(
+            super::follow_stored_drains(&mut op, &running, &recorded),
+            vec![Started(ServerId(2), Some(now + 60_000))]
+        );
+        assert_eq!(
+            super::drain_to_resend(op.get(&ServerId(2)).copied(), now),
+            Some(60_000)
+        );
     }
 
     use super::*;
@@ -3863,6 +3991,17 @@ mod tests {
                 "{body}"
             );
         }
+        let (code, _, body) = route(
+            "POST",
+            "/migrate?server=1&client=198.18.0.11:4000&service=198.18.100.1:80",
+            &published,
+            &tx,
+        );
+        assert_eq!(code, "503 Service Unavailable", "{body}");
+        assert!(
+            body.contains("standby") && body.contains("198.18.0.11:4000"),
+            "{body}"
+        );
         assert!(rx.try_recv().is_err(), "nothing queued on a standby");
         // Bad input is still named as such.
         assert_eq!(

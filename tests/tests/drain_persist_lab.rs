@@ -9,7 +9,7 @@
 //! restarted after its drain completed (within the drain's deadline) is
 //! not sent DRAIN again: switchd learned the completion from the store
 //! (before, it re-sent DRAIN until the deadline; a drain that still runs
-//! is sent again: unit test `a_drain_the_store_says_is_over_is_not_sent_again`).
+//! is sent again: unit test `the_active_follows_the_operators_drains_in_the_store`).
 //!
 //! Before: each of the three put s1 back into placement while the API
 //! still said `drained` (a REGISTER made it live; a restored `drained`
