@@ -157,18 +157,16 @@ pub fn render(stack: &Stack, name: &str) -> String {
                 // The migration of down services' connections (the run
                 // under way, or the last one).
                 let p = i.transports.health_drain.progress();
-                let _ = writeln!(
-                    s,
-                    "# TYPE capybara_health_drain_active gauge
-capybara_health_drain_active{{{l}}} {}
-                     # TYPE capybara_health_drain_migrated gauge
-capybara_health_drain_migrated{{{l}}} {}
-                     # TYPE capybara_health_drain_remaining gauge
-capybara_health_drain_remaining{{{l}}} {}",
-                    u8::from(p.active),
-                    p.migrated,
-                    p.remaining
-                );
+                for (name, v) in [
+                    ("active", u64::from(p.active)),
+                    ("migrated", p.migrated as u64),
+                    ("remaining", p.remaining as u64),
+                ] {
+                    let _ = writeln!(
+                        s,
+                        "# TYPE capybara_health_drain_{name} gauge\ncapybara_health_drain_{name}{{{l}}} {v}"
+                    );
+                }
             }
         }
         i.wake

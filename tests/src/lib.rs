@@ -324,7 +324,9 @@ impl Lab {
             );
             match out {
                 Some(o) if o.status.success() && !o.stdout.is_empty() => {
-                    return String::from_utf8_lossy(&o.stdout).into_owned()
+                    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+                    assert_exposition(&text, &format!("s{j}'s hostagent /metrics"));
+                    return text;
                 }
                 _ if start.elapsed() >= Duration::from_secs(20) => return String::new(),
                 _ => std::thread::sleep(Duration::from_millis(100)),
@@ -537,6 +539,35 @@ impl Drop for Lab {
         for d in &self.scratch_dirs {
             let _ = std::fs::remove_dir_all(d);
         }
+    }
+}
+
+/// Panics unless `text` is what a Prometheus scraper parses (text
+/// exposition): every line empty, a comment starting at its first column
+/// (`# HELP`, `# TYPE`, `# ...`), or a sample `name{labels} value
+/// [timestamp]` with a valid metric name and a numeric value. `what` names
+/// the source in the panic, with the offending line.
+pub fn assert_exposition(text: &str, what: &str) {
+    for (n, line) in text.lines().enumerate() {
+        let ok = if line.is_empty() {
+            true
+        } else if let Some(c) = line.strip_prefix('#') {
+            c.is_empty() || c.starts_with(' ')
+        } else {
+            let name = &line[..line.find(['{', ' ']).unwrap_or(line.len())];
+            let value = line.rsplit(' ').next().unwrap_or("");
+            name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_' || c == ':')
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+                && line.len() > name.len()
+                && (value.parse::<f64>().is_ok() || ["NaN", "+Inf", "-Inf"].contains(&value))
+        };
+        assert!(
+            ok,
+            "{what}: line {} is not Prometheus text exposition: {line:?}",
+            n + 1
+        );
     }
 }
 
@@ -1499,4 +1530,25 @@ pub fn hostagent_migrating_config(
     ));
     std::fs::write(&base, t).expect("write hostagent config");
     base
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn exposition_check_takes_what_scrapers_take() {
+        super::assert_exposition(
+            "# HELP a_b A help.\n# TYPE a_b gauge\na_b{x=\"1 2\"} 3\nc:d 1.5e3 1700000000\n\ne NaN\n#\n",
+            "good",
+        );
+        for bad in [
+            "   # TYPE a gauge\n",
+            " a 1\n",
+            "a{x=\"1\"}\n",
+            "1a 2\n",
+            "a one\n",
+        ] {
+            let r = std::panic::catch_unwind(|| super::assert_exposition(bad, "bad"));
+            assert!(r.is_err(), "{bad:?} passed");
+        }
+    }
 }
