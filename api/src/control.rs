@@ -96,11 +96,27 @@ pub struct ServerStats {
     /// down (None: the server does not report application health, or the
     /// source does not know).
     pub apps_down: Option<u32>,
-    /// switchd's liveness of the server (`Some(false)`: dead, missed its
-    /// heartbeats); `None` when the source does not know (the store, or a
-    /// server switchd does not hold). Shown as the server's `liveness`.
+    /// switchd's liveness of the server; `None` when the source does not
+    /// know (the store, or a server switchd does not hold). Shown as the
+    /// server's `liveness`.
     #[serde(skip)]
-    pub live: Option<bool>,
+    pub live: Option<SwitchdLiveness>,
+}
+
+/// How switchd hears a server's hostagent, from its `/status` (`state`,
+/// `leaving`, `stopped`; `StatusServer::liveness` says which wins).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SwitchdLiveness {
+    /// Registered and sending heartbeats (`live` or `draining`).
+    Live,
+    /// Heard, its hostagent is stopping: it migrates its connections away
+    /// before it exits and takes no new one (`leaving`).
+    Stopping,
+    /// Missed its heartbeats (`dead`).
+    Dead,
+    /// Its hostagent stopped cleanly: its last heartbeat said so (`dead`
+    /// and `stopped`).
+    Stopped,
 }
 
 #[derive(Debug, Clone, Serialize, Default)]

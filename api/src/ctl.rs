@@ -73,10 +73,12 @@ const COMMAND_HELP: &[(&str, &str)] = &[
         "servers",
         "usage: capybara ctl servers
 Lists the registered servers: id, name, state (active, draining, drained,
-dead), liveness (live, dead, never_seen: created through the API and no
-hostagent registered it, so it takes no connection), weight, open
-connections, load in packets/s (- while switchd does not answer) and data
-address.
+dead), liveness (live; stopping: its hostagent migrates its connections
+away before it exits, CONNECTIONS are those left; stopped: its hostagent
+stopped cleanly, placed again when it returns; dead: missed its
+heartbeats; never_seen: created through the API and no hostagent
+registered it, so it takes no connection), weight, open connections, load
+in packets/s (- while switchd does not answer) and data address.
 example:
   capybara ctl servers",
     ),
@@ -693,7 +695,12 @@ async fn dispatch(a: &Args) -> Result<(), CtlError> {
             let srv = apis::servers_api::undrain_server(&cfg, server_id(s)?)
                 .await
                 .map_err(api_err)?;
-            if srv.state == models::ServerState::Dead {
+            if srv.liveness == models::ServerLiveness::Stopped {
+                println!(
+                    "server {} ({}) is undrained; its hostagent stopped cleanly: it takes new connections once its hostagent registers again",
+                    srv.id, srv.name
+                );
+            } else if srv.state == models::ServerState::Dead {
                 // Not "is dead" alone, which reads as a refusal.
                 println!(
                     "server {} ({}) is undrained; it is dead (its hostagent is not heard): it takes new connections once its hostagent registers again",
@@ -800,6 +807,8 @@ async fn ready(cfg: &Configuration) -> Result<(), CtlError> {
 fn liveness_str(l: models::ServerLiveness) -> &'static str {
     match l {
         models::ServerLiveness::Live => "live",
+        models::ServerLiveness::Stopping => "stopping",
+        models::ServerLiveness::Stopped => "stopped",
         models::ServerLiveness::Dead => "dead",
         models::ServerLiveness::NeverSeen => "never_seen",
     }
@@ -1122,10 +1131,10 @@ async fn policy_set(cfg: &Configuration, kvs: &[&str]) -> Result<(), CtlError> {
 }
 
 /// The services that draining `id` leaves with no server to place new
-/// connections on (every other member drained, draining, dead, never seen
-/// or at weight 0; an empty pool counts every registered server). `None`
-/// when the API does not answer: the drain goes on, only the warning is
-/// lost.
+/// connections on (every other member drained, draining, stopping,
+/// stopped, dead, never seen or at weight 0; an empty pool counts every
+/// registered server). `None` when the API does not answer: the drain goes
+/// on, only the warning is lost.
 async fn services_left_without(cfg: &Configuration, id: i64) -> Option<Vec<String>> {
     let servers = apis::servers_api::list_servers(cfg).await.ok()?.items;
     let services = apis::services_api::list_services(cfg).await.ok()?.items;

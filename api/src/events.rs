@@ -6,12 +6,13 @@
 //! it, so the cost per event does not grow with the number of clients. A
 //! client that falls behind gets a `lagged` event naming how many it missed.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::Bytes;
+use capybara_proto::flow::ServerId;
 use capybara_store::{unix_ms_now, Change, WatchKind};
 use futures::StreamExt;
 use serde_json::{json, Value};
@@ -19,7 +20,7 @@ use tokio::sync::broadcast;
 
 use crate::apidb::Role;
 use crate::auth::authorize;
-use crate::control::ControlEvent;
+use crate::control::{ControlEvent, ServerStats, SwitchdLiveness};
 use crate::problem::{ApiResult, Problem, Query};
 use crate::server::{data_source_json, server_event, service_event, AppState};
 
@@ -51,6 +52,8 @@ fn frame(event: &'static str, data: &Value) -> Arc<SseMessage> {
 /// Runs until the process ends (the caller aborts it on shutdown).
 pub async fn run_hub(state: AppState) {
     let mut cp_events = state.cp.subscribe();
+    // switchd's liveness of each server at the last load sample.
+    let mut heard: HashMap<ServerId, Option<SwitchdLiveness>> = HashMap::new();
     let mut ticker = tokio::time::interval(LOAD_INTERVAL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
@@ -108,14 +111,51 @@ pub async fn run_hub(state: AppState) {
                                 servers.sort_by_key(|v| v["id"].as_u64());
                                 let data = json!({ "at_unix_ms": unix_ms_now(), "data_source": data_source_json(state.cp.data_source()), "servers": servers });
                                 let _ = state.hub.send(frame("load", &data));
+                                publish_liveness_changes(&state, &stats, &mut heard).await;
                             }
                             Err(e) => tracing::warn!(error = %e, "event hub: load sample failed"),
                         }
+                    } else {
+                        // What nobody heard: the next client starts anew.
+                        heard.clear();
                     }
                 }
             }
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A `server` event for every server whose liveness switchd changed since
+/// the last sample. A hostagent that starts stopping (`stopping`) changes
+/// no record in the store, so no store change announces it; a death or a
+/// clean stop does (switchd writes `dead`), and may be announced twice
+/// (a client keeps the newer copy). `heard` is empty at the first sample
+/// of a stream that opened with no other client (the caller clears it
+/// while nobody listens): the client listed the servers when its stream
+/// opened, perhaps before a change, so a server first heard other than
+/// live is announced too.
+async fn publish_liveness_changes(
+    state: &AppState,
+    stats: &HashMap<ServerId, ServerStats>,
+    heard: &mut HashMap<ServerId, Option<SwitchdLiveness>>,
+) {
+    heard.retain(|id, _| stats.contains_key(id));
+    for (id, s) in stats {
+        let changed = match heard.insert(*id, s.live) {
+            Some(before) => before != s.live,
+            None => !matches!(s.live, None | Some(SwitchdLiveness::Live)),
+        };
+        if !changed {
+            continue;
+        }
+        match server_event(state, *id, stats).await {
+            Ok(ev) if !ev["server"].is_null() => {
+                let _ = state.hub.send(frame("server", &ev));
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "event hub: building a server event failed"),
+        }
     }
 }
 

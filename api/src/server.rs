@@ -24,7 +24,7 @@ use crate::apidb::{ApiDb, ApiDbError, DrainMode, Role};
 use crate::auth::{authorize, Principal};
 use crate::control::{
     parse_connection_id, ConnectionFilter, ControlPlane, DataSource, DrainSpec, DrainView,
-    ServerStats, ServiceServing,
+    ServerStats, ServiceServing, SwitchdLiveness,
 };
 use crate::events::{self, SseMessage};
 use crate::metrics::Metrics;
@@ -286,8 +286,10 @@ pub struct ServerView {
     pub state: ServerState,
     /// Whether the server's hostagent is heard: `never_seen` (created
     /// through the API, no hostagent has registered it: switchd places no
-    /// connection on it), `live`, `dead` (missed its heartbeats). Apart
-    /// from `state`, which keeps the operator's drain.
+    /// connection on it), `live`, `stopping` (its hostagent migrates its
+    /// connections away before it exits), `stopped` (its hostagent stopped
+    /// cleanly), `dead` (missed its heartbeats). Apart from `state`, which
+    /// keeps the operator's drain.
     pub liveness: &'static str,
     pub weight: u32,
     /// `operator`: `weight` was set through the API (REST, `ctl weight`,
@@ -348,16 +350,19 @@ pub async fn server_view(
     })
 }
 
-/// A server's `liveness`: switchd's when it holds the server, else the
-/// record's (`dead` as switchd last wrote it); `never_seen` for a record
-/// no hostagent has registered, whatever its `state` says.
+/// A server's `liveness`: switchd's when it holds the server (`stopping`
+/// and `stopped` only switchd knows), else the record's (`dead` as switchd
+/// last wrote it); `never_seen` for a record no hostagent has registered,
+/// whatever its `state` or switchd says.
 fn server_liveness(s: &Server, stats: &ServerStats) -> &'static str {
     if !s.hostagent_seen() {
         return "never_seen";
     }
     match stats.live {
-        Some(true) => "live",
-        Some(false) => "dead",
+        Some(SwitchdLiveness::Stopped) => "stopped",
+        Some(SwitchdLiveness::Dead) => "dead",
+        Some(SwitchdLiveness::Stopping) => "stopping",
+        Some(SwitchdLiveness::Live) => "live",
         None if s.state == ServerState::Dead => "dead",
         None => "live",
     }

@@ -43,7 +43,7 @@ use crate::control::{
     connection_id, ConnectionFilter, ConnectionPage, ControlEvent, ControlPlane, DataSource,
     DrainSpec, DrainView, Histogram, MigrationMetrics, MigrationPhases, MigrationView,
     RetiringService, ServerStats, ServiceServing, ServicesStatus, StoreControlPlane,
-    MIGRATION_OUTCOMES, MIGRATION_PHASES, PHASE_BUCKETS_SECONDS,
+    SwitchdLiveness, MIGRATION_OUTCOMES, MIGRATION_PHASES, PHASE_BUCKETS_SECONDS,
 };
 use crate::problem::Problem;
 
@@ -84,6 +84,33 @@ pub struct StatusServer {
     pub health_reported: bool,
     #[serde(default)]
     pub backends: Vec<StatusBackend>,
+    /// Its hostagent announced it is stopping (HEARTBEAT LEAVING); absent
+    /// before switchd 2026-11-24, read as false.
+    #[serde(default)]
+    pub leaving: bool,
+    /// Dead because its last hostagent said it stopped cleanly (HEARTBEAT
+    /// STOPPED); false again once it registers. Absent before switchd
+    /// 2026-11-24, read as false.
+    #[serde(default)]
+    pub stopped: bool,
+}
+
+impl StatusServer {
+    /// switchd's liveness of the server; `None` when its `state` is
+    /// missing. `state` is `live` or `draining` (a drain is the
+    /// operator's, not liveness) or `dead`; a clean stop outranks a
+    /// death, which outranks a stop in progress.
+    pub fn liveness(&self) -> Option<SwitchdLiveness> {
+        if self.state.is_empty() {
+            return None;
+        }
+        Some(match (self.state == "dead", self.stopped, self.leaving) {
+            (true, true, _) => SwitchdLiveness::Stopped,
+            (true, false, _) => SwitchdLiveness::Dead,
+            (false, _, true) => SwitchdLiveness::Stopping,
+            (false, _, false) => SwitchdLiveness::Live,
+        })
+    }
 }
 
 /// One service of a server in switchd's `/status` (`servers[].backends`).
@@ -310,9 +337,7 @@ pub fn parse_status(body: &str) -> Result<HashMap<ServerId, ServerStats>, Proble
                 apps_down: s
                     .health_reported
                     .then(|| s.backends.iter().filter(|b| b.up == Some(false)).count() as u32),
-                // "live" or "draining" (a drain is the operator's, not
-                // liveness), "dead".
-                live: (!s.state.is_empty()).then(|| s.state != "dead"),
+                live: s.liveness(),
             };
             (ServerId(s.id), stats)
         })
@@ -1295,6 +1320,40 @@ mod tests {
         assert_eq!(s2.load_pps, Some(7.0));
         assert!(parse_status(r#"{"servers": []}"#).unwrap().is_empty());
         assert!(parse_status("{}").unwrap().is_empty());
+    }
+
+    /// switchd's `state`, `leaving` and `stopped` make one liveness: a
+    /// clean stop over a death over a stop in progress (an operator's
+    /// drain, `draining`, is not liveness); a switchd without the two
+    /// fields (before 2026-11-24) reads as before; no `state`, no view.
+    #[test]
+    fn leaving_and_stopped_map_to_one_liveness() {
+        use SwitchdLiveness::*;
+        let body = r#"{"servers": [
+          {"id": 1, "state": "live"},
+          {"id": 2, "state": "live", "leaving": true, "stopped": false},
+          {"id": 3, "state": "draining", "leaving": true},
+          {"id": 4, "state": "draining", "leaving": false},
+          {"id": 5, "state": "dead", "leaving": true, "stopped": false},
+          {"id": 6, "state": "dead", "leaving": true, "stopped": true},
+          {"id": 7, "state": "dead"},
+          {"id": 8, "leaving": true, "stopped": true}
+        ]}"#;
+        let m = parse_status(body).unwrap();
+        let got: Vec<_> = (1..=8).map(|id| m[&ServerId(id)].live).collect();
+        assert_eq!(
+            got,
+            [
+                Some(Live),
+                Some(Stopping),
+                Some(Stopping),
+                Some(Live),
+                Some(Dead),
+                Some(Stopped),
+                Some(Dead),
+                None
+            ]
+        );
     }
 
     /// The switch's own addresses switchd publishes (control_listen and its

@@ -1240,9 +1240,17 @@ async fn switchd_endpoint(kind: Endpoint) -> (String, tokio::task::JoinHandle<()
 
 /// [`switchd_endpoint`]'s server, its `/status` answering `status`.
 async fn stand_in(kind: Endpoint, status: Value) -> (String, tokio::task::JoinHandle<()>) {
+    stand_in_changing(kind, Arc::new(std::sync::Mutex::new(status))).await
+}
+
+/// [`stand_in`] whose `/status` answers what `status` holds at the time of
+/// each request (a test changes it as switchd would).
+async fn stand_in_changing(
+    kind: Endpoint,
+    status: Arc<std::sync::Mutex<Value>>,
+) -> (String, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let status = status.to_string();
     let task = tokio::spawn(async move {
         let mut held = Vec::new();
         loop {
@@ -1253,7 +1261,7 @@ async fn stand_in(kind: Endpoint, status: Value) -> (String, tokio::task::JoinHa
                 held.push(c);
                 continue;
             }
-            let status = status.clone();
+            let status = status.lock().unwrap().to_string();
             tokio::spawn(async move {
                 let target = request_target(&mut c).await;
                 let (code, body) = match (kind, target.split('?').next().unwrap_or("")) {
@@ -2358,13 +2366,195 @@ async fn a_server_no_hostagent_registered_is_shown_never_seen() {
     api.stop().await;
 }
 
-/// A stand-in for switchd's HTTP endpoint whose `/status` is `status`.
-async fn switchd_status_endpoint(status: Value) -> (String, tokio::task::JoinHandle<()>) {
-    stand_in(Endpoint::Switchd, status).await
+/// A server whose hostagent is stopping (switchd's `/status` `leaving`)
+/// is shown `stopping` with the connections it has left, one whose
+/// hostagent stopped cleanly (`stopped`, state `dead`) `stopped`, apart
+/// from one that died (`dead`; this one's switchd lacks both fields, as an
+/// older switchd does), in REST and `ctl servers`; a record no hostagent
+/// registered stays `never_seen` whatever switchd says. Starting to stop
+/// writes no record: the API announces it as a `server` event. A stopped
+/// server whose hostagent registers again is `live`. Before, the stopping
+/// server read `live` and the stopped one `dead`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_and_a_stopped_server_are_shown_apart_from_a_dead_one() {
+    use capybara_store::ServerState;
+    let status = Arc::new(std::sync::Mutex::new(
+        json!({ "role": "active", "servers": [
+            {"id": 1, "state": "live", "connections": 5, "load_pps": 10.0,
+             "leaving": false, "stopped": false},
+            {"id": 2, "state": "dead", "connections": 0},
+            {"id": 3, "state": "dead", "connections": 0, "leaving": true, "stopped": true},
+            {"id": 4, "state": "dead", "leaving": true, "stopped": true},
+        ]}),
+    ));
+    let api = two_servers_behind_changing(status.clone()).await;
+    let (url, ops, store) = (api.url.clone(), api.ops.clone(), &api.store);
+    for (name, data) in [("s3", "10.0.2.13"), ("s4", "10.0.2.14")] {
+        let body = json!({ "name": name, "mgmt_addr": "10.0.1.11:7000", "data_addr": data });
+        let (s, v, _) = call("POST", format!("{url}/v1/servers"), Some(&ops), Some(body)).await;
+        assert_eq!(s, 201, "{v}");
+    }
+    // What switchd writes: s1..s3 registered; s2 and s3 dead.
+    for id in 1..=3u32 {
+        let mut rec = store.get_server(ServerId(id)).await.unwrap().unwrap();
+        rec.data_mac = Some(format!("02:00:00:00:00:{id:02x}"));
+        store.put_registered_server(&rec).await.unwrap();
+    }
+    for id in [2, 3] {
+        store
+            .set_server_state(ServerId(id), ServerState::Dead)
+            .await
+            .unwrap();
+    }
+    let liveness = || {
+        let (url, ops) = (url.clone(), ops.clone());
+        async move {
+            let (s, v, _) = call("GET", format!("{url}/v1/servers"), Some(&ops), None).await;
+            assert_eq!(s, 200, "{v}");
+            let items = v["items"].as_array().unwrap().clone();
+            (1..=4u64)
+                .map(|id| {
+                    let s = items.iter().find(|s| s["id"] == id).unwrap();
+                    format!(
+                        "{} {}",
+                        s["state"].as_str().unwrap(),
+                        s["liveness"].as_str().unwrap()
+                    )
+                })
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(
+        liveness().await,
+        [
+            "active live",
+            "dead dead",
+            "dead stopped",
+            "active never_seen"
+        ]
+    );
+
+    // s1's hostagent starts stopping. A client of the event stream hears
+    // of it within a second or two: wait for the stream's first `load`
+    // sample (the API has read switchd's view once) before the change.
+    let resp = reqwest::Client::new()
+        .get(format!("{url}/v1/events?types=server,load"))
+        .bearer_auth(&ops)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut events = EventReader {
+        resp,
+        buf: String::new(),
+    };
+    events.next_of("load", Duration::from_secs(5)).await;
+    {
+        let mut st = status.lock().unwrap();
+        st["servers"][0]["leaving"] = json!(true);
+        st["servers"][0]["connections"] = json!(3);
+    }
+    let ev = loop {
+        let ev = events.next_of("server", Duration::from_secs(5)).await;
+        if ev["id"] == 1 {
+            break ev;
+        }
+    };
+    assert_eq!(ev["server"]["liveness"], "stopping", "{ev}");
+    assert_eq!(ev["server"]["stats"]["connections"], 3, "{ev}");
+    drop(events);
+    let (_, v, _) = call("GET", format!("{url}/v1/servers/1"), Some(&ops), None).await;
+    assert_eq!(
+        (&v["state"], &v["liveness"], &v["stats"]["connections"]),
+        (&json!("active"), &json!("stopping"), &json!(3)),
+        "{v}"
+    );
+    assert_eq!(
+        liveness().await,
+        [
+            "active stopping",
+            "dead dead",
+            "dead stopped",
+            "active never_seen"
+        ]
+    );
+    let (u, t) = (url.clone(), ops.clone());
+    let (code, out, err) = tokio::task::spawn_blocking(move || ctl(&u, &t, &["servers"]))
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    let row = |name: &str| -> Vec<String> {
+        out.lines()
+            .map(|l| l.split_whitespace().map(str::to_string).collect::<Vec<_>>())
+            .find(|w| w.get(1).map(String::as_str) == Some(name))
+            .unwrap_or_else(|| panic!("no row of {name}: {out}"))
+    };
+    // ID NAME STATE LIVENESS WEIGHT CONNECTIONS ...
+    assert_eq!(row("s1")[2..4], ["active", "stopping"], "{out}");
+    assert_eq!(row("s1")[5], "3", "{out}");
+    assert_eq!(row("s2")[2..4], ["dead", "dead"], "{out}");
+    assert_eq!(row("s3")[2..4], ["dead", "stopped"], "{out}");
+    assert_eq!(row("s4")[2..4], ["active", "never_seen"], "{out}");
+
+    // s3's hostagent returns: switchd holds it live, no longer stopped.
+    {
+        let mut st = status.lock().unwrap();
+        st["servers"][2] = json!({"id": 3, "state": "live", "connections": 0,
+                                  "leaving": false, "stopped": false});
+    }
+    let mut rec = store.get_server(ServerId(3)).await.unwrap().unwrap();
+    rec.state = ServerState::Active;
+    store.put_registered_server(&rec).await.unwrap();
+    let (_, v, _) = call("GET", format!("{url}/v1/servers/3"), Some(&ops), None).await;
+    assert_eq!(
+        (&v["state"], &v["liveness"]),
+        (&json!("active"), &json!("live")),
+        "{v}"
+    );
+    api.stop().await;
+}
+
+/// Reads server-sent events off a `/v1/events` response.
+struct EventReader {
+    resp: reqwest::Response,
+    buf: String,
+}
+
+impl EventReader {
+    /// The data of the next event named `name` (others are skipped),
+    /// within `limit`.
+    async fn next_of(&mut self, name: &str, limit: Duration) -> Value {
+        let deadline = Instant::now() + limit;
+        loop {
+            while let Some(end) = self.buf.find("\n\n") {
+                let frame: String = self.buf.drain(..end + 2).collect();
+                let mut event = "";
+                let mut data = "";
+                for line in frame.lines() {
+                    if let Some(e) = line.strip_prefix("event: ") {
+                        event = e;
+                    } else if let Some(d) = line.strip_prefix("data: ") {
+                        data = d;
+                    }
+                }
+                if event == name {
+                    return serde_json::from_str(data).unwrap();
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "no {name} event within {limit:?}");
+            match tokio::time::timeout(left, self.resp.chunk()).await {
+                Ok(Ok(Some(c))) => self.buf.push_str(&String::from_utf8_lossy(&c)),
+                Ok(Ok(None)) => panic!("the event stream ended"),
+                Ok(Err(e)) => panic!("reading the event stream: {e}"),
+                Err(_) => panic!("no {name} event within {limit:?}"),
+            }
+        }
+    }
 }
 
 /// The API in front of a stand-in switchd whose `/status` is `status`
-/// ([`switchd_status_endpoint`]), with servers s1 (data address 10.0.2.11)
+/// ([`stand_in`] as `Endpoint::Switchd`), with servers s1 (data address 10.0.2.11)
 /// and s2 (10.0.2.12) created by an operator.
 struct StandInApi {
     running: RunningApi,
@@ -2379,7 +2569,13 @@ struct StandInApi {
 }
 
 async fn two_servers_behind(status: Value) -> StandInApi {
-    let (sw_url, endpoint) = switchd_status_endpoint(status).await;
+    two_servers_behind_changing(Arc::new(std::sync::Mutex::new(status))).await
+}
+
+/// [`two_servers_behind`] a stand-in whose `/status` is what `status`
+/// holds at each request.
+async fn two_servers_behind_changing(status: Arc<std::sync::Mutex<Value>>) -> StandInApi {
+    let (sw_url, endpoint) = stand_in_changing(Endpoint::Switchd, status).await;
     let dir = tempfile::tempdir().unwrap();
     let (running, inner, url, db) = start_with_switchd_db(dir.path(), &sw_url).await;
     let ops = db.create("ops", Role::Operator, "test").unwrap().1;

@@ -9,12 +9,15 @@ Environment:
   CAPYBARA_CHROMIUM        chromium executable (default: /usr/bin/chromium)
 """
 import ipaddress
+import json
 import os
 import re
 import sqlite3
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -96,6 +99,19 @@ class Api:
                 [(int(ipaddress.IPv4Address(ip)), cport, int(ipaddress.IPv4Address(vip)), port, server) for ip, cport in clients],
             )
 
+    def hostagent_registers(self, server: int, state: str = "active"):
+        """Writes server `server`'s record as switchd does from its
+        hostagent's REGISTER (the data MAC: no longer `never_seen`) and its
+        liveness `state` (`active`, `dead`), in the store's JSON envelope
+        (store/src/codec.rs). No change is logged: a page opened afterwards
+        lists it."""
+        with self._flows_db() as db:
+            (value,) = db.execute("SELECT value FROM servers WHERE id = ?", (server,)).fetchone()
+            rec = json.loads(value)
+            rec["data"]["data_mac"] = f"02:00:00:00:00:{server:02x}"
+            rec["data"]["state"] = state
+            db.execute("UPDATE servers SET value = ? WHERE id = ?", (json.dumps(rec).encode(), server))
+
     def move_flows(self, from_server: int, to_server: int, count: int):
         with self._flows_db() as db:
             rows = db.execute(
@@ -114,8 +130,9 @@ class ApiProcess:
     on the same address and store (what an operator sees when the API
     restarts)."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, extra_args: tuple[str, ...] = ()):
         self.tmp = tmp
+        self.extra_args = list(extra_args)
         self.store = tmp / "store.db"
         self.token_file = tmp / "admin.token"
         self.proc = None
@@ -133,6 +150,7 @@ class ApiProcess:
                 "--listen", listen,
                 "--admin-token-file", str(self.token_file),
                 "--static-dir", str(DIST),
+                *self.extra_args,
             ],
             stdout=subprocess.PIPE, stderr=self.log, text=True,
         )
@@ -172,6 +190,57 @@ class ApiProcess:
             self.proc.wait(5)
         self.proc = None
         self.log.close()
+
+
+class SwitchdStandIn:
+    """A stand-in for switchd's HTTP endpoint (`metrics_listen`) on
+    127.0.0.1: `GET /status` answers `status` as it is at each request (a
+    test changes it as switchd would), `GET /migrations` no migration."""
+
+    def __init__(self, status: dict):
+        self.status = status
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path.startswith("/status"):
+                    body = stand_in.status
+                elif self.path.startswith("/migrations"):
+                    body = {"epoch": 1, "next": 1, "items": []}
+                else:
+                    self.send_error(404)
+                    return
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@contextmanager
+def api_behind_switchd(tmp: Path, status: dict):
+    """A capybara-api of its own (store in `tmp`) whose control plane is a
+    `SwitchdStandIn` answering `status`: yields (Api, SwitchdStandIn)."""
+    switchd = SwitchdStandIn(status)
+    p = ApiProcess(tmp, ("--switchd", switchd.url))
+    try:
+        url = p.start()
+        yield Api(url, p.token_file.read_text().strip(), p.store, p), switchd
+    finally:
+        p.stop()
+        switchd.close()
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import requests
 
 from playwright.sync_api import Page, expect
 
-from conftest import VIP, PORT, Api
+from conftest import VIP, PORT, Api, api_behind_switchd
 
 UNKNOWN_TOKEN = "capy_" + "0" * 64
 
@@ -438,3 +438,58 @@ def test_migration_feed_opens_on_the_newest(page: Page, tmp_path, shot):
         log.close()
         switchd.shutdown()
         switchd.server_close()
+
+
+def test_stopping_and_stopped_servers_have_their_own_badges(page: Page, tmp_path, shot):
+    """switchd says web-1's hostagent is stopping (`leaving`) and web-2's
+    stopped cleanly (`stopped`), web-3 died (no such fields, as an older
+    switchd writes): the cards say `stopping · N left` (N: the connections
+    it has left), `stopped` and `not heard`, each its own badge. web-1
+    starts stopping while the page is open: the badge comes through the
+    event stream (no record changes), and its count follows the `load`
+    events."""
+    status = {"role": "active", "servers": [
+        {"id": 1, "state": "live", "connections": 4, "load_pps": 12.0},
+        {"id": 2, "state": "dead", "connections": 0, "leaving": True, "stopped": True},
+        {"id": 3, "state": "dead", "connections": 0},
+    ]}
+    with api_behind_switchd(tmp_path, status) as (api, switchd):
+        for s in ({"id": 1, "name": "web-1", "mgmt_addr": "10.0.1.11:7000", "data_addr": "10.0.2.11"},
+                  {"id": 2, "name": "web-2", "mgmt_addr": "10.0.1.12:7000", "data_addr": "10.0.2.12"},
+                  {"id": 3, "name": "web-3", "mgmt_addr": "10.0.1.13:7000", "data_addr": "10.0.2.13"}):
+            api.req("POST", "/v1/servers", 201, json=s)
+        api.hostagent_registers(1)
+        api.hostagent_registers(2, "dead")
+        # web-3: its record says active (switchd has not written its death).
+        api.hostagent_registers(3)
+        assert [s["liveness"] for s in api.get("/v1/servers")["items"]] == ["live", "stopped", "dead"]
+
+        login(page, api)
+        expect(page.get_by_test_id("server-card-1")).to_have_attribute("data-liveness", "live")
+        expect(page.get_by_test_id("server-liveness-1")).to_have_count(0)
+        badge2 = page.get_by_test_id("server-liveness-2")
+        expect(badge2).to_have_text("stopped")
+        expect(badge2).to_have_class(re.compile(r"\bbadge-stopped\b"))
+        expect(page.get_by_test_id("server-card-2")).to_have_attribute("data-liveness", "stopped")
+        badge3 = page.get_by_test_id("server-liveness-3")
+        expect(badge3).to_have_text("not heard")
+        expect(badge3).to_have_class(re.compile(r"\bbadge-dead\b"))
+
+        switchd.status["servers"][0].update(leaving=True, connections=3)
+        badge1 = page.get_by_test_id("server-liveness-1")
+        expect(badge1).to_have_text("stopping · 3 left")
+        expect(badge1).to_have_class(re.compile(r"\bbadge-stopping\b"))
+        expect(page.get_by_test_id("server-card-1")).to_have_attribute("data-liveness", "stopping")
+        expect(page.get_by_test_id("server-state-1")).to_have_text("active")
+        switchd.status["servers"][0]["connections"] = 1
+        expect(badge1).to_have_text("stopping · 1 left")
+        shot(page, "20-stopping-and-stopped")
+
+        # The pool of the Services page colours them the same way.
+        api.req("POST", "/v1/services", 201, json={"name": "web", "vip": VIP, "port": PORT, "pool": [1, 2, 3]})
+        page.get_by_test_id("nav-services").click()
+        chips = page.get_by_test_id("service-row-web").locator("td").nth(2).locator(".chip")
+        expect(chips).to_have_count(3)
+        expect(chips.nth(0)).to_have_class(re.compile(r"\bbadge-stopping\b"))
+        expect(chips.nth(1)).to_have_class(re.compile(r"\bbadge-stopped\b"))
+        expect(chips.nth(2)).to_have_class(re.compile(r"\bbadge-dead\b"))

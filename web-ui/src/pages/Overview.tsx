@@ -152,7 +152,7 @@ function ServerCard({
   const canUndrain = operate && (s.state === 'draining' || s.state === 'drained' || drainRunning);
 
   return (
-    <div className={`card state-${s.state}`} data-testid={`server-card-${s.id}`} data-server-name={s.name} data-state={s.state} data-liveness={s.liveness}>
+    <div className={`card state-${s.state} liveness-${s.liveness}`} data-testid={`server-card-${s.id}`} data-server-name={s.name} data-state={s.state} data-liveness={s.liveness}>
       <div className="card-head">
         <span className="dot" style={{ background: colorFor(s.id) }} />
         <strong data-testid={`server-name-${s.id}`}>{s.name}</strong>
@@ -171,6 +171,24 @@ function ServerCard({
             data-testid={`server-liveness-${s.id}`}
           >
             {s.liveness === 'never_seen' ? 'never seen' : 'not heard'}
+          </span>
+        )}
+        {s.liveness === 'stopping' && (
+          <span
+            className="badge badge-stopping"
+            title="its hostagent is stopping: it migrates its connections away before it exits and takes no new connection"
+            data-testid={`server-liveness-${s.id}`}
+          >
+            stopping · {s.stats.connections} left
+          </span>
+        )}
+        {s.liveness === 'stopped' && (
+          <span
+            className="badge badge-stopped"
+            title="its hostagent stopped cleanly: it holds no connection; it is placed again when its hostagent returns"
+            data-testid={`server-liveness-${s.id}`}
+          >
+            stopped
           </span>
         )}
         {(s.stats.apps_down ?? 0) > 0 && (

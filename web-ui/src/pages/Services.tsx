@@ -172,6 +172,20 @@ function Retiring({ items }: { items: RetiringService[] }) {
   );
 }
 
+/** A pool member's colour: its state while its hostagent is heard, its
+ * liveness otherwise (a stop in progress or done is not a death). */
+function poolChipStyle(s: Server): string {
+  switch (s.liveness) {
+    case 'live':
+      return s.state;
+    case 'stopping':
+    case 'stopped':
+      return s.liveness;
+    default:
+      return 'dead';
+  }
+}
+
 function Pool({ pool: poolSet, servers }: { pool: Set<number>; servers: Record<number, Server> }) {
   const pool = Array.from(poolSet).sort((a, b) => a - b);
   if (pool.length === 0) return <span className="muted">every server</span>;
@@ -182,7 +196,7 @@ function Pool({ pool: poolSet, servers }: { pool: Set<number>; servers: Record<n
         return (
           <span
             key={id}
-            className={`chip badge-${s ? (s.liveness === 'live' ? s.state : 'dead') : 'dead'}`}
+            className={`chip badge-${s ? poolChipStyle(s) : 'dead'}`}
             title={s ? `${s.state}, ${s.liveness.replace('_', ' ')}, weight ${s.weight}` : 'unknown server'}
           >
             {s?.name ?? `#${id}`}

@@ -18,7 +18,8 @@
  * operator's drain holds it (kept across restarts and deaths until
  * undrain), else `active` (in service) or `dead` (switchd declared it
  * dead). Whether the server is heard at all is `liveness`: an
- * `active` server may be `never_seen` or `dead` there.
+ * `active` server may be `never_seen`, `stopping`, `stopped` or
+ * `dead` there.
  * 
  * @export
  */

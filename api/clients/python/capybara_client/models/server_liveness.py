@@ -20,13 +20,15 @@ from typing_extensions import Self
 
 class ServerLiveness(str, Enum):
     """
-    Whether the server's hostagent is heard by switchd. `never_seen`: the server was created through the API (`POST /v1/servers`) and no hostagent has registered it since; switchd places no connection on it. `live`: registered and sending heartbeats. `dead`: it missed its heartbeats for `dead_after_ms` (switchd's view when switchd answers, else the store's record); new connections go elsewhere. 
+    Whether the server's hostagent is heard by switchd. `never_seen`: the server was created through the API (`POST /v1/servers`) and no hostagent has registered it since; switchd places no connection on it. `live`: registered and sending heartbeats. `stopping`: heard; its hostagent is stopping (SIGTERM): it migrates its connections away (`stats.connections` are those left) before it exits and takes no new connection. `stopped`: its hostagent stopped cleanly; switchd holds no flow of it; it is placed again when its hostagent returns. `dead`: it missed its heartbeats for `dead_after_ms` (switchd's view when switchd answers, else the store's record); new connections go elsewhere. One applies: the first that holds of `never_seen`, `stopped`, `dead`, `stopping`, `live`. `stopping` and `stopped` come from switchd only: while it does not answer, a stopped server reads `dead` and a stopping one `live` (the store's record). 
     """
 
     """
     allowed enum values
     """
     LIVE = 'live'
+    STOPPING = 'stopping'
+    STOPPED = 'stopped'
     DEAD = 'dead'
     NEVER_SEEN = 'never_seen'
 

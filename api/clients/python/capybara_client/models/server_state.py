@@ -20,7 +20,7 @@ from typing_extensions import Self
 
 class ServerState(str, Enum):
     """
-    The operator's view of the server: `draining`, `drained` while the operator's drain holds it (kept across restarts and deaths until undrain), else `active` (in service) or `dead` (switchd declared it dead). Whether the server is heard at all is `liveness`: an `active` server may be `never_seen` or `dead` there. 
+    The operator's view of the server: `draining`, `drained` while the operator's drain holds it (kept across restarts and deaths until undrain), else `active` (in service) or `dead` (switchd declared it dead). Whether the server is heard at all is `liveness`: an `active` server may be `never_seen`, `stopping`, `stopped` or `dead` there. 
     """
 
     """

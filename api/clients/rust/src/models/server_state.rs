@@ -11,8 +11,8 @@
 use crate::models;
 use serde::{Deserialize, Serialize};
 
-/// ServerState : The operator's view of the server: `draining`, `drained` while the operator's drain holds it (kept across restarts and deaths until undrain), else `active` (in service) or `dead` (switchd declared it dead). Whether the server is heard at all is `liveness`: an `active` server may be `never_seen` or `dead` there.
-/// The operator's view of the server: `draining`, `drained` while the operator's drain holds it (kept across restarts and deaths until undrain), else `active` (in service) or `dead` (switchd declared it dead). Whether the server is heard at all is `liveness`: an `active` server may be `never_seen` or `dead` there.
+/// ServerState : The operator's view of the server: `draining`, `drained` while the operator's drain holds it (kept across restarts and deaths until undrain), else `active` (in service) or `dead` (switchd declared it dead). Whether the server is heard at all is `liveness`: an `active` server may be `never_seen`, `stopping`, `stopped` or `dead` there.
+/// The operator's view of the server: `draining`, `drained` while the operator's drain holds it (kept across restarts and deaths until undrain), else `active` (in service) or `dead` (switchd declared it dead). Whether the server is heard at all is `liveness`: an `active` server may be `never_seen`, `stopping`, `stopped` or `dead` there.
 #[derive(Clone, Copy, Debug, Eq, PartialEq, Ord, PartialOrd, Hash, Serialize, Deserialize)]
 pub enum ServerState {
     #[serde(rename = "active")]
