@@ -424,6 +424,34 @@ impl TcpSection {
     }
 }
 
+/// What SIGTERM/SIGINT does (`[shutdown]`, docs/OPERATIONS.md "Stopping
+/// or restarting a server").
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShutdownConfig {
+    /// How long a stop may take to migrate every connection away before it
+    /// cuts the ones left and exits, milliseconds; 0: exit at once (the
+    /// connections die).
+    #[serde(default = "default_drain_timeout_ms")]
+    pub drain_timeout_ms: u64,
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        ShutdownConfig {
+            drain_timeout_ms: default_drain_timeout_ms(),
+        }
+    }
+}
+
+/// Upper bound of `shutdown.drain_timeout_ms`: one hour (a stop that
+/// takes longer is a stuck stop; systemd and compose would need as long).
+pub const MAX_DRAIN_TIMEOUT_MS: u64 = 3_600_000;
+
+fn default_drain_timeout_ms() -> u64 {
+    20_000
+}
+
 fn default_keepalive_idle_ms() -> u64 {
     300_000
 }
@@ -454,6 +482,8 @@ pub struct Config {
     pub health: HealthConfig,
     #[serde(default)]
     pub tcp: TcpSection,
+    #[serde(default)]
+    pub shutdown: ShutdownConfig,
 }
 
 impl MigrationConfig {
@@ -560,6 +590,7 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "policy",
     "health",
     "tcp",
+    "shutdown",
 ];
 
 /// A configuration error, naming the field and the value.
@@ -784,6 +815,13 @@ impl Config {
                 let why = format!("must be {} to {}", range.start(), range.end());
                 return Err(bad(field, v.to_string(), &why));
             }
+        }
+        if self.shutdown.drain_timeout_ms > MAX_DRAIN_TIMEOUT_MS {
+            return Err(bad(
+                "shutdown.drain_timeout_ms",
+                self.shutdown.drain_timeout_ms.to_string(),
+                "must be 0 (stop at once) to 3600000 (one hour)",
+            ));
         }
         if !(1..=10_000).contains(&self.policy.monitor_window_ms) {
             return Err(bad(
@@ -1154,6 +1192,26 @@ app = "echo"
         assert!(e.contains("health.interval_ms = 5"), "{e}");
         let e = check(&format!("{GOOD}[health]\nintervl_ms = 5\n")).unwrap_err();
         assert!(e.contains("intervl_ms"), "{e}");
+    }
+
+    #[test]
+    fn shutdown_drain_timeout_defaults_to_20_s_and_is_bounded() {
+        assert_eq!(check(GOOD).unwrap().shutdown.drain_timeout_ms, 20_000);
+        let c = check(&format!("{GOOD}[shutdown]\ndrain_timeout_ms = 0\n")).unwrap();
+        assert_eq!(c.shutdown.drain_timeout_ms, 0);
+        let c = check(&format!("{GOOD}[shutdown]\ndrain_timeout_ms = 1500\n")).unwrap();
+        assert_eq!(c.shutdown.drain_timeout_ms, 1500);
+        let e = check(&format!("{GOOD}[shutdown]\ndrain_timeout_ms = 3600001\n")).unwrap_err();
+        assert!(
+            e.contains("shutdown.drain_timeout_ms = 3600001: must be 0 (stop at once)"),
+            "{e}"
+        );
+        let e = check(&format!("{GOOD}[shutdown]\ndrain_timeout_ms = -1\n")).unwrap_err();
+        assert!(e.contains("drain_timeout_ms"), "{e}");
+        let e = check(&format!("{GOOD}[shutdown]\ndrain_timeout = 5\n")).unwrap_err();
+        assert!(e.contains("drain_timeout"), "{e}");
+        let e = check(&format!("{GOOD}[shutdown]\ndrain_timeout_ms = \"20s\"\n")).unwrap_err();
+        assert!(e.contains("drain_timeout_ms"), "{e}");
     }
 
     #[test]

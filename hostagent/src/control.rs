@@ -19,8 +19,14 @@
 //! NOT_STARTED naming why, in a message of its own, so that the operator's
 //! request ends as refused within a poll instead of waiting out the API's
 //! store watch.
+//!
+//! A graceful stop ([`crate::drain::StopSignal`]): from its start every
+//! heartbeat says LEAVING (the first at once), and at its end the channel
+//! sends [`STOPPED_REPEATS`] heartbeats with STOPPED and ends. An operator's
+//! undrain meanwhile does not end the stop's drain.
 
 use crate::config::ControlConfig;
+use crate::drain::StopPhase;
 use crate::migration::Migrator;
 use crate::policy::Tunables;
 use crate::stack::Stack;
@@ -55,6 +61,10 @@ const FLOWS_RESEND: Duration = Duration::from_millis(200);
 /// Sends of one batch before the report is given up (the switch asks for
 /// another while it lacks one: FLOWS_ACK with REQUEST).
 const FLOWS_TRIES: u32 = 10;
+/// STOPPED heartbeats a stopping process sends (datagrams: one may be
+/// lost), [`STOPPED_SPACING`] apart.
+pub const STOPPED_REPEATS: u32 = 3;
+const STOPPED_SPACING: Duration = Duration::from_millis(1);
 
 /// One FLOWS report in progress: the claims listed when it started, cut
 /// into batches of [`MAX_FLOW_CLAIMS`] (at least one: an empty report is
@@ -211,6 +221,24 @@ pub async fn run(
     services: Vec<SocketAddrV4>,
     health: std::rc::Rc<crate::health::Board>,
 ) {
+    let stop = std::rc::Rc::new(crate::drain::StopSignal::default());
+    run_with_stop(cfg, key, stack, data_addr, data_mac, services, health, stop).await
+}
+
+/// [`run`], told of a graceful stop by `stop`: LEAVING heartbeats from its
+/// start; once it says [`StopPhase::Stopped`], the STOPPED heartbeats,
+/// then `stop.stopped_sent` and the end.
+#[allow(clippy::too_many_arguments)]
+pub async fn run_with_stop(
+    cfg: ControlConfig,
+    key: MigrationKey,
+    stack: Stack,
+    data_addr: Ipv4Addr,
+    data_mac: [u8; 6],
+    services: Vec<SocketAddrV4>,
+    health: std::rc::Rc<crate::health::Board>,
+    stop: std::rc::Rc<crate::drain::StopSignal>,
+) {
     let sock = match tokio::net::UdpSocket::bind(SocketAddrV4::new(cfg.management, 0)).await {
         Ok(s) => s,
         Err(e) => {
@@ -218,6 +246,8 @@ pub async fn run(
                 "hostagent: control channel: cannot bind {}: {e}",
                 cfg.management
             );
+            // A stop waits for nothing from here.
+            stop.stopped_sent.notify_one();
             return;
         }
     };
@@ -282,6 +312,36 @@ pub async fn run(
             }
         }
         tokio::select! {
+            _ = stop.changed.notified() => {
+                match stop.phase() {
+                    StopPhase::Serving => {}
+                    StopPhase::Leaving => {
+                        // Out of placement and targets now, not at the
+                        // next tick.
+                        if registered {
+                            let body = heartbeat(&stack, draining, &health, &stop);
+                            if let Some(n) = send(body, &mut buf, &mut seq) {
+                                let _ = sock.send_to(&buf[..n], cfg.switch).await;
+                            }
+                        }
+                    }
+                    StopPhase::Stopped => {
+                        if registered {
+                            for k in 0..STOPPED_REPEATS {
+                                if k > 0 {
+                                    tokio::time::sleep(STOPPED_SPACING).await;
+                                }
+                                let body = heartbeat(&stack, draining, &health, &stop);
+                                if let Some(n) = send(body, &mut buf, &mut seq) {
+                                    let _ = sock.send_to(&buf[..n], cfg.switch).await;
+                                }
+                            }
+                        }
+                        stop.stopped_sent.notify_one();
+                        return;
+                    }
+                }
+            }
             _ = report_tick.tick(), if registered => {
                 for _ in 0..REPORT_BATCHES {
                     reports.clear();
@@ -303,7 +363,7 @@ pub async fn run(
             _ = health.changed.notified(), if registered => {
                 // A backend went down or came back: tell the switch now,
                 // not at the next heartbeat.
-                let body = heartbeat(&stack, draining, &health);
+                let body = heartbeat(&stack, draining, &health, &stop);
                 if let Some(n) = send(body, &mut buf, &mut seq) {
                     let _ = sock.send_to(&buf[..n], cfg.switch).await;
                 }
@@ -319,7 +379,7 @@ pub async fn run(
                         instance,
                     })
                 } else {
-                    heartbeat(&stack, draining, &health)
+                    heartbeat(&stack, draining, &health, &stop)
                 };
                 if let Some(n) = send(body, &mut buf, &mut seq) {
                     match sock.send_to(&buf[..n], cfg.switch).await {
@@ -364,8 +424,15 @@ pub async fn run(
                     ControlBody::Drain(d) => {
                         draining = d.flags & capybara_proto::control::DRAIN_CANCEL == 0;
                         let deadline = Duration::from_millis(u64::from(d.deadline_ms));
-                        let queued = stack.with(|i| drain(i, draining, deadline));
-                        eprintln!("hostagent: drain {} ({queued} connections queued)", if draining { "started" } else { "cancelled" });
+                        let leaving = stop.phase() != StopPhase::Serving;
+                        if !draining && leaving {
+                            // The heartbeat's DRAINING flag follows the
+                            // operator; the stop's drain goes on.
+                            eprintln!("hostagent: drain cancelled by the operator; this process is stopping: its connections keep migrating away");
+                        } else {
+                            let queued = stack.with(|i| drain(i, draining, deadline));
+                            eprintln!("hostagent: drain {} ({queued} connections queued)", if draining { "started" } else { "cancelled" });
+                        }
                     }
                     ControlBody::Migrate(m) => {
                         let failed = stack.with(|i| {
@@ -469,9 +536,14 @@ pub async fn run(
     }
 }
 
-/// A HEARTBEAT with the counters summary, the drain flag and the backends'
-/// health.
-fn heartbeat(stack: &Stack, draining: bool, health: &crate::health::Board) -> ControlBody<'static> {
+/// A HEARTBEAT with the counters summary, the drain flag, the backends'
+/// health and the stop's flags (LEAVING, STOPPED).
+fn heartbeat(
+    stack: &Stack,
+    draining: bool,
+    health: &crate::health::Board,
+    stop: &crate::drain::StopSignal,
+) -> ControlBody<'static> {
     let (connections, in_flight, load, generation) = stack.with(|i| {
         let now = i.clock.now();
         let t = &mut i.transports;
@@ -492,7 +564,7 @@ fn heartbeat(stack: &Stack, draining: bool, health: &crate::health::Board) -> Co
         migrations_in_flight: in_flight,
         load_pps: load.pps.round() as u64,
         rx_backlog_bytes: load.rx_backlog_bytes,
-        flags: drain | health.heartbeat_flags(),
+        flags: drain | health.heartbeat_flags() | stop.heartbeat_flags(),
         policy_generation: generation,
     })
 }

@@ -31,6 +31,15 @@
 //! Runs from the stack's poll, and only while a drain is active (otherwise
 //! one branch); it allocates when a drain starts and for its bounded timing
 //! samples, never per packet.
+//!
+//! A graceful stop ([`leave`], SIGTERM/SIGINT with `[shutdown]
+//! drain_timeout_ms`) uses the same drain: the engine refuses migrations
+//! in, every connection is drained within the stop's deadline (which also
+//! caps an operator's drain already running: the earlier one holds), and
+//! connections that arrive meanwhile are drained too, until none is served
+//! and no migration is in flight, or the deadline. It runs from a timer
+//! task, not from the packet path. [`StopSignal`] tells the control channel
+//! (HEARTBEAT LEAVING, then STOPPED).
 
 use crate::migration::{HandleState, MigrateError, Migrator, Outcome};
 use capybara_proto::control::MigrationTrigger;
@@ -204,6 +213,8 @@ pub struct Drainer {
     last: DrainProgress,
     /// "No connection to migrate" was logged for the drain in force.
     said_empty: bool,
+    /// No drain runs past this (a graceful stop's deadline).
+    cap: Option<Instant>,
 }
 
 impl Default for Drainer {
@@ -226,11 +237,26 @@ impl Drainer {
             run: None,
             last: DrainProgress::default(),
             said_empty: false,
+            cap: None,
         }
     }
 
     pub fn active(&self) -> bool {
         self.run.is_some()
+    }
+
+    /// No drain (the one under way, or a later one) runs past `at`: a
+    /// graceful stop's deadline. A drain with an earlier deadline keeps it.
+    pub fn cap_deadline(&mut self, at: Instant) {
+        self.cap = Some(at);
+        if let Some(r) = &mut self.run {
+            r.deadline = r.deadline.min(at);
+        }
+    }
+
+    /// The deadline of the drain under way.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.run.as_ref().map(|r| r.deadline)
     }
 
     /// Starts draining every connection `m` serves, to finish by
@@ -258,6 +284,10 @@ impl Drainer {
             DEFAULT_DEADLINE
         } else {
             deadline
+        };
+        let deadline = match self.cap {
+            Some(cap) => deadline.min(cap.saturating_since(now)),
+            None => deadline,
         };
         if let Some(r) = &mut self.run {
             r.deadline = now + deadline;
@@ -563,6 +593,143 @@ impl Drainer {
     }
 }
 
+/// Where a graceful stop is, shared by the stop task and the control
+/// channel ([`StopSignal`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum StopPhase {
+    /// Not stopping.
+    Serving,
+    /// Migrating its connections away: heartbeats say LEAVING.
+    Leaving,
+    /// Exits now: the control channel sends its STOPPED heartbeats.
+    Stopped,
+}
+
+/// The graceful stop's phase, and its signals to the control channel
+/// (single-threaded: the hostagent's tasks share one thread).
+#[derive(Debug)]
+pub struct StopSignal {
+    phase: std::cell::Cell<StopPhase>,
+    /// The phase changed (one waiter: the control channel).
+    pub changed: tokio::sync::Notify,
+    /// The control channel sent its STOPPED heartbeats (or had nobody to
+    /// send them to).
+    pub stopped_sent: tokio::sync::Notify,
+}
+
+impl Default for StopSignal {
+    fn default() -> Self {
+        StopSignal {
+            phase: std::cell::Cell::new(StopPhase::Serving),
+            changed: tokio::sync::Notify::new(),
+            stopped_sent: tokio::sync::Notify::new(),
+        }
+    }
+}
+
+impl StopSignal {
+    pub fn phase(&self) -> StopPhase {
+        self.phase.get()
+    }
+
+    /// Moves on to `phase` (never back) and wakes the control channel.
+    pub fn set(&self, phase: StopPhase) {
+        if phase > self.phase.get() {
+            self.phase.set(phase);
+            self.changed.notify_one();
+        }
+    }
+
+    /// The HEARTBEAT flags of the phase: LEAVING from the stop on, with
+    /// STOPPED at the end.
+    pub fn heartbeat_flags(&self) -> u32 {
+        use capybara_proto::control::{HEARTBEAT_LEAVING, HEARTBEAT_STOPPED};
+        match self.phase.get() {
+            StopPhase::Serving => 0,
+            StopPhase::Leaving => HEARTBEAT_LEAVING,
+            StopPhase::Stopped => HEARTBEAT_LEAVING | HEARTBEAT_STOPPED,
+        }
+    }
+}
+
+/// How a graceful stop ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaveOutcome {
+    /// Nothing served here any more, no migration in flight.
+    Empty,
+    /// The deadline passed with `left` connections still served here.
+    DeadlinePassed { left: usize },
+}
+
+/// How often a graceful stop checks whether it is done.
+const LEAVE_CHECK_EVERY: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// Connections served here and migrations in flight (out, in).
+fn served(i: &crate::stack::Inner) -> (usize, usize) {
+    i.transports
+        .mig
+        .as_ref()
+        .map_or((i.transports.tcp.connection_count(), 0), |m| {
+            let (o, n) = m.engine.in_progress();
+            (m.flows().count(), o + n)
+        })
+}
+
+/// Connections the stack serves now (what a stop has to move).
+pub fn connections_served(stack: &crate::stack::Stack) -> usize {
+    stack.with(|i| served(i).0)
+}
+
+/// The graceful stop's work, from a timer task: refuses migrations in
+/// (PREPAREs are answered DRAINING), drains every connection within
+/// `timeout` (an operator's drain under way keeps going, its deadline
+/// capped by the stop's), drains the ones that arrive meanwhile, and
+/// returns once nothing is served and no migration is in flight, or at the
+/// deadline. The caller said LEAVING ([`StopSignal`]) before.
+pub async fn leave(stack: &crate::stack::Stack, timeout: std::time::Duration) -> LeaveOutcome {
+    let cap = stack.with(|i| {
+        let now = i.clock.now();
+        let cap = now + timeout;
+        let left = served(i).0;
+        let t = &mut i.transports;
+        if let Some(m) = t.mig.as_mut() {
+            m.engine.set_draining(true);
+            t.drain.cap_deadline(cap);
+            if !t.drain.active() && left > 0 {
+                t.drain.start(now, timeout, m);
+            }
+        }
+        i.kick();
+        cap
+    });
+    let mut tick = tokio::time::interval(LEAVE_CHECK_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let done = stack.with(|i| {
+            let now = i.clock.now();
+            let (left, in_flight) = served(i);
+            if left == 0 && in_flight == 0 {
+                return Some(LeaveOutcome::Empty);
+            }
+            if now >= cap {
+                return Some(LeaveOutcome::DeadlinePassed { left });
+            }
+            // Arrived since the drain finished (migrated in before the
+            // switch saw LEAVING, or accepted just before): drain them too.
+            let t = &mut i.transports;
+            if let (Some(m), true) = (t.mig.as_mut(), left > 0 && !t.drain.active()) {
+                t.drain.start(now, cap.saturating_since(now), m);
+                i.kick();
+            }
+            None
+        });
+        if let Some(o) = done {
+            return o;
+        }
+    }
+}
+
 /// `""` or `"<label> "`, before "drain" in a drainer's log lines.
 fn log_prefix(label: &str) -> String {
     if label.is_empty() {
@@ -599,6 +766,19 @@ mod tests {
         assert!(!wanted(&[web], &flow(6379)));
         let other_vip = SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 2), 80);
         assert!(!wanted(&[other_vip], &flow(80)));
+    }
+
+    #[test]
+    fn the_stop_phase_only_moves_on_and_sets_the_heartbeat_flags() {
+        use capybara_proto::control::{HEARTBEAT_LEAVING, HEARTBEAT_STOPPED};
+        let s = StopSignal::default();
+        assert_eq!((s.phase(), s.heartbeat_flags()), (StopPhase::Serving, 0));
+        s.set(StopPhase::Leaving);
+        assert_eq!(s.heartbeat_flags(), HEARTBEAT_LEAVING);
+        s.set(StopPhase::Stopped);
+        assert_eq!(s.heartbeat_flags(), HEARTBEAT_LEAVING | HEARTBEAT_STOPPED);
+        s.set(StopPhase::Leaving);
+        assert_eq!(s.phase(), StopPhase::Stopped);
     }
 
     #[test]

@@ -301,6 +301,18 @@ pub const HEARTBEAT_DRAINING: u32 = 1 << 0;
 /// it (servers that predate health checks, or checks switched off) every
 /// service counts as up and the down bits are ignored.
 pub const HEARTBEAT_HEALTH: u32 = 1 << 1;
+/// HEARTBEAT flag: this process is stopping: it migrates its connections
+/// away and will exit, so the switch takes it out of placement and of the
+/// migration targets (its flows keep flowing). Not the operator's drain.
+/// Sent in every heartbeat from the stop on. A switch that predates it
+/// ignores it (and sees the server die after `dead_after`).
+pub const HEARTBEAT_LEAVING: u32 = 1 << 2;
+/// HEARTBEAT flag (with [`HEARTBEAT_LEAVING`]): the last heartbeats of a
+/// process that exits now and serves nothing after them: the switch
+/// declares it dead at once. Sent a few times (datagrams get lost).
+pub const HEARTBEAT_STOPPED: u32 = 1 << 3;
+// The stop bits sit below the health DOWN bits.
+const _: () = assert!(HEARTBEAT_STOPPED < 1 << HEARTBEAT_DOWN_SHIFT);
 /// HEARTBEAT: bit `HEARTBEAT_DOWN_SHIFT + i` set: the backend of service
 /// `i` of the server's REGISTER list is down (with [`HEARTBEAT_HEALTH`]).
 pub const HEARTBEAT_DOWN_SHIFT: u32 = 8;
@@ -656,9 +668,9 @@ pub struct Heartbeat {
     pub load_pps: u64,
     /// Bytes waiting in receive queues (reactive policy's signal).
     pub rx_backlog_bytes: u64,
-    /// [`HEARTBEAT_DRAINING`], [`HEARTBEAT_HEALTH`] and the per-service
-    /// down bits ([`Heartbeat::backend_down`]); other bits reserved (sent
-    /// 0, ignored).
+    /// [`HEARTBEAT_DRAINING`], [`HEARTBEAT_HEALTH`], [`HEARTBEAT_LEAVING`],
+    /// [`HEARTBEAT_STOPPED`] and the per-service down bits
+    /// ([`Heartbeat::backend_down`]); other bits reserved (sent 0, ignored).
     pub flags: u32,
     /// Generation of the POLICY the server applies (0: none yet); the
     /// switch re-sends POLICY while it differs from the current one.
@@ -1796,6 +1808,24 @@ mod tests {
         let down: Vec<usize> = (0..200).filter(|&i| h.backend_down(i)).collect();
         assert_eq!(down, [0, 3, 23]);
         assert_eq!(Heartbeat::health_flags([]), HEARTBEAT_HEALTH);
+        // LEAVING and STOPPED sit below the down bits and beside the
+        // others: reading health is not disturbed by them.
+        let stop = HEARTBEAT_LEAVING | HEARTBEAT_STOPPED | Heartbeat::health_flags([0]);
+        assert_eq!(stop, 1 << 2 | 1 << 3 | HEARTBEAT_HEALTH | 1 << 8);
+        let s = hb(stop);
+        assert!(s.reports_health() && s.backend_down(0) && !s.backend_down(1));
+        assert_eq!(
+            [
+                HEARTBEAT_DRAINING,
+                HEARTBEAT_HEALTH,
+                HEARTBEAT_LEAVING,
+                HEARTBEAT_STOPPED
+            ]
+            .iter()
+            .fold(0, |a, b| a | b)
+            .count_ones(),
+            4
+        );
         // The bits survive the wire.
         let msg = ControlRepr {
             server_id: ServerId(4),
@@ -1868,7 +1898,7 @@ mod tests {
                 migrations_in_flight: 1,
                 load_pps: 1 << 40,
                 rx_backlog_bytes: 77,
-                flags: HEARTBEAT_DRAINING,
+                flags: HEARTBEAT_DRAINING | HEARTBEAT_LEAVING | HEARTBEAT_STOPPED,
                 policy_generation: 0xdead_beef,
             }),
             ControlBody::Policy(PolicyMsg {

@@ -95,6 +95,14 @@ pub struct Server {
     /// The services its REGISTER listed: it joins them (also ones added
     /// later) whatever their configured pool.
     pub wanted: Vec<SocketAddrV4>,
+    /// Its process is stopping (HEARTBEAT LEAVING): out of placement and
+    /// targets like a drain, flows kept, but not the operator's drain
+    /// (`liveness` and [`Server::draining`] do not show it). Follows the
+    /// latest heartbeat.
+    pub leaving: bool,
+    /// DEAD because its last instance said it stopped (HEARTBEAT STOPPED);
+    /// false again once it registers.
+    pub stopped: bool,
 }
 
 impl Server {
@@ -103,6 +111,11 @@ impl Server {
     pub fn draining(&self) -> bool {
         self.liveness == Liveness::Draining
             || (self.liveness == Liveness::Dead && self.revive_as == Liveness::Draining)
+    }
+
+    /// LIVE and not leaving: takes new connections and migrations.
+    pub fn placeable(&self) -> bool {
+        self.liveness == Liveness::Live && !self.leaving
     }
 
     /// Whether it reports the application of service `vip:port` down.
@@ -151,6 +164,9 @@ pub enum FlowsRemovedWhy {
     Restarted { old: u64, new: u64 },
     /// Another server id registered with its (dead) data address.
     AddressReused,
+    /// Its process said it stopped (HEARTBEAT STOPPED): nothing serves
+    /// them any more.
+    Stopped,
 }
 
 /// A liveness transition, for logs, metrics and the store (see
@@ -176,6 +192,12 @@ pub enum LivenessEvent {
         flows: usize,
         why: FlowsRemovedWhy,
     },
+    /// Its heartbeats started (`on`) or stopped saying LEAVING: its process
+    /// is stopping, out of placement and targets, flows kept.
+    Leaving { id: ServerId, on: bool },
+    /// Its process said it stopped (HEARTBEAT STOPPED): DEAD at once, no
+    /// `dead_after` wait, no grace; `flows` entries were left and removed.
+    Stopped { id: ServerId, flows: usize },
 }
 
 /// Liveness counters (`/status.liveness`, `/metrics`).
@@ -190,6 +212,10 @@ pub struct LivenessCounters {
     /// REGISTERs as another instance while the old one had flows.
     pub restarts_total: u64,
     pub restart_flows_removed_total: u64,
+    /// HEARTBEAT STOPPED from a server that was not dead yet.
+    pub stopped_total: u64,
+    /// Flow entries removed because their server stopped.
+    pub stopped_flows_removed_total: u64,
 }
 
 /// Default `dead_flow_grace`: longer than the stalls seen in practice (GC
@@ -1512,6 +1538,14 @@ impl<D: DataPlane> ControlPlane<D> {
                 Some(o) if wanted.is_empty() && o.reg.instance == instance => o.wanted.clone(),
                 _ => wanted.to_vec(),
             },
+            // The same process (alive) is still stopping; a new one is not.
+            leaving: self.servers.get(&id).is_some_and(|o| {
+                o.reg.instance != 0
+                    && o.reg.instance == instance
+                    && o.leaving
+                    && o.liveness != Liveness::Dead
+            }),
+            stopped: false,
         };
         self.servers.insert(id, s);
         for i in 0..self.services.len() {
@@ -1595,6 +1629,7 @@ impl<D: DataPlane> ControlPlane<D> {
             FlowsRemovedWhy::Restarted { .. } => {
                 self.liveness.restart_flows_removed_total += n as u64
             }
+            FlowsRemovedWhy::Stopped => self.liveness.stopped_flows_removed_total += n as u64,
             _ => self.liveness.dead_flows_removed_total += n as u64,
         }
         self.liveness_events
@@ -1894,6 +1929,80 @@ impl<D: DataPlane> ControlPlane<D> {
         Ok(())
     }
 
+    /// HEARTBEAT LEAVING of a known server, as its latest heartbeat says
+    /// (`leaving`): its process is stopping, so it leaves placement and the
+    /// migration targets at once while its flows keep flowing (what
+    /// [`Self::set_draining`] does in the data plane), but this is not the
+    /// operator's drain: `liveness` and [`Server::draining`] are untouched,
+    /// so either one ending leaves the other holding. A dead server only
+    /// records it (a heartbeat brings it back first). Returns whether it
+    /// changed.
+    pub fn set_leaving(
+        &mut self,
+        id: ServerId,
+        leaving: bool,
+    ) -> std::result::Result<bool, ControlError> {
+        let s = self
+            .servers
+            .get_mut(&id)
+            .ok_or(ControlError::UnknownServer(id))?;
+        if s.leaving == leaving {
+            return Ok(false);
+        }
+        s.leaving = leaving;
+        self.liveness_events
+            .push(LivenessEvent::Leaving { id, on: leaving });
+        // As for a drain: out of the tables before the data plane sees it
+        // DRAINING; back, its state before the tables that name it.
+        if leaving {
+            self.push_tables()?;
+            self.push_server(id)?;
+        } else {
+            self.push_server(id)?;
+            self.push_tables()?;
+        }
+        Ok(true)
+    }
+
+    /// HEARTBEAT STOPPED: the process of server `id` exits and serves
+    /// nothing any more. DEAD at once (no `dead_after` wait) and its flow
+    /// entries, if any are left, removed at once (no grace: the process is
+    /// gone, not stalled). An operator's drain still holds when it
+    /// registers again. Nothing happens for a server already dead without
+    /// flows (the repeated STOPPED datagrams). Returns the flows removed,
+    /// `None` if it was already stopped.
+    pub fn stopped(
+        &mut self,
+        now: Instant,
+        id: ServerId,
+    ) -> std::result::Result<Option<usize>, ControlError> {
+        let s = self
+            .servers
+            .get_mut(&id)
+            .ok_or(ControlError::UnknownServer(id))?;
+        if s.liveness == Liveness::Dead && s.flows_kept_until.is_none() {
+            // Already dead and its flows gone: nothing left to stop.
+            s.stopped = true;
+            return Ok(None);
+        }
+        if s.liveness != Liveness::Dead {
+            s.revive_as = s.liveness;
+            s.liveness = Liveness::Dead;
+            s.dead_since = Some(now);
+        }
+        s.leaving = false;
+        s.stopped = true;
+        s.flows_kept_until = None;
+        self.liveness.stopped_total += 1;
+        // Out of placement first, then the entries.
+        self.push_server(id)?;
+        self.push_tables()?;
+        let flows = self.remove_flows(id, FlowsRemovedWhy::Stopped)?;
+        self.liveness_events
+            .push(LivenessEvent::Stopped { id, flows });
+        Ok(Some(flows))
+    }
+
     /// Starts (or ends) a drain: no new flows nor migrations to the server;
     /// its existing flows keep flowing.
     pub fn set_draining(
@@ -1942,6 +2051,9 @@ impl<D: DataPlane> ControlPlane<D> {
             mac: s.reg.mac,
             src_mac: s.reg.src_mac,
             state: match s.liveness {
+                // Leaving: what DRAINING does in the data plane (no new
+                // flows, existing ones keep flowing).
+                Liveness::Live if s.leaving => SERVER_DRAINING,
                 Liveness::Live => SERVER_LIVE,
                 Liveness::Draining => SERVER_DRAINING,
                 Liveness::Dead => SERVER_DEAD,
@@ -1965,7 +2077,7 @@ impl<D: DataPlane> ControlPlane<D> {
     /// connection and no migration: counted, its load was the others' to
     /// share, and their fair share looked larger than it is.)
     fn takes_load(&self, s: &Server) -> bool {
-        if s.liveness != Liveness::Live || self.weight_of(s) == 0 {
+        if !s.placeable() || self.weight_of(s) == 0 {
             return false;
         }
         let mut member = false;
@@ -1997,7 +2109,7 @@ impl<D: DataPlane> ControlPlane<D> {
                 if self.operator_weights.get(id) == Some(&0) || s.serves_not(addr) {
                     return None;
                 }
-                (s.liveness == Liveness::Live).then(|| Server {
+                s.placeable().then(|| Server {
                     reg: Registration {
                         weight: (*w).max(1),
                         ..s.reg
@@ -3464,6 +3576,8 @@ pub(crate) mod tests {
             backend_down: Default::default(),
             health_reported: false,
             wanted: Vec::new(),
+            leaving: false,
+            stopped: false,
         };
         let count = |r: &[u32], i: u32| r.iter().filter(|v| **v == i).count();
         let r = lwrr_ring(&[mk(0, 1, 0), mk(1, 3, 0)]);
@@ -4548,6 +4662,8 @@ pub(crate) mod tests {
             backend_down: Default::default(),
             health_reported: false,
             wanted: Vec::new(),
+            leaving: false,
+            stopped: false,
         }
     }
 
@@ -4890,5 +5006,187 @@ pub(crate) mod tests {
         let svc = c.dp.services[&CServiceKey::tcp(VIP, 80)];
         assert_eq!((svc.placement, svc.flags), (PLACE_NONE, 0));
         assert!(!c.services().iter().any(|s| s.refusing));
+    }
+
+    /// s2 (index 1) out of every Maglev slot and target ring, and DRAINING
+    /// in the data plane; or back in them, LIVE.
+    fn s2_placed(c: &ControlPlane<MemDataPlane>) -> bool {
+        let in_slots = c.dp.maglev[&0].contains(&1);
+        let in_targets = c.dp.rings[&(0, RING_TARGET)].as_slice().contains(&1);
+        assert_eq!(in_slots, in_targets, "slots and targets disagree");
+        in_slots
+    }
+
+    #[test]
+    fn a_leaving_server_leaves_placement_and_targets_and_keeps_its_flows() {
+        let mut c = world(Duration::from_secs(2));
+        assert!(s2_placed(&c));
+        assert!(c.set_leaving(ServerId(2), true).unwrap());
+        assert!(!c.set_leaving(ServerId(2), true).unwrap(), "no change");
+        assert!(!s2_placed(&c));
+        assert_eq!(c.dp.rings[&(0, RING_TARGET)].as_slice(), &[0, 2]);
+        assert_eq!(c.dp.servers[&1].state, SERVER_DRAINING);
+        assert_eq!(c.dp.draining_while_placed, 0);
+        // Not the operator's drain: the API's state stays "live".
+        let s2 = c.server(ServerId(2)).unwrap();
+        assert_eq!(
+            (s2.liveness, s2.draining(), s2.leaving),
+            (Liveness::Live, false, true)
+        );
+        // Every flow on it (placed or migrated in) keeps flowing.
+        assert_eq!(owners(&c), vec![Some(0), Some(1), Some(2), Some(1)]);
+        assert!(closed_ports(&mut c).is_empty());
+        // Heartbeats keep it alive; the pool monitor leaves it out.
+        c.heartbeat(Instant::from_millis(100), ServerId(2)).unwrap();
+        let r = c.tick(Instant::from_millis(100)).unwrap();
+        assert!(r.iter().all(|x| x.live_servers == 2), "{r:?}");
+        assert_eq!(
+            c.take_liveness_events(),
+            vec![LivenessEvent::Leaving {
+                id: ServerId(2),
+                on: true
+            }]
+        );
+        // A heartbeat without the flag (it stopped stopping): back.
+        assert!(c.set_leaving(ServerId(2), false).unwrap());
+        assert!(s2_placed(&c));
+        assert_eq!(c.dp.servers[&1].state, SERVER_LIVE);
+        assert_eq!(c.dp.draining_while_placed, 0);
+    }
+
+    #[test]
+    fn leaving_and_the_operators_drain_hold_apart() {
+        let mut c = world(Duration::from_secs(2));
+        // Leaving, then drained: both hold; the drain's end leaves it out.
+        c.set_leaving(ServerId(2), true).unwrap();
+        c.set_draining(ServerId(2), true).unwrap();
+        assert!(!s2_placed(&c));
+        c.set_draining(ServerId(2), false).unwrap();
+        assert!(!s2_placed(&c), "still leaving");
+        assert_eq!(c.dp.servers[&1].state, SERVER_DRAINING);
+        assert_eq!(c.server(ServerId(2)).unwrap().liveness, Liveness::Live);
+        // Drained, then leaving ends: the drain still holds.
+        c.set_draining(ServerId(2), true).unwrap();
+        c.set_leaving(ServerId(2), false).unwrap();
+        assert!(!s2_placed(&c), "still drained");
+        assert_eq!(c.dp.servers[&1].state, SERVER_DRAINING);
+        assert!(c.server(ServerId(2)).unwrap().draining());
+        // Stopped while drained, then a new instance registers: DRAINING
+        // as the operator wants (what the daemon does with `draining()`).
+        c.set_leaving(ServerId(2), true).unwrap();
+        assert_eq!(
+            c.stopped(Instant::from_millis(50), ServerId(2)).unwrap(),
+            Some(2)
+        );
+        assert!(c.server(ServerId(2)).unwrap().draining());
+        c.register_as(Instant::from_millis(60), &reg(2, 8), &[])
+            .unwrap();
+        c.set_draining(ServerId(2), true).unwrap();
+        let s2 = c.server(ServerId(2)).unwrap();
+        assert_eq!(
+            (s2.liveness, s2.leaving, s2.stopped),
+            (Liveness::Draining, false, false)
+        );
+        assert!(!s2_placed(&c));
+        // Undrained: placed again.
+        c.set_draining(ServerId(2), false).unwrap();
+        assert!(s2_placed(&c));
+        // The same (live) instance registering again stays leaving; a
+        // new one does not.
+        c.set_leaving(ServerId(2), true).unwrap();
+        c.register_as(Instant::from_millis(70), &reg(2, 8), &[])
+            .unwrap();
+        assert!(c.server(ServerId(2)).unwrap().leaving);
+        assert!(!s2_placed(&c));
+        c.register_as(Instant::from_millis(80), &reg(2, 9), &[])
+            .unwrap();
+        assert!(!c.server(ServerId(2)).unwrap().leaving);
+        assert!(s2_placed(&c));
+        assert_eq!(c.dp.draining_while_placed, 0);
+    }
+
+    #[test]
+    fn a_stopped_server_is_dead_at_once_and_a_new_instance_is_placed_again() {
+        let mut c = world(Duration::from_secs(2));
+        c.set_leaving(ServerId(2), true).unwrap();
+        c.take_liveness_events();
+        // STOPPED with two flows left (2 placed on it, 4 migrated to it):
+        // dead now, no dead_after wait, no grace; the flows removed.
+        assert_eq!(
+            c.stopped(Instant::from_millis(10), ServerId(2)).unwrap(),
+            Some(2)
+        );
+        let s2 = c.server(ServerId(2)).unwrap();
+        assert_eq!(
+            (s2.liveness, s2.stopped, s2.leaving, s2.flows_kept_until),
+            (Liveness::Dead, true, false, None)
+        );
+        assert_eq!(c.dp.servers[&1].state, SERVER_DEAD);
+        assert!(!s2_placed(&c));
+        assert_eq!(owners(&c), vec![Some(0), None, Some(2), None]);
+        assert_eq!(closed_ports(&mut c), vec![2, 4]);
+        assert_eq!(
+            c.take_liveness_events(),
+            vec![
+                LivenessEvent::FlowsRemoved {
+                    id: ServerId(2),
+                    flows: 2,
+                    why: FlowsRemovedWhy::Stopped,
+                },
+                LivenessEvent::Stopped {
+                    id: ServerId(2),
+                    flows: 2
+                }
+            ]
+        );
+        assert_eq!(
+            (
+                c.liveness.stopped_total,
+                c.liveness.stopped_flows_removed_total,
+                c.liveness.died_total
+            ),
+            (1, 2, 0)
+        );
+        // The repeated STOPPED datagrams change nothing; nor does a tick
+        // (it is not "dead" twice).
+        assert_eq!(
+            c.stopped(Instant::from_millis(11), ServerId(2)).unwrap(),
+            None
+        );
+        run_without_s2(&mut c, 100, 1000);
+        assert!(c.take_liveness_events().is_empty());
+        assert_eq!((c.liveness.stopped_total, c.liveness.died_total), (1, 0));
+        // Its restart registers (a new instance): LIVE, placed again,
+        // "stopped" false.
+        c.register_as(Instant::from_millis(1100), &reg(2, 8), &[])
+            .unwrap();
+        let s2 = c.server(ServerId(2)).unwrap();
+        assert_eq!(
+            (s2.liveness, s2.stopped, s2.leaving),
+            (Liveness::Live, false, false)
+        );
+        assert_eq!(c.dp.servers[&1].state, SERVER_LIVE);
+        assert!(s2_placed(&c));
+        assert!(c.take_liveness_events().is_empty());
+        assert!(c.stopped(Instant::ZERO, ServerId(9)).is_err());
+    }
+
+    #[test]
+    fn a_stop_within_the_dead_grace_removes_the_kept_flows() {
+        // Declared dead after missed heartbeats (flows kept), then its
+        // STOPPED arrives: the flows go now, not at the grace's end.
+        let mut c = world(Duration::from_secs(2));
+        run_without_s2(&mut c, 100, 500);
+        c.take_liveness_events();
+        assert_eq!(
+            c.stopped(Instant::from_millis(600), ServerId(2)).unwrap(),
+            Some(2)
+        );
+        let s2 = c.server(ServerId(2)).unwrap();
+        assert_eq!(
+            (s2.liveness, s2.stopped, s2.flows_kept_until),
+            (Liveness::Dead, true, None)
+        );
+        assert_eq!(closed_ports(&mut c), vec![2, 4]);
     }
 }

@@ -1693,6 +1693,8 @@ impl Switch {
                         FlowsRemovedWhy::AddressReused => eprintln!(
                             "switchd: dead server {id}'s data address registered by another server: {flows} flow entries removed"
                         ),
+                        // Logged with its `Stopped` event.
+                        FlowsRemovedWhy::Stopped => {}
                     }
                     if matches!(
                         why,
@@ -1700,6 +1702,15 @@ impl Switch {
                     ) {
                         self.peers.remove(&id);
                     }
+                }
+                LivenessEvent::Leaving { id, on: true } => eprintln!(
+                    "switchd: server {id} is leaving (its process is stopping): out of placement and migration targets, its flows keep flowing"
+                ),
+                LivenessEvent::Leaving { id, on: false } => {
+                    eprintln!("switchd: server {id} is no longer leaving")
+                }
+                LivenessEvent::Stopped { id, flows } => {
+                    eprintln!("switchd: server {id} stopped cleanly ({flows} flows left)")
                 }
             }
         }
@@ -1981,6 +1992,24 @@ impl Switch {
                 let ack = self.register_ack();
                 self.reply(id, ControlBody::RegisterAck(ack))
             }
+            ControlBody::Heartbeat(h) if h.flags & ctl::HEARTBEAT_STOPPED != 0 => {
+                // Its last heartbeats: the process exits now. Dead at once
+                // (the repeats find it so and change nothing); its next
+                // REGISTER, a new instance, places it again. The peer stays
+                // so that the repeats are not answered "register first".
+                if let Some(p) = self.peers.get_mut(&id) {
+                    p.last_seq = repr.seq;
+                }
+                match self.cp.stopped(now, id) {
+                    Ok(Some(_)) => {
+                        self.note_liveness();
+                        self.store_state(id, ServerState::Dead);
+                    }
+                    Ok(None) => {}
+                    Err(e) => eprintln!("switchd: server {id} stopped: {e}"),
+                }
+                None
+            }
             ControlBody::Heartbeat(h) => {
                 let alive = self.cp.heartbeat(now, id).is_ok()
                     && self
@@ -2017,6 +2046,13 @@ impl Switch {
                     eprintln!("switchd: server {id}: applying its health report: {e}");
                 }
                 self.note_health();
+                // Its process is stopping (or, a successor switchd learns,
+                // still is): out of placement and targets, not a drain.
+                let leaving = h.flags & ctl::HEARTBEAT_LEAVING != 0;
+                if let Err(e) = self.cp.set_leaving(id, leaving) {
+                    eprintln!("switchd: server {id}: applying its LEAVING flag: {e}");
+                }
+                self.note_liveness();
                 let mut resend = None;
                 let mut resend_ack = false;
                 let ack_spacing = self.cfg.heartbeat_interval;
@@ -2889,6 +2925,10 @@ impl Switch {
                     "draining_acked": p.map(|p| p.draining_acked),
                     "policy_generation": p.map(|p| p.policy_generation),
                 });
+                // Its process is stopping / said it stopped (HEARTBEAT
+                // LEAVING / STOPPED); "state" stays the operator's view.
+                v["leaving"] = json!(s.leaving);
+                v["stopped"] = json!(s.stopped);
                 // Dead: for how long, and how much longer its flows are kept.
                 v["instance"] = json!(format!("{:#018x}", s.reg.instance));
                 v["dead_ms"] = json!(s
@@ -3034,6 +3074,8 @@ impl Switch {
             "dead_flows_removed_total": lv.dead_flows_removed_total,
             "restarts_total": lv.restarts_total,
             "restart_flows_removed_total": lv.restart_flows_removed_total,
+            "stopped_total": lv.stopped_total,
+            "stopped_flows_removed_total": lv.stopped_flows_removed_total,
         });
         status["health"] = json!({
             "changes_total": self.cp.health_changes_total,
@@ -3139,13 +3181,16 @@ impl Switch {
             self.cp.health_changes_total, self.cp.health_pushes_total
         );
         m += &format!(
-            "{p}_servers_died_total {}\n{p}_servers_returned_total {}\n{p}_dead_grace_ended_total {}\n{p}_dead_flows_removed_total {}\n{p}_server_restarts_total {}\n{p}_restart_flows_removed_total {}\n",
+            "{p}_servers_died_total {}\n{p}_servers_returned_total {}\n{p}_dead_grace_ended_total {}\n{p}_dead_flows_removed_total {}\n{p}_server_restarts_total {}\n{p}_restart_flows_removed_total {}\n{p}_servers_stopped_total {}\n{p}_stopped_flows_removed_total {}\n{p}_servers_leaving {}\n",
             lv.died_total,
             lv.returned_total,
             lv.grace_ended_total,
             lv.dead_flows_removed_total,
             lv.restarts_total,
-            lv.restart_flows_removed_total
+            lv.restart_flows_removed_total,
+            lv.stopped_total,
+            lv.stopped_flows_removed_total,
+            self.cp.servers().filter(|s| s.leaving).count()
         );
         m += &format!(
             "{p}_embryonic_reaped_total {}\n{p}_embryonic_scanned_total {}\n{p}_embryonic_scan_passes_total {}\n{p}_embryonic_flows {}\n",

@@ -3,6 +3,12 @@
 //!
 //! SIGHUP reloads every TLS sidecar's certificate and key (`sidecar::reload_tls`).
 //!
+//! SIGTERM/SIGINT stop it gracefully (`[shutdown] drain_timeout_ms`): it
+//! tells switchd it is leaving, migrates every connection away
+//! (`drain::leave`) and exits once it serves nothing, or at the deadline; a
+//! second signal exits at once (docs/OPERATIONS.md, "Stopping or
+//! restarting a server").
+//!
 //! Exit status: 0 after a clean stop (SIGINT/SIGTERM), 1 when the device
 //! fails, 2 for a bad command line or configuration (one line naming the bad
 //! field and value).
@@ -32,6 +38,9 @@ configured services, live migration and the registration with switchd
   -h, --help           this help
 SIGHUP reloads the sidecars' TLS certificates and keys (new handshakes use
 them; a file that fails to load keeps the old one, logged).
+SIGTERM/SIGINT migrate every connection away through switchd, then exit
+(within [shutdown] drain_timeout_ms, default 20000; 0: at once); a second
+SIGTERM/SIGINT exits at once.
 exit status: 0 after SIGINT/SIGTERM, 1 the device failed, 2 a bad command line
 or configuration";
 
@@ -304,9 +313,11 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
                 }
             };
         }
+        let stop = Rc::new(capybara_hostagent::drain::StopSignal::default());
+        let has_control = cfg.control.is_some() && key.is_some();
         if let (Some(c), Some(k)) = (cfg.control.clone(), key.clone()) {
             let services = cfg.services.iter().map(|s| s.listen).collect();
-            tokio::task::spawn_local(control::run(
+            tokio::task::spawn_local(control::run_with_stop(
                 c,
                 k,
                 stack.clone(),
@@ -314,6 +325,7 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
                 mac.0,
                 services,
                 board.clone(),
+                stop.clone(),
             ));
         }
         capybara_hostagent::health::spawn(stack.clone(), board.clone());
@@ -343,13 +355,76 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
             cfg.interface.backend,
             cfg.services.len()
         );
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())
             .map_err(|e| format!("cannot install the SIGTERM handler: {e}"))?;
+        let mut int = signal(SignalKind::interrupt())
+            .map_err(|e| format!("cannot install the SIGINT handler: {e}"))?;
+        // The driver runs on through the stop: the migrations need it.
+        let drive = stack.clone().drive();
+        tokio::pin!(drive);
         tokio::select! {
-            r = stack.clone().drive() => r.map_err(|e| format!("device: {e}")),
-            _ = tokio::signal::ctrl_c() => Ok(()),
-            _ = term.recv() => Ok(()),
+            r = &mut drive => return r.map_err(|e| format!("device: {e}")),
+            _ = int.recv() => {}
+            _ = term.recv() => {}
         }
+        let timeout = std::time::Duration::from_millis(cfg.shutdown.drain_timeout_ms);
+        let n = capybara_hostagent::drain::connections_served(&stack);
+        let why_not = if timeout.is_zero() {
+            Some("[shutdown] drain_timeout_ms = 0")
+        } else if cfg.migration.is_none() {
+            Some("no [migration]: connections cannot move")
+        } else if !has_control {
+            Some("no [control]: no switchd to move connections through")
+        } else {
+            None
+        };
+        if let Some(why) = why_not {
+            eprintln!("hostagent: stopping at once ({why}): {n} connection(s) cut");
+        } else {
+            eprintln!(
+                "hostagent: stopping: migrating {n} connection(s) away within {} ms (a second SIGTERM/SIGINT stops at once)",
+                timeout.as_millis()
+            );
+            stop.set(capybara_hostagent::drain::StopPhase::Leaving);
+            let begun = std::time::Instant::now();
+            let leave = capybara_hostagent::drain::leave(&stack, timeout);
+            tokio::pin!(leave);
+            use capybara_hostagent::drain::LeaveOutcome;
+            tokio::select! {
+                r = &mut drive => return r.map_err(|e| format!("device: {e}")),
+                o = &mut leave => match o {
+                    LeaveOutcome::Empty => eprintln!(
+                        "hostagent: stopping: every connection moved away in {} ms",
+                        begun.elapsed().as_millis()
+                    ),
+                    LeaveOutcome::DeadlinePassed { left } => eprintln!(
+                        "hostagent: stopping: deadline of {} ms passed: {left} connection(s) left, cut",
+                        timeout.as_millis()
+                    ),
+                },
+                _ = int.recv() => eprintln!(
+                    "hostagent: second signal: stopping at once, {} connection(s) cut",
+                    capybara_hostagent::drain::connections_served(&stack)
+                ),
+                _ = term.recv() => eprintln!(
+                    "hostagent: second signal: stopping at once, {} connection(s) cut",
+                    capybara_hostagent::drain::connections_served(&stack)
+                ),
+            }
+        }
+        if has_control {
+            // The last heartbeats say STOPPED: switchd declares this
+            // server dead now, not after dead_after. The driver runs while
+            // they go out (bounded: the control task may be gone).
+            stop.set(capybara_hostagent::drain::StopPhase::Stopped);
+            tokio::select! {
+                r = &mut drive => return r.map_err(|e| format!("device: {e}")),
+                _ = stop.stopped_sent.notified() => {}
+                _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+            }
+        }
+        Ok(())
     })
 }
 

@@ -1,0 +1,357 @@
+//! A hostagent stopped with SIGTERM loses no connection (lab, root; release
+//! binaries, or `CAPYBARA_BIN_DIR`): the real switchd with its XDP data
+//! plane, real hostagents, a real Linux client (docs/OPERATIONS.md,
+//! "Stopping or restarting a server").
+//!
+//! - `sigterm_moves_every_connection_away_then_the_server_exits_and_comes_back`:
+//!   two servers; a client holds [`HELD`] echo connections on s1 and keeps
+//!   exchanging data on them; `kill -TERM` s1: every connection goes on
+//!   byte-exact on s2 with no reset, s1 exits with status 0 long before its
+//!   deadline, switchd says at once (not after `dead_after`) that s1
+//!   stopped cleanly (`/status` `"stopped": true`, no "missed heartbeats").
+//!   Started again, s1 registers (`"stopped": false`, live) and new
+//!   connections land on it.
+//! - `a_stop_with_nowhere_to_migrate_cuts_the_connections_at_the_deadline`:
+//!   s1 serves echo, s2 only HTTP: s1's echo connections have no target.
+//!   SIGTERM s1: while it leaves, switchd shows it `"leaving": true` (state
+//!   still `live`: no operator drain) and every new HTTP connection goes to
+//!   s2; at its deadline ([`SHORT_DEADLINE_MS`]) s1 logs how many
+//!   connections it cut and exits with status 0; switchd removes their
+//!   flows at once.
+//! - `a_second_sigterm_stops_at_once`: a lone server whose connections have
+//!   nowhere to go; a second SIGTERM during the stop ends it at once
+//!   (status 0, the cut connections logged, switchd says `stopped`).
+//!
+//! The first test fails with the hostagent before graceful stops (its
+//! config has no `[shutdown]`, which an older hostagent would refuse):
+//! SIGTERM ends it at once, so the held connections stop answering (the
+//! first round trip after the signal fails).
+//!
+//! Bounded: every wait has a limit; each test takes a few seconds. Processes are
+//! killed and the lab removed on every exit path ([`Lab`], [`Agent`],
+//! [`EchoHolder`] guards).
+
+use capybara_systests::{
+    bin, disable_policies, echo_once, hostagent_migrating_config, log_of, switchd_lab,
+    switchd_status_server, EchoHolder, Lab,
+};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Echo connections the client holds on the server that is stopped.
+const HELD: usize = 8;
+/// s1's deadline where its connections can move: the default `[shutdown]
+/// drain_timeout_ms` (the config has no `[shutdown]`, so an older
+/// hostagent runs it too: see the module doc).
+const DEADLINE_MS: u64 = 20_000;
+/// s1's `[shutdown] drain_timeout_ms` where they cannot.
+const SHORT_DEADLINE_MS: u64 = 1500;
+/// The lab switchd's `dead_after_ms` (`switchd_config`).
+const DEAD_AFTER: Duration = Duration::from_millis(1000);
+
+/// One lab at a time: the machine's cores are shared, and a starved
+/// hostagent would miss heartbeats.
+static ONE_LAB: Mutex<()> = Mutex::new(());
+
+/// A hostagent this test starts itself, to signal it and read its exit
+/// status (the lab's own children are only killed). Killed on drop.
+struct Agent {
+    child: Child,
+}
+
+impl Agent {
+    /// Starts server `j`'s hostagent with config `cfg` (metrics on its
+    /// management address, as `Lab::spawn_hostagent` does), output to `log`.
+    fn start(lab: &Lab, j: u32, cfg: &Path, log: &Path) -> Agent {
+        let f = std::fs::File::create(log).expect("create log");
+        let metrics = format!("198.18.1.{}:9100", 10 + j);
+        let child = lab
+            .command(&format!("s{j}"), bin("hostagent"))
+            .args(["--config", cfg.to_str().unwrap(), "--metrics", &metrics])
+            .stdout(f.try_clone().unwrap())
+            .stderr(f)
+            .spawn()
+            .expect("start hostagent");
+        Agent { child }
+    }
+
+    fn signal(&self, sig: &str) {
+        let st = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(st.success(), "kill {sig} failed");
+    }
+
+    fn exited(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().expect("wait for the hostagent")
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// s`j`'s migrating hostagent config (policies off) with `[shutdown]
+/// drain_timeout_ms = deadline_ms` (no `[shutdown]` for the default).
+fn agent_config(dir: &Path, key: &Path, j: u32, deadline_ms: u64) -> PathBuf {
+    let cfg = hostagent_migrating_config(dir, j, key, None);
+    disable_policies(&cfg);
+    if deadline_ms == DEADLINE_MS {
+        return cfg;
+    }
+    let mut t = std::fs::read_to_string(&cfg).unwrap();
+    t.push_str(&format!("[shutdown]\ndrain_timeout_ms = {deadline_ms}\n"));
+    std::fs::write(&cfg, t).unwrap();
+    cfg
+}
+
+/// Which server answered an HTTP GET of the VIP from the client (`s1`,
+/// `s2`), `None` if none did within 3 s.
+fn http_server(lab: &Lab) -> Option<String> {
+    let o = lab.try_run(
+        "c1",
+        "curl",
+        &["-s", "-m", "3", "http://198.18.100.1/"],
+        Duration::from_secs(5),
+    )?;
+    let body = String::from_utf8_lossy(&o.stdout);
+    body.trim().strip_prefix("hello from ").map(str::to_string)
+}
+
+/// Waits (limit `limit`) for s`j`'s hostagent to exit: its status and how
+/// long it took from `since`.
+fn wait_exit(agent: &mut Agent, since: Instant, limit: Duration) -> (ExitStatus, Duration) {
+    loop {
+        if let Some(st) = agent.exited() {
+            return (st, since.elapsed());
+        }
+        assert!(
+            since.elapsed() < limit,
+            "the hostagent still runs {limit:?} after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn status_bool(lab: &Lab, id: u32, field: &str) -> Option<bool> {
+    switchd_status_server(lab, id)?[field].as_bool()
+}
+
+/// The number in switchd's "server sJ stopped cleanly (K flows left)".
+fn flows_left_at_stop(switchd_log: &str, j: u32) -> Option<usize> {
+    let at = format!("server s{j} stopped cleanly (");
+    let rest = &switchd_log[switchd_log.find(&at)? + at.len()..];
+    rest.split_whitespace().next()?.parse().ok()
+}
+
+#[test]
+fn sigterm_moves_every_connection_away_then_the_server_exits_and_comes_back() {
+    let _one = ONE_LAB.lock().unwrap_or_else(|e| e.into_inner());
+    let (mut lab, dir, key, sw) = switchd_lab("graceful-stop-lab", "gsl", 2);
+    let sw_log = dir.join("switchd.log");
+    lab.spawn_switchd(&sw, &sw_log);
+    let cfg1 = agent_config(&dir, &key, 1, DEADLINE_MS);
+    let cfg2 = agent_config(&dir, &key, 2, DEADLINE_MS);
+    let log1 = dir.join("hostagent-s1.log");
+    let mut s1 = Agent::start(&lab, 1, &cfg1, &log1);
+    lab.wait_registered(&sw_log, 1);
+    lab.wait_for("the VIP to echo", Duration::from_secs(30), || {
+        echo_once(&lab, "198.18.100.1:7")
+    });
+    // Every held connection on s1 (the only server yet), then s2 joins.
+    let mut held = EchoHolder::start(&lab, HELD);
+    let _s2 = Agent::start(&lab, 2, &cfg2, &dir.join("hostagent-s2.log"));
+    lab.wait_registered(&sw_log, 2);
+    assert_eq!(held.round_trip(), "ok");
+
+    // SIGTERM s1 while the client keeps echoing on every connection.
+    let t0 = Instant::now();
+    s1.signal("-TERM");
+    let mut rounds = 0;
+    let (st, took) = loop {
+        assert_eq!(held.round_trip(), "ok", "round {rounds} after SIGTERM");
+        rounds += 1;
+        if let Some(st) = s1.exited() {
+            break (st, t0.elapsed());
+        }
+        assert!(
+            t0.elapsed() < Duration::from_millis(DEADLINE_MS + 5000),
+            "s1 still runs after its deadline"
+        );
+    };
+    let l1 = log_of(&log1);
+    assert!(st.success(), "s1 exited with {st}: {l1}");
+    assert!(
+        l1.contains(&format!(
+            "stopping: migrating {HELD} connection(s) away within {DEADLINE_MS} ms"
+        )),
+        "{l1}"
+    );
+    assert!(l1.contains("every connection moved away"), "{l1}");
+    assert!(
+        took < Duration::from_millis(DEADLINE_MS),
+        "s1 took {took:?} to stop"
+    );
+    // switchd: leaving, then stopped at once, not dead after dead_after.
+    lab.wait_for("s1 stopped in /status", Duration::from_secs(5), || {
+        status_bool(&lab, 1, "stopped") == Some(true)
+    });
+    let since_exit = t0.elapsed().saturating_sub(took);
+    let st1 = switchd_status_server(&lab, 1).unwrap();
+    assert_eq!(st1["state"], "dead", "{st1}");
+    assert_eq!(st1["leaving"], false, "{st1}");
+    let swl = log_of(&sw_log);
+    assert!(swl.contains("server s1 is leaving"), "{swl}");
+    assert!(flows_left_at_stop(&swl, 1).is_some(), "{swl}");
+    // Past dead_after: had STOPPED not been heard, s1 would die now.
+    std::thread::sleep(DEAD_AFTER.saturating_sub(since_exit) + Duration::from_millis(500));
+    let swl = log_of(&sw_log);
+    assert!(!swl.contains("server s1 missed heartbeats"), "{swl}");
+    for _ in 0..3 {
+        assert_eq!(held.round_trip(), "ok");
+    }
+    lab.assert_no_resets([2]);
+    eprintln!(
+        "GRACEFUL-STOP-LAB: s1 stopped in {:.0} ms, {rounds} echo rounds during the stop",
+        took.as_secs_f64() * 1e3
+    );
+
+    // Started again: registered, no longer "stopped", placed again.
+    let mut s1 = Agent::start(&lab, 1, &cfg1, &dir.join("hostagent-s1-2.log"));
+    lab.wait_for("s1 live again", Duration::from_secs(30), || {
+        switchd_status_server(&lab, 1)
+            .is_some_and(|v| v["state"] == "live" && v["stopped"] == false)
+    });
+    let mut answered = Vec::new();
+    for _ in 0..40 {
+        let s = http_server(&lab);
+        answered.push(s.clone());
+        if s.as_deref() == Some("s1") {
+            break;
+        }
+    }
+    assert!(
+        answered.last().unwrap().as_deref() == Some("s1"),
+        "no new connection reached s1 again: {answered:?}"
+    );
+    assert!(answered.iter().all(|a| a.is_some()), "{answered:?}");
+    assert_eq!(held.round_trip(), "ok");
+    assert_eq!(held.close(), "closed");
+    assert!(s1.exited().is_none(), "the restarted s1 exited");
+}
+
+#[test]
+fn a_stop_with_nowhere_to_migrate_cuts_the_connections_at_the_deadline() {
+    let _one = ONE_LAB.lock().unwrap_or_else(|e| e.into_inner());
+    let (mut lab, dir, key, sw) = switchd_lab("graceful-stop-deadline-lab", "gsd", 2);
+    let sw_log = dir.join("switchd.log");
+    lab.spawn_switchd(&sw, &sw_log);
+    let cfg1 = agent_config(&dir, &key, 1, SHORT_DEADLINE_MS);
+    // s2 serves HTTP only: s1's echo connections have no target.
+    let cfg2 = agent_config(&dir, &key, 2, SHORT_DEADLINE_MS);
+    let t = std::fs::read_to_string(&cfg2).unwrap();
+    let echo = "[[service]]\nlisten = \"198.18.100.1:7\"\napp = \"echo\"\n";
+    assert!(t.contains(echo), "{t}");
+    std::fs::write(&cfg2, t.replace(echo, "")).unwrap();
+    let log1 = dir.join("hostagent-s1.log");
+    let mut s1 = Agent::start(&lab, 1, &cfg1, &log1);
+    let _s2 = Agent::start(&lab, 2, &cfg2, &dir.join("hostagent-s2.log"));
+    lab.wait_registered(&sw_log, 2);
+    lab.wait_for("the VIP to echo", Duration::from_secs(30), || {
+        echo_once(&lab, "198.18.100.1:7")
+    });
+    let _held = EchoHolder::start(&lab, 4);
+
+    let t0 = Instant::now();
+    s1.signal("-TERM");
+    lab.wait_for("s1 leaving in /status", Duration::from_secs(1), || {
+        status_bool(&lab, 1, "leaving") == Some(true)
+    });
+    let st1 = switchd_status_server(&lab, 1).unwrap();
+    assert_eq!(st1["state"], "live", "leaving is no operator drain: {st1}");
+    assert_eq!(st1["stopped"], false, "{st1}");
+    // New connections while it leaves: all to s2.
+    let answered: Vec<Option<String>> = (0..6).map(|_| http_server(&lab)).collect();
+    assert!(
+        s1.exited().is_none(),
+        "s1 exited before the new connections were made: the check proves nothing"
+    );
+    assert!(
+        answered.iter().all(|a| a.as_deref() == Some("s2")),
+        "new connections while s1 leaves: {answered:?}"
+    );
+
+    let (st, took) = wait_exit(&mut s1, t0, Duration::from_millis(SHORT_DEADLINE_MS + 5000));
+    let l1 = log_of(&log1);
+    assert!(st.success(), "s1 exited with {st}: {l1}");
+    assert!(
+        took >= Duration::from_millis(SHORT_DEADLINE_MS - 100),
+        "s1 stopped after {took:?}, before its deadline: {l1}"
+    );
+    assert!(
+        l1.contains(&format!(
+            "deadline of {SHORT_DEADLINE_MS} ms passed: 4 connection(s) left, cut"
+        )),
+        "{l1}"
+    );
+    lab.wait_for("s1 stopped in /status", Duration::from_secs(5), || {
+        status_bool(&lab, 1, "stopped") == Some(true)
+    });
+    let swl = log_of(&sw_log);
+    let left = flows_left_at_stop(&swl, 1);
+    assert!(left.is_some_and(|k| k >= 4), "{left:?}: {swl}");
+    eprintln!(
+        "GRACEFUL-STOP-LAB: s1 cut 4 connections at its deadline after {:.0} ms",
+        took.as_secs_f64() * 1e3
+    );
+}
+
+#[test]
+fn a_second_sigterm_stops_at_once() {
+    let _one = ONE_LAB.lock().unwrap_or_else(|e| e.into_inner());
+    let (mut lab, dir, key, sw) = switchd_lab("graceful-stop-twice-lab", "gst", 1);
+    let sw_log = dir.join("switchd.log");
+    lab.spawn_switchd(&sw, &sw_log);
+    // A lone server: its connections have nowhere to go, so only the
+    // second signal ends the stop before its (long) deadline.
+    let cfg1 = agent_config(&dir, &key, 1, 10 * SHORT_DEADLINE_MS);
+    let log1 = dir.join("hostagent-s1.log");
+    let mut s1 = Agent::start(&lab, 1, &cfg1, &log1);
+    lab.wait_registered(&sw_log, 1);
+    lab.wait_for("the VIP to echo", Duration::from_secs(30), || {
+        echo_once(&lab, "198.18.100.1:7")
+    });
+    let _held = EchoHolder::start(&lab, 3);
+    let t0 = Instant::now();
+    s1.signal("-TERM");
+    lab.wait_for("s1 leaving in /status", Duration::from_secs(1), || {
+        status_bool(&lab, 1, "leaving") == Some(true)
+    });
+    assert!(s1.exited().is_none(), "s1 exited after the first signal");
+    let t1 = Instant::now();
+    s1.signal("-TERM");
+    let (st, took) = wait_exit(&mut s1, t1, Duration::from_secs(3));
+    let l1 = log_of(&log1);
+    assert!(st.success(), "s1 exited with {st}: {l1}");
+    assert!(
+        t0.elapsed() < Duration::from_millis(10 * SHORT_DEADLINE_MS),
+        "{l1}"
+    );
+    assert!(
+        l1.contains("second signal: stopping at once, 3 connection(s) cut"),
+        "{l1}"
+    );
+    lab.wait_for("s1 stopped in /status", Duration::from_secs(5), || {
+        status_bool(&lab, 1, "stopped") == Some(true)
+    });
+    eprintln!(
+        "GRACEFUL-STOP-LAB: s1 exited {:.0} ms after the second SIGTERM",
+        took.as_secs_f64() * 1e3
+    );
+}
