@@ -100,7 +100,7 @@ pub enum Command {
 
 /// A store read of the operator's drains: the drain commands applied
 /// before it, the drains it found ([`op_drains_of`]) and the servers that
-/// have a record.
+/// have a record and a drain record (held or not).
 struct StoredDrains {
     cmds_before: u64,
     held: HashMap<ServerId, Option<u64>>,
@@ -1710,7 +1710,10 @@ impl Switch {
                     eprintln!("switchd: server {id} is no longer leaving")
                 }
                 LivenessEvent::Stopped { id, flows } => {
-                    eprintln!("switchd: server {id} stopped cleanly ({flows} flows left)")
+                    // The entries count closing flows the reaper had not
+                    // removed yet: the hostagent logs the connections it
+                    // cut (none after a complete stop).
+                    eprintln!("switchd: server {id} stopped cleanly: {flows} flow entries removed (closing ones included; its hostagent logs the connections it cut)")
                 }
             }
         }
@@ -2406,7 +2409,11 @@ impl Switch {
                             let drains: HashMap<ServerId, capybara_store::Drain> =
                                 drains.into_iter().map(|d| (d.server, d)).collect();
                             let held = op_drains_of(&servers, &drains);
-                            let recorded = servers.iter().map(|s| s.id).collect();
+                            let recorded = servers
+                                .iter()
+                                .filter(|s| drains.contains_key(&s.id))
+                                .map(|s| s.id)
+                                .collect();
                             if let Ok(mut s) = drains_slot.lock() {
                                 *s = Some(StoredDrains {
                                     cmds_before,
@@ -2529,10 +2536,12 @@ impl Switch {
                     .map(|id| format!("{id} -> its REGISTER's")),
             )
             .collect();
+        let zero = weights.values().any(|w| *w == 0) && changes.iter().any(|c| c.ends_with("-> 0"));
         match self.cp.set_operator_weights(weights) {
             Ok(true) => eprintln!(
-                "switchd: operator weights from the store: {} (0: no new connections)",
-                changes.join(", ")
+                "switchd: operator weights from the store: {}{}",
+                changes.join(", "),
+                if zero { " (0: no new connections)" } else { "" }
             ),
             Ok(false) => {}
             Err(e) => eprintln!("switchd: applying the store's server weights: {e}"),
@@ -3324,11 +3333,14 @@ enum StoredDrainChange {
 }
 
 /// Makes `op_drains` follow the store's drains (`stored`, from
-/// [`op_drains_of`]; `recorded`: the servers with a record in the same
-/// read), returning the changes for the caller to apply (placement, DRAIN
-/// to the hostagent), in server order. A server without a record keeps
-/// switchd's drain: the API deleted a drained server whose hostagent still
-/// runs, and it stays out of placement until that hostagent stops.
+/// [`op_drains_of`]; `recorded`: the servers with a record and a drain
+/// record in the same read), returning the changes for the caller to apply
+/// (placement, DRAIN to the hostagent), in server order. Only a drain
+/// record that no longer holds (cancelled) lifts switchd's drain: a server
+/// without a record keeps it (the API deleted a drained server whose
+/// hostagent still runs: out of placement until that hostagent stops), and
+/// so does one without a drain record (a drain sent straight to switchd's
+/// HTTP endpoint, switchd without the API).
 fn follow_stored_drains(
     op_drains: &mut HashMap<ServerId, Option<u64>>,
     stored: &HashMap<ServerId, Option<u64>>,
@@ -3790,6 +3802,7 @@ mod tests {
             server(3, "active"),
             server(4, "dead"),
             server(5, "drained"),
+            server(7, "active"),
         ];
         let drains: HashMap<ServerId, Drain> = [
             drain(1, DrainState::Completed),
@@ -3819,9 +3832,17 @@ mod tests {
             Some(59_990),
             "before the store is read, a completed drain is still sent"
         );
-        // s6: a drained server the API deleted while its hostagent runs.
+        // s6: a drained server the API deleted while its hostagent runs;
+        // s7: drained straight through switchd's HTTP endpoint (no API, no
+        // drain record).
         op.insert(ServerId(6), Some(now + 59_990));
-        let recorded: HashSet<ServerId> = servers.iter().map(|s| s.id).collect();
+        op.insert(ServerId(7), Some(now + 59_990));
+        let recorded: HashSet<ServerId> = servers
+            .iter()
+            .filter(|s| drains.contains_key(&s.id))
+            .map(|s| s.id)
+            .collect();
+        assert!(!recorded.contains(&ServerId(7)) && servers.iter().any(|s| s.id == ServerId(7)));
         use super::StoredDrainChange::*;
         assert_eq!(
             super::follow_stored_drains(&mut op, &stored, &recorded),
@@ -3838,6 +3859,7 @@ mod tests {
             (4, None),
             (5, None),
             (6, Some(59_990)),
+            (7, Some(59_990)),
         ] {
             assert!(
                 op.contains_key(&ServerId(id)),

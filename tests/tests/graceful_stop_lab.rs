@@ -143,9 +143,10 @@ fn status_bool(lab: &Lab, id: u32, field: &str) -> Option<bool> {
     switchd_status_server(lab, id)?[field].as_bool()
 }
 
-/// The number in switchd's "server sJ stopped cleanly (K flows left)".
+/// The number in switchd's "server sJ stopped cleanly: K flow entries
+/// removed (...)".
 fn flows_left_at_stop(switchd_log: &str, j: u32) -> Option<usize> {
-    let at = format!("server s{j} stopped cleanly (");
+    let at = format!("server s{j} stopped cleanly: ");
     let rest = &switchd_log[switchd_log.find(&at)? + at.len()..];
     rest.split_whitespace().next()?.parse().ok()
 }
