@@ -62,7 +62,8 @@ const GLOBAL_FLAGS: &str = "global flags:
   --api URL            the API (CAPYBARA_API; default http://127.0.0.1:8080)
   --token TOKEN        a bearer token (CAPYBARA_TOKEN)
   -h, --help           this help
-exit status: 0 success, 1 the API refused or failed, 2 usage error";
+exit status: 0 success, 1 the API refused or failed, 2 usage error, 3 a drain
+waited for (--wait) ended without completing";
 
 /// Each command's `--help`: its usage line first (also printed under a
 /// usage error of that command), what it does, its arguments and flags,
