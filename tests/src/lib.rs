@@ -214,6 +214,17 @@ impl Lab {
         });
     }
 
+    /// Waits (5 s) until switchd's `/status` (published every few hundred
+    /// ms) says `want` for server `id`'s state; `when` names the moment in
+    /// the timeout's message.
+    pub fn wait_switchd_state(&self, id: u32, want: &str, when: &str) {
+        self.wait_for(
+            &format!("s{id} {want} in switchd's /status {when}"),
+            Duration::from_secs(5),
+            || switchd_status_state(self, id).as_deref() == Some(want),
+        );
+    }
+
     /// Waits (30 s) until an HTTP GET from client c1 to the VIP
     /// (198.18.100.1:80) succeeds.
     pub fn wait_vip_http(&self) {

@@ -28,16 +28,6 @@ const API: &str = "http://127.0.0.1:18085";
 /// them miss it with probability (2/3)^24 < 1e-4.
 const N: usize = 24;
 
-/// Waits until switchd's `/status` (published every few hundred ms) says
-/// `want` for server `id`.
-fn wait_status(lab: &Lab, id: u32, want: &str, when: &str) {
-    lab.wait_for(
-        &format!("s{id} {want} in switchd's /status {when}"),
-        Duration::from_secs(5),
-        || switchd_status_state(lab, id).as_deref() == Some(want),
-    );
-}
-
 fn place_new_connections(lab: &Lab, token: &str) -> Vec<usize> {
     place_echo_connections(lab, API, token, N, SERVERS)
 }
@@ -60,7 +50,7 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
     lab.wait_for("s1 drained", Duration::from_secs(15), || {
         lab.api_server(API, &token, 1).0 == "drained"
     });
-    wait_status(&lab, 1, "draining", "after the drain");
+    lab.wait_switchd_state(1, "draining", "after the drain");
     lab.wait_for(
         "switchd to learn that s1's drain completed",
         Duration::from_secs(5),
@@ -76,7 +66,7 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
         log_of(&log1).matches("registered s1").count() >= 2
     });
     std::thread::sleep(Duration::from_millis(500));
-    wait_status(&lab, 1, "draining", "after a restart of s1's hostagent");
+    lab.wait_switchd_state(1, "draining", "after a restart of s1's hostagent");
     let c = place_new_connections(&lab, &token);
     assert_eq!(c[0], 0, "new connections on s1 after its restart: {c:?}");
     // By now its heartbeats would have carried a re-sent DRAIN.
@@ -103,7 +93,7 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
     lab.wait_for("s1 back", Duration::from_secs(30), || {
         switchd_status_state(&lab, 1).is_some_and(|s| s != "dead")
     });
-    wait_status(&lab, 1, "draining", "back from a stop");
+    lab.wait_switchd_state(1, "draining", "back from a stop");
     let c = place_new_connections(&lab, &token);
     assert_eq!(c[0], 0, "new connections on s1 back from a stop: {c:?}");
 
@@ -123,7 +113,7 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
         Duration::from_secs(10),
         || switchd_status_state(&lab, 1).is_some_and(|s| s != "dead"),
     );
-    wait_status(&lab, 1, "draining", "after a switchd restart");
+    lab.wait_switchd_state(1, "draining", "after a switchd restart");
     let c = place_new_connections(&lab, &token);
     assert_eq!(
         c[0], 0,
@@ -134,7 +124,7 @@ fn a_drained_server_stays_out_of_placement_across_restarts_until_undrain() {
     // Undrain: s1 takes new connections again.
     let (code, body) = lab.api_call(API, &token, "POST", "/v1/servers/1/undrain", None);
     assert!(code == 200 || code == 204, "undrain: {code} {body}");
-    wait_status(&lab, 1, "live", "after undrain");
+    lab.wait_switchd_state(1, "live", "after undrain");
     let c = place_new_connections(&lab, &token);
     assert!(c[0] > 0, "s1 takes new connections after undrain: {c:?}");
     assert_eq!(lab.api_server(API, &token, 1).0, "active");

@@ -20,8 +20,7 @@
 //! keeps using them, byte-exact and without a reset.
 
 use capybara_systests::{
-    bin, log_of, place_echo_connections, switchd_lab, switchd_status_server, switchd_status_state,
-    EchoHolder, Lab,
+    bin, log_of, place_echo_connections, switchd_lab, switchd_status_server, EchoHolder, Lab,
 };
 use std::path::Path;
 use std::time::Duration;
@@ -36,15 +35,6 @@ const NO_SWITCHD: &str = "http://127.0.0.1:9199";
 /// New connections per round: with s1 at a third of the placement, all of
 /// them miss it with probability (2/3)^24 < 1e-4.
 const N: usize = 24;
-
-/// Waits until switchd's `/status` says `want` for server `id`.
-fn wait_status(lab: &Lab, id: u32, want: &str, when: &str) {
-    lab.wait_for(
-        &format!("s{id} {want} in switchd's /status {when}"),
-        Duration::from_secs(5),
-        || switchd_status_state(lab, id).as_deref() == Some(want),
-    );
-}
 
 /// Starts `capybara-api` in the switch namespace on the lab's store, asking
 /// switchd at `switchd`; returns its pid once it answers `/readyz`.
@@ -114,7 +104,7 @@ fn the_active_switchd_follows_drains_the_api_recorded_but_could_not_deliver() {
 
     // Drained through the API (nothing on it: completed at once).
     lab.start_drain(API, token, 1, 120);
-    wait_status(&lab, 1, "draining", "after the API's drain");
+    lab.wait_switchd_state(1, "draining", "after the API's drain");
     let c = place_echo_connections(&lab, API, token, N, SERVERS);
     assert_eq!(c[0], 0, "new connections miss the drained s1: {c:?}");
 
@@ -129,7 +119,7 @@ fn the_active_switchd_follows_drains_the_api_recorded_but_could_not_deliver() {
         code == 200 && body.contains("\"cancelled\""),
         "the undrain is recorded: {code} {body}"
     );
-    wait_status(&lab, 1, "live", "after an undrain switchd was not told of");
+    lab.wait_switchd_state(1, "live", "after an undrain switchd was not told of");
     assert!(
         log_of(&sw_log).contains("an undrain this switchd was not told of"),
         "switchd says why s1 is back"
@@ -146,12 +136,7 @@ fn the_active_switchd_follows_drains_the_api_recorded_but_could_not_deliver() {
             .is_some_and(|n| n > 0)
     });
     record_drain(&dir.join("store.db"), 2, Duration::from_secs(60));
-    wait_status(
-        &lab,
-        2,
-        "draining",
-        "after a drain recorded in the store only",
-    );
+    lab.wait_switchd_state(2, "draining", "after a drain recorded in the store only");
     lab.wait_for(
         "s2's connections to move away",
         Duration::from_secs(20),
