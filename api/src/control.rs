@@ -287,7 +287,12 @@ pub struct RetiringService {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct ServiceServing {
     pub served: bool,
+    /// The pool switchd resolved (dead, drained, weight-0 members included).
     pub members: Vec<u32>,
+    /// Who takes new connections right now (switchd's placement tables);
+    /// None from a switchd too old to say.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placing: Option<Vec<u32>>,
     pub apps_down: Vec<u32>,
     pub fail_open: bool,
     pub refusing: bool,

@@ -213,7 +213,8 @@ example:
         "services",
         "usage: capybara ctl services
 Lists the services: name, VIP:PORT, pool (server ids; every server when
-empty) and the servers switchd places on; then the retiring ones (deleted,
+empty) and SERVED BY, the servers switchd places new connections on now
+(`none (pool ...)` when none does); then the retiring ones (deleted,
 still serving their open connections): connections left, time since the
 delete, time left before the timeout.
 example:
@@ -911,7 +912,9 @@ async fn services(cfg: &Configuration) -> Result<(), CtlError> {
     Ok(())
 }
 
-/// `services`' SERVED BY: switchd's view, the servers it places on.
+/// `services`' SERVED BY: switchd's view, the servers it places new
+/// connections on (`serving.placing`); from a switchd too old to say,
+/// its pool (`serving.members`) as before.
 fn served_by(serving: Option<&models::ServiceServing>) -> String {
     let ids = |v: &[i64]| {
         v.iter()
@@ -925,10 +928,12 @@ fn served_by(serving: Option<&models::ServiceServing>) -> String {
         Some(v) => {
             // Served, but by no server: none registered that serves this
             // VIP:port (or the pool's are all out of placement). Was blank.
-            let mut t = if v.members.is_empty() {
-                "none (no server serves it)".to_string()
-            } else {
-                ids(&v.members)
+            let mut t = match v.placing.as_deref() {
+                _ if v.members.is_empty() => "none (no server serves it)".to_string(),
+                // Nobody takes new connections: say so, and name the pool.
+                Some([]) => format!("none (pool {})", ids(&v.members)),
+                Some(p) => ids(p),
+                None => ids(&v.members),
             };
             if !v.apps_down.is_empty() {
                 t.push_str(&format!(" (app down on {})", ids(&v.apps_down)));
@@ -1716,6 +1721,14 @@ mod tests {
             served_by(Some(&none)),
             "none (no server serves it) (refusing new connections: every server drained, at weight 0, dead or not serving it)"
         );
+        // SERVED BY is who takes new connections (`placing`), not the pool.
+        let mut p = v(vec![1, 2, 3], vec![]);
+        p.placing = Some(vec![1, 2]);
+        assert_eq!(served_by(Some(&p)), "1,2");
+        p.placing = Some(vec![]);
+        assert_eq!(served_by(Some(&p)), "none (pool 1,2,3)");
+        p.placing = None;
+        assert_eq!(served_by(Some(&p)), "1,2,3", "an older switchd: its pool");
     }
 
     #[test]

@@ -139,6 +139,10 @@ pub struct StatusService {
     pub refusing: bool,
     #[serde(default)]
     pub backend_down: Vec<u32>,
+    /// The servers new connections are placed on right now (the members
+    /// its placement tables are built from); absent from an older switchd.
+    #[serde(default)]
+    pub placing: Option<Vec<u32>>,
     /// Deleted, its open connections still served (none placed).
     #[serde(default)]
     pub retiring: bool,
@@ -296,6 +300,7 @@ pub fn parse_services_status(body: &str) -> Result<ServicesStatus, Problem> {
         let view = ServiceServing {
             served: true,
             members: s.pool.iter().map(|m| m.server).collect(),
+            placing: s.placing,
             apps_down: s.backend_down,
             fail_open: s.fail_open,
             refusing: s.refusing,

@@ -3064,3 +3064,78 @@ async fn a_huge_integer_is_out_of_range() {
     assert_eq!((s, &v["weight"]), (200, &json!(3)), "{v}");
     api.stop().await;
 }
+
+/// SERVED BY (`ctl services`) and `serving.placing` (`GET /v1/services`)
+/// name who takes new connections, as switchd's `/status` `placing` says,
+/// not the pool (`members`), which keeps dead, drained and deleted
+/// servers. From a switchd without `placing`: absent, and SERVED BY is
+/// the pool as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn services_name_the_servers_that_take_new_connections() {
+    let service = |placing: Option<Vec<u32>>| {
+        let mut s = json!({"name": "web", "vip": "198.18.100.1:80", "index": 0,
+            "placement": "maglev",
+            "pool": [{"server": 1, "weight": 1}, {"server": 2, "weight": 1},
+                     {"server": 3, "weight": 1}],
+            "fail_open": false, "refusing": false, "retiring": false, "backend_down": []});
+        if let Some(p) = placing {
+            s["placing"] = json!(p);
+        }
+        s
+    };
+    let status = Arc::new(std::sync::Mutex::new(json!({
+        "role": "active",
+        "servers": [{"id": 1, "state": "live", "connections": 0},
+                    {"id": 2, "state": "draining", "connections": 0},
+                    {"id": 3, "state": "dead", "connections": 0}],
+        "services": [service(Some(vec![1]))],
+    })));
+    let api = two_servers_behind_changing(status.clone()).await;
+    let (url, ops) = (api.url.clone(), api.ops.clone());
+    // An open pool (empty: every server), as the demo's `web`.
+    api.store
+        .put_service(&capybara_store::Service {
+            name: "web".into(),
+            vip: "198.18.100.1".parse().unwrap(),
+            port: 80,
+            pool: vec![],
+        })
+        .await
+        .unwrap();
+    let serving = || {
+        let (url, ops) = (url.clone(), ops.clone());
+        async move {
+            let (s, v, _) = call("GET", format!("{url}/v1/services"), Some(&ops), None).await;
+            assert_eq!(s, 200, "{v}");
+            v["items"][0]["serving"].clone()
+        }
+    };
+    let served_by = || {
+        let (code, out, err) = ctl(&url, &ops, &["services"]);
+        assert_eq!(code, 0, "{out}{err}");
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("web "))
+            .unwrap()
+            .to_string();
+        // NAME, VIP:PORT and POOL ("every server"): columns of 20, 21 and
+        // 16 characters, one space apart, then SERVED BY.
+        assert_eq!(&line[43..60], "every server     ", "{out}");
+        line[60..].to_string()
+    };
+    let v = serving().await;
+    assert_eq!(v["members"], json!([1, 2, 3]), "{v}");
+    assert_eq!(v["placing"], json!([1]), "{v}");
+    assert_eq!(served_by(), "1");
+    // Nobody takes new connections: said, with the pool.
+    status.lock().unwrap()["services"][0] = service(Some(vec![]));
+    assert_eq!(serving().await["placing"], json!([]));
+    assert_eq!(served_by(), "none (pool 1,2,3)");
+    // An older switchd says nothing of placing: absent, the pool shown.
+    status.lock().unwrap()["services"][0] = service(None);
+    let v = serving().await;
+    assert!(v.get("placing").is_none(), "{v}");
+    assert_eq!(v["members"], json!([1, 2, 3]), "{v}");
+    assert_eq!(served_by(), "1,2,3");
+    api.stop().await;
+}

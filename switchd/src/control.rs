@@ -2139,6 +2139,18 @@ impl<D: DataPlane> ControlPlane<D> {
         }
     }
 
+    /// The servers new connections of service `i` are placed on right now
+    /// (ids, pool order): exactly the members the Maglev table and the LWRR
+    /// ring are built from (live, not leaving, not drained, operator weight
+    /// above 0, registered for the service, application up unless the
+    /// service fails open). Empty for an index out of range.
+    pub fn placing(&self, i: usize) -> Vec<u32> {
+        if i >= self.services.len() {
+            return Vec::new();
+        }
+        self.members(i).0.iter().map(|s| s.reg.id.0).collect()
+    }
+
     /// Rings always; Maglev tables only with `maglev` (they depend on the
     /// pool, not on load, and cost a 65,537-slot rebuild each).
     fn push(&mut self, maglev: bool) -> Result<()> {
@@ -2796,6 +2808,42 @@ pub(crate) mod tests {
             c.dp.server_by_addr[&u32::from_ne_bytes([198, 18, 2, 12])],
             1
         );
+    }
+
+    /// `placing` names exactly the servers the Maglev table names, through
+    /// a drain, an operator weight 0 and a leaving server.
+    #[test]
+    fn placing_is_the_servers_the_maglev_table_names() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let in_table = |c: &ControlPlane<MemDataPlane>| {
+            let idx: std::collections::BTreeSet<u32> = c.dp.maglev[&0].iter().copied().collect();
+            let mut ids: Vec<u32> = c
+                .servers()
+                .filter(|s| idx.contains(&s.index))
+                .map(|s| s.reg.id.0)
+                .collect();
+            ids.sort();
+            ids
+        };
+        let check = |c: &ControlPlane<MemDataPlane>, want: &[u32]| {
+            let mut p = c.placing(0);
+            p.sort();
+            assert_eq!(p, want);
+            assert_eq!(in_table(c), want, "the Maglev table");
+        };
+        check(&c, &[1, 2, 3]);
+        c.set_draining(ServerId(3), true).unwrap();
+        check(&c, &[1, 2]);
+        c.set_operator_weights([(ServerId(1), 0)].into()).unwrap();
+        check(&c, &[2]);
+        c.set_leaving(ServerId(2), true).unwrap();
+        // Nobody left: the table names no server, and `placing` is empty.
+        check(&c, &[]);
+        c.set_leaving(ServerId(2), false).unwrap();
+        c.set_draining(ServerId(3), false).unwrap();
+        c.set_operator_weights(BTreeMap::new()).unwrap();
+        check(&c, &[1, 2, 3]);
+        assert!(c.placing(7).is_empty(), "no such service");
     }
 
     #[test]

@@ -2964,8 +2964,11 @@ impl Switch {
             .cp
             .services()
             .iter()
-            .map(|s| json!({"name": s.name, "vip": format!("{}:{}", s.vip, s.port), "index": s.index, "placement": format!("{:?}", s.placement).to_lowercase(),
+            .enumerate()
+            .map(|(i, s)| json!({"name": s.name, "vip": format!("{}:{}", s.vip, s.port), "index": s.index, "placement": format!("{:?}", s.placement).to_lowercase(),
                  "pool": s.pool.iter().map(|(id, w)| json!({"server": id.0, "weight": w})).collect::<Vec<_>>(),
+                 // Who takes new connections: the members the placement tables are built from.
+                 "placing": self.cp.placing(i),
                  "fail_open": s.fail_open,
                  "refusing": s.refusing,
                  "retiring": s.retiring.is_some(),

@@ -20,7 +20,8 @@
 //! keeps using them, byte-exact and without a reset.
 
 use capybara_systests::{
-    bin, log_of, place_echo_connections, switchd_lab, switchd_status_server, EchoHolder, Lab,
+    bin, log_of, place_echo_connections, switchd_lab, switchd_status_at, switchd_status_server,
+    EchoHolder, Lab,
 };
 use std::path::Path;
 use std::time::Duration;
@@ -35,6 +36,27 @@ const NO_SWITCHD: &str = "http://127.0.0.1:9199";
 /// New connections per round: with s1 at a third of the placement, all of
 /// them miss it with probability (2/3)^24 < 1e-4.
 const N: usize = 24;
+
+/// Each service's `placing` in switchd's `/status` (the servers new
+/// connections go to), in service order.
+fn placing(lab: &Lab) -> Vec<Vec<u64>> {
+    let s = switchd_status_at(lab, 9102).expect("switchd /status");
+    s["services"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|v| {
+            let mut ids: Vec<u64> = v["placing"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|i| i.as_u64())
+                .collect();
+            ids.sort();
+            ids
+        })
+        .collect()
+}
 
 /// Starts `capybara-api` in the switch namespace on the lab's store, asking
 /// switchd at `switchd`; returns its pid once it answers `/readyz`.
@@ -107,6 +129,7 @@ fn the_active_switchd_follows_drains_the_api_recorded_but_could_not_deliver() {
     lab.wait_switchd_state(1, "draining", "after the API's drain");
     let c = place_echo_connections(&lab, API, token, N, SERVERS);
     assert_eq!(c[0], 0, "new connections miss the drained s1: {c:?}");
+    assert_eq!(placing(&lab), vec![vec![2, 3], vec![2, 3]], "placing");
 
     // The API cut off from switchd: the undrain is recorded, the request
     // fails; switchd reads it from the store.
@@ -126,6 +149,7 @@ fn the_active_switchd_follows_drains_the_api_recorded_but_could_not_deliver() {
     );
     let c = place_echo_connections(&lab, API, token, N, SERVERS);
     assert!(c[0] > 0, "s1 takes new connections again: {c:?}");
+    assert_eq!(placing(&lab), vec![vec![1, 2, 3], vec![1, 2, 3]], "placing");
 
     // A drain recorded by an API that stopped before asking switchd, while
     // a client uses connections on every server.

@@ -14,7 +14,7 @@ import requests
 
 from playwright.sync_api import Page, expect
 
-from conftest import VIP, PORT, Api, api_behind_switchd
+from conftest import VIP, PORT, SERVERS, Api, api_behind_switchd
 
 UNKNOWN_TOKEN = "capy_" + "0" * 64
 
@@ -493,3 +493,42 @@ def test_stopping_and_stopped_servers_have_their_own_badges(page: Page, tmp_path
         expect(chips.nth(0)).to_have_class(re.compile(r"\bbadge-stopping\b"))
         expect(chips.nth(1)).to_have_class(re.compile(r"\bbadge-stopped\b"))
         expect(chips.nth(2)).to_have_class(re.compile(r"\bbadge-dead\b"))
+
+
+def test_services_mark_the_pool_members_that_take_new_connections(page: Page, tmp_path, shot):
+    """switchd's `/status` says web's pool is 1,2,3 and only 1 takes new
+    connections (`placing`): the Services page's serving chips of 2 and 3
+    are outlined (`not-placing`), 1's solid. Nobody placing: "none
+    placing". A switchd without `placing`: every chip solid, as before."""
+    service = {"name": "web", "vip": f"{VIP}:{PORT}", "index": 0, "placement": "maglev",
+               "pool": [{"server": i, "weight": 1} for i in (1, 2, 3)],
+               "fail_open": False, "refusing": False, "retiring": False, "backend_down": [],
+               "placing": [1]}
+    status = {"role": "active", "servers": [
+        {"id": i, "state": "live", "connections": 0} for i in (1, 2, 3)
+    ], "services": [service]}
+    with api_behind_switchd(tmp_path, status) as (api, switchd):
+        for s in SERVERS:
+            api.req("POST", "/v1/servers", 201, json=s)
+        api.req("POST", "/v1/services", 201, json={"name": "web", "vip": VIP, "port": PORT, "pool": [1, 2, 3]})
+        login(page, api)
+        page.get_by_test_id("nav-services").click()
+        serving = page.get_by_test_id("service-serving-web")
+        chips = serving.locator(".chip[data-placing]")
+        expect(chips).to_have_count(3)
+        expect(chips.nth(0)).to_have_attribute("data-placing", "true")
+        expect(chips.nth(0)).not_to_have_class(re.compile(r"\bnot-placing\b"))
+        for i in (1, 2):
+            expect(chips.nth(i)).to_have_attribute("data-placing", "false")
+            expect(chips.nth(i)).to_have_class(re.compile(r"\bnot-placing\b"))
+        shot(page, "21-services-placing")
+
+        switchd.status["services"][0]["placing"] = []
+        expect(serving.locator(".chip.not-placing")).to_have_count(3)
+        expect(page.get_by_test_id("service-placing-none-web")).to_have_text("none placing")
+
+        del switchd.status["services"][0]["placing"]
+        expect(page.get_by_test_id("service-placing-none-web")).to_have_count(0)
+        expect(serving.locator(".chip[data-placing]")).to_have_count(0)
+        expect(serving.locator(".chip.not-placing")).to_have_count(0)
+        expect(serving.locator(".chip")).to_have_count(4)  # "served" and the pool

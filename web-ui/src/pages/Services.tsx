@@ -305,21 +305,36 @@ function ServiceForm({
   );
 }
 
-/** switchd's view: served or not, the servers it places on, apps down. */
+/** switchd's view: served or not, its pool, apps down; solid chips take
+ *  new connections (`placing`), outlined ones do not (drained, leaving,
+ *  weight 0, dead...). A switchd too old to say `placing`: all solid. */
 function Serving({ svc, servers }: { svc: ServiceView; servers: Record<number, Server> }) {
   const v = svc.serving;
   if (!v) return <span className="muted" title="switchd did not answer: the store's record only" data-served="unknown">unknown</span>;
   if (!v.served) return <span className="chip badge-dead" title="switchd does not serve this VIP:port (its log says why)" data-served="false">not served</span>;
   const down = new Set(v.apps_down);
+  const placing = v.placing ? new Set(v.placing) : null;
   return (
     <span className="pool" data-served="true">
       <span className="chip badge-active">served</span>
       {v.members.length === 0 && <span className="muted">no server</span>}
-      {[...v.members].sort((a, b) => a - b).map((id) => (
-        <span key={id} className={`chip badge-${down.has(id) ? 'dead' : servers[id]?.state ?? 'dead'}`} title={down.has(id) ? 'application down' : servers[id]?.state ?? 'unknown server'}>
-          {servers[id]?.name ?? `#${id}`}{down.has(id) ? ' (app down)' : ''}
-        </span>
-      ))}
+      {placing && placing.size === 0 && v.members.length > 0 && (
+        <span className="muted" data-testid={`service-placing-none-${svc.name}`}>none placing</span>
+      )}
+      {[...v.members].sort((a, b) => a - b).map((id) => {
+        const out = placing !== null && !placing.has(id);
+        const what = down.has(id) ? 'application down' : servers[id]?.state ?? 'unknown server';
+        return (
+          <span
+            key={id}
+            className={`chip badge-${down.has(id) ? 'dead' : servers[id]?.state ?? 'dead'}${out ? ' not-placing' : ''}`}
+            title={placing === null ? what : `${what} · ${out ? 'takes no new connections' : 'takes new connections'}`}
+            data-placing={placing === null ? undefined : String(!out)}
+          >
+            {servers[id]?.name ?? `#${id}`}{down.has(id) ? ' (app down)' : ''}
+          </span>
+        );
+      })}
       {v.fail_open && <span className="chip badge-draining" title="every member reports its application down">fail open</span>}
       {v.refusing && (
         <span

@@ -27,14 +27,27 @@ export interface ServiceServing {
      */
     served: boolean;
     /**
-     * The servers switchd resolved as the pool: the named ones and
-     * those whose hostagent serves the VIP:port; for an empty pool
-     * also every registered server whose hostagent lists no service.
-     * New connections go to those that are active and whose
-     * application is up.
+     * The pool switchd resolved: the named ones and those whose
+     * hostagent serves the VIP:port; for an empty pool also every
+     * registered server whose hostagent lists no service. The pool,
+     * not who takes new connections: dead, drained, leaving and
+     * weight-0 members stay listed (and a server deleted through the
+     * API while switchd still knows it). See `placing`.
      * 
      */
     members: Array<number>;
+    /**
+     * The servers new connections of this service are placed on right
+     * now: exactly the members switchd's placement tables (Maglev
+     * table, LWRR ring) are built from: live, not leaving, not
+     * drained or draining, operator weight above 0, serving the
+     * VIP:port, application up (all live ones while `fail_open`).
+     * Empty: no server takes new connections. Present whenever
+     * switchd reports it; absent when switchd is older and does not
+     * (read `members` then, which is the pool).
+     * 
+     */
+    placing?: Array<number>;
     /**
      * Members whose application of this service their health checks report down.
      */
@@ -90,6 +103,7 @@ export function ServiceServingFromJSONTyped(json: any, ignoreDiscriminator: bool
         
         'served': json['served'],
         'members': json['members'],
+        'placing': json['placing'] == null ? undefined : json['placing'],
         'apps_down': json['apps_down'],
         'fail_open': json['fail_open'],
         'refusing': json['refusing'],
@@ -110,6 +124,7 @@ export function ServiceServingToJSONTyped(value?: ServiceServing | null, ignoreD
         
         'served': value['served'],
         'members': value['members'],
+        'placing': value['placing'],
         'apps_down': value['apps_down'],
         'fail_open': value['fail_open'],
         'refusing': value['refusing'],

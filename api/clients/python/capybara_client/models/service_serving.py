@@ -29,12 +29,13 @@ class ServiceServing(BaseModel):
     ServiceServing
     """ # noqa: E501
     served: StrictBool = Field(description="The data plane serves this VIP:port (switchd applies the store's services within about a second; false also when it could not, e.g. no free service slot: switchd's log says why). ")
-    members: List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]] = Field(description="The servers switchd resolved as the pool: the named ones and those whose hostagent serves the VIP:port; for an empty pool also every registered server whose hostagent lists no service. New connections go to those that are active and whose application is up. ")
+    members: List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]] = Field(description="The pool switchd resolved: the named ones and those whose hostagent serves the VIP:port; for an empty pool also every registered server whose hostagent lists no service. The pool, not who takes new connections: dead, drained, leaving and weight-0 members stay listed (and a server deleted through the API while switchd still knows it). See `placing`. ")
+    placing: Optional[List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]]] = Field(default=None, description="The servers new connections of this service are placed on right now: exactly the members switchd's placement tables (Maglev table, LWRR ring) are built from: live, not leaving, not drained or draining, operator weight above 0, serving the VIP:port, application up (all live ones while `fail_open`). Empty: no server takes new connections. Present whenever switchd reports it; absent when switchd is older and does not (read `members` then, which is the pool). ")
     apps_down: List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]] = Field(description="Members whose application of this service their health checks report down.")
     fail_open: StrictBool = Field(description="Every live member reports its application down, so placement keeps them all.")
     refusing: StrictBool = Field(description="No member can take a new connection for a lasting reason (every one drained or draining, at operator weight 0, or dead past its grace): switchd answers new connections with a reset (connection refused) instead of leaving them unanswered (docs/SWITCHD.md, \"No server to take a connection\"). Undrain a server or give one a weight to serve again. ")
     not_serving: Optional[List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]]] = Field(default=None, description="Members named in the pool whose hostagent lists other services and not this VIP:port: their stacks would leave its connections unanswered, so switchd places no new connection there and migrates none there (with no other member left the service refuses new connections). Serve the VIP:port there (a `[[service]]` in its hostagent config) or take the server out of the pool. ")
-    __properties: ClassVar[List[str]] = ["served", "members", "apps_down", "fail_open", "refusing", "not_serving"]
+    __properties: ClassVar[List[str]] = ["served", "members", "placing", "apps_down", "fail_open", "refusing", "not_serving"]
 
     model_config = ConfigDict(
         validate_by_name=True,
@@ -89,6 +90,7 @@ class ServiceServing(BaseModel):
         _obj = cls.model_validate({
             "served": obj.get("served"),
             "members": obj.get("members"),
+            "placing": obj.get("placing"),
             "apps_down": obj.get("apps_down"),
             "fail_open": obj.get("fail_open"),
             "refusing": obj.get("refusing"),

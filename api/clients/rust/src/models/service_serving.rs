@@ -16,9 +16,12 @@ pub struct ServiceServing {
     /// The data plane serves this VIP:port (switchd applies the store's services within about a second; false also when it could not, e.g. no free service slot: switchd's log says why).
     #[serde(rename = "served")]
     pub served: bool,
-    /// The servers switchd resolved as the pool: the named ones and those whose hostagent serves the VIP:port; for an empty pool also every registered server whose hostagent lists no service. New connections go to those that are active and whose application is up.
+    /// The pool switchd resolved: the named ones and those whose hostagent serves the VIP:port; for an empty pool also every registered server whose hostagent lists no service. The pool, not who takes new connections: dead, drained, leaving and weight-0 members stay listed (and a server deleted through the API while switchd still knows it). See `placing`.
     #[serde(rename = "members")]
     pub members: Vec<i64>,
+    /// The servers new connections of this service are placed on right now: exactly the members switchd's placement tables (Maglev table, LWRR ring) are built from: live, not leaving, not drained or draining, operator weight above 0, serving the VIP:port, application up (all live ones while `fail_open`). Empty: no server takes new connections. Present whenever switchd reports it; absent when switchd is older and does not (read `members` then, which is the pool).
+    #[serde(rename = "placing", skip_serializing_if = "Option::is_none")]
+    pub placing: Option<Vec<i64>>,
     /// Members whose application of this service their health checks report down.
     #[serde(rename = "apps_down")]
     pub apps_down: Vec<i64>,
@@ -44,6 +47,7 @@ impl ServiceServing {
         ServiceServing {
             served,
             members,
+            placing: None,
             apps_down,
             fail_open,
             refusing,
