@@ -259,6 +259,14 @@ pub enum SegmentVerdict {
     Forward(Ipv4Addr),
 }
 
+/// Whether a TCP segment (its header first) opens a connection: SYN
+/// without ACK.
+fn is_new_connection(segment: &[u8]) -> bool {
+    const SYN: u8 = 0x02;
+    const ACK: u8 = 0x10;
+    segment.get(13).is_some_and(|f| f & (SYN | ACK) == SYN)
+}
+
 impl Migrator {
     pub fn new(engine: Engine, local: Ipv4Addr) -> Migrator {
         Migrator {
@@ -547,7 +555,15 @@ impl Migrator {
             return SegmentVerdict::Drop;
         }
         if let Some(until) = gone_until {
-            if until > now {
+            // A SYN (no ACK) on a tuple that left is a new connection
+            // reusing it (Linux reuses a port at once after a RST): the
+            // switch forgot the old flow at the client's reset and placed
+            // the new one here. Served here, never forwarded: forwarded, it
+            // was established on the old target while the switch sent its
+            // segments here, which forwarded them only until GONE_LINGER,
+            // and the switch refused every migration of it (CI on 6cb2385:
+            // an HTTP client hung on a port wrk had just reset).
+            if until > now && !is_new_connection(segment) {
                 if let (true, Some(t)) = (self.forward_late, target) {
                     self.forwarded_gone += 1;
                     return SegmentVerdict::Forward(t);
@@ -1309,6 +1325,41 @@ mod late_segment_tests {
         m.departed.entry(f).or_default().target = Some(target);
         m.forward_late = false;
         assert_eq!(m.segment_verdict(later, f, &seg), SegmentVerdict::Drop);
+    }
+
+    #[test]
+    fn a_new_connection_on_a_tuple_that_left_is_served_here() {
+        let mut m = migrator();
+        let (f, target) = (flow(), Ipv4Addr::new(10, 0, 0, 2));
+        let now = Instant::from_micros(1_000);
+        let mut seg = [0u8; 20];
+        m.set_gone(f, now + GONE_LINGER, Some(target));
+        // The old connection's late segments (ACK, SYN+ACK, RST) go on
+        // to its target.
+        for flags in [0x10, 0x12, 0x04, 0x14] {
+            seg[13] = flags;
+            assert_eq!(
+                m.segment_verdict(now, f, &seg),
+                SegmentVerdict::Forward(target),
+                "flags {flags:#x}"
+            );
+        }
+        // A SYN reusing the tuple (the client reset the old connection and
+        // the switch placed the new one here): served here, and so is the
+        // rest of the new connection.
+        seg[13] = 0x02;
+        assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Process);
+        assert!(!m.departed.contains_key(&f));
+        seg[13] = 0x10;
+        assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Process);
+        // Gone without a target (dropped): a SYN is served too.
+        m.set_gone(f, now + GONE_LINGER, None);
+        assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Drop);
+        seg[13] = 0x02;
+        assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Process);
+        // A truncated segment is no SYN.
+        m.set_gone(f, now + GONE_LINGER, None);
+        assert_eq!(m.segment_verdict(now, f, &seg[..13]), SegmentVerdict::Drop);
     }
 
     #[test]
