@@ -224,6 +224,11 @@ struct Departed {
     /// out) flow: its late segments are forwarded there instead of dropped
     /// (docs/MIGRATION.md "Late segments at the origin").
     target: Option<Ipv4Addr>,
+    /// The client's initial sequence number on the connection that left
+    /// (gone after `MigratedOut`): a SYN carrying it is a late duplicate
+    /// of that connection's SYN, any other SYN a new connection reusing
+    /// the 4-tuple ([`Migrator::segment_verdict`]).
+    syn_seq: Option<u32>,
 }
 
 /// An exported connection.
@@ -238,6 +243,8 @@ struct Frozen {
     /// How to reset the client if the migration is lost (captured before
     /// the export; `None` when the connection's abort sends no RST).
     reset: Option<capybara_tcp::PeerReset>,
+    /// The client's initial sequence number (its SYN's).
+    peer_isn: Option<u32>,
 }
 
 impl Departed {
@@ -259,12 +266,18 @@ pub enum SegmentVerdict {
     Forward(Ipv4Addr),
 }
 
-/// Whether a TCP segment (its header first) opens a connection: SYN
-/// without ACK.
-fn is_new_connection(segment: &[u8]) -> bool {
+/// Whether a TCP segment (its header first) opens a new connection: SYN
+/// without ACK, with another sequence number than `old_syn` (the initial
+/// sequence number of the connection that had the 4-tuple, if known: a
+/// SYN carrying it is that connection's, duplicated or retransmitted).
+fn is_new_connection(segment: &[u8], old_syn: Option<u32>) -> bool {
     const SYN: u8 = 0x02;
     const ACK: u8 = 0x10;
-    segment.get(13).is_some_and(|f| f & (SYN | ACK) == SYN)
+    let (Some(seq), Some(&flags)) = (segment.get(4..8), segment.get(13)) else {
+        return false;
+    };
+    flags & (SYN | ACK) == SYN
+        && old_syn != Some(u32::from_be_bytes([seq[0], seq[1], seq[2], seq[3]]))
 }
 
 impl Migrator {
@@ -336,6 +349,7 @@ impl Migrator {
             let d = o.get_mut();
             d.gone_until = None;
             d.target = None;
+            d.syn_seq = None;
             if d.is_empty() {
                 o.remove();
             }
@@ -348,6 +362,7 @@ impl Migrator {
         let d = self.departed.entry(flow).or_default();
         d.gone_until = Some(until);
         d.target = target;
+        d.syn_seq = None;
     }
 
     /// Takes the frozen connection of the migration `id` of `flow` (the
@@ -373,6 +388,7 @@ impl Migrator {
             Some(t) => {
                 d.gone_until = Some(now + GONE_LINGER);
                 d.target = Some(t);
+                d.syn_seq = f.as_ref().and_then(|f| f.peer_isn);
             }
             None => d.target = None,
         }
@@ -533,9 +549,9 @@ impl Migrator {
         segment: &[u8],
     ) -> SegmentVerdict {
         // One lookup: most segments belong to no departed flow.
-        let (frozen, gone_until, target) = match self.departed.get(&flow) {
-            Some(d) => (d.frozen.is_some(), d.gone_until, d.target),
-            None => (false, None, None),
+        let (frozen, gone_until, target, syn_seq) = match self.departed.get(&flow) {
+            Some(d) => (d.frozen.is_some(), d.gone_until, d.target, d.syn_seq),
+            None => (false, None, None, None),
         };
         if frozen {
             if let (true, Some(t)) = (self.forward_late, target) {
@@ -555,7 +571,8 @@ impl Migrator {
             return SegmentVerdict::Drop;
         }
         if let Some(until) = gone_until {
-            // A SYN (no ACK) on a tuple that left is a new connection
+            // A SYN (no ACK) on a tuple that left, other than a late
+            // duplicate of the old connection's own SYN, is a new connection
             // reusing it (Linux reuses a port at once after a RST): the
             // switch forgot the old flow at the client's reset and placed
             // the new one here. Served here, never forwarded: forwarded, it
@@ -563,7 +580,7 @@ impl Migrator {
             // segments here, which forwarded them only until GONE_LINGER,
             // and the switch refused every migration of it (CI on 6cb2385:
             // an HTTP client hung on a port wrk had just reset).
-            if until > now && !is_new_connection(segment) {
+            if until > now && !is_new_connection(segment, syn_seq) {
                 if let (true, Some(t)) = (self.forward_late, target) {
                     self.forwarded_gone += 1;
                     return SegmentVerdict::Forward(t);
@@ -768,6 +785,7 @@ impl Migrator {
                         continue;
                     }
                     let reset = tcp.peer_reset(cid);
+                    let peer_isn = tcp.peer_isn(cid).map(|s| s.0);
                     // `export_to_vec` reserves its cheap upper bound itself
                     // (no sizing walk of the connection), in a buffer the
                     // engine recycles from an earlier migration out.
@@ -797,6 +815,7 @@ impl Migrator {
                                 handle,
                                 kept: back.map(|(_, s)| s),
                                 reset,
+                                peer_isn,
                             });
                             d.target = match self.msg_target {
                                 Some((f, t)) if f == flow => Some(t),
@@ -1291,6 +1310,7 @@ mod late_segment_tests {
             handle: ConnId(1),
             kept: None,
             reset: None,
+            peer_isn: None,
         });
         assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Drop);
         assert_eq!(m.dropped_frozen, 1);
@@ -1332,11 +1352,25 @@ mod late_segment_tests {
         let mut m = migrator();
         let (f, target) = (flow(), Ipv4Addr::new(10, 0, 0, 2));
         let now = Instant::from_micros(1_000);
+        let old_isn = 0x1234_5678u32;
         let mut seg = [0u8; 20];
-        m.set_gone(f, now + GONE_LINGER, Some(target));
-        // The old connection's late segments (ACK, SYN+ACK, RST) go on
-        // to its target.
-        for flags in [0x10, 0x12, 0x04, 0x14] {
+        let gone = |m: &mut Migrator| {
+            m.departed.entry(f).or_default().frozen = Some(Frozen {
+                id: MigrationId(7),
+                handle: ConnId(1),
+                kept: None,
+                reset: None,
+                peer_isn: Some(old_isn),
+            });
+            assert!(m
+                .take_frozen(now, f, MigrationId(7), Some(target))
+                .is_some());
+        };
+        gone(&mut m);
+        // The old connection's late segments (ACK, SYN+ACK, RST, and its
+        // own SYN duplicated or retransmitted) go on to its target.
+        seg[4..8].copy_from_slice(&old_isn.to_be_bytes());
+        for flags in [0x10, 0x12, 0x04, 0x14, 0x02] {
             seg[13] = flags;
             assert_eq!(
                 m.segment_verdict(now, f, &seg),
@@ -1344,15 +1378,17 @@ mod late_segment_tests {
                 "flags {flags:#x}"
             );
         }
-        // A SYN reusing the tuple (the client reset the old connection and
-        // the switch placed the new one here): served here, and so is the
-        // rest of the new connection.
+        // A SYN with another sequence number reuses the tuple (the client
+        // reset the old connection and the switch placed the new one
+        // here): served here, and so is the rest of the new connection.
+        seg[4..8].copy_from_slice(&0x9000_0001u32.to_be_bytes());
         seg[13] = 0x02;
         assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Process);
         assert!(!m.departed.contains_key(&f));
         seg[13] = 0x10;
         assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Process);
-        // Gone without a target (dropped): a SYN is served too.
+        // Gone without a known connection (the target side after an
+        // abort: dropped): any SYN is a new connection.
         m.set_gone(f, now + GONE_LINGER, None);
         assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Drop);
         seg[13] = 0x02;
@@ -1360,6 +1396,11 @@ mod late_segment_tests {
         // A truncated segment is no SYN.
         m.set_gone(f, now + GONE_LINGER, None);
         assert_eq!(m.segment_verdict(now, f, &seg[..13]), SegmentVerdict::Drop);
+        // A new departure forgets the older connection's SYN.
+        gone(&mut m);
+        m.set_gone(f, now + GONE_LINGER, None);
+        seg[4..8].copy_from_slice(&old_isn.to_be_bytes());
+        assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Process);
     }
 
     #[test]

@@ -625,6 +625,12 @@ impl Endpoint {
         })
     }
 
+    /// The peer's initial sequence number (its SYN's) on connection `id`,
+    /// if the endpoint holds it (kept across migrations in the snapshot).
+    pub fn peer_isn(&self, id: ConnId) -> Option<SeqNum> {
+        Some(self.conns.get(&id)?.conn.rcv.irs)
+    }
+
     /// Resets the peer of a connection this endpoint no longer holds
     /// ([`Endpoint::peer_reset`], captured before the export): RST at
     /// `snd_max` with ACK, as the connection's own abort would send, and, if
