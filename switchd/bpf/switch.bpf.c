@@ -302,21 +302,39 @@ static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, st
 
 	mig = bpf_map_lookup_elem(&migrations, &key);
 	if (mig && syn_only) {
-		/* A SYN reusing the 4-tuple of a closed (CLOSING) flow starts a new
-		 * connection: the migration entry is the old connection's. Following
-		 * it kept the flow CLOSING, and the control plane's reaper then
-		 * removed the new connection's entries closed_linger after the old
-		 * close, silently dropping the client from then on. The new flow
-		 * gets its own entry (flags 0) on the old connection's last owner
-		 * while it is live (the old origin still drops the tuple's segments
-		 * as "gone" for a few seconds); otherwise it is placed anew. */
+		/* A SYN without ACK is no segment of a migrated connection's
+		 * (migrations start after the handshake; at most a late duplicate
+		 * of its first one). On a closed tuple it starts a new connection,
+		 * and the migration entry is the old connection's: its flow is
+		 * CLOSING (FINs both ways), or has no entry: the client's
+		 * reset removed both, and a TCPMig message of a migration then in
+		 * flight (a PREPARE_ACK, an ABORT decision) made a migration entry
+		 * again. Following it made no flow entry of the new connection's
+		 * own (or kept it CLOSING), and the control plane's reaper, queued
+		 * by the old close, removed its entries closed_linger later: its
+		 * segments were dropped, or placed anew on a server without it.
+		 * The new flow gets its own entry (flags 0) on the old
+		 * connection's last owner (a final entry's server) while it is
+		 * live: whatever is left of the old connection (TIME-WAIT, or a
+		 * state imported after the client's reset) is there, and TCP
+		 * settles the SYN against it instead of leaving it orphaned (a
+		 * server the connection left serves such a SYN too:
+		 * docs/MIGRATION.md). Otherwise, or when the entry is pending (its
+		 * target imported nothing and would buffer the SYN for an import
+		 * that may never complete), the flow is placed anew. An open flow
+		 * (not CLOSING) keeps following its owner: the SYN is a duplicate
+		 * of its own, or the client lost a connection whose end the switch
+		 * did not see, and the owner holding it answers (RFC 9293
+		 * 3.10.7.4: a challenge ACK, the client's reset, which removes the
+		 * entries, then its SYN again, placed afresh). */
 		flow = bpf_map_lookup_elem(&flows, &key);
-		if (flow && (flow->flags & CAPY_FLOW_CLOSING)) {
+		if (!flow || (flow->flags & CAPY_FLOW_CLOSING)) {
 			__u32 last = mig->server;
+			int pending = mig->pending;
 
 			bpf_map_delete_elem(&migrations, &key);
 			mig = NULL;
-			srv = bpf_map_lookup_elem(&servers, &last);
+			srv = pending ? NULL : bpf_map_lookup_elem(&servers, &last);
 			if (srv && srv->state == CAPY_SERVER_LIVE && svc->placement != CAPY_PLACE_NONE) {
 				struct capy_flow nf = { .server = last,
 							.service = (__u16)svc->index,

@@ -1199,6 +1199,175 @@ fn syn_reusing_a_closed_migrated_tuple_gets_its_own_flow() {
     );
 }
 
+/// Regression: a client resets a migrated connection while a migration of it
+/// is in flight, and at once opens a new one from the same port. The reset
+/// removes the flow's entries; a TCPMig message of the old migration that
+/// passes afterwards re-creates a migration entry without a flow entry (a
+/// PREPARE_ACK: pending toward its target; an ABORT decision: a tombstone
+/// on the origin). The new SYN followed that entry and made no flow entry:
+/// the control plane's reaper (queued by the reset's CLOSED event) then
+/// deleted the migration entry `closed_linger` later, and the live
+/// connection's segments were placed anew ("recovered"), possibly on a
+/// server that resets them. A pending entry also sent the SYN to a target
+/// that buffers it for an import that never completes.
+#[test]
+fn syn_after_a_reset_ignores_a_migration_entry_the_old_migration_left() {
+    use capybara_proto::Instant;
+    use capybara_switchd::control::{ControlConfig, ControlPlane, TargetPolicy, VecSink};
+
+    let mut lab = setup();
+    // Four tuples placed on the same server `a`, each reset by its client
+    // while a migration a -> b is under way; no new connection on the
+    // fourth.
+    let a = maglev_server(&lab, 41000, VIP);
+    let b = 1 - a;
+    let ports: Vec<u16> = (41000..42000)
+        .filter(|p| maglev_server(&lab, *p, VIP) == a)
+        .take(4)
+        .collect();
+    let (p_ack, p_done, p_abort, p_left) = (ports[0], ports[1], ports[2], ports[3]);
+    for &p in &ports {
+        run(
+            &mut lab,
+            vec![
+                client_to("SYN placed on a", p, TCP_SYN, a, "fwd_new_flow"),
+                client_to("handshake ACK", p, TCP_ACK, a, "fwd_established"),
+                client_to("the client resets it", p, TCP_RST, a, "fwd_established"),
+            ],
+        );
+        assert_eq!(lab.dp.lookup_migration(flow_key(p)).unwrap(), None);
+        assert_eq!(lab.dp.lookup_flow(flow_key(p)).unwrap(), None);
+    }
+    // The old migrations' messages that pass the switch after the resets.
+    let id = mid(a, 1);
+    run(
+        &mut lab,
+        vec![
+            relayed(
+                "late PREPARE_ACK: a pending entry toward b, no flow entry",
+                b,
+                a,
+                mig(Kind::PrepareAck, id, p_ack, a, Some(b)),
+                "fwd_prepare_ack",
+            ),
+            relayed(
+                "late PREPARE_ACK of another tuple",
+                b,
+                a,
+                mig(Kind::PrepareAck, id, p_done, a, Some(b)),
+                "fwd_prepare_ack",
+            ),
+            relayed(
+                "its CONN_STATE_ACK: final on b, no flow entry",
+                b,
+                a,
+                mig(Kind::ConnStateAck, id, p_done, a, Some(b)),
+                "fwd_tcpmig",
+            ),
+            relayed(
+                "late ABORT decision: a tombstone on a, no flow entry",
+                b,
+                a,
+                mig(Kind::Abort, id, p_abort, a, Some(b)),
+                "fwd_tcpmig",
+            ),
+            relayed(
+                "late ABORT decision of the tuple nobody reuses",
+                b,
+                a,
+                mig(Kind::Abort, id, p_left, a, Some(b)),
+                "fwd_tcpmig",
+            ),
+        ],
+    );
+    assert_eq!(
+        lab.dp.lookup_migration(flow_key(p_ack)).unwrap(),
+        Some(CMigration::pending(b, id))
+    );
+    assert_eq!(
+        lab.dp.lookup_migration(flow_key(p_done)).unwrap(),
+        Some(CMigration::owner(b, id))
+    );
+    assert_eq!(
+        lab.dp.lookup_migration(flow_key(p_abort)).unwrap(),
+        Some(CMigration::owner(a, id))
+    );
+    // New connections from the same ports. A final entry names the old
+    // connection's last owner: the new flow goes there. A pending entry
+    // names a target that has imported nothing (it would buffer the SYN
+    // for the import): the new flow is placed (Maglev: a).
+    let expect = [(p_ack, a), (p_done, b), (p_abort, a)];
+    for &(p, to) in &expect {
+        run(
+            &mut lab,
+            vec![
+                client_to(
+                    "a SYN reusing the reset tuple is a new flow",
+                    p,
+                    TCP_SYN,
+                    to,
+                    "fwd_new_flow",
+                ),
+                client_to(
+                    "the new connection's ACK follows its own flow entry",
+                    p,
+                    TCP_ACK,
+                    to,
+                    "fwd_established",
+                ),
+            ],
+        );
+        assert_eq!(
+            lab.dp.lookup_migration(flow_key(p)).unwrap(),
+            None,
+            "port {p}"
+        );
+        let flow = lab.dp.lookup_flow(flow_key(p)).unwrap();
+        assert_eq!(
+            flow.map(|f| (f.server, f.flags)),
+            Some((to, FLOW_ESTABLISHED)),
+            "port {p}"
+        );
+    }
+
+    // The control plane's reaper, queued by the resets' CLOSED events,
+    // runs `closed_linger` later: it removes what the old migration left
+    // of the tuple nobody reused, and leaves the new connections alone.
+    let Lab { _ns, dp, .. } = lab;
+    let cfg = ControlConfig::new(std::time::Duration::from_secs(3), TargetPolicy::RoundRobin);
+    let linger_ms = cfg.closed_linger.as_millis() as u64;
+    let mut cp = ControlPlane::new(dp, cfg);
+    let mut sink = VecSink::default();
+    cp.flush_events(Instant::ZERO, &mut sink).unwrap();
+    let closed = |p: u16| {
+        sink.0
+            .iter()
+            .filter(|e| e.key == flow_key(p) && e.kind == EV_CLOSED)
+            .count()
+    };
+    assert_eq!(ports.iter().map(|p| closed(*p)).collect::<Vec<_>>(), [1; 4]);
+    cp.tick(Instant::from_millis(linger_ms - 1)).unwrap();
+    assert!(cp.dp.lookup_migration(flow_key(p_left)).unwrap().is_some());
+    cp.tick(Instant::from_millis(linger_ms + 1)).unwrap();
+    assert_eq!(cp.dp.lookup_migration(flow_key(p_left)).unwrap(), None);
+    assert_eq!(
+        cp.reaped_total, 1,
+        "the tombstone of the tuple nobody reused"
+    );
+    for &(p, to) in &expect {
+        assert_eq!(
+            cp.dp.lookup_migration(flow_key(p)).unwrap(),
+            None,
+            "port {p}"
+        );
+        assert_eq!(
+            cp.dp.lookup_flow(flow_key(p)).unwrap().map(|f| f.server),
+            Some(to),
+            "port {p}: the reaper took the new connection's entry"
+        );
+    }
+}
+
 /// A retiring (deleted) service: its established flows are forwarded as
 /// before, nothing new is placed: a SYN, or a stray segment, is answered
 /// with a reset from the VIP (a reset is not answered); restored, it
