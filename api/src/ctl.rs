@@ -1159,12 +1159,29 @@ async fn services_left_without(cfg: &Configuration, id: i64) -> Option<Vec<Strin
     // (`serving.members`) without the members whose hostagent does not
     // serve the VIP:port (`not_serving`); the store's pool (empty: every
     // server) while switchd does not answer. The store's pool alone named
-    // no service that only the drained server's hostagent serves.
-    let pools: Vec<(String, Vec<i64>)> = services
+    // no service that only the drained server's hostagent serves. With
+    // `serving.placing` (a switchd that reports it), who takes new
+    // connections is switchd's word, not the API's server list.
+    let pools: Vec<ServicePool> = services
         .iter()
-        .map(|s| (s.name.clone(), service_members(s, &all)))
+        .map(|s| ServicePool {
+            name: s.name.clone(),
+            members: service_members(s, &all),
+            placing: s.serving.as_ref().and_then(|v| v.placing.clone()),
+        })
         .collect();
     Some(left_without(id, &available, &pools))
+}
+
+/// A service as [`left_without`] weighs it.
+struct ServicePool {
+    name: String,
+    /// The servers that can take its connections ([`service_members`]).
+    members: Vec<i64>,
+    /// switchd's `serving.placing`: the servers new connections are placed
+    /// on right now; `None` when switchd is too old to say or did not
+    /// answer.
+    placing: Option<Vec<i64>>,
 }
 
 /// The servers that can take `s`'s connections: switchd's resolved pool
@@ -1185,18 +1202,29 @@ fn service_members(s: &models::ServiceView, all: &[i64]) -> Vec<i64> {
     }
 }
 
-/// `services_left_without` on plain data: `servers` is (id, available),
-/// `pools` (service, the servers that can take its connections).
-fn left_without(id: i64, servers: &[(i64, bool)], pools: &[(String, Vec<i64>)]) -> Vec<String> {
+/// `services_left_without` on plain data: `servers` is (id, available).
+/// A service `id` takes part in (a member, or placed on) is left without
+/// servers when no other server takes its new connections: by switchd's
+/// `placing` when present (`[id]`, or already empty: switchd may have
+/// taken `id` out of placement by the time it is read), else by the
+/// members' availability in `servers`.
+fn left_without(id: i64, servers: &[(i64, bool)], pools: &[ServicePool]) -> Vec<String> {
     pools
         .iter()
-        .filter(|(_, members)| {
-            members.contains(&id)
-                && !members
+        .filter(|p| {
+            let placing = p.placing.as_deref();
+            if !p.members.contains(&id) && !placing.is_some_and(|pl| pl.contains(&id)) {
+                return false;
+            }
+            match placing {
+                Some(pl) => pl.iter().all(|m| *m == id),
+                None => !p
+                    .members
                     .iter()
-                    .any(|m| *m != id && servers.iter().any(|(s, ok)| s == m && *ok))
+                    .any(|m| *m != id && servers.iter().any(|(s, ok)| s == m && *ok)),
+            }
         })
-        .map(|(name, _)| name.clone())
+        .map(|p| p.name.clone())
         .collect()
 }
 
@@ -1609,7 +1637,7 @@ mod tests {
             false,
         ));
         assert_eq!(service_members(&s, &all), [3]);
-        let pools = vec![("redis".to_string(), service_members(&s, &all))];
+        let pools = [pool("redis", &service_members(&s, &all))];
         let servers = [(1, true), (2, true), (3, true)];
         assert_eq!(left_without(3, &servers, &pools), ["redis"]);
         assert!(left_without(1, &servers, &pools).is_empty());
@@ -1644,16 +1672,26 @@ mod tests {
         }
     }
 
+    /// A service as `left_without` weighs it, from a switchd too old to
+    /// report `placing`.
+    fn pool(name: &str, members: &[i64]) -> ServicePool {
+        ServicePool {
+            name: name.to_string(),
+            members: members.to_vec(),
+            placing: None,
+        }
+    }
+
     /// Draining the last server a service can place on is named; other
     /// services, or one with another available member, are not.
     #[test]
     fn drains_that_leave_a_service_without_servers_are_named() {
         let servers = [(1, true), (2, false), (3, true)];
-        let pools = vec![
-            ("all".to_string(), vec![1, 2, 3]),
-            ("one".to_string(), vec![1]),
-            ("one_and_drained".to_string(), vec![1, 2]),
-            ("other".to_string(), vec![3]),
+        let pools = [
+            pool("all", &[1, 2, 3]),
+            pool("one", &[1]),
+            pool("one_and_drained", &[1, 2]),
+            pool("other", &[3]),
         ];
         assert_eq!(
             left_without(1, &servers, &pools),
@@ -1665,6 +1703,48 @@ mod tests {
             ["all", "other"]
         );
         assert!(left_without(2, &servers, &pools).is_empty());
+    }
+
+    /// With switchd's `placing`, who takes new connections is its word:
+    /// the API's server list is not read. A drain is named when it leaves
+    /// `placing` empty, whether switchd still places on the drained server
+    /// (`[1]`) or already took it out (`[]`); a service the drained server
+    /// takes no part in is not.
+    #[test]
+    fn drains_that_leave_placing_empty_are_named() {
+        // The API thinks every server is available: it does not count.
+        let servers = [(1, true), (2, true), (3, true)];
+        let with = |name: &str, members: &[i64], placing: &[i64]| ServicePool {
+            placing: Some(placing.to_vec()),
+            ..pool(name, members)
+        };
+        let pools = [
+            // switchd places only on 1 (2 and 3 drained, dead, ...).
+            with("only_1", &[1, 2, 3], &[1]),
+            // switchd already took 1 out: nobody left.
+            with("1_taken_out", &[1, 2], &[]),
+            with("1_and_3", &[1, 2, 3], &[1, 3]),
+            // 1 takes no part in it: not its drain's doing.
+            with("2_and_3", &[2, 3], &[2]),
+            // An older switchd: the old computation, servers 2 and 3 count.
+            pool("old_switchd", &[1, 2]),
+        ];
+        assert_eq!(left_without(1, &servers, &pools), ["only_1", "1_taken_out"]);
+        assert_eq!(
+            left_without(2, &servers, &pools),
+            ["1_taken_out", "2_and_3"]
+        );
+        assert!(left_without(3, &servers, &pools).is_empty());
+        // Placed on though not in the members (a pool that changed between
+        // switchd's two reads): named.
+        assert_eq!(left_without(3, &servers, &[with("s", &[1], &[3])]), ["s"]);
+        // Absent `placing` falls back: 2 unavailable leaves 1 alone.
+        let old = [pool("old_switchd", &[1, 2])];
+        assert_eq!(
+            left_without(1, &[(1, true), (2, false)], &old),
+            ["old_switchd"]
+        );
+        assert!(left_without(1, &servers, &old).is_empty());
     }
 
     #[test]

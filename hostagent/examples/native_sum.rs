@@ -235,7 +235,10 @@ fn run(path: &str) -> Result<(), String> {
         }
         if let Some(c) = cfg.control.clone() {
             let services = cfg.services.iter().map(|s| s.listen).collect();
-            tokio::task::spawn_local(control::run(
+            // Nothing here starts a graceful stop: the channel runs until
+            // the process ends.
+            let stop = Rc::new(capybara_hostagent::drain::StopSignal::default());
+            tokio::task::spawn_local(control::run_with_stop(
                 c,
                 key,
                 stack.clone(),
@@ -243,7 +246,8 @@ fn run(path: &str) -> Result<(), String> {
                 mac.0,
                 services,
                 // No sidecar services: nothing to health-check.
-                std::rc::Rc::new(capybara_hostagent::health::Board::new(&cfg.health, &[])),
+                Rc::new(capybara_hostagent::health::Board::new(&cfg.health, &[])),
+                stop,
             ));
         }
         if mig.churn_every_ms > 0 {

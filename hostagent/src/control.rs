@@ -210,24 +210,11 @@ fn hold_resets(stack: &Stack) {
     });
 }
 
-/// Runs forever: registration (retried every second until acknowledged),
-/// then heartbeats at the interval the switch asked for.
-pub async fn run(
-    cfg: ControlConfig,
-    key: MigrationKey,
-    stack: Stack,
-    data_addr: Ipv4Addr,
-    data_mac: [u8; 6],
-    services: Vec<SocketAddrV4>,
-    health: std::rc::Rc<crate::health::Board>,
-) {
-    let stop = std::rc::Rc::new(crate::drain::StopSignal::default());
-    run_with_stop(cfg, key, stack, data_addr, data_mac, services, health, stop).await
-}
-
-/// [`run`], told of a graceful stop by `stop`: LEAVING heartbeats from its
-/// start; once it says [`StopPhase::Stopped`], the STOPPED heartbeats,
-/// then `stop.stopped_sent` and the end.
+/// Runs until a graceful stop ends (forever without one): registration
+/// (retried every second until acknowledged), then heartbeats at the
+/// interval the switch asked for. Told of a graceful stop by `stop`: LEAVING
+/// heartbeats from its start; once it says [`StopPhase::Stopped`], the
+/// STOPPED heartbeats, then `stop.stopped_sent` and the end.
 #[allow(clippy::too_many_arguments)]
 pub async fn run_with_stop(
     cfg: ControlConfig,

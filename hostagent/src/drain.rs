@@ -254,11 +254,6 @@ impl Drainer {
         }
     }
 
-    /// The deadline of the drain under way.
-    pub fn deadline(&self) -> Option<Instant> {
-        self.run.as_ref().map(|r| r.deadline)
-    }
-
     /// Starts draining every connection `m` serves, to finish by
     /// `now + deadline` (zero: [`DEFAULT_DEADLINE`]). A drain already under
     /// way keeps going with the new deadline (the switch repeats DRAIN until

@@ -19,6 +19,7 @@ import time
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 import requests
@@ -195,10 +196,15 @@ class ApiProcess:
 class SwitchdStandIn:
     """A stand-in for switchd's HTTP endpoint (`metrics_listen`) on
     127.0.0.1: `GET /status` answers `status` as it is at each request (a
-    test changes it as switchd would), `GET /migrations` no migration."""
+    test changes it as switchd would), `GET /migrations?after=A&limit=L`
+    the reports of `migrations` (none by default) with a `seq` above A, L
+    at most, as switchd pages them. `migrations` holds the servers'
+    reports in order, seq 1, 2, ...: a test extends it (with a list, so
+    that a request sees all of them or none) as servers report."""
 
-    def __init__(self, status: dict):
+    def __init__(self, status: dict, migrations: list[dict] | None = None):
         self.status = status
+        self.migrations = [] if migrations is None else migrations
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -206,7 +212,12 @@ class SwitchdStandIn:
                 if self.path.startswith("/status"):
                     body = stand_in.status
                 elif self.path.startswith("/migrations"):
-                    body = {"epoch": 1, "next": 1, "items": []}
+                    q = {k: int(v[0]) for k, v in parse_qs(urlparse(self.path).query).items()}
+                    after, limit = q.get("after", 0), q.get("limit", 1000)
+                    reports = list(stand_in.migrations)
+                    items = [r for r in reports if r["seq"] > after][:limit]
+                    next_seq = reports[-1]["seq"] + 1 if reports else 1
+                    body = {"epoch": 1, "next": next_seq, "items": items}
                 else:
                     self.send_error(404)
                     return
@@ -230,10 +241,11 @@ class SwitchdStandIn:
 
 
 @contextmanager
-def api_behind_switchd(tmp: Path, status: dict):
+def api_behind_switchd(tmp: Path, status: dict, migrations: list[dict] | None = None):
     """A capybara-api of its own (store in `tmp`) whose control plane is a
-    `SwitchdStandIn` answering `status`: yields (Api, SwitchdStandIn)."""
-    switchd = SwitchdStandIn(status)
+    `SwitchdStandIn` answering `status` and `migrations`: yields (Api,
+    SwitchdStandIn)."""
+    switchd = SwitchdStandIn(status, migrations)
     p = ApiProcess(tmp, ("--switchd", switchd.url))
     try:
         url = p.start()

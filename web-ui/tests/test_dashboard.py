@@ -333,17 +333,8 @@ def test_migration_feed_opens_on_the_newest(page: Page, tmp_path, shot):
     migrations reported afterwards arrive on top through the stream. The API
     runs with a stand-in for switchd's HTTP endpoint (`/status`, and
     `/migrations` with the servers' reports, as switchd answers them)."""
-    import json
-    import subprocess
-    import threading
     import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    from types import SimpleNamespace
-    from urllib.parse import parse_qs, urlparse
 
-    from conftest import DIST, api_binary
-
-    reports = {"n": 160}
     # #160 started at 15:04:05.125 in the browser's time zone (its total
     # is 2 ms): the feed shows 24-hour time with milliseconds, not the
     # en-US "3:04:05 PM" of toLocaleTimeString.
@@ -359,57 +350,15 @@ def test_migration_feed_opens_on_the_newest(page: Page, tmp_path, shot):
             "phases": {"prepare_us": 40, "export_us": 9, "transfer_us": 78, "import_us": None, "total_us": 2000},
         }
 
-    class Switchd(BaseHTTPRequestHandler):
-        def do_GET(self):
-            u = urlparse(self.path)
-            q = {k: int(v[0]) for k, v in parse_qs(u.query).items()}
-            if u.path == "/migrations":
-                after, limit = q.get("after", 0), q.get("limit", 1000)
-                seqs = range(after + 1, min(reports["n"], after + limit) + 1)
-                body = {"epoch": 1, "next": reports["n"] + 1, "items": [report(s) for s in seqs]}
-            else:
-                body = {"role": "active", "servers": []}
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    status = {"role": "active", "servers": []}
+    reports = [report(s) for s in range(1, 161)]
+    with api_behind_switchd(tmp_path, status, reports) as (api, switchd):
+        api.wait_for(
+            "the API to list the 160 reported migrations",
+            lambda: len(api.get("/v1/migrations?limit=1000")["items"]) >= 160,
+        )
 
-        def log_message(self, *args):
-            pass
-
-    switchd = ThreadingHTTPServer(("127.0.0.1", 0), Switchd)
-    threading.Thread(target=switchd.serve_forever, daemon=True).start()
-    token_file = tmp_path / "admin.token"
-    log = open(tmp_path / "api.log", "w")
-    proc = subprocess.Popen(
-        [
-            str(api_binary()),
-            "--store", f"sqlite:{tmp_path / 'store.db'}",
-            "--listen", "127.0.0.1:0",
-            "--admin-token-file", str(token_file),
-            "--static-dir", str(DIST),
-            "--switchd", f"http://127.0.0.1:{switchd.server_address[1]}",
-        ],
-        stdout=subprocess.PIPE, stderr=log, text=True,
-    )
-    try:
-        url = None
-        for _ in range(50):  # bounded: EOF ("") when the process exits
-            m = re.search(r"listening on (http://\S+)", proc.stdout.readline())
-            if m:
-                url = m.group(1)
-                break
-        assert url, (tmp_path / "api.log").read_text()
-        token = token_file.read_text().strip()
-        auth = {"Authorization": f"Bearer {token}"}
-        deadline = time.monotonic() + 10
-        while len(requests.get(url + "/v1/migrations?limit=1000", headers=auth, timeout=5).json()["items"]) < 160:
-            assert time.monotonic() < deadline, "the API never listed the 160 reported migrations"
-            time.sleep(0.1)
-
-        login(page, SimpleNamespace(url=url, token=token))
+        login(page, api)
         feed = page.get_by_test_id("migration-feed")
         expect(feed).to_have_attribute("data-rows", "100")
         rows = feed.locator("tbody tr")
@@ -424,20 +373,10 @@ def test_migration_feed_opens_on_the_newest(page: Page, tmp_path, shot):
         shot(page, "19-migration-feed-newest")
 
         # Reported later: on top through the stream, the feed still 100 long.
-        reports["n"] = 165
+        switchd.migrations.extend([report(s) for s in range(161, 166)])
         expect(rows.first).to_have_attribute("data-testid", "migration-row-165", timeout=10_000)
         expect(feed).to_have_attribute("data-rows", "100")
         expect(rows.last).to_have_attribute("data-testid", "migration-row-66")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
-        switchd.shutdown()
-        switchd.server_close()
 
 
 def test_stopping_and_stopped_servers_have_their_own_badges(page: Page, tmp_path, shot):
