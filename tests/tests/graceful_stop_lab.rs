@@ -21,6 +21,17 @@
 //! - `a_second_sigterm_stops_at_once`: a lone server whose connections have
 //!   nowhere to go; a second SIGTERM during the stop ends it at once
 //!   (status 0, the cut connections logged, switchd says `stopped`).
+//! - `a_stop_during_an_operator_drain_ends_at_its_own_deadline_and_the_drain_holds`:
+//!   as above (s2 HTTP only), the operator drains s1 through switchd
+//!   (`POST /servers/1/drain?deadline_ms=60000`): the drain runs, nothing
+//!   can move. SIGTERM s1: it exits with status 0 at its own deadline
+//!   ([`SHORT_DEADLINE_MS`]), not the drain's, logging the connections it
+//!   cut; switchd says `stopped`. Started again, s1 registers `draining`
+//!   (the operator's drain holds; its hostagent is told to drain again), is
+//!   in no `placing` list, and new connections go to s2.
+//! - `an_operator_drain_during_a_stop_does_not_extend_it`: the reverse
+//!   order: SIGTERM s1 first, then the operator's 60 s drain: the stop still
+//!   ends at its own deadline.
 //!
 //! The first test fails with the hostagent before graceful stops (its
 //! config has no `[shutdown]`, which an older hostagent would refuse):
@@ -33,7 +44,7 @@
 
 use capybara_systests::{
     bin, disable_policies, echo_once, hostagent_migrating_config, log_of, switchd_lab,
-    switchd_status_server, EchoHolder, Lab,
+    switchd_status_server, switchd_status_state, EchoHolder, Lab,
 };
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
@@ -355,4 +366,194 @@ fn a_second_sigterm_stops_at_once() {
         "GRACEFUL-STOP-LAB: s1 exited {:.0} ms after the second SIGTERM",
         took.as_secs_f64() * 1e3
     );
+}
+
+/// The operator's drain deadline in the tests where one runs during a stop:
+/// far past the stop's own ([`SHORT_DEADLINE_MS`]).
+const OPERATOR_DRAIN_MS: u64 = 60_000;
+
+/// Asks the lab switchd to drain server `id` (`POST
+/// /servers/<id>/drain?deadline_ms=N` on its status port), checked to be
+/// taken (200 applied, 202 accepted).
+fn operator_drain(lab: &Lab, id: u32, deadline_ms: u64) {
+    let url = format!("http://127.0.0.1:9102/servers/{id}/drain?deadline_ms={deadline_ms}");
+    let o = lab
+        .try_run(
+            "sw",
+            "curl",
+            &[
+                "-s",
+                "-m",
+                "3",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "-X",
+                "POST",
+                &url,
+            ],
+            Duration::from_secs(5),
+        )
+        .expect("POST the drain to switchd");
+    let code = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    assert!(code == "200" || code == "202", "drain s{id}: HTTP {code}");
+}
+
+/// Service `vip`'s `placing` list in switchd's `/status`.
+fn placing(lab: &Lab, vip: &str) -> Option<Vec<u64>> {
+    let v = capybara_systests::switchd_status_at(lab, 9102)?;
+    let svc = v["services"].as_array()?.iter().find(|s| s["vip"] == vip)?;
+    Some(
+        svc["placing"]
+            .as_array()?
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .collect(),
+    )
+}
+
+/// A lab where s1's echo connections have nowhere to go: s1 serves echo
+/// and HTTP (its `[shutdown] drain_timeout_ms` [`SHORT_DEADLINE_MS`]), s2
+/// only HTTP; both registered, the VIP echoes, and the client holds
+/// `held` echo connections (all on s1). Returns the lab, its directory,
+/// switchd's log, s1's config and log, s1 and s2.
+#[allow(clippy::type_complexity)]
+fn nowhere_to_migrate_lab(
+    name: &str,
+    tag: &str,
+    held: usize,
+) -> (
+    Lab,
+    PathBuf,
+    PathBuf,
+    PathBuf,
+    PathBuf,
+    Agent,
+    Agent,
+    EchoHolder,
+) {
+    let (mut lab, dir, key, sw) = switchd_lab(name, tag, 2);
+    let sw_log = dir.join("switchd.log");
+    lab.spawn_switchd(&sw, &sw_log);
+    let cfg1 = agent_config(&dir, &key, 1, SHORT_DEADLINE_MS);
+    let cfg2 = agent_config(&dir, &key, 2, SHORT_DEADLINE_MS);
+    let t = std::fs::read_to_string(&cfg2).unwrap();
+    let echo = "[[service]]\nlisten = \"198.18.100.1:7\"\napp = \"echo\"\n";
+    assert!(t.contains(echo), "{t}");
+    std::fs::write(&cfg2, t.replace(echo, "")).unwrap();
+    let log1 = dir.join("hostagent-s1.log");
+    let s1 = Agent::start(&lab, 1, &cfg1, &log1);
+    let s2 = Agent::start(&lab, 2, &cfg2, &dir.join("hostagent-s2.log"));
+    lab.wait_registered(&sw_log, 2);
+    lab.wait_for("the VIP to echo", Duration::from_secs(30), || {
+        echo_once(&lab, "198.18.100.1:7")
+    });
+    let holder = EchoHolder::start(&lab, held);
+    (lab, dir, sw_log, cfg1, log1, s1, s2, holder)
+}
+
+/// Checks s1's stop ended at its own deadline (not the operator drain's):
+/// exit status 0, the cut connections logged, switchd says `stopped`.
+fn assert_stopped_at_own_deadline(
+    lab: &Lab,
+    s1: &mut Agent,
+    t0: Instant,
+    log1: &Path,
+    held: usize,
+) {
+    let (st, took) = wait_exit(s1, t0, Duration::from_millis(SHORT_DEADLINE_MS + 5000));
+    let l1 = log_of(log1);
+    assert!(st.success(), "s1 exited with {st}: {l1}");
+    assert!(
+        took >= Duration::from_millis(SHORT_DEADLINE_MS - 100),
+        "s1 stopped after {took:?}, before its deadline: {l1}"
+    );
+    assert!(
+        took < Duration::from_millis(SHORT_DEADLINE_MS + 3000),
+        "s1 stopped after {took:?}: {l1}"
+    );
+    assert!(
+        l1.contains(&format!(
+            "deadline of {SHORT_DEADLINE_MS} ms passed: {held} connection(s) left, cut"
+        )),
+        "{l1}"
+    );
+    lab.wait_for("s1 stopped in /status", Duration::from_secs(5), || {
+        status_bool(lab, 1, "stopped") == Some(true)
+    });
+    eprintln!(
+        "GRACEFUL-STOP-LAB: s1 stopped at its own deadline after {:.0} ms, an operator drain of {OPERATOR_DRAIN_MS} ms running",
+        took.as_secs_f64() * 1e3
+    );
+}
+
+#[test]
+fn a_stop_during_an_operator_drain_ends_at_its_own_deadline_and_the_drain_holds() {
+    let _one = ONE_LAB.lock().unwrap_or_else(|e| e.into_inner());
+    let (lab, dir, sw_log, cfg1, log1, mut s1, _s2, _held) =
+        nowhere_to_migrate_lab("graceful-stop-drain-lab", "gsr", 4);
+    // The operator drains s1 for a minute: its echo connections cannot
+    // move, so the drain keeps running.
+    operator_drain(&lab, 1, OPERATOR_DRAIN_MS);
+    lab.wait_for("s1 draining in /status", Duration::from_secs(5), || {
+        switchd_status_state(&lab, 1).as_deref() == Some("draining")
+    });
+    lab.wait_for("s1's drain under way", Duration::from_secs(5), || {
+        log_of(&log1).contains("drain: 4 connection(s)")
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(s1.exited().is_none(), "s1 exited during the drain");
+
+    let t0 = Instant::now();
+    s1.signal("-TERM");
+    assert_stopped_at_own_deadline(&lab, &mut s1, t0, &log1, 4);
+    let swl = log_of(&sw_log);
+    assert!(swl.contains("server s1 is leaving"), "{swl}");
+
+    // Started again: registered, and still drained by the operator:
+    // nothing placed on it, new connections go to s2.
+    let log1b = dir.join("hostagent-s1-2.log");
+    let mut s1 = Agent::start(&lab, 1, &cfg1, &log1b);
+    lab.wait_for("s1 back, draining", Duration::from_secs(30), || {
+        switchd_status_server(&lab, 1)
+            .is_some_and(|v| v["state"] == "draining" && v["stopped"] == false)
+    });
+    lab.wait_for(
+        "the restarted s1 told to drain",
+        Duration::from_secs(5),
+        || log_of(&log1b).contains("drain started"),
+    );
+    assert_eq!(placing(&lab, "198.18.100.1:7"), Some(vec![]), "echo");
+    assert_eq!(placing(&lab, "198.18.100.1:80"), Some(vec![2]), "http");
+    let answered: Vec<Option<String>> = (0..6).map(|_| http_server(&lab)).collect();
+    assert!(
+        answered.iter().all(|a| a.as_deref() == Some("s2")),
+        "new connections with s1 drained: {answered:?}"
+    );
+    let st1 = switchd_status_server(&lab, 1).unwrap();
+    assert_eq!(st1["state"], "draining", "{st1}");
+    assert!(s1.exited().is_none(), "the restarted s1 exited");
+}
+
+#[test]
+fn an_operator_drain_during_a_stop_does_not_extend_it() {
+    let _one = ONE_LAB.lock().unwrap_or_else(|e| e.into_inner());
+    let (lab, _dir, _sw_log, _cfg1, log1, mut s1, _s2, _held) =
+        nowhere_to_migrate_lab("graceful-stop-late-drain-lab", "gsv", 3);
+    let t0 = Instant::now();
+    s1.signal("-TERM");
+    lab.wait_for("s1 leaving in /status", Duration::from_secs(1), || {
+        status_bool(&lab, 1, "leaving") == Some(true)
+    });
+    // The operator drains it for a minute while it leaves.
+    operator_drain(&lab, 1, OPERATOR_DRAIN_MS);
+    lab.wait_for("s1 draining in /status", Duration::from_secs(1), || {
+        switchd_status_state(&lab, 1).as_deref() == Some("draining")
+    });
+    assert!(
+        s1.exited().is_none(),
+        "s1 exited before the operator's drain reached it: the check proves nothing"
+    );
+    assert_stopped_at_own_deadline(&lab, &mut s1, t0, &log1, 3);
 }
