@@ -261,24 +261,9 @@ fn sigterm_moves_every_connection_away_then_the_server_exits_and_comes_back() {
 #[test]
 fn a_stop_with_nowhere_to_migrate_cuts_the_connections_at_the_deadline() {
     let _one = ONE_LAB.lock().unwrap_or_else(|e| e.into_inner());
-    let (mut lab, dir, key, sw) = switchd_lab("graceful-stop-deadline-lab", "gsd", 2);
-    let sw_log = dir.join("switchd.log");
-    lab.spawn_switchd(&sw, &sw_log);
-    let cfg1 = agent_config(&dir, &key, 1, SHORT_DEADLINE_MS);
     // s2 serves HTTP only: s1's echo connections have no target.
-    let cfg2 = agent_config(&dir, &key, 2, SHORT_DEADLINE_MS);
-    let t = std::fs::read_to_string(&cfg2).unwrap();
-    let echo = "[[service]]\nlisten = \"198.18.100.1:7\"\napp = \"echo\"\n";
-    assert!(t.contains(echo), "{t}");
-    std::fs::write(&cfg2, t.replace(echo, "")).unwrap();
-    let log1 = dir.join("hostagent-s1.log");
-    let mut s1 = Agent::start(&lab, 1, &cfg1, &log1);
-    let _s2 = Agent::start(&lab, 2, &cfg2, &dir.join("hostagent-s2.log"));
-    lab.wait_registered(&sw_log, 2);
-    lab.wait_for("the VIP to echo", Duration::from_secs(30), || {
-        echo_once(&lab, "198.18.100.1:7")
-    });
-    let _held = EchoHolder::start(&lab, 4);
+    let (lab, _dir, sw_log, _cfg1, log1, mut s1, _s2, _held) =
+        nowhere_to_migrate_lab("graceful-stop-deadline-lab", "gsd", 4);
 
     let t0 = Instant::now();
     s1.signal("-TERM");
