@@ -550,13 +550,30 @@ impl Migrator {
     ) -> SegmentVerdict {
         // One lookup: most segments belong to no departed flow.
         let (frozen, gone_until, target, syn_seq) = match self.departed.get(&flow) {
-            Some(d) => (d.frozen.is_some(), d.gone_until, d.target, d.syn_seq),
-            None => (false, None, None, None),
+            Some(d) => (
+                d.frozen.as_ref().map(|f| f.peer_isn),
+                d.gone_until,
+                d.target,
+                d.syn_seq,
+            ),
+            None => (None, None, None, None),
         };
-        if frozen {
+        if let Some(old_isn) = frozen {
+            // A new connection reusing the tuple (the client reset the
+            // frozen one and connected again from the same port; the switch
+            // forgot the flow at the reset and placed the new SYN here) is
+            // dropped, never forwarded: on the target it would be
+            // established while the switch sends its segments here (as for
+            // a gone tuple below). The client retransmits its SYN (1 s);
+            // by then the migration has its outcome: moved (the SYN is
+            // served here) or resumed here (the old connection answers with
+            // a challenge ACK, the client's reset ends it, its next SYN is
+            // served).
             if let (true, Some(t)) = (self.forward_late, target) {
-                self.forwarded_frozen += 1;
-                return SegmentVerdict::Forward(t);
+                if !is_new_connection(segment, old_isn) {
+                    self.forwarded_frozen += 1;
+                    return SegmentVerdict::Forward(t);
+                }
             }
             self.dropped_frozen += 1;
             return SegmentVerdict::Drop;
@@ -1345,6 +1362,48 @@ mod late_segment_tests {
         m.departed.entry(f).or_default().target = Some(target);
         m.forward_late = false;
         assert_eq!(m.segment_verdict(later, f, &seg), SegmentVerdict::Drop);
+    }
+
+    #[test]
+    fn a_new_connection_on_a_frozen_tuple_is_dropped_not_forwarded() {
+        let mut m = migrator();
+        let (f, target) = (flow(), Ipv4Addr::new(10, 0, 0, 2));
+        let now = Instant::from_micros(1_000);
+        let old_isn = 0x1234_5678u32;
+        let d = m.departed.entry(f).or_default();
+        d.frozen = Some(Frozen {
+            id: MigrationId(7),
+            handle: ConnId(1),
+            kept: None,
+            reset: None,
+            peer_isn: Some(old_isn),
+        });
+        d.target = Some(target);
+        let mut seg = [0u8; 20];
+        // The frozen connection's segments (its own SYN too) go on to the
+        // target it is moving to.
+        seg[4..8].copy_from_slice(&old_isn.to_be_bytes());
+        for flags in [0x10, 0x18, 0x04, 0x02] {
+            seg[13] = flags;
+            assert_eq!(
+                m.segment_verdict(now, f, &seg),
+                SegmentVerdict::Forward(target),
+                "flags {flags:#x}"
+            );
+        }
+        // A new connection's SYN (the client reset the frozen one and
+        // reconnected from the same port): dropped, the client retries it
+        // once the migration has its outcome; the frozen state stays.
+        seg[4..8].copy_from_slice(&0x9000_0001u32.to_be_bytes());
+        seg[13] = 0x02;
+        assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Drop);
+        assert_eq!((m.forwarded_frozen, m.dropped_frozen), (4, 1));
+        assert!(m.departed.get(&f).is_some_and(|d| d.frozen.is_some()));
+        // Once gone (migrated out), that SYN is served here.
+        assert!(m
+            .take_frozen(now, f, MigrationId(7), Some(target))
+            .is_some());
+        assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Process);
     }
 
     #[test]

@@ -1055,6 +1055,13 @@ impl Forwarder {
         self.forwarded += 1;
     }
 
+    /// The target the transports asked the frame just received to be sent
+    /// on to, taken (for a driver of [`Transports`] without the device
+    /// wrapper, such as the migration test harness).
+    pub fn take_pending(&mut self) -> Option<Ipv4Addr> {
+        self.pending.take()
+    }
+
     /// Moves the oldest queued frame into `buf`.
     fn pop_into(&mut self, buf: &mut [u8]) -> Option<usize> {
         if self.queued == 0 {

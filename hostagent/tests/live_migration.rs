@@ -1111,3 +1111,89 @@ fn an_oversized_connection_is_never_frozen() {
     w.assert_single_owner();
     assert_eq!(w.owners(), vec![0]);
 }
+
+/// A client resets its connection while the origin holds it frozen (the
+/// snapshot sent, the outcome not known yet) and at once connects again
+/// from the same port, as Linux allows: the switch forgot the flow at the
+/// reset and places the new SYN anew, on the origin. The new connection
+/// must be served where the switch sends it, and stay up. It was
+/// forwarded to the target with the frozen connection's late segments and
+/// established there while the switch sent its segments to the origin,
+/// which forwarded them only for the 5 s a moved tuple's late segments are
+/// forwarded, then reset the client.
+#[test]
+fn a_new_connection_on_the_tuple_of_a_frozen_one_is_served_where_the_switch_sends_it() {
+    let mut w = World::new(setup(41, App::Echo, Net::clean()), stream(41, 4_096));
+    w.client.hold_open = true;
+    w.switch.forget_on_client_reset = true;
+    for s in &mut w.servers {
+        s.release_closed = true;
+    }
+    run_to_rx(&mut w, 4_096);
+    let old = w.flow().expect("connected");
+    // The target's first CONN_STATE_ACK is lost: the origin stays frozen
+    // until it sends its state again.
+    w.switch.drops.push(KindDrop {
+        kind: Kind::ConnStateAck,
+        after_switch: false,
+        remaining: 1,
+    });
+    w.migrate(true).expect("migrate");
+    let until = w.now + Duration::from_secs(1);
+    assert!(
+        w.run_until(until, |w| w.switch.counters.fault_dropped == 1),
+        "{}",
+        w.describe()
+    );
+    // The target imported the connection; the origin waits, frozen.
+    assert_eq!(w.owners(), vec![1], "{}", w.describe());
+    w.client.reset_and_reconnect(stream(42, 4_096));
+    for _ in 0..6 {
+        w.run_for(Duration::from_micros(20));
+        eprintln!(
+            "DEBUG t={} client {:?} state={:?}",
+            w.now,
+            w.client.tr.tcp.counters(),
+            w.client.conn.and_then(|c| w.client.tr.tcp.state(c))
+        );
+        for s in &w.servers {
+            eprintln!(
+                "DEBUG s{} {:?} serves={} conns={:?}",
+                s.index,
+                s.tr.tcp.counters(),
+                s.owns(&old),
+                s.conns
+                    .iter()
+                    .map(|&c| s.tr.tcp.state(c))
+                    .collect::<Vec<_>>()
+            );
+        }
+    }
+    let until = w.now + Duration::from_secs(5);
+    assert!(
+        w.run_until(until, |w| w.client.received.len() >= 4_096),
+        "the new connection echoes; {}",
+        w.describe()
+    );
+    assert_eq!(w.flow(), Some(old), "the same 4-tuple");
+    // Past the time a moved tuple's late segments are forwarded.
+    w.run_for(Duration::from_secs(7));
+    w.client.to_send.extend(stream(43, 4_096));
+    let until = w.now + Duration::from_secs(5);
+    w.run_until(until, |w| {
+        w.client.received.len() >= 8_192 || w.client.error.is_some()
+    });
+    assert_eq!(w.client.error, None, "{}", w.describe());
+    assert!(
+        w.client.received == w.client.to_send,
+        "got {} of {} bytes; {}",
+        w.client.received.len(),
+        w.client.to_send.len(),
+        w.describe()
+    );
+    assert_eq!(w.switch.counters.resets_to_client, 0, "{}", w.describe());
+    assert!(w.servers[0].owns(&old), "{}", w.describe());
+    assert_eq!(w.switch.owner(&old), Some(SERVERS[0]));
+    // The client's reset ended the imported connection on the target.
+    assert!(!w.servers[1].owns(&old), "{}", w.describe());
+}

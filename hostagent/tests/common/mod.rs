@@ -390,6 +390,8 @@ pub struct SwitchCounters {
     pub tcpmig_refused: u64,
     pub fault_dropped: u64,
     pub arp_replies: u64,
+    /// Client segments a server sent on to another server.
+    pub forwarded_between_servers: u64,
 }
 
 /// A scripted loss of TCPMig messages at the switch.
@@ -420,6 +422,10 @@ pub struct Switch {
     pub resets: Vec<(Instant, Port)>,
     /// Every TCPMig message seen: (time, kind, id, src, dst, forwarded to).
     pub mig_log: Vec<(Instant, Kind, u64, Ipv4Addr, Ipv4Addr, Option<Ipv4Addr>)>,
+    /// A client's RST removes the flow's entries once forwarded, as
+    /// switchd's data plane does (its next SYN is placed anew, on server 0
+    /// here). Off by default: the older scenarios were written without it.
+    pub forget_on_client_reset: bool,
     rr: usize,
 }
 
@@ -440,6 +446,7 @@ impl Switch {
             table_log: Vec::new(),
             counters: SwitchCounters::default(),
             mig_log: Vec::new(),
+            forget_on_client_reset: false,
             rr: 0,
         }
     }
@@ -553,6 +560,10 @@ impl Switch {
         let Some(port) = Switch::port_of(owner) else {
             return Vec::new();
         };
+        if self.forget_on_client_reset && flags & 0x04 != 0 {
+            self.flows.remove(&flow);
+            self.migration.remove(&flow);
+        }
         let mut out = frame.to_vec();
         rewrite_dst(&mut out, owner);
         set_macs(&mut out, SWITCH_MAC, server_mac(port));
@@ -573,6 +584,18 @@ impl Switch {
             set_macs(&mut out, SWITCH_MAC, CLIENT_MAC);
             self.counters.to_client += 1;
             return vec![(Port::Client, out)];
+        }
+        if ip_proto(frame) == IPPROTO_TCP {
+            // A client segment a server sent on to another (its late
+            // segments after a migration): routed by destination, as the
+            // kernel does behind switchd's data plane.
+            let Some(port) = Switch::port_of(ip_dst(frame)) else {
+                return Vec::new();
+            };
+            let mut out = frame.to_vec();
+            set_macs(&mut out, SWITCH_MAC, server_mac(port));
+            self.counters.forwarded_between_servers += 1;
+            return vec![(Port::Server(port), out)];
         }
         let Some(m) = tcpmig_of(frame) else {
             return Vec::new();
@@ -743,6 +766,13 @@ pub struct Server {
     pub app_errors: Vec<TcpError>,
     /// The connection as it was exported, for every migration out.
     pub exports: Vec<Exported>,
+    /// The application releases a connection once it is closed (reset,
+    /// or both sides done), as a real one does (its socket dropped): the
+    /// endpoint frees the tuple and the migrator stops serving the flow.
+    /// Off by default: the older scenarios check the owner at the end.
+    pub release_closed: bool,
+    /// Late segments to send on (see [`Server::receive`]).
+    forwarded: Vec<Vec<u8>>,
 }
 
 /// What an exported connection held (coverage of the property test).
@@ -812,6 +842,8 @@ impl Server {
             conns: Vec::new(),
             app_errors: Vec::new(),
             exports: Vec::new(),
+            release_closed: false,
+            forwarded: Vec::new(),
         }
     }
 
@@ -861,6 +893,15 @@ impl Server {
         };
         self.iface.receive(now, frame, &mut self.tr);
         self.note_exports(before);
+        // A late segment sent on to the connection's target, as the
+        // hostagent's device wrapper does (stack::Forwarder).
+        let target = self.tr.forwarder.borrow_mut().take_pending();
+        if let Some(target) = target {
+            let mut out = frame.to_vec();
+            rewrite_dst(&mut out, target);
+            set_macs(&mut out, server_mac(self.index), SWITCH_MAC);
+            self.forwarded.push(out);
+        }
     }
 
     /// Events, application and transmission until quiescent at `now`.
@@ -875,6 +916,10 @@ impl Server {
             return false;
         }
         let mut moved = false;
+        for f in self.forwarded.drain(..) {
+            link.send(now, f);
+            moved = true;
+        }
         if self.iface.poll_timeout(&self.tr).is_some_and(|t| t <= now) {
             let before = self.conn_states();
             self.iface.handle_timeout(now, &mut self.tr);
@@ -920,6 +965,18 @@ impl Server {
     fn serve(&mut self, server_rx: &mut Vec<u8>, buf: &mut [u8]) -> bool {
         let mut moved = false;
         let tcp = &mut self.tr.tcp;
+        if self.release_closed {
+            let mig = self.tr.mig.as_mut().expect("servers migrate");
+            self.conns.retain(|&id| {
+                if tcp.state(id) != Some(State::Closed) {
+                    return true;
+                }
+                let flow = tcp.flow_key(id);
+                let _ = tcp.close(id);
+                mig.untrack(flow, id);
+                false
+            });
+        }
         self.conns.retain(|&id| tcp.connection(id).is_some());
         for &id in &self.conns {
             let Some(c) = tcp.connection(id) else {
@@ -1025,6 +1082,14 @@ pub struct Client {
     pub received: Vec<u8>,
     pub eof: bool,
     pub error: Option<TcpError>,
+    /// Keeps the connection open once everything was sent (more may be
+    /// appended to `to_send`); otherwise the client shuts down its side.
+    pub hold_open: bool,
+    /// Local port of the next connection (0: an ephemeral one).
+    pub port: u16,
+    /// A connection reset by [`Client::reset_and_reconnect`]: the next one
+    /// opens once its RST left (the stack frees the tuple then).
+    aborted: Option<ConnId>,
 }
 
 pub fn client_tcp_config() -> TcpConfig {
@@ -1047,7 +1112,25 @@ impl Client {
             received: Vec::new(),
             eof: false,
             error: None,
+            hold_open: false,
+            port: 0,
+            aborted: None,
         }
+    }
+
+    /// Resets the connection (RST) and opens a new one from the same local
+    /// port at once, as Linux allows (`SO_LINGER` 0, then `bind` +
+    /// `connect`), sending `to_send` on it.
+    pub fn reset_and_reconnect(&mut self, to_send: Vec<u8>) {
+        let id = self.conn.take().expect("connected");
+        self.port = self.tr.tcp.local_addr(id).expect("local address").port();
+        self.tr.tcp.abort(id).expect("abort");
+        self.aborted = Some(id);
+        self.to_send = to_send;
+        self.sent = 0;
+        self.received.clear();
+        self.eof = false;
+        self.error = None;
     }
 
     pub fn flow(&self) -> Option<FlowKey> {
@@ -1074,23 +1157,33 @@ impl Client {
     fn run(&mut self, now: Instant, link: &mut Link, buf: &mut [u8]) -> bool {
         let mut moved = false;
         if self.conn.is_none() {
-            let id = self
-                .tr
-                .tcp
-                .connect(
-                    now,
-                    SocketAddrV4::new(CLIENT, 0),
-                    SocketAddrV4::new(VIP, SERVICE_PORT),
-                )
-                .expect("connect");
-            self.conn = Some(id);
-            moved = true;
+            match self.tr.tcp.connect(
+                now,
+                SocketAddrV4::new(CLIENT, self.port),
+                SocketAddrV4::new(VIP, SERVICE_PORT),
+            ) {
+                Ok(id) => {
+                    self.conn = Some(id);
+                    self.aborted = None;
+                    moved = true;
+                }
+                // The reset connection holds the tuple until its RST left.
+                Err(TcpError::AddrInUse) if self.aborted.is_some() => {}
+                Err(e) => panic!("connect: {e:?}"),
+            }
         }
         if self.iface.poll_timeout(&self.tr).is_some_and(|t| t <= now) {
             self.iface.handle_timeout(now, &mut self.tr);
         }
         while self.tr.tcp.poll_event().is_some() {}
-        let id = self.conn.expect("connected above");
+        let Some(id) = self.conn else {
+            // The reset connection's RST first.
+            while let Some(n) = self.iface.transmit(now, buf, &mut self.tr) {
+                link.send(now, buf[..n].to_vec());
+                moved = true;
+            }
+            return moved;
+        };
         loop {
             let mut any = false;
             let state = self.tr.tcp.state(id);
@@ -1101,7 +1194,7 @@ impl Client {
                         any |= n > 0;
                     }
                 }
-                if self.sent == self.to_send.len() {
+                if self.sent == self.to_send.len() && !self.hold_open {
                     let _ = self.tr.tcp.shutdown(id);
                 }
             }
