@@ -422,9 +422,13 @@ pub struct Switch {
     pub resets: Vec<(Instant, Port)>,
     /// Every TCPMig message seen: (time, kind, id, src, dst, forwarded to).
     pub mig_log: Vec<(Instant, Kind, u64, Ipv4Addr, Ipv4Addr, Option<Ipv4Addr>)>,
-    /// A client's RST removes the flow's entries once forwarded, as
-    /// switchd's data plane does (its next SYN is placed anew, on server 0
-    /// here). Off by default: the older scenarios were written without it.
+    /// switchd's rules for a closed 4-tuple: a client's RST removes the
+    /// flow's entries once forwarded, and a SYN (no ACK) that finds a
+    /// migration entry but no flow entry (a TCPMig message of a migration
+    /// in flight at the reset re-created it) is a new connection: its own
+    /// flow entry on the entry's owner if final, else placed anew (server 0
+    /// here, as Maglev would). Off by default: the older scenarios were
+    /// written without them.
     pub forget_on_client_reset: bool,
     rr: usize,
 }
@@ -550,6 +554,12 @@ impl Switch {
             service_port: dport,
         };
         let syn_only = flags & 0x02 != 0 && flags & 0x10 == 0;
+        if syn_only && self.forget_on_client_reset && !self.flows.contains_key(&flow) {
+            if let Some(e) = self.migration.remove(&flow) {
+                let last = Switch::port_of(e.owner).filter(|_| !e.pending);
+                self.flows.insert(flow, last.unwrap_or(0));
+            }
+        }
         if syn_only && !self.flows.contains_key(&flow) {
             self.flows.insert(flow, 0);
         }
