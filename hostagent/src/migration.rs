@@ -1364,6 +1364,21 @@ mod late_segment_tests {
         assert_eq!(m.segment_verdict(later, f, &seg), SegmentVerdict::Drop);
     }
 
+    /// Segments of [`flow`] with sequence number `seq` and each of `flags`
+    /// are forwarded to `target`.
+    fn assert_forwarded(m: &mut Migrator, now: Instant, seq: u32, flags: &[u8], target: Ipv4Addr) {
+        let mut seg = [0u8; 20];
+        seg[4..8].copy_from_slice(&seq.to_be_bytes());
+        for &f in flags {
+            seg[13] = f;
+            assert_eq!(
+                m.segment_verdict(now, flow(), &seg),
+                SegmentVerdict::Forward(target),
+                "flags {f:#x}"
+            );
+        }
+    }
+
     #[test]
     fn a_new_connection_on_a_frozen_tuple_is_dropped_not_forwarded() {
         let mut m = migrator();
@@ -1379,18 +1394,10 @@ mod late_segment_tests {
             peer_isn: Some(old_isn),
         });
         d.target = Some(target);
-        let mut seg = [0u8; 20];
         // The frozen connection's segments (its own SYN too) go on to the
         // target it is moving to.
-        seg[4..8].copy_from_slice(&old_isn.to_be_bytes());
-        for flags in [0x10, 0x18, 0x04, 0x02] {
-            seg[13] = flags;
-            assert_eq!(
-                m.segment_verdict(now, f, &seg),
-                SegmentVerdict::Forward(target),
-                "flags {flags:#x}"
-            );
-        }
+        assert_forwarded(&mut m, now, old_isn, &[0x10, 0x18, 0x04, 0x02], target);
+        let mut seg = [0u8; 20];
         // A new connection's SYN (the client reset the frozen one and
         // reconnected from the same port): dropped, the client retries it
         // once the migration has its outcome; the frozen state stays.
@@ -1428,15 +1435,13 @@ mod late_segment_tests {
         gone(&mut m);
         // The old connection's late segments (ACK, SYN+ACK, RST, and its
         // own SYN duplicated or retransmitted) go on to its target.
-        seg[4..8].copy_from_slice(&old_isn.to_be_bytes());
-        for flags in [0x10, 0x12, 0x04, 0x14, 0x02] {
-            seg[13] = flags;
-            assert_eq!(
-                m.segment_verdict(now, f, &seg),
-                SegmentVerdict::Forward(target),
-                "flags {flags:#x}"
-            );
-        }
+        assert_forwarded(
+            &mut m,
+            now,
+            old_isn,
+            &[0x10, 0x12, 0x04, 0x14, 0x02],
+            target,
+        );
         // A SYN with another sequence number reuses the tuple (the client
         // reset the old connection and the switch placed the new one
         // here): served here, and so is the rest of the new connection.
