@@ -74,6 +74,11 @@ track() {
   PIDS+=("$pid")
   PVITAL[$pid]=$vital PNAME[$pid]=$name PLOG[$pid]=$log
   PCMD[$pid]="$(printf '%q ' "$@")>> $(printf '%q' "$log") 2>&1 &"
+  # Out of bash's job table: the watch loop below (kill -0) and the
+  # teardown (kill) follow it by pid, and bash would otherwise print its own
+  # `scripts/demo.sh: line N: PID Killed  ip netns exec ...` for every one
+  # that dies of a signal (a `kill -9` of an nginx, the teardown's).
+  disown "$pid" 2>/dev/null || true
 }
 LOADGEN_LOOP=
 cleaned=

@@ -401,6 +401,10 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
 struct Args {
     positional: Vec<String>,
     flags: Vec<(String, Option<String>)>,
+    /// A flag that takes a value given last, without one (`drain 1
+    /// --deadline`): a usage error once the command is known, so that it
+    /// points at that command's usage rather than listing every command.
+    missing_value: Option<String>,
 }
 
 impl Args {
@@ -422,15 +426,17 @@ impl Args {
     fn parse(args: Vec<String>) -> Result<Self, CtlError> {
         let mut positional = Vec::new();
         let mut flags = Vec::new();
+        let mut missing_value = None;
         let mut it = args.into_iter();
         while let Some(a) = it.next() {
             if let Some((k, v)) = a.split_once('=').filter(|(k, _)| k.starts_with("--")) {
                 flags.push((k.to_string(), Some(v.to_string())));
             } else if Self::VALUED.contains(&a.as_str()) {
-                let v = it
-                    .next()
-                    .ok_or_else(|| CtlError::Usage(format!("{a} needs a value")))?;
-                flags.push((a, Some(v)));
+                let v = it.next();
+                if v.is_none() {
+                    missing_value = Some(a.clone());
+                }
+                flags.push((a, v));
             } else if a.starts_with("--") {
                 flags.push((a, None));
             } else if a == "-h" {
@@ -439,7 +445,19 @@ impl Args {
                 positional.push(a);
             }
         }
-        Ok(Args { positional, flags })
+        Ok(Args {
+            positional,
+            flags,
+            missing_value,
+        })
+    }
+
+    /// The usage error of a valued flag given without its value.
+    fn check_values(&self) -> Result<(), CtlError> {
+        match &self.missing_value {
+            Some(f) => Err(CtlError::Usage(format!("{f} needs a value"))),
+            None => Ok(()),
+        }
     }
     fn value(&self, k: &str) -> Option<&str> {
         self.flags
@@ -574,6 +592,7 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
         };
     }
     if a.positional.is_empty() {
+        a.check_values()?;
         return Err(CtlError::Usage("no command given".into()));
     }
     // From here on a usage error belongs to a command: it points at that
@@ -592,6 +611,10 @@ async fn run(args: Vec<String>) -> Result<(), CtlError> {
 
 /// Runs the command `a` names (a known one: see [`command_help`]).
 async fn dispatch(a: &Args) -> Result<(), CtlError> {
+    if let Some(cmd) = a.positional.first() {
+        a.check_flags(cmd)?;
+    }
+    a.check_values()?;
     let mut cfg = Configuration::new();
     cfg.base_path = a
         .value("--api")
@@ -638,7 +661,6 @@ async fn dispatch(a: &Args) -> Result<(), CtlError> {
         )));
     }
     let pos: Vec<&str> = a.positional.iter().map(String::as_str).collect();
-    a.check_flags(pos[0])?;
     match pos.as_slice() {
         ["servers"] => servers(&cfg).await,
         ["services"] => services(&cfg).await,

@@ -166,6 +166,23 @@ fn usage_errors_point_at_the_command_help() {
             "--for goes with --follow",
             "migrations",
         ),
+        // A flag's value left out at the end of the line: named, with the
+        // command's usage (it listed every command before).
+        (
+            vec!["drain", "1", "--deadline"],
+            "error: --deadline needs a value\n",
+            "drain",
+        ),
+        (
+            vec!["connections", "--limit"],
+            "error: --limit needs a value\n",
+            "connections",
+        ),
+        (
+            vec!["servers", "--limit"],
+            "unknown flag --limit for `servers` (it takes no flags)",
+            "servers",
+        ),
     ] {
         let (code, out, err) = ctl(&args);
         assert_eq!(code, 2, "{args:?}: {err}");

@@ -2353,7 +2353,7 @@ async fn a_server_no_hostagent_registered_is_shown_never_seen() {
     let mut s1 = store.get_server(ServerId(1)).await.unwrap().unwrap();
     s1.data_mac = Some("02:00:00:00:00:01".into());
     store.put_registered_server(&s1).await.unwrap();
-    let (_, v, _) = call("GET", format!("{url}/v1/servers"), Some(&ops), None).await;
+    let (_, v, _) = call("GET", format!("{url}/v1/servers"), Some(ops), None).await;
     let items = v["items"].as_array().unwrap();
     let of = |id: u64| items.iter().find(|s| s["id"] == id).unwrap().clone();
     assert_eq!(
@@ -2872,7 +2872,7 @@ async fn a_migration_to_a_server_that_does_not_serve_the_vip_is_refused() {
         call(
             "POST",
             format!("{url}/v1/connections/198.18.0.11:40000-198.18.100.1:{port}/migrate"),
-            Some(&ops),
+            Some(ops),
             Some(json!({ "target": 2 })),
         )
     };
