@@ -216,6 +216,7 @@ fn run(path: &str) -> Result<(), String> {
         .ok_or("this example needs a [migration] section")?;
     let key = mig.load_key(path).map_err(|e| e.to_string())?;
     let mut ec = EngineConfig::new(cfg.stack.address, mig.switch);
+    ec.first_migration_seq = capybara_hostagent::migration::first_migration_seq_now();
     ec.max_snapshot_bytes = cfg.stack.send_buffer + cfg.stack.recv_buffer + 4096;
     ec.max_buffer_bytes = cfg.stack.recv_buffer;
     let engine = Engine::new(ec, key.clone()).map_err(|e| e.to_string())?;

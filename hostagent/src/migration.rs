@@ -266,6 +266,25 @@ pub enum SegmentVerdict {
     Forward(Ipv4Addr),
 }
 
+/// The first value of this process's migration counter
+/// (`EngineConfig::first_migration_seq`, the low 32 bits of every
+/// migration id): the wall clock in milliseconds, wrapping every ~49.7
+/// days. Peers and the switch remember ids for a while (the targets'
+/// finished migrations, the switch's PREPARE steering memory and its
+/// migration entries), so a restarted hostagent must not number its
+/// migrations from 1 again: the switch sent its first migrations to the
+/// targets the previous process's migrations with the same ids went to,
+/// whatever their weight, drain or health now. From the clock, a
+/// restarted process continues above the ids of the one before as long
+/// as that one averaged fewer than 1,000 migrations a second; the switch
+/// compares ids of one origin in serial-number arithmetic (the wrap).
+pub fn first_migration_seq_now() -> u32 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u32)
+        .unwrap_or(1)
+}
+
 /// Whether a TCP segment (its header first) opens a new connection: SYN
 /// without ACK, with another sequence number than `old_syn` (the initial
 /// sequence number of the connection that had the 4-tuple, if known: a

@@ -502,8 +502,12 @@ static __always_inline int mig_supersedes(const struct capy_migration *e, __u32 
 {
 	__u64 oid = e->migration_id;
 
+	/* "Older" in serial-number arithmetic (RFC 1982) on the counter: a
+	 * hostagent seeds it from the wall clock (milliseconds), so it wraps
+	 * every ~49.7 days and a restarted process continues above the ids of
+	 * the one before. */
 	return !e->pending && e->server == origin && oid != id &&
-	       (oid == epoch || ((oid >> 32) == (id >> 32) && oid < id));
+	       (oid == epoch || ((oid >> 32) == (id >> 32) && (__s32)((__u32)id - (__u32)oid) > 0));
 }
 
 static __always_inline struct capy_flow_key mig_flow_key(const struct tcpmig_hdr *m)

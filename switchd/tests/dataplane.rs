@@ -682,6 +682,68 @@ fn migration_table_rules() {
 
 /// ABORT decision without an entry: a tombstone on the origin, so that the
 /// migration's PREPARE_ACK, delayed in the network, cannot redirect the flow.
+/// Migration ids of one origin compare in serial-number arithmetic: a
+/// hostagent seeds its counter from the wall clock (milliseconds, wrapping
+/// every ~49.7 days) so that a restarted process continues above the ids
+/// of the one before; an id just past the wrap is newer than one just
+/// before it, and an id just before it older than one after.
+#[test]
+fn migration_ids_of_one_origin_compare_across_the_counter_wrap() {
+    let mut lab = setup();
+    let sport = 44100;
+    let a = maglev_server(&lab, sport, VIP);
+    let b = 1 - a;
+    let key = flow_key(sport);
+    let (older, old, new) = (mid(a, 0xffff_ffe0), mid(a, 0xffff_fff0), mid(a, 5));
+    let pa = |id| mig_epoch(Kind::PrepareAck, id, 0, sport, a, Some(b));
+    let ack = |desc, id, fwd: bool| Case {
+        desc,
+        side: Side::Server,
+        input: udp_from(server_ip(b), server_ip(a), &pa(id)),
+        verdict: if fwd { XDP_REDIRECT } else { XDP_DROP },
+        output: fwd.then(|| udp_to_server(a, server_ip(b), &pa(id))),
+        reason: if fwd {
+            "fwd_prepare_ack"
+        } else {
+            "drop_prepare_ack_stale"
+        },
+    };
+    let abort = |id| mig(Kind::Abort, id, sport, a, Some(b));
+    run(
+        &mut lab,
+        vec![
+            client_to("SYN placed on a", sport, TCP_SYN, a, "fwd_new_flow"),
+            ack("PREPARE_ACK of id 2^32-16: pending toward b", old, true),
+            relayed(
+                "its ABORT decision from b: final on a",
+                b,
+                a,
+                abort(old),
+                "fwd_tcpmig",
+            ),
+        ],
+    );
+    assert_eq!(
+        lab.dp.lookup_migration(key).unwrap(),
+        Some(CMigration::owner(a, old))
+    );
+    run(
+        &mut lab,
+        vec![
+            ack("PREPARE_ACK of id 2^32-32 (older): stale", older, false),
+            ack(
+                "PREPARE_ACK of id 5 (past the wrap, newer): installs",
+                new,
+                true,
+            ),
+        ],
+    );
+    assert_eq!(
+        lab.dp.lookup_migration(key).unwrap(),
+        Some(CMigration::pending(b, new))
+    );
+}
+
 #[test]
 fn abort_decision_without_entry_leaves_a_tombstone() {
     let mut lab = setup();

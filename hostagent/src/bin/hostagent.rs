@@ -198,6 +198,7 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
     if let Some(m) = &cfg.migration {
         let k = m.load_key("config").map_err(|e| e.to_string())?;
         let mut ec = EngineConfig::new(cfg.stack.address, m.switch);
+        ec.first_migration_seq = capybara_hostagent::migration::first_migration_seq_now();
         // A snapshot holds both queues and the application's state (a
         // sidecar's partial request); the target buffers up to a receive
         // window of client data.

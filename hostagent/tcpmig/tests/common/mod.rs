@@ -759,5 +759,7 @@ fn supersedes(owner: Ipv4Addr, id: u64, pending: bool, m: &TcpMigRepr<'_>) -> bo
     !pending
         && owner == m.origin
         && id != m.migration_id
-        && (id == m.epoch || (id >> 32 == m.migration_id >> 32 && id < m.migration_id))
+        && (id == m.epoch
+            || (id >> 32 == m.migration_id >> 32
+                && ((m.migration_id as u32).wrapping_sub(id as u32) as i32) > 0))
 }

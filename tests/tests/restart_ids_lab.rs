@@ -1,0 +1,140 @@
+//! A restarted hostagent's migrations go to the targets the switch offers
+//! now (lab, root; release binaries, or `CAPYBARA_BIN_DIR`): three servers
+//! serve the echo service through the appliance; every connection on s1 is
+//! migrated with no target named (`POST /v1/connections/{id}/migrate`, the
+//! switch picks: s2 and s3 in turn); then s2 gets weight 0 (no new
+//! connection, no migration target), s1's hostagent restarts, and every
+//! connection on s1 is migrated again: all go to s3, none to s2.
+//!
+//! Found by an operator walkthrough of the demo: each hostagent process
+//! numbered its migrations from 1, and switchd's PREPARE steering memory
+//! (migration id -> target, so that retransmissions of one migration reach
+//! one target) sent the restarted process's migrations to the targets the
+//! previous process's migrations with the same ids went to, a weight-0
+//! server included (a drain moved 46 connections onto weight-0 servers),
+//! and a target that still remembered an id as finished answered from
+//! memory (here, with the old hostagent, 6 of 11 migrations after the
+//! restart never completed). The migration counter now starts from the
+//! wall clock (`first_migration_seq_now`).
+
+use capybara_systests::{
+    appliance_lab, log_of, start_appliance, stop_appliance, switchd_status_server,
+    wait_appliance_ready, EchoHolder, Lab,
+};
+use std::time::Duration;
+
+const SERVERS: u32 = 3;
+const API: &str = "http://127.0.0.1:18121";
+/// Connections the client holds in each phase.
+const N: usize = 24;
+
+/// The held connections (`ports` of client c1) per server, from `GET
+/// /v1/connections`: (server, connection id).
+fn held(lab: &Lab, token: &str, ports: &[u16]) -> Vec<(u64, String)> {
+    let (code, body) = lab.api_call(API, token, "GET", "/v1/connections?limit=10000", None);
+    assert_eq!(code, 200, "GET /v1/connections: {body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("connections JSON");
+    v["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|c| {
+            c["port"] == 7 && ports.contains(&(c["client_port"].as_u64().unwrap_or(0) as u16))
+        })
+        .map(|c| {
+            (
+                c["server"].as_u64().unwrap_or(0),
+                c["id"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Opens [`N`] connections, waits until the API lists them all, migrates
+/// every one on s1 with no target named, waits until none is on s1, checks
+/// that they all still echo, and returns how many ended on each server.
+fn migrate_off_s1(lab: &Lab, token: &str) -> [usize; 3] {
+    let mut h = EchoHolder::start(lab, N);
+    let ports = h.ports.clone();
+    lab.wait_for(
+        "the connections in the API",
+        Duration::from_secs(10),
+        || held(lab, token, &ports).len() == N,
+    );
+    let on_s1: Vec<String> = held(lab, token, &ports)
+        .into_iter()
+        .filter(|(s, _)| *s == 1)
+        .map(|(_, id)| id)
+        .collect();
+    assert!(
+        on_s1.len() >= 2,
+        "connections placed on s1: {}",
+        on_s1.len()
+    );
+    for id in &on_s1 {
+        let (code, body) = lab.api_call(
+            API,
+            token,
+            "POST",
+            &format!("/v1/connections/{id}/migrate"),
+            Some("{}"),
+        );
+        assert_eq!(code, 202, "migrate {id}: {body}");
+    }
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    while std::time::Instant::now() < until && held(lab, token, &ports).iter().any(|(s, _)| *s == 1)
+    {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(h.round_trip(), "ok", "the connections echo after the moves");
+    let mut per = [0; 3];
+    for (s, id) in held(lab, token, &ports) {
+        if on_s1.contains(&id) {
+            per[s as usize - 1] += 1;
+        }
+    }
+    assert_eq!(h.close(), "closed");
+    eprintln!("the connections that were on s1, per server 15 s after their migrations were requested (s1, s2, s3): {per:?}");
+    per
+}
+
+#[test]
+fn a_restarted_hostagent_migrates_only_to_the_targets_offered_now() {
+    let (mut lab, dir, key, config) =
+        appliance_lab("restart-ids-lab", "rid", SERVERS, "127.0.0.1:18121");
+    let log = dir.join("capybara.log");
+    let mut app = start_appliance(&lab, &config, &log);
+    let mut agents = lab.start_hostagents(&dir, &key, SERVERS);
+    let token = wait_appliance_ready(&lab, &log, SERVERS, API, &dir);
+
+    // The switch picks s2 and s3 in turn.
+    let per = migrate_off_s1(&lab, &token);
+    assert!(
+        per[0] == 0 && per[1] > 0 && per[2] > 0,
+        "targets picked: {per:?}"
+    );
+
+    // s2 takes nothing new: no connection, no migration.
+    lab.set_weight(API, &token, 2, 0);
+    lab.wait_for("switchd to apply weight 0", Duration::from_secs(2), || {
+        switchd_status_server(&lab, 2).is_some_and(|s| s["weight"] == 0)
+    });
+    lab.kill_and_wait(agents[0].pid);
+    agents[0].pid = lab.spawn_hostagent(1, &agents[0].config, &dir.join("hostagent-s1-2.log"));
+    lab.wait_for("s1 to register again", Duration::from_secs(30), || {
+        log_of(&log).matches("registered s1").count() >= 2
+            && switchd_status_server(&lab, 1).is_some_and(|s| s["state"] == "live")
+    });
+    let per = migrate_off_s1(&lab, &token);
+    assert_eq!(
+        per[1], 0,
+        "migrated to s2 at weight 0 after s1's hostagent restarted: {per:?}"
+    );
+    assert_eq!(
+        per[0], 0,
+        "migrations of the restarted s1 that never completed: {per:?}"
+    );
+    lab.assert_no_resets(2..=SERVERS);
+    let st = stop_appliance(&mut app);
+    assert!(st.success(), "capybara run exited with {st}");
+}
