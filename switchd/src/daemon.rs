@@ -2005,6 +2005,14 @@ impl Switch {
                 }
                 match self.cp.stopped(now, id) {
                     Ok(Some(_)) => {
+                        // Its last heartbeat's figures are the process's,
+                        // which is gone: nothing is served there now.
+                        if let Some(p) = self.peers.get_mut(&id) {
+                            p.connections = 0;
+                            p.load_pps = 0;
+                            p.migrations_in_flight = 0;
+                            p.rx_backlog_bytes = 0;
+                        }
                         self.note_liveness();
                         self.store_state(id, ServerState::Dead);
                     }
