@@ -105,6 +105,8 @@ struct StoredDrains {
     cmds_before: u64,
     held: HashMap<ServerId, Option<u64>>,
     recorded: HashSet<ServerId>,
+    /// Every server with a record.
+    servers: HashSet<ServerId>,
 }
 
 /// What the HTTP thread serves; refreshed by the control thread.
@@ -449,6 +451,10 @@ struct Switch {
     /// before the read began (taken by the control thread:
     /// [`Switch::take_drains`]).
     drains_slot: Arc<Mutex<Option<StoredDrains>>>,
+    /// Servers whose operator drain switchd holds (`op_drains`) but whose
+    /// record the store no longer has: the API deleted them. A new
+    /// instance that registers is a server put back, not a drained one.
+    deleted_drained: HashSet<ServerId>,
     /// Drain and undrain commands applied so far: a store read begun before
     /// the last one may predate its record, and is not applied.
     drain_cmds: Arc<AtomicU64>,
@@ -680,6 +686,7 @@ impl Switch {
             services_slot: Arc::new(Mutex::new(None)),
             weights_slot: Arc::new(Mutex::new(None)),
             drains_slot: Arc::new(Mutex::new(None)),
+            deleted_drained: HashSet::new(),
             drain_cmds: Arc::new(AtomicU64::new(0)),
             retiring_records: Vec::new(),
             ended_records: std::collections::HashSet::new(),
@@ -1947,6 +1954,23 @@ impl Switch {
                     weight: u32::from(r.weight).max(1),
                     instance: r.instance,
                 };
+                // A server the API deleted after its drain, started again:
+                // the drain went with the deletion (the API lists it
+                // `active`; switchd kept it out of placement until an
+                // undrain).
+                let fresh = self
+                    .cp
+                    .server(id)
+                    .is_none_or(|s| s.reg.instance != r.instance);
+                if fresh && self.deleted_drained.remove(&id) && self.op_drains.remove(&id).is_some()
+                {
+                    if let Err(e) = self.cp.set_draining(id, false) {
+                        eprintln!(
+                            "switchd: server {id}: lifting the drain of its deleted record: {e}"
+                        );
+                    }
+                    eprintln!("switchd: server {id} registers again after the API deleted it: the drain it had no longer holds");
+                }
                 // A restarted process (or one back after dying) of a server
                 // the operator drained stays out of placement: the drain
                 // is the operator's, not the process's (before, the REGISTER
@@ -2422,11 +2446,13 @@ impl Switch {
                                 .filter(|s| drains.contains_key(&s.id))
                                 .map(|s| s.id)
                                 .collect();
+                            let all = servers.iter().map(|s| s.id).collect();
                             if let Ok(mut s) = drains_slot.lock() {
                                 *s = Some(StoredDrains {
                                     cmds_before,
                                     held,
                                     recorded,
+                                    servers: all,
                                 });
                             }
                         }
@@ -2462,6 +2488,14 @@ impl Switch {
         if stored.cmds_before != self.drain_cmds.load(Ordering::SeqCst) {
             return;
         }
+        // A drained server the API deleted: its drain holds while its
+        // hostagent runs, not for a new instance that registers later.
+        self.deleted_drained = self
+            .op_drains
+            .keys()
+            .filter(|id| !stored.servers.contains(id))
+            .copied()
+            .collect();
         let now_ms = capybara_store::unix_ms_now();
         for change in follow_stored_drains(&mut self.op_drains, &stored.held, &stored.recorded) {
             match change {

@@ -138,3 +138,51 @@ fn a_restarted_hostagent_migrates_only_to_the_targets_offered_now() {
     let st = stop_appliance(&mut app);
     assert!(st.success(), "capybara run exited with {st}");
 }
+
+/// `docs/OPERATIONS.md` "Removing a server", then putting it back: drain
+/// s3, stop its hostagent, `DELETE /v1/servers/3`, start its hostagent
+/// again. It registers as a server put back: switchd places new
+/// connections on it, as the API (`active`) says. It used to keep the
+/// drain the deleted server had (out of placement, `/status` `draining`)
+/// until an undrain.
+#[test]
+fn a_deleted_server_started_again_is_placed_again() {
+    let (mut lab, dir, key, config) =
+        appliance_lab("restart-deleted-lab", "rdl", SERVERS, "127.0.0.1:18122");
+    let api = "http://127.0.0.1:18122";
+    let log = dir.join("capybara.log");
+    let mut app = start_appliance(&lab, &config, &log);
+    let mut agents = lab.start_hostagents(&dir, &key, SERVERS);
+    let token = wait_appliance_ready(&lab, &log, SERVERS, api, &dir);
+
+    lab.start_drain(api, &token, 3, 30);
+    lab.wait_for(
+        "the drain of s3 to complete",
+        Duration::from_secs(20),
+        || {
+            let (_, body) = lab.api_call(api, &token, "GET", "/v1/servers/3/drain", None);
+            body.contains("\"completed\"")
+        },
+    );
+    lab.kill_and_wait(agents[2].pid);
+    lab.wait_for("s3 dead", Duration::from_secs(10), || {
+        switchd_status_server(&lab, 3).is_some_and(|s| s["state"] == "dead")
+    });
+    let (code, body) = lab.api_call(api, &token, "DELETE", "/v1/servers/3", None);
+    assert_eq!(code, 204, "DELETE /v1/servers/3: {body}");
+    // switchd reads the store every 250 ms.
+    std::thread::sleep(Duration::from_secs(1));
+    agents[2].pid = lab.spawn_hostagent(3, &agents[2].config, &dir.join("hostagent-s3-2.log"));
+    lab.wait_for("s3 to register again", Duration::from_secs(30), || {
+        log_of(&log).matches("registered s3").count() >= 2
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    let (state, _) = lab.api_server(api, &token, 3);
+    assert_eq!(state, "active", "the API");
+    let st = switchd_status_server(&lab, 3).unwrap();
+    assert_eq!(st["state"], "live", "switchd: {st}");
+    let c = capybara_systests::place_echo_connections(&lab, api, &token, N, SERVERS);
+    assert!(c[2] > 0, "new connections on s3: {c:?}");
+    let st = stop_appliance(&mut app);
+    assert!(st.success(), "capybara run exited with {st}");
+}
