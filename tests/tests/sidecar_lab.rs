@@ -6,7 +6,9 @@
 //!
 //! Needs root, nginx, redis-server, redis-benchmark, wrk, curl, openssl and
 //! python3 (`make setup`). Run: `cargo test --release -p capybara-systests
-//! --test sidecar_lab`.
+//! --test sidecar_lab`. `native_application_migrates_its_own_state` also
+//! needs the hostagent's examples built (`cargo build --release -p
+//! capybara-hostagent --examples`; `cargo test --workspace` builds them).
 
 use capybara_systests::{bin, deployment_key, output_dir, Lab};
 use std::path::{Path, PathBuf};
