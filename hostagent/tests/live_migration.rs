@@ -1123,13 +1123,7 @@ fn an_oversized_connection_is_never_frozen() {
 /// forwarded, then reset the client.
 #[test]
 fn a_new_connection_on_the_tuple_of_a_frozen_one_is_served_where_the_switch_sends_it() {
-    let mut w = World::new(setup(41, App::Echo, Net::clean()), stream(41, 4_096));
-    w.client.hold_open = true;
-    w.switch.forget_on_client_reset = true;
-    for s in &mut w.servers {
-        s.release_closed = true;
-    }
-    run_to_rx(&mut w, 4_096);
+    let mut w = reconnecting_world(41, Net::clean());
     let old = w.flow().expect("connected");
     // The target's first CONN_STATE_ACK is lost: the origin stays frozen
     // until it sends its state again.
@@ -1148,41 +1142,8 @@ fn a_new_connection_on_the_tuple_of_a_frozen_one_is_served_where_the_switch_send
     // The target imported the connection; the origin waits, frozen.
     assert_eq!(w.owners(), vec![1], "{}", w.describe());
     w.client.reset_and_reconnect(stream(42, 4_096));
-    for _ in 0..6 {
-        w.run_for(Duration::from_micros(20));
-        eprintln!(
-            "DEBUG t={} client {:?} state={:?}",
-            w.now,
-            w.client.tr.tcp.counters(),
-            w.client.conn.and_then(|c| w.client.tr.tcp.state(c))
-        );
-        for s in &w.servers {
-            eprintln!(
-                "DEBUG s{} {:?} serves={} conns={:?}",
-                s.index,
-                s.tr.tcp.counters(),
-                s.owns(&old),
-                s.conns
-                    .iter()
-                    .map(|&c| s.tr.tcp.state(c))
-                    .collect::<Vec<_>>()
-            );
-        }
-    }
-    let until = w.now + Duration::from_secs(5);
-    assert!(
-        w.run_until(until, |w| w.client.received.len() >= 4_096),
-        "the new connection echoes; {}",
-        w.describe()
-    );
+    echo_past_gone_linger(&mut w, 43);
     assert_eq!(w.flow(), Some(old), "the same 4-tuple");
-    // Past the time a moved tuple's late segments are forwarded.
-    w.run_for(Duration::from_secs(7));
-    w.client.to_send.extend(stream(43, 4_096));
-    let until = w.now + Duration::from_secs(5);
-    w.run_until(until, |w| {
-        w.client.received.len() >= 8_192 || w.client.error.is_some()
-    });
     assert_eq!(w.client.error, None, "{}", w.describe());
     assert!(
         w.client.received == w.client.to_send,
@@ -1211,15 +1172,41 @@ struct Reconnect {
     tcp: Faults,
 }
 
-fn run_reconnect(rc: &Reconnect) -> World {
-    let net = Net::faulty(rc.tcp, rc.mig);
-    let mut w = World::new(setup(rc.seed, App::Echo, net), stream(rc.seed, 4_096));
+/// An echo world with switchd's closed-tuple rules, applications that
+/// release closed connections, and a client that keeps its connection open
+/// (more is sent on it later), once 4 KiB went both ways.
+fn reconnecting_world(seed: u64, net: Net) -> World {
+    let mut w = World::new(setup(seed, App::Echo, net), stream(seed, 4_096));
     w.client.hold_open = true;
     w.switch.forget_on_client_reset = true;
     for s in &mut w.servers {
         s.release_closed = true;
     }
     run_to_rx(&mut w, 4_096);
+    w
+}
+
+/// After [`Client::reset_and_reconnect`] with 4 KiB: runs until the new
+/// connection echoed them, then past the 5 s a moved tuple's late segments
+/// are forwarded, and sends 4 KiB more (`stream(seed)`), until echoed or
+/// the client fails (bounded in virtual time).
+fn echo_past_gone_linger(w: &mut World, seed: u64) {
+    let until = w.now + Duration::from_secs(20);
+    w.run_until(until, |w| {
+        w.client.received.len() >= 4_096 || w.client.error.is_some()
+    });
+    if w.client.received.len() >= 4_096 {
+        w.run_for(Duration::from_secs(7));
+        w.client.to_send.extend(stream(seed, 4_096));
+        let until = w.now + Duration::from_secs(20);
+        w.run_until(until, |w| {
+            w.client.received.len() >= 8_192 || w.client.error.is_some()
+        });
+    }
+}
+
+fn run_reconnect(rc: &Reconnect) -> World {
+    let mut w = reconnecting_world(rc.seed, Net::faulty(rc.tcp, rc.mig));
     if let Some(kind) = rc.lost {
         w.switch.drops.push(KindDrop {
             kind,
@@ -1230,19 +1217,7 @@ fn run_reconnect(rc: &Reconnect) -> World {
     w.migrate(rc.explicit).expect("migrate");
     w.run_for(Duration::from_micros(rc.reset_after_us));
     w.client.reset_and_reconnect(stream(rc.seed ^ 1, 4_096));
-    let until = w.now + Duration::from_secs(20);
-    w.run_until(until, |w| {
-        w.client.received.len() >= 4_096 || w.client.error.is_some()
-    });
-    if w.client.received.len() >= 4_096 {
-        // Past the 5 s a moved tuple's late segments are forwarded.
-        w.run_for(Duration::from_secs(7));
-        w.client.to_send.extend(stream(rc.seed ^ 2, 4_096));
-        let until = w.now + Duration::from_secs(20);
-        w.run_until(until, |w| {
-            w.client.received.len() >= 8_192 || w.client.error.is_some()
-        });
-    }
+    echo_past_gone_linger(&mut w, rc.seed ^ 2);
     w
 }
 
@@ -1257,8 +1232,8 @@ proptest! {
     /// it and at once connects again from the same port (Linux allows it,
     /// load tools do it), with TCPMig messages lost, duplicated or
     /// reordered: the new connection works, byte-exact, past the time a
-    /// moved tuple's late segments are forwarded, is served by exactly one
-    /// server, the one the switch sends it to, and no server resets it.
+    /// moved tuple's late segments are forwarded, is served by the server
+    /// the switch sends it to, and no server resets it.
     #[test]
     fn reconnecting_during_a_migration_never_strands_the_new_connection(
         seed in any::<u64>(),

@@ -1097,9 +1097,9 @@ pub struct Client {
     pub hold_open: bool,
     /// Local port of the next connection (0: an ephemeral one).
     pub port: u16,
-    /// A connection reset by [`Client::reset_and_reconnect`]: the next one
+    /// [`Client::reset_and_reconnect`] reset the connection: the next one
     /// opens once its RST left (the stack frees the tuple then).
-    aborted: Option<ConnId>,
+    reconnecting: bool,
 }
 
 pub fn client_tcp_config() -> TcpConfig {
@@ -1124,7 +1124,7 @@ impl Client {
             error: None,
             hold_open: false,
             port: 0,
-            aborted: None,
+            reconnecting: false,
         }
     }
 
@@ -1135,7 +1135,7 @@ impl Client {
         let id = self.conn.take().expect("connected");
         self.port = self.tr.tcp.local_addr(id).expect("local address").port();
         self.tr.tcp.abort(id).expect("abort");
-        self.aborted = Some(id);
+        self.reconnecting = true;
         self.to_send = to_send;
         self.sent = 0;
         self.received.clear();
@@ -1174,11 +1174,11 @@ impl Client {
             ) {
                 Ok(id) => {
                     self.conn = Some(id);
-                    self.aborted = None;
+                    self.reconnecting = false;
                     moved = true;
                 }
                 // The reset connection holds the tuple until its RST left.
-                Err(TcpError::AddrInUse) if self.aborted.is_some() => {}
+                Err(TcpError::AddrInUse) if self.reconnecting => {}
                 Err(e) => panic!("connect: {e:?}"),
             }
         }
@@ -1186,15 +1186,8 @@ impl Client {
             self.iface.handle_timeout(now, &mut self.tr);
         }
         while self.tr.tcp.poll_event().is_some() {}
-        let Some(id) = self.conn else {
-            // The reset connection's RST first.
-            while let Some(n) = self.iface.transmit(now, buf, &mut self.tr) {
-                link.send(now, buf[..n].to_vec());
-                moved = true;
-            }
-            return moved;
-        };
-        loop {
+        // No connection while a reset one's RST waits to leave (below).
+        while let Some(id) = self.conn {
             let mut any = false;
             let state = self.tr.tcp.state(id);
             if matches!(state, Some(State::Established | State::CloseWait)) {
