@@ -20,7 +20,9 @@ impl Principal {
     }
 }
 
-/// Authenticates the request and checks that its role is at least `min`.
+/// Authenticates the request, checks that its role is at least `min`, then
+/// that its query names only parameters the route takes
+/// ([`crate::server::TakesQuery`]; 400 naming the first other one).
 /// `allow_query` also accepts `?access_token=` (only for the event stream,
 /// whose browser client cannot set headers).
 pub fn authorize(
@@ -71,5 +73,8 @@ pub fn authorize(
             min.as_str()
         )));
     }
+    // Only now (an anonymous caller learns nothing from validation
+    // errors), and here, where every /v1 handler starts.
+    crate::server::check_query(req)?;
     Ok(Principal { token })
 }

@@ -22,8 +22,9 @@
 //! `--api` and `--token` default to `CAPYBARA_API` and `CAPYBARA_TOKEN`.
 //! `capybara ctl COMMAND --help` (or `-h`, or `help COMMAND`) prints that
 //! command's usage, arguments, flags and an example ([`COMMAND_HELP`]).
-//! A flag the command does not take is a usage error (a mistyped `--force`
-//! must not start a `migrate` drain) that points at the command's help.
+//! A flag the command does not take, or one given twice, is a usage error
+//! (a mistyped `--force` must not start a `migrate` drain) that points at
+//! the command's help.
 //! Exit codes: 0 success, 1 the API refused or failed, 2 usage error,
 //! 3 a waited-for drain ended without completing.
 
@@ -214,7 +215,8 @@ example:
         "usage: capybara ctl services
 Lists the services: name, VIP:PORT, pool (server ids; every server when
 empty) and SERVED BY, the servers switchd places new connections on now
-(`none (pool ...)` when none does); then the retiring ones (deleted,
+(`none (pool ...)` when none does; `pending` for a service switchd has not
+applied yet, within a second of a change); then the retiring ones (deleted,
 still serving their open connections): connections left, time since the
 delete, time left before the timeout.
 example:
@@ -470,8 +472,8 @@ impl Args {
         self.flags.iter().any(|(f, _)| f == k)
     }
 
-    /// Refuses a flag `cmd` does not take, and a value on a switch
-    /// (`--force=false` would otherwise force).
+    /// Refuses a flag `cmd` does not take, a value on a switch
+    /// (`--force=false` would otherwise force), and a flag given twice.
     fn check_flags(&self, cmd: &str) -> Result<(), CtlError> {
         let own = command_flags(cmd);
         for (f, v) in &self.flags {
@@ -487,6 +489,19 @@ impl Args {
             }
             if v.is_some() && !Self::VALUED.contains(&f.as_str()) {
                 return Err(CtlError::Usage(format!("{f} takes no value")));
+            }
+        }
+        // `--deadline 5 --deadline 6` took the last one, silently: which
+        // one was meant is the operator's to say.
+        for (i, (f, v)) in self.flags.iter().enumerate() {
+            if let Some((_, again)) = self.flags[i + 1..].iter().find(|(g, _)| g == f) {
+                let values = match (v, again) {
+                    (Some(a), Some(b)) => format!(" ({a}, then {b})"),
+                    _ => String::new(),
+                };
+                return Err(CtlError::Usage(format!(
+                    "{f} given twice{values}: give it once"
+                )));
             }
         }
         Ok(())
@@ -934,6 +949,10 @@ async fn services(cfg: &Configuration) -> Result<(), CtlError> {
     Ok(())
 }
 
+/// `services`' SERVED BY for a stored service switchd does not serve (yet).
+const SERVICE_PENDING: &str =
+    "pending: switchd applies it within 1 s (if it stays pending, see switchd's log)";
+
 /// `services`' SERVED BY: switchd's view, the servers it places new
 /// connections on (`serving.placing`); from a switchd too old to say,
 /// its pool (`serving.members`) as before.
@@ -946,7 +965,12 @@ fn served_by(serving: Option<&models::ServiceServing>) -> String {
     };
     match serving {
         None => "- (switchd did not answer)".to_string(),
-        Some(v) if !v.served => "not served (see switchd's log)".to_string(),
+        // switchd reads the store's services every 250 ms: a service just
+        // added or moved is not in its `/status` yet. It reports no marker
+        // of which store read it applied, and refuses a stored service
+        // only in cases the API already refuses (a 17th service, a
+        // VIP:port taken), so "not yet" is what this nearly always means.
+        Some(v) if !v.served => SERVICE_PENDING.to_string(),
         Some(v) => {
             // Served, but by no server: none registered that serves this
             // VIP:port (or the pool's are all out of placement). Was blank.
@@ -1331,7 +1355,7 @@ async fn drain(cfg: &Configuration, id: i64, a: &Args) -> Result<(), CtlError> {
         .ok()
         .filter(|d| d.state == models::DrainState::Running)
         .map(|d| d.started_unix_ms);
-    let d = apis::servers_api::drain_server(cfg, id, req)
+    let d = apis::servers_api::drain_server(cfg, id, Some(req))
         .await
         .map_err(api_err)?;
     // A new drain always starts `running`: `completed` is the earlier drain.

@@ -194,7 +194,6 @@ pub async fn stream(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<Ht
     let state = data.get_ref();
     authorize(&req, state, Role::Viewer, true)?;
     let q = Query::parse(&req)?;
-    q.only(&["types", "access_token"])?;
     let types: Option<HashSet<&'static str>> = match q.get("types") {
         None | Some("") => None,
         Some(list) => {

@@ -390,6 +390,10 @@ impl Query {
     pub fn only(&self, known: &[&str]) -> ApiResult<&Self> {
         match self.0.iter().find(|(k, _)| !known.contains(&k.as_str())) {
             None => Ok(self),
+            Some((k, _)) if known.is_empty() => Err(Problem::bad_param(
+                k,
+                format!("unknown query parameter `{k}`; this endpoint takes no query parameters"),
+            )),
             Some((k, _)) => Err(Problem::bad_param(
                 k,
                 format!(

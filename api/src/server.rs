@@ -1,8 +1,9 @@
 //! The actix-web server: configuration, routes and handlers.
 //!
 //! Every handler authenticates first (so an anonymous caller learns nothing
-//! from validation errors), then parses path, query and body, then acts,
-//! then appends the mutation to the audit log.
+//! from validation errors; `authorize` then refuses a query parameter the
+//! route does not take, `TakesQuery`), then parses path, query and body,
+//! then acts, then appends the mutation to the audit log.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr};
@@ -166,7 +167,30 @@ fn resource(path: &str, allow: &'static str) -> actix_web::Resource {
     }))
 }
 
-/// Registers every route of `openapi.yaml` (and the dashboard, if any).
+/// The query parameters a route's methods take (openapi.yaml's `in:
+/// query`), declared next to its handlers in [`routes`]: `("GET", &["after",
+/// "limit"])`. A method the route declares nothing for takes none.
+/// [`authorize`] refuses any other parameter after authenticating the
+/// caller (400 naming it): a misspelt filter (`?servr=2`) or option must
+/// not be ignored as if the request had not asked for it, and a new route
+/// cannot forget the check.
+#[derive(Clone, Copy)]
+pub struct TakesQuery(pub &'static [(&'static str, &'static [&'static str])]);
+
+/// Refuses a query parameter the route does not take for the request's
+/// method ([`TakesQuery`]); a malformed query string is a 400 too.
+pub fn check_query(req: &HttpRequest) -> ApiResult<()> {
+    let takes = req
+        .app_data::<TakesQuery>()
+        .and_then(|t| t.0.iter().find(|(m, _)| *m == req.method().as_str()))
+        .map_or(&[][..], |(_, p)| p);
+    Query::parse(req)?.only(takes).map(|_| ())
+}
+
+/// Registers every route of `openapi.yaml` (and the dashboard, if any),
+/// with the query parameters each takes (`TakesQuery`; none unless
+/// declared). `/metrics`, `/healthz`, `/readyz` and the dashboard's files
+/// ignore the query: probes, scrapers and cache-busting `?v=` may add one.
 pub fn routes(cfg: &mut web::ServiceConfig, static_dir: Option<PathBuf>) {
     cfg.service(
         resource("/v1/servers", "GET, POST")
@@ -202,12 +226,20 @@ pub fn routes(cfg: &mut web::ServiceConfig, static_dir: Option<PathBuf>) {
             .route(web::put().to(update_service))
             .route(web::delete().to(delete_service)),
     )
-    .service(resource("/v1/connections", "GET").route(web::get().to(list_connections)))
+    .service(
+        resource("/v1/connections", "GET")
+            .app_data(TakesQuery(&[("GET", &["server", "service", "limit"])]))
+            .route(web::get().to(list_connections)),
+    )
     .service(
         resource("/v1/connections/{connection_id}/migrate", "POST")
             .route(web::post().to(migrate_connection)),
     )
-    .service(resource("/v1/migrations", "GET").route(web::get().to(list_migrations)))
+    .service(
+        resource("/v1/migrations", "GET")
+            .app_data(TakesQuery(&[("GET", &["after", "limit", "order"])]))
+            .route(web::get().to(list_migrations)),
+    )
     .service(
         resource("/v1/policy", "GET, PUT, PATCH")
             .route(web::get().to(get_policy))
@@ -221,8 +253,16 @@ pub fn routes(cfg: &mut web::ServiceConfig, static_dir: Option<PathBuf>) {
     )
     .service(resource("/v1/tokens/{token_id}", "DELETE").route(web::delete().to(revoke_token)))
     .service(resource("/v1/whoami", "GET").route(web::get().to(whoami)))
-    .service(resource("/v1/events", "GET").route(web::get().to(events::stream)))
-    .service(resource("/v1/audit", "GET").route(web::get().to(list_audit)))
+    .service(
+        resource("/v1/events", "GET")
+            .app_data(TakesQuery(&[("GET", &["types", "access_token"])]))
+            .route(web::get().to(events::stream)),
+    )
+    .service(
+        resource("/v1/audit", "GET")
+            .app_data(TakesQuery(&[("GET", &["after", "limit", "order"])]))
+            .route(web::get().to(list_audit)),
+    )
     .service(resource("/metrics", "GET").route(web::get().to(crate::metrics::metrics)))
     .service(resource("/healthz", "GET").route(web::get().to(healthz)))
     .service(resource("/readyz", "GET").route(web::get().to(readyz)));
@@ -679,7 +719,11 @@ async fn drain_server(
     let state = st(&data);
     let who = authorize(&req, state, Role::Operator, false)?;
     let s = existing_server(state, &path).await?;
-    let body = read_json(&req, payload, true).await?.unwrap_or(Value::Null);
+    // Every field is optional: no body (`curl -X POST`, no Content-Type)
+    // is `{}`, the defaults.
+    let body = read_json(&req, payload, false)
+        .await?
+        .unwrap_or_else(|| json!({}));
     let b: DrainBody = parse_body(body.clone())?;
     let deadline = b.deadline_seconds.unwrap_or(30);
     if !(1..=86_400).contains(&deadline) {
@@ -1113,7 +1157,6 @@ async fn list_connections(req: HttpRequest, data: web::Data<AppState>) -> ApiRes
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
     let q = Query::parse(&req)?;
-    q.only(&["server", "service", "limit"])?;
     let server = q
         .u64_in("server", 1, u32::MAX as u64)?
         .map(|s| ServerId(s as u32));
@@ -1254,7 +1297,6 @@ async fn list_migrations(req: HttpRequest, data: web::Data<AppState>) -> ApiResu
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
     let q = Query::parse(&req)?;
-    q.only(&["after", "limit", "order"])?;
     let after = q.u64_in("after", 0, i64::MAX as u64)?.unwrap_or(0);
     let limit = q.u64_in("limit", 1, 10_000)?.unwrap_or(100) as usize;
     let newest_first = q.newest_first()?;
@@ -1492,7 +1534,6 @@ async fn list_audit(req: HttpRequest, data: web::Data<AppState>) -> ApiResult<Ht
     let state = st(&data);
     authorize(&req, state, Role::Viewer, false)?;
     let q = Query::parse(&req)?;
-    q.only(&["after", "limit", "order"])?;
     let after = q.u64_in("after", 0, i64::MAX as u64)?.unwrap_or(0);
     let limit = q.u64_in("limit", 1, 10_000)?.unwrap_or(100) as usize;
     let newest_first = q.newest_first()?;

@@ -183,6 +183,40 @@ fn usage_errors_point_at_the_command_help() {
             "unknown flag --limit for `servers` (it takes no flags)",
             "servers",
         ),
+        // A flag given twice: the last one was taken, silently.
+        (
+            vec!["drain", "1", "--deadline", "5", "--deadline", "6"],
+            "error: --deadline given twice (5, then 6): give it once\n",
+            "drain",
+        ),
+        (
+            vec!["drain", "1", "--force", "--wait", "--force"],
+            "error: --force given twice: give it once\n",
+            "drain",
+        ),
+        (
+            vec!["connections", "--limit=5", "--server", "1", "--limit", "6"],
+            "error: --limit given twice (5, then 6): give it once\n",
+            "connections",
+        ),
+        (
+            vec![
+                "service",
+                "add",
+                "api",
+                "198.18.100.2:80",
+                "--pool",
+                "1",
+                "--pool=2",
+            ],
+            "error: --pool given twice (1, then 2): give it once\n",
+            "service add",
+        ),
+        (
+            vec!["--token", "a", "servers", "--token", "b"],
+            "error: --token given twice (a, then b): give it once\n",
+            "servers",
+        ),
     ] {
         let (code, out, err) = ctl(&args);
         assert_eq!(code, 2, "{args:?}: {err}");

@@ -3139,3 +3139,287 @@ async fn services_name_the_servers_that_take_new_connections() {
     assert_eq!(served_by(), "1,2,3");
     api.stop().await;
 }
+
+/// The operations of `openapi.yaml` (path, method) with the query
+/// parameters each declares (`in: query`, also through
+/// `#/components/parameters/...`), read from its layout: two-space path
+/// keys under `paths:`, four-space methods.
+fn openapi_operations() -> Vec<(String, String, Vec<String>)> {
+    let yaml = capybara_api::OPENAPI_YAML;
+    let indent = |l: &str| l.len() - l.trim_start().len();
+    // `components.parameters`: ref name -> (name, in).
+    let mut shared = std::collections::HashMap::new();
+    let mut in_params = false;
+    let mut cur: Option<(String, Option<String>)> = None;
+    for l in yaml.lines() {
+        if l == "  parameters:" {
+            in_params = true;
+            continue;
+        }
+        if in_params && !l.trim().is_empty() && indent(l) <= 2 {
+            in_params = false;
+        }
+        if !in_params {
+            continue;
+        }
+        if indent(l) == 4 {
+            cur = Some((l.trim().trim_end_matches(':').to_string(), None));
+        } else if let (Some((_, name)), Some(v)) = (cur.as_mut(), l.trim().strip_prefix("name: ")) {
+            *name = Some(v.to_string());
+        } else if let (Some((r, Some(name))), Some(v)) = (&cur, l.trim().strip_prefix("in: ")) {
+            shared.insert(r.clone(), (name.clone(), v.to_string()));
+        }
+    }
+    let mut ops: Vec<(String, String, Vec<String>)> = Vec::new();
+    let (mut in_paths, mut path) = (false, None::<String>);
+    let mut pending_name: Option<String> = None;
+    for l in yaml.lines() {
+        if l == "paths:" {
+            in_paths = true;
+            continue;
+        }
+        if in_paths && !l.trim().is_empty() && indent(l) == 0 {
+            break;
+        }
+        if !in_paths || l.trim().is_empty() {
+            continue;
+        }
+        let t = l.trim();
+        match indent(l) {
+            2 => path = Some(t.trim_end_matches(':').to_string()),
+            4 => {
+                let m = t.trim_end_matches(':');
+                if ["get", "post", "put", "patch", "delete"].contains(&m) {
+                    ops.push((path.clone().unwrap(), m.to_uppercase(), Vec::new()));
+                } else {
+                    // Path-level `parameters:` (path parameters only).
+                    ops.push((String::new(), String::new(), Vec::new()));
+                }
+            }
+            _ => {
+                let Some(op) = ops.last_mut().filter(|o| !o.0.is_empty()) else {
+                    continue;
+                };
+                if let Some(n) = t.strip_prefix("- name: ") {
+                    pending_name = Some(n.to_string());
+                } else if t == "in: query" {
+                    op.2.extend(pending_name.take());
+                } else if let Some(r) = t.strip_prefix("- $ref: '#/components/parameters/") {
+                    if let Some((name, "query")) = shared
+                        .get(r.trim_end_matches('\''))
+                        .map(|(n, i)| (n.clone(), i.as_str()))
+                    {
+                        op.2.push(name);
+                    }
+                }
+            }
+        }
+    }
+    ops.retain(|o| !o.0.is_empty());
+    ops
+}
+
+/// Every `/v1` operation of `openapi.yaml` refuses a query parameter it
+/// does not take with a 400 naming it, and names the ones it takes (those
+/// the contract lists): a misspelt parameter was ignored on most of them
+/// (`GET /v1/servers?bogus=1` listed the servers). Walked from the spec, so
+/// a new operation is covered by this test as it is added. The check comes
+/// after authentication (401, 403 first), and the probes and `/metrics`
+/// ignore the query.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_v1_operation_refuses_an_unknown_query_parameter() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let admin = api.token("root", Role::Admin);
+    let viewer = api.token("eyes", Role::Viewer);
+    let id = register(&api, &admin, "web1").await;
+    let ops = openapi_operations();
+    assert!(ops.len() >= 25, "read {} operations: {ops:?}", ops.len());
+    let mut v1 = 0;
+    for (path, method, declared) in &ops {
+        if !path.starts_with("/v1/") {
+            continue;
+        }
+        v1 += 1;
+        // Path parameters do not matter: the query is checked before them.
+        let mut p = path.clone();
+        while let (Some(a), Some(b)) = (p.find('{'), p.find('}')) {
+            p.replace_range(a..=b, &id.to_string());
+        }
+        let (s, v, ct) = call(
+            method,
+            format!("{}{p}?bogus=1", api.url),
+            Some(&admin),
+            None,
+        )
+        .await;
+        assert_eq!(
+            (s, ct.as_str(), &v["field"]),
+            (400, "application/problem+json", &json!("bogus")),
+            "{method} {path}: {v}"
+        );
+        let detail = v["detail"].as_str().unwrap();
+        let takes: Vec<String> = match detail.split_once("this endpoint takes ") {
+            Some((_, "no query parameters")) => Vec::new(),
+            Some((_, list)) => list
+                .split(", ")
+                .map(|k| k.trim_matches('`').to_string())
+                .collect(),
+            None => panic!("{method} {path}: {detail}"),
+        };
+        assert!(
+            detail.starts_with("unknown query parameter `bogus`"),
+            "{method} {path}: {detail}"
+        );
+        // What it takes is what the contract lists (the event stream also
+        // takes its token there: security scheme `accessTokenQuery`).
+        let mut want = declared.clone();
+        if path == "/v1/events" {
+            want.push("access_token".into());
+        }
+        let (mut got, mut want) = (takes, want);
+        got.sort();
+        want.sort();
+        assert_eq!(got, want, "{method} {path}");
+    }
+    assert!(v1 >= 20, "{v1} /v1 operations");
+    // Authentication and the role come first.
+    let (s, _, _) = call("GET", format!("{}/v1/servers?bogus=1", api.url), None, None).await;
+    assert_eq!(s, 401);
+    let (s, _, _) = call(
+        "POST",
+        format!("{}/v1/servers?bogus=1", api.url),
+        Some(&viewer),
+        Some(json!({})),
+    )
+    .await;
+    assert_eq!(s, 403);
+    // Nothing was changed by the refused requests.
+    let (s, v, _) = call("GET", format!("{}/v1/servers", api.url), Some(&admin), None).await;
+    assert_eq!((s, v["items"].as_array().unwrap().len()), (200, 1), "{v}");
+    // Probes and the scraper ignore the query.
+    for p in ["/healthz", "/readyz", "/metrics"] {
+        let (s, _, _) = call("GET", format!("{}{p}?bogus=1", api.url), None, None).await;
+        assert_eq!(s, 200, "{p}");
+    }
+    api.stop().await;
+}
+
+/// `POST /v1/servers/{id}/drain` without a body (no Content-Type, as
+/// `curl -X POST` sends it) or with an empty one is a drain with the
+/// defaults, since every field is optional: it was a 400 "a JSON request
+/// body is required". A body that is not JSON is still a 400 saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_needs_no_body() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = start(dir.path()).await;
+    let ops = api.token("ops", Role::Operator);
+    let a = register(&api, &ops, "web1").await;
+    let b = register(&api, &ops, "web2").await;
+    let c = register(&api, &ops, "web3").await;
+    for id in [a, b] {
+        api.store
+            .apply_flows(&[FlowOp::Put {
+                key: flow(id as u16),
+                server: ServerId(id as u32),
+            }])
+            .await
+            .unwrap();
+    }
+    let post = |id: u64, ct: Option<&'static str>, body: &'static str| {
+        let (url, ops) = (format!("{}/v1/servers/{id}/drain", api.url), ops.clone());
+        async move {
+            let mut r = reqwest::Client::new().post(url).bearer_auth(ops);
+            if let Some(ct) = ct {
+                r = r.header("content-type", ct);
+            }
+            let resp = r
+                .body(body)
+                .timeout(Duration::from_secs(10))
+                .send()
+                .await
+                .unwrap();
+            let s = resp.status().as_u16();
+            (s, resp.json::<Value>().await.unwrap())
+        }
+    };
+    // No body and no Content-Type; an empty body with one.
+    for (id, ct) in [(a, None), (b, Some("application/json"))] {
+        let (s, v) = post(id, ct, "").await;
+        assert_eq!(s, 202, "{v}");
+        assert_eq!(
+            (&v["state"], &v["mode"]),
+            (&json!("running"), &json!("migrate"))
+        );
+        let secs = (v["deadline_unix_ms"].as_u64().unwrap()
+            - v["started_unix_ms"].as_u64().unwrap())
+            / 1000;
+        assert_eq!(secs, 30, "the default deadline: {v}");
+    }
+    // Again without a body: the same drain (a retry).
+    let (s, v) = post(a, None, "").await;
+    assert_eq!(s, 200, "{v}");
+    // Not JSON: a 400 that says so.
+    let (s, v) = post(c, Some("application/json"), "{deadline_seconds: 5").await;
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("body is not valid JSON"),
+        "{v}"
+    );
+    let (s, v, _) = call(
+        "GET",
+        format!("{}/v1/servers/{c}/drain", api.url),
+        Some(&ops),
+        None,
+    )
+    .await;
+    assert_eq!(s, 404, "no drain was started: {v}");
+    api.stop().await;
+}
+
+/// `capybara ctl services` right after `service add`, before switchd has
+/// read the service from the store (it does every 250 ms): SERVED BY says
+/// it is pending, not "not served (see switchd's log)" as if it had
+/// failed; once switchd's `/status` lists it, the servers it places on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_switchd_has_not_applied_yet_is_pending() {
+    let status = Arc::new(std::sync::Mutex::new(
+        json!({ "role": "active", "servers": [], "services": [] }),
+    ));
+    let (sw_url, endpoint) = stand_in_changing(Endpoint::Switchd, status.clone()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (running, inner, url, db) = start_with_switchd_db(dir.path(), &sw_url).await;
+    let admin = db.create("root", Role::Admin, "test").unwrap().1;
+    let (code, _, err) = ctl(
+        &url,
+        &admin,
+        &["service", "add", "api", "198.18.100.2:8080"],
+    );
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = ctl(&url, &admin, &["services"]);
+    assert_eq!(code, 0, "{err}");
+    let line = out.lines().find(|l| l.starts_with("api ")).unwrap();
+    assert!(
+        line.ends_with(
+            "pending: switchd applies it within 1 s (if it stays pending, see switchd's log)"
+        ),
+        "{out}"
+    );
+    assert!(!out.contains("not served"), "{out}");
+    // switchd applied it.
+    status.lock().unwrap()["services"] = json!([
+        {"name": "api", "vip": "198.18.100.2:8080", "index": 0, "placement": "maglev",
+         "pool": [{"server": 1, "weight": 1}], "placing": [1], "fail_open": false,
+         "refusing": false, "retiring": false, "backend_down": []}
+    ]);
+    let (code, out, err) = ctl(&url, &admin, &["services"]);
+    assert_eq!(code, 0, "{err}");
+    let line = out.lines().find(|l| l.starts_with("api ")).unwrap();
+    assert!(line.ends_with(" 1"), "{out}");
+    endpoint.abort();
+    inner.shutdown();
+    running.stop().await;
+}

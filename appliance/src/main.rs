@@ -364,6 +364,9 @@ fn load_appliance(path: &str) -> Result<appliance::config::ApplianceConfig, Usag
 fn check_command(path: &str) -> Result<ExitCode, UsageError> {
     let cfg = load_appliance(path)?;
     cfg.check_files().map_err(|e| UsageError(e.to_string()))?;
+    if let Some(w) = cfg.switchd.as_ref().and_then(|sw| sw.key_file_warning()) {
+        eprintln!("capybara: {w}");
+    }
     println!("capybara: config {path} OK: {}", cfg.summary());
     Ok(ExitCode::SUCCESS)
 }

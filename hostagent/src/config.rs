@@ -497,6 +497,12 @@ impl MigrationConfig {
         }
     }
 
+    /// The warning for a `key_file` group or others may read (logged at
+    /// start and by `--check`; not refused, see confkit).
+    pub fn key_file_warning(&self) -> Option<String> {
+        capybara_confkit::key_file_mode_warning(std::path::Path::new(self.key_file.as_deref()?))
+    }
+
     /// The deployment secret, from `key` or `key_file`.
     pub fn load_key(&self, origin: &str) -> Result<capybara_proto::MigrationKey, ConfigError> {
         let hex = self.load_key_hex(origin)?;

@@ -27,12 +27,12 @@
 
 use crate::config::ControlConfig;
 use crate::drain::StopPhase;
-use crate::migration::Migrator;
+use crate::migration::{LineThrottle, Migrator};
 use crate::policy::Tunables;
 use crate::stack::Stack;
 use capybara_proto::control::{
     ClaimList, ControlBody, ControlRepr, FlowClaim, Flows, Heartbeat, MigrationReport,
-    MigrationTrigger, Register, ReportList, ServiceList, StartFailure, FLOWS_LAST,
+    MigrationTrigger, Register, ReportList, ServiceList, SetOwner, StartFailure, FLOWS_LAST,
     HEARTBEAT_DRAINING, MAX_FLOW_CLAIMS, MAX_REPORTS,
 };
 use capybara_proto::FlowKey;
@@ -274,6 +274,11 @@ pub async fn run_with_stop(
     let mut report_tick = tokio::time::interval(REPORT_EVERY);
     report_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut reports: Vec<MigrationReport> = Vec::with_capacity(MAX_REPORTS);
+    // Flows the switch still routes here after they migrated out (their
+    // owner lost at the switch): SET_OWNER naming the owner, logged at
+    // most once per REPAIR_LOG_EVERY with the count meanwhile.
+    let mut repairs: Vec<(FlowKey, Ipv4Addr)> = Vec::new();
+    let mut repair_log = LineThrottle::new(REPAIR_LOG_EVERY);
     // The FLOWS report in progress, and the next report's id.
     let mut flow_report: Option<FlowReport> = None;
     let mut next_report_id: u32 = rand::random::<u32>() | 1;
@@ -346,6 +351,25 @@ pub async fn run_with_stop(
                         let _ = sock.send_to(&buf[..n], cfg.switch).await;
                     }
                 }
+                repairs.clear();
+                let now = stack.with(|i| {
+                    if let Some(m) = i.transports.mig.as_mut() {
+                        m.take_owner_repairs(&mut repairs);
+                    }
+                    i.clock.now()
+                });
+                for &(flow, owner) in &repairs {
+                    let body = ControlBody::SetOwner(SetOwner { flow, owner });
+                    if let Some(n) = send(body, &mut buf, &mut seq) {
+                        let _ = sock.send_to(&buf[..n], cfg.switch).await;
+                    }
+                    if let Some(more) = repair_log.admit(now) {
+                        eprintln!(
+                            "hostagent: the switch still sends connection {flow} here after it migrated to {owner}: \
+                             telling it the owner (SET_OWNER){more}"
+                        );
+                    }
+                }
             }
             _ = health.changed.notified(), if registered => {
                 // A backend went down or came back: tell the switch now,
@@ -364,6 +388,7 @@ pub async fn run_with_stop(
                         weight: cfg.weight,
                         services: ServiceList::Slice(&services),
                         instance,
+                        reads_last_id: true,
                     })
                 } else {
                     heartbeat(&stack, draining, &health, &stop)
@@ -393,6 +418,25 @@ pub async fn run_with_stop(
                 match msg.body {
                     ControlBody::RegisterAck(ack) => {
                         unanswered = 0;
+                        // Every REGISTER_ACK: the first one lets migrations
+                        // start; a later one (a re-registration) names this
+                        // process's own ids, below its counter: no change.
+                        let last = crate::migration::last_seen_counter(ack.last_migration_id, data_addr);
+                        let seeded = stack.with(|i| i.transports.mig.as_mut().map(|m| {
+                            let was = m.engine.counter_seeded();
+                            let before = m.engine.next_migration_seq();
+                            (was, before, m.engine.seed_migration_counter(last))
+                        }));
+                        if let Some((was, before, next)) = seeded {
+                            if !was || next != before {
+                                let known = match (ack.last_migration_id, last) {
+                                    (None, _) => "the switch does not say its last id (it predates REGISTER_ACK's field)".to_string(),
+                                    (Some(_), None) => "the switch knows no id from this address".to_string(),
+                                    (Some(_), Some(c)) => format!("the switch's last id from this address has counter {c}"),
+                                };
+                                eprintln!("hostagent: migrations numbered from counter {next} ({known}; it was {before})");
+                            }
+                        }
                         if !registered {
                             eprintln!("hostagent: registered with switch {} as {id} (instance {instance:#018x})", cfg.switch);
                             // A (new) registration: the switch may know none
@@ -599,6 +643,13 @@ fn initial_seq() -> u64 {
         .map(|d| d.as_micros() as u64)
         .unwrap_or(0)
 }
+
+/// The "switch still routes a migrated connection here" log line: the
+/// first at once, then at most one per this interval with how many more
+/// were repaired meanwhile (a switch that lost many owners at once would
+/// otherwise print a line per connection).
+const REPAIR_LOG_EVERY: capybara_proto::time::Duration =
+    capybara_proto::time::Duration::from_secs(1);
 
 /// The tunables a POLICY message carries, validated (the error names the
 /// field and value).

@@ -148,6 +148,13 @@ pub fn render(stack: &Stack, name: &str) -> String {
                 m.lost_resets,
                 m.too_large_before_export
             );
+            // Connections the switch still routed here after they migrated
+            // out, whose owner this host told it (SET_OWNER).
+            let _ = writeln!(
+                s,
+                "# TYPE capybara_migration_owner_repairs_total counter\ncapybara_migration_owner_repairs_total{{{l}}} {}",
+                m.owner_repairs_total
+            );
         }
         crate::policy::render_metrics(i, &l, &mut s);
         crate::sidecar::render_metrics(&l, &mut s);

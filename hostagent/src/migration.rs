@@ -29,6 +29,23 @@ use std::net::Ipv4Addr;
 
 /// How long segments of a migrated-out flow are dropped instead of reset.
 const GONE_LINGER: Duration = Duration::from_secs(5);
+/// A flow migrated out whose late segments still arrive this long after
+/// the migration finished: the switch routes it here although the target
+/// owns it (it lost the owner: a standby that took over from the store
+/// while the CONN_STATE_ACK passed, a switchd restarted without its pinned
+/// links). Segments in flight when the switch's entry turned final arrive
+/// within a few ms; these do not stop. The origin, which knows the owner,
+/// tells the switch (SET_OWNER naming the target, sent by the control task:
+/// [`Migrator::take_owner_repairs`]); until then it forwards them, and
+/// after `GONE_LINGER` it would reset the client.
+const OWNER_REPAIR_AFTER: Duration = Duration::from_millis(200);
+/// While late segments keep coming, a flow's repair is queued again at most
+/// this often (a SET_OWNER lost, or the control channel down).
+const OWNER_REPAIR_EVERY: Duration = Duration::from_millis(500);
+/// Repairs waiting for the control task at most (pre-allocated: the
+/// per-packet path queues without allocating); beyond, one waits for its
+/// flow's next late segment after `OWNER_REPAIR_EVERY`.
+const OWNER_REPAIRS_MAX: usize = 256;
 /// Migrations remembered for the API and tests.
 const RECENT: usize = 1024;
 /// Finished migrations waiting to be reported to the switch
@@ -177,33 +194,65 @@ pub struct Migrator {
     /// Clients reset because their migration was lost (target failed with
     /// the connection in doubt; docs/TCPMIG.md §1.7 rule 8).
     pub lost_resets: u64,
+    /// Flows the switch still routes here after they migrated out, with
+    /// their owner: SET_OWNERs for the control task (`OWNER_REPAIR_AFTER`).
+    owner_repairs: Vec<(FlowKey, Ipv4Addr)>,
+    /// Repairs queued so far.
+    pub owner_repairs_total: u64,
+}
+
+/// A log line for an event that can come in bursts: printed at most once
+/// per `every`; the next printed line counts those held back meanwhile.
+#[derive(Debug)]
+pub(crate) struct LineThrottle {
+    every: Duration,
+    next_at: Option<Instant>,
+    quiet: u64,
+}
+
+impl LineThrottle {
+    pub(crate) fn new(every: Duration) -> LineThrottle {
+        LineThrottle {
+            every,
+            next_at: None,
+            quiet: 0,
+        }
+    }
+
+    /// Whether a line may be printed at `now`: `Some` with the suffix to
+    /// end it with (empty, or " (N more since the last such line)"); `None`
+    /// (counted) within `every` of the last one printed.
+    pub(crate) fn admit(&mut self, now: Instant) -> Option<String> {
+        if self.next_at.is_some_and(|t| now < t) {
+            self.quiet += 1;
+            return None;
+        }
+        self.next_at = Some(now + self.every);
+        Some(match std::mem::take(&mut self.quiet) {
+            0 => String::new(),
+            n => format!(" ({n} more since the last such line)"),
+        })
+    }
 }
 
 /// The origin's log line for a migration refused because the connection's
 /// snapshot exceeds the snapshot limit (the report says `snapshot too
 /// large`; the line names the connection and the sizes). At most one line
 /// per [`TooLargeLog::EVERY`]; the next line counts those left out.
-#[derive(Debug, Default)]
-struct TooLargeLog {
-    next_at: Option<Instant>,
-    quiet: u64,
+#[derive(Debug)]
+struct TooLargeLog(LineThrottle);
+
+impl Default for TooLargeLog {
+    fn default() -> Self {
+        TooLargeLog(LineThrottle::new(Self::EVERY))
+    }
 }
 
 impl TooLargeLog {
     const EVERY: Duration = Duration::from_secs(10);
 
     fn note(&mut self, now: Instant, flow: FlowKey, len: usize, max: usize) -> Option<String> {
-        if self.next_at.is_some_and(|t| now < t) {
-            self.quiet += 1;
-            return None;
-        }
-        self.next_at = Some(now + Self::EVERY);
-        let quiet = std::mem::take(&mut self.quiet);
-        let more = if quiet > 0 {
-            format!(" ({quiet} more since the last such line)")
-        } else {
-            String::new()
-        };
+        let more = self.0.admit(now)?;
         Some(format!(
             "hostagent: connection {flow} not migrated: snapshot {len} bytes > limit {max} bytes \
              (reason snapshot too large; the connection stays here){more}"
@@ -229,6 +278,9 @@ struct Departed {
     /// of that connection's SYN, any other SYN a new connection reusing
     /// the 4-tuple ([`Migrator::segment_verdict`]).
     syn_seq: Option<u32>,
+    /// Gone to `target`: from when a late segment makes the origin tell
+    /// the switch who owns the flow (`OWNER_REPAIR_AFTER`).
+    repair_at: Option<Instant>,
 }
 
 /// An exported connection.
@@ -285,6 +337,30 @@ pub fn first_migration_seq_now() -> u32 {
         .unwrap_or(1)
 }
 
+/// The counter of the last migration id a REGISTER_ACK says the switch saw
+/// from `local` (`RegisterAck::last_migration_id`), for
+/// `Engine::seed_migration_counter`: `None` when the switch sent none (it
+/// predates the field), knows none (0: it started since), or names another
+/// origin's id (not this host's data address: ignored).
+pub fn last_seen_counter(last_migration_id: Option<u64>, local: Ipv4Addr) -> Option<u32> {
+    let id = last_migration_id.filter(|&id| id != 0)?;
+    ((id >> 32) as u32 == u32::from(local)).then_some(id as u32)
+}
+
+/// Test-only: `CAPYBARA_TEST_FIRST_MIGRATION_SEQ` replaces the clock seed
+/// of the migration counter (a decimal u32), so that a lab test can make a
+/// restarted process start exactly where its predecessor's ids are, as
+/// one does that follows a predecessor which averaged over 1,000
+/// migrations a second (tests/tests/restart_ids_lab.rs). `None`: unset or
+/// not a number.
+pub fn test_first_migration_seq() -> Option<u32> {
+    std::env::var("CAPYBARA_TEST_FIRST_MIGRATION_SEQ")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// Whether a TCP segment (its header first) opens a new connection: SYN
 /// without ACK, with another sequence number than `old_syn` (the initial
 /// sequence number of the connection that had the 4-tuple, if known: a
@@ -330,6 +406,8 @@ impl Migrator {
             too_large_log: TooLargeLog::default(),
             too_large_before_export: 0,
             lost_resets: 0,
+            owner_repairs: Vec::with_capacity(OWNER_REPAIRS_MAX),
+            owner_repairs_total: 0,
         }
     }
 
@@ -369,6 +447,7 @@ impl Migrator {
             d.gone_until = None;
             d.target = None;
             d.syn_seq = None;
+            d.repair_at = None;
             if d.is_empty() {
                 o.remove();
             }
@@ -382,6 +461,7 @@ impl Migrator {
         d.gone_until = Some(until);
         d.target = target;
         d.syn_seq = None;
+        d.repair_at = None;
     }
 
     /// Takes the frozen connection of the migration `id` of `flow` (the
@@ -408,6 +488,7 @@ impl Migrator {
                 d.gone_until = Some(now + GONE_LINGER);
                 d.target = Some(t);
                 d.syn_seq = f.as_ref().and_then(|f| f.peer_isn);
+                d.repair_at = Some(now + OWNER_REPAIR_AFTER);
             }
             None => d.target = None,
         }
@@ -568,14 +649,15 @@ impl Migrator {
         segment: &[u8],
     ) -> SegmentVerdict {
         // One lookup: most segments belong to no departed flow.
-        let (frozen, gone_until, target, syn_seq) = match self.departed.get(&flow) {
+        let (frozen, gone_until, target, syn_seq, repair_at) = match self.departed.get(&flow) {
             Some(d) => (
                 d.frozen.as_ref().map(|f| f.peer_isn),
                 d.gone_until,
                 d.target,
                 d.syn_seq,
+                d.repair_at,
             ),
-            None => (None, None, None, None),
+            None => (None, None, None, None, None),
         };
         if let Some(old_isn) = frozen {
             // A new connection reusing the tuple (the client reset the
@@ -619,6 +701,9 @@ impl Migrator {
             if until > now && !is_new_connection(segment, syn_seq) {
                 if let (true, Some(t)) = (self.forward_late, target) {
                     self.forwarded_gone += 1;
+                    if repair_at.is_some_and(|r| now >= r) {
+                        self.queue_owner_repair(now, flow, t);
+                    }
                     return SegmentVerdict::Forward(t);
                 }
                 self.dropped_gone += 1;
@@ -627,6 +712,25 @@ impl Migrator {
             self.clear_gone(flow);
         }
         SegmentVerdict::Process
+    }
+
+    /// The switch still sends `flow`, migrated out to `target`, here:
+    /// queue a SET_OWNER for the control task, and not again for
+    /// `OWNER_REPAIR_EVERY`.
+    fn queue_owner_repair(&mut self, now: Instant, flow: FlowKey, target: Ipv4Addr) {
+        if let Some(d) = self.departed.get_mut(&flow) {
+            d.repair_at = Some(now + OWNER_REPAIR_EVERY);
+        }
+        if self.owner_repairs.len() < OWNER_REPAIRS_MAX {
+            self.owner_repairs.push((flow, target));
+            self.owner_repairs_total += 1;
+        }
+    }
+
+    /// Moves the queued owner repairs (flow, owner) into `out`, for
+    /// SET_OWNER messages (the control task; off the per-packet path).
+    pub fn take_owner_repairs(&mut self, out: &mut Vec<(FlowKey, Ipv4Addr)>) {
+        out.append(&mut self.owner_repairs);
     }
 
     /// Starts migrating the connection of `flow` to `target` (or a target
@@ -1315,6 +1419,18 @@ mod late_segment_tests {
     use super::*;
     use capybara_tcpmig::{EngineConfig, MigrationKey};
 
+    /// The frozen connection of migration 7 (handle 1), whose client's
+    /// initial sequence number is `peer_isn`.
+    fn frozen7(peer_isn: Option<u32>) -> Frozen {
+        Frozen {
+            id: MigrationId(7),
+            handle: ConnId(1),
+            kept: None,
+            reset: None,
+            peer_isn,
+        }
+    }
+
     fn migrator() -> Migrator {
         let local = Ipv4Addr::new(10, 0, 0, 1);
         let cfg = EngineConfig::new(local, Ipv4Addr::new(10, 0, 0, 254));
@@ -1341,13 +1457,7 @@ mod late_segment_tests {
         let seg = [0u8; 20];
         assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Process);
         // Frozen, target unknown (no PREPARE_ACK seen): dropped.
-        m.departed.entry(f).or_default().frozen = Some(Frozen {
-            id: MigrationId(7),
-            handle: ConnId(1),
-            kept: None,
-            reset: None,
-            peer_isn: None,
-        });
+        m.departed.entry(f).or_default().frozen = Some(frozen7(None));
         assert_eq!(m.segment_verdict(now, f, &seg), SegmentVerdict::Drop);
         assert_eq!(m.dropped_frozen, 1);
         // Frozen after PREPARE_ACK: forwarded.
@@ -1383,6 +1493,66 @@ mod late_segment_tests {
         assert_eq!(m.segment_verdict(later, f, &seg), SegmentVerdict::Drop);
     }
 
+    #[test]
+    fn late_segments_that_do_not_stop_make_the_origin_name_the_owner() {
+        let mut m = migrator();
+        let (f, target) = (flow(), Ipv4Addr::new(10, 0, 0, 2));
+        let now = Instant::from_micros(1_000);
+        let seg = [0u8; 20];
+        m.departed.entry(f).or_default().frozen = Some(frozen7(None));
+        assert!(m
+            .take_frozen(now, f, MigrationId(7), Some(target))
+            .is_some());
+        let mut out = Vec::new();
+        // Segments in flight when the switch flipped: forwarded, no repair.
+        let soon = now + (OWNER_REPAIR_AFTER - Duration::from_millis(1));
+        assert_eq!(
+            m.segment_verdict(soon, f, &seg),
+            SegmentVerdict::Forward(target)
+        );
+        m.take_owner_repairs(&mut out);
+        assert!(out.is_empty());
+        // Still coming after OWNER_REPAIR_AFTER: the switch routes the flow
+        // here; one repair naming the target, not one per segment.
+        let late = now + OWNER_REPAIR_AFTER;
+        for k in 0..10 {
+            let t = late + Duration::from_millis(k);
+            assert_eq!(
+                m.segment_verdict(t, f, &seg),
+                SegmentVerdict::Forward(target)
+            );
+        }
+        m.take_owner_repairs(&mut out);
+        assert_eq!(out, vec![(f, target)]);
+        assert_eq!(m.owner_repairs_total, 1);
+        // Again after OWNER_REPAIR_EVERY if they still come (SET_OWNER lost).
+        out.clear();
+        let again = late + OWNER_REPAIR_EVERY;
+        assert_eq!(
+            m.segment_verdict(again, f, &seg),
+            SegmentVerdict::Forward(target)
+        );
+        m.take_owner_repairs(&mut out);
+        assert_eq!(out, vec![(f, target)]);
+        // Served here again (migrated back): no repair.
+        out.clear();
+        m.clear_gone(f);
+        assert_eq!(
+            m.segment_verdict(again + OWNER_REPAIR_EVERY, f, &seg),
+            SegmentVerdict::Process
+        );
+        m.take_owner_repairs(&mut out);
+        assert!(out.is_empty());
+        // Gone without a target (the target side of an abort): nothing to name.
+        m.set_gone(f, again + GONE_LINGER, None);
+        assert_eq!(
+            m.segment_verdict(again + OWNER_REPAIR_EVERY, f, &seg),
+            SegmentVerdict::Drop
+        );
+        m.take_owner_repairs(&mut out);
+        assert!(out.is_empty());
+    }
+
     /// Segments of [`flow`] with sequence number `seq` and each of `flags`
     /// are forwarded to `target`.
     fn assert_forwarded(m: &mut Migrator, now: Instant, seq: u32, flags: &[u8], target: Ipv4Addr) {
@@ -1405,13 +1575,7 @@ mod late_segment_tests {
         let now = Instant::from_micros(1_000);
         let old_isn = 0x1234_5678u32;
         let d = m.departed.entry(f).or_default();
-        d.frozen = Some(Frozen {
-            id: MigrationId(7),
-            handle: ConnId(1),
-            kept: None,
-            reset: None,
-            peer_isn: Some(old_isn),
-        });
+        d.frozen = Some(frozen7(Some(old_isn)));
         d.target = Some(target);
         // The frozen connection's segments (its own SYN too) go on to the
         // target it is moving to.
@@ -1440,13 +1604,7 @@ mod late_segment_tests {
         let old_isn = 0x1234_5678u32;
         let mut seg = [0u8; 20];
         let gone = |m: &mut Migrator| {
-            m.departed.entry(f).or_default().frozen = Some(Frozen {
-                id: MigrationId(7),
-                handle: ConnId(1),
-                kept: None,
-                reset: None,
-                peer_isn: Some(old_isn),
-            });
+            m.departed.entry(f).or_default().frozen = Some(frozen7(Some(old_isn)));
             assert!(m
                 .take_frozen(now, f, MigrationId(7), Some(target))
                 .is_some());

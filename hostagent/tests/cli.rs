@@ -56,3 +56,43 @@ fn a_flag_without_its_value_is_refused() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--check` with a deployment key file group or others may read (0644):
+/// still valid, but one stderr line names the file, its mode and `chmod
+/// 600` (the daemon logs the same at start). A 0600 key says nothing.
+#[test]
+fn check_warns_of_a_key_file_others_may_read() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("capybara-cli-keymode-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let key = dir.join("deployment.key");
+    std::fs::write(&key, "00112233445566778899aabbccddeeff\n").unwrap();
+    let cfg = dir.join("hostagent.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "name = \"s1\"\n[interface]\nname = \"eth0\"\n[stack]\naddress = \"198.18.2.11\"\n\
+             gateway = \"198.18.1.1\"\n[[service]]\nlisten = \"198.18.100.1:80\"\napp = \"http\"\n\
+             [migration]\nswitch = \"198.18.1.1\"\nkey_file = {:?}\n",
+            key.display().to_string()
+        ),
+    )
+    .unwrap();
+    let cfg = cfg.to_str().unwrap();
+    let set = |m| std::fs::set_permissions(&key, std::fs::Permissions::from_mode(m)).unwrap();
+    set(0o644);
+    let (code, out, err) = hostagent(&["--config", cfg, "--check"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(
+        err,
+        format!(
+            "hostagent: warning: deployment key file {k} is readable by group/others (mode 0644): \
+             anyone who reads it can forge migrations; run chmod 600 {k}\n",
+            k = key.display()
+        )
+    );
+    set(0o600);
+    let (code, out, err) = hostagent(&["--config", cfg, "--check"]);
+    assert_eq!((code, err.as_str()), (0, ""), "{out}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

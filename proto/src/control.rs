@@ -38,6 +38,10 @@ pub const MAX_SERVICES: usize = 128;
 pub const MAX_ERROR_TEXT: usize = 512;
 /// REGISTER flag: an 8-byte instance id follows the service list.
 pub const REGISTER_INSTANCE: u16 = 1;
+/// REGISTER flag: the server reads the 24-byte REGISTER_ACK, which carries
+/// [`RegisterAck::last_migration_id`]; without it the switch answers the
+/// 16-byte one (a server that predates the field refuses any other length).
+pub const REGISTER_LAST_ID: u16 = 1 << 1;
 /// Most reports one MIGRATION_REPORT may carry (20 + 4 + 16 * 72 + 16 =
 /// 1,192 bytes of UDP payload: one Ethernet frame).
 pub const MAX_REPORTS: usize = 16;
@@ -81,7 +85,8 @@ pub mod field {
         pub const DATA_MAC: Field = 8..14;
         pub const WEIGHT: Field = 14..16;
         pub const SERVICE_COUNT: Field = 16..18;
-        /// [`crate::control::REGISTER_INSTANCE`]; other bits reserved (sent
+        /// [`crate::control::REGISTER_INSTANCE`],
+        /// [`crate::control::REGISTER_LAST_ID`]; other bits reserved (sent
         /// 0, ignored). Was `reserved` (always 0) before instance ids.
         pub const FLAGS: Field = 18..20;
         pub const SERVICES: usize = 20;
@@ -101,7 +106,14 @@ pub mod field {
         pub const LOAD_INTERVAL_US: Field = 4..8;
         pub const HEARTBEAT_INTERVAL_MS: Field = 8..12;
         pub const DEAD_AFTER_MS: Field = 12..16;
+        /// The body of a switch that predates `last_migration_id`, and the
+        /// one sent to a server whose REGISTER lacks
+        /// [`crate::control::REGISTER_LAST_ID`].
         pub const LEN: usize = 16;
+        /// Only in the long form: the last migration id the switch saw from
+        /// the server's data address (0: none known).
+        pub const LAST_MIGRATION_ID: Field = 16..24;
+        pub const LEN_LAST_ID: usize = 24;
     }
 
     /// HEARTBEAT body (server -> switch).
@@ -641,6 +653,8 @@ pub struct Register<'a> {
     /// a server that stalled and came back. 0: none sent (servers that
     /// predate it; the switch then cannot tell a restart from a stall).
     pub instance: u64,
+    /// The server reads the long REGISTER_ACK ([`REGISTER_LAST_ID`]).
+    pub reads_last_id: bool,
 }
 
 /// REGISTER_ACK: the switch accepted a registration (switch -> server).
@@ -655,6 +669,14 @@ pub struct RegisterAck {
     /// After this long without a heartbeat the switch declares the server
     /// dead and removes its entries.
     pub dead_after_ms: u32,
+    /// The last migration id (`origin data addr << 32 | counter`, serial
+    /// order on the counter) the switch saw in a PREPARE from the server's
+    /// data address; `Some(0)`: it knows none (it started since). `None`:
+    /// the 16-byte body (a switch that predates the field, or a REGISTER
+    /// without [`REGISTER_LAST_ID`]). A restarted hostagent numbers its
+    /// migrations above it: the switch and the targets still remember the
+    /// previous process's ids (docs/MIGRATION.md).
+    pub last_migration_id: Option<u64>,
 }
 
 /// HEARTBEAT: liveness and a counters summary (server -> switch).
@@ -1389,7 +1411,10 @@ impl ControlBody<'_> {
                         0
                     }
             }
-            ControlBody::RegisterAck(_) => field::register_ack::LEN,
+            ControlBody::RegisterAck(a) => match a.last_migration_id {
+                Some(_) => field::register_ack::LEN_LAST_ID,
+                None => field::register_ack::LEN,
+            },
             ControlBody::Heartbeat(_) => field::heartbeat::LEN,
             ControlBody::Drain(_) => field::drain::LEN,
             ControlBody::Migrate(_) => field::migrate::LEN,
@@ -1472,16 +1497,24 @@ impl<'a> ControlRepr<'a> {
                     weight: rd16(body, f::WEIGHT),
                     services: ServiceList::Wire(&body[f::SERVICES..end]),
                     instance,
+                    reads_last_id: rd16(body, f::FLAGS) & REGISTER_LAST_ID != 0,
                 })
             }
             ControlKind::RegisterAck => {
                 use field::register_ack as f;
-                exact(f::LEN)?;
+                // Either form: the hostagent cannot know the switch's age.
+                let last_migration_id = if body.len() == f::LEN_LAST_ID {
+                    Some(rd64(body, f::LAST_MIGRATION_ID))
+                } else {
+                    exact(f::LEN)?;
+                    None
+                };
                 ControlBody::RegisterAck(RegisterAck {
                     switch_epoch: rd32(body, f::SWITCH_EPOCH),
                     load_interval_us: rd32(body, f::LOAD_INTERVAL_US),
                     heartbeat_interval_ms: rd32(body, f::HEARTBEAT_INTERVAL_MS),
                     dead_after_ms: rd32(body, f::DEAD_AFTER_MS),
+                    last_migration_id,
                 })
             }
             ControlKind::Heartbeat => {
@@ -1658,10 +1691,15 @@ impl<'a> ControlRepr<'a> {
                     chunk[f::SERVICE_IP].copy_from_slice(&s.ip().octets());
                     chunk[f::SERVICE_PORT].copy_from_slice(&s.port().to_be_bytes());
                 }
+                let mut flags = 0;
                 if r.instance != 0 {
-                    body[f::FLAGS].copy_from_slice(&REGISTER_INSTANCE.to_be_bytes());
+                    flags |= REGISTER_INSTANCE;
                     body[end..end + f::INSTANCE_LEN].copy_from_slice(&r.instance.to_be_bytes());
                 }
+                if r.reads_last_id {
+                    flags |= REGISTER_LAST_ID;
+                }
+                body[f::FLAGS].copy_from_slice(&flags.to_be_bytes());
             }
             ControlBody::RegisterAck(a) => {
                 use field::register_ack as f;
@@ -1670,6 +1708,9 @@ impl<'a> ControlRepr<'a> {
                 body[f::HEARTBEAT_INTERVAL_MS]
                     .copy_from_slice(&a.heartbeat_interval_ms.to_be_bytes());
                 body[f::DEAD_AFTER_MS].copy_from_slice(&a.dead_after_ms.to_be_bytes());
+                if let Some(id) = a.last_migration_id {
+                    body[f::LAST_MIGRATION_ID].copy_from_slice(&id.to_be_bytes());
+                }
             }
             ControlBody::Heartbeat(h) => {
                 use field::heartbeat as f;
@@ -1878,6 +1919,7 @@ mod tests {
                 weight: 100,
                 services: ServiceList::Slice(&services),
                 instance: 0x0123_4567_89ab_cdef,
+                reads_last_id: true,
             }),
             ControlBody::Register(Register {
                 mgmt_addr: Ipv4Addr::new(198, 18, 1, 10),
@@ -1886,12 +1928,28 @@ mod tests {
                 weight: 100,
                 services: ServiceList::Slice(&services),
                 instance: 0,
+                reads_last_id: false,
             }),
             ControlBody::RegisterAck(RegisterAck {
                 switch_epoch: 9,
                 load_interval_us: 1000,
                 heartbeat_interval_ms: 100,
                 dead_after_ms: 1000,
+                last_migration_id: None,
+            }),
+            ControlBody::RegisterAck(RegisterAck {
+                switch_epoch: 9,
+                load_interval_us: 1000,
+                heartbeat_interval_ms: 100,
+                dead_after_ms: 1000,
+                last_migration_id: Some(0xc612_020b_ffff_fff0),
+            }),
+            ControlBody::RegisterAck(RegisterAck {
+                switch_epoch: 9,
+                load_interval_us: 1000,
+                heartbeat_interval_ms: 100,
+                dead_after_ms: 1000,
+                last_migration_id: Some(0),
             }),
             ControlBody::Heartbeat(Heartbeat {
                 connections: 12,
@@ -2343,6 +2401,7 @@ mod tests {
                 weight: 1,
                 services: ServiceList::Slice(&services),
                 instance,
+                reads_last_id: false,
             }),
         };
         let mut old = [0u8; 128];
@@ -2388,6 +2447,93 @@ mod tests {
         let mut other_bits = new;
         other_bits[HEADER_LEN + 18] = 0x80;
         assert_eq!(ControlRepr::parse(&other_bits[..n]).unwrap(), reg(0xfeed));
+    }
+
+    /// REGISTER_ACK's `last_migration_id` (docs/TCPMIG.md §4.2): the 16-byte
+    /// body of an older switch still parses (no id: the hostagent seeds its
+    /// counter from the clock), the 24-byte one carries the id, any other
+    /// length is refused; REGISTER's LAST_ID flag (bit 1) asks for the long
+    /// form and sits beside INSTANCE without moving the instance id.
+    #[test]
+    fn register_ack_last_migration_id_is_optional() {
+        let ack = |last_migration_id| ControlRepr {
+            server_id: ServerId(3),
+            seq: 11,
+            body: ControlBody::RegisterAck(RegisterAck {
+                switch_epoch: 0x0102_0304,
+                load_interval_us: 1000,
+                heartbeat_interval_ms: 100,
+                dead_after_ms: 1000,
+                last_migration_id,
+            }),
+        };
+        // The bytes of a switch that predates the field, written by hand.
+        let mut old = Vec::new();
+        old.extend_from_slice(&MAGIC.to_be_bytes());
+        old.extend_from_slice(&[VERSION, 2, 0, 0, 0, 3]);
+        old.extend_from_slice(&11u64.to_be_bytes());
+        old.extend_from_slice(&16u16.to_be_bytes());
+        old.extend_from_slice(&[0, 0]);
+        for v in [0x0102_0304u32, 1000, 100, 1000] {
+            old.extend_from_slice(&v.to_be_bytes());
+        }
+        old.extend_from_slice(&[0; MAC_LEN]);
+        assert_eq!(ControlRepr::parse(&old).unwrap(), ack(None));
+        let mut emitted = [0u8; 128];
+        let n = ack(None).emit(&mut emitted).unwrap();
+        assert_eq!(&emitted[..n - MAC_LEN], &old[..old.len() - MAC_LEN]);
+
+        let id = 0xc612_020b_8000_0001u64;
+        let mut long = [0u8; 128];
+        let n = ack(Some(id)).emit(&mut long).unwrap();
+        assert_eq!(n, old.len() + 8);
+        assert_eq!(&long[16..18], &24u16.to_be_bytes());
+        assert_eq!(&long[..HEADER_LEN + 16][20..], &old[20..HEADER_LEN + 16]);
+        assert_eq!(&long[HEADER_LEN + 16..HEADER_LEN + 24], &id.to_be_bytes());
+        assert_eq!(ControlRepr::parse(&long[..n]).unwrap(), ack(Some(id)));
+        // 0: the switch knows no id of this server (it started since).
+        let n0 = ack(Some(0)).emit(&mut long).unwrap();
+        assert_eq!(ControlRepr::parse(&long[..n0]).unwrap(), ack(Some(0)));
+        // Any other length: refused, naming the short form.
+        for len in [12u16, 20, 28] {
+            let mut b = vec![0u8; HEADER_LEN + usize::from(len) + MAC_LEN];
+            b[..HEADER_LEN].copy_from_slice(&old[..HEADER_LEN]);
+            b[16..18].copy_from_slice(&len.to_be_bytes());
+            assert_eq!(
+                ControlRepr::parse(&b),
+                Err(ControlError::BadBodyLength {
+                    kind: ControlKind::RegisterAck,
+                    len: usize::from(len),
+                    expected: 16
+                }),
+                "body of {len} bytes"
+            );
+        }
+
+        let services = [SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 1), 80)];
+        let reg = |instance, reads_last_id| ControlRepr {
+            server_id: ServerId(3),
+            seq: 9,
+            body: ControlBody::Register(Register {
+                mgmt_addr: Ipv4Addr::new(198, 18, 1, 13),
+                data_addr: Ipv4Addr::new(198, 18, 2, 13),
+                data_mac: [2, 0, 0, 0, 0, 3],
+                weight: 1,
+                services: ServiceList::Slice(&services),
+                instance,
+                reads_last_id,
+            }),
+        };
+        for (instance, flags, len) in [(0, [0, 2], 28), (0xfeed, [0, 3], 36)] {
+            let mut b = [0u8; 128];
+            let n = reg(instance, true).emit(&mut b).unwrap();
+            assert_eq!(n, HEADER_LEN + len + MAC_LEN);
+            assert_eq!(&b[HEADER_LEN + 18..HEADER_LEN + 20], &flags);
+            assert_eq!(ControlRepr::parse(&b[..n]).unwrap(), reg(instance, true));
+            // Without the bit (an older hostagent): the short ACK for it.
+            b[HEADER_LEN + 19] &= !2;
+            assert_eq!(ControlRepr::parse(&b[..n]).unwrap(), reg(instance, false));
+        }
     }
 
     #[test]

@@ -65,6 +65,12 @@ impl MigrationKey {
     /// environment variables. Surrounding whitespace is ignored.
     pub fn from_hex(text: &str) -> Result<Self, KeyError> {
         let text = text.trim();
+        // The alphabet first: a key written in another encoding (base64
+        // from `openssl rand -base64 16`) is named as not hex, not as
+        // "too short" by the count of its characters halved.
+        if let Some(p) = text.bytes().position(|b| hex_value(b).is_none()) {
+            return Err(bad_digit(text, p));
+        }
         let digits = text.len();
         if digits & 1 == 1 {
             return Err(KeyError::OddHexLength { digits });
@@ -202,6 +208,22 @@ mod tests {
             MigrationKey::from_hex(&bad).unwrap_err(),
             KeyError::BadHexDigit {
                 position: 32,
+                found: 'z'
+            }
+        );
+        // Not hex at all (base64 of 16 bytes: 24 characters): named as
+        // such, not as a 12-byte key.
+        assert_eq!(
+            MigrationKey::from_hex("7dU8N1I2mORROZApahUlsg==").unwrap_err(),
+            KeyError::BadHexDigit {
+                position: 2,
+                found: 'U'
+            }
+        );
+        assert_eq!(
+            MigrationKey::from_hex("zzzz").unwrap_err(),
+            KeyError::BadHexDigit {
+                position: 0,
                 found: 'z'
             }
         );

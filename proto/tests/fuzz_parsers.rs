@@ -326,12 +326,16 @@ fn control_valid_round_trips_and_mutations() {
                 services: ServiceList::Slice(&services),
                 // Half without an instance id (servers that predate it).
                 instance: if rng.below(2) == 0 { 0 } else { rng.next() | 1 },
+                // Half of them read the long REGISTER_ACK.
+                reads_last_id: rng.below(2) == 0,
             }),
             1 => ControlBody::RegisterAck(control::RegisterAck {
                 switch_epoch: rng.next() as u32,
                 load_interval_us: rng.next() as u32,
                 heartbeat_interval_ms: rng.next() as u32,
                 dead_after_ms: rng.next() as u32,
+                // Half in the 16-byte form of switches that predate it.
+                last_migration_id: (rng.below(2) == 0).then(|| rng.next()),
             }),
             2 => ControlBody::Heartbeat(control::Heartbeat {
                 connections: rng.next() as u32,

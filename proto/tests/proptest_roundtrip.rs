@@ -74,14 +74,14 @@ proptest! {
         server in any::<u32>(), seq in any::<u64>(), mgmt in ip(), data in ip(),
         mac in any::<[u8; 6]>(), weight in any::<u16>(),
         services in proptest::collection::vec((ip(), any::<u16>()), 0..=control::MAX_SERVICES),
-        instance in any::<u64>(),
+        instance in any::<u64>(), reads_last_id in any::<bool>(),
     ) {
         let services: Vec<_> = services.into_iter().map(|(a, p)| SocketAddrV4::new(a, p)).collect();
         let repr = ControlRepr {
             server_id: ServerId(server), seq,
             body: ControlBody::Register(control::Register {
                 mgmt_addr: mgmt, data_addr: data, data_mac: mac, weight,
-                services: ServiceList::Slice(&services), instance,
+                services: ServiceList::Slice(&services), instance, reads_last_id,
             }),
         };
         let mut buf = vec![0u8; repr.buffer_len()];
@@ -99,10 +99,12 @@ proptest! {
         server in any::<u32>(), seq in any::<u64>(), a in any::<u32>(), b in any::<u32>(),
         c in any::<u64>(), d in any::<u64>(), flow in flow(), target in proptest::option::of(1u32..),
         which in 0usize..7, code in any::<u16>(), ref_kind in any::<u8>(), text in "\\PC{0,100}",
+        last_id in proptest::option::of(any::<u64>()),
     ) {
         let body = match which {
             0 => ControlBody::RegisterAck(control::RegisterAck {
                 switch_epoch: a, load_interval_us: b, heartbeat_interval_ms: c as u32, dead_after_ms: d as u32,
+                last_migration_id: last_id,
             }),
             1 => ControlBody::Heartbeat(control::Heartbeat {
                 connections: a, migrations_in_flight: b, load_pps: c, rx_backlog_bytes: d, flags: a ^ b,

@@ -41,7 +41,7 @@ pub enum StoreError {
     #[error("etcd unreachable at [{endpoints}]: {reason}")]
     Unreachable { endpoints: String, reason: String },
 
-    #[error("etcd error during {op}: {source}")]
+    #[error("etcd error during {op}: {}", crate::etcd::describe(source))]
     Etcd {
         op: &'static str,
         // Boxed: a gRPC status is large and errors travel through every Result.

@@ -152,6 +152,34 @@ fn not_executed(reason: &str) -> bool {
     .any(|m| reason.contains(m))
 }
 
+/// An etcd client error for operators: a gRPC status as its code, its
+/// message and what caused it (`Unavailable: tcp connect error: ...
+/// Connection refused (os error 111)`), without the status's debug dump
+/// (`details: [], metadata: MetadataMap { headers: {} }`) that its Display
+/// carries into every `/readyz`, `ctl` and log line of a store outage.
+pub(crate) fn describe(e: &etcd_client::Error) -> String {
+    match e {
+        etcd_client::Error::GRpcStatus(s) => {
+            let mut out = format!("{:?}", s.code());
+            if !s.message().is_empty() {
+                out.push_str(": ");
+                out.push_str(s.message());
+            }
+            let mut cause = std::error::Error::source(s);
+            while let Some(c) = cause {
+                let text = c.to_string();
+                if !text.is_empty() && !out.contains(&text) {
+                    out.push_str(": ");
+                    out.push_str(&text);
+                }
+                cause = c.source();
+            }
+            out
+        }
+        other => other.to_string(),
+    }
+}
+
 /// Page size of range scans.
 const SCAN_PAGE: i64 = 10_000;
 
@@ -184,7 +212,7 @@ impl EtcdStore {
             tokio::time::timeout(total, Client::connect(&config.endpoints, Some(opts)))
                 .await
                 .map_err(|_| unreachable(format!("no answer within {total:?}")))?
-                .map_err(|e| unreachable(e.to_string()))?;
+                .map_err(|e| unreachable(describe(&e)))?;
         tokio::time::timeout(total, client.status())
             .await
             .map_err(|_| {
@@ -192,7 +220,7 @@ impl EtcdStore {
                     "no member answered a status request within {total:?}"
                 ))
             })?
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| unreachable(describe(&e)))?;
         Ok(EtcdStore {
             client,
             config,
@@ -238,7 +266,7 @@ impl EtcdStore {
             etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => {
                 StoreError::Unreachable {
                     endpoints: self.endpoints.clone(),
-                    reason: format!("{op}: {e}"),
+                    reason: format!("{op}: {}", describe(&e)),
                 }
             }
             etcd_client::Error::GRpcStatus(s)
@@ -251,7 +279,7 @@ impl EtcdStore {
             {
                 StoreError::Unreachable {
                     endpoints: self.endpoints.clone(),
-                    reason: format!("{op}: {e}"),
+                    reason: format!("{op}: {}", describe(&e)),
                 }
             }
             _ => StoreError::Etcd {

@@ -517,6 +517,54 @@ async fn unreachable_etcd_names_the_endpoints() {
         "bounded: {:?}",
         start.elapsed()
     );
+    readable_outage(&e.to_string());
+}
+
+/// What an operator reads during an etcd outage (`/readyz`, `ctl`, logs):
+/// the gRPC code, its message and its cause, not the status's debug dump
+/// (it was `grpc request error: status: Unavailable, message: "tcp connect
+/// error", details: [], metadata: MetadataMap { headers: {} }`).
+fn readable_outage(msg: &str) {
+    for noise in ["MetadataMap", "details: [", "metadata:", "status: "] {
+        assert!(!msg.contains(noise), "{noise:?} in {msg:?}");
+    }
+    assert!(msg.contains("Unavailable"), "no gRPC code in {msg:?}");
+    assert!(
+        msg.to_lowercase().contains("connection refused"),
+        "no cause in {msg:?}"
+    );
+}
+
+/// The same outage met by a connected store: etcd stopped under it.
+#[tokio::test]
+async fn an_etcd_outage_is_named_plainly() {
+    let mut cluster = EtcdCluster::start(1).expect("start etcd");
+    let store = EtcdStore::connect(EtcdConfig {
+        connect_timeout_ms: 500,
+        request_timeout_ms: 1000,
+        ..cluster.store_config()
+    })
+    .await
+    .expect("connect etcd");
+    store.get_policy().await.expect("etcd answers");
+    cluster.stop_member(0);
+    // The first request after the stop can meet the dying connection
+    // (`Unknown: transport error: ... broken pipe`); the next ones find
+    // nobody listening. Every message is plain.
+    for _ in 0..10 {
+        let e = store.get_policy().await.unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("get_policy"), "{msg}");
+        for noise in ["MetadataMap", "details: [", "metadata:", "status: "] {
+            assert!(!msg.contains(noise), "{noise:?} in {msg:?}");
+        }
+        if matches!(e, StoreError::Unreachable { .. }) {
+            readable_outage(&msg);
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("etcd stopped, yet no request failed as unreachable");
 }
 
 #[tokio::test]

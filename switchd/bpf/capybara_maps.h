@@ -98,6 +98,10 @@
  * that retransmissions of one migration go to the same target. */
 #define CAPY_PREPARE_MEMORY 8192
 
+/* Origins whose last migration id is remembered (origin_ids): far more
+ * data addresses than servers, so that only addresses long gone give way. */
+#define CAPY_ORIGIN_IDS 1024
+
 /* capy_flow_event.kind */
 #define CAPY_EV_NEW 1      /* flow placed on `server`                          */
 #define CAPY_EV_MIGRATED 2 /* migration final (CONN_STATE_ACK): owner `prev_server` -> `server` */
@@ -297,6 +301,21 @@ struct {
 	__type(key, __u64);
 	__type(value, __u32);
 } prepare_targets SEC(".maps");
+
+/* Last migration id seen per origin: origin data address (network order,
+ * a PREPARE's `origin` field, that of a registered server) -> the newest id
+ * (host order) of the PREPAREs from it, newest in serial-number arithmetic
+ * on the low 32 bits. switchd tells a (re)registering server its entry in
+ * REGISTER_ACK, so that a restarted hostagent numbers its migrations above
+ * the ids this program's PREPARE steering memory and the targets may still
+ * remember (docs/MIGRATION.md, "Roles and messages"). Never cleared with a
+ * server: its ids outlive it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, CAPY_ORIGIN_IDS);
+	__type(key, __be32);
+	__type(value, __u64);
+} origin_ids SEC(".maps");
 
 /* Server data address -> server index, to resolve TCPMig origin/target. */
 struct {

@@ -530,6 +530,26 @@ static __always_inline long put_migration(const struct capy_flow_key *key, __u32
 	return bpf_map_update_elem(&migrations, key, &nm, flags);
 }
 
+/* Remembers `id` as the last migration id of the registered origin `addr`
+ * (origin_ids) when it is newer in serial-number arithmetic than the one
+ * remembered, or of another origin (not addr << 32: ignored). Two CPUs may
+ * race and leave the older of two concurrent ids: the hostagent starts a
+ * margin above the value it is told. */
+static __always_inline void note_origin_id(__be32 addr, __u64 id)
+{
+	__u64 *last;
+
+	if ((__u32)(id >> 32) != bpf_ntohl(addr))
+		return;
+	last = bpf_map_lookup_elem(&origin_ids, &addr);
+	if (!last) {
+		bpf_map_update_elem(&origin_ids, &addr, &id, BPF_NOEXIST);
+		return;
+	}
+	if ((__s32)((__u32)id - (__u32)*last) > 0)
+		*last = id;
+}
+
 static __always_inline int handle_prepare(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
 					  struct tcpmig_hdr *m)
 {
@@ -540,7 +560,8 @@ static __always_inline int handle_prepare(struct ethhdr *eth, struct iphdr *ip, 
 	__u64 id = mig_id(m);
 	__u32 *mem;
 
-	lookup_server_idx(m->origin, &origin);
+	if (lookup_server_idx(m->origin, &origin) == 0)
+		note_origin_id(m->origin, id);
 	if (m->target) {
 		/* The origin named its target: honoured, unless it is not a
 		 * server that can hold a connection. */
@@ -644,9 +665,21 @@ static __always_inline int handle_prepare_ack(struct ethhdr *eth, struct iphdr *
 	return send_to_server(eth, ip, udp, osrv);
 }
 
-/* CONN_STATE_ACK(M, t): t imported the connection and owns it. A matching
+/* CONN_STATE_ACK(M, o, t): t imported the connection and owns it. A matching
  * pending entry becomes final; the owner change is reported to the store
- * (it persists final owners only). */
+ * (it persists final owners only).
+ *
+ * Without M's pending entry, the ACK still settles the flow on t where M's
+ * PREPARE_ACK would have been taken here (no entry and o is the placement,
+ * or mig_supersedes()): that PREPARE_ACK passed another program. During a
+ * takeover in place the predecessor's program and this one both run until
+ * the last link is replaced, so a migration's PREPARE_ACK can pass the
+ * predecessor (pending there) and its CONN_STATE_ACK this program, which
+ * ignored it: the copy's final entry stayed, the predecessor's pending one
+ * was applied at the end of the adoption, and the flow's entry stayed
+ * pending for good (every later PREPARE_ACK of it dropped as stale).
+ * mig_supersedes() keeps a CONN_STATE_ACK delayed past later migrations of
+ * the flow from taking it back. */
 static __always_inline void on_conn_state_ack(struct tcpmig_hdr *m, __be32 saddr)
 {
 	struct capy_flow_key key = mig_flow_key(m);
@@ -654,17 +687,34 @@ static __always_inline void on_conn_state_ack(struct tcpmig_hdr *m, __be32 saddr
 	__u64 id = mig_id(m);
 	struct capy_migration *e;
 	struct capy_flow *flow;
+	int have_origin;
 
 	if (lookup_server_idx(m->target ? m->target : saddr, &target) < 0)
 		return;
-	e = bpf_map_lookup_elem(&migrations, &key);
-	if (!e || !e->pending || e->migration_id != id || e->server != target)
-		return;
-	if (put_migration(&key, target, CAPY_MIG_FINAL, id, BPF_EXIST) < 0)
-		return;
-	if (lookup_server_idx(m->origin, &origin) < 0)
-		origin = target;
+	have_origin = lookup_server_idx(m->origin, &origin) == 0;
 	flow = bpf_map_lookup_elem(&flows, &key);
+	e = bpf_map_lookup_elem(&migrations, &key);
+	if (e && e->pending && e->migration_id == id && e->server == target) {
+		if (put_migration(&key, target, CAPY_MIG_FINAL, id, BPF_EXIST) < 0)
+			return;
+	} else if (!have_origin || target == origin) {
+		return;
+	} else if (e) {
+		if (!mig_supersedes(e, origin, id, bpf_be64_to_cpu(m->epoch)))
+			return;
+		if (put_migration(&key, target, CAPY_MIG_FINAL, id, BPF_EXIST) < 0)
+			return;
+	} else {
+		/* No entry: the owner is the placement, which must be the
+		 * origin; a closed flow (no flow entry) stays closed. */
+		if (!flow || flow->server != origin)
+			return;
+		if (put_migration(&key, target, CAPY_MIG_FINAL, id, BPF_NOEXIST) < 0)
+			return;
+		flow->flags |= CAPY_FLOW_MIGRATED;
+	}
+	if (!have_origin)
+		origin = target;
 	emit_event(&key, flow && flow->server == target ? CAPY_EV_RETURNED : CAPY_EV_MIGRATED,
 		   target, origin);
 }

@@ -50,6 +50,8 @@ pub const FLOW_ESTABLISHED: u16 = 0x10;
 pub const MIG_FINAL: u8 = 0;
 pub const MIG_PENDING: u8 = 1;
 pub const PREPARE_MEMORY: u32 = 8192;
+/// Origins whose last migration id the program remembers (`origin_ids`).
+pub const ORIGIN_IDS: u32 = 1024;
 
 pub const EV_NEW: u32 = 1;
 pub const EV_MIGRATED: u32 = 2;

@@ -391,6 +391,9 @@ pub struct Adopted {
     pub migrations_skipped: usize,
     /// PREPARE steering memories (migration id -> target) copied.
     pub prepare_targets: usize,
+    /// Origins whose last migration id (`origin_ids`, for REGISTER_ACK)
+    /// was taken from the predecessor's tables.
+    pub origin_ids: usize,
     /// Migration entries the predecessor's program changed between the copy
     /// and the last link's switch (a migration settled, started or reset
     /// in that window), applied here by `finish_adoption`.
@@ -432,6 +435,44 @@ unsafe impl Pod for MigId {}
 struct TargetIdx(u32);
 // SAFETY: one u32, no padding.
 unsafe impl Pod for TargetIdx {}
+
+/// Key of `origin_ids`: an origin's data address, network order (as read
+/// off the wire, in a native u32).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct OriginAddr(u32);
+// SAFETY: one u32, no padding.
+unsafe impl Pod for OriginAddr {}
+
+impl OriginAddr {
+    fn of(ip: std::net::Ipv4Addr) -> Self {
+        OriginAddr(u32::from_ne_bytes(ip.octets()))
+    }
+}
+
+/// Whether migration id `a` is newer than `b` (same origin): serial-number
+/// arithmetic on the counters, as the program compares them.
+fn id_newer(a: u64, b: u64) -> bool {
+    (a as u32).wrapping_sub(b as u32) as i32 > 0
+}
+
+/// The newest id of each origin (its data address, from the id's high 32
+/// bits) among `ids`, merged into `into`.
+fn newest_per_origin(
+    ids: impl IntoIterator<Item = u64>,
+    into: &mut std::collections::HashMap<OriginAddr, u64>,
+) {
+    for id in ids {
+        if id >> 32 == 0 {
+            continue;
+        }
+        let origin = OriginAddr::of(std::net::Ipv4Addr::from((id >> 32) as u32));
+        let e = into.entry(origin).or_insert(id);
+        if id_newer(id, *e) {
+            *e = id;
+        }
+    }
+}
 
 /// A CLOSED event of flow `key` on `server`, for the control plane (its
 /// closed-flow reaper) and the store.
@@ -758,6 +799,7 @@ struct Maps {
     server_stats: MapHandle,
     stats: MapHandle,
     prepare_targets: MapHandle,
+    origin_ids: MapHandle,
 }
 
 pub struct BpfDataPlane {
@@ -833,6 +875,7 @@ impl BpfDataPlane {
             server_stats: handle("server_stats")?,
             stats: handle("stats")?,
             prepare_targets: handle("prepare_targets")?,
+            origin_ids: handle("origin_ids")?,
         };
         let maglev_mem = MaglevMem::map(&maps.maglev)?;
         let event_map = Box::new(handle("flow_events")?);
@@ -1103,6 +1146,7 @@ impl BpfDataPlane {
         let mut ids = Vec::new();
         prog_info(prog.as_raw_fd(), &mut ids).map_err(|e| err("prog_info", e.to_string()))?;
         let (mut flows, mut servers, mut migrations, mut steering) = (None, None, None, None);
+        let mut origin_ids = None;
         for id in ids {
             let Ok(m) = MapHandle::from_map_id(id) else {
                 continue;
@@ -1112,6 +1156,7 @@ impl BpfDataPlane {
                 Some("servers") => servers = Some(m),
                 Some("migrations") => migrations = Some(m),
                 Some("prepare_targets") => steering = Some(m),
+                Some("origin_ids") => origin_ids = Some(m),
                 _ => {}
             }
         }
@@ -1211,6 +1256,7 @@ impl BpfDataPlane {
             old_servers,
             old_migrations,
             steering,
+            origin_ids,
             server_of,
             &mut done,
         ) {
@@ -1222,12 +1268,14 @@ impl BpfDataPlane {
     /// [`Self::adopt`]'s migration part: every migration entry and PREPARE
     /// steering memory of the predecessor, translated; keeps its maps
     /// for [`Self::finish_adoption`].
+    #[allow(clippy::too_many_arguments)]
     fn adopt_migrations(
         &mut self,
         old_flows: MapHandle,
         old_servers: MapHandle,
         old_migrations: MapHandle,
         steering: Option<MapHandle>,
+        old_origin_ids: Option<MapHandle>,
         mut server_of: std::collections::HashMap<u32, Option<u32>>,
         done: &mut Adopted,
     ) -> Result<()> {
@@ -1241,12 +1289,17 @@ impl BpfDataPlane {
                 .map(|(k, _)| k)
                 .collect();
         let mut copied = HashMap::new();
+        // The newest migration id of each origin the predecessor knew: its
+        // `origin_ids` (a program that predates it has none) and the ids
+        // of its migration entries and steering memory.
+        let mut newest = HashMap::new();
         let (mut keys, mut vals) = (Vec::new(), Vec::new());
         for (k, m) in entries::<CFlowKey, CMigration>(
             &old_migrations,
             "migrations",
             self.maps.migrations.max_entries() as usize,
         )? {
+            newest_per_origin([m.migration_id], &mut newest);
             if ours.contains(&k) {
                 continue;
             }
@@ -1283,6 +1336,7 @@ impl BpfDataPlane {
             .collect();
             let (mut keys, mut vals) = (Vec::new(), Vec::new());
             for (id, t) in entries::<MigId, TargetIdx>(&old, "prepare_targets", usize::MAX)? {
+                newest_per_origin([id.0], &mut newest);
                 if ours.contains(&id) {
                     continue;
                 }
@@ -1297,6 +1351,29 @@ impl BpfDataPlane {
             batch_update(&self.maps.prepare_targets, "prepare_targets", &keys, &vals)?;
             done.prepare_targets = keys.len();
         }
+
+        // Last migration id per origin, for REGISTER_ACK: the newer of the
+        // predecessor's and ours (this program may have seen PREPAREs
+        // already).
+        if let Some(old) = old_origin_ids {
+            for (a, id) in entries::<OriginAddr, MigId>(&old, "origin_ids", usize::MAX)? {
+                if id.0 >> 32 == u64::from(u32::from_be_bytes(a.0.to_ne_bytes())) {
+                    newest_per_origin([id.0], &mut newest);
+                }
+            }
+        }
+        for (a, id) in
+            entries::<OriginAddr, MigId>(&self.maps.origin_ids, "origin_ids", usize::MAX)?
+        {
+            if newest.get(&a).is_some_and(|n| !id_newer(*n, id.0)) {
+                newest.remove(&a);
+            }
+        }
+        let (keys, vals): (Vec<OriginAddr>, Vec<MigId>) =
+            newest.into_iter().map(|(a, id)| (a, MigId(id))).unzip();
+        // An LRU map: never full, addresses long unused give way.
+        batch_update(&self.maps.origin_ids, "origin_ids", &keys, &vals)?;
+        done.origin_ids = keys.len();
         self.predecessor = Some(Predecessor {
             flows: old_flows,
             migrations: old_migrations,
@@ -1335,12 +1412,22 @@ impl BpfDataPlane {
                 continue;
             }
             // Only where this program has not written since the copy: its
-            // writes are later than anything the predecessor did.
+            // writes are later than anything the predecessor did. Except
+            // the end of a migration this program saw begin: its
+            // PREPARE_ACK passed here (pending), the CONN_STATE_ACK or the
+            // target's ABORT decision passed the predecessor (final there,
+            // same id), and nothing will settle it here again (the entry
+            // stayed pending for good: every later PREPARE_ACK of the flow
+            // dropped as stale).
+            let ours = self.lookup_migration(*k)?;
             let untouched = match copied {
-                Some((_, c)) => self.lookup_migration(*k)? == Some(c),
-                None => self.lookup_migration(*k)?.is_none(),
+                Some((_, c)) => ours == Some(c),
+                None => ours.is_none(),
             };
-            if !untouched {
+            let settles_ours = ours.is_some_and(|o| {
+                o.is_pending() && !m.is_pending() && o.migration_id == m.migration_id
+            });
+            if !untouched && !settles_ours {
                 continue;
             }
             if let Some(server) = translate_server(
@@ -1923,6 +2010,15 @@ impl DataPlane for BpfDataPlane {
             .lookup(key.as_bytes(), MapFlags::ANY)
             .map_err(map_err("migrations", "lookup"))?
             .and_then(|v| CMigration::from_bytes(&v)))
+    }
+    fn last_migration_id(&mut self, origin: std::net::Ipv4Addr) -> Result<Option<u64>> {
+        Ok(self
+            .maps
+            .origin_ids
+            .lookup(OriginAddr::of(origin).as_bytes(), MapFlags::ANY)
+            .map_err(map_err("origin_ids", "lookup"))?
+            .and_then(|v| Some(u64::from_ne_bytes(v.get(..8)?.try_into().ok()?)))
+            .filter(|id| id >> 32 == u64::from(u32::from(origin))))
     }
     fn remove_flows_of(&mut self, server: u32) -> Result<Vec<CFlowKey>> {
         // Runs only when a server dies: reads both tables in batches (one

@@ -838,6 +838,12 @@ impl Config {
             .map_err(|e| invalid("key_file", self.key_file.display(), e.to_string()))
     }
 
+    /// The warning for a key file group or others may read (logged at
+    /// start and by `--check`; not refused, see confkit).
+    pub fn key_file_warning(&self) -> Option<String> {
+        capybara_confkit::key_file_mode_warning(&self.key_file)
+    }
+
     /// What `--check` verifies on disk beyond the key: a SQLite store's
     /// file must be creatable (its directory exists; switchd creates the
     /// file, not directories) and must not be a directory. Before, `--check`

@@ -173,6 +173,11 @@ struct Peer {
     flow_request_at: Instant,
     /// Claims of its current report so far: (claims, applied, skipped).
     flow_claims: (u64, u64, u64),
+    /// Its data address when its REGISTER asked for the long REGISTER_ACK
+    /// (`REGISTER_LAST_ID`): every REGISTER_ACK to it then names the last
+    /// migration id the data plane saw from that address. `None`: the
+    /// 16-byte form (a hostagent that predates the field refuses others).
+    last_id_of: Option<Ipv4Addr>,
 }
 
 /// The hostagent-side tunables of a policy as a POLICY message; the
@@ -306,6 +311,9 @@ fn clock(start: StdInstant) -> Instant {
 pub fn run(cfg: Config) -> anyhow::Result<()> {
     install_signal_handlers();
     let key = cfg.load_key()?;
+    if let Some(w) = cfg.key_file_warning() {
+        eprintln!("switchd: {w}");
+    }
     // Resolve interfaces before anything else: a typo should fail fast.
     let mut ifaces = Vec::new();
     for (i, ifc) in cfg.interfaces.iter().enumerate() {
@@ -1763,7 +1771,25 @@ impl Switch {
             load_interval_us: self.cfg.load_interval.as_micros() as u32,
             heartbeat_interval_ms: self.cfg.heartbeat_interval.as_millis() as u32,
             dead_after_ms: self.cfg.dead_after.as_millis() as u32,
+            last_migration_id: None,
         }
+    }
+
+    /// [`Self::register_ack`] for server `id`: with the last migration id
+    /// the data plane saw from its data address (0: none) when its REGISTER
+    /// asked for it. A restarted hostagent numbers its migrations above it:
+    /// this program's PREPARE steering memory and the targets may still
+    /// hold the previous process's ids (docs/MIGRATION.md, "Roles and messages").
+    fn register_ack_for(&mut self, id: ServerId) -> RegisterAck {
+        let mut ack = self.register_ack();
+        if let Some(addr) = self.peers.get(&id).and_then(|p| p.last_id_of) {
+            let last = self.cp.dp.last_migration_id(addr).unwrap_or_else(|e| {
+                eprintln!("switchd: server {id}: reading its last migration id: {e}");
+                None
+            });
+            ack.last_migration_id = Some(last.unwrap_or(0));
+        }
+        ack
     }
 
     /// Applies the liveness timing of a (bounded) stored policy: the
@@ -1806,7 +1832,6 @@ impl Switch {
             return;
         }
         let spacing = old_hb.max(hb);
-        let ack = self.register_ack();
         let peers: Vec<(ServerId, SocketAddr)> =
             self.peers.iter().map(|(id, p)| (*id, p.mgmt)).collect();
         for (id, mgmt) in peers {
@@ -1814,6 +1839,7 @@ impl Switch {
                 p.ack_resends = 2;
                 p.ack_resend_at = now + spacing;
             }
+            let ack = self.register_ack_for(id);
             if let (Some(sock), Some(m)) = (sock, self.reply(id, ControlBody::RegisterAck(ack))) {
                 if sock.send_to(&m, mgmt).is_ok() {
                     self.register_acks_resent += 1;
@@ -1994,6 +2020,7 @@ impl Switch {
                 let mut peer = new_peer(from);
                 peer.last_seq = repr.seq;
                 peer.services = wanted.clone();
+                peer.last_id_of = r.reads_last_id.then_some(r.data_addr);
                 // Its drain still runs: the process may not know (a new
                 // one does not), so DRAIN goes again with the time left,
                 // answering its heartbeats until their flag says draining.
@@ -2016,7 +2043,13 @@ impl Switch {
                     let rec = crate::persist::server_record(&reg, from, repr.seq, &wanted);
                     self.store_server_write(ServerWrite::Put(rec));
                 }
-                let ack = self.register_ack();
+                let ack = self.register_ack_for(id);
+                if let Some(last) = ack.last_migration_id.filter(|&l| l != 0) {
+                    eprintln!(
+                        "switchd: server {id}: last migration id seen from {}: {last:#018x} (told in REGISTER_ACK)",
+                        r.data_addr
+                    );
+                }
                 self.reply(id, ControlBody::RegisterAck(ack))
             }
             ControlBody::Heartbeat(h) if h.flags & ctl::HEARTBEAT_STOPPED != 0 => {
@@ -2123,7 +2156,7 @@ impl Switch {
                     // The heartbeat interval changed: in case the
                     // REGISTER_ACK sent then was lost.
                     self.register_acks_resent += 1;
-                    let ack = self.register_ack();
+                    let ack = self.register_ack_for(id);
                     return self.reply(id, ControlBody::RegisterAck(ack));
                 }
                 if stale_policy {
@@ -3149,6 +3182,7 @@ impl Switch {
             "pending": a.migrations_pending,
             "skipped": a.migrations_skipped,
             "prepare_targets": a.prepare_targets,
+            "origin_ids": a.origin_ids,
             "changed_before_switch": a.settled_late,
             "owner_events": a.owner_events,
             "fins_merged": a.fins_merged,
@@ -3471,6 +3505,7 @@ fn new_peer(mgmt: SocketAddr) -> Peer {
         flow_requests_left: FLOW_REQUESTS,
         flow_request_at: Instant::ZERO,
         flow_claims: (0, 0, 0),
+        last_id_of: None,
     }
 }
 

@@ -113,6 +113,15 @@ pub trait DataPlane {
     fn table_sizes(&mut self) -> Result<(usize, usize)>;
     fn lookup_flow(&mut self, key: CFlowKey) -> Result<Option<CFlow>>;
     fn lookup_migration(&mut self, key: CFlowKey) -> Result<Option<CMigration>>;
+    /// The last migration id (newest in serial-number arithmetic) the
+    /// program saw in a PREPARE from the registered origin `origin` (its
+    /// data address): what REGISTER_ACK tells a registering server, so that
+    /// a restarted hostagent numbers its migrations above it. `None`: none
+    /// remembered (this program started since, or the backend keeps none).
+    fn last_migration_id(&mut self, origin: std::net::Ipv4Addr) -> Result<Option<u64>> {
+        let _ = origin;
+        Ok(None)
+    }
     /// Removes every flow currently owned by `server` (migration entries to
     /// it, and flow entries placed on it that did not migrate away).
     /// Returns the removed keys. Flows owned by other servers are untouched.

@@ -416,6 +416,7 @@ impl Lab {
                 weight,
                 services: ServiceList::Slice(&services),
                 instance,
+                reads_last_id: false,
             }),
         };
         let mut buf = vec![0u8; reg.buffer_len()];

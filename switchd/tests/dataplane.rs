@@ -744,6 +744,50 @@ fn migration_ids_of_one_origin_compare_across_the_counter_wrap() {
     );
 }
 
+/// The last migration id of each origin (`origin_ids`, told to a
+/// registering hostagent in REGISTER_ACK so that a restarted process
+/// numbers its migrations above the ids the steering memory and the
+/// targets still hold): every PREPARE of a registered origin, target
+/// picked by the switch or named, moves it to the newest id in
+/// serial-number arithmetic, across the counter's wrap; an older id, an id
+/// of another address than its origin field, and a PREPARE of an origin
+/// that is not a registered server leave it.
+#[test]
+fn the_last_migration_id_of_each_origin_is_remembered() {
+    let mut lab = setup();
+    let sport = 45200;
+    let prepare = |lab: &mut Lab, origin: u32, id: u64, target: Option<u32>| {
+        let m = mig(Kind::Prepare, id, sport, origin, target);
+        lab.dp
+            .test_run(&udp_from(server_ip(origin), SWITCH_SV, &m), lab.sv, 1)
+            .unwrap();
+    };
+    let last = |lab: &mut Lab, s: u32| lab.dp.last_migration_id(server_ip(s)).unwrap();
+    assert_eq!(last(&mut lab, 0), None);
+    prepare(&mut lab, 0, mid(0, 0xffff_fff0), None);
+    assert_eq!(last(&mut lab, 0), Some(mid(0, 0xffff_fff0)));
+    prepare(&mut lab, 0, mid(0, 0xffff_ffe0), None);
+    assert_eq!(last(&mut lab, 0), Some(mid(0, 0xffff_fff0)), "older id");
+    prepare(&mut lab, 0, mid(0, 3), Some(1));
+    assert_eq!(
+        last(&mut lab, 0),
+        Some(mid(0, 3)),
+        "past the wrap, named target"
+    );
+    prepare(&mut lab, 0, mid(1, 100), None);
+    assert_eq!(
+        last(&mut lab, 0),
+        Some(mid(0, 3)),
+        "an id of another address"
+    );
+    assert_eq!(last(&mut lab, 1), None);
+    prepare(&mut lab, 1, mid(1, 7), None);
+    assert_eq!(last(&mut lab, 1), Some(mid(1, 7)));
+    assert_eq!(last(&mut lab, 0), Some(mid(0, 3)));
+    prepare(&mut lab, 9, mid(9, 1), None);
+    assert_eq!(last(&mut lab, 9), None, "not a registered server");
+}
+
 #[test]
 fn abort_decision_without_entry_leaves_a_tombstone() {
     let mut lab = setup();

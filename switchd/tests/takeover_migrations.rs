@@ -138,6 +138,25 @@ fn expect_redirect(dp: &BpfDataPlane, ingress: u32, input: &[u8], output: &[u8],
     assert_eq!(hex(&r.packet), hex(output), "{what}: output packet");
 }
 
+/// Attaches `dp`'s program to `links`, each a new pinned link.
+fn attach_new(dp: &mut BpfDataPlane, pins: &LinkPins, links: [u32; 2]) {
+    for i in links {
+        assert_eq!(
+            dp.attach_pinned(i, &pins.link_path(i)).unwrap(),
+            Attached::New { pinned: true }
+        );
+    }
+}
+
+/// Attaches the successor `dp` to `link`, replacing the predecessor's
+/// program in place (`what`: the link's side, for the message).
+fn replace_in_place(dp: &mut BpfDataPlane, pins: &LinkPins, link: u32, what: &str) {
+    match dp.attach_pinned(link, &pins.link_path(link)).unwrap() {
+        Attached::Replaced { .. } => {}
+        other => panic!("expected the {what} link replaced in place, got {other:?}"),
+    }
+}
+
 #[test]
 fn migration_entries_survive_a_takeover_in_place_translated() {
     let Some(Place {
@@ -169,12 +188,7 @@ fn migration_entries_survive_a_takeover_in_place_translated() {
 
     let mut old = BpfDataPlane::load(BpfOptions::small()).unwrap();
     configure(&mut old, cl, sv, &OLD_IDX, OLD_SVC, &[1]);
-    for i in [cl, sv] {
-        assert_eq!(
-            old.attach_pinned(i, &pins.link_path(i)).unwrap(),
-            Attached::New { pinned: true }
-        );
-    }
+    attach_new(&mut old, &pins, [cl, sv]);
     for (k, s) in [
         (inflight, 0),
         (finished, 0),
@@ -228,10 +242,7 @@ fn migration_entries_survive_a_takeover_in_place_translated() {
         f.flags = FLOW_ESTABLISHED;
         new.insert_flow(k, f).unwrap();
     }
-    match new.attach_pinned(cl, &pins.link_path(cl)).unwrap() {
-        Attached::Replaced { .. } => {}
-        other => panic!("expected the client link replaced in place, got {other:?}"),
-    }
+    replace_in_place(&mut new, &pins, cl, "client");
     let copied = new.adopted();
     assert_eq!(
         new.lookup_migration(inflight).unwrap(),
@@ -264,10 +275,7 @@ fn migration_entries_survive_a_takeover_in_place_translated() {
         &to_server_tcp(1, 1007, TCP_SYN),
         "a new connection on a closed migrated 4-tuple, to its last owner",
     );
-    match new.attach_pinned(sv, &pins.link_path(sv)).unwrap() {
-        Attached::Replaced { .. } => {}
-        other => panic!("expected the server link replaced in place, got {other:?}"),
-    }
+    replace_in_place(&mut new, &pins, sv, "server");
     let a = new.finish_adoption().unwrap();
     eprintln!("adopted: {a:?}");
     drop(old);
@@ -276,6 +284,12 @@ fn migration_entries_survive_a_takeover_in_place_translated() {
     assert_eq!(a.migrations_pending, 2);
     assert_eq!(a.migrations_skipped, 0);
     assert_eq!(a.prepare_targets, 1);
+    // The last migration id of each origin, for REGISTER_ACK: origin 0's
+    // newest is a migration entry's (its PREPARE never passed this
+    // program), origin 1's only id is its pending migration's.
+    assert_eq!(a.origin_ids, 2);
+    assert_eq!(new.last_migration_id(server_ip(0)).unwrap(), Some(m_reused));
+    assert_eq!(new.last_migration_id(server_ip(1)).unwrap(), Some(m_late));
     assert_eq!(
         a.settled_late, 3,
         "the CONN_STATE_ACK, the reset and the reused 4-tuple"
@@ -472,6 +486,216 @@ fn fins_the_predecessor_saw_survive_a_takeover() {
         events(&mut new),
         vec![(half, EV_CLOSED, NEW_IDX[0], NEW_IDX[0])]
     );
+
+    new.detach_all();
+    pins.disown();
+    pins.remove_if_unused();
+    drop(ns);
+}
+
+/// Until the last link runs the successor's program, both programs
+/// forward: one migration's PREPARE_ACK can pass one and its
+/// CONN_STATE_ACK (or the target's ABORT decision) the other. Found by
+/// `tests/tests/takeover_churn_lab.rs` (connections migrated every 5 ms
+/// through a takeover in place): in about one run of four, most migrations
+/// failed after the takeover (21,719 PREPARE_ACKs dropped as stale, 6,274
+/// aborts in 7 s), because entries stayed pending for good: the program
+/// that saw the settling message had no pending entry to settle (the
+/// copy's final entry, or none), and the end of the adoption either
+/// applied the predecessor's pending entry over it or left this program's
+/// own pending entry alone. Each split must end final where the
+/// migration ended, and the flow's next migration must be taken.
+#[test]
+fn a_migration_split_between_the_two_programs_settles_where_it_ended() {
+    let Some(Place {
+        _root,
+        ns,
+        mut pins,
+        cl,
+        sv,
+    }) = place("ts")
+    else {
+        return;
+    };
+    // Four connections placed on 0; the first three came back to 0 from 1
+    // earlier (final entries on 0 with 1's ids: their epochs), the fourth
+    // never migrated. Each migrates from 0 to 1 during the takeover.
+    // ack_old: PREPARE_ACK through the predecessor, CONN_STATE_ACK through
+    // the successor; ack_new: the other way; aborted: PREPARE_ACK through
+    // the successor, the target's ABORT decision through the predecessor;
+    // first: like ack_old, without an entry before.
+    let (ack_old, ack_new, aborted, first) = (
+        flow_key(2001),
+        flow_key(2002),
+        flow_key(2003),
+        flow_key(2004),
+    );
+    let epoch = |n: u32| mid(1, n);
+    let m = |n: u32| mid(0, 10 + n);
+    let mut old = BpfDataPlane::load(BpfOptions::small()).unwrap();
+    configure(&mut old, cl, sv, &OLD_IDX, OLD_SVC, &[1]);
+    attach_new(&mut old, &pins, [cl, sv]);
+    for (n, k) in [ack_old, ack_new, aborted, first].into_iter().enumerate() {
+        old.insert_flow(k, flow(&OLD_IDX, OLD_SVC, 0)).unwrap();
+        if n < 3 {
+            old.insert_migration(k, CMigration::owner(OLD_IDX[0], epoch(n as u32)))
+                .unwrap();
+        }
+    }
+    old.release_links();
+    let _ = events(&mut old);
+
+    let mut new = BpfDataPlane::load(BpfOptions::small()).unwrap();
+    configure(&mut new, cl, sv, &NEW_IDX, NEW_SVC, &[1]);
+    for k in [ack_old, ack_new, aborted, first] {
+        new.insert_flow(k, flow(&NEW_IDX, NEW_SVC, 0)).unwrap();
+    }
+    replace_in_place(&mut new, &pins, cl, "client");
+    // The messages of each migration (origin 0, target 1), through the
+    // program named.
+    let pass = |dp: &BpfDataPlane, kind: Kind, n: u32, port: u16, ep: u64, what: &str| {
+        let msg = mig_epoch(kind, m(n), ep, port, 0, Some(1));
+        let (from, to) = match kind {
+            Kind::ConnStateAck | Kind::PrepareAck | Kind::Abort => (1, 0),
+            _ => (0, 1),
+        };
+        expect_redirect(
+            dp,
+            sv,
+            &udp_from(server_ip(from), server_ip(to), &msg),
+            &direct(from, to, &msg),
+            what,
+        );
+    };
+    pass(
+        &old,
+        Kind::PrepareAck,
+        0,
+        2001,
+        epoch(0),
+        "ack_old: PREPARE_ACK (predecessor)",
+    );
+    pass(
+        &new,
+        Kind::ConnStateAck,
+        0,
+        2001,
+        epoch(0),
+        "ack_old: CONN_STATE_ACK (successor)",
+    );
+    pass(
+        &new,
+        Kind::PrepareAck,
+        1,
+        2002,
+        epoch(1),
+        "ack_new: PREPARE_ACK (successor)",
+    );
+    pass(
+        &old,
+        Kind::ConnStateAck,
+        1,
+        2002,
+        epoch(1),
+        "ack_new: CONN_STATE_ACK (predecessor)",
+    );
+    pass(
+        &new,
+        Kind::PrepareAck,
+        2,
+        2003,
+        epoch(2),
+        "aborted: PREPARE_ACK (successor)",
+    );
+    pass(
+        &old,
+        Kind::Abort,
+        2,
+        2003,
+        epoch(2),
+        "aborted: ABORT decision (predecessor)",
+    );
+    pass(
+        &old,
+        Kind::PrepareAck,
+        3,
+        2004,
+        0,
+        "first: PREPARE_ACK (predecessor)",
+    );
+    pass(
+        &new,
+        Kind::ConnStateAck,
+        3,
+        2004,
+        0,
+        "first: CONN_STATE_ACK (successor)",
+    );
+    replace_in_place(&mut new, &pins, sv, "server");
+    let a = new.finish_adoption().unwrap();
+    eprintln!("adopted: {a:?}");
+    drop(old);
+
+    let entry = |dp: &mut BpfDataPlane, k| dp.lookup_migration(k).unwrap();
+    assert_eq!(
+        entry(&mut new, ack_old),
+        Some(CMigration::owner(NEW_IDX[1], m(0))),
+        "ack_old: final on the target"
+    );
+    assert_eq!(
+        entry(&mut new, ack_new),
+        Some(CMigration::owner(NEW_IDX[1], m(1))),
+        "ack_new: final on the target"
+    );
+    assert_eq!(
+        entry(&mut new, aborted),
+        Some(CMigration::owner(NEW_IDX[0], m(2))),
+        "aborted: final on the origin"
+    );
+    assert_eq!(
+        entry(&mut new, first),
+        Some(CMigration::owner(NEW_IDX[1], m(3))),
+        "first: final on the target"
+    );
+    // The store hears of the three moves (their events went to the
+    // predecessor's process, or come from this program).
+    let mut evs: Vec<_> = events(&mut new)
+        .into_iter()
+        .filter(|e| e.1 == EV_MIGRATED)
+        .map(|e| (e.0.client_port, e.2))
+        .collect();
+    evs.sort();
+    evs.dedup();
+    let ports: Vec<u16> = [2001u16, 2002, 2004].iter().map(|p| p.to_be()).collect();
+    assert_eq!(
+        evs,
+        ports.iter().map(|&p| (p, NEW_IDX[1])).collect::<Vec<_>>(),
+        "MIGRATED events for the store"
+    );
+
+    // The next migration of each (back from 1 to 0; from 0 again for the
+    // aborted one) is taken: its PREPARE_ACK installs a pending entry.
+    for (k, port, origin, target, ep) in [
+        (ack_old, 2001u16, 1u32, 0u32, m(0)),
+        (ack_new, 2002, 1, 0, m(1)),
+        (aborted, 2003, 0, 1, epoch(2)),
+        (first, 2004, 1, 0, m(3)),
+    ] {
+        let next = mid(origin, 40 + u32::from(port - 2000));
+        let pa = mig_epoch(Kind::PrepareAck, next, ep, port, origin, Some(target));
+        expect_redirect(
+            &new,
+            sv,
+            &udp_from(server_ip(target), server_ip(origin), &pa),
+            &direct(target, origin, &pa),
+            &format!("port {port}: the next migration's PREPARE_ACK"),
+        );
+        assert_eq!(
+            entry(&mut new, k),
+            Some(CMigration::pending(NEW_IDX[target as usize], next)),
+            "port {port}: pending toward the next target"
+        );
+    }
 
     new.detach_all();
     pins.disown();

@@ -9,7 +9,16 @@
 #      printed), zero failed requests
 #   4. k6 again while one etcd member is stopped: nothing visible changes
 #      (zero failed requests, the API answers, the same switchd is active)
-#   5. `compose down -v` (always, also on failure) leaves no container,
+#   5. the killed switchd started again stands by; every etcd member frozen
+#      (docker pause) for three lease TTLs: when etcd resumes, whichever
+#      switchd lost the lease and stepped down (it exits 1) is started
+#      again by Docker (restart: on-failure) and stands by: the pair has
+#      its standby back
+#   6. the api's main process is killed from inside its container (a crash
+#      that exits non-zero, not a `docker kill`, which Docker does not
+#      undo): Docker starts the container again (restart: unless-stopped)
+#      and the API answers within 60 s with the same admin token
+#   7. `compose down -v` (always, also on failure) leaves no container,
 #      network or volume of the project behind, and no pin on the host's
 #      bpffs (/sys/fs/bpf/capybara-compose-PROJECT)
 # Prints `N passed, N failed` at the end; exit status 1 on any failure.
@@ -52,6 +61,11 @@ teardown() {
   local rc=$?
   trap - EXIT
   echo "compose: collecting logs into $OUT and tearing down"
+  # A run stopped while phase 5 froze etcd leaves its members paused.
+  for s in etcd1 etcd2 etcd3; do
+    c=$(cname "$s")
+    [ -n "$c" ] && docker unpause "$c" >/dev/null 2>&1 || true
+  done
   for s in $(dc ps --services 2>/dev/null); do
     c=$(cname "$s")
     [ -n "$c" ] && docker logs "$c" > "$OUT/$s.log" 2>&1 || true
@@ -199,5 +213,51 @@ sleep 5
 if api_get /v1/servers >/dev/null; then ok "API answers with an etcd member down"; else bad "API does not answer with an etcd member down"; fi
 if [ "$(role_of "$standby")" = active ]; then ok "the same switchd stays active with an etcd member down"; else bad "switchd role changed with an etcd member down"; fi
 k6_check etcd "k6 across the etcd member stop"
+docker start "$(cname etcd2)" >/dev/null
+etcd2_healthy() { [ "$(docker inspect -f '{{.State.Health.Status}}' "$(cname etcd2)")" = healthy ]; }
+wait_until 60 "etcd2 to be healthy again" etcd2_healthy
+
+# ---- 5. a store outage longer than the lease: the pair keeps a standby ----
+# The killed switchd, started again, stands by.
+dc up -d --no-deps "$victim" >> "$OUT/up.log" 2>&1 || fail_now "compose up -d $victim failed"
+pair_ok() {
+  local a b
+  a=$(role_of 9102) b=$(role_of 9103)
+  [ "$a $b" = "active standby" ] || [ "$a $b" = "standby active" ]
+}
+wait_until 60 "$victim to stand by again" pair_ok
+ok "the killed switchd, started again, stands by"
+restarts() { docker inspect -f '{{.RestartCount}}' "$(cname "$1")"; }
+before="$(restarts switchd-a) $(restarts switchd-b)"
+active_before=$(active_port)
+echo "compose: freezing every etcd member for 15 s (lease_ttl_ms = 5000)"
+for e in etcd1 etcd2 etcd3; do docker pause "$(cname $e)" >/dev/null; done
+sleep 15
+for e in etcd1 etcd2 etcd3; do docker unpause "$(cname $e)" >/dev/null; done
+# Give a step-down time to happen (the campaigns run every 100 ms; in the
+# runs of 2026-11-24 it came within 5 s) and a restarted switchd time to
+# stand by.
+sleep 10
+if wait_until_quiet 60 pair_ok; then
+  ok "after the etcd freeze the pair has an active and a standby (active was :$active_before, now :$(active_port); restarts a b: $before -> $(restarts switchd-a) $(restarts switchd-b))"
+else
+  bad "after the etcd freeze: switchd-a $(role_of 9102) ($(docker inspect -f '{{.State.Status}} exit {{.State.ExitCode}}' "$(cname switchd-a)")), switchd-b $(role_of 9103) ($(docker inspect -f '{{.State.Status}} exit {{.State.ExitCode}}' "$(cname switchd-b)")): a switchd that stepped down was not started again"
+fi
+grep -h "stepping down" <(docker logs "$(cname switchd-a)" 2>&1) <(docker logs "$(cname switchd-b)" 2>&1) | cut -c1-160 || echo "compose: no switchd stepped down (the active renewed its lease)"
+
+# ---- 6. a crashed api is started again by Docker --------------------------
+# SIGKILL of `capybara run` (the child of the container's init; `docker
+# exec` processes are not): the container exits 137, as after a crash.
+echo "compose: killing the api's main process inside its container"
+api_before=$(restarts api)
+docker exec "$(cname api)" sh -c 'kill -KILL $(pgrep -P 1 -x capybara)' \
+  || bad "could not kill the api's main process"
+api_back() { [ "$(restarts api)" -gt "$api_before" ] && api_get /v1/servers; }
+start=$SECONDS
+if wait_until_quiet 60 api_back; then
+  ok "the crashed api was started again by Docker and answers after $((SECONDS - start)) s (restarts $api_before -> $(restarts api))"
+else
+  bad "the crashed api is not back after 60 s: $(docker inspect -f '{{.State.Status}} exit {{.State.ExitCode}} restarts {{.RestartCount}}' "$(cname api)")"
+fi
 
 exit 0

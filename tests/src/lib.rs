@@ -188,12 +188,25 @@ impl Lab {
     /// [`Lab::server_metrics`] reads them), stdout and stderr to `log`.
     /// Returns its pid.
     pub fn spawn_hostagent(&mut self, j: u32, cfg: &std::path::Path, log: &std::path::Path) -> u32 {
+        self.spawn_hostagent_env(j, cfg, log, &[])
+    }
+
+    /// [`Lab::spawn_hostagent`] with `env` added to its environment (test
+    /// knobs such as `CAPYBARA_TEST_FIRST_MIGRATION_SEQ`).
+    pub fn spawn_hostagent_env(
+        &mut self,
+        j: u32,
+        cfg: &std::path::Path,
+        log: &std::path::Path,
+        env: &[(&str, &str)],
+    ) -> u32 {
         let metrics = format!("198.18.1.{}:9100", 10 + j);
         let cfg = cfg.to_str().expect("config path is UTF-8");
-        self.spawn_logged(
+        self.spawn_logged_env(
             &format!("s{j}"),
             bin("hostagent"),
             &["--config", cfg, "--metrics", &metrics],
+            env,
             log,
         )
     }
@@ -284,10 +297,23 @@ impl Lab {
         args: &[&str],
         log: &std::path::Path,
     ) -> u32 {
+        self.spawn_logged_env(node, program, args, &[], log)
+    }
+
+    /// [`Lab::spawn_logged`] with `env` added to the process's environment.
+    pub fn spawn_logged_env(
+        &mut self,
+        node: &str,
+        program: impl AsRef<std::ffi::OsStr>,
+        args: &[&str],
+        env: &[(&str, &str)],
+        log: &std::path::Path,
+    ) -> u32 {
         let f = std::fs::File::create(log).expect("create log");
         let child = self
             .command(node, program)
             .args(args)
+            .envs(env.iter().copied())
             .stdout(f.try_clone().unwrap())
             .stderr(f)
             .spawn()
@@ -602,6 +628,107 @@ pub fn metric_sum(text: &str, name: &str, label: &str) -> Option<f64> {
         }
     }
     found
+}
+
+/// `bpftool -j ARGS`, its JSON output (panics if it fails).
+pub fn bpftool(args: &[&str]) -> serde_json::Value {
+    let out = std::process::Command::new("bpftool")
+        .arg("-j")
+        .args(args)
+        .output()
+        .expect("run bpftool");
+    assert!(
+        out.status.success(),
+        "bpftool {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("bpftool {args:?} JSON: {e}"))
+}
+
+/// The raw bytes of a `bpftool -j map dump` field ("0x.." strings).
+fn raw_bytes(v: &serde_json::Value) -> Vec<u8> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|b| u8::from_str_radix(b.as_str()?.trim_start_matches("0x"), 16).ok())
+        .collect()
+}
+
+/// The maps of the XDP program a lab switchd runs, by name (`flows`,
+/// `migrations`, ...), found through its pinned links (`/status.pin_dir`
+/// of the switchd whose status port is `status_port`).
+pub struct SwitchMaps {
+    ids: std::collections::HashMap<String, u64>,
+}
+
+impl SwitchMaps {
+    pub fn of(lab: &Lab, status_port: u16) -> SwitchMaps {
+        // A probe that outlived its limit on a loaded machine is tried again.
+        let mut st = serde_json::Value::Null;
+        lab.wait_for("switchd's /status", Duration::from_secs(20), || {
+            st = switchd_status_at(lab, status_port).unwrap_or_default();
+            !st.is_null()
+        });
+        let pin_dir = st["pin_dir"].as_str().expect("switchd pins its links");
+        let link = std::fs::read_dir(pin_dir)
+            .expect("read the pin directory")
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("xdp-"))
+            })
+            .unwrap_or_else(|| panic!("no pinned XDP link in {pin_dir}"));
+        let prog = bpftool(&["link", "show", "pinned", link.to_str().unwrap()])["prog_id"]
+            .as_u64()
+            .expect("the link's program");
+        let maps = bpftool(&["prog", "show", "id", &prog.to_string()])["map_ids"].clone();
+        let mut ids = std::collections::HashMap::new();
+        for id in maps.as_array().expect("the program's maps") {
+            let id = id.as_u64().unwrap();
+            let m = bpftool(&["map", "show", "id", &id.to_string()]);
+            ids.insert(m["name"].as_str().unwrap_or("").to_string(), id);
+        }
+        SwitchMaps { ids }
+    }
+
+    fn id(&self, name: &str) -> String {
+        self.ids
+            .get(name)
+            .unwrap_or_else(|| panic!("no map {name:?} in {:?}", self.ids))
+            .to_string()
+    }
+
+    /// Every (key, value) of map `name`, as raw bytes.
+    pub fn dump(&self, name: &str) -> Vec<(Vec<u8>, Vec<u8>)> {
+        bpftool(&["map", "dump", "id", &self.id(name)])
+            .as_array()
+            .expect("a map dump")
+            .iter()
+            .map(|e| (raw_bytes(&e["key"]), raw_bytes(&e["value"])))
+            .collect()
+    }
+
+    /// Deletes the entry of map `name` under `key` (raw bytes).
+    pub fn delete(&self, name: &str, key: &[u8]) {
+        let mut args = vec![
+            "map".to_string(),
+            "delete".into(),
+            "id".into(),
+            self.id(name),
+        ];
+        args.push("key".into());
+        args.extend(key.iter().map(|b| format!("0x{b:02x}")));
+        let out = std::process::Command::new("bpftool")
+            .args(&args)
+            .output()
+            .expect("run bpftool");
+        assert!(
+            out.status.success(),
+            "bpftool {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 /// Switches the load-balancing policies off in a hostagent config (for

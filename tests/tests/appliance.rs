@@ -250,6 +250,31 @@ fn services_created_through_the_api_are_served() {
         Some(r#"{"name": "echo2", "vip": "198.18.100.2", "port": 17, "pool": []}"#),
     );
     assert_eq!(code, 201, "create: {body}");
+    // Until switchd's next read of the store (every 250 ms) and status
+    // (every 200 ms), the API shows it not served: what `ctl services`
+    // shows as `pending: switchd applies it within 1 s` (measured here:
+    // 190-300 ms; the bound leaves a loaded machine some margin).
+    let created = Instant::now();
+    let mut pending_seen = false;
+    let applied_after = loop {
+        let (code, body) = api(&lab, &token, "GET", "/v1/services/echo2");
+        assert_eq!(code, 200, "{body}");
+        if body.contains("\"served\":true") {
+            break created.elapsed();
+        }
+        pending_seen |= body.contains("\"served\":false");
+        assert!(
+            created.elapsed() < Duration::from_secs(3),
+            "echo2 still not served after {:?}: {body}",
+            created.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    eprintln!("echo2 served {applied_after:?} after its creation (pending seen: {pending_seen})");
+    assert!(
+        applied_after < Duration::from_millis(1500),
+        "switchd applied echo2 after {applied_after:?}"
+    );
     lab.wait_for("the new service to answer", Duration::from_secs(10), || {
         echo_once(&lab, NEW)
     });

@@ -21,6 +21,12 @@
 //! - `a_second_sigterm_stops_at_once`: a lone server whose connections have
 //!   nowhere to go; a second SIGTERM during the stop ends it at once
 //!   (status 0, the cut connections logged, switchd says `stopped`).
+//! - `a_stop_while_connections_churn_between_both_servers_loses_nothing`:
+//!   s1 and s2 migrate every connection they serve to each other every few
+//!   ms (the churn option) while the client echoes on 16 connections; SIGTERM
+//!   s1: every round stays byte-exact through the stop and for 6 s after it
+//!   (s2's churn now finds no target), s1 exits with status 0 having moved
+//!   everything away, no reset.
 //! - `a_stop_during_an_operator_drain_ends_at_its_own_deadline_and_the_drain_holds`:
 //!   as above (s2 HTTP only), the operator drains s1 through switchd
 //!   (`POST /servers/1/drain?deadline_ms=60000`): the drain runs, nothing
@@ -171,6 +177,27 @@ fn flows_left_at_stop(switchd_log: &str, j: u32) -> Option<usize> {
     rest.split_whitespace().next()?.parse().ok()
 }
 
+/// SIGTERM to `agent` while the client echoes round after round on every
+/// held connection (each round byte-exact), until the hostagent exits
+/// (bounded: its deadline plus 5 s): its exit status, how long it took and
+/// the rounds echoed meanwhile.
+fn stop_while_echoing(agent: &mut Agent, held: &mut EchoHolder) -> (ExitStatus, Duration, u32) {
+    let t0 = Instant::now();
+    agent.signal("-TERM");
+    let mut rounds = 0;
+    loop {
+        assert_eq!(held.round_trip(), "ok", "round {rounds} after SIGTERM");
+        rounds += 1;
+        if let Some(st) = agent.exited() {
+            return (st, t0.elapsed(), rounds);
+        }
+        assert!(
+            t0.elapsed() < Duration::from_millis(DEADLINE_MS + 5000),
+            "the hostagent still runs after its deadline"
+        );
+    }
+}
+
 #[test]
 fn sigterm_moves_every_connection_away_then_the_server_exits_and_comes_back() {
     let _one = ONE_LAB.lock().unwrap_or_else(|e| e.into_inner());
@@ -193,19 +220,7 @@ fn sigterm_moves_every_connection_away_then_the_server_exits_and_comes_back() {
 
     // SIGTERM s1 while the client keeps echoing on every connection.
     let t0 = Instant::now();
-    s1.signal("-TERM");
-    let mut rounds = 0;
-    let (st, took) = loop {
-        assert_eq!(held.round_trip(), "ok", "round {rounds} after SIGTERM");
-        rounds += 1;
-        if let Some(st) = s1.exited() {
-            break (st, t0.elapsed());
-        }
-        assert!(
-            t0.elapsed() < Duration::from_millis(DEADLINE_MS + 5000),
-            "s1 still runs after its deadline"
-        );
-    };
+    let (st, took, rounds) = stop_while_echoing(&mut s1, &mut held);
     let l1 = log_of(&log1);
     assert!(st.success(), "s1 exited with {st}: {l1}");
     assert!(
@@ -367,6 +382,61 @@ fn a_second_sigterm_stops_at_once() {
 /// The operator's drain deadline in the tests where one runs during a stop:
 /// far past the stop's own ([`SHORT_DEADLINE_MS`]).
 const OPERATOR_DRAIN_MS: u64 = 60_000;
+
+/// Every how many ms the churning servers of
+/// [`a_stop_while_connections_churn_between_both_servers_loses_nothing`]
+/// migrate everything they serve to the other.
+const CHURN_MS: u64 = 5;
+
+#[test]
+fn a_stop_while_connections_churn_between_both_servers_loses_nothing() {
+    let _one = ONE_LAB.lock().unwrap_or_else(|e| e.into_inner());
+    let (mut lab, dir, key, sw) = switchd_lab("graceful-stop-churn-lab", "gsc", 2);
+    let sw_log = dir.join("switchd.log");
+    lab.spawn_switchd(&sw, &sw_log);
+    let cfg = |j: u32| {
+        let cfg = hostagent_migrating_config(&dir, j, &key, Some((CHURN_MS, 3 - j)));
+        disable_policies(&cfg);
+        cfg
+    };
+    let log1 = dir.join("hostagent-s1.log");
+    let mut s1 = Agent::start(&lab, 1, &cfg(1), &log1);
+    let _s2 = Agent::start(&lab, 2, &cfg(2), &dir.join("hostagent-s2.log"));
+    lab.wait_registered(&sw_log, 2);
+    lab.wait_for("the VIP to echo", Duration::from_secs(30), || {
+        echo_once(&lab, "198.18.100.1:7")
+    });
+    // The connections move between s1 and s2 every few ms, in both
+    // directions, while the client echoes on them.
+    let mut held = EchoHolder::start(&lab, 2 * HELD);
+    for _ in 0..200 {
+        assert_eq!(held.round_trip(), "ok");
+    }
+
+    // SIGTERM s1: it refuses s2's migrations in, moves what it holds (and
+    // what arrives meanwhile) to s2, and exits.
+    let (st, took, mut rounds) = stop_while_echoing(&mut s1, &mut held);
+    let l1 = log_of(&log1);
+    assert!(st.success(), "s1 exited with {st}: {l1}");
+    assert!(l1.contains("every connection moved away"), "{l1}");
+    assert!(
+        took < Duration::from_millis(DEADLINE_MS),
+        "s1 took {took:?} to stop"
+    );
+    // s2 goes on trying to churn to s1, which is gone: its connections stay
+    // and keep echoing, past the origin's forwarding linger (5 s).
+    let t1 = Instant::now();
+    while t1.elapsed() < Duration::from_secs(6) {
+        assert_eq!(held.round_trip(), "ok", "round {rounds} after s1 stopped");
+        rounds += 1;
+    }
+    lab.assert_no_resets([2]);
+    eprintln!(
+        "GRACEFUL-STOP-CHURN: s1 stopped in {:.0} ms, {rounds} echo rounds during and after the stop",
+        took.as_secs_f64() * 1e3
+    );
+    assert_eq!(held.close(), "closed");
+}
 
 /// Asks the lab switchd to drain server `id` (`POST
 /// /servers/<id>/drain?deadline_ms=N` on its status port), checked to be

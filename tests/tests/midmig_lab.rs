@@ -47,9 +47,9 @@
 
 use capybara_systests::{
     disable_policies, hostagent_migrating_config, http_get, metric_sum, switchd_lab,
-    switchd_status_at, EchoHolder, EchoOutcome, Lab,
+    switchd_status_at, EchoHolder, EchoOutcome, Lab, SwitchMaps,
 };
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -151,69 +151,11 @@ impl Tables {
     }
 }
 
-fn bpftool(args: &[&str]) -> serde_json::Value {
-    let out = std::process::Command::new("bpftool")
-        .arg("-j")
-        .args(args)
-        .output()
-        .expect("run bpftool");
-    assert!(
-        out.status.success(),
-        "bpftool {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("bpftool {args:?} JSON: {e}"))
-}
-
-/// The raw bytes of a `bpftool -j map dump` field ("0x.." strings).
-fn raw_bytes(v: &serde_json::Value) -> Vec<u8> {
-    v.as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|b| u8::from_str_radix(b.as_str()?.trim_start_matches("0x"), 16).ok())
-        .collect()
-}
-
 /// Reads the flow and migration maps of the program attached through the
 /// lab switchd's pinned links (`/status.pin_dir`).
 fn tables(lab: &Lab) -> Tables {
-    // A probe that outlived its limit on a loaded machine is tried again.
-    let mut st = serde_json::Value::Null;
-    lab.wait_for("switchd's /status", Duration::from_secs(20), || {
-        st = switchd_status_at(lab, STATUS).unwrap_or_default();
-        !st.is_null()
-    });
-    let pin_dir = st["pin_dir"].as_str().expect("switchd pins its links");
-    let link = std::fs::read_dir(pin_dir)
-        .expect("read the pin directory")
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("xdp-"))
-        })
-        .unwrap_or_else(|| panic!("no pinned XDP link in {pin_dir}"));
-    let prog = bpftool(&["link", "show", "pinned", link.to_str().unwrap()])["prog_id"]
-        .as_u64()
-        .expect("the link's program");
-    let maps = bpftool(&["prog", "show", "id", &prog.to_string()])["map_ids"].clone();
-    let mut ids: HashMap<String, u64> = HashMap::new();
-    for id in maps.as_array().expect("the program's maps") {
-        let id = id.as_u64().unwrap();
-        let m = bpftool(&["map", "show", "id", &id.to_string()]);
-        ids.insert(m["name"].as_str().unwrap_or("").to_string(), id);
-    }
-    let dump = |name: &str| -> Vec<(Vec<u8>, Vec<u8>)> {
-        let id = ids
-            .get(name)
-            .unwrap_or_else(|| panic!("no map {name:?} in {ids:?}"));
-        bpftool(&["map", "dump", "id", &id.to_string()])
-            .as_array()
-            .expect("a map dump")
-            .iter()
-            .map(|e| (raw_bytes(&e["key"]), raw_bytes(&e["value"])))
-            .collect()
-    };
+    let maps = SwitchMaps::of(lab, STATUS);
+    let dump = |name: &str| maps.dump(name);
     // struct capy_flow_key: client_ip, service_ip (network order), then
     // client_port, service_port (network order); values start with the
     // server index (host order, u32), then (migrations) `pending`.

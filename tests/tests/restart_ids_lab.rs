@@ -16,6 +16,12 @@
 //! memory (here, with the old hostagent, 6 of 11 migrations after the
 //! restart never completed). The migration counter now starts from the
 //! wall clock (`first_migration_seq_now`).
+//!
+//! The clock alone is not enough after a fast drain (a process that
+//! averaged over 1,000 migrations a second is ahead of the clock when the
+//! next one starts): the new process's counter now starts above the last
+//! id switchd saw from its data address, told in REGISTER_ACK
+//! (`a_restarted_hostagent_numbers_its_migrations_above_the_switchs_last_id`).
 
 use capybara_systests::{
     appliance_lab, log_of, start_appliance, stop_appliance, switchd_status_server,
@@ -30,8 +36,8 @@ const N: usize = 24;
 
 /// The held connections (`ports` of client c1) per server, from `GET
 /// /v1/connections`: (server, connection id).
-fn held(lab: &Lab, token: &str, ports: &[u16]) -> Vec<(u64, String)> {
-    let (code, body) = lab.api_call(API, token, "GET", "/v1/connections?limit=10000", None);
+fn held(lab: &Lab, api: &str, token: &str, ports: &[u16]) -> Vec<(u64, String)> {
+    let (code, body) = lab.api_call(api, token, "GET", "/v1/connections?limit=10000", None);
     assert_eq!(code, 200, "GET /v1/connections: {body}");
     let v: serde_json::Value = serde_json::from_str(&body).expect("connections JSON");
     v["items"]
@@ -53,15 +59,15 @@ fn held(lab: &Lab, token: &str, ports: &[u16]) -> Vec<(u64, String)> {
 /// Opens [`N`] connections, waits until the API lists them all, migrates
 /// every one on s1 with no target named, waits until none is on s1, checks
 /// that they all still echo, and returns how many ended on each server.
-fn migrate_off_s1(lab: &Lab, token: &str) -> [usize; 3] {
+fn migrate_off_s1(lab: &Lab, api: &str, token: &str) -> [usize; 3] {
     let mut h = EchoHolder::start(lab, N);
     let ports = h.ports.clone();
     lab.wait_for(
         "the connections in the API",
         Duration::from_secs(10),
-        || held(lab, token, &ports).len() == N,
+        || held(lab, api, token, &ports).len() == N,
     );
-    let on_s1: Vec<String> = held(lab, token, &ports)
+    let on_s1: Vec<String> = held(lab, api, token, &ports)
         .into_iter()
         .filter(|(s, _)| *s == 1)
         .map(|(_, id)| id)
@@ -73,7 +79,7 @@ fn migrate_off_s1(lab: &Lab, token: &str) -> [usize; 3] {
     );
     for id in &on_s1 {
         let (code, body) = lab.api_call(
-            API,
+            api,
             token,
             "POST",
             &format!("/v1/connections/{id}/migrate"),
@@ -82,13 +88,14 @@ fn migrate_off_s1(lab: &Lab, token: &str) -> [usize; 3] {
         assert_eq!(code, 202, "migrate {id}: {body}");
     }
     let until = std::time::Instant::now() + Duration::from_secs(15);
-    while std::time::Instant::now() < until && held(lab, token, &ports).iter().any(|(s, _)| *s == 1)
+    while std::time::Instant::now() < until
+        && held(lab, api, token, &ports).iter().any(|(s, _)| *s == 1)
     {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_eq!(h.round_trip(), "ok", "the connections echo after the moves");
     let mut per = [0; 3];
-    for (s, id) in held(lab, token, &ports) {
+    for (s, id) in held(lab, api, token, &ports) {
         if on_s1.contains(&id) {
             per[s as usize - 1] += 1;
         }
@@ -108,7 +115,7 @@ fn a_restarted_hostagent_migrates_only_to_the_targets_offered_now() {
     let token = wait_appliance_ready(&lab, &log, SERVERS, API, &dir);
 
     // The switch picks s2 and s3 in turn.
-    let per = migrate_off_s1(&lab, &token);
+    let per = migrate_off_s1(&lab, API, &token);
     assert!(
         per[0] == 0 && per[1] > 0 && per[2] > 0,
         "targets picked: {per:?}"
@@ -125,7 +132,7 @@ fn a_restarted_hostagent_migrates_only_to_the_targets_offered_now() {
         log_of(&log).matches("registered s1").count() >= 2
             && switchd_status_server(&lab, 1).is_some_and(|s| s["state"] == "live")
     });
-    let per = migrate_off_s1(&lab, &token);
+    let per = migrate_off_s1(&lab, API, &token);
     assert_eq!(
         per[1], 0,
         "migrated to s2 at weight 0 after s1's hostagent restarted: {per:?}"
@@ -133,6 +140,110 @@ fn a_restarted_hostagent_migrates_only_to_the_targets_offered_now() {
     assert_eq!(
         per[0], 0,
         "migrations of the restarted s1 that never completed: {per:?}"
+    );
+    lab.assert_no_resets(2..=SERVERS);
+    let st = stop_appliance(&mut app);
+    assert!(st.success(), "capybara run exited with {st}");
+}
+
+/// The counter of the first migration `log` (a hostagent's) says it
+/// numbers from ("migrations numbered from counter N"), if any.
+fn numbered_from(log: &std::path::Path) -> Option<u32> {
+    let text = log_of(log);
+    let rest = text.split("migrations numbered from counter ").nth(1)?;
+    rest.split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Restarts s1's hostagent (its `n`th process) with its migration counter
+/// seeded at `seed` and waits until switchd has it live again.
+fn restart_s1_seeded(
+    lab: &mut Lab,
+    agent: &mut capybara_systests::Hostagent,
+    dir: &std::path::Path,
+    log: &std::path::Path,
+    n: usize,
+    seed: u32,
+) -> std::path::PathBuf {
+    lab.kill_and_wait(agent.pid);
+    let alog = dir.join(format!("hostagent-s1-{n}.log"));
+    let seed = seed.to_string();
+    agent.pid = lab.spawn_hostagent_env(
+        1,
+        &agent.config,
+        &alog,
+        &[("CAPYBARA_TEST_FIRST_MIGRATION_SEQ", &seed)],
+    );
+    lab.wait_for("s1 to register again", Duration::from_secs(30), || {
+        log_of(log).matches("registered s1").count() >= n
+            && switchd_status_server(lab, 1).is_some_and(|s| s["state"] == "live")
+    });
+    assert!(
+        log_of(&alog).contains(&format!("migration counter seeded at {seed}")),
+        "the hostagent did not take CAPYBARA_TEST_FIRST_MIGRATION_SEQ: {}",
+        log_of(&alog)
+    );
+    alog
+}
+
+/// A hostagent process whose migration counter ran ahead of the clock (it
+/// averaged over 1,000 migrations a second, e.g. a drain of 10,000
+/// connections in 3 s) is restarted; the clock seed of the new process
+/// lands on ids the previous one used. Modelled exactly with the test knob
+/// `CAPYBARA_TEST_FIRST_MIGRATION_SEQ` (both processes seeded at the
+/// clock plus 10^7 ms): s1's switch-picked migrations go to s2 and s3; s2
+/// gets weight 0; s1's hostagent restarts with the same seed; every connection
+/// on s1 is migrated again: all must go to s3, and complete. With a
+/// hostagent that numbers from its seed (the clock), the switch's PREPARE
+/// steering memory sent the reused ids to the targets of the previous
+/// process's migrations, s2 at weight 0 included, and a target that still
+/// remembered an id as finished answered from memory. Now switchd tells a
+/// registering hostagent the last migration id it saw from its data
+/// address (REGISTER_ACK) and the counter starts above it.
+#[test]
+fn a_restarted_hostagent_numbers_its_migrations_above_the_switchs_last_id() {
+    let api = "http://127.0.0.1:18123";
+    let (mut lab, dir, key, config) =
+        appliance_lab("restart-seed-lab", "rsd", SERVERS, "127.0.0.1:18123");
+    let log = dir.join("capybara.log");
+    let mut app = start_appliance(&lab, &config, &log);
+    let mut agents = lab.start_hostagents(&dir, &key, SERVERS);
+    let token = wait_appliance_ready(&lab, &log, SERVERS, api, &dir);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let seed = (now_ms + 10_000_000) as u32;
+    restart_s1_seeded(&mut lab, &mut agents[0], &dir, &log, 2, seed);
+
+    // The switch picks s2 and s3 in turn.
+    let per = migrate_off_s1(&lab, api, &token);
+    assert!(
+        per[0] == 0 && per[1] > 0 && per[2] > 0,
+        "targets picked: {per:?}"
+    );
+
+    lab.set_weight(api, &token, 2, 0);
+    lab.wait_for("switchd to apply weight 0", Duration::from_secs(2), || {
+        switchd_status_server(&lab, 2).is_some_and(|s| s["weight"] == 0)
+    });
+    let alog = restart_s1_seeded(&mut lab, &mut agents[0], &dir, &log, 3, seed);
+    let per = migrate_off_s1(&lab, api, &token);
+    assert_eq!(
+        per[1], 0,
+        "migrated to s2 at weight 0 after s1's hostagent restarted at the seed of the previous process: {per:?}"
+    );
+    assert_eq!(
+        per[0], 0,
+        "migrations of the restarted s1 that never completed: {per:?}"
+    );
+    let from =
+        numbered_from(&alog).expect("the hostagent logs where its migrations are numbered from");
+    assert!(
+        (from.wrapping_sub(seed) as i32) > 0,
+        "the restarted process numbers from {from}, not above the previous one's ids (from {seed})"
     );
     lab.assert_no_resets(2..=SERVERS);
     let st = stop_appliance(&mut app);

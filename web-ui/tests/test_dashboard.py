@@ -471,3 +471,36 @@ def test_services_mark_the_pool_members_that_take_new_connections(page: Page, tm
         expect(serving.locator(".chip[data-placing]")).to_have_count(0)
         expect(serving.locator(".chip.not-placing")).to_have_count(0)
         expect(serving.locator(".chip")).to_have_count(4)  # "served" and the pool
+
+
+def test_a_service_switchd_has_not_applied_yet_reads_pending(page: Page, tmp_path, shot):
+    """switchd applies the store's services every 250 ms: right after a
+    create its `/status` does not list the service (`serving.served`
+    false). The Services page says "pending" in amber with ctl's words
+    (within 1 s; if it stays, switchd's log), not a red "not served";
+    once switchd lists it, "served"."""
+    service = {"name": "web", "vip": f"{VIP}:{PORT}", "index": 0, "placement": "maglev",
+               "pool": [{"server": 1, "weight": 1}],
+               "fail_open": False, "refusing": False, "retiring": False, "backend_down": [],
+               "placing": [1]}
+    status = {"role": "active", "servers": [{"id": 1, "state": "live", "connections": 0}],
+              "services": []}
+    with api_behind_switchd(tmp_path, status) as (api, switchd):
+        api.req("POST", "/v1/servers", 201, json=SERVERS[0])
+        api.req("POST", "/v1/services", 201, json={"name": "web", "vip": VIP, "port": PORT, "pool": [1]})
+        login(page, api)
+        page.get_by_test_id("nav-services").click()
+        serving = page.get_by_test_id("service-serving-web")
+        pending = serving.get_by_test_id("service-pending-web")
+        expect(pending).to_have_text("pending")
+        expect(pending).to_have_attribute("data-served", "pending")
+        expect(pending).to_have_class(re.compile(r"\bbadge-draining\b"))
+        expect(pending).not_to_have_class(re.compile(r"\bbadge-dead\b"))
+        expect(pending).to_have_attribute(
+            "title", "switchd applies it within 1 s (if it stays pending, see switchd's log)")
+        expect(serving).not_to_contain_text("not served")
+        shot(page, "22-service-pending")
+
+        switchd.status["services"] = [service]
+        expect(serving.locator("[data-served='true']")).to_be_visible(timeout=10_000)
+        expect(serving.get_by_test_id("service-pending-web")).to_have_count(0)

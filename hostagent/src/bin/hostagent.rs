@@ -102,6 +102,9 @@ fn main() -> ExitCode {
                 }
             }
         }
+        if let Some(w) = cfg.migration.as_ref().and_then(|m| m.key_file_warning()) {
+            eprintln!("hostagent: {w}");
+        }
         println!(
             "{path}: configuration valid ({} on {}, {} service(s))",
             cfg.stack.address,
@@ -197,8 +200,22 @@ fn run(cfg: Config, metrics_addr: Option<std::net::SocketAddr>) -> Result<(), St
     let mut key = None;
     if let Some(m) = &cfg.migration {
         let k = m.load_key("config").map_err(|e| e.to_string())?;
+        if let Some(w) = m.key_file_warning() {
+            eprintln!("hostagent: {w}");
+        }
         let mut ec = EngineConfig::new(cfg.stack.address, m.switch);
-        ec.first_migration_seq = capybara_hostagent::migration::first_migration_seq_now();
+        ec.first_migration_seq = match capybara_hostagent::migration::test_first_migration_seq() {
+            Some(seq) => {
+                eprintln!("hostagent: migration counter seeded at {seq} (CAPYBARA_TEST_FIRST_MIGRATION_SEQ, for tests only) instead of the clock");
+                seq
+            }
+            None => capybara_hostagent::migration::first_migration_seq_now(),
+        };
+        // With a switch to register with, no migration starts before its
+        // REGISTER_ACK: it names the last migration id it saw from this
+        // data address (a previous process's), and the counter goes above
+        // it (docs/MIGRATION.md, "Roles and messages").
+        ec.hold_until_seeded = cfg.control.is_some();
         // A snapshot holds both queues and the application's state (a
         // sidecar's partial request); the target buffers up to a receive
         // window of client data.

@@ -94,6 +94,12 @@ pub struct EngineConfig {
     /// every migration id). Drivers seed it from the wall clock so that a
     /// restarted host does not reuse ids still remembered by peers.
     pub first_migration_seq: u32,
+    /// [`crate::Engine::migrate_out`] refuses
+    /// ([`crate::MigError::CounterNotSeeded`]) until
+    /// [`crate::Engine::seed_migration_counter`] is called: a driver that
+    /// learns the last id the switch saw from this host (REGISTER_ACK)
+    /// numbers no migration before it knows. Off by default.
+    pub hold_until_seeded: bool,
 }
 
 impl EngineConfig {
@@ -123,6 +129,7 @@ impl EngineConfig {
             max_tx_queue: 4096,
             max_epochs: 64 * 1024,
             first_migration_seq: 1,
+            hold_until_seeded: false,
         }
     }
 

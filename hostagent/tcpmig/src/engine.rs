@@ -325,6 +325,14 @@ fn kind_bit(k: Kind) -> u8 {
     1 << (k.to_u8() - 1)
 }
 
+/// How far above the last migration id the switch saw from this host a
+/// seeded counter starts ([`Engine::seed_migration_counter`]): room for ids
+/// the switch had not recorded when it answered (a concurrent update of its
+/// per-origin record on another CPU may leave an id a few behind the
+/// newest). About a minute of the clock seed; the counter's serial window
+/// is 2^31.
+pub const SEED_MARGIN: u32 = 1 << 16;
+
 /// The migration engine of one host.
 pub struct Engine {
     cfg: EngineConfig,
@@ -335,6 +343,9 @@ pub struct Engine {
     key: MigrationKey,
     chunk: usize,
     next_seq: u32,
+    /// [`Engine::seed_migration_counter`] was called, or the configuration
+    /// does not wait for it (`hold_until_seeded`).
+    seeded: bool,
     draining: bool,
     hook: Option<AcceptHook>,
     records: Map<u64, Record>,
@@ -520,6 +531,7 @@ impl Engine {
         Ok(Engine {
             chunk,
             next_seq: cfg.first_migration_seq,
+            seeded: !cfg.hold_until_seeded,
             draining: false,
             hook: None,
             records: map(table),
@@ -648,6 +660,36 @@ impl Engine {
     // Origin API
     // ------------------------------------------------------------------
 
+    /// The counter of the next migration started here (the low 32 bits of
+    /// its id).
+    pub fn next_migration_seq(&self) -> u32 {
+        self.next_seq
+    }
+
+    /// Whether migrations may start ([`EngineConfig::hold_until_seeded`]).
+    pub fn counter_seeded(&self) -> bool {
+        self.seeded
+    }
+
+    /// Lets migrations start, numbered above `last_seen`: the counter of
+    /// the last migration id the switch saw from this host (a previous
+    /// process's, whose ids the switch's PREPARE steering memory and the
+    /// targets' finished records may still hold). Unless the counter is
+    /// already after it in serial-number arithmetic (RFC 1982, as the
+    /// switch compares ids of one origin), it moves to `last_seen +`
+    /// [`SEED_MARGIN`]; it never goes back. `None`: nothing known (an
+    /// older switch, or one that started since): the counter stays (the
+    /// driver's clock seed). Returns the counter of the next migration.
+    pub fn seed_migration_counter(&mut self, last_seen: Option<u32>) -> u32 {
+        if let Some(last) = last_seen {
+            if (self.next_seq.wrapping_sub(last) as i32) <= 0 {
+                self.next_seq = last.wrapping_add(SEED_MARGIN);
+            }
+        }
+        self.seeded = true;
+        self.next_seq
+    }
+
     /// Starts moving `flow` (served by this host) to `explicit_target`, or
     /// to a target the switch chooses. The connection keeps running until
     /// `Event::ExportNow`.
@@ -658,6 +700,9 @@ impl Engine {
         explicit_target: Option<Ipv4Addr>,
     ) -> Result<MigrationId, MigError> {
         let local = self.cfg.local_addr;
+        if !self.seeded {
+            return Err(MigError::CounterNotSeeded);
+        }
         if let Some(t) = explicit_target {
             if t == local {
                 return Err(MigError::TargetIsSelf(t));
@@ -2522,6 +2567,67 @@ mod timer_tests {
 #[cfg(test)]
 mod policy_tests {
     use super::*;
+
+    /// The counter a REGISTER_ACK seeds: no migration before it when the
+    /// configuration holds them; above the switch's last id in serial
+    /// arithmetic (across the wrap), never back.
+    #[test]
+    fn a_held_counter_starts_migrations_above_the_switchs_last_id() {
+        let local = Ipv4Addr::new(198, 18, 2, 10);
+        let flow = |port| FlowKey {
+            client_ip: Ipv4Addr::new(198, 18, 0, 10),
+            client_port: port,
+            service_ip: Ipv4Addr::new(198, 18, 100, 1),
+            service_port: 80,
+        };
+        let key = || MigrationKey::from_bytes(&[0x42; 32]).unwrap();
+        let now = Instant::from_millis(1000);
+        let mut c = EngineConfig::new(local, Ipv4Addr::new(198, 18, 1, 1));
+        c.first_migration_seq = 1000;
+        c.hold_until_seeded = true;
+        let mut e = Engine::new(c.clone(), key()).unwrap();
+        assert!(!e.counter_seeded());
+        assert_eq!(
+            e.migrate_out(now, flow(1), None),
+            Err(MigError::CounterNotSeeded)
+        );
+        assert_eq!(e.records(), 0);
+        // The previous process ran ahead of the clock seed.
+        assert_eq!(e.seed_migration_counter(Some(5000)), 5000 + SEED_MARGIN);
+        let id = e.migrate_out(now, flow(1), None).unwrap();
+        assert_eq!(
+            id.0,
+            u64::from(u32::from(local)) << 32 | u64::from(5000 + SEED_MARGIN)
+        );
+        // Later REGISTER_ACKs name this process's own ids: no jump.
+        assert_eq!(
+            e.seed_migration_counter(Some(5000 + SEED_MARGIN)),
+            5001 + SEED_MARGIN
+        );
+        assert_eq!(e.seed_migration_counter(None), 5001 + SEED_MARGIN);
+
+        // The clock seed is already above: kept.
+        let mut e = Engine::new(c.clone(), key()).unwrap();
+        assert_eq!(e.seed_migration_counter(Some(999)), 1000);
+        assert_eq!(e.seed_migration_counter(None), 1000);
+        // Across the wrap: u32::MAX - 5 is behind 1000 in serial order...
+        let mut e = Engine::new(c.clone(), key()).unwrap();
+        assert_eq!(e.seed_migration_counter(Some(u32::MAX - 5)), 1000);
+        // ...and 1000 behind a last id just past it.
+        c.first_migration_seq = u32::MAX - 5;
+        let mut e = Engine::new(c.clone(), key()).unwrap();
+        assert_eq!(e.seed_migration_counter(Some(1000)), 1000 + SEED_MARGIN);
+        // Equal: the last id itself is taken.
+        c.first_migration_seq = 7;
+        let mut e = Engine::new(c.clone(), key()).unwrap();
+        assert_eq!(e.seed_migration_counter(Some(7)), 7 + SEED_MARGIN);
+
+        // Without the hold (the default): migrations start at once.
+        c.hold_until_seeded = false;
+        let mut e = Engine::new(c, key()).unwrap();
+        assert!(e.counter_seeded());
+        assert!(e.migrate_out(now, flow(2), None).is_ok());
+    }
 
     fn engine(drop: bool) -> Engine {
         let mut c = EngineConfig::new(Ipv4Addr::new(198, 18, 2, 10), Ipv4Addr::new(198, 18, 1, 1));

@@ -25,6 +25,8 @@ pub enum MigError {
     TooManyMigrations { limit: usize },
     #[error("the record table is full ({limit} records)")]
     RecordTableFull { limit: usize },
+    #[error("the migration counter is not seeded yet (no REGISTER_ACK from the switch): no migration starts before")]
+    CounterNotSeeded,
     #[error("cannot migrate a connection to this host itself ({0})")]
     TargetIsSelf(std::net::Ipv4Addr),
     #[error("snapshot of {len} bytes exceeds the {max}-byte limit; the migration was abandoned and the origin keeps the connection")]

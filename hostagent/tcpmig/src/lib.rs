@@ -41,7 +41,7 @@ pub use counters::{Counters, PerKind};
 pub use engine::{map, Hasher as MapHasher, Map};
 pub use engine::{
     AcceptHook, BufferVerdict, DropCause, Engine, Event, OriginPhase, Phase, ReplaySummary,
-    TargetPhase, Transmit,
+    TargetPhase, Transmit, SEED_MARGIN,
 };
 pub use error::{MigError, RxError};
 pub use telemetry::HostCpu;

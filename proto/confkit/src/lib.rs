@@ -251,3 +251,55 @@ mod dir_tests {
         );
     }
 }
+
+/// The warning a daemon logs for a deployment key file that group or
+/// others may read (like ssh for a private key): one line naming the file,
+/// its mode and the fix. `None` when only the owner has access, or when the
+/// file's mode cannot be read (reading the key reports that). Not a
+/// refusal: existing deployments with a 0644 key keep running.
+pub fn key_file_mode_warning(path: &std::path::Path) -> Option<String> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o777;
+        (mode & 0o077 != 0).then(|| {
+            format!(
+                "warning: deployment key file {} is readable by group/others (mode {mode:04o}): \
+                 anyone who reads it can forge migrations; run chmod 600 {}",
+                path.display(),
+                path.display()
+            )
+        })
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        None
+    }
+}
+
+#[cfg(all(test, unix))]
+mod key_mode_tests {
+    use super::key_file_mode_warning;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_key_file_others_may_read_is_named_with_its_mode() {
+        let f = std::env::temp_dir().join(format!("confkit-key-{}", std::process::id()));
+        std::fs::write(&f, "00112233445566778899aabbccddeeff").unwrap();
+        let set = |m| std::fs::set_permissions(&f, std::fs::Permissions::from_mode(m)).unwrap();
+        set(0o644);
+        let w = key_file_mode_warning(&f).expect("0644 warns");
+        assert!(w.contains(&f.display().to_string()), "{w}");
+        assert!(w.contains("mode 0644"), "{w}");
+        assert!(w.contains("chmod 600"), "{w}");
+        set(0o640);
+        assert!(key_file_mode_warning(&f).unwrap().contains("mode 0640"));
+        for quiet in [0o600, 0o400] {
+            set(quiet);
+            assert_eq!(key_file_mode_warning(&f), None, "{quiet:o}");
+        }
+        assert_eq!(key_file_mode_warning(&f.with_extension("gone")), None);
+        let _ = std::fs::remove_file(&f);
+    }
+}

@@ -63,6 +63,9 @@ fn main() {
             eprintln!("switchd: {e}");
             std::process::exit(2);
         }
+        if let Some(w) = cfg.key_file_warning() {
+            eprintln!("switchd: {w}");
+        }
         println!("switchd: config {} OK: {}", path.display(), cfg.summary());
         return;
     }

@@ -305,13 +305,27 @@ function ServiceForm({
   );
 }
 
+/** The pending chip's explanation: ctl's words (api/src/ctl.rs SERVICE_PENDING). */
+const SERVICE_PENDING = "switchd applies it within 1 s (if it stays pending, see switchd's log)";
+
 /** switchd's view: served or not, its pool, apps down; solid chips take
  *  new connections (`placing`), outlined ones do not (drained, leaving,
  *  weight 0, dead...). A switchd too old to say `placing`: all solid. */
 function Serving({ svc, servers }: { svc: ServiceView; servers: Record<number, Server> }) {
   const v = svc.serving;
   if (!v) return <span className="muted" title="switchd did not answer: the store's record only" data-served="unknown">unknown</span>;
-  if (!v.served) return <span className="chip badge-dead" title="switchd does not serve this VIP:port (its log says why)" data-served="false">not served</span>;
+  // switchd applies the store's services every 250 ms, so a service just
+  // created or moved is not in its /status yet. The API reports no marker
+  // of which store read switchd applied, and switchd refuses a stored
+  // service only where the API already refused it: like `capybara ctl
+  // services`, "not served" reads as pending, not as a failure.
+  if (!v.served) {
+    return (
+      <span className="chip badge-draining" title={SERVICE_PENDING} data-served="pending" data-testid={`service-pending-${svc.name}`}>
+        pending
+      </span>
+    );
+  }
   const down = new Set(v.apps_down);
   const placing = v.placing ? new Set(v.placing) : null;
   return (

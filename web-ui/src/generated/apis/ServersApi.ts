@@ -71,7 +71,7 @@ export interface DrainServerRequest {
     /**
      * 
      */
-    drainRequest: DrainRequest;
+    drainRequest?: DrainRequest;
 }
 
 export interface GetDrainRequest {
@@ -171,17 +171,17 @@ export interface ServersApiInterface {
     /**
      * Creates request options for drainServer without sending the request
      * @param {number} serverId Server id.
-     * @param {DrainRequest} drainRequest 
+     * @param {DrainRequest} [drainRequest] 
      * @throws {RequiredError}
      * @memberof ServersApiInterface
      */
     drainServerRequestOpts(requestParameters: DrainServerRequest): Promise<runtime.RequestOpts>;
 
     /**
-     * At once the server\'s state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202). 
+     * At once the server\'s state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202).  Every field of the body is optional, and so is the body: no body (or an empty one, with or without a Content-Type) is `{}`, a drain with the defaults. A body that is not JSON is a 400. 
      * @summary Start draining a server (operator)
      * @param {number} serverId Server id.
-     * @param {DrainRequest} drainRequest 
+     * @param {DrainRequest} [drainRequest] 
      * @param {*} [options] Override http request option.
      * @throws {RequiredError}
      * @memberof ServersApiInterface
@@ -189,7 +189,7 @@ export interface ServersApiInterface {
     drainServerRaw(requestParameters: DrainServerRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Drain>>;
 
     /**
-     * At once the server\'s state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202). 
+     * At once the server\'s state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202).  Every field of the body is optional, and so is the body: no body (or an empty one, with or without a Content-Type) is `{}`, a drain with the defaults. A body that is not JSON is a 400. 
      * Start draining a server (operator)
      */
     drainServer(requestParameters: DrainServerRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Drain>;
@@ -461,13 +461,6 @@ export class ServersApi extends runtime.BaseAPI implements ServersApiInterface {
             );
         }
 
-        if (requestParameters['drainRequest'] == null) {
-            throw new runtime.RequiredError(
-                'drainRequest',
-                'Required parameter "drainRequest" was null or undefined when calling drainServer().'
-            );
-        }
-
         const queryParameters: any = {};
 
         const headerParameters: runtime.HTTPHeaders = {};
@@ -496,7 +489,7 @@ export class ServersApi extends runtime.BaseAPI implements ServersApiInterface {
     }
 
     /**
-     * At once the server\'s state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202). 
+     * At once the server\'s state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202).  Every field of the body is optional, and so is the body: no body (or an empty one, with or without a Content-Type) is `{}`, a drain with the defaults. A body that is not JSON is a 400. 
      * Start draining a server (operator)
      */
     async drainServerRaw(requestParameters: DrainServerRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<runtime.ApiResponse<Drain>> {
@@ -507,7 +500,7 @@ export class ServersApi extends runtime.BaseAPI implements ServersApiInterface {
     }
 
     /**
-     * At once the server\'s state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202). 
+     * At once the server\'s state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202).  Every field of the body is optional, and so is the body: no body (or an empty one, with or without a Content-Type) is `{}`, a drain with the defaults. A body that is not JSON is a 400. 
      * Start draining a server (operator)
      */
     async drainServer(requestParameters: DrainServerRequest, initOverrides?: RequestInit | runtime.InitOverrideFunction): Promise<Drain> {

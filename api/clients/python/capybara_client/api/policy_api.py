@@ -86,6 +86,7 @@ class PolicyApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "Policy",
+            '400': "Problem",
             '401': "Problem",
             '403': "Problem",
             '500': "Problem",
@@ -152,6 +153,7 @@ class PolicyApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "Policy",
+            '400': "Problem",
             '401': "Problem",
             '403': "Problem",
             '500': "Problem",
@@ -218,6 +220,7 @@ class PolicyApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "Policy",
+            '400': "Problem",
             '401': "Problem",
             '403': "Problem",
             '500': "Problem",

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from typing_extensions import Annotated
 
 from pydantic import Field
+from typing import Optional
 from typing_extensions import Annotated
 from capybara_client.models.drain import Drain
 from capybara_client.models.drain_request import DrainRequest
@@ -607,7 +608,7 @@ class ServersApi:
     def drain_server(
         self,
         server_id: Annotated[int, Field(le=4294967295, strict=True, ge=1, description="Server id.")],
-        drain_request: DrainRequest,
+        drain_request: Optional[DrainRequest] = None,
         _request_timeout: Union[
             None,
             Annotated[StrictFloat, Field(gt=0)],
@@ -623,11 +624,11 @@ class ServersApi:
     ) -> Drain:
         """Start draining a server (operator)
 
-        At once the server's state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202). 
+        At once the server's state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202).  Every field of the body is optional, and so is the body: no body (or an empty one, with or without a Content-Type) is `{}`, a drain with the defaults. A body that is not JSON is a 400. 
 
         :param server_id: Server id. (required)
         :type server_id: int
-        :param drain_request: (required)
+        :param drain_request:
         :type drain_request: DrainRequest
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
@@ -689,7 +690,7 @@ class ServersApi:
     def drain_server_with_http_info(
         self,
         server_id: Annotated[int, Field(le=4294967295, strict=True, ge=1, description="Server id.")],
-        drain_request: DrainRequest,
+        drain_request: Optional[DrainRequest] = None,
         _request_timeout: Union[
             None,
             Annotated[StrictFloat, Field(gt=0)],
@@ -705,11 +706,11 @@ class ServersApi:
     ) -> ApiResponse[Drain]:
         """Start draining a server (operator)
 
-        At once the server's state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202). 
+        At once the server's state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202).  Every field of the body is optional, and so is the body: no body (or an empty one, with or without a Content-Type) is `{}`, a drain with the defaults. A body that is not JSON is a 400. 
 
         :param server_id: Server id. (required)
         :type server_id: int
-        :param drain_request: (required)
+        :param drain_request:
         :type drain_request: DrainRequest
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
@@ -771,7 +772,7 @@ class ServersApi:
     def drain_server_without_preload_content(
         self,
         server_id: Annotated[int, Field(le=4294967295, strict=True, ge=1, description="Server id.")],
-        drain_request: DrainRequest,
+        drain_request: Optional[DrainRequest] = None,
         _request_timeout: Union[
             None,
             Annotated[StrictFloat, Field(gt=0)],
@@ -787,11 +788,11 @@ class ServersApi:
     ) -> RESTResponseType:
         """Start draining a server (operator)
 
-        At once the server's state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202). 
+        At once the server's state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202).  Every field of the body is optional, and so is the body: no body (or an empty one, with or without a Content-Type) is `{}`, a drain with the defaults. A body that is not JSON is a 400. 
 
         :param server_id: Server id. (required)
         :type server_id: int
-        :param drain_request: (required)
+        :param drain_request:
         :type drain_request: DrainRequest
         :param _request_timeout: timeout setting for this request. If one
                                  number provided, it will be total request
@@ -1533,6 +1534,7 @@ class ServersApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "ServerList",
+            '400': "Problem",
             '401': "Problem",
             '403': "Problem",
             '500': "Problem",
@@ -1599,6 +1601,7 @@ class ServersApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "ServerList",
+            '400': "Problem",
             '401': "Problem",
             '403': "Problem",
             '500': "Problem",
@@ -1665,6 +1668,7 @@ class ServersApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "ServerList",
+            '400': "Problem",
             '401': "Problem",
             '403': "Problem",
             '500': "Problem",

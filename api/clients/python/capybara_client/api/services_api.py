@@ -949,6 +949,7 @@ class ServicesApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "ServiceList",
+            '400': "Problem",
             '401': "Problem",
             '403': "Problem",
             '500': "Problem",
@@ -1016,6 +1017,7 @@ class ServicesApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "ServiceList",
+            '400': "Problem",
             '401': "Problem",
             '403': "Problem",
             '500': "Problem",
@@ -1083,6 +1085,7 @@ class ServicesApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "ServiceList",
+            '400': "Problem",
             '401': "Problem",
             '403': "Problem",
             '500': "Problem",

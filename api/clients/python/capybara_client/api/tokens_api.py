@@ -389,6 +389,7 @@ class TokensApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "TokenList",
+            '400': "Problem",
             '401': "Problem",
             '403': "Problem",
             '500': "Problem",
@@ -455,6 +456,7 @@ class TokensApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "TokenList",
+            '400': "Problem",
             '401': "Problem",
             '403': "Problem",
             '500': "Problem",
@@ -521,6 +523,7 @@ class TokensApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "TokenList",
+            '400': "Problem",
             '401': "Problem",
             '403': "Problem",
             '500': "Problem",
@@ -928,6 +931,7 @@ class TokensApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "Token",
+            '400': "Problem",
             '401': "Problem",
             '500': "Problem",
             '503': "Problem",
@@ -994,6 +998,7 @@ class TokensApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "Token",
+            '400': "Problem",
             '401': "Problem",
             '500': "Problem",
             '503': "Problem",
@@ -1060,6 +1065,7 @@ class TokensApi:
 
         _response_types_map: Dict[str, Optional[str]] = {
             '200': "Token",
+            '400': "Problem",
             '401': "Problem",
             '500': "Problem",
             '503': "Problem",

@@ -17,6 +17,7 @@ use serde::{de::Error as _, Deserialize, Serialize};
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum GetPolicyError {
+    Status400(models::Problem),
     Status401(models::Problem),
     Status403(models::Problem),
     Status500(models::Problem),

@@ -87,6 +87,7 @@ pub enum GetServerError {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum ListServersError {
+    Status400(models::Problem),
     Status401(models::Problem),
     Status403(models::Problem),
     Status500(models::Problem),
@@ -224,11 +225,11 @@ pub async fn deregister_server(
     }
 }
 
-/// At once the server's state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202).
+/// At once the server's state becomes `draining`: the switch gives it no new connections. The control plane then migrates its connections to other active servers of its pools (or to `targets`). When no connection is left the drain completes and the server becomes `drained`. At the deadline a drain with connections left either breaks them (`mode: force`) and completes, or (`mode: migrate`) stops with state `timed_out`, leaves them running on the server (which stays `draining`) and reports exactly which remain. A dead server cannot be drained.  Draining again is safe to retry: a `drained` server that holds no connections answers 200 with its completed drain (whatever the request asks; its record is kept), and a running drain asked for with the same `deadline_seconds`, `mode` and `targets` answers 200 with that drain, not restarted (same start and deadline). A request that asks a running drain for something else is a conflict (409) naming what differs: undrain first. After a `timed_out` or `cancelled` drain a request starts a new drain (202).  Every field of the body is optional, and so is the body: no body (or an empty one, with or without a Content-Type) is `{}`, a drain with the defaults. A body that is not JSON is a 400.
 pub async fn drain_server(
     configuration: &configuration::Configuration,
     server_id: i64,
-    drain_request: models::DrainRequest,
+    drain_request: Option<models::DrainRequest>,
 ) -> Result<models::Drain, Error<DrainServerError>> {
     // add a prefix to parameters to efficiently prevent name collisions
     let p_path_server_id = server_id;

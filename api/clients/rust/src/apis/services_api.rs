@@ -59,6 +59,7 @@ pub enum GetServiceError {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum ListServicesError {
+    Status400(models::Problem),
     Status401(models::Problem),
     Status403(models::Problem),
     Status500(models::Problem),

@@ -33,6 +33,7 @@ pub enum CreateTokenError {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum ListTokensError {
+    Status400(models::Problem),
     Status401(models::Problem),
     Status403(models::Problem),
     Status500(models::Problem),
@@ -58,6 +59,7 @@ pub enum RevokeTokenError {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum WhoamiError {
+    Status400(models::Problem),
     Status401(models::Problem),
     Status500(models::Problem),
     Status503(models::Problem),
