@@ -476,6 +476,14 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> TcpMigPacket<T> {
     }
 }
 
+/// Whether migration id `a` is newer than `b`, ids of one origin: serial-
+/// number arithmetic (RFC 1982) on the low 32 bits, the origin's counter
+/// (seeded from the clock or the switch's memory, it wraps every ~49.7
+/// days). The switch's program compares ids the same way in C.
+pub fn migration_id_newer(a: u64, b: u64) -> bool {
+    (a as u32).wrapping_sub(b as u32) as i32 > 0
+}
+
 /// A parsed TCPMig message. `payload` borrows from the datagram.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TcpMigRepr<'a> {
@@ -504,6 +512,27 @@ pub struct TcpMigRepr<'a> {
     /// CONN_STATE: a snapshot fragment. REJECT/ABORT: optional UTF-8
     /// diagnostic. Other kinds: empty in v1 (receivers ignore it).
     pub payload: &'a [u8],
+}
+
+impl TcpMigRepr<'_> {
+    /// The switch's rule (docs/MIGRATION.md, "What the switch must do"):
+    /// whether this migration (origin `o`, ownership epoch `E`) may take
+    /// over a flow whose migration-table entry is `{owner, id, pending}`.
+    /// The entry is final, on `o`, of another migration, and its id is `E`
+    /// (the migration that gave `o` the flow) or an older id of `o` itself
+    /// (its own aborted migrations since); or the entry is still pending
+    /// toward `o` for `E` itself (`o` owns the flow through it: it
+    /// committed, its CONN_STATE_ACK has not passed the switch yet).
+    pub fn supersedes(&self, owner: Ipv4Addr, id: u64, pending: bool) -> bool {
+        if owner != self.origin || id == self.migration_id {
+            return false;
+        }
+        if pending {
+            return id == self.epoch;
+        }
+        id == self.epoch
+            || (id >> 32 == self.migration_id >> 32 && migration_id_newer(self.migration_id, id))
+    }
 }
 
 impl<'a> TcpMigRepr<'a> {
@@ -615,6 +644,39 @@ mod tests {
 
     fn key() -> MigrationKey {
         MigrationKey::from_bytes(&[7u8; 32]).unwrap()
+    }
+
+    /// The switch's takeover rule, one row per case of docs/MIGRATION.md.
+    #[test]
+    fn supersedes_follows_the_switch_rule() {
+        let o = Ipv4Addr::new(198, 18, 2, 11);
+        let t = Ipv4Addr::new(198, 18, 2, 12);
+        let id_of = |a: Ipv4Addr, n: u32| (u64::from(u32::from(a)) << 32) | u64::from(n);
+        let (e, m) = (id_of(t, 7), id_of(o, 20));
+        let mig = TcpMigRepr {
+            kind: Kind::PrepareAck,
+            migration_id: m,
+            origin: o,
+            target: t,
+            epoch: e,
+            ..prepare()
+        };
+        for (owner, id, pending, want, what) in [
+            (o, e, false, true, "final, epoch"),
+            (o, id_of(o, 19), false, true, "final, older id"),
+            (o, id_of(o, u32::MAX - 3), false, true, "across the wrap"),
+            (o, id_of(o, 21), false, false, "final, newer id"),
+            (o, m, false, false, "duplicate"),
+            (t, e, false, false, "final elsewhere"),
+            (o, id_of(t, 3), false, false, "not o's id"),
+            (o, e, true, true, "pending, epoch"),
+            (o, id_of(o, 19), true, false, "pending, no epoch"),
+            (t, e, true, false, "pending elsewhere"),
+        ] {
+            assert_eq!(mig.supersedes(owner, id, pending), want, "{what}");
+        }
+        assert!(migration_id_newer(id_of(o, 2), id_of(o, u32::MAX)));
+        assert!(!migration_id_newer(id_of(o, u32::MAX), id_of(o, 2)));
     }
 
     fn prepare() -> TcpMigRepr<'static> {

@@ -102,6 +102,10 @@
  * data addresses than servers, so that only addresses long gone give way. */
 #define CAPY_ORIGIN_IDS 1024
 
+/* Outcomes (CONN_STATE_ACK, ABORT decision) of migrations whose entry this
+ * program did not hold, remembered for a takeover's end (unmatched_outcomes). */
+#define CAPY_UNMATCHED_OUTCOMES 1024
+
 /* capy_flow_event.kind */
 #define CAPY_EV_NEW 1      /* flow placed on `server`                          */
 #define CAPY_EV_MIGRATED 2 /* migration final (CONN_STATE_ACK): owner `prev_server` -> `server` */
@@ -316,6 +320,22 @@ struct {
 	__type(key, __be32);
 	__type(value, __u64);
 } origin_ids SEC(".maps");
+
+/* Outcomes this program saw of migrations whose pending entry it did not
+ * hold: migration id (host order) -> the final entry the outcome makes
+ * (CONN_STATE_ACK: owner the target; the target's ABORT decision: owner the
+ * origin). During a takeover in place the predecessor's program and this
+ * one both forward until the last link is replaced: a PREPARE_ACK that
+ * passed the predecessor (pending there) and whose outcome passed this
+ * program before the predecessor's entry was applied here is settled from
+ * this memory by switchd's finish_adoption (bpf.rs). Written only on that
+ * rare path, never read by the program. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, CAPY_UNMATCHED_OUTCOMES);
+	__type(key, __u64);
+	__type(value, struct capy_migration);
+} unmatched_outcomes SEC(".maps");
 
 /* Server data address -> server index, to resolve TCPMig origin/target. */
 struct {

@@ -496,7 +496,16 @@ static __always_inline __u64 mig_id(const struct tcpmig_hdr *m)
  * origin, of another migration, and its id is the epoch or an older id of
  * the origin itself (its own aborted migrations since). A PREPARE_ACK
  * delayed past later migrations of the flow names an epoch the entry has
- * moved on from. */
+ * moved on from.
+ *
+ * Or the entry is still pending toward the origin for the epoch itself:
+ * the origin owns the flow through that migration, which therefore
+ * committed (a target commits on import and sends CONN_STATE_ACK, never
+ * aborts after), though its CONN_STATE_ACK has not passed this program
+ * (lost or delayed, or it passed the predecessor's program during a
+ * takeover in place). Without this, such an entry stayed pending until
+ * that ACK came, for good if it never would, every later migration of the
+ * flow refused as stale. */
 static __always_inline int mig_supersedes(const struct capy_migration *e, __u32 origin, __u64 id,
 					  __u64 epoch)
 {
@@ -506,8 +515,23 @@ static __always_inline int mig_supersedes(const struct capy_migration *e, __u32 
 	 * hostagent seeds it from the wall clock (milliseconds), so it wraps
 	 * every ~49.7 days and a restarted process continues above the ids of
 	 * the one before. */
-	return !e->pending && e->server == origin && oid != id &&
-	       (oid == epoch || ((oid >> 32) == (id >> 32) && (__s32)((__u32)id - (__u32)oid) > 0));
+	if (e->server != origin || oid == id)
+		return 0;
+	if (e->pending)
+		return oid == epoch;
+	return oid == epoch || ((oid >> 32) == (id >> 32) && (__s32)((__u32)id - (__u32)oid) > 0);
+}
+
+/* Remembers the outcome of migration `id` (the final entry {owner, id} it
+ * makes) that this program could not apply: no pending entry of it here
+ * (unmatched_outcomes, read by switchd at a takeover's end). */
+static __always_inline void note_unmatched_outcome(const struct capy_migration *e, __u64 id, __u32 owner)
+{
+	struct capy_migration out = { .server = owner, .pending = CAPY_MIG_FINAL, .migration_id = id };
+
+	if (e && e->migration_id == id)
+		return; /* a duplicate of an outcome applied here */
+	bpf_map_update_elem(&unmatched_outcomes, &id, &out, BPF_ANY);
 }
 
 static __always_inline struct capy_flow_key mig_flow_key(const struct tcpmig_hdr *m)
@@ -679,7 +703,8 @@ static __always_inline int handle_prepare_ack(struct ethhdr *eth, struct iphdr *
  * was applied at the end of the adoption, and the flow's entry stayed
  * pending for good (every later PREPARE_ACK of it dropped as stale).
  * mig_supersedes() keeps a CONN_STATE_ACK delayed past later migrations of
- * the flow from taking it back. */
+ * the flow from taking it back. An ACK that settles nothing here is
+ * remembered (note_unmatched_outcome) for the end of a takeover. */
 static __always_inline void on_conn_state_ack(struct tcpmig_hdr *m, __be32 saddr)
 {
 	struct capy_flow_key key = mig_flow_key(m);
@@ -700,15 +725,20 @@ static __always_inline void on_conn_state_ack(struct tcpmig_hdr *m, __be32 saddr
 	} else if (!have_origin || target == origin) {
 		return;
 	} else if (e) {
-		if (!mig_supersedes(e, origin, id, bpf_be64_to_cpu(m->epoch)))
+		if (!mig_supersedes(e, origin, id, bpf_be64_to_cpu(m->epoch))) {
+			note_unmatched_outcome(e, id, target);
 			return;
+		}
 		if (put_migration(&key, target, CAPY_MIG_FINAL, id, BPF_EXIST) < 0)
 			return;
 	} else {
 		/* No entry: the owner is the placement, which must be the
 		 * origin; a closed flow (no flow entry) stays closed. */
-		if (!flow || flow->server != origin)
+		if (!flow || flow->server != origin) {
+			if (flow)
+				note_unmatched_outcome(NULL, id, target);
 			return;
+		}
 		if (put_migration(&key, target, CAPY_MIG_FINAL, id, BPF_NOEXIST) < 0)
 			return;
 		flow->flags |= CAPY_FLOW_MIGRATED;
@@ -742,13 +772,17 @@ static __always_inline void on_abort_decision(struct tcpmig_hdr *m)
 			put_migration(&key, origin, CAPY_MIG_FINAL, id, BPF_EXIST);
 		else if (mig_supersedes(e, origin, id, bpf_be64_to_cpu(m->epoch)))
 			put_migration(&key, origin, CAPY_MIG_FINAL, id, BPF_EXIST);
+		else
+			note_unmatched_outcome(e, id, origin);
 		return;
 	}
 	/* No entry: the owner is the placement; a tombstone elsewhere would
 	 * redirect the flow. */
 	flow = bpf_map_lookup_elem(&flows, &key);
-	if (flow && flow->server != origin)
+	if (flow && flow->server != origin) {
+		note_unmatched_outcome(NULL, id, origin);
 		return;
+	}
 	put_migration(&key, origin, CAPY_MIG_FINAL, id, BPF_NOEXIST);
 }
 

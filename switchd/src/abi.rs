@@ -52,6 +52,9 @@ pub const MIG_PENDING: u8 = 1;
 pub const PREPARE_MEMORY: u32 = 8192;
 /// Origins whose last migration id the program remembers (`origin_ids`).
 pub const ORIGIN_IDS: u32 = 1024;
+/// Outcomes of migrations whose entry the program did not hold
+/// (`unmatched_outcomes`, read at a takeover's end).
+pub const UNMATCHED_OUTCOMES: u32 = 1024;
 
 pub const EV_NEW: u32 = 1;
 pub const EV_MIGRATED: u32 = 2;

@@ -450,12 +450,6 @@ impl OriginAddr {
     }
 }
 
-/// Whether migration id `a` is newer than `b` (same origin): serial-number
-/// arithmetic on the counters, as the program compares them.
-fn id_newer(a: u64, b: u64) -> bool {
-    (a as u32).wrapping_sub(b as u32) as i32 > 0
-}
-
 /// The newest id of each origin (its data address, from the id's high 32
 /// bits) among `ids`, merged into `into`.
 fn newest_per_origin(
@@ -468,7 +462,7 @@ fn newest_per_origin(
         }
         let origin = OriginAddr::of(std::net::Ipv4Addr::from((id >> 32) as u32));
         let e = into.entry(origin).or_insert(id);
-        if id_newer(id, *e) {
+        if capybara_proto::tcpmig::migration_id_newer(id, *e) {
             *e = id;
         }
     }
@@ -800,6 +794,7 @@ struct Maps {
     stats: MapHandle,
     prepare_targets: MapHandle,
     origin_ids: MapHandle,
+    unmatched_outcomes: MapHandle,
 }
 
 pub struct BpfDataPlane {
@@ -876,6 +871,7 @@ impl BpfDataPlane {
             stats: handle("stats")?,
             prepare_targets: handle("prepare_targets")?,
             origin_ids: handle("origin_ids")?,
+            unmatched_outcomes: handle("unmatched_outcomes")?,
         };
         let maglev_mem = MaglevMem::map(&maps.maglev)?;
         let event_map = Box::new(handle("flow_events")?);
@@ -1365,7 +1361,10 @@ impl BpfDataPlane {
         for (a, id) in
             entries::<OriginAddr, MigId>(&self.maps.origin_ids, "origin_ids", usize::MAX)?
         {
-            if newest.get(&a).is_some_and(|n| !id_newer(*n, id.0)) {
+            if newest
+                .get(&a)
+                .is_some_and(|n| !capybara_proto::tcpmig::migration_id_newer(*n, id.0))
+            {
                 newest.remove(&a);
             }
         }
@@ -1382,6 +1381,18 @@ impl BpfDataPlane {
             copied,
         });
         Ok(())
+    }
+
+    /// The final entry an outcome this program saw of migration `id` made,
+    /// had it held its pending entry (`unmatched_outcomes`).
+    fn unmatched_outcome(&self, id: u64) -> Result<Option<CMigration>> {
+        Ok(self
+            .maps
+            .unmatched_outcomes
+            .lookup(&id.to_ne_bytes(), MapFlags::ANY)
+            .map_err(map_err("unmatched_outcomes", "lookup"))?
+            .and_then(|v| CMigration::from_bytes(&v))
+            .filter(|o| o.migration_id == id && !o.is_pending()))
     }
 
     /// Ends the adoption of [`Self::attach_pinned`], once every link runs
@@ -1430,13 +1441,25 @@ impl BpfDataPlane {
             if !untouched && !settles_ours {
                 continue;
             }
-            if let Some(server) = translate_server(
-                &p.servers,
-                &self.maps.server_by_addr,
-                &mut p.server_of,
-                m.server,
-            ) {
-                let n = CMigration { server, ..*m };
+            // A migration pending there whose outcome (CONN_STATE_ACK,
+            // the target's ABORT decision) passed this program, which held
+            // no pending entry of it then (the copy's older entry): settled
+            // as that outcome made it, or it stays pending for good.
+            let outcome = match m.is_pending() {
+                true => self.unmatched_outcome(m.migration_id)?,
+                false => None,
+            };
+            let translated = match outcome {
+                Some(o) => Some(o),
+                None => translate_server(
+                    &p.servers,
+                    &self.maps.server_by_addr,
+                    &mut p.server_of,
+                    m.server,
+                )
+                .map(|server| CMigration { server, ..*m }),
+            };
+            if let Some(n) = translated {
                 self.insert_migration(*k, n)?;
                 p.copied.insert(*k, (*m, n));
                 late += 1;

@@ -426,9 +426,13 @@ fn migration_table_rules() {
                 reason: "drop_prepare_ack_stale",
             },
             Case {
-                desc: "PREPARE_ACK b1 (b->a) while a1 is pending: dropped",
+                desc: "PREPARE_ACK b1 (b->a) while a1 is pending, its epoch not a1: dropped",
                 side: Side::Server,
-                input: ack_in(b1, b, a),
+                input: udp_from(
+                    server_ip(a),
+                    server_ip(b),
+                    &mig_epoch(Kind::PrepareAck, b1, 0, sport, b, Some(a)),
+                ),
                 verdict: XDP_DROP,
                 output: None,
                 reason: "drop_prepare_ack_stale",
@@ -786,6 +790,113 @@ fn the_last_migration_id_of_each_origin_is_remembered() {
     assert_eq!(last(&mut lab, 0), Some(mid(0, 3)));
     prepare(&mut lab, 9, mid(9, 1), None);
     assert_eq!(last(&mut lab, 9), None, "not a registered server");
+}
+
+/// A migration whose CONN_STATE_ACK has not passed the switch (lost,
+/// delayed, or through the other program of a takeover in place): its
+/// target owns the flow and may migrate it on. That next migration names
+/// the first as its epoch, which proves the commit: its PREPARE_ACK takes
+/// the entry still pending toward it (before, dropped as stale until the
+/// first migration's CONN_STATE_ACK came, for good if it never would), and
+/// its outcomes settle it. An ABORT decision proves it the same way.
+#[test]
+fn a_migration_from_a_pending_target_with_that_epoch_supersedes_the_entry() {
+    let mut lab = setup();
+    let sport = 44200;
+    let a = maglev_server(&lab, sport, VIP);
+    let b = 1 - a;
+    let key = flow_key(sport);
+    let (a1, b1, b2) = (mid(a, 1), mid(b, 1), mid(b, 2));
+    let pa = |id, ep, o: u32, t: u32| {
+        udp_from(
+            server_ip(t),
+            server_ip(o),
+            &mig_epoch(Kind::PrepareAck, id, ep, sport, o, Some(t)),
+        )
+    };
+    run(
+        &mut lab,
+        vec![
+            client_to("SYN placed on a", sport, TCP_SYN, a, "fwd_new_flow"),
+            relayed(
+                "PREPARE_ACK a1 (a->b): pending toward b",
+                b,
+                a,
+                mig(Kind::PrepareAck, a1, sport, a, Some(b)),
+                "fwd_prepare_ack",
+            ),
+        ],
+    );
+    assert_eq!(
+        lab.dp.lookup_migration(key).unwrap(),
+        Some(CMigration::pending(b, a1))
+    );
+    // a1's CONN_STATE_ACK never passes.
+    run(
+        &mut lab,
+        vec![
+            Case {
+                desc: "PREPARE_ACK b1 (b->a) naming epoch 0: dropped (proves nothing)",
+                side: Side::Server,
+                input: pa(b1, 0, b, a),
+                verdict: XDP_DROP,
+                output: None,
+                reason: "drop_prepare_ack_stale",
+            },
+            Case {
+                desc: "PREPARE_ACK b1 (b->a) naming epoch a1: pending toward a",
+                side: Side::Server,
+                input: pa(b1, a1, b, a),
+                verdict: XDP_REDIRECT,
+                output: Some(udp_to_server(
+                    b,
+                    server_ip(a),
+                    &mig_epoch(Kind::PrepareAck, b1, a1, sport, b, Some(a)),
+                )),
+                reason: "fwd_prepare_ack",
+            },
+        ],
+    );
+    assert_eq!(
+        lab.dp.lookup_migration(key).unwrap(),
+        Some(CMigration::pending(a, b1))
+    );
+    // The same proof settles an outcome over the pending entry: b1's ABORT
+    // decision over a1's entry (b1's PREPARE_ACK lost here) makes b the owner.
+    lab.dp
+        .insert_migration(key, CMigration::pending(b, a1))
+        .unwrap();
+    run(
+        &mut lab,
+        vec![relayed(
+            "ABORT decision b2 (b->a, epoch a1) from a: final on b",
+            a,
+            b,
+            mig_epoch(Kind::Abort, b2, a1, sport, b, Some(a)),
+            "fwd_tcpmig",
+        )],
+    );
+    assert_eq!(
+        lab.dp.lookup_migration(key).unwrap(),
+        Some(CMigration::owner(b, b2))
+    );
+    lab.dp
+        .insert_migration(key, CMigration::pending(b, a1))
+        .unwrap();
+    run(
+        &mut lab,
+        vec![relayed(
+            "CONN_STATE_ACK b2 (b->a, epoch a1) from a: final on a",
+            a,
+            b,
+            mig_epoch(Kind::ConnStateAck, b2, a1, sport, b, Some(a)),
+            "fwd_tcpmig",
+        )],
+    );
+    assert_eq!(
+        lab.dp.lookup_migration(key).unwrap(),
+        Some(CMigration::owner(a, b2))
+    );
 }
 
 #[test]

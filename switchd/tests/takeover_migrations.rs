@@ -702,3 +702,233 @@ fn a_migration_split_between_the_two_programs_settles_where_it_ended() {
     pins.remove_if_unused();
     drop(ns);
 }
+
+/// Several migrations of one flow during the adoption window (found by
+/// `tests/tests/takeover_churn_lab.rs` in CI: 24 entries stuck pending, every
+/// later migration refused as stale). The copy holds a migration M in
+/// flight (pending toward 0); the predecessor then sees M settle and the
+/// flow's next migrations begin, and the successor sees an outcome of a
+/// migration whose PREPARE_ACK passed only the predecessor (its own entry
+/// is the copy's, pending M). Four flows:
+/// - commit: N (0 -> 1, epoch M) pending at the predecessor, its
+///   CONN_STATE_ACK through the successor (taken over M's pending entry:
+///   the epoch proves M committed);
+/// - abort: the same, the target's ABORT decision of N through the
+///   successor;
+/// - commit2: N settled at the predecessor too, then P (1 -> 0, epoch N)
+///   pending there and P's CONN_STATE_ACK through the successor (it cannot
+///   apply it to M's entry: remembered, applied by finish_adoption);
+/// - abort2: the same, P's ABORT decision through the successor.
+///
+/// Before: finish_adoption applied the predecessor's pending entry (N or
+/// P) over the copy's, and nothing would settle it any more.
+#[test]
+fn outcomes_of_migrations_begun_at_the_predecessor_after_the_copy_settle_their_entries() {
+    let Some(Place {
+        _root,
+        ns,
+        mut pins,
+        cl,
+        sv,
+    }) = place("tc")
+    else {
+        return;
+    };
+    let (commit, abort, commit2, abort2) = (3001u16, 3002u16, 3003u16, 3004u16);
+    let ports = [commit, abort, commit2, abort2];
+    // Per flow (i = 0..3): E (0 -> 1) gave 1 the flow before the test, M
+    // (1 -> 0, epoch E) is in flight at the copy, N (0 -> 1, epoch M),
+    // P (1 -> 0, epoch N).
+    let e_id = |i: u32| mid(0, 100 + i);
+    let m_id = |i: u32| mid(1, 200 + i);
+    let n_id = |i: u32| mid(0, 300 + i);
+    let p_id = |i: u32| mid(1, 400 + i);
+    let mut old = BpfDataPlane::load(BpfOptions::small()).unwrap();
+    configure(&mut old, cl, sv, &OLD_IDX, OLD_SVC, &[0, 1]);
+    attach_new(&mut old, &pins, [cl, sv]);
+    for (i, &port) in ports.iter().enumerate() {
+        let k = flow_key(port);
+        old.insert_flow(k, flow(&OLD_IDX, OLD_SVC, 0)).unwrap();
+        old.insert_migration(k, CMigration::pending(OLD_IDX[0], m_id(i as u32)))
+            .unwrap();
+    }
+    old.release_links();
+    let _ = events(&mut old);
+
+    // The message `kind` of migration `id` (epoch `ep`) from `origin` to
+    // `target` of the flow on `port`, through `dp`'s program.
+    let pass = |dp: &BpfDataPlane,
+                kind: Kind,
+                id: u64,
+                ep: u64,
+                port: u16,
+                origin: u32,
+                target: u32,
+                what: &str| {
+        let msg = mig_epoch(kind, id, ep, port, origin, Some(target));
+        expect_redirect(
+            dp,
+            sv,
+            &udp_from(server_ip(target), server_ip(origin), &msg),
+            &direct(target, origin, &msg),
+            what,
+        );
+    };
+    let mut new = BpfDataPlane::load(BpfOptions::small()).unwrap();
+    configure(&mut new, cl, sv, &NEW_IDX, NEW_SVC, &[0, 1]);
+    for &port in &ports {
+        new.insert_flow(flow_key(port), flow(&NEW_IDX, NEW_SVC, 0))
+            .unwrap();
+    }
+    // The copy: every flow's entry pending M toward 0.
+    replace_in_place(&mut new, &pins, cl, "client");
+    for (i, &port) in ports.iter().enumerate() {
+        let i = i as u32;
+        pass(
+            &old,
+            Kind::ConnStateAck,
+            m_id(i),
+            e_id(i),
+            port,
+            1,
+            0,
+            "M's CONN_STATE_ACK (predecessor)",
+        );
+        pass(
+            &old,
+            Kind::PrepareAck,
+            n_id(i),
+            m_id(i),
+            port,
+            0,
+            1,
+            "N's PREPARE_ACK (predecessor)",
+        );
+        if port == commit2 || port == abort2 {
+            pass(
+                &old,
+                Kind::ConnStateAck,
+                n_id(i),
+                m_id(i),
+                port,
+                0,
+                1,
+                "N's CONN_STATE_ACK (predecessor)",
+            );
+            pass(
+                &old,
+                Kind::PrepareAck,
+                p_id(i),
+                n_id(i),
+                port,
+                1,
+                0,
+                "P's PREPARE_ACK (predecessor)",
+            );
+        }
+    }
+    pass(
+        &new,
+        Kind::ConnStateAck,
+        n_id(0),
+        m_id(0),
+        commit,
+        0,
+        1,
+        "commit: N's CONN_STATE_ACK (successor)",
+    );
+    pass(
+        &new,
+        Kind::Abort,
+        n_id(1),
+        m_id(1),
+        abort,
+        0,
+        1,
+        "abort: N's ABORT decision (successor)",
+    );
+    pass(
+        &new,
+        Kind::ConnStateAck,
+        p_id(2),
+        n_id(2),
+        commit2,
+        1,
+        0,
+        "commit2: P's CONN_STATE_ACK (successor)",
+    );
+    pass(
+        &new,
+        Kind::Abort,
+        p_id(3),
+        n_id(3),
+        abort2,
+        1,
+        0,
+        "abort2: P's ABORT decision (successor)",
+    );
+    replace_in_place(&mut new, &pins, sv, "server");
+    let a = new.finish_adoption().unwrap();
+    eprintln!("adopted: {a:?}");
+    drop(old);
+
+    let want = [
+        (
+            commit,
+            CMigration::owner(NEW_IDX[1], n_id(0)),
+            "commit: final on N's target",
+        ),
+        (
+            abort,
+            CMigration::owner(NEW_IDX[0], n_id(1)),
+            "abort: final on N's origin",
+        ),
+        (
+            commit2,
+            CMigration::owner(NEW_IDX[0], p_id(2)),
+            "commit2: final on P's target",
+        ),
+        (
+            abort2,
+            CMigration::owner(NEW_IDX[1], p_id(3)),
+            "abort2: final on P's origin",
+        ),
+    ];
+    for (port, entry, what) in want {
+        assert_eq!(
+            new.lookup_migration(flow_key(port)).unwrap(),
+            Some(entry),
+            "{what}"
+        );
+    }
+    // The next migration of each, from its owner, is taken.
+    for (i, (port, entry, _)) in want.into_iter().enumerate() {
+        let owner = NEW_IDX.iter().position(|&x| x == entry.server).unwrap() as u32;
+        let next = mid(owner, 500 + i as u32);
+        let pa = mig_epoch(
+            Kind::PrepareAck,
+            next,
+            entry.migration_id,
+            port,
+            owner,
+            Some(1 - owner),
+        );
+        expect_redirect(
+            &new,
+            sv,
+            &udp_from(server_ip(1 - owner), server_ip(owner), &pa),
+            &direct(1 - owner, owner, &pa),
+            &format!("port {port}: the next migration's PREPARE_ACK"),
+        );
+        assert_eq!(
+            new.lookup_migration(flow_key(port)).unwrap(),
+            Some(CMigration::pending(NEW_IDX[1 - owner as usize], next)),
+            "port {port}: pending toward the next target"
+        );
+    }
+
+    new.detach_all();
+    pins.disown();
+    pins.remove_if_unused();
+    drop(ns);
+}

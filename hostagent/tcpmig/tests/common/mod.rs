@@ -181,7 +181,7 @@ impl SwitchModel {
                 let e = self.entries.get(&m.flow).copied();
                 let install = match e {
                     None => true,
-                    Some(e) => supersedes(e.owner, e.id, e.pending, &m),
+                    Some(e) => m.supersedes(e.owner, e.id, e.pending),
                 };
                 if install {
                     self.entries.insert(
@@ -223,7 +223,7 @@ impl SwitchModel {
                     // PREPARE_ACK never passed advances the final entry to
                     // its id, so that a late copy of that PREPARE_ACK is
                     // stale when it comes.
-                    Some(e) if supersedes(e.owner, e.id, e.pending, &m) => {
+                    Some(e) if m.supersedes(e.owner, e.id, e.pending) => {
                         e.id = id;
                     }
                     Some(_) => {}
@@ -748,18 +748,4 @@ impl FaultPlan for FirstK {
             Fate::Deliver
         }
     }
-}
-
-/// TCPMig v2 (docs/MIGRATION.md): whether migration `m` (origin `o`,
-/// ownership epoch `E`) may take over a flow whose entry is
-/// `{owner, id, pending}`: the entry is final, on `o`, of another
-/// migration, and its id is `E` (the migration that gave `o` the flow) or
-/// an older id of `o` itself (its own aborted migrations since).
-fn supersedes(owner: Ipv4Addr, id: u64, pending: bool, m: &TcpMigRepr<'_>) -> bool {
-    !pending
-        && owner == m.origin
-        && id != m.migration_id
-        && (id == m.epoch
-            || (id >> 32 == m.migration_id >> 32
-                && ((m.migration_id as u32).wrapping_sub(id as u32) as i32) > 0))
 }
