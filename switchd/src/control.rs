@@ -1775,6 +1775,13 @@ impl<D: DataPlane> ControlPlane<D> {
             }
         }
         let ck = CFlowKey::from(key);
+        // The moves the data plane made since the last flush (every 2 ms):
+        // a claim built before a migration that finished a moment ago must
+        // not undo it (takeover_churn_lab: a FLOWS report in flight while
+        // connections migrated every 5 ms sent 10 of 24 back to the server
+        // they had left, whose buffering for the next migration back then
+        // starved them).
+        self.take_dp_events(now)?;
         let entry = self.dp.lookup_migration(ck)?;
         if entry.is_some_and(|m| m.is_pending()) {
             self.claim_counters.in_progress += 1;
@@ -1782,6 +1789,12 @@ impl<D: DataPlane> ControlPlane<D> {
         }
         let flow = self.dp.lookup_flow(ck)?;
         let current = entry.map(|m| m.server).or(flow.map(|f| f.server));
+        if current != Some(sidx) && entry.is_some() {
+            // A migration that finished between the take above and the
+            // lookup: its event follows its entry within the same run of
+            // the program.
+            self.take_dp_events(now)?;
+        }
         if current != Some(sidx)
             && entry.is_some()
             && self
@@ -2360,6 +2373,27 @@ impl<D: DataPlane> ControlPlane<D> {
         Ok(())
     }
 
+    /// Takes the data plane's flow events into the batch for the sink
+    /// (flushed by [`Self::flush_events`]): closed flows start their
+    /// linger, and live moves are noted at once, so that a FLOWS claim
+    /// judged right after a migration finished sees it (the events are
+    /// taken before every claim, not only at the next flush).
+    fn take_dp_events(&mut self, now: Instant) -> std::result::Result<(), ControlError> {
+        let from = self.events.len();
+        self.dp.drain_events(&mut self.events)?;
+        for e in &self.events[from..] {
+            if e.kind == EV_CLOSED {
+                self.closing.push_back((now, e.key));
+            }
+            // A migration the data plane finished (or an origin took
+            // back): newer than any FLOWS claim built before it.
+            if e.kind == EV_MIGRATED || e.kind == EV_RETURNED {
+                self.live_moves.insert(FlowKey::from(e.key), now);
+            }
+        }
+        Ok(())
+    }
+
     /// Moves flow events from the data plane (and liveness) to the sink in
     /// one batch. Returns how many. Closed flows start their linger.
     pub fn flush_events(
@@ -2367,20 +2401,9 @@ impl<D: DataPlane> ControlPlane<D> {
         now: Instant,
         sink: &mut dyn FlowEventSink,
     ) -> std::result::Result<usize, ControlError> {
-        let from_liveness = self.events.len();
-        self.dp.drain_events(&mut self.events)?;
+        self.take_dp_events(now)?;
         let n = self.events.len();
         if n > 0 {
-            for e in &self.events[from_liveness..] {
-                if e.kind == EV_CLOSED {
-                    self.closing.push_back((now, e.key));
-                }
-                // A migration the data plane finished (or an origin took
-                // back): newer than any FLOWS claim built before it.
-                if e.kind == EV_MIGRATED || e.kind == EV_RETURNED {
-                    self.live_moves.insert(FlowKey::from(e.key), now);
-                }
-            }
             let updates: Vec<FlowUpdate> = self
                 .events
                 .iter()
@@ -3931,6 +3954,25 @@ pub(crate) mod tests {
             ClaimOutcome::Applied
         );
         assert_eq!(c.dp.current_owner(key(7)), Some(0));
+    }
+
+    /// The data plane finished the migration a moment ago and its event is
+    /// still in the ring (the daemon flushes every 2 ms): the claim built
+    /// before it must not undo it either.
+    #[test]
+    fn a_claim_judged_before_the_next_event_flush_does_not_undo_a_migration() {
+        let mut c = cp(TargetPolicy::RoundRobin);
+        let now = Instant::from_millis(10_000);
+        c.dp.place_flow(key(9), 0, 0);
+        c.dp.migrate_flow(key(9), 1);
+        assert_eq!(
+            c.claim_flow(now, ServerId(1), &claim(9, 0, 5_000)).unwrap(),
+            ClaimOutcome::MovedSince
+        );
+        assert_eq!(c.dp.current_owner(key(9)), Some(1), "still s2");
+        // The events still reach the store at the flush.
+        let mut store = Sinked::default();
+        assert!(c.flush_events(now, &mut store).unwrap() >= 1);
     }
 
     #[test]
