@@ -22,7 +22,8 @@ impl Principal {
 
 /// Authenticates the request, checks that its role is at least `min`, then
 /// that its query names only parameters the route takes
-/// ([`crate::server::TakesQuery`]; 400 naming the first other one).
+/// ([`crate::server::TakesQuery`]; 400 naming the first other one), each
+/// at most once (400 naming one given twice).
 /// `allow_query` also accepts `?access_token=` (only for the event stream,
 /// whose browser client cannot set headers).
 pub fn authorize(

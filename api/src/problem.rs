@@ -386,26 +386,35 @@ impl Query {
     }
     /// Refuses a parameter the endpoint does not take (400 naming it):
     /// a misspelt filter (`?servr=2`, `?services=web`) would otherwise be
-    /// ignored and list everything, as if the filter matched it all.
+    /// ignored and list everything, as if the filter matched it all. A
+    /// parameter it takes given twice (`?limit=1&limit=2`) is refused too
+    /// (400 naming it), rather than silently taking one of the two. The
+    /// first offending parameter, in the order given, is the one named.
     pub fn only(&self, known: &[&str]) -> ApiResult<&Self> {
-        match self.0.iter().find(|(k, _)| !known.contains(&k.as_str())) {
-            None => Ok(self),
-            Some((k, _)) if known.is_empty() => Err(Problem::bad_param(
-                k,
-                format!("unknown query parameter `{k}`; this endpoint takes no query parameters"),
-            )),
-            Some((k, _)) => Err(Problem::bad_param(
-                k,
-                format!(
-                    "unknown query parameter `{k}`; this endpoint takes {}",
+        for (i, (k, _)) in self.0.iter().enumerate() {
+            if !known.contains(&k.as_str()) {
+                let takes = if known.is_empty() {
+                    "no query parameters".to_string()
+                } else {
                     known
                         .iter()
                         .map(|k| format!("`{k}`"))
                         .collect::<Vec<_>>()
                         .join(", ")
-                ),
-            )),
+                };
+                return Err(Problem::bad_param(
+                    k,
+                    format!("unknown query parameter `{k}`; this endpoint takes {takes}"),
+                ));
+            }
+            if self.0[..i].iter().any(|(seen, _)| seen == k) {
+                return Err(Problem::bad_param(
+                    k,
+                    format!("query parameter `{k}` given twice; give it once"),
+                ));
+            }
         }
+        Ok(self)
     }
     pub fn get(&self, key: &str) -> Option<&str> {
         self.0

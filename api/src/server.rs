@@ -173,12 +173,14 @@ fn resource(path: &str, allow: &'static str) -> actix_web::Resource {
 /// [`authorize`] refuses any other parameter after authenticating the
 /// caller (400 naming it): a misspelt filter (`?servr=2`) or option must
 /// not be ignored as if the request had not asked for it, and a new route
-/// cannot forget the check.
+/// cannot forget the check. It refuses one given twice (`?limit=1&limit=2`)
+/// the same way, rather than take one of the two silently.
 #[derive(Clone, Copy)]
 pub struct TakesQuery(pub &'static [(&'static str, &'static [&'static str])]);
 
 /// Refuses a query parameter the route does not take for the request's
-/// method ([`TakesQuery`]); a malformed query string is a 400 too.
+/// method ([`TakesQuery`]) or one given twice; a malformed query string is
+/// a 400 too.
 pub fn check_query(req: &HttpRequest) -> ApiResult<()> {
     let takes = req
         .app_data::<TakesQuery>()

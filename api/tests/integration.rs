@@ -3222,12 +3222,13 @@ fn openapi_operations() -> Vec<(String, String, Vec<String>)> {
 /// Every `/v1` operation of `openapi.yaml` refuses a query parameter it
 /// does not take with a 400 naming it, and names the ones it takes (those
 /// the contract lists): a misspelt parameter was ignored on most of them
-/// (`GET /v1/servers?bogus=1` listed the servers). Walked from the spec, so
+/// (`GET /v1/servers?bogus=1` listed the servers). One it takes given twice
+/// (`?limit=1&limit=2`) is a 400 naming it too. Walked from the spec, so
 /// a new operation is covered by this test as it is added. The check comes
 /// after authentication (401, 403 first), and the probes and `/metrics`
 /// ignore the query.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_v1_operation_refuses_an_unknown_query_parameter() {
+async fn every_v1_operation_refuses_an_unknown_or_repeated_query_parameter() {
     let dir = tempfile::tempdir().unwrap();
     let api = start(dir.path()).await;
     let admin = api.token("root", Role::Admin);
@@ -3281,6 +3282,27 @@ async fn every_v1_operation_refuses_an_unknown_query_parameter() {
         got.sort();
         want.sort();
         assert_eq!(got, want, "{method} {path}");
+        // A parameter it takes, given twice, is refused as well: it took
+        // the last one silently (`?limit=1&limit=2` listed two).
+        for k in &want {
+            let (s, v, ct) = call(
+                method,
+                format!("{}{p}?{k}=1&{k}=2", api.url),
+                Some(&admin),
+                None,
+            )
+            .await;
+            assert_eq!(
+                (s, ct.as_str(), &v["field"], &v["detail"]),
+                (
+                    400,
+                    "application/problem+json",
+                    &json!(k),
+                    &json!(format!("query parameter `{k}` given twice; give it once"))
+                ),
+                "{method} {path}?{k}=1&{k}=2: {v}"
+            );
+        }
     }
     assert!(v1 >= 20, "{v1} /v1 operations");
     // Authentication and the role come first.
