@@ -253,6 +253,7 @@ pub trait ControlPlane: Send + Sync + 'static {
         self.service_serving().await.map(|serving| ServicesStatus {
             serving,
             retiring: None,
+            refused: Vec::new(),
         })
     }
 }
@@ -264,6 +265,60 @@ pub struct ServicesStatus {
     pub serving: HashMap<(Ipv4Addr, u16), ServiceServing>,
     /// `None`: this control plane cannot tell.
     pub retiring: Option<Vec<RetiringService>>,
+    /// Stored services switchd read and does not serve, and why
+    /// (`refused_services` in its `/status`; empty from a switchd too old
+    /// to say).
+    pub refused: Vec<RefusedService>,
+}
+
+impl ServicesStatus {
+    /// What switchd does with stored service `s`: refused (read, not
+    /// served: the reason), applied (it serves its VIP:port), or pending
+    /// (not read yet: switchd reads the store's services every 250 ms).
+    /// A refusal wins over a VIP:port served under another name (a
+    /// service refused because another one has its address).
+    pub fn view_of(&self, s: &capybara_store::Service) -> ServiceServing {
+        if let Some(r) = self
+            .refused
+            .iter()
+            .find(|r| r.name == s.name && r.vip == s.vip && r.port == s.port)
+        {
+            return ServiceServing {
+                state: Some(ApplyState::Refused),
+                refused_reason: Some(r.reason.clone()),
+                ..ServiceServing::default()
+            };
+        }
+        match self.serving.get(&(s.vip, s.port)) {
+            Some(v) => v.clone(),
+            None => ServiceServing {
+                state: Some(ApplyState::Pending),
+                ..ServiceServing::default()
+            },
+        }
+    }
+}
+
+/// A stored service switchd does not serve, and why (a VIP:port or name
+/// used twice, no free service slot, the data plane did not take it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefusedService {
+    pub name: String,
+    pub vip: Ipv4Addr,
+    pub port: u16,
+    pub reason: String,
+}
+
+/// Whether switchd applied a stored service (`ServiceServing.state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ApplyState {
+    /// It serves the service's VIP:port.
+    Applied,
+    /// It has not read it yet (within about a second of a change).
+    Pending,
+    /// It read it and does not serve it (`refused_reason`).
+    Refused,
 }
 
 /// A deleted service switchd keeps retiring (`RetiringService` in the API).
@@ -300,6 +355,12 @@ pub struct ServiceServing {
     /// placed on (named in the pool), they leave its new connections
     /// unanswered.
     pub not_serving: Vec<u32>,
+    /// Applied, pending or refused ([`ServicesStatus::view_of`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<ApplyState>,
+    /// Why switchd refused it (with `state: refused` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refused_reason: Option<String>,
 }
 
 /// How often a drain supervisor re-reads the server's flows.

@@ -216,7 +216,9 @@ example:
 Lists the services: name, VIP:PORT, pool (server ids; every server when
 empty) and SERVED BY, the servers switchd places new connections on now
 (`none (pool ...)` when none does; `pending` for a service switchd has not
-applied yet, within a second of a change); then the retiring ones (deleted,
+applied yet, within a second of a change; `refused: REASON` for one it
+read and will not serve, e.g. its VIP:PORT is another stored service's);
+then the retiring ones (deleted,
 still serving their open connections): connections left, time since the
 delete, time left before the timeout.
 example:
@@ -949,7 +951,7 @@ async fn services(cfg: &Configuration) -> Result<(), CtlError> {
     Ok(())
 }
 
-/// `services`' SERVED BY for a stored service switchd does not serve (yet).
+/// `services`' SERVED BY for a stored service switchd has not read yet.
 const SERVICE_PENDING: &str =
     "pending: switchd applies it within 1 s (if it stays pending, see switchd's log)";
 
@@ -965,11 +967,17 @@ fn served_by(serving: Option<&models::ServiceServing>) -> String {
     };
     match serving {
         None => "- (switchd did not answer)".to_string(),
+        // switchd read it and will not serve it (a VIP:port or name another
+        // stored service has, no free slot: written past the API's checks,
+        // e.g. by two API processes at once): it stays so until changed.
+        Some(v) if v.state == Some(models::service_serving::State::Refused) => format!(
+            "refused: {}",
+            v.refused_reason
+                .as_deref()
+                .unwrap_or("(switchd gave no reason)")
+        ),
         // switchd reads the store's services every 250 ms: a service just
-        // added or moved is not in its `/status` yet. It reports no marker
-        // of which store read it applied, and refuses a stored service
-        // only in cases the API already refuses (a 17th service, a
-        // VIP:port taken), so "not yet" is what this nearly always means.
+        // added or moved is not in its `/status` yet.
         Some(v) if !v.served => SERVICE_PENDING.to_string(),
         Some(v) => {
             // Served, but by no server: none registered that serves this
@@ -1855,6 +1863,18 @@ mod tests {
         assert_eq!(served_by(Some(&p)), "none (pool 1,2,3)");
         p.placing = None;
         assert_eq!(served_by(Some(&p)), "1,2,3", "an older switchd: its pool");
+        // Not read yet, or read and refused (with switchd's reason): was
+        // "pending" for both, forever for a refused one.
+        use models::service_serving::State;
+        let mut n = models::ServiceServing::new(false, vec![], vec![], false, false);
+        n.state = Some(State::Pending);
+        assert_eq!(served_by(Some(&n)), SERVICE_PENDING);
+        n.state = Some(State::Refused);
+        n.refused_reason = Some("198.18.100.1:7 is already the address of service \"echo\"".into());
+        assert_eq!(
+            served_by(Some(&n)),
+            "refused: 198.18.100.1:7 is already the address of service \"echo\""
+        );
     }
 
     #[test]

@@ -25,7 +25,7 @@ use crate::apidb::{ApiDb, ApiDbError, DrainMode, Role};
 use crate::auth::{authorize, Principal};
 use crate::control::{
     parse_connection_id, ConnectionFilter, ControlPlane, DataSource, DrainSpec, DrainView,
-    ServerStats, ServiceServing, SwitchdLiveness,
+    ServerStats, ServiceServing, ServicesStatus, SwitchdLiveness,
 };
 use crate::events::{self, SseMessage};
 use crate::metrics::Metrics;
@@ -895,13 +895,11 @@ fn service_view(s: &Service) -> ServiceView {
 }
 
 /// A stored service with switchd's view of it (`serving`), when switchd
-/// answered: a VIP:port it does not list is not served.
-fn serving_view(
-    s: &Service,
-    serving: Option<&HashMap<(Ipv4Addr, u16), ServiceServing>>,
-) -> ServiceView {
+/// answered: applied (a VIP:port it serves), refused (with its reason),
+/// or pending (not read yet). See [`ServicesStatus::view_of`].
+fn serving_view(s: &Service, status: Option<&ServicesStatus>) -> ServiceView {
     let mut v = service_view(s);
-    v.serving = serving.map(|m| m.get(&(s.vip, s.port)).cloned().unwrap_or_default());
+    v.serving = status.map(|st| st.view_of(s));
     v
 }
 
@@ -1017,8 +1015,10 @@ async fn list_services(req: HttpRequest, data: web::Data<AppState>) -> ApiResult
     // services it still serves connections of (absent when it does not
     // answer).
     let status = state.cp.services_status().await;
-    let serving = status.as_ref().map(|s| &s.serving);
-    let items: Vec<_> = services.iter().map(|s| serving_view(s, serving)).collect();
+    let items: Vec<_> = services
+        .iter()
+        .map(|s| serving_view(s, status.as_ref()))
+        .collect();
     let mut body = json!({ "items": items });
     if let Some(retiring) = status.and_then(|s| s.retiring) {
         body["retiring"] = json!(retiring);
@@ -1082,8 +1082,8 @@ async fn get_service(
     check_service_name(&path)?;
     match state.store.get_service(&path).await? {
         Some(s) => {
-            let serving = state.cp.service_serving().await;
-            Ok(ok(&serving_view(&s, serving.as_ref())))
+            let status = state.cp.services_status().await;
+            Ok(ok(&serving_view(&s, status.as_ref())))
         }
         None => Err(Problem::not_found(format!(
             "service {:?} not found",

@@ -40,10 +40,11 @@ use serde::Deserialize;
 use tokio::sync::broadcast;
 
 use crate::control::{
-    connection_id, ConnectionFilter, ConnectionPage, ControlEvent, ControlPlane, DataSource,
-    DrainSpec, DrainView, Histogram, MigrationMetrics, MigrationPhases, MigrationView,
-    RetiringService, ServerStats, ServiceServing, ServicesStatus, StoreControlPlane,
-    SwitchdLiveness, MIGRATION_OUTCOMES, MIGRATION_PHASES, PHASE_BUCKETS_SECONDS,
+    connection_id, ApplyState, ConnectionFilter, ConnectionPage, ControlEvent, ControlPlane,
+    DataSource, DrainSpec, DrainView, Histogram, MigrationMetrics, MigrationPhases, MigrationView,
+    RefusedService, RetiringService, ServerStats, ServiceServing, ServicesStatus,
+    StoreControlPlane, SwitchdLiveness, MIGRATION_OUTCOMES, MIGRATION_PHASES,
+    PHASE_BUCKETS_SECONDS,
 };
 use crate::problem::Problem;
 
@@ -172,6 +173,19 @@ pub struct Status {
     pub servers: Vec<StatusServer>,
     #[serde(default)]
     pub services: Vec<StatusService>,
+    /// Stored services it read and does not serve (absent from a switchd
+    /// older than this field).
+    #[serde(default)]
+    pub refused_services: Vec<StatusRefusedService>,
+}
+
+/// One of switchd's `/status` `refused_services[]`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct StatusRefusedService {
+    pub name: String,
+    /// `VIP:port`.
+    pub vip: String,
+    pub reason: String,
 }
 
 /// The switch's own addresses in switchd's `/status` (absent from a
@@ -310,6 +324,8 @@ pub fn parse_services_status(body: &str) -> Result<ServicesStatus, Problem> {
                 .map(|m| m.server)
                 .filter(|id| listed.get(id).is_some_and(|l| !serves(l)))
                 .collect(),
+            state: Some(ApplyState::Applied),
+            refused_reason: None,
         };
         serving.insert((*addr.ip(), addr.port()), view);
     }
@@ -320,9 +336,23 @@ pub fn parse_services_status(body: &str) -> Result<ServicesStatus, Problem> {
             b.port,
         ))
     });
+    let refused = st
+        .refused_services
+        .into_iter()
+        .filter_map(|r| {
+            let addr = r.vip.parse::<std::net::SocketAddrV4>().ok()?;
+            Some(RefusedService {
+                name: r.name,
+                vip: *addr.ip(),
+                port: addr.port(),
+                reason: r.reason,
+            })
+        })
+        .collect();
     Ok(ServicesStatus {
         serving,
         retiring: Some(retiring),
+        refused,
     })
 }
 
@@ -1498,6 +1528,57 @@ mod tests {
         .unwrap();
         assert_eq!(m.len(), 1);
         assert!(m[&(Ipv4Addr::new(198, 18, 100, 1), 80)].served);
+    }
+
+    /// A stored service switchd refuses (`refused_services`) is shown
+    /// refused with its reason, even at a VIP:port switchd serves (for
+    /// another service: the one in its way); one it neither serves nor
+    /// refuses is pending; a served one is applied.
+    #[test]
+    fn refused_services_are_refused_not_pending() {
+        let st = parse_services_status(
+            r#"{"services": [
+              {"name": "echo", "vip": "198.18.100.1:7", "pool": [{"server": 1}]}
+            ], "refused_services": [
+              {"name": "dup", "vip": "198.18.100.1:7", "reason": "198.18.100.1:7 is already the address of service \"echo\""},
+              {"name": "bad", "vip": "not an address", "reason": "x"}
+            ]}"#,
+        )
+        .unwrap();
+        let svc = |name: &str, vip: [u8; 4], port| capybara_store::Service {
+            name: name.into(),
+            vip: vip.into(),
+            port,
+            pool: Vec::new(),
+        };
+        let v = st.view_of(&svc("echo", [198, 18, 100, 1], 7));
+        assert_eq!((v.served, v.state), (true, Some(ApplyState::Applied)));
+        let v = st.view_of(&svc("dup", [198, 18, 100, 1], 7));
+        assert_eq!((v.served, v.state), (false, Some(ApplyState::Refused)));
+        assert_eq!(
+            v.refused_reason.as_deref(),
+            Some("198.18.100.1:7 is already the address of service \"echo\"")
+        );
+        // Moved since switchd refused it: not read yet, so pending.
+        let v = st.view_of(&svc("dup", [198, 18, 100, 3], 7));
+        assert_eq!((v.served, v.state), (false, Some(ApplyState::Pending)));
+        assert_eq!(v.refused_reason, None);
+        // A switchd without the field refuses nothing it says.
+        let st = parse_services_status(r#"{"services": []}"#).unwrap();
+        assert!(st.refused.is_empty());
+        let v = st.view_of(&svc("dup", [198, 18, 100, 1], 7));
+        assert_eq!(v.state, Some(ApplyState::Pending));
+        // Serialized as the contract names them.
+        let v = serde_json::to_value(ServiceServing {
+            state: Some(ApplyState::Refused),
+            refused_reason: Some("why".into()),
+            ..ServiceServing::default()
+        })
+        .unwrap();
+        assert_eq!(
+            (&v["state"], &v["refused_reason"]),
+            (&serde_json::json!("refused"), &serde_json::json!("why"))
+        );
     }
 
     #[test]

@@ -4484,6 +4484,39 @@ pub(crate) mod tests {
             .contains("already the address of service \"a\""));
         assert!(ch.rejected[2].1.contains("no free service slot"));
         assert_eq!(c.services().len(), MAX_SERVICES as usize);
+        // What `/status` `refused_services` says: each refused spec at its
+        // own address with its reason; the served "a" is not refused,
+        // though its name is rejected at another address.
+        let refused = crate::services::refused(&specs, c.services(), |name| {
+            ch.rejected
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, why)| why.clone())
+        });
+        let got: Vec<(&str, SocketAddrV4, &str)> = refused
+            .iter()
+            .map(|r| (r.name.as_str(), r.addr, r.reason.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (
+                    "b",
+                    addr(1),
+                    "198.18.100.1:80 is already the address of service \"a\""
+                ),
+                (
+                    "a",
+                    addr(2),
+                    "a service named \"a\" is already at 198.18.100.1:80"
+                ),
+                (
+                    "s15",
+                    addr(25),
+                    "no free service slot (at most 16 services)"
+                ),
+            ]
+        );
     }
 
     #[test]

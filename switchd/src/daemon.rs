@@ -479,6 +479,10 @@ struct Switch {
     service_changes: u64,
     /// Stored services that could not be served (see `apply_services`).
     service_rejections: u64,
+    /// The stored services the last read of the store's services left
+    /// unserved, and why (`refused_services` in `/status`): so that the
+    /// API tells "refused" from "not read yet". Replaced at every apply.
+    refused_services: Vec<crate::services::RefusedService>,
     /// Retiring services removed: their connections had ended, or the
     /// retire timeout ended them.
     services_retired: u64,
@@ -701,6 +705,7 @@ impl Switch {
             records_resync: Arc::new(AtomicBool::new(false)),
             service_changes: 0,
             service_rejections: 0,
+            refused_services: Vec::new(),
             services_retired: 0,
             service_retire_timeouts: 0,
             embryonic,
@@ -2661,9 +2666,19 @@ impl Switch {
             Ok(ch) => ch,
             Err(e) => {
                 eprintln!("switchd: applying the store's services: {e}");
+                // What it serves stays; the rest was not applied.
+                let why = format!("the data plane did not take the change: {e}");
+                self.refused_services =
+                    crate::services::refused(&specs, self.cp.services(), |_| Some(why.clone()));
                 return;
             }
         };
+        self.refused_services = crate::services::refused(&specs, self.cp.services(), |name| {
+            ch.rejected
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, why)| why.clone())
+        });
         let role = if active { "" } else { " (standby)" };
         for name in &ch.added {
             if let Some(s) = self
@@ -3052,6 +3067,13 @@ impl Switch {
                  "retiring_flows": s.retiring.and_then(|_| self.cp.retiring_flows(SocketAddrV4::new(s.vip, s.port))),
                  "backend_down": self.cp.servers().filter(|v| v.backend_is_down(s.vip, s.port)).map(|v| v.reg.id.0).collect::<Vec<_>>()}))
             .collect();
+        // Stored services switchd read and does not serve, and why (a
+        // stored service in neither list is not read yet).
+        let refused: Vec<serde_json::Value> = self
+            .refused_services
+            .iter()
+            .map(|r| json!({"name": r.name, "vip": r.addr.to_string(), "reason": r.reason}))
+            .collect();
         let dp_counters: serde_json::Map<String, serde_json::Value> = STAT_NAMES
             .iter()
             .zip(stats.iter().chain(std::iter::repeat(&0)))
@@ -3132,6 +3154,7 @@ impl Switch {
             })),
         });
         let mut status = status;
+        status["refused_services"] = json!(refused);
         // FLOWS reports (docs/SWITCHD.md, "Control channel").
         let cc = self.cp.claim_counters;
         status["flow_claims"] = json!({
@@ -3256,13 +3279,14 @@ impl Switch {
             );
         }
         m += &format!(
-            "{p}_services {}\n{p}_services_retiring {}\n{p}_services_retired_total {}\n{p}_service_retire_timeouts_total {}\n{p}_service_changes_total {}\n{p}_service_rejections_total {}\n",
+            "{p}_services {}\n{p}_services_retiring {}\n{p}_services_retired_total {}\n{p}_service_retire_timeouts_total {}\n{p}_service_changes_total {}\n{p}_service_rejections_total {}\n{p}_services_refused {}\n",
             self.cp.services().len(),
             self.cp.retiring().count(),
             self.services_retired,
             self.service_retire_timeouts,
             self.service_changes,
-            self.service_rejections
+            self.service_rejections,
+            self.refused_services.len()
         );
         m += &format!(
             "{p}_health_changes_total {}\n{p}_health_table_pushes_total {}\n",

@@ -82,6 +82,43 @@ pub fn store_specs(
         .collect()
 }
 
+/// A stored service switchd read and does not serve, and why (a VIP:port
+/// or name used twice, no free service slot, or the data plane did not
+/// take the change): `refused_services` in `/status`, which the API shows
+/// as the service's `refused` state with this reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefusedService {
+    pub name: String,
+    pub addr: SocketAddrV4,
+    pub reason: String,
+}
+
+/// The specs of one apply that are not served after it, each with the
+/// reason `why` gives for its name (`None`: not refused, e.g. served
+/// under its address already). A spec is served when a live (not
+/// retiring) service of that name is at its address.
+pub fn refused(
+    specs: &[ServiceSpec],
+    served: &[crate::control::Service],
+    why: impl Fn(&str) -> Option<String>,
+) -> Vec<RefusedService> {
+    specs
+        .iter()
+        .filter(|spec| {
+            !served
+                .iter()
+                .any(|s| s.retiring.is_none() && s.name == spec.name && s.addr() == spec.addr)
+        })
+        .filter_map(|spec| {
+            Some(RefusedService {
+                name: spec.name.clone(),
+                addr: spec.addr,
+                reason: why(&spec.name)?,
+            })
+        })
+        .collect()
+}
+
 /// What the active switchd does with the config's services at start (and
 /// at a takeover): see [`seed`].
 #[derive(Debug, Default, PartialEq)]

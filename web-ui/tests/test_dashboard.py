@@ -504,3 +504,46 @@ def test_a_service_switchd_has_not_applied_yet_reads_pending(page: Page, tmp_pat
         switchd.status["services"] = [service]
         expect(serving.locator("[data-served='true']")).to_be_visible(timeout=10_000)
         expect(serving.get_by_test_id("service-pending-web")).to_have_count(0)
+
+
+def test_a_service_switchd_refuses_reads_refused_with_its_reason(page: Page, tmp_path, shot):
+    """A stored service switchd read and will not serve (its `/status`
+    lists it in `refused_services`, e.g. another stored service has its
+    VIP:port) read "pending" for ever, like one not read yet. The Services
+    page says "refused" in red with switchd's reason; pending before
+    switchd reads it, served once the refusal is gone and it serves it."""
+    service = {"name": "web", "vip": f"{VIP}:{PORT}", "index": 0, "placement": "maglev",
+               "pool": [{"server": 1, "weight": 1}],
+               "fail_open": False, "refusing": False, "retiring": False, "backend_down": [],
+               "placing": [1]}
+    reason = f'{VIP}:{PORT} is already the address of service "www"'
+    status = {"role": "active", "servers": [{"id": 1, "state": "live", "connections": 0}],
+              "services": [], "refused_services": []}
+    with api_behind_switchd(tmp_path, status) as (api, switchd):
+        api.req("POST", "/v1/servers", 201, json=SERVERS[0])
+        api.req("POST", "/v1/services", 201, json={"name": "web", "vip": VIP, "port": PORT, "pool": [1]})
+        login(page, api)
+        page.get_by_test_id("nav-services").click()
+        serving = page.get_by_test_id("service-serving-web")
+        expect(serving.get_by_test_id("service-pending-web")).to_have_text("pending")
+        assert api.get("/v1/services/web")["serving"]["state"] == "pending"
+
+        switchd.status["refused_services"] = [{"name": "web", "vip": f"{VIP}:{PORT}", "reason": reason}]
+        refused = serving.get_by_test_id("service-refused-web")
+        expect(refused).to_be_visible(timeout=10_000)
+        expect(refused).to_have_text("refused")
+        expect(refused).to_have_class(re.compile(r"\bbadge-dead\b"))
+        expect(refused).to_have_attribute("title", f"switchd refused this service: {reason}")
+        expect(serving.get_by_test_id("service-refused-reason-web")).to_have_text(reason)
+        expect(serving.locator("[data-served='refused']")).to_be_visible()
+        expect(serving.get_by_test_id("service-pending-web")).to_have_count(0)
+        v = api.get("/v1/services/web")["serving"]
+        assert (v["served"], v["state"], v["refused_reason"]) == (False, "refused", reason), v
+        shot(page, "22b-service-refused")
+
+        # The one in its way changed: switchd serves it.
+        switchd.status["refused_services"] = []
+        switchd.status["services"] = [service]
+        expect(serving.locator("[data-served='true']")).to_be_visible(timeout=10_000)
+        expect(serving.get_by_test_id("service-refused-web")).to_have_count(0)
+        assert api.get("/v1/services/web")["serving"]["state"] == "applied"

@@ -314,11 +314,22 @@ const SERVICE_PENDING = "switchd applies it within 1 s (if it stays pending, see
 function Serving({ svc, servers }: { svc: ServiceView; servers: Record<number, Server> }) {
   const v = svc.serving;
   if (!v) return <span className="muted" title="switchd did not answer: the store's record only" data-served="unknown">unknown</span>;
+  // switchd read it and will not serve it (a VIP:port or name another
+  // stored service has, no free slot): red with its reason, as `capybara
+  // ctl services` prints "refused: REASON". It stays so until changed.
+  if (v.state === 'refused') {
+    const why = v.refused_reason ?? 'switchd gave no reason';
+    return (
+      <span className="pool" data-served="refused">
+        <span className="chip badge-dead" title={`switchd refused this service: ${why}`} data-testid={`service-refused-${svc.name}`}>
+          refused
+        </span>
+        <span className="refused-reason" data-testid={`service-refused-reason-${svc.name}`}>{why}</span>
+      </span>
+    );
+  }
   // switchd applies the store's services every 250 ms, so a service just
-  // created or moved is not in its /status yet. The API reports no marker
-  // of which store read switchd applied, and switchd refuses a stored
-  // service only where the API already refused it: like `capybara ctl
-  // services`, "not served" reads as pending, not as a failure.
+  // created or moved is not in its /status yet: pending, not a failure.
   if (!v.served) {
     return (
       <span className="chip badge-draining" title={SERVICE_PENDING} data-served="pending" data-testid={`service-pending-${svc.name}`}>

@@ -22,10 +22,32 @@ export interface ServiceServing {
     /**
      * The data plane serves this VIP:port (switchd applies the
      * store's services within about a second; false also when it
-     * could not, e.g. no free service slot: switchd's log says why).
+     * refused the service: see `state`).
      * 
      */
     served: boolean;
+    /**
+     * Whether switchd applied this stored service. `applied`: it
+     * serves its VIP:port (`served` true). `pending`: it has not read
+     * it yet (it reads the store's services every 250 ms, so a
+     * service just created or moved is pending for up to about a
+     * second). `refused`: it read it and does not serve it, for the
+     * reason in `refused_reason` (its VIP:port or name used by
+     * another stored service, no free service slot, or the data
+     * plane did not take it); it stays refused until the service
+     * or the one in its way is changed. A switchd older than this
+     * field never reports `refused` (a refused service then stays
+     * `pending`).
+     * 
+     */
+    state?: ServiceServingStateEnum;
+    /**
+     * Why switchd refused the service (with `state: refused` only),
+     * e.g. `198.18.100.1:7 is already the address of service "echo"`
+     * or `no free service slot (at most 16 services)`.
+     * 
+     */
+    refused_reason?: string;
     /**
      * The pool switchd resolved: the named ones and those whose
      * hostagent serves the VIP:port; for an empty pool also every
@@ -79,6 +101,18 @@ export interface ServiceServing {
     not_serving?: Array<number>;
 }
 
+
+/**
+ * @export
+ */
+export const ServiceServingStateEnum = {
+    applied: 'applied',
+    pending: 'pending',
+    refused: 'refused',
+} as const;
+export type ServiceServingStateEnum = typeof ServiceServingStateEnum[keyof typeof ServiceServingStateEnum];
+
+
 /**
  * Check if a given object implements the ServiceServing interface.
  */
@@ -102,6 +136,8 @@ export function ServiceServingFromJSONTyped(json: any, ignoreDiscriminator: bool
     return {
         
         'served': json['served'],
+        'state': json['state'] == null ? undefined : json['state'],
+        'refused_reason': json['refused_reason'] == null ? undefined : json['refused_reason'],
         'members': json['members'],
         'placing': json['placing'] == null ? undefined : json['placing'],
         'apps_down': json['apps_down'],
@@ -123,6 +159,8 @@ export function ServiceServingToJSONTyped(value?: ServiceServing | null, ignoreD
     return {
         
         'served': value['served'],
+        'state': value['state'],
+        'refused_reason': value['refused_reason'],
         'members': value['members'],
         'placing': value['placing'],
         'apps_down': value['apps_down'],

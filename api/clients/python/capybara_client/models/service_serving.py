@@ -17,7 +17,7 @@ import pprint
 import re  # noqa: F401
 import json
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 from typing import Any, ClassVar, Dict, List, Optional
 from typing_extensions import Annotated
 from typing import Optional, Set
@@ -28,14 +28,26 @@ class ServiceServing(BaseModel):
     """
     ServiceServing
     """ # noqa: E501
-    served: StrictBool = Field(description="The data plane serves this VIP:port (switchd applies the store's services within about a second; false also when it could not, e.g. no free service slot: switchd's log says why). ")
+    served: StrictBool = Field(description="The data plane serves this VIP:port (switchd applies the store's services within about a second; false also when it refused the service: see `state`). ")
+    state: Optional[StrictStr] = Field(default=None, description="Whether switchd applied this stored service. `applied`: it serves its VIP:port (`served` true). `pending`: it has not read it yet (it reads the store's services every 250 ms, so a service just created or moved is pending for up to about a second). `refused`: it read it and does not serve it, for the reason in `refused_reason` (its VIP:port or name used by another stored service, no free service slot, or the data plane did not take it); it stays refused until the service or the one in its way is changed. A switchd older than this field never reports `refused` (a refused service then stays `pending`). ")
+    refused_reason: Optional[StrictStr] = Field(default=None, description="Why switchd refused the service (with `state: refused` only), e.g. `198.18.100.1:7 is already the address of service \"echo\"` or `no free service slot (at most 16 services)`. ")
     members: List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]] = Field(description="The pool switchd resolved: the named ones and those whose hostagent serves the VIP:port; for an empty pool also every registered server whose hostagent lists no service. The pool, not who takes new connections: dead, drained, leaving and weight-0 members stay listed (and a server deleted through the API while switchd still knows it). See `placing`. ")
     placing: Optional[List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]]] = Field(default=None, description="The servers new connections of this service are placed on right now: exactly the members switchd's placement tables (Maglev table, LWRR ring) are built from: live, not leaving, not drained or draining, operator weight above 0, serving the VIP:port, application up (all live ones while `fail_open`). Empty: no server takes new connections. Present whenever switchd reports it; absent when switchd is older and does not (read `members` then, which is the pool). ")
     apps_down: List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]] = Field(description="Members whose application of this service their health checks report down.")
     fail_open: StrictBool = Field(description="Every live member reports its application down, so placement keeps them all.")
     refusing: StrictBool = Field(description="No member can take a new connection for a lasting reason (every one drained or draining, at operator weight 0, or dead past its grace): switchd answers new connections with a reset (connection refused) instead of leaving them unanswered (docs/SWITCHD.md, \"No server to take a connection\"). Undrain a server or give one a weight to serve again. ")
     not_serving: Optional[List[Annotated[int, Field(le=4294967295, strict=True, ge=1)]]] = Field(default=None, description="Members named in the pool whose hostagent lists other services and not this VIP:port: their stacks would leave its connections unanswered, so switchd places no new connection there and migrates none there (with no other member left the service refuses new connections). Serve the VIP:port there (a `[[service]]` in its hostagent config) or take the server out of the pool. ")
-    __properties: ClassVar[List[str]] = ["served", "members", "placing", "apps_down", "fail_open", "refusing", "not_serving"]
+    __properties: ClassVar[List[str]] = ["served", "state", "refused_reason", "members", "placing", "apps_down", "fail_open", "refusing", "not_serving"]
+
+    @field_validator('state')
+    def state_validate_enum(cls, value):
+        """Validates the enum"""
+        if value is None:
+            return value
+
+        if value not in set(['applied', 'pending', 'refused']):
+            raise ValueError("must be one of enum values ('applied', 'pending', 'refused')")
+        return value
 
     model_config = ConfigDict(
         validate_by_name=True,
@@ -89,6 +101,8 @@ class ServiceServing(BaseModel):
 
         _obj = cls.model_validate({
             "served": obj.get("served"),
+            "state": obj.get("state"),
+            "refused_reason": obj.get("refused_reason"),
             "members": obj.get("members"),
             "placing": obj.get("placing"),
             "apps_down": obj.get("apps_down"),

@@ -13,9 +13,15 @@ use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Default, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ServiceServing {
-    /// The data plane serves this VIP:port (switchd applies the store's services within about a second; false also when it could not, e.g. no free service slot: switchd's log says why).
+    /// The data plane serves this VIP:port (switchd applies the store's services within about a second; false also when it refused the service: see `state`).
     #[serde(rename = "served")]
     pub served: bool,
+    /// Whether switchd applied this stored service. `applied`: it serves its VIP:port (`served` true). `pending`: it has not read it yet (it reads the store's services every 250 ms, so a service just created or moved is pending for up to about a second). `refused`: it read it and does not serve it, for the reason in `refused_reason` (its VIP:port or name used by another stored service, no free service slot, or the data plane did not take it); it stays refused until the service or the one in its way is changed. A switchd older than this field never reports `refused` (a refused service then stays `pending`).
+    #[serde(rename = "state", skip_serializing_if = "Option::is_none")]
+    pub state: Option<State>,
+    /// Why switchd refused the service (with `state: refused` only), e.g. `198.18.100.1:7 is already the address of service \"echo\"` or `no free service slot (at most 16 services)`.
+    #[serde(rename = "refused_reason", skip_serializing_if = "Option::is_none")]
+    pub refused_reason: Option<String>,
     /// The pool switchd resolved: the named ones and those whose hostagent serves the VIP:port; for an empty pool also every registered server whose hostagent lists no service. The pool, not who takes new connections: dead, drained, leaving and weight-0 members stay listed (and a server deleted through the API while switchd still knows it). See `placing`.
     #[serde(rename = "members")]
     pub members: Vec<i64>,
@@ -46,6 +52,8 @@ impl ServiceServing {
     ) -> ServiceServing {
         ServiceServing {
             served,
+            state: None,
+            refused_reason: None,
             members,
             placing: None,
             apps_down,
@@ -53,5 +61,21 @@ impl ServiceServing {
             refusing,
             not_serving: None,
         }
+    }
+}
+/// Whether switchd applied this stored service. `applied`: it serves its VIP:port (`served` true). `pending`: it has not read it yet (it reads the store's services every 250 ms, so a service just created or moved is pending for up to about a second). `refused`: it read it and does not serve it, for the reason in `refused_reason` (its VIP:port or name used by another stored service, no free service slot, or the data plane did not take it); it stays refused until the service or the one in its way is changed. A switchd older than this field never reports `refused` (a refused service then stays `pending`).
+#[derive(Clone, Copy, Debug, Eq, PartialEq, Ord, PartialOrd, Hash, Serialize, Deserialize)]
+pub enum State {
+    #[serde(rename = "applied")]
+    Applied,
+    #[serde(rename = "pending")]
+    Pending,
+    #[serde(rename = "refused")]
+    Refused,
+}
+
+impl Default for State {
+    fn default() -> State {
+        Self::Applied
     }
 }
