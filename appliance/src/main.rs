@@ -169,8 +169,24 @@ fn parse_count(flag: &str, s: &str, max: u32) -> Result<u32, UsageError> {
 #[serde(deny_unknown_fields)]
 struct LabConfigFile {
     prefix: Option<String>,
+    // A type error names the range `parse_count` holds them to.
+    #[serde(
+        default,
+        deserialize_with = "lab_count::<_, { lab::plan::MAX_SERVERS as i128 }>"
+    )]
     servers: Option<u32>,
+    #[serde(
+        default,
+        deserialize_with = "lab_count::<_, { lab::plan::MAX_CLIENTS as i128 }>"
+    )]
     clients: Option<u32>,
+}
+
+/// `servers` or `clients` of a lab config: 1 to `MAX`.
+fn lab_count<'de, D: serde::Deserializer<'de>, const MAX: i128>(
+    d: D,
+) -> Result<Option<u32>, D::Error> {
+    capybara_confkit::int_in::<_, u32, 1, MAX>(d).map(Some)
 }
 
 fn load_config(path: &str) -> Result<LabConfigFile, UsageError> {
@@ -178,17 +194,9 @@ fn load_config(path: &str) -> Result<LabConfigFile, UsageError> {
         .map_err(|e| UsageError(format!("cannot read lab config {path}: {e}")))?;
     toml::from_str(&text).map_err(|e| {
         // toml's messages do not always name the key; quote the line instead.
-        let at = e
-            .span()
-            .map(|s| {
-                let line_no = text[..s.start].matches('\n').count() + 1;
-                let line = text.lines().nth(line_no - 1).unwrap_or("").trim();
-                format!(" (line {line_no}: {line})")
-            })
-            .unwrap_or_default();
         UsageError(format!(
-            "invalid lab config {path}: {}{at}",
-            e.message().replace('\n', " ")
+            "invalid lab config {path}: {}",
+            capybara_confkit::parse_error(e.message(), &text, e.span().map(|s| s.start))
         ))
     })
 }
@@ -407,5 +415,38 @@ fn main() -> ExitCode {
             eprintln!("capybara: {msg}");
             ExitCode::from(2)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lab config's errors are one line naming the line, and a count of
+    /// the wrong type names the range `--servers` and `--clients` take.
+    #[test]
+    fn lab_config_errors_name_the_line_and_the_range() {
+        let path = std::env::temp_dir().join(format!("capybara-labcfg-{}", std::process::id()));
+        let load = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            load_config(path.to_str().unwrap())
+        };
+        let c = load("prefix = \"cb\"\nservers = 5\n").unwrap_or_else(|e| panic!("{}", e.0));
+        assert_eq!((c.servers, c.clients), (Some(5), None));
+        let e = load("prefix = \"cb\"\nservers = \"5\"\n").err().unwrap().0;
+        assert!(
+            e.ends_with(": invalid type: string \"5\", expected an integer from 1 to 200 (line 2: servers = \"5\")"),
+            "{e}"
+        );
+        // What fits the type and not the range: parse_count's words.
+        assert!(load("clients = 0\n").is_ok());
+        assert_eq!(
+            parse_count("clients", "0", lab::plan::MAX_CLIENTS)
+                .err()
+                .unwrap()
+                .0,
+            "invalid clients value \"0\": expected an integer from 1 to 200"
+        );
+        let _ = std::fs::remove_file(&path);
     }
 }

@@ -46,7 +46,11 @@ pub struct StackConfig {
     pub address: Ipv4Addr,
     /// Next hop for everything (the switch).
     pub gateway: Ipv4Addr,
-    #[serde(default = "default_mss")]
+    // The ranges of `int_in` (named in type errors) are `validate`'s.
+    #[serde(
+        default = "default_mss",
+        deserialize_with = "capybara_confkit::int_in::<_, _, 536, 9000>"
+    )]
     pub mss: u16,
     #[serde(default = "default_buffer")]
     pub send_buffer: usize,
@@ -287,11 +291,15 @@ fn default_drain_max_in_flight() -> usize {
 pub struct ControlConfig {
     /// switchd's control address (UDP, port 7692).
     pub switch: std::net::SocketAddrV4,
-    /// This server's id in the pool.
+    /// This server's id in the pool (1 and up: 0 is reserved).
+    #[serde(deserialize_with = "capybara_confkit::int_in::<_, _, 1, 4294967295>")]
     pub server_id: u32,
     /// The server's management (kernel) address, source of control messages.
     pub management: Ipv4Addr,
-    #[serde(default = "default_weight")]
+    #[serde(
+        default = "default_weight",
+        deserialize_with = "capybara_confkit::int_in::<_, _, 1, 65535>"
+    )]
     pub weight: u16,
 }
 
@@ -347,10 +355,16 @@ pub struct HealthConfig {
     pub timeout_ms: u64,
     /// Consecutive failed checks (probes, or relays that could not
     /// connect) that take a service down.
-    #[serde(default = "default_health_fall")]
+    #[serde(
+        default = "default_health_fall",
+        deserialize_with = "capybara_confkit::int_in::<_, _, 1, 100>"
+    )]
     pub fall: u32,
     /// Consecutive successful probes that bring it back up.
-    #[serde(default = "default_health_rise")]
+    #[serde(
+        default = "default_health_rise",
+        deserialize_with = "capybara_confkit::int_in::<_, _, 1, 100>"
+    )]
     pub rise: u32,
 }
 
@@ -397,7 +411,10 @@ pub struct TcpSection {
     #[serde(default = "default_keepalive_interval_ms")]
     pub keepalive_interval_ms: u64,
     /// Unanswered probes before the connection is dropped.
-    #[serde(default = "default_keepalive_probes")]
+    #[serde(
+        default = "default_keepalive_probes",
+        deserialize_with = "capybara_confkit::int_in::<_, _, 1, 100>"
+    )]
     pub keepalive_probes: u32,
 }
 
@@ -641,21 +658,14 @@ impl Config {
             )
             .map(|h| format!("; {h}"))
             .unwrap_or_default();
-            let at = e
-                .span()
-                .map(|s| {
-                    let n = text[..s.start].matches('\n').count() + 1;
-                    format!(
-                        " (line {n}: {})",
-                        text.lines().nth(n - 1).unwrap_or("").trim()
-                    )
-                })
-                .unwrap_or_default();
-            // `expected u32` -> `expected an integer from 0 to 4294967295`.
-            let message = capybara_confkit::plain_types(e.message(), "a table");
+            // One line: the message in words (`expected usize` -> `expected
+            // a non-negative integer`), the line it is about and a hint for
+            // a known slip (`[service]` for `[[service]]`).
+            let message =
+                capybara_confkit::parse_error(e.message(), text, e.span().map(|s| s.start));
             ConfigError::Parse {
                 path: origin.into(),
-                message: format!("{}{at}{hint}", message.replace('\n', " ")),
+                message: format!("{message}{hint}"),
             }
         })
     }
@@ -751,7 +761,7 @@ impl Config {
                 ));
             }
             if c.weight == 0 {
-                return Err(bad("control.weight", "0".into(), "must be at least 1"));
+                return Err(bad("control.weight", "0".into(), "must be 1 to 65535"));
             }
             // switchd answers a REGISTER from server 0 with an error and the
             // server never joins: say so here, before anything starts.
@@ -759,7 +769,7 @@ impl Config {
                 return Err(bad(
                     "control.server_id",
                     "0".into(),
-                    "must be at least 1 (0 is reserved; switchd refuses it)",
+                    "must be 1 to 4294967295 (0 is reserved; switchd refuses it)",
                 ));
             }
             // The kernel owns the management address and the stack the data
@@ -1012,16 +1022,97 @@ app = "echo"
         .unwrap_err();
         assert!(
             e.ends_with(
-                "invalid type: string \"1\", expected an integer from 0 to 4294967295 (line 16: server_id = \"1\")"
+                "invalid type: string \"1\", expected an integer from 1 to 4294967295 (line 16: server_id = \"1\")"
             ),
             "{e}"
         );
+        // `[service]` (one table) for `[[service]]`: the fix is named.
         let one = GOOD
             .split("[[service]]\nlisten = \"198.18.100.1:7\"")
             .next()
             .unwrap();
         let e = check(&one.replace("[[service]]", "[service]")).unwrap_err();
-        assert!(e.contains("expected an array"), "{e}");
+        assert_eq!(
+            e,
+            "t.toml: invalid type: table, expected an array (line 8: [service]); \
+             `service` is a list: write each entry as a [[service]] table, not one [service]"
+        );
+    }
+
+    /// Where validation refuses part of an integer type's range (0 for
+    /// `control.server_id`), the type error names the valid range, not the
+    /// type's: both say the same numbers.
+    #[test]
+    fn type_errors_and_refusals_name_the_same_range() {
+        let ctl = |id: &str, weight: &str| {
+            format!(
+                "{GOOD}{MIGRATION}[control]\nswitch = \"198.18.1.1:7692\"\nserver_id = {id}\nmanagement = \"198.18.1.13\"\nweight = {weight}\n"
+            )
+        };
+        let stack =
+            |k: &str, v: &str| GOOD.replacen("[[service]]", &format!("{k} = {v}\n[[service]]"), 1);
+        let health = |k: &str, v: &str| format!("{GOOD}[health]\n{k} = {v}\n");
+        let tcp = |k: &str, v: &str| format!("{GOOD}[tcp]\n{k} = {v}\n");
+        for (field, bad_type, bad_value, range) in [
+            (
+                "control.server_id",
+                ctl("\"1\"", "1"),
+                ctl("0", "1"),
+                "1 to 4294967295",
+            ),
+            (
+                "control.server_id",
+                ctl("-1", "1"),
+                ctl("0", "1"),
+                "1 to 4294967295",
+            ),
+            (
+                "control.weight",
+                ctl("1", "\"2\""),
+                ctl("1", "0"),
+                "1 to 65535",
+            ),
+            (
+                "stack.mss",
+                stack("mss", "\"1460\""),
+                stack("mss", "100"),
+                "536 to 9000",
+            ),
+            (
+                "health.fall",
+                health("fall", "1.5"),
+                health("fall", "0"),
+                "1 to 100",
+            ),
+            (
+                "health.rise",
+                health("rise", "-3"),
+                health("rise", "101"),
+                "1 to 100",
+            ),
+            (
+                "tcp.keepalive_probes",
+                tcp("keepalive_probes", "\"5\""),
+                tcp("keepalive_probes", "0"),
+                "1 to 100",
+            ),
+        ] {
+            let e = check(&bad_type).unwrap_err();
+            assert!(
+                e.contains(&format!("expected an integer from {range} (line ")),
+                "{field}: {e}"
+            );
+            let e = check(&bad_value).unwrap_err();
+            assert!(
+                e.contains(&format!("{field} = ")) && e.contains(&format!(": must be {range}")),
+                "{field}: {e}"
+            );
+        }
+        let e = check(&ctl("0", "1")).unwrap_err();
+        assert!(
+            e.ends_with("control.server_id = 0: must be 1 to 4294967295 (0 is reserved; switchd refuses it)"),
+            "{e}"
+        );
     }
 
     const MIGRATION: &str =

@@ -96,3 +96,56 @@ fn check_warns_of_a_key_file_others_may_read() {
     assert_eq!((code, err.as_str()), (0, ""), "{out}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--check` on a config an operator gets wrong: status 2 and one line
+/// naming the line of the file and the fix, in the words of the key's
+/// validation (`control.server_id`: 1 to 4294967295, 0 is reserved).
+#[test]
+fn check_names_the_fix_and_the_valid_range() {
+    let dir = std::env::temp_dir().join(format!("capybara-cli-msgs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("hostagent.toml");
+    let cfg_s = cfg.to_str().unwrap().to_string();
+    let run = |text: &str| {
+        std::fs::write(&cfg, text).unwrap();
+        let (code, _, err) = hostagent(&["--config", &cfg_s, "--check"]);
+        assert_eq!(code, 2, "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        err
+    };
+    const HEAD: &str = "name = \"s1\"\n[interface]\nname = \"eth0\"\n[stack]\n\
+                        address = \"198.18.2.11\"\ngateway = \"198.18.1.1\"\n";
+    let err = run(&format!(
+        "{HEAD}[service]\nlisten = \"198.18.100.1:80\"\napp = \"http\"\n"
+    ));
+    assert!(
+        err.ends_with(
+            ": invalid type: table, expected an array (line 7: [service]); \
+             `service` is a list: write each entry as a [[service]] table, not one [service]\n"
+        ),
+        "{err}"
+    );
+    let control = |id: &str| {
+        format!(
+            "{HEAD}[[service]]\nlisten = \"198.18.100.1:80\"\napp = \"http\"\n\
+             [migration]\nswitch = \"198.18.1.1\"\nkey = \"00112233445566778899aabbccddeeff\"\n\
+             [control]\nswitch = \"198.18.1.1:7692\"\nmanagement = \"198.18.1.11\"\nserver_id = {id}\n"
+        )
+    };
+    let err = run(&control("\"1\""));
+    assert!(
+        err.ends_with(
+            ": invalid type: string \"1\", expected an integer from 1 to 4294967295 \
+             (line 16: server_id = \"1\")\n"
+        ),
+        "{err}"
+    );
+    let err = run(&control("0"));
+    assert!(
+        err.ends_with(
+            ": control.server_id = 0: must be 1 to 4294967295 (0 is reserved; switchd refuses it)\n"
+        ),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

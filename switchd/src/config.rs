@@ -93,11 +93,17 @@ pub struct PoolMember {
     pub weight: u32,
 }
 
+/// The ranges in the type errors (`expected an integer from 1 to 65535`)
+/// are the ones `Config::validate` states.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PoolMemberTable {
+    #[serde(deserialize_with = "capybara_confkit::int_in::<_, _, 1, 4294967295>")]
     server: u32,
-    #[serde(default = "one")]
+    #[serde(
+        default = "one",
+        deserialize_with = "capybara_confkit::int_in::<_, _, 1, 65535>"
+    )]
     weight: u32,
 }
 
@@ -234,7 +240,11 @@ pub struct RawConfig {
     pub metrics_listen: String,
     #[serde(default)]
     pub store: Option<String>,
-    #[serde(default = "d_max_flows")]
+    /// The range in its type error is the one `validate` states.
+    #[serde(
+        default = "d_max_flows",
+        deserialize_with = "capybara_confkit::int_in::<_, _, 1024, { crate::abi::MAX_FLOWS as i128 * 8 }>"
+    )]
     pub max_flows: u32,
     /// `native` (default) or `generic` (SKB mode: needed where redirected
     /// frames must leave through veths whose peers run no XDP, e.g. docker).
@@ -451,20 +461,26 @@ impl Config {
     }
 
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        // `expected u64` -> `expected a non-negative integer`.
-        let plain_types = |m: &str| capybara_confkit::plain_types(m, "a table");
-        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: String::new(),
+        let raw: RawConfig = toml::from_str(text).map_err(|e| {
+            // One line, as hostagent's and the appliance's: the message in
+            // words (`expected u64` -> `expected a non-negative integer`),
+            // the line it is about, and a hint where the cause is a known
+            // slip (`[services]` for `[[services]]`).
+            let mut err =
+                capybara_confkit::parse_error(e.message(), text, e.span().map(|s| s.start));
             // A top-level key written after a [section] or [[section]]
             // header is that section's: its error does not name the cause.
-            err: match capybara_confkit::misplaced_key_hint(
+            if let Some(hint) = capybara_confkit::misplaced_key_hint(
                 e.message(),
                 TOP_LEVEL_KEYS,
                 capybara_confkit::Level::TopLevel,
             ) {
-                Some(hint) => format!("{}\n{hint}", plain_types(&e.to_string())),
-                None => plain_types(&e.to_string()),
-            },
+                err.push_str(&format!("; {hint}"));
+            }
+            ConfigError::Parse {
+                path: String::new(),
+                err,
+            }
         })?;
         Self::validate(raw)
     }
@@ -706,7 +722,7 @@ impl Config {
                     return Err(invalid(
                         format!("services[{i}].pool[{k}].server"),
                         0,
-                        "server ids start at 1",
+                        "must be 1..=4294967295 (server ids start at 1)",
                     ));
                 }
                 if !ids.insert(m.server) {
@@ -1004,7 +1020,7 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
             .split("expected one of ")
             .nth(1)
             .unwrap_or("")
-            .lines()
+            .split(" (line ")
             .next()
             .unwrap_or("")
             .split(", ")
@@ -1028,6 +1044,82 @@ pool = [{ server = 1, weight = 2 }, { server = 2 }]
         ));
         assert!(
             e.contains("invalid type: string \"1ms\", expected a non-negative integer"),
+            "{e}"
+        );
+    }
+
+    /// `[services]` (one table) where `[[services]]` (one table per
+    /// service) is meant: the error is one line naming the line and the
+    /// fix, not serde's "expected an array" alone.
+    #[test]
+    fn a_table_written_for_a_list_names_the_fix() {
+        let e = err(&OK.replace("[[services]]", "[services]"));
+        assert_eq!(
+            e,
+            "config : invalid type: table, expected an array (line 11: [services]); \
+             `services` is a list: write each entry as a [[services]] table, not one [services]"
+        );
+        let e = err(&OK.replace(
+            "[[interfaces]]\nname = \"cl1\"\nrole = \"client\"\n[[interfaces]]",
+            "[interfaces]",
+        ));
+        assert!(
+            e.contains("write each entry as a [[interfaces]] table"),
+            "{e}"
+        );
+        let e = err(&OK.replace(
+            "pool = [{ server = 1, weight = 2 }, { server = 2 }]",
+            "pool = 1",
+        ));
+        assert!(
+            e.ends_with(
+                "(line 14: pool = 1); `pool` is a list: write its value in brackets, pool = [...]"
+            ),
+            "{e}"
+        );
+    }
+
+    /// Where validation refuses part of an integer type's range, the type
+    /// error names the valid range, not the type's (`expected u32` read
+    /// "an integer from 0 to 4294967295", and 0 was then refused).
+    #[test]
+    fn type_errors_and_refusals_name_the_same_range() {
+        let pool = "[{ server = 1, weight = 2 }, { server = 2 }]";
+        for (bad_type, bad_value, range) in [
+            (
+                "[{ server = \"1\" }]",
+                "[{ server = 0 }]",
+                ("1 to 4294967295", "1..=4294967295"),
+            ),
+            (
+                "[{ server = 1, weight = -1 }]",
+                "[{ server = 1, weight = 0 }]",
+                ("1 to 65535", "1..=65535"),
+            ),
+        ] {
+            let e = err(&OK.replace(pool, bad_type));
+            assert!(
+                e.contains(&format!("expected an integer from {}", range.0)),
+                "{e}"
+            );
+            let e = err(&OK.replace(pool, bad_value));
+            assert!(e.contains(&format!("must be {}", range.1)), "{e}");
+        }
+        let flows = |v: &str| OK.replace("key_file", &format!("max_flows = {v}\nkey_file"));
+        let max = crate::abi::MAX_FLOWS * 8;
+        let e = err(&flows("\"lots\""));
+        assert!(
+            e.contains(&format!("invalid type: string \"lots\", expected an integer from 1024 to {max} (line 3: max_flows = \"lots\")")),
+            "{e}"
+        );
+        let e = err(&flows("-1"));
+        assert!(
+            e.contains(&format!("expected an integer from 1024 to {max}")),
+            "{e}"
+        );
+        let e = err(&flows("0"));
+        assert!(
+            e.contains(&format!("`max_flows` = 0: must be 1024..={max}")),
             "{e}"
         );
     }

@@ -73,7 +73,9 @@ struct RawAppliance {
     #[serde(default)]
     store: RawStore,
     api: Option<RawApi>,
-    switchd: Option<toml::Table>,
+    /// Read with the rest of the file (not as a table re-read later), so
+    /// that its errors name their line as the other sections' do.
+    switchd: Option<RawConfig>,
 }
 
 /// The keys of the file's top level (`RawAppliance`'s fields).
@@ -97,19 +99,15 @@ fn misplaced_key_hint(message: &str) -> String {
         .unwrap_or_default()
 }
 
-/// serde's Rust type names as kinds of TOML values (`expected usize` ->
-/// `expected a non-negative integer`).
-fn plain_types(message: &str) -> String {
-    capybara_confkit::plain_types(message, "a table")
-}
-
-/// The field of a `[switchd]` error as the file spells it from the top:
-/// `switchd.services[1].vip` (serde_path_to_error's path within the
-/// section: `services[1].vip`, `.` for the section itself).
-fn switchd_field(path: &str) -> String {
-    match path {
-        "" | "." => "`switchd`".into(),
-        p => format!("`switchd.{p}`"),
+/// The field of a `[switchd]` error as the file spells it from the top
+/// (`switchd.services[1].vip`), from serde_path_to_error's path; `None`
+/// for an error outside the section.
+fn switchd_field(path: &serde_path_to_error::Path) -> Option<String> {
+    match path.iter().next() {
+        Some(serde_path_to_error::Segment::Map { key }) if key == "switchd" => {
+            Some(format!("`{path}`"))
+        }
+        _ => None,
     }
 }
 
@@ -208,28 +206,26 @@ impl ApplianceConfig {
     }
 
     pub fn from_toml(text: &str) -> Result<Self, ApplianceConfigError> {
-        let raw: RawAppliance = toml::from_str(text).map_err(|e| {
-            // One line, as hostagent's: the message and the line it is
-            // about (toml's own text draws the line over several).
-            let at = e
-                .span()
-                .map(|s| {
-                    let n = text[..s.start.min(text.len())].matches('\n').count() + 1;
-                    format!(
-                        " (line {n}: {})",
-                        text.lines().nth(n - 1).unwrap_or("").trim()
-                    )
-                })
-                .unwrap_or_default();
-            ApplianceConfigError::Parse {
-                path: String::new(),
-                err: format!(
-                    "{}{at}{}",
-                    plain_types(e.message()).trim_end().replace('\n', " "),
-                    misplaced_key_hint(e.message())
-                ),
-            }
-        })?;
+        let raw: RawAppliance = serde_path_to_error::deserialize(toml::Deserializer::new(text))
+            .map_err(|e| {
+                // One line, as hostagent's and switchd's: the message in
+                // words, the line it is about (toml's own text draws it
+                // over several) and a hint for a known slip; an error in
+                // [switchd] also names its field from the top, index and
+                // all (`switchd.services[1].vip`).
+                let field = switchd_field(e.path());
+                let e = e.into_inner();
+                let message =
+                    capybara_confkit::parse_error(e.message(), text, e.span().map(|s| s.start));
+                let hint = misplaced_key_hint(e.message());
+                ApplianceConfigError::Parse {
+                    path: String::new(),
+                    err: match field {
+                        Some(f) => format!("in [switchd]: {f}: {message}{hint}"),
+                        None => format!("{message}{hint}"),
+                    },
+                }
+            })?;
         Self::validate(raw)
     }
 
@@ -295,28 +291,15 @@ impl ApplianceConfig {
 
         let switchd = match raw.switchd {
             None => None,
-            Some(mut table) => {
-                if let Some(v) = table.get("store") {
+            Some(mut raw_sw) => {
+                if let Some(s) = &raw_sw.store {
                     return Err(invalid(
                         "switchd.store",
-                        v,
+                        format!("{s:?}"),
                         "set the store once, in the [store] section",
                     ));
                 }
-                table.insert("store".into(), toml::Value::String(store.switchd_spec()));
-                let raw_sw: RawConfig = serde_path_to_error::deserialize(toml::Value::Table(table))
-                    .map_err(|e| {
-                        let message = e.inner().message();
-                        ApplianceConfigError::Parse {
-                            path: String::new(),
-                            err: format!(
-                                "in [switchd]: {}: {}{}",
-                                switchd_field(&e.path().to_string()),
-                                plain_types(message).trim_end().replace('\n', " "),
-                                misplaced_key_hint(message)
-                            ),
-                        }
-                    })?;
+                raw_sw.store = Some(store.switchd_spec());
                 Some(SwitchdConfig::validate(raw_sw).map_err(|e| match e {
                     ConfigError::Invalid {
                         field,
@@ -650,7 +633,7 @@ pool = []
         assert!(
             e.ends_with(
                 "`switchd.services[0].pool[0]`: invalid type: boolean `true`, \
-                 expected a server id or a table { server = ID, weight = W }"
+                 expected a server id or a table { server = ID, weight = W } (line 14: pool = [true])"
             ),
             "{e}"
         );
@@ -678,6 +661,57 @@ pool = []
         // What validation refuses names the index too.
         let e = err(&second.replace("198.18.100.2:80", "198.18.100.2"));
         assert!(e.contains("`switchd.services[1].vip`"), "{e}");
+    }
+
+    /// Errors in [switchd] name their line (and its text) as the other
+    /// sections' do: the section was re-read from a table, which has no
+    /// lines, and its errors named only the field.
+    #[test]
+    fn switchd_section_errors_name_their_line() {
+        let e = err(&SWITCHD.replace("vip = \"198.18.100.1:80\"", "vip = 80"));
+        assert_eq!(
+            e,
+            "config : in [switchd]: `switchd.services[0].vip`: invalid type: integer `80`, \
+             expected a string (line 13: vip = 80)"
+        );
+        let e = err(&SWITCHD.replace("[switchd]\n", "[switchd]\nheartbeat_interval_ms = \"1s\"\n"));
+        assert_eq!(
+            e,
+            "config : in [switchd]: `switchd.heartbeat_interval_ms`: invalid type: string \"1s\", \
+             expected a non-negative integer (line 3: heartbeat_interval_ms = \"1s\")"
+        );
+        // A misplaced key: its line, then the hint.
+        let e = err(&format!("{SWITCHD}dead_after_ms = 1000\n"));
+        assert!(
+            e.contains("unknown field `dead_after_ms`")
+                && e.contains(
+                    " (line 15: dead_after_ms = 1000); `dead_after_ms` is a key of [switchd]"
+                ),
+            "{e}"
+        );
+        // `[switchd.services]` for `[[switchd.services]]`: the fix is named.
+        let e = err(&SWITCHD.replace("[[switchd.services]]", "[switchd.services]"));
+        assert_eq!(
+            e,
+            "config : in [switchd]: `switchd.services`: invalid type: table, expected an array \
+             (line 11: [switchd.services]); `switchd.services` is a list: write each entry as a \
+             [[switchd.services]] table, not one [switchd.services]"
+        );
+        // A pool member's server id of the wrong type names the range
+        // validation holds it to.
+        let e = err(&SWITCHD.replace("pool = []", "pool = [{ server = \"1\" }]"));
+        assert!(
+            e.contains(
+                "expected an integer from 1 to 4294967295 (line 14: pool = [{ server = \"1\" }])"
+            ),
+            "{e}"
+        );
+        // Outside [switchd], no section is named.
+        let e = err("[api]\nlisten = 1\n");
+        assert_eq!(
+            e,
+            "config : invalid type: integer `1`, expected a string (line 2: listen = 1)"
+        );
     }
 
     #[test]

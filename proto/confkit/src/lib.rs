@@ -1,6 +1,10 @@
 //! What the configuration files of hostagent, switchd and the appliance
-//! share: explaining their parse errors. No dependencies: it works on the
-//! message serde (through toml) writes.
+//! share: explaining their parse errors. It works on the message serde
+//! (through toml) writes; [`parse_error`] makes it one line naming the line
+//! of the file it is about, with a hint where the cause is a known slip
+//! ([`list_hint`]: `[services]` written for `[[services]]`). Only
+//! [`int_in`] (a `deserialize_with` for integer keys whose valid range is
+//! narrower than their type) needs serde itself.
 //!
 //! TOML puts every key written after a `[table]` or `[[array]]` header into
 //! that table, so a top-level key appended at the end of a file (after
@@ -48,6 +52,100 @@ pub fn misplaced_key_hint(message: &str, keys: &[&str], level: Level) -> Option<
     Some(format!(
         "`{field}` is {what}: a key written after a [section] or [[section]] header belongs to that section; {fix}"
     ))
+}
+
+/// The line of `text` that byte `at` is on: its number (from 1) and its
+/// text, trimmed.
+pub fn line_at(text: &str, at: usize) -> (usize, &str) {
+    let mut at = at.min(text.len());
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    let n = text[..at].matches('\n').count() + 1;
+    (n, text.lines().nth(n - 1).unwrap_or("").trim())
+}
+
+/// When a TOML value that must be a list (an array, or an array of tables)
+/// was written as something else, the sentence that names the fix: a
+/// `[services]` header is one table where `[[services]]` (one per entry)
+/// is meant; `services = { ... }` or `pool = 1` needs brackets. `line` is
+/// the file's line the error is about ([`line_at`]); `None` when `message`
+/// is not about a missing list or the line is neither a header nor a key.
+pub fn list_hint(message: &str, line: &str) -> Option<String> {
+    if !(message.contains("expected a sequence") || message.contains("expected an array")) {
+        return None;
+    }
+    let line = line.split(" #").next().unwrap_or(line).trim();
+    if let Some(header) = line.strip_prefix('[') {
+        // `[[x]]` already is an array of tables: the error is elsewhere.
+        if header.starts_with('[') {
+            return None;
+        }
+        let name = header.split(']').next().unwrap_or("").trim();
+        return (!name.is_empty()).then(|| {
+            format!("`{name}` is a list: write each entry as a [[{name}]] table, not one [{name}]")
+        });
+    }
+    let key = line
+        .split('=')
+        .next()
+        .filter(|_| line.contains('='))?
+        .trim();
+    (!key.is_empty())
+        .then(|| format!("`{key}` is a list: write its value in brackets, {key} = [...]"))
+}
+
+/// A TOML parse error as one line: serde's `message` in words
+/// ([`plain_types`]), then the line of `text` it is about when toml gives
+/// its position `at` (`(line 5: [services])`), then the hint of
+/// [`list_hint`] if any (`; ...`). The caller adds hints that need to know
+/// its file's keys ([`misplaced_key_hint`]).
+pub fn parse_error(message: &str, text: &str, at: Option<usize>) -> String {
+    let mut out = plain_types(message, "a table")
+        .trim_end()
+        .replace('\n', " ");
+    if let Some(at) = at {
+        let (n, line) = line_at(text, at);
+        out.push_str(&format!(" (line {n}: {line})"));
+        if let Some(hint) = list_hint(message, line) {
+            out.push_str("; ");
+            out.push_str(&hint);
+        }
+    }
+    out
+}
+
+/// serde `deserialize_with` for an integer key whose valid values are
+/// `LO..=HI`, narrower than its type `T` (`server_id`: a `u32`, but 0 is
+/// reserved). A value of the wrong kind, or one `T` cannot hold, is
+/// refused with `expected an integer from LO to HI`, the range the key's
+/// validation states, not the type's (`expected u32` read `expected an
+/// integer from 0 to 4294967295`, and 0 was then refused). Values `T`
+/// holds are returned as they are: the validation refuses those outside
+/// the range, naming the key and why.
+pub fn int_in<'de, D, T, const LO: i128, const HI: i128>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: TryFrom<i64> + TryFrom<u64>,
+{
+    use serde::de::{Error, Unexpected, Visitor};
+    struct Range<T, const LO: i128, const HI: i128>(std::marker::PhantomData<T>);
+    impl<'de, T, const LO: i128, const HI: i128> Visitor<'de> for Range<T, LO, HI>
+    where
+        T: TryFrom<i64> + TryFrom<u64>,
+    {
+        type Value = T;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            write!(f, "an integer from {LO} to {HI}")
+        }
+        fn visit_i64<E: Error>(self, v: i64) -> Result<T, E> {
+            T::try_from(v).map_err(|_| E::invalid_value(Unexpected::Signed(v), &self))
+        }
+        fn visit_u64<E: Error>(self, v: u64) -> Result<T, E> {
+            T::try_from(v).map_err(|_| E::invalid_value(Unexpected::Unsigned(v), &self))
+        }
+    }
+    d.deserialize_any(Range::<T, LO, HI>(std::marker::PhantomData))
 }
 
 /// serde's messages name Rust types (`expected u64`, `expected struct
@@ -165,6 +263,102 @@ mod tests {
             ),
             "invalid type: integer `1`, expected an object"
         );
+    }
+
+    #[test]
+    fn a_table_for_a_list_names_the_fix() {
+        let m = "invalid type: map, expected a sequence";
+        assert_eq!(
+            list_hint(m, "[services]").as_deref(),
+            Some("`services` is a list: write each entry as a [[services]] table, not one [services]")
+        );
+        // Nested (the appliance's [switchd] section), a comment, and the
+        // message already in words.
+        assert_eq!(
+            list_hint("invalid type: table, expected an array", "[switchd.services]  # web").as_deref(),
+            Some("`switchd.services` is a list: write each entry as a [[switchd.services]] table, not one [switchd.services]")
+        );
+        assert_eq!(
+            list_hint("invalid type: integer `1`, expected a sequence", "pool = 1").as_deref(),
+            Some("`pool` is a list: write its value in brackets, pool = [...]")
+        );
+        // Not about a list, or the line already is an array of tables.
+        assert_eq!(
+            list_hint("invalid type: map, expected a string", "[services]"),
+            None
+        );
+        assert_eq!(list_hint(m, "[[services]]"), None);
+        assert_eq!(list_hint(m, ""), None);
+    }
+
+    #[test]
+    fn parse_errors_are_one_line_naming_the_line() {
+        let text = "a = 1\n\n[services]\nname = \"web\"\n";
+        let at = text.find("[services]").unwrap();
+        assert_eq!(line_at(text, at), (3, "[services]"));
+        assert_eq!(
+            parse_error("invalid type: map, expected a sequence\n", text, Some(at)),
+            "invalid type: table, expected an array (line 3: [services]); \
+             `services` is a list: write each entry as a [[services]] table, not one [services]"
+        );
+        assert_eq!(
+            parse_error(
+                "invalid type: string \"x\", expected u16",
+                "p = \"x\"",
+                Some(4)
+            ),
+            "invalid type: string \"x\", expected an integer from 0 to 65535 (line 1: p = \"x\")"
+        );
+        assert_eq!(
+            parse_error("missing field `vip`", text, None),
+            "missing field `vip`"
+        );
+        // A position past the end (or inside a character) still names a line.
+        assert_eq!(line_at("é", 1), (1, "é"));
+        assert_eq!(line_at("x\n", 99), (2, ""));
+    }
+
+    #[test]
+    fn ranged_integers_name_their_range() {
+        #[derive(Debug, serde::Deserialize)]
+        struct Control {
+            #[serde(deserialize_with = "int_in::<_, _, 1, 4294967295>")]
+            server_id: u32,
+            #[serde(default, deserialize_with = "int_in::<_, _, 1, 100>")]
+            fall: u8,
+        }
+        let parse = |t: &str| {
+            toml::from_str::<Control>(t)
+                .map(|c| (c.server_id, c.fall))
+                .map_err(|e| e.message().to_string())
+        };
+        assert_eq!(parse("server_id = 7\nfall = 3"), Ok((7, 3)));
+        // 0 fits the type: the key's validation refuses it, by name.
+        assert_eq!(parse("server_id = 0\nfall = 0"), Ok((0, 0)));
+        for (t, e) in [
+            (
+                "server_id = \"1\"",
+                "invalid type: string \"1\", expected an integer from 1 to 4294967295",
+            ),
+            (
+                "server_id = -1",
+                "invalid value: integer `-1`, expected an integer from 1 to 4294967295",
+            ),
+            (
+                "server_id = 5000000000",
+                "invalid value: integer `5000000000`, expected an integer from 1 to 4294967295",
+            ),
+            (
+                "server_id = 1.5",
+                "invalid type: floating point `1.5`, expected an integer from 1 to 4294967295",
+            ),
+            (
+                "server_id = 1\nfall = 256",
+                "invalid value: integer `256`, expected an integer from 1 to 100",
+            ),
+        ] {
+            assert_eq!(parse(t), Err(e.to_string()), "{t}");
+        }
     }
 
     const KEYS: &[&str] = &["name", "placement"];
