@@ -89,6 +89,13 @@
  * SYN floods, clients that gave up) are reaped by the control plane's
  * embryonic scan once older than embryonic_timeout_ms. */
 #define CAPY_FLOW_ESTABLISHED 0x10
+/* Made by the program for a client's SYN (a new connection, maybe on a
+ * 4-tuple a closed connection used), and no PREPARE of the flow has passed
+ * since: a PREPARE_ACK or CONN_STATE_ACK that finds no migration entry is
+ * then the closed connection's (its migration was in flight at the client's
+ * reset; the target answered a duplicate PREPARE late) and must not take
+ * the new connection. Cleared by the flow's first PREPARE. */
+#define CAPY_FLOW_UNPREPARED 0x20
 
 /* capy_migration.pending */
 #define CAPY_MIG_FINAL 0

@@ -338,7 +338,7 @@ static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, st
 			if (srv && srv->state == CAPY_SERVER_LIVE && svc->placement != CAPY_PLACE_NONE) {
 				struct capy_flow nf = { .server = last,
 							.service = (__u16)svc->index,
-							.flags = 0,
+							.flags = CAPY_FLOW_UNPREPARED,
 							.created_ns = bpf_ktime_get_ns() };
 
 				bpf_map_update_elem(&flows, &key, &nf, BPF_ANY);
@@ -418,7 +418,7 @@ static __always_inline int handle_tcp(struct xdp_md *ctx, struct ethhdr *eth, st
 		 * reset removes the entry (note_server_rst). */
 		struct capy_flow nf = { .server = server,
 					.service = (__u16)svc->index,
-					.flags = syn_only ? 0 : CAPY_FLOW_ESTABLISHED,
+					.flags = syn_only ? CAPY_FLOW_UNPREPARED : CAPY_FLOW_ESTABLISHED,
 					.created_ns = bpf_ktime_get_ns() };
 
 		bpf_map_update_elem(&flows, &key, &nf, BPF_ANY);
@@ -586,6 +586,15 @@ static __always_inline int handle_prepare(struct ethhdr *eth, struct iphdr *ip, 
 
 	if (lookup_server_idx(m->origin, &origin) == 0)
 		note_origin_id(m->origin, id);
+	{
+		/* The flow's PREPARE: its PREPARE_ACK may take it (see
+		 * CAPY_FLOW_UNPREPARED). Written once per connection. */
+		struct capy_flow_key fk = mig_flow_key(m);
+		struct capy_flow *fl = bpf_map_lookup_elem(&flows, &fk);
+
+		if (fl && (fl->flags & CAPY_FLOW_UNPREPARED))
+			fl->flags &= ~CAPY_FLOW_UNPREPARED;
+	}
 	if (m->target) {
 		/* The origin named its target: honoured, unless it is not a
 		 * server that can hold a connection. */
@@ -674,8 +683,11 @@ static __always_inline int handle_prepare_ack(struct ethhdr *eth, struct iphdr *
 		}
 	} else {
 		/* Without an entry the owner is the flow's placement: only it
-		 * can be the origin of a migration. */
-		if (flow && flow->server != origin)
+		 * can be the origin of a migration, and only of one whose
+		 * PREPARE passed since the flow was made (else the PREPARE_ACK
+		 * is a closed connection's on a reused 4-tuple: taken, it sent
+		 * the new connection to a server without it, which reset it). */
+		if (flow && (flow->server != origin || (flow->flags & CAPY_FLOW_UNPREPARED)))
 			return verdict(CAPY_STAT_DROP_PREPARE_ACK_STALE, XDP_DROP);
 		err = put_migration(&key, target, CAPY_MIG_PENDING, id, BPF_NOEXIST);
 		if (err == -17 /* EEXIST: another CPU installed one meanwhile */)
@@ -733,8 +745,9 @@ static __always_inline void on_conn_state_ack(struct tcpmig_hdr *m, __be32 saddr
 			return;
 	} else {
 		/* No entry: the owner is the placement, which must be the
-		 * origin; a closed flow (no flow entry) stays closed. */
-		if (!flow || flow->server != origin) {
+		 * origin (of a migration prepared since the flow was made, as
+		 * for PREPARE_ACK); a closed flow (no flow entry) stays closed. */
+		if (!flow || flow->server != origin || (flow->flags & CAPY_FLOW_UNPREPARED)) {
 			if (flow)
 				note_unmatched_outcome(NULL, id, target);
 			return;

@@ -46,6 +46,9 @@ pub const FLOW_FIN_CLIENT: u16 = 0x4;
 pub const FLOW_FIN_SERVER: u16 = 0x8;
 /// The client sent a non-SYN segment: no longer embryonic.
 pub const FLOW_ESTABLISHED: u16 = 0x10;
+/// Made by the program for a client's SYN; no PREPARE of the flow passed
+/// since (a PREPARE_ACK without migration entry is refused then).
+pub const FLOW_UNPREPARED: u16 = 0x20;
 
 pub const MIG_FINAL: u8 = 0;
 pub const MIG_PENDING: u8 = 1;

@@ -391,6 +391,7 @@ fn migration_table_rules() {
         &mut lab,
         vec![
             client_to("SYN placed on a", sport, TCP_SYN, a, "fwd_new_flow"),
+            prepared("PREPARE a1 (a->b)", a1, sport, a, b),
             Case {
                 desc: "PREPARE_ACK a1 (a->b), no entry: pending entry toward b, forwarded to a",
                 side: Side::Server,
@@ -717,6 +718,7 @@ fn migration_ids_of_one_origin_compare_across_the_counter_wrap() {
         &mut lab,
         vec![
             client_to("SYN placed on a", sport, TCP_SYN, a, "fwd_new_flow"),
+            prepared("its PREPARE", old, sport, a, b),
             ack("PREPARE_ACK of id 2^32-16: pending toward b", old, true),
             relayed(
                 "its ABORT decision from b: final on a",
@@ -818,6 +820,7 @@ fn a_migration_from_a_pending_target_with_that_epoch_supersedes_the_entry() {
         &mut lab,
         vec![
             client_to("SYN placed on a", sport, TCP_SYN, a, "fwd_new_flow"),
+            prepared("PREPARE a1 (a->b)", a1, sport, a, b),
             relayed(
                 "PREPARE_ACK a1 (a->b): pending toward b",
                 b,
@@ -896,6 +899,102 @@ fn a_migration_from_a_pending_target_with_that_epoch_supersedes_the_entry() {
     assert_eq!(
         lab.dp.lookup_migration(key).unwrap(),
         Some(CMigration::owner(a, b2))
+    );
+}
+
+/// A client resets a connection just migrated and connects again from the
+/// same port at once; the target's answer to a duplicate of the migration's
+/// PREPARE arrives late (found by the harness property
+/// `reconnecting_during_a_migration_never_strands_the_new_connection`,
+/// 2 failing cases in ~50,000). The new connection is placed on the old
+/// origin (the reset removed the entries); that late PREPARE_ACK (and
+/// CONN_STATE_ACK) found no entry and a flow on the origin, and sent the new
+/// connection to the old target, which reset it. Now a flow the program
+/// made for a SYN takes them only after a PREPARE of its own.
+#[test]
+fn a_late_prepare_ack_of_a_closed_connection_leaves_a_new_one_on_its_tuple_alone() {
+    let mut lab = setup();
+    let sport = 44300;
+    let a = maglev_server(&lab, sport, VIP);
+    let b = 1 - a;
+    let key = flow_key(sport);
+    let (a1, a2) = (mid(a, 1), mid(a, 2));
+    let pa = |id| mig(Kind::PrepareAck, id, sport, a, Some(b));
+    run(
+        &mut lab,
+        vec![
+            client_to("SYN placed on a", sport, TCP_SYN, a, "fwd_new_flow"),
+            prepared("PREPARE a1 (a->b)", a1, sport, a, b),
+            relayed(
+                "PREPARE_ACK a1: pending toward b",
+                b,
+                a,
+                pa(a1),
+                "fwd_prepare_ack",
+            ),
+            relayed(
+                "CONN_STATE_ACK a1: final on b",
+                b,
+                a,
+                mig(Kind::ConnStateAck, a1, sport, a, Some(b)),
+                "fwd_tcpmig",
+            ),
+            client_to(
+                "the client's reset, to b",
+                sport,
+                TCP_RST,
+                b,
+                "fwd_migrated",
+            ),
+            client_to(
+                "its new SYN: placed on a",
+                sport,
+                TCP_SYN,
+                a,
+                "fwd_new_flow",
+            ),
+            Case {
+                desc: "a1's late PREPARE_ACK (a duplicate PREPARE's): dropped",
+                side: Side::Server,
+                input: udp_from(server_ip(b), server_ip(a), &pa(a1)),
+                verdict: XDP_DROP,
+                output: None,
+                reason: "drop_prepare_ack_stale",
+            },
+            relayed(
+                "a1's late CONN_STATE_ACK: forwarded, settles nothing",
+                b,
+                a,
+                mig(Kind::ConnStateAck, a1, sport, a, Some(b)),
+                "fwd_tcpmig",
+            ),
+            client_to(
+                "the new connection stays on a",
+                sport,
+                TCP_ACK,
+                a,
+                "fwd_established",
+            ),
+        ],
+    );
+    assert_eq!(lab.dp.lookup_migration(key).unwrap(), None);
+    // The new connection's own migration is taken.
+    run(
+        &mut lab,
+        vec![
+            prepared("PREPARE a2 (a->b)", a2, sport, a, b),
+            relayed(
+                "PREPARE_ACK a2: pending toward b",
+                b,
+                a,
+                pa(a2),
+                "fwd_prepare_ack",
+            ),
+        ],
+    );
+    assert_eq!(
+        lab.dp.lookup_migration(key).unwrap(),
+        Some(CMigration::pending(b, a2))
     );
 }
 
@@ -1351,6 +1450,7 @@ fn syn_reusing_a_closed_migrated_tuple_gets_its_own_flow() {
                 owner,
                 "fwd_new_flow",
             ),
+            prepared("the PREPARE", m1, sport, owner, other),
             relayed(
                 "PREPARE-ACK installs the migration entry toward the target",
                 other,
@@ -1542,7 +1642,7 @@ fn syn_after_a_reset_ignores_a_migration_entry_the_old_migration_left() {
         let flow = lab.dp.lookup_flow(flow_key(p)).unwrap();
         assert_eq!(
             flow.map(|f| (f.server, f.flags)),
-            Some((to, FLOW_ESTABLISHED)),
+            Some((to, FLOW_ESTABLISHED | FLOW_UNPREPARED)),
             "port {p}"
         );
     }

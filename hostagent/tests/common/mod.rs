@@ -430,6 +430,10 @@ pub struct Switch {
     /// here, as Maglev would). Off by default: the older scenarios were
     /// written without them.
     pub forget_on_client_reset: bool,
+    /// Flows made for a client's SYN that no PREPARE has passed since
+    /// (switchd's CAPY_FLOW_UNPREPARED): a PREPARE_ACK without entry is
+    /// then a closed connection's (the 4-tuple reused) and is dropped.
+    pub unprepared: std::collections::HashSet<FlowKey>,
     rr: usize,
 }
 
@@ -451,6 +455,7 @@ impl Switch {
             counters: SwitchCounters::default(),
             mig_log: Vec::new(),
             forget_on_client_reset: false,
+            unprepared: std::collections::HashSet::new(),
             rr: 0,
         }
     }
@@ -558,10 +563,12 @@ impl Switch {
             if let Some(e) = self.migration.remove(&flow) {
                 let last = Switch::port_of(e.owner).filter(|_| !e.pending);
                 self.flows.insert(flow, last.unwrap_or(0));
+                self.unprepared.insert(flow);
             }
         }
         if syn_only && !self.flows.contains_key(&flow) {
             self.flows.insert(flow, 0);
+            self.unprepared.insert(flow);
         }
         let Some(owner) = self.owner(&flow) else {
             self.counters.no_flow_dropped += 1;
@@ -573,6 +580,7 @@ impl Switch {
         if self.forget_on_client_reset && flags & 0x04 != 0 {
             self.flows.remove(&flow);
             self.migration.remove(&flow);
+            self.unprepared.remove(&flow);
         }
         let mut out = frame.to_vec();
         rewrite_dst(&mut out, owner);
@@ -656,6 +664,9 @@ impl Switch {
     /// forward the message (None = drop).
     fn tcpmig(&mut self, src: Ipv4Addr, dst: Ipv4Addr, m: &TcpMigRepr<'_>) -> Option<Ipv4Addr> {
         let id = m.migration_id;
+        if m.kind == Kind::Prepare {
+            self.unprepared.remove(&m.flow);
+        }
         let r = match m.kind {
             Kind::Prepare if dst == SWITCH => {
                 if !m.target.is_unspecified() {
@@ -673,7 +684,7 @@ impl Switch {
             Kind::PrepareAck => {
                 let e = self.migration.get(&m.flow).copied();
                 let install = match e {
-                    None => true,
+                    None => !self.unprepared.contains(&m.flow),
                     Some(e) => m.supersedes(e.owner, e.id, e.pending),
                 };
                 if install {

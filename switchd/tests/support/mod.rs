@@ -271,6 +271,21 @@ pub fn client_to(desc: &'static str, sport: u16, flags: u8, s: u32, reason: &'st
     }
 }
 
+/// The PREPARE of migration `id` of the flow on `sport` from server `o`,
+/// naming target `t`: the switch sends it on to `t` (a flow the program
+/// made for a SYN takes a PREPARE_ACK without entry only after it).
+pub fn prepared(desc: &'static str, id: u64, sport: u16, o: u32, t: u32) -> Case {
+    let msg = mig(Kind::Prepare, id, sport, o, Some(t));
+    Case {
+        desc,
+        side: Side::Server,
+        input: udp_from(server_ip(o), SWITCH_SV, &msg),
+        verdict: XDP_REDIRECT,
+        output: Some(udp_to_server(t, server_ip(o), &msg)),
+        reason: "fwd_prepare",
+    }
+}
+
 /// A TCPMig datagram from server `from` to server `to` that the switch
 /// redirects to `to` (only the Ethernet addresses change).
 pub fn relayed(desc: &'static str, from: u32, to: u32, msg: Vec<u8>, reason: &'static str) -> Case {
