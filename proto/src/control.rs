@@ -2388,10 +2388,12 @@ mod tests {
         );
     }
 
-    #[test]
-    fn register_instance_is_optional_and_never_zero() {
-        let services = [SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 1), 80)];
-        let reg = |instance| ControlRepr {
+    /// The services of [`register`]'s REGISTER.
+    const REG_SERVICES: [SocketAddrV4; 1] = [SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 1), 80)];
+
+    /// REGISTER of server 3 (one service) with `instance` and `reads_last_id`.
+    fn register(instance: u64, reads_last_id: bool) -> ControlRepr<'static> {
+        ControlRepr {
             server_id: ServerId(3),
             seq: 9,
             body: ControlBody::Register(Register {
@@ -2399,11 +2401,16 @@ mod tests {
                 data_addr: Ipv4Addr::new(198, 18, 2, 13),
                 data_mac: [2, 0, 0, 0, 0, 3],
                 weight: 1,
-                services: ServiceList::Slice(&services),
+                services: ServiceList::Slice(&REG_SERVICES),
                 instance,
-                reads_last_id: false,
+                reads_last_id,
             }),
-        };
+        }
+    }
+
+    #[test]
+    fn register_instance_is_optional_and_never_zero() {
+        let reg = |instance| register(instance, false);
         let mut old = [0u8; 128];
         let n_old = reg(0).emit(&mut old).unwrap();
         // The layout of servers that predate instance ids: flags 0, no id.
@@ -2418,7 +2425,7 @@ mod tests {
         assert_eq!(parsed, reg(0xfeed));
         match parsed.body {
             ControlBody::Register(r) => {
-                assert_eq!(r.services.iter().collect::<Vec<_>>(), services);
+                assert_eq!(r.services.iter().collect::<Vec<_>>(), REG_SERVICES);
                 assert_eq!(r.instance, 0xfeed);
             }
             other => panic!("{other:?}"),
@@ -2510,20 +2517,7 @@ mod tests {
             );
         }
 
-        let services = [SocketAddrV4::new(Ipv4Addr::new(198, 18, 100, 1), 80)];
-        let reg = |instance, reads_last_id| ControlRepr {
-            server_id: ServerId(3),
-            seq: 9,
-            body: ControlBody::Register(Register {
-                mgmt_addr: Ipv4Addr::new(198, 18, 1, 13),
-                data_addr: Ipv4Addr::new(198, 18, 2, 13),
-                data_mac: [2, 0, 0, 0, 0, 3],
-                weight: 1,
-                services: ServiceList::Slice(&services),
-                instance,
-                reads_last_id,
-            }),
-        };
+        let reg = register;
         for (instance, flags, len) in [(0, [0, 2], 28), (0xfeed, [0, 3], 36)] {
             let mut b = [0u8; 128];
             let n = reg(instance, true).emit(&mut b).unwrap();

@@ -534,6 +534,17 @@ static __always_inline void note_unmatched_outcome(const struct capy_migration *
 	bpf_map_update_elem(&unmatched_outcomes, &id, &out, BPF_ANY);
 }
 
+/* Without a migration entry the owner of `flow` is its placement: a
+ * migration from `origin` may take it (PREPARE_ACK) or settle it
+ * (CONN_STATE_ACK) only if it is placed there, and, for a flow the program
+ * made for a client's SYN, only once a PREPARE of the flow has passed
+ * (CAPY_FLOW_UNPREPARED: else the message is a closed connection's, late,
+ * on a reused 4-tuple). */
+static __always_inline int placed_on_origin(const struct capy_flow *flow, __u32 origin)
+{
+	return flow->server == origin && !(flow->flags & CAPY_FLOW_UNPREPARED);
+}
+
 static __always_inline struct capy_flow_key mig_flow_key(const struct tcpmig_hdr *m)
 {
 	struct capy_flow_key key = {
@@ -682,12 +693,10 @@ static __always_inline int handle_prepare_ack(struct ethhdr *eth, struct iphdr *
 			return verdict(CAPY_STAT_DROP_PREPARE_ACK_STALE, XDP_DROP);
 		}
 	} else {
-		/* Without an entry the owner is the flow's placement: only it
-		 * can be the origin of a migration, and only of one whose
-		 * PREPARE passed since the flow was made (else the PREPARE_ACK
-		 * is a closed connection's on a reused 4-tuple: taken, it sent
-		 * the new connection to a server without it, which reset it). */
-		if (flow && (flow->server != origin || (flow->flags & CAPY_FLOW_UNPREPARED)))
+		/* Without an entry the owner is the flow's placement (taken,
+		 * a closed connection's late PREPARE_ACK on a reused 4-tuple
+		 * sent the new connection to a server without it). */
+		if (flow && !placed_on_origin(flow, origin))
 			return verdict(CAPY_STAT_DROP_PREPARE_ACK_STALE, XDP_DROP);
 		err = put_migration(&key, target, CAPY_MIG_PENDING, id, BPF_NOEXIST);
 		if (err == -17 /* EEXIST: another CPU installed one meanwhile */)
@@ -745,9 +754,9 @@ static __always_inline void on_conn_state_ack(struct tcpmig_hdr *m, __be32 saddr
 			return;
 	} else {
 		/* No entry: the owner is the placement, which must be the
-		 * origin (of a migration prepared since the flow was made, as
-		 * for PREPARE_ACK); a closed flow (no flow entry) stays closed. */
-		if (!flow || flow->server != origin || (flow->flags & CAPY_FLOW_UNPREPARED)) {
+		 * origin, as for PREPARE_ACK; a closed flow (no flow entry)
+		 * stays closed. */
+		if (!flow || !placed_on_origin(flow, origin)) {
 			if (flow)
 				note_unmatched_outcome(NULL, id, target);
 			return;

@@ -1445,20 +1445,20 @@ impl BpfDataPlane {
             // the target's ABORT decision) passed this program, which held
             // no pending entry of it then (the copy's older entry): settled
             // as that outcome made it, or it stays pending for good.
-            let outcome = match m.is_pending() {
-                true => self.unmatched_outcome(m.migration_id)?,
-                false => None,
+            let outcome = if m.is_pending() {
+                self.unmatched_outcome(m.migration_id)?
+            } else {
+                None
             };
-            let translated = match outcome {
-                Some(o) => Some(o),
-                None => translate_server(
+            let translated = outcome.or_else(|| {
+                translate_server(
                     &p.servers,
                     &self.maps.server_by_addr,
                     &mut p.server_of,
                     m.server,
                 )
-                .map(|server| CMigration { server, ..*m }),
-            };
+                .map(|server| CMigration { server, ..*m })
+            });
             if let Some(n) = translated {
                 self.insert_migration(*k, n)?;
                 p.copied.insert(*k, (*m, n));

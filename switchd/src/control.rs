@@ -365,6 +365,14 @@ pub struct ServiceChanges {
 }
 
 impl ServiceChanges {
+    /// Why the spec named `name` was not applied (`None`: it was).
+    pub fn why_rejected(&self, name: &str) -> Option<String> {
+        self.rejected
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, why)| why.clone())
+    }
+
     pub fn is_empty(&self) -> bool {
         self.added.is_empty()
             && self.updated.is_empty()
@@ -4487,12 +4495,7 @@ pub(crate) mod tests {
         // What `/status` `refused_services` says: each refused spec at its
         // own address with its reason; the served "a" is not refused,
         // though its name is rejected at another address.
-        let refused = crate::services::refused(&specs, c.services(), |name| {
-            ch.rejected
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, why)| why.clone())
-        });
+        let refused = crate::services::refused(&specs, c.services(), |name| ch.why_rejected(name));
         let got: Vec<(&str, SocketAddrV4, &str)> = refused
             .iter()
             .map(|r| (r.name.as_str(), r.addr, r.reason.as_str()))

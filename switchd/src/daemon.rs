@@ -2673,12 +2673,8 @@ impl Switch {
                 return;
             }
         };
-        self.refused_services = crate::services::refused(&specs, self.cp.services(), |name| {
-            ch.rejected
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, why)| why.clone())
-        });
+        self.refused_services =
+            crate::services::refused(&specs, self.cp.services(), |name| ch.why_rejected(name));
         let role = if active { "" } else { " (standby)" };
         for name in &ch.added {
             if let Some(s) = self
